@@ -1,0 +1,350 @@
+"""Scales, zero points, quantize, dequantize and fake-quant (STE).
+
+Pure functions on arrays, jit-able, no globals. A :class:`Spec` says *how* to
+quantize; :func:`tile_for` turns it into the per-dim tile of a concrete shape;
+:func:`quantize` does the rest.
+
+Numerics
+  symmetric:  qmax = 2^(b-1) - 1, scale = absmax / qmax, q = round(x / scale)
+              (the largest magnitude is exactly representable; values live in
+              [-qmax, qmax]).
+  asymmetric: the range [min(x, 0), max(x, 0)] maps onto [-2^(b-1), 2^(b-1)-1];
+              zero_point = round(qmin - lo / scale) is an integer, so 0.0 is
+              exactly representable; q = clip(round(x / scale) + zero_point).
+  clipping:   a fixed ratio (0, 1] of the range, a percentile of |x| per tile,
+              or "mse": the ratio from a grid that minimises the squared error
+              per tile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from llmeq_jax.core.qarray import QArray, check_bits, expand_to, int_range, pack, scale_shape
+
+Granularity = Literal["tensor", "channel", "group", "token"]
+GRANULARITIES = ("tensor", "channel", "group", "token")
+# Clip ratios tried by the MSE search (coarse enough to stay fast, fine near 1).
+MSE_GRID = tuple(float(r) for r in np.linspace(0.5, 1.0, 21))
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """How to quantize one array.
+
+    granularity:
+      ``tensor``  one scale for everything.
+      ``channel`` one scale per index of ``axis`` (default -1: output features
+                  of an ``(in, out)`` kernel).
+      ``group``   groups of ``group_size`` along ``axis`` (default 0: the
+                  contraction dim of an ``(in, out)`` kernel), one scale per
+                  group and per index of every other dim.
+      ``token``   one scale per token: reduce over ``axis`` (default -1, the
+                  features of an activation ``(..., tokens, features)``).
+    clip: None, a ratio in (0, 1], ``"pNN.N"`` (percentile of |x|) or ``"mse"``.
+    """
+
+    bits: int = 8
+    granularity: Granularity = "channel"
+    axis: int | None = None
+    group_size: int | None = None
+    symmetric: bool = True
+    clip: float | str | None = None
+
+    def __post_init__(self):
+        check_bits(self.bits)
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"granularity={self.granularity!r} is not one of {list(GRANULARITIES)}")
+        if self.granularity == "group":
+            if self.group_size is None or not isinstance(self.group_size, int) or self.group_size <= 0:
+                raise ValueError(f"group granularity needs a positive integer group_size, got {self.group_size!r}")
+        elif self.group_size is not None:
+            raise ValueError(f"group_size={self.group_size} given with granularity={self.granularity!r}; use 'group'")
+        _parse_clip(self.clip)  # validates
+
+    @property
+    def default_axis(self) -> int:
+        return {"tensor": 0, "channel": -1, "group": 0, "token": -1}[self.granularity]
+
+    def describe(self) -> str:
+        g = {"tensor": "per-tensor", "channel": "per-channel", "token": "per-token"}.get(
+            self.granularity, f"g{self.group_size}"
+        )
+        return f"int{self.bits} {g} {'sym' if self.symmetric else 'asym'}" + (f" clip={self.clip}" if self.clip else "")
+
+
+def _parse_clip(clip: float | str | None) -> tuple[str, float]:
+    """-> (kind, value) with kind in none | ratio | percentile | mse."""
+    if clip is None:
+        return "none", 1.0
+    if isinstance(clip, str):
+        if clip == "mse":
+            return "mse", 1.0
+        if clip.startswith("p"):
+            try:
+                p = float(clip[1:])
+            except ValueError:
+                p = -1.0
+            if 0.0 < p <= 100.0:
+                return "percentile", p
+        raise ValueError(f"clip={clip!r} is not understood; expected a ratio in (0, 1], 'pNN' (percentile) or 'mse'")
+    if isinstance(clip, (int, float)) and not isinstance(clip, bool) and 0.0 < float(clip) <= 1.0:
+        return "ratio", float(clip)
+    raise ValueError(f"clip={clip!r} is not understood; expected a ratio in (0, 1], 'pNN' (percentile) or 'mse'")
+
+
+def tile_for(spec: Spec, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The per-dim tile (elements sharing one scale) of ``spec`` on ``shape``."""
+    shape = tuple(int(s) for s in shape)
+    ndim = len(shape)
+    if ndim == 0:
+        return ()
+    axis = spec.default_axis if spec.axis is None else spec.axis
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"axis={axis} is out of range for an array of shape {shape}")
+    axis %= ndim
+    if spec.granularity == "tensor":
+        return shape
+    if spec.granularity == "channel":
+        return tuple(1 if d == axis else s for d, s in enumerate(shape))
+    if spec.granularity == "token":
+        return tuple(s if d == axis else 1 for d, s in enumerate(shape))
+    return tuple(min(spec.group_size, s) if d == axis else 1 for d, s in enumerate(shape))
+
+
+# --------------------------------------------------------------------------- tile reductions
+
+
+def _blocked(x: jax.Array, tile: tuple[int, ...], fill: float) -> jax.Array:
+    """Reshape ``x`` to (n0, t0, n1, t1, ...), padding ragged last tiles with ``fill``."""
+    pads = [(0, (-s) % t) for s, t in zip(x.shape, tile)]
+    if any(p for _, p in pads):
+        x = jnp.pad(x, pads, constant_values=fill)
+    blocked_shape = []
+    for s, t in zip(x.shape, tile):
+        blocked_shape += [s // t, t]
+    return x.reshape(blocked_shape)
+
+
+def _tile_axes(ndim: int) -> tuple[int, ...]:
+    return tuple(range(1, 2 * ndim, 2))
+
+
+def tile_reduce(x: jax.Array, tile: tuple[int, ...], op: str) -> jax.Array:
+    """Reduce each tile with ``op`` in absmax | min | max | sum; result has the scale's shape."""
+    fill = {"absmax": 0.0, "min": jnp.inf, "max": -jnp.inf, "sum": 0.0}[op]
+    b = _blocked(x.astype(jnp.float32), tile, fill)
+    axes = _tile_axes(x.ndim)
+    if op == "absmax":
+        return jnp.max(jnp.abs(b), axis=axes)
+    if op == "min":
+        return jnp.min(b, axis=axes)
+    if op == "max":
+        return jnp.max(b, axis=axes)
+    return jnp.sum(b, axis=axes)
+
+
+def _tile_percentile(x: jax.Array, tile: tuple[int, ...], p: float) -> jax.Array:
+    b = _blocked(jnp.abs(x.astype(jnp.float32)), tile, jnp.nan)
+    nd = x.ndim
+    b = jnp.transpose(b, tuple(range(0, 2 * nd, 2)) + _tile_axes(nd))
+    b = b.reshape(*b.shape[:nd], -1)
+    return jnp.nanpercentile(b, p, axis=-1)
+
+
+# --------------------------------------------------------------------------- scales
+
+
+def scale_from_range(lo: jax.Array, hi: jax.Array, bits: int, symmetric: bool):
+    """Scale (and integer zero point) for a per-tile range [lo, hi] (absmax in ``hi`` if symmetric)."""
+    qmin, qmax = int_range(bits)
+    tiny = jnp.finfo(jnp.float32).tiny
+    if symmetric:
+        amax = hi
+        scale = jnp.where(amax > 0, amax / qmax, 1.0)
+        return jnp.maximum(scale, tiny), None
+    lo = jnp.minimum(lo, 0.0)
+    hi = jnp.maximum(hi, 0.0)
+    scale = jnp.where(hi > lo, (hi - lo) / (qmax - qmin), 1.0)
+    scale = jnp.maximum(scale, tiny)
+    zero_point = jnp.clip(jnp.round(qmin - lo / scale), qmin, qmax)
+    return scale, zero_point
+
+
+def _range(x: jax.Array, tile: tuple[int, ...], symmetric: bool):
+    if symmetric:
+        return None, tile_reduce(x, tile, "absmax")
+    return tile_reduce(x, tile, "min"), tile_reduce(x, tile, "max")
+
+
+def quantize_values(x: jax.Array, scale, zero_point, bits: int, tile) -> jax.Array:
+    """Integer values (int8, logical shape) of ``x`` on a given grid."""
+    qmin, qmax = int_range(bits)
+    s = expand_to(scale, x.shape, tile)
+    q = jnp.round(x.astype(jnp.float32) / s)
+    if zero_point is None:
+        return jnp.clip(q, -qmax, qmax).astype(jnp.int8)
+    q = q + expand_to(zero_point, x.shape, tile)
+    return jnp.clip(q, qmin, qmax).astype(jnp.int8)
+
+
+def _dequant_values(q, scale, zero_point, shape, tile):
+    q = q.astype(jnp.float32)
+    if zero_point is not None:
+        q = q - expand_to(zero_point, shape, tile)
+    return q * expand_to(scale, shape, tile)
+
+
+def _mse_scale(x, tile, bits, symmetric):
+    """Per tile, the clip ratio from MSE_GRID with the lowest squared error."""
+    lo, hi = _range(x, tile, symmetric)
+    xf = x.astype(jnp.float32)
+
+    def error(ratio):
+        scale, zp = scale_from_range(None if lo is None else lo * ratio, hi * ratio, bits, symmetric)
+        q = quantize_values(xf, scale, zp, bits, tile)
+        err = (_dequant_values(q, scale, zp, x.shape, tile) - xf) ** 2
+        return tile_reduce(err, tile, "sum"), scale, zp
+
+    def step(best, ratio):
+        err, scale, zp = error(ratio)
+        better = err < best[0]
+        new_zp = None if zp is None else jnp.where(better, zp, best[2])
+        return (jnp.where(better, err, best[0]), jnp.where(better, scale, best[1]), new_zp), None
+
+    init = error(1.0)
+    (_, scale, zp), _ = jax.lax.scan(step, init, jnp.asarray(MSE_GRID[:-1], jnp.float32))
+    return scale, zp
+
+
+def compute_scale(x: jax.Array, spec: Spec, tile: tuple[int, ...] | None = None):
+    """(scale, zero_point or None) of ``x`` under ``spec``; shapes = scale shape."""
+    tile = tile_for(spec, x.shape) if tile is None else tile
+    kind, value = _parse_clip(spec.clip)
+    if kind == "mse":
+        return _mse_scale(x, tile, spec.bits, spec.symmetric)
+    if kind == "percentile":
+        if not spec.symmetric:
+            raise ValueError("percentile clipping is defined on |x|; use it with symmetric=True")
+        return scale_from_range(None, _tile_percentile(x, tile, value), spec.bits, True)
+    lo, hi = _range(x, tile, spec.symmetric)
+    if kind == "ratio":
+        lo = None if lo is None else lo * value
+        hi = hi * value
+    return scale_from_range(lo, hi, spec.bits, spec.symmetric)
+
+
+# --------------------------------------------------------------------------- quantize
+
+
+def quantize(
+    x: jax.Array,
+    spec: Spec,
+    *,
+    scale: jax.Array | None = None,
+    zero_point: jax.Array | None = None,
+    pack_axis: int | None = None,
+    act_spec: Spec | None = None,
+    act_scale: jax.Array | None = None,
+) -> QArray:
+    """Quantize ``x`` into a QArray; a given ``scale`` (and ``zero_point``) skips the range search.
+
+    Sub-byte values are packed along ``pack_axis`` (default: the group/contraction
+    axis for ``group`` specs, else axis 0).
+    """
+    x = jnp.asarray(x)
+    tile = tile_for(spec, x.shape)
+    if scale is None:
+        scale, zero_point = compute_scale(x, spec, tile)
+    elif spec.symmetric != (zero_point is None):
+        raise ValueError("a given zero_point must accompany an asymmetric spec (and only then)")
+    expected = scale_shape(x.shape, tile)
+    if tuple(scale.shape) != expected:
+        raise ValueError(f"scale has shape {tuple(scale.shape)}; expected {expected} for {spec.describe()} on {x.shape}")
+    q = quantize_values(x, scale, zero_point, spec.bits, tile)
+    if pack_axis is None:
+        pack_axis = (spec.axis if spec.axis is not None else spec.default_axis) if spec.granularity == "group" else 0
+    pack_axis = pack_axis % max(x.ndim, 1)
+    if x.ndim == 0:
+        stored = q.astype(jnp.int8)
+    else:
+        stored = pack(q, spec.bits, pack_axis)
+    return QArray(
+        qvalue=stored,
+        scale=scale.astype(jnp.float32),
+        zero_point=None if zero_point is None else zero_point.astype(jnp.int8),
+        act_scale=act_scale,
+        bits=spec.bits,
+        shape=tuple(int(s) for s in x.shape),
+        tile=tile,
+        dtype=jnp.dtype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else jnp.dtype(jnp.float32),
+        pack_axis=pack_axis,
+        act_spec=act_spec,
+    )
+
+
+def dequantize(q: QArray, dtype: Any = None) -> jax.Array:
+    return q.dequantize(dtype)
+
+
+def quantize_dequantize(x: jax.Array, spec: Spec) -> jax.Array:
+    """Real quantize followed by dequantize (no packing round trip needed)."""
+    tile = tile_for(spec, x.shape)
+    scale, zp = compute_scale(x, spec, tile)
+    q = quantize_values(x, scale, zp, spec.bits, tile)
+    return _dequant_values(q, scale, zp, x.shape, tile).astype(x.dtype)
+
+
+# --------------------------------------------------------------------------- fake quant (STE)
+
+
+def _clip_bounds(scale, zero_point, bits, shape, tile):
+    """Float range [lo, hi] that the grid covers, broadcast to ``shape``."""
+    qmin, qmax = int_range(bits)
+    s = expand_to(scale, shape, tile)
+    if zero_point is None:
+        return -qmax * s, qmax * s
+    zp = expand_to(zero_point, shape, tile)
+    return (qmin - zp) * s, (qmax - zp) * s
+
+
+def fake_quant(x: jax.Array, spec: Spec) -> jax.Array:
+    """Quantize-dequantize with a straight-through gradient.
+
+    Forward: exactly :func:`quantize_dequantize`. Backward: the incoming
+    gradient passes where ``x`` lies inside the grid's range and is zero where
+    it was clipped (scales are treated as constants).
+    """
+    return _fake_quant(x, spec)
+
+
+@jax.custom_vjp
+def _ste(x, lo, hi, y):
+    return y
+
+
+def _ste_fwd(x, lo, hi, y):
+    return y, (x >= lo) & (x <= hi)
+
+
+def _ste_bwd(mask, g):
+    return g * mask.astype(g.dtype), None, None, None
+
+
+_ste.defvjp(_ste_fwd, _ste_bwd)
+
+
+def _fake_quant(x, spec):
+    tile = tile_for(spec, x.shape)
+    xs = jax.lax.stop_gradient(x)
+    scale, zp = compute_scale(xs, spec, tile)
+    q = quantize_values(xs, scale, zp, spec.bits, tile)
+    y = _dequant_values(q, scale, zp, x.shape, tile).astype(x.dtype)
+    lo, hi = _clip_bounds(scale, zp, spec.bits, x.shape, tile)
+    return _ste(x, jax.lax.stop_gradient(lo), jax.lax.stop_gradient(hi), y)

@@ -1,0 +1,311 @@
+"""Rules and recipes: which parameter gets which quantization spec.
+
+A :class:`Rule` matches the ``/``-joined path of a parameter leaf with
+``re.fullmatch``; a :class:`Recipe` is an ordered list of rules plus a method.
+The first matching rule wins. Only linear kernels (leaves named ``kernel``,
+the ``(in, out)`` matrices that ``ops.linear`` consumes) are quantized:
+embeddings, norms and biases stay in float. Rules that matched nothing are
+reported with an :class:`UnusedRuleWarning`, never silently ignored; a recipe
+whose rules match no kernel at all is an error.
+
+YAML form (``configs/*.yaml``)::
+
+    name: rtn-w4-g128
+    method: rtn            # which algorithm produces the weights
+    method_args: {}        # its options
+    rules:                 # first match wins
+      - pattern: ".*lm_head.*"
+        skip: true
+      - pattern: ".*/kernel"
+        weight: {bits: 4, granularity: group, group_size: 128}
+        act: {bits: 8, granularity: token}   # optional: W8A8, dynamic per token
+        act_static: false                     # true: per-tensor scale from calibration
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import yaml
+
+from llmeq_jax.core.qarray import QArray, int_range
+from llmeq_jax.core.quantize import Spec, quantize
+
+QUANTIZABLE_LEAF = "kernel"
+
+
+class RecipeError(ValueError):
+    """A recipe (YAML or Python) that cannot be used, with the reason."""
+
+
+class UnusedRuleWarning(UserWarning):
+    """A rule whose pattern matched no quantizable parameter."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    pattern: str
+    weight: Spec | None = None
+    act: Spec | None = None
+    act_static: bool = False
+    skip: bool = False
+
+    def __post_init__(self):
+        try:
+            re.compile(self.pattern)
+        except re.error as e:
+            raise RecipeError(f"rule pattern {self.pattern!r} is not a valid regular expression: {e}") from None
+        if self.skip and (self.weight is not None or self.act is not None):
+            raise RecipeError(f"rule {self.pattern!r} says skip and also gives a spec; choose one")
+        if not self.skip and self.weight is None:
+            raise RecipeError(f"rule {self.pattern!r} has no weight spec; give `weight:` or `skip: true`")
+        if self.act is not None:
+            if self.act.granularity not in ("token", "tensor"):
+                raise RecipeError(
+                    f"rule {self.pattern!r}: activation granularity must be 'token' or 'tensor', "
+                    f"got {self.act.granularity!r}"
+                )
+            if self.act.bits != 8 or not self.act.symmetric:
+                raise RecipeError(f"rule {self.pattern!r}: activations are quantized to symmetric int8 only")
+            if self.weight is not None and self.weight.bits > 8:
+                raise RecipeError(f"rule {self.pattern!r}: W8A8 needs weights of at most 8 bits")
+        if self.act_static and (self.act is None or self.act.granularity != "tensor"):
+            raise RecipeError(f"rule {self.pattern!r}: act_static needs act granularity 'tensor'")
+
+    def matches(self, path: str) -> bool:
+        return re.fullmatch(self.pattern, path) is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    rules: tuple[Rule, ...]
+    method: str = "rtn"
+    method_args: dict = dataclasses.field(default_factory=dict)
+    name: str = "custom"
+    kv: dict | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "rules", tuple(self.rules))
+
+    def rule_for(self, path: str) -> Rule | None:
+        for rule in self.rules:
+            if rule.matches(path):
+                return rule
+        return None
+
+    def to_dict(self) -> dict:
+        """Plain data (the YAML schema); stored with checkpoints."""
+        out: dict[str, Any] = {"name": self.name, "method": self.method, "method_args": dict(self.method_args)}
+        out["rules"] = [_rule_to_dict(r) for r in self.rules]
+        if self.kv is not None:
+            out["kv"] = dict(self.kv)
+        return out
+
+
+# --------------------------------------------------------------------------- paths
+
+
+def key_name(key: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def path_str(path: tuple) -> str:
+    return "/".join(key_name(k) for k in path)
+
+
+def is_quantizable(path: str, leaf: Any) -> bool:
+    return path.rsplit("/", 1)[-1] == QUANTIZABLE_LEAF and getattr(leaf, "ndim", 0) >= 2
+
+
+def leaf_paths(params: Any) -> list[str]:
+    return [path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(params, is_leaf=_is_q)]
+
+
+def _is_q(x):
+    return isinstance(x, QArray)
+
+
+# --------------------------------------------------------------------------- quantize_params
+
+
+def check_finite(path: str, leaf: Any) -> None:
+    arr = np.asarray(leaf)
+    if not np.all(np.isfinite(arr)):
+        n = int(np.size(arr) - np.count_nonzero(np.isfinite(arr)))
+        raise ValueError(f"parameter {path!r} holds {n} NaN/Inf value(s); quantization needs finite weights")
+
+
+def static_act_scale(path: str, stats: dict | None) -> jax.Array:
+    """Per-tensor int8 activation scale from the calibrated absmax of ``path``'s input."""
+    if stats is None or path not in stats or "absmax" not in stats[path]:
+        raise RecipeError(
+            f"static activation scale for {path!r} needs calibration statistics "
+            "(stats[path]['absmax']); run calibration first or use dynamic per-token activations"
+        )
+    amax = jnp.max(jnp.asarray(stats[path]["absmax"], jnp.float32))
+    return jnp.reshape(jnp.maximum(amax, jnp.finfo(jnp.float32).tiny) / int_range(8)[1], ())
+
+
+def map_rules(
+    params: Any,
+    recipe: Recipe,
+    fn: Callable[[str, jax.Array, Rule], Any],
+) -> Any:
+    """Apply ``fn(path, leaf, rule)`` to every quantizable leaf whose first matching rule quantizes it.
+
+    The shared walk of every method: it checks leaves are finite, warns about
+    rules that matched nothing, and fails if the recipe touches no kernel.
+    """
+    used: set[int] = set()
+    touched = [0]
+
+    def visit(key_path, leaf):
+        path = path_str(key_path)
+        if isinstance(leaf, QArray) or not is_quantizable(path, leaf):
+            return leaf
+        for i, rule in enumerate(recipe.rules):
+            if rule.matches(path):
+                used.add(i)
+                touched[0] += 1
+                if rule.skip:
+                    return leaf
+                check_finite(path, leaf)
+                return fn(path, leaf, rule)
+        return leaf
+
+    out = jax.tree_util.tree_map_with_path(visit, params, is_leaf=_is_q)
+    if recipe.rules and touched[0] == 0:
+        kernels = [p for p in leaf_paths(params) if p.endswith("/" + QUANTIZABLE_LEAF)][:5]
+        raise RecipeError(
+            f"recipe {recipe.name!r} matched no quantizable parameter; kernel paths look like {kernels}"
+        )
+    for i, rule in enumerate(recipe.rules):
+        if i not in used:
+            warnings.warn(f"recipe {recipe.name!r}: rule {rule.pattern!r} matched no parameter", UnusedRuleWarning)
+    return out
+
+
+def quantize_leaf(path: str, w: jax.Array, rule: Rule, stats: dict | None = None) -> QArray:
+    """Round-to-nearest quantization of one kernel under ``rule`` (with its activation spec)."""
+    act_scale = static_act_scale(path, stats) if rule.act_static else None
+    return _quantize_jit(jnp.asarray(w), act_scale, spec=rule.weight, act_spec=rule.act)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "act_spec"))
+def _quantize_jit(w, act_scale, *, spec, act_spec):
+    return quantize(w, spec, act_spec=act_spec, act_scale=act_scale)
+
+
+def quantize_params(params: Any, recipe: Recipe, stats: dict | None = None) -> Any:
+    """Round-to-nearest (RTN) quantization of a Flax param tree under ``recipe``.
+
+    ``stats`` (from calibration, keyed by kernel path) is needed only for
+    rules with static activation scales.
+    """
+    return map_rules(params, recipe, lambda path, w, rule: quantize_leaf(path, w, rule, stats))
+
+
+# --------------------------------------------------------------------------- YAML
+
+_RULE_KEYS = {"pattern", "weight", "act", "act_static", "skip"}
+_RECIPE_KEYS = {"name", "method", "method_args", "rules", "kv"}
+_SPEC_KEYS = {f.name for f in dataclasses.fields(Spec)}
+
+
+def _spec_from_dict(d: Any, where: str) -> Spec:
+    if not isinstance(d, dict):
+        raise RecipeError(f"{where}: expected a mapping of {sorted(_SPEC_KEYS)}, got {d!r}")
+    unknown = set(d) - _SPEC_KEYS
+    if unknown:
+        raise RecipeError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(_SPEC_KEYS)}")
+    try:
+        return Spec(**d)
+    except (TypeError, ValueError) as e:
+        raise RecipeError(f"{where}: {e}") from None
+
+
+def _rule_to_dict(rule: Rule) -> dict:
+    out: dict[str, Any] = {"pattern": rule.pattern}
+    if rule.skip:
+        out["skip"] = True
+    if rule.weight is not None:
+        out["weight"] = _spec_to_dict(rule.weight)
+    if rule.act is not None:
+        out["act"] = _spec_to_dict(rule.act)
+    if rule.act_static:
+        out["act_static"] = True
+    return out
+
+
+def _spec_to_dict(spec: Spec) -> dict:
+    default = Spec()
+    d = {f.name: getattr(spec, f.name) for f in dataclasses.fields(Spec)}
+    return {k: v for k, v in d.items() if k in ("bits", "granularity") or v != getattr(default, k)}
+
+
+def recipe_from_dict(data: Any, source: str = "recipe") -> Recipe:
+    if not isinstance(data, dict):
+        raise RecipeError(f"{source}: expected a mapping with keys {sorted(_RECIPE_KEYS)}, got {type(data).__name__}")
+    unknown = set(data) - _RECIPE_KEYS
+    if unknown:
+        raise RecipeError(f"{source}: unknown key(s) {sorted(unknown)}; allowed: {sorted(_RECIPE_KEYS)}")
+    rules_data = data.get("rules", [])
+    if not isinstance(rules_data, list):
+        raise RecipeError(f"{source}: 'rules' must be a list of rules")
+    rules = []
+    for i, r in enumerate(rules_data):
+        where = f"{source}: rules[{i}]"
+        if not isinstance(r, dict) or "pattern" not in r:
+            raise RecipeError(f"{where}: expected a mapping with a 'pattern', got {r!r}")
+        unknown = set(r) - _RULE_KEYS
+        if unknown:
+            raise RecipeError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(_RULE_KEYS)}")
+        if not isinstance(r["pattern"], str):
+            raise RecipeError(f"{where}: 'pattern' must be a string")
+        try:
+            rules.append(
+                Rule(
+                    pattern=r["pattern"],
+                    weight=None if r.get("weight") is None else _spec_from_dict(r["weight"], where + ".weight"),
+                    act=None if r.get("act") is None else _spec_from_dict(r["act"], where + ".act"),
+                    act_static=bool(r.get("act_static", False)),
+                    skip=bool(r.get("skip", False)),
+                )
+            )
+        except RecipeError as e:
+            raise RecipeError(f"{where}: {e}") from None
+    method = data.get("method", "rtn")
+    if not isinstance(method, str):
+        raise RecipeError(f"{source}: 'method' must be a string")
+    method_args = data.get("method_args") or {}
+    if not isinstance(method_args, dict):
+        raise RecipeError(f"{source}: 'method_args' must be a mapping")
+    kv = data.get("kv")
+    if kv is not None and not isinstance(kv, dict):
+        raise RecipeError(f"{source}: 'kv' must be a mapping")
+    return Recipe(rules=tuple(rules), method=method, method_args=method_args, name=str(data.get("name", source)), kv=kv)
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    """Read and validate a YAML recipe; errors name the file and the offending entry."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe file {str(path)!r} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise RecipeError(f"recipe file {str(path)!r} is not valid YAML: {e}") from None
+    if isinstance(data, dict) and "name" not in data:
+        data = {**data, "name": path.stem}
+    return recipe_from_dict(data, source=str(path))

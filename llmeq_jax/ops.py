@@ -1,0 +1,214 @@
+"""The one place where a matmul meets a QArray (DESIGN §2).
+
+Models call :func:`linear` for every matmul with a float kernel or a QArray of
+shape ``(in, out)``; the weight decides the path:
+
+* plain array          -> ``x @ w``
+* QArray, no act spec  -> weight-only: integer values are dequantized inside
+  the jitted computation. For a handful of tokens (decode) the product is
+  written as a fused multiply-reduce over the int8 values, so XLA streams
+  one byte per weight instead of materialising a float copy.
+* QArray with act spec -> W8A8: activations quantized per token (dynamic) or
+  with a static per-tensor scale, ``int8 x int8 -> int32`` through
+  ``lax.dot_general(preferred_element_type=int32)``, then rescaled by the
+  activation and weight scales (per group, when the weight is grouped).
+
+A Pallas kernel takes over when one applies (``backend="auto"`` on a GPU);
+``"xla"`` forces the fallback.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from llmeq_jax.core.qarray import QArray, int_range
+from llmeq_jax.core.quantize import Spec
+
+# Up to this many rows of activations, weight-only uses the multiply-reduce form.
+SMALL_M = 4
+BACKENDS = ("auto", "xla", "pallas")
+
+
+def _check_shapes(x: jax.Array, w: Any) -> None:
+    if len(w.shape) != 2:
+        raise ValueError(f"linear expects an (in, out) kernel, got shape {tuple(w.shape)}")
+    if x.shape[-1] != w.shape[0]:
+        raise ValueError(
+            f"linear: input has {x.shape[-1]} features but the kernel expects {w.shape[0]} (kernel {tuple(w.shape)})"
+        )
+
+
+def linear(
+    x: jax.Array,
+    w: jax.Array | QArray,
+    bias: jax.Array | None = None,
+    *,
+    act: Spec | None = None,
+    backend: str = "auto",
+) -> jax.Array:
+    """``x @ w + bias`` for a float or quantized ``(in, out)`` kernel; output in ``x.dtype``.
+
+    ``act`` overrides the activation spec carried by a QArray weight.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {list(BACKENDS)}")
+    _check_shapes(x, w)
+    if not isinstance(w, QArray):
+        y = jnp.matmul(x, w.astype(x.dtype))
+    else:
+        act = act if act is not None else w.act_spec
+        y = None
+        if backend != "xla":
+            y = _try_pallas(x, w, act, backend)
+        if y is None:
+            y = w8a8_xla(x, w, act) if act is not None else weight_only_xla(x, w)
+    if bias is not None:
+        y = y + bias.astype(y.dtype)
+    return y
+
+
+def _try_pallas(x, w, act, backend):
+    """A Pallas kernel's result when one can take this product, else None (XLA fallback)."""
+    try:
+        from pallas_kernels import dispatch
+    except ImportError:
+        dispatch = None
+    if dispatch is None or not hasattr(dispatch, "linear"):
+        if backend == "pallas":
+            raise NotImplementedError("no Pallas kernel is available for ops.linear yet")
+        return None
+    return dispatch.linear(x, w, act, require=(backend == "pallas"))
+
+
+# --------------------------------------------------------------------------- layout helpers
+
+
+def contraction_groups(w: QArray) -> tuple[int, int]:
+    """(number of groups, group size) of ``w`` along its contraction dim (dim 0)."""
+    k = w.shape[0]
+    g = w.tile[0]
+    return math.ceil(k / g), g
+
+
+def _out_scale_ok(w: QArray) -> bool:
+    """Scales vary along out only per element or not at all (true for every Spec on a kernel)."""
+    return w.tile[1] in (1, w.shape[1])
+
+
+def _grouped(a: jax.Array, groups: int, g: int) -> jax.Array:
+    """(..., K) -> (..., G, g), zero-padding a shorter last group."""
+    k = a.shape[-1]
+    pad = groups * g - k
+    if pad:
+        a = jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, pad)])
+    return a.reshape(*a.shape[:-1], groups, g)
+
+
+def _grouped_weight(q: jax.Array, groups: int, g: int) -> jax.Array:
+    """(K, N) -> (G, g, N), zero-padding a shorter last group."""
+    pad = groups * g - q.shape[0]
+    if pad:
+        q = jnp.pad(q, [(0, pad), (0, 0)])
+    return q.reshape(groups, g, q.shape[-1])
+
+
+def _per_group(a: jax.Array, w: QArray, groups: int) -> jax.Array:
+    """A scale/zero-point array of ``w`` as (G, N), whatever its tile along dims 0 and 1."""
+    a = a.astype(jnp.float32)
+    return jnp.broadcast_to(a, (groups if a.shape[0] != 1 else 1, w.shape[1])).reshape(-1, w.shape[1])
+
+
+# --------------------------------------------------------------------------- weight-only
+
+
+def weight_only_xla(x: jax.Array, w: QArray) -> jax.Array:
+    """``x @ dequantize(w)`` in XLA, choosing the formulation by the number of rows."""
+    rows = math.prod(x.shape[:-1])
+    if rows <= SMALL_M and _out_scale_ok(w):
+        return _weight_only_reduce(x, w)
+    return jnp.matmul(x, w.dequantize(x.dtype))
+
+
+def _weight_only_reduce(x: jax.Array, w: QArray) -> jax.Array:
+    """Few-row product as one fused multiply-reduce over the integer values.
+
+    sum_k x[k] * (q[k, n] - zp[g(k), n]) * s[g(k), n], reduced first within each
+    group (on the int values) then across groups with the scales applied.
+    """
+    groups, g = contraction_groups(w)
+    xg = _grouped(x.astype(jnp.float32), groups, g)  # (..., G, g)
+    qg = _grouped_weight(w.values(), groups, g).astype(jnp.float32)  # (G, g, N)
+    partial = jnp.sum(xg[..., :, :, None] * qg, axis=-2)  # (..., G, N)
+    scale = _per_group(w.scale, w, groups)
+    if w.zero_point is not None:
+        xsum = jnp.sum(xg, axis=-1)[..., None]  # (..., G, 1)
+        partial = partial - xsum * _per_group(w.zero_point, w, groups)
+    return jnp.sum(partial * scale, axis=-2).astype(x.dtype)
+
+
+# --------------------------------------------------------------------------- W8A8
+
+
+def quantize_activations(x: jax.Array, act: Spec, act_scale: jax.Array | None):
+    """int8 activations and their per-token (..., 1) or per-tensor () scale."""
+    qmax = int_range(act.bits)[1]
+    xf = x.astype(jnp.float32)
+    if act_scale is not None:
+        scale = act_scale.astype(jnp.float32)
+    elif act.granularity == "token":
+        amax = jnp.max(jnp.abs(xf), axis=-1, keepdims=True)
+        scale = jnp.maximum(amax, jnp.finfo(jnp.float32).tiny) / qmax
+    else:  # dynamic per-tensor
+        scale = jnp.maximum(jnp.max(jnp.abs(xf)), jnp.finfo(jnp.float32).tiny) / qmax
+    xq = jnp.clip(jnp.round(xf / scale), -qmax, qmax).astype(jnp.int8)
+    return xq, scale
+
+
+def w8a8_xla(x: jax.Array, w: QArray, act: Spec) -> jax.Array:
+    """Quantize activations, int8 x int8 -> int32 dots per weight group, rescale."""
+    if w.bits > 8:
+        raise ValueError(f"W8A8 needs weights of at most 8 bits, got int{w.bits}")
+    if not _out_scale_ok(w):
+        return jnp.matmul(x, w.dequantize(x.dtype))
+    xq, sx = quantize_activations(x, act, w.act_scale)
+    groups, g = contraction_groups(w)
+    q = w.values()
+    scale = _per_group(w.scale, w, groups)  # (G, N)
+    if groups == 1:
+        acc = jax.lax.dot_general(
+            xq, q, (((xq.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.int32
+        )[..., None, :]  # (..., 1, N)
+    else:
+        xg = _grouped(xq, groups, g)  # (..., G, g)
+        qg = _grouped_weight(q, groups, g)  # (G, g, N)
+        lead = xg.ndim - 2
+        xg_t = jnp.moveaxis(xg, -2, 0)  # (G, ..., g)
+        acc = jax.lax.dot_general(
+            xg_t, qg, (((xg_t.ndim - 1,), (1,)), ((0,), (0,))), preferred_element_type=jnp.int32
+        )  # (G, ..., N)
+        acc = jnp.moveaxis(acc, 0, lead)  # (..., G, N)
+    accf = acc.astype(jnp.float32)
+    if w.zero_point is not None:
+        xsum = jnp.sum(_grouped(xq.astype(jnp.int32), groups, g), axis=-1)[..., None]  # (..., G, 1)
+        accf = accf - xsum.astype(jnp.float32) * _per_group(w.zero_point, w, groups)
+    y = jnp.sum(accf * scale, axis=-2) * sx
+    return y.astype(x.dtype)
+
+
+def qeinsum(subscripts: str, x: jax.Array, w: jax.Array | QArray) -> jax.Array:
+    """``einsum`` with a float or QArray second operand (weight-only: dequantized in the jit)."""
+    if isinstance(w, QArray):
+        w = w.dequantize(x.dtype)
+    return jnp.einsum(subscripts, x, w)
+
+
+def dequantize_tree_leaf(w: Any, dtype: Any = jnp.float32) -> Any:
+    """A float view of a leaf that may be a QArray (for code that needs the raw matrix)."""
+    return w.dequantize(dtype) if isinstance(w, QArray) else w
+
+
+__all__ = ["linear", "qeinsum", "quantize_activations", "weight_only_xla", "w8a8_xla"]
