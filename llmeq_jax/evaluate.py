@@ -1,0 +1,230 @@
+"""What quantization cost and bought: perplexity, bytes, speed (DESIGN §6).
+
+Perplexity protocol: read the text as-is, tokenize it whole with the model's
+tokenizer (no BOS), cut it into non-overlapping windows of ``seq_len`` tokens,
+evaluate the first ``n_windows`` (0 = all), and report
+``exp(mean next-token NLL)`` over every predicted token (``seq_len - 1`` per
+window).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import platform
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PROTOCOL = (
+    "perplexity: whole text tokenized without BOS, non-overlapping windows of seq_len tokens, "
+    "first n_windows (0 = all), ppl = exp(mean next-token NLL over seq_len-1 predictions per window); "
+    "speed: warm (after compilation), median of runs"
+)
+
+
+# --------------------------------------------------------------------------- perplexity
+
+
+def tokenize_text(tokenizer: Any, text: str) -> np.ndarray:
+    """Token ids of the whole text, without BOS/EOS."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return np.asarray(ids, dtype=np.int32)
+
+
+def make_windows(ids: np.ndarray, seq_len: int, n_windows: int) -> np.ndarray:
+    """Non-overlapping ``[n, seq_len]`` windows from the start of ``ids`` (n_windows 0 = all)."""
+    if seq_len < 2:
+        raise ValueError(f"seq_len={seq_len} is too short; expected at least 2 tokens per window")
+    available = len(ids) // seq_len
+    if available == 0:
+        raise ValueError(f"the text has {len(ids)} tokens, fewer than one window of seq_len={seq_len}")
+    if n_windows < 0:
+        raise ValueError(f"n_windows={n_windows} must be >= 0 (0 = all windows)")
+    n = available if n_windows == 0 else n_windows
+    if n > available:
+        raise ValueError(
+            f"the text has {len(ids)} tokens = {available} windows of {seq_len}; {n_windows} were requested"
+        )
+    return ids[: n * seq_len].reshape(n, seq_len)
+
+
+def token_nll(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Per-position next-token NLL ``[B, T-1]`` (float32) from logits ``[B, T, V]``."""
+    logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+    return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+
+
+def perplexity(
+    logits_fn: Callable[[jax.Array], jax.Array],
+    windows: np.ndarray,
+    batch_size: int = 4,
+    progress: bool = False,
+) -> dict:
+    """Perplexity of ``logits_fn`` (tokens ``[B, T]`` -> logits ``[B, T, V]``) over ``windows``.
+
+    The NLL is reduced inside the jitted step, so logits never leave the device.
+    The last batch is padded to ``batch_size`` (padded rows are not counted)
+    to keep one compiled shape.
+    """
+    step = jax.jit(lambda toks: jnp.sum(token_nll(logits_fn(toks), toks), axis=-1))
+    n = len(windows)
+    total = 0.0
+    batches = range(0, n, batch_size)
+    if progress:
+        from tqdm import tqdm
+
+        batches = tqdm(batches, desc="perplexity", unit="batch", leave=False)
+    for start in batches:
+        chunk = windows[start : start + batch_size]
+        real = len(chunk)
+        if real < batch_size:
+            chunk = np.concatenate([chunk, np.repeat(chunk[-1:], batch_size - real, axis=0)])
+        total += float(np.sum(np.asarray(step(jnp.asarray(chunk)))[:real], dtype=np.float64))
+    count = n * (windows.shape[1] - 1)
+    mean = total / count
+    return {"ppl": math.exp(mean), "nll": mean, "tokens": count, "windows": n, "seq_len": int(windows.shape[1])}
+
+
+# --------------------------------------------------------------------------- speed
+
+
+def median_time(fn: Callable[[], Any], runs: int = 5, warmup: int = 1) -> float:
+    """Median wall seconds of ``fn()`` (its result is blocked on), after ``warmup`` calls."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def peak_host_memory_mb() -> float:
+    """Peak resident memory of this process so far (ru_maxrss), in MiB."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / (1024 * 1024) if sys.platform == "darwin" else rss / 1024
+
+
+def machine() -> dict:
+    dev = jax.devices()[0]
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": __import__("os").cpu_count(),
+        "jax_backend": jax.default_backend(),
+        "device": getattr(dev, "device_kind", str(dev)),
+        "device_count": jax.device_count(),
+    }
+
+
+def versions() -> dict:
+    import flax
+    import orbax.checkpoint as ocp
+
+    out = {"python": platform.python_version(), "jax": jax.__version__, "flax": flax.__version__}
+    out["orbax"] = getattr(ocp, "__version__", "unknown")
+    try:
+        import transformers
+
+        out["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return out
+
+
+# --------------------------------------------------------------------------- report
+
+
+@dataclasses.dataclass
+class Row:
+    """One model variant (a recipe applied to a model) and what was measured on it."""
+
+    recipe: str
+    ppl: float | None = None
+    nll: float | None = None
+    param_bytes: int | None = None
+    disk_bytes: int | None = None
+    load_s: float | None = None
+    calib_s: float | None = None
+    calib_samples: int | None = None
+    quantize_s: float | None = None
+    eval_s: float | None = None
+    prefill_tok_s: float | None = None
+    decode_tok_s: float | None = None
+    extra: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class Report:
+    model: str
+    text: str
+    seq_len: int
+    n_windows: int
+    rows: list[Row] = dataclasses.field(default_factory=list)
+    protocol: str = PROTOCOL
+    machine: dict = dataclasses.field(default_factory=machine)
+    versions: dict = dataclasses.field(default_factory=versions)
+    peak_host_mb: float | None = None
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    def baseline(self) -> Row | None:
+        return self.rows[0] if self.rows else None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def save_json(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.write_text(json.dumps(self.to_dict(), indent=1))
+        return path
+
+    def to_markdown(self) -> str:
+        base = self.baseline()
+        head = "| recipe | ppl | Δ% vs first | param MB | size vs first | quantize s | prefill tok/s | decode tok/s |"
+        lines = [
+            f"Model `{self.model}`, text `{self.text}`, seq_len {self.seq_len}, windows {self.n_windows}, "
+            f"device {self.machine.get('device')} ({self.machine.get('jax_backend')}).",
+            "",
+            head,
+            "|" + "---|" * 8,
+        ]
+        for r in self.rows:
+            dppl = _pct(r.ppl, base.ppl if base else None)
+            ratio = _ratio(r.param_bytes, base.param_bytes if base else None)
+            lines.append(
+                f"| {r.recipe} | {_fmt(r.ppl, '.3f')} | {dppl} | {_fmt(_mb(r.param_bytes), '.2f')} | {ratio} | "
+                f"{_fmt(r.quantize_s, '.1f')} | {_fmt(r.prefill_tok_s, '.0f')} | {_fmt(r.decode_tok_s, '.1f')} |"
+            )
+        lines += ["", f"Protocol: {self.protocol}."]
+        lines += [f"- {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _fmt(v: Any, spec: str) -> str:
+    return "–" if v is None else format(v, spec)
+
+
+def _mb(b: int | None) -> float | None:
+    return None if b is None else b / 1e6
+
+
+def _pct(v: float | None, base: float | None) -> str:
+    if v is None or not base:
+        return "–"
+    return f"{100.0 * (v - base) / base:+.2f}"
+
+
+def _ratio(v: int | None, base: int | None) -> str:
+    if v is None or not base:
+        return "–"
+    return f"{v / base:.3f}×"

@@ -1,0 +1,71 @@
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from llmeq_jax import evaluate as ev
+
+
+def _bigram_logits_fn(table):
+    """A 'model' whose logits at position t are a fixed row chosen by token t."""
+    table = jnp.asarray(table)
+    return lambda toks: table[toks]
+
+
+def test_perplexity_matches_a_hand_computation():
+    rng = np.random.default_rng(0)
+    vocab, seq_len = 11, 6
+    table = rng.normal(size=(vocab, vocab)).astype(np.float32)
+    ids = rng.integers(0, vocab, size=40).astype(np.int32)
+    windows = ev.make_windows(ids, seq_len, n_windows=5)
+
+    # By hand: for every window, every position t predicts token t+1 from row ids[t].
+    nll = []
+    for w in windows:
+        for t in range(seq_len - 1):
+            row = table[w[t]].astype(np.float64)
+            logz = math.log(np.exp(row - row.max()).sum()) + row.max()
+            nll.append(logz - row[w[t + 1]])
+    expected = math.exp(sum(nll) / len(nll))
+
+    # batch_size 2 over 5 windows exercises the padded last batch.
+    out = ev.perplexity(_bigram_logits_fn(table), windows, batch_size=2)
+    assert out["tokens"] == 5 * (seq_len - 1) == len(nll)
+    assert out["ppl"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_windows_are_non_overlapping_from_the_start():
+    ids = np.arange(23, dtype=np.int32)
+    w = ev.make_windows(ids, 5, 0)
+    assert w.shape == (4, 5) and w[1, 0] == 5 and w[-1, -1] == 19
+    assert ev.make_windows(ids, 5, 2).shape == (2, 5)
+
+
+@pytest.mark.parametrize(
+    "n,seq,windows,msg",
+    [(3, 5, 1, "fewer than one window"), (23, 5, 9, "9 were requested"), (23, 1, 1, "too short"), (23, 5, -1, ">= 0")],
+)
+def test_window_errors(n, seq, windows, msg):
+    with pytest.raises(ValueError, match=msg):
+        ev.make_windows(np.arange(n), seq, windows)
+
+
+def test_report_json_and_markdown(tmp_path):
+    rep = ev.Report(model="m", text="t.txt", seq_len=8, n_windows=2)
+    rep.rows.append(ev.Row(recipe="fp32", ppl=10.0, param_bytes=4_000_000))
+    rep.rows.append(ev.Row(recipe="rtn-w8", ppl=10.5, param_bytes=1_000_000, quantize_s=0.5))
+    data = json.loads(rep.save_json(tmp_path / "r.json").read_text())
+    assert data["rows"][1]["ppl"] == 10.5 and "perplexity" in data["protocol"]
+    assert data["machine"]["jax_backend"] == jax.default_backend()
+    md = rep.to_markdown()
+    assert "| rtn-w8 | 10.500 | +5.00 | 1.00 | 0.250× |" in md
+
+
+def test_median_time_and_memory():
+    calls = []
+    t = ev.median_time(lambda: calls.append(1) or jnp.zeros(3), runs=3, warmup=2)
+    assert len(calls) == 5 and t >= 0
+    assert ev.peak_host_memory_mb() > 10
