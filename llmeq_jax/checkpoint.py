@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import shutil
 import uuid
 from pathlib import Path
@@ -260,3 +261,64 @@ def metadata(path: str | Path) -> dict:
 def disk_bytes(path: str | Path) -> int:
     """Bytes on disk of everything under ``path``."""
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+# --------------------------------------------------------------------------- whole models
+
+
+def _tuplify(v: Any) -> Any:
+    """JSON lists back to the tuples frozen config dataclasses hold."""
+    return tuple(_tuplify(x) for x in v) if isinstance(v, list) else v
+
+
+def save_model_checkpoint(
+    path: str | Path,
+    config: Any,
+    params: Any,
+    tokenizer: Any = None,
+    *,
+    recipe: Any = None,
+    overwrite: bool = False,
+    extra: dict | None = None,
+) -> Path:
+    """A servable model: params + model config (+ tokenizer, recipe) in one checkpoint directory."""
+    meta = {"model_config": dataclasses.asdict(config), **(extra or {})}
+    return save(path, params, recipe=recipe, metadata=meta, tokenizer=tokenizer, overwrite=overwrite)
+
+
+def load_model_checkpoint(path: str | Path, target: Any = None):
+    """(config, params, tokenizer or None, recipe dict or None) from :func:`save_model_checkpoint`'s output."""
+    from llmeq_jax.models.config import ModelConfig
+
+    path = Path(path)
+    manifest = read_manifest(path)
+    cfg = manifest.get("metadata", {}).get("model_config")
+    if cfg is None:
+        raise CheckpointError(f"checkpoint {str(path)!r} holds no model config; it was not saved as a model")
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    config = ModelConfig(**{k: _tuplify(v) for k, v in cfg.items() if k in fields})
+    tokenizer = None
+    if (path / TOKENIZER).is_dir():
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(path / TOKENIZER))
+    return config, restore(path, target), tokenizer, manifest.get("recipe")
+
+
+def describe_layout(layout: dict) -> list[dict]:
+    """One row per leaf: path, kind, bits, granularity, logical shape, stored bytes."""
+    from llmeq_jax.core.qarray import granularity_name
+
+    rows = []
+    for p, leaf in layout.items():
+        if leaf["kind"] == "qarray":
+            st = leaf["static"]
+            nbytes = sum(math.prod(m["shape"]) * jnp.dtype(m["dtype"]).itemsize for m in leaf["children"].values())
+            gran = granularity_name(tuple(st["shape"]), tuple(st["tile"]))
+            rows.append({"path": p, "kind": "qarray", "bits": st["bits"], "granularity": gran,
+                         "symmetric": "zero_point" not in leaf["children"], "shape": st["shape"], "bytes": nbytes})
+        else:
+            nbytes = math.prod(leaf["shape"]) * jnp.dtype(leaf["dtype"]).itemsize
+            rows.append({"path": p, "kind": "float", "bits": None, "granularity": leaf["dtype"],
+                         "symmetric": None, "shape": leaf["shape"], "bytes": nbytes})
+    return rows

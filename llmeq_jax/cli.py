@@ -1,0 +1,446 @@
+"""`llmeq`: quantize, evaluate, compare, generate, convert and inspect models.
+
+MODEL is everywhere a registry name (``smollm2-135m``), a Hugging Face
+directory, a GGUF file, or a checkpoint directory written by ``llmeq quantize``
+/ ``llmeq convert``. Errors print one line on stderr and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = REPO_ROOT / "configs"
+MAIN_RECIPES = ("fp32", "rtn-w8", "rtn-w8a8", "rtn-w4-g128")
+EVAL_TEXT = "wikitext2_test.txt"
+CALIB_TEXT = "wikitext2_valid.txt"
+
+
+class CliError(Exception):
+    """An error the user can fix; printed as one line."""
+
+
+# --------------------------------------------------------------------------- data & models
+
+
+def data_dirs() -> list[Path]:
+    """Where shared data is looked for: $LLMEQ_DATA, ./../shared/data, <repo>/../shared/data."""
+    dirs = []
+    if os.environ.get("LLMEQ_DATA"):
+        dirs.append(Path(os.environ["LLMEQ_DATA"]))
+    dirs += [Path.cwd().parent / "shared" / "data", REPO_ROOT.parent / "shared" / "data"]
+    return dirs
+
+
+def find_data_file(given: str | None, default_name: str, what: str) -> Path:
+    if given:
+        p = Path(given)
+        if not p.is_file():
+            raise CliError(f"{what} file {given!r} does not exist")
+        return p
+    for d in data_dirs():
+        if (d / default_name).is_file():
+            return d / default_name
+    looked = ", ".join(str(d) for d in data_dirs())
+    raise CliError(f"no {what} file given and {default_name} was not found in {looked}; pass it with --text/--calib "
+                   "or set LLMEQ_DATA to the folder that holds it")
+
+
+def open_model(source: str, progress: bool = True):
+    """(config, params, tokenizer, recipe_dict or None) from any MODEL form."""
+    from llmeq_jax import checkpoint
+
+    p = Path(source)
+    if p.is_dir() and (p / checkpoint.MANIFEST).is_file():
+        return checkpoint.load_model_checkpoint(p)
+    from llmeq_jax.models import load_model
+
+    config, params, tokenizer = load_model(source)
+    return config, params, tokenizer, None
+
+
+def read_recipe(path_or_name: str):
+    from llmeq_jax.core.rules import load_recipe
+
+    p = Path(path_or_name)
+    if not p.is_file() and (CONFIGS / f"{path_or_name}.yaml").is_file():
+        p = CONFIGS / f"{path_or_name}.yaml"
+    return load_recipe(p)
+
+
+def check_writable_dir(out: Path, overwrite: bool) -> None:
+    if out.exists() and not overwrite:
+        raise CliError(f"output directory {str(out)!r} already exists; pass --overwrite to replace it")
+    parent = out.absolute().parent
+    probe = parent
+    while not probe.exists():
+        probe = probe.parent
+    if not os.access(probe, os.W_OK):
+        raise CliError(f"output directory {str(out)!r} cannot be written (no write permission in {str(probe)!r})")
+
+
+# --------------------------------------------------------------------------- pipeline steps
+
+
+def quantize_model(config, params, tokenizer, recipe, calib: str | None, calib_samples: int, progress: bool):
+    """Apply the recipe (calibrating first when its method needs statistics) -> (params, seconds, calib info)."""
+    from llmeq_jax import methods
+
+    stats, calib_s, n = None, 0.0, 0
+    if methods.needs_calibration(recipe):
+        from llmeq_jax import calibrate
+
+        t0 = time.perf_counter()
+        text = find_data_file(calib, CALIB_TEXT, "calibration text")
+        stats, n = calibrate.collect_for_recipe(config, params, tokenizer, text, calib_samples, recipe, progress)
+        calib_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    qparams = methods.apply_recipe(params, recipe, stats)
+    import jax
+
+    jax.block_until_ready(qparams)
+    return qparams, time.perf_counter() - t0, calib_s, n
+
+
+def eval_ppl(config, params, tokenizer, text_path: Path, seq_len: int, windows: int, batch_size: int, progress: bool):
+    from llmeq_jax import evaluate
+    from llmeq_jax.models import forward
+
+    ids = evaluate.tokenize_text(tokenizer, text_path.read_text())
+    wins = evaluate.make_windows(ids, seq_len, windows)
+    return evaluate.perplexity(lambda t: forward(config, params, t), wins, batch_size=batch_size, progress=progress)
+
+
+def measure_speed(config, params, prefill_len: int = 512, prompt_len: int = 32, new_tokens: int = 128) -> dict:
+    """Warm prefill tokens/s (one sequence of prefill_len) and greedy decode tokens/s (median of runs)."""
+    import jax
+    import jax.numpy as jnp
+
+    from llmeq_jax import evaluate
+    from llmeq_jax.generate import generate
+    from llmeq_jax.models import forward
+
+    prefill_len = min(prefill_len, config.max_position_embeddings)
+    toks = jnp.ones((1, prefill_len), jnp.int32)
+    fwd = jax.jit(lambda p, t: forward(config, p, t))
+    t_prefill = evaluate.median_time(lambda: fwd(params, toks), runs=3)
+    prompt = jnp.ones((1, prompt_len), jnp.int32)
+    t_one = evaluate.median_time(lambda: generate(config, params, prompt, 1), runs=3)
+    t_all = evaluate.median_time(lambda: generate(config, params, prompt, new_tokens), runs=3)
+    decode_s = max(t_all - t_one, 1e-9)
+    return {"prefill_tok_s": prefill_len / t_prefill, "decode_tok_s": (new_tokens - 1) / decode_s}
+
+
+def layer_values(params, layer: str):
+    """The integer values (QArray) or float weights of the leaf at path ``layer``."""
+    import numpy as np
+
+    from llmeq_jax.core.qarray import QArray
+
+    node = params
+    for k in layer.split("/"):
+        node = node[k]
+    return np.asarray(node.values() if isinstance(node, QArray) else node)
+
+
+def first_kernel_path(params) -> str:
+    from llmeq_jax.core.rules import leaf_paths
+
+    paths = [p for p in leaf_paths(params) if p.endswith("/kernel") and "lm_head" not in p]
+    return paths[0] if paths else ""
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def cmd_quantize(args) -> int:
+    from llmeq_jax import checkpoint
+
+    out = Path(args.out)
+    check_writable_dir(out, args.overwrite)
+    recipe = read_recipe(args.recipe)
+    config, params, tokenizer, _ = open_model(args.model)
+    qparams, q_s, c_s, n = quantize_model(config, params, tokenizer, recipe, args.calib, args.calib_samples,
+                                          not args.json)
+    checkpoint.save_model_checkpoint(out, config, qparams, tokenizer, recipe=recipe, overwrite=args.overwrite,
+                                     extra={"source": args.model, "quantize_s": q_s, "calib_s": c_s,
+                                            "calib_samples": n})
+    info = {"out": str(out), "recipe": recipe.name, "quantize_s": q_s, "calib_s": c_s, "calib_samples": n,
+            "param_bytes": _nbytes(qparams), "disk_bytes": checkpoint.disk_bytes(out)}
+    _emit(args, info, f"saved {recipe.name} checkpoint to {out} ({info['disk_bytes'] / 1e6:.2f} MB on disk, "
+                      f"quantized in {q_s:.1f} s)")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from llmeq_jax import checkpoint, evaluate
+
+    text = find_data_file(args.text, EVAL_TEXT, "evaluation text")
+    t0 = time.perf_counter()
+    config, params, tokenizer, recipe = open_model(args.model)
+    load_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    res = eval_ppl(config, params, tokenizer, text, args.seq_len, args.windows, args.batch_size, not args.json)
+    row = evaluate.Row(recipe=(recipe or {}).get("name", "as-loaded"), ppl=res["ppl"], nll=res["nll"],
+                       param_bytes=_nbytes(params), load_s=load_s, eval_s=time.perf_counter() - t0)
+    if Path(args.model).is_dir() and (Path(args.model) / checkpoint.MANIFEST).is_file():
+        row.disk_bytes = checkpoint.disk_bytes(args.model)
+    if args.speed:
+        row.__dict__.update(measure_speed(config, params))
+    report = evaluate.Report(model=args.model, text=str(text), seq_len=args.seq_len, n_windows=res["windows"],
+                             rows=[row], peak_host_mb=evaluate.peak_host_memory_mb())
+    report.rows[0].extra["tokens"] = res["tokens"]
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=1))
+    else:
+        print(report.to_markdown())
+    return 0
+
+
+def cmd_compare(args) -> int:
+    import shutil
+
+    from llmeq_jax import checkpoint, evaluate, plots
+
+    text = find_data_file(args.text, EVAL_TEXT, "evaluation text")
+    recipes = [read_recipe(r) for r in args.recipes]
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    config, params, tokenizer, _ = open_model(args.model)
+    load_s = time.perf_counter() - t0
+    report = evaluate.Report(model=args.model, text=str(text), seq_len=args.seq_len, n_windows=args.windows)
+    layer = first_kernel_path(params)
+    hist: dict[str, Any] = {}
+    for recipe in recipes:
+        _log(args, f"== {recipe.name}")
+        qparams, q_s, c_s, n = quantize_model(config, params, tokenizer, recipe, args.calib, args.calib_samples,
+                                              not args.json)
+        ckpt = out_dir / f"ckpt-{recipe.name}"
+        checkpoint.save_model_checkpoint(ckpt, config, qparams, tokenizer, recipe=recipe, overwrite=True)
+        disk = checkpoint.disk_bytes(ckpt)
+        if not args.keep_checkpoints:
+            shutil.rmtree(ckpt)
+        t1 = time.perf_counter()
+        res = eval_ppl(config, qparams, tokenizer, text, args.seq_len, args.windows, args.batch_size, not args.json)
+        row = evaluate.Row(recipe=recipe.name, ppl=res["ppl"], nll=res["nll"], param_bytes=_nbytes(qparams),
+                           disk_bytes=disk, load_s=load_s, calib_s=c_s, calib_samples=n, quantize_s=q_s,
+                           eval_s=time.perf_counter() - t1)
+        if args.speed:
+            row.__dict__.update(measure_speed(config, qparams))
+        report.rows.append(row)
+        if layer:
+            hist[recipe.name] = layer_values(qparams, layer)
+        _log(args, f"   ppl {row.ppl:.3f}  bytes {row.param_bytes / 1e6:.2f} MB  quantize {q_s:.1f} s")
+    report.peak_host_mb = evaluate.peak_host_memory_mb()
+    report.notes.append(f"load {load_s:.1f} s; calibration text {args.calib or CALIB_TEXT} where a recipe needs it")
+    report.save_json(out_dir / "report.json")
+    (out_dir / "report.md").write_text(report.to_markdown() + "\n")
+    plots.ppl_vs_size(report, out_dir / "ppl_vs_size.png")
+    plots.time_breakdown(report, out_dir / "time_breakdown.png")
+    if hist:
+        plots.weight_histograms(hist, layer, out_dir / "weight_hist.png")
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=1))
+    else:
+        print(report.to_markdown())
+        print(f"\nreport, plots: {out_dir}/")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    import jax.numpy as jnp
+
+    from llmeq_jax.generate import generate
+
+    config, params, tokenizer, _ = open_model(args.model)
+    ids = tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
+    if config.bos_token_id is not None and not args.no_bos:
+        ids = [config.bos_token_id] + ids
+    if len(ids) + args.max_new_tokens > config.max_position_embeddings:
+        raise CliError(f"prompt ({len(ids)} tokens) + --max-new-tokens {args.max_new_tokens} exceeds the model's "
+                       f"context of {config.max_position_embeddings}")
+    out = generate(config, params, jnp.asarray([ids], jnp.int32), args.max_new_tokens,
+                   greedy=args.temperature is None, temperature=args.temperature or 1.0,
+                   top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    new = [int(t) for t in out[0]]
+    if config.eos_ids:
+        for i, t in enumerate(new):
+            if t in config.eos_ids:
+                new = new[: i + 1]
+                break
+    text = args.prompt + tokenizer.decode(new, skip_special_tokens=True)
+    if args.json:
+        print(json.dumps({"prompt": args.prompt, "tokens": new, "text": text}))
+    else:
+        print(text)
+    return 0
+
+
+def cmd_convert(args) -> int:
+    from llmeq_jax import checkpoint
+
+    out = Path(args.dst)
+    check_writable_dir(out, args.overwrite)
+    config, params, tokenizer, _ = open_model(args.src)
+    recipe = None
+    if args.recipe:
+        recipe = read_recipe(args.recipe)
+        params, *_ = quantize_model(config, params, tokenizer, recipe, args.calib, args.calib_samples, True)
+    checkpoint.save_model_checkpoint(out, config, params, tokenizer, recipe=recipe, overwrite=args.overwrite,
+                                     extra={"source": args.src})
+    print(f"wrote {out} ({checkpoint.disk_bytes(out) / 1e6:.2f} MB on disk)")
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from llmeq_jax import checkpoint
+
+    manifest = checkpoint.read_manifest(args.dir)
+    rows = checkpoint.describe_layout(manifest["layout"])
+    if args.json:
+        print(json.dumps({"recipe": manifest.get("recipe"), "metadata": manifest.get("metadata"), "leaves": rows},
+                         indent=1))
+        return 0
+    recipe = (manifest.get("recipe") or {}).get("name", "none")
+    print(f"{args.dir}: recipe {recipe}, format version {manifest['format_version']}, "
+          f"{checkpoint.disk_bytes(args.dir) / 1e6:.2f} MB on disk")
+    width = max(len(r["path"]) for r in rows) if rows else 10
+    print(f"{'path':<{width}}  {'kind':<6} {'bits':>4}  {'granularity':<16} {'shape':<16} {'bytes':>10}")
+    for r in rows:
+        print(f"{r['path']:<{width}}  {r['kind']:<6} {r['bits'] or '':>4}  {r['granularity']:<16} "
+              f"{str(tuple(r['shape'])):<16} {r['bytes']:>10}")
+    total = sum(r["bytes"] for r in rows)
+    print(f"total {total} bytes ({total / 1e6:.2f} MB) in {len(rows)} leaves")
+    return 0
+
+
+def cmd_main(args) -> int:
+    """The README's main job: compare the ready recipes on the default real model."""
+    args.recipes = [str(CONFIGS / f"{r}.yaml") for r in MAIN_RECIPES]
+    return cmd_compare(args)
+
+
+# --------------------------------------------------------------------------- plumbing
+
+
+def _nbytes(params) -> int:
+    from llmeq_jax.core.qarray import tree_nbytes
+
+    return tree_nbytes(params)
+
+
+def _log(args, msg: str) -> None:
+    if not getattr(args, "json", False):
+        print(msg, file=sys.stderr, flush=True)
+
+
+def _emit(args, info: dict, text: str) -> None:
+    print(json.dumps(info) if args.json else text)
+
+
+def _add_eval_opts(p, windows_default: int = 64):
+    p.add_argument("--text", help=f"evaluation text file (default: {EVAL_TEXT} from $LLMEQ_DATA or ../shared/data)")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per window (default 512)")
+    p.add_argument("--windows", type=int, default=windows_default, help="windows to evaluate, 0 = all")
+    p.add_argument("--batch-size", type=int, default=4, help="windows per forward pass (default 4)")
+
+
+def _add_calib_opts(p):
+    p.add_argument("--calib", help=f"calibration text (default: {CALIB_TEXT}); used by calibrated recipes only")
+    p.add_argument("--calib-samples", type=int, default=16, help="calibration sequences (default 16)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="llmeq",
+        description="Quantize LLMs in JAX: MODEL is a registry name (smollm2-135m), a Hugging Face directory, "
+                    "a GGUF file, or a checkpoint directory written by `llmeq quantize`.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("quantize", help="quantize MODEL with a recipe and save an Orbax checkpoint")
+    p.add_argument("model")
+    p.add_argument("--recipe", required=True, help="recipe YAML (path, or a name from configs/)")
+    _add_calib_opts(p)
+    p.add_argument("--out", required=True, help="checkpoint directory to write")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    p.add_argument("--json", action="store_true", help="print a JSON summary, no progress bars")
+    p.set_defaults(fn=cmd_quantize)
+
+    p = sub.add_parser("eval", help="perplexity (and optionally speed) of MODEL on a text")
+    p.add_argument("model")
+    _add_eval_opts(p)
+    p.add_argument("--speed", action="store_true", help="also measure prefill and decode tokens/s")
+    p.add_argument("--json", action="store_true", help="print the report as JSON, no progress bars")
+    p.set_defaults(fn=cmd_eval)
+
+    for name, fn, helptext in (
+        ("compare", cmd_compare, "quantize MODEL with several recipes; table, JSON report and plots"),
+        ("main", cmd_main, "the main job: compare the ready recipes on smollm2-135m"),
+    ):
+        p = sub.add_parser(name, help=helptext)
+        if name == "compare":
+            p.add_argument("model")
+            p.add_argument("--recipes", nargs="+", required=True, help="recipe YAML files (or names in configs/)")
+        else:
+            p.add_argument("model", nargs="?", default="smollm2-135m")
+        _add_eval_opts(p, windows_default=64 if name == "compare" else 16)
+        _add_calib_opts(p)
+        p.add_argument("--out-dir", default=f"runs/{name}", help="where report.json/.md and the plots go")
+        p.add_argument("--no-speed", dest="speed", action="store_false", help="skip the tokens/s measurements")
+        p.add_argument("--keep-checkpoints", action="store_true", help="keep each recipe's checkpoint in --out-dir")
+        p.add_argument("--json", action="store_true", help="print the report as JSON, no progress bars")
+        p.set_defaults(fn=fn)
+
+    p = sub.add_parser("generate", help="continue a prompt with MODEL")
+    p.add_argument("model")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--greedy", action="store_true", help="greedy decoding (the default)")
+    mode.add_argument("--temperature", type=float, help="sample with this temperature")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-bos", action="store_true", help="do not prepend the BOS token")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_generate)
+
+    p = sub.add_parser("convert", help="HF directory or GGUF -> Orbax checkpoint (float, or quantized with --recipe)")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--recipe", help="quantize with this recipe while converting")
+    _add_calib_opts(p)
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(fn=cmd_convert)
+
+    p = sub.add_parser("inspect", help="list a checkpoint's leaves: bits, granularity, bytes")
+    p.add_argument("dir")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_inspect)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "json", False):
+        os.environ.setdefault("TQDM_DISABLE", "1")
+    try:
+        return args.fn(args)
+    except KeyboardInterrupt:
+        print("llmeq: interrupted", file=sys.stderr)
+        return 130
+    except (CliError, ValueError, FileNotFoundError, NotImplementedError, OSError) as e:
+        print(f"llmeq {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
