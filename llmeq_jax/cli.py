@@ -81,6 +81,8 @@ def check_writable_dir(out: Path, overwrite: bool) -> None:
     probe = parent
     while not probe.exists():
         probe = probe.parent
+    if not probe.is_dir():
+        raise CliError(f"output directory {str(out)!r} cannot be created: {str(probe)!r} is not a directory")
     if not os.access(probe, os.W_OK):
         raise CliError(f"output directory {str(out)!r} cannot be written (no write permission in {str(probe)!r})")
 

@@ -1,0 +1,195 @@
+"""Calibration: run the model over real text and collect what methods need per linear input.
+
+Collection is explicit: one decoder block at a time is applied under
+``flax.linen.intercept_methods``, and the interceptor records the input of
+every :class:`~llmeq_jax.models.layers.Linear` it sees (keyed by the kernel's
+param path). Nothing in jax or flax is patched, and the model code knows
+nothing about calibration.
+
+Per kernel input ``x`` (``[tokens, in_features]``) the statistics are sums or
+extrema, so batches (and, later, devices) combine with max / min / add:
+
+  ``absmax``  max |x_j| per input channel         (combine: max)
+  ``min``/``max`` per input channel               (combine: min / max)
+  ``abs_sum`` sum |x_j| per channel, with ``count`` (mean |x| = abs_sum / count)
+  ``hessian`` X^T X, float32 ``[in, in]``          (combine: add; GPTQ)
+
+Running block by block keeps memory bounded by one block's activations, and
+lets a sequential method quantize block ``i`` before block ``i+1``'s inputs are
+computed (``process_block``), as GPTQ and AWQ do.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+STATS = ("absmax", "min", "max", "abs_sum", "count", "hessian")
+_COMBINE = {"absmax": jnp.maximum, "min": jnp.minimum, "max": jnp.maximum, "abs_sum": jnp.add, "count": jnp.add,
+            "hessian": jnp.add}
+
+
+class CalibrationError(ValueError):
+    """Calibration data or settings that cannot give the requested statistics."""
+
+
+# --------------------------------------------------------------------------- data
+
+
+def calibration_windows(tokenizer: Any, text_path: str | Path, n_samples: int, seq_len: int) -> np.ndarray:
+    """The first ``n_samples`` non-overlapping windows of ``seq_len`` tokens of the text (no BOS)."""
+    from llmeq_jax.evaluate import tokenize_text
+
+    path = Path(text_path)
+    if not path.is_file():
+        raise CalibrationError(f"calibration text {str(path)!r} does not exist")
+    if n_samples <= 0:
+        raise CalibrationError(f"calibration needs at least one sample; got {n_samples}")
+    ids = tokenize_text(tokenizer, path.read_text())
+    have = len(ids) // seq_len
+    if have < n_samples:
+        raise CalibrationError(
+            f"calibration text {path.name} has {len(ids)} tokens = {have} samples of {seq_len}; "
+            f"{n_samples} were requested (use fewer samples, a shorter --seq-len or a longer text)"
+        )
+    return ids[: n_samples * seq_len].reshape(n_samples, seq_len)
+
+
+# --------------------------------------------------------------------------- statistics of one input
+
+
+def input_stats(x: jax.Array, wants: Iterable[str]) -> dict[str, jax.Array]:
+    """Statistics of one linear input ``x [..., in]`` over all its tokens."""
+    xf = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    out: dict[str, jax.Array] = {}
+    for name in wants:
+        if name == "absmax":
+            out[name] = jnp.max(jnp.abs(xf), axis=0)
+        elif name == "min":
+            out[name] = jnp.min(xf, axis=0)
+        elif name == "max":
+            out[name] = jnp.max(xf, axis=0)
+        elif name == "abs_sum":
+            out[name] = jnp.sum(jnp.abs(xf), axis=0)
+        elif name == "count":
+            out[name] = jnp.asarray(xf.shape[0], jnp.float32)
+        elif name == "hessian":
+            out[name] = jnp.einsum("ti,tj->ij", xf, xf, precision=jax.lax.Precision.HIGHEST)
+        else:
+            raise CalibrationError(f"unknown statistic {name!r}; available: {list(STATS)}")
+    return out
+
+
+def combine(a: dict, b: dict) -> dict:
+    """Merge two stats dicts (same keys) with each statistic's own reduction."""
+    return {path: {k: _COMBINE[k](a[path][k], b[path][k]) for k in a[path]} for path in a}
+
+
+# --------------------------------------------------------------------------- block runs
+
+
+def _is_linear(module: nn.Module) -> bool:
+    from llmeq_jax.models.layers import Linear
+
+    return isinstance(module, Linear)
+
+
+def run_block_capturing(
+    apply_fn: Callable[[], jax.Array], record: Callable[[str, jax.Array], None]
+) -> jax.Array:
+    """Call ``apply_fn()`` and hand every Linear input to ``record(path_in_block, x)``."""
+
+    def interceptor(next_fun, args, kwargs, context):
+        if context.method_name == "__call__" and _is_linear(context.module):
+            record("/".join(context.module.scope.path), args[0])
+        return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(interceptor):
+        return apply_fn()
+
+
+@functools.partial(jax.jit, static_argnames=("config", "layer", "wants"))
+def _block_with_stats(config, block_params, hidden, positions, *, layer, wants):
+    from llmeq_jax.models.model import apply_block
+
+    found: dict[str, dict] = {}
+
+    def record(path, x):
+        found[path + "/kernel"] = input_stats(x, wants)
+
+    out = run_block_capturing(lambda: apply_block(config, block_params, hidden, positions, layer=layer), record)
+    return out, found
+
+
+@functools.partial(jax.jit, static_argnames=("config", "layer"))
+def _block(config, block_params, hidden, positions, *, layer):
+    from llmeq_jax.models.model import apply_block
+
+    return apply_block(config, block_params, hidden, positions, layer=layer)
+
+
+def _block_inputs(config, params, windows: np.ndarray, batch_size: int) -> list[tuple[jax.Array, jax.Array]]:
+    from llmeq_jax.models.model import embed
+
+    out = []
+    for start in range(0, len(windows), batch_size):
+        toks = jnp.asarray(windows[start : start + batch_size])
+        positions = jnp.broadcast_to(jnp.arange(toks.shape[1]), toks.shape)
+        out.append((jax.jit(embed, static_argnums=0)(config, params, toks, positions), positions))
+    return out
+
+
+def calibrate(
+    config: Any,
+    params: dict,
+    windows: np.ndarray,
+    *,
+    wants: Iterable[str] = ("absmax", "abs_sum", "count"),
+    batch_size: int = 4,
+    process_block: Callable[[int, dict, dict, list], dict] | None = None,
+    progress: bool = False,
+) -> tuple[dict, dict]:
+    """Run ``windows`` ``[N, T]`` through the model one block at a time.
+
+    Returns ``(stats, params)``: ``stats`` maps each kernel path (e.g.
+    ``layers_0/attn/q_proj/kernel``) to its input statistics; ``params`` is the
+    tree after ``process_block(layer, block_params, block_stats, block_inputs)``
+    replaced each block (unchanged without it). Block ``i+1`` sees the outputs
+    of the processed block ``i``.
+    """
+    wants = tuple(dict.fromkeys(wants))
+    inputs = _block_inputs(config, params, windows, batch_size)
+    layers = range(config.num_layers)
+    if progress:
+        from tqdm import tqdm
+
+        layers = tqdm(layers, desc="calibrate", unit="block", leave=False)
+    stats: dict[str, dict] = {}
+    new_params = dict(params)
+    for i in layers:
+        name = f"layers_{i}"
+        bp = params[name]
+        block_stats = None
+        for h, pos in inputs:
+            _, found = _block_with_stats(config, bp, h, pos, layer=i, wants=wants)
+            block_stats = found if block_stats is None else combine(block_stats, found)
+        if process_block is not None:
+            bp = process_block(i, bp, block_stats, inputs)
+            new_params[name] = bp
+        stats.update({f"{name}/{p}": s for p, s in block_stats.items()})
+        inputs = [(_block(config, bp, h, pos, layer=i), pos) for h, pos in inputs]
+    return stats, new_params
+
+
+def collect_for_recipe(config, params, tokenizer, text_path, n_samples: int, recipe, progress: bool = False,
+                       seq_len: int = 512) -> tuple[dict, int]:
+    """Statistics a recipe needs (input absmax per kernel for static activation scales) -> (stats, samples)."""
+    windows = calibration_windows(tokenizer, text_path, n_samples, min(seq_len, config.max_position_embeddings))
+    stats, _ = calibrate(config, params, windows, wants=("absmax",), progress=progress)
+    return stats, n_samples

@@ -1,0 +1,112 @@
+"""End to end through the `llmeq` command (subprocesses) on the real stories260K model."""
+
+import json
+import math
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from tests.shared_data import shared_data_path
+
+MODEL = str(shared_data_path("stories260K.gguf"))
+TEXT = str(shared_data_path("wikitext2_test.txt"))
+
+
+def llmeq(*args, check=True):
+    env = {**os.environ, "TQDM_DISABLE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "llmeq_jax.cli", *args], capture_output=True, text=True, env=env,
+                          timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"llmeq {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture(scope="module")
+def w8_checkpoint(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "w8"
+    info = json.loads(llmeq("quantize", MODEL, "--recipe", "rtn-w8", "--out", str(out), "--json").stdout)
+    assert info["recipe"] == "rtn-w8" and info["disk_bytes"] > 0 and info["quantize_s"] >= 0
+    return out, info
+
+
+def _eval(model):
+    proc = llmeq("eval", model, "--text", TEXT, "--seq-len", "128", "--windows", "4", "--json")
+    return json.loads(proc.stdout)
+
+
+def test_quantize_inspect_eval_generate(w8_checkpoint):
+    out, info = w8_checkpoint
+    leaves = json.loads(llmeq("inspect", str(out), "--json").stdout)["leaves"]
+    q = [r for r in leaves if r["kind"] == "qarray"]
+    assert q and all(r["bits"] == 8 and r["granularity"].startswith("per-channel") for r in q)
+    assert all(r["kind"] == "float" for r in leaves if not r["path"].endswith("/kernel"))
+    assert "per-channel" in llmeq("inspect", str(out)).stdout
+
+    fp, w8 = _eval(MODEL), _eval(str(out))
+    for rep in (fp, w8):
+        row = rep["rows"][0]
+        assert rep["seq_len"] == 128 and rep["n_windows"] == 4 and row["extra"]["tokens"] == 4 * 127
+        assert math.isfinite(row["ppl"]) and row["param_bytes"] > 0
+        assert {"protocol", "machine", "versions", "peak_host_mb"} <= set(rep)
+    assert w8["rows"][0]["param_bytes"] < 0.5 * fp["rows"][0]["param_bytes"]
+    assert w8["rows"][0]["ppl"] < 1.1 * fp["rows"][0]["ppl"]
+
+    text = llmeq("generate", str(out), "--prompt", "Once upon a time", "--max-new-tokens", "12").stdout
+    assert text.startswith("Once upon a time") and len(text.strip()) > len("Once upon a time")
+
+
+def test_compare_writes_report_and_plots(tmp_path):
+    out = tmp_path / "cmp"
+    proc = llmeq("compare", MODEL, "--recipes", "fp32", "rtn-w4-g128", "--text", TEXT, "--seq-len", "128",
+                 "--windows", "2", "--out-dir", str(out), "--json")
+    rep = json.loads(proc.stdout)
+    assert [r["recipe"] for r in rep["rows"]] == ["fp32", "rtn-w4-g128"]
+    fp, w4 = rep["rows"]
+    assert w4["param_bytes"] < fp["param_bytes"] and w4["disk_bytes"] < fp["disk_bytes"]
+    assert math.isfinite(w4["ppl"]) and fp["ppl"] <= w4["ppl"] < 3 * fp["ppl"]
+    assert w4["decode_tok_s"] > 0 and w4["prefill_tok_s"] > 0
+    for name in ("report.json", "report.md", "ppl_vs_size.png", "time_breakdown.png", "weight_hist.png"):
+        assert (out / name).stat().st_size > 0, name
+
+
+@pytest.mark.parametrize(
+    "args,msg",
+    [
+        (["eval", "/nonexistent/model.gguf", "--text", TEXT], "does not exist"),
+        (["eval", MODEL, "--text", "/nonexistent.txt"], "evaluation text file '/nonexistent.txt' does not exist"),
+        (["quantize", MODEL, "--recipe", "/nonexistent.yaml", "--out", "x"], "recipe file"),
+    ],
+)
+def test_bad_input_one_clear_error(args, msg, tmp_path):
+    proc = llmeq(*args, check=False)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and msg in lines[0], proc.stderr
+
+
+def test_bad_recipe_and_unwritable_out_leave_nothing(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rules:\n  - pattern: '.*/kernel'\n    weight: {bits: 9}\n")
+    out = tmp_path / "never"
+    proc = llmeq("quantize", MODEL, "--recipe", str(bad), "--out", str(out), check=False)
+    assert proc.returncode == 2 and "bits=9" in proc.stderr and not out.exists()
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    try:
+        if os.access(locked, os.W_OK):  # root ignores permissions; a file in the way is unwritable for everyone
+            blocker = tmp_path / "blocker"
+            blocker.write_text("")
+            target = blocker / "ckpt"
+        else:
+            target = locked / "ckpt"
+        proc = llmeq("quantize", MODEL, "--recipe", "rtn-w8", "--out", str(target), check=False)
+        assert proc.returncode == 2 and "error" in proc.stderr
+        assert not target.exists()
+        assert not [p for p in tmp_path.rglob(".*tmp*")]
+    finally:
+        locked.chmod(stat.S_IRWXU)
