@@ -188,7 +188,7 @@ def w8a8_reference(x, wq, w_scale, *, w_zero_point=None, bias=None, act_scale=No
     return y.astype(x.dtype)
 
 
-def can_use(x_shape, x_dtype, wq_dtype, k: int, n: int, group: int | None) -> tuple[bool, str]:
+def can_use(x_shape, x_dtype, wq_dtype, k: int, group: int | None) -> tuple[bool, str]:
     """(True, "") when the kernel takes this product, else (False, why)."""
     if len(x_shape) != 2 or x_shape[1] != k:
         return False, f"x must be (M, {k}), got {tuple(x_shape)}"
