@@ -1,0 +1,13 @@
+"""Pallas (GPU Triton) kernels for llmeq_jax, each beside a pure-jnp reference of the same math.
+
+* :mod:`pallas_kernels.w8a8`         fused per-token activation quantize + int8 GEMM + rescale
+* :mod:`pallas_kernels.weight_only`  int8 / packed-int4 weight-only matmul (dequantize in registers)
+* :mod:`pallas_kernels.online_scale` EMA-tracked (asynchronous) activation scales + quantize
+* :mod:`pallas_kernels.kv_cache`     quantized KV-cache append and single-query decode attention
+* :mod:`pallas_kernels.dispatch`     what ``llmeq_jax.ops.linear`` calls
+* :mod:`pallas_kernels.config`       the interpret-mode switch for running kernels on CPU
+"""
+
+from pallas_kernels import config
+
+__all__ = ["config"]

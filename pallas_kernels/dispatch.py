@@ -1,0 +1,91 @@
+"""The bridge ``llmeq_jax.ops.linear`` calls: pick a Pallas kernel for a QArray product, or None.
+
+``linear(x, w, act, require)`` returns the kernel's result when a kernel can take
+the product on this backend (a CUDA GPU, or anywhere inside
+``pallas_kernels.config.interpret(True)``); otherwise None, so ops falls back to
+XLA -- or, with ``require=True`` (``backend="pallas"``), raises one clear error
+saying why no kernel applies.
+
+Which kernel:
+  act spec given  -> W8A8 (int8-stored weights; dynamic per-token or static per-tensor activations)
+  no act spec     -> weight-only: int8-stored values (5..8 bits) or nibble-packed (3..4 bits)
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from llmeq_jax.core.qarray import QArray, values_per_byte
+from pallas_kernels import config, w8a8, weight_only
+
+
+class KernelUnavailable(ValueError):
+    """No Pallas kernel can take this product (raised only when one was required)."""
+
+
+def _layout(w: QArray) -> tuple[int | None, jnp.ndarray, jnp.ndarray | None, str]:
+    """(group or None, scale (G, N), zero point (G, N) or None, why-not) of an (in, out) kernel."""
+    k, n = w.shape
+    if w.tile[1] not in (1, n):
+        return None, None, None, f"scales grouped along the output dim (tile {w.tile})"
+    per_k = w.scale.shape[0]
+    group = None if per_k == 1 else w.tile[0]
+    groups = 1 if group is None else math.ceil(k / group)
+    scale = jnp.broadcast_to(w.scale.astype(jnp.float32), (groups, n))
+    zp = None if w.zero_point is None else jnp.broadcast_to(w.zero_point, (groups, n))
+    return group, scale, zp, ""
+
+
+def plan(x_shape, x_dtype, w: QArray, act) -> tuple[str | None, str]:
+    """("w8a8" | "weight_only", "") when a kernel takes ``x @ w``, else (None, why)."""
+    if len(w.shape) != 2:
+        return None, f"kernel of rank {len(w.shape)}"
+    k, n = w.shape
+    rows = (math.prod(x_shape[:-1]), k)
+    group, _, _, why = _layout(w)
+    if why:
+        return None, why
+    per_byte = values_per_byte(w.bits)
+    if act is not None:
+        if per_byte != 1:
+            return None, f"W8A8 needs int8-stored weights, got int{w.bits}"
+        if act.bits != 8 or not act.symmetric:
+            return None, f"activations {act.describe()} (the kernel quantizes to symmetric int8)"
+        if w.act_scale is None and act.granularity != "token":
+            return None, f"dynamic {act.granularity} activation scales (the kernel does per-token or a static scale)"
+        ok, why = w8a8.can_use(rows, x_dtype, w.qvalue.dtype, k, group)
+        return ("w8a8", "") if ok else (None, why)
+    if per_byte == 2 and w.pack_axis != 0:
+        return None, f"int{w.bits} values packed along axis {w.pack_axis} (the kernel reads them packed along K)"
+    if per_byte == 4:
+        return None, f"int{w.bits} weights packed four per byte"
+    ok, why = weight_only.can_use(rows, x_dtype, 8 if per_byte == 1 else 4, k, group)
+    return ("weight_only", "") if ok else (None, why)
+
+
+def linear(x, w: QArray, act=None, require: bool = False):
+    """``x @ w`` by a Pallas kernel, or None when none applies (an error if ``require``)."""
+    if not config.kernels_available():
+        if require:
+            raise KernelUnavailable(
+                "backend='pallas' needs a CUDA GPU (the default JAX backend here is "
+                f"{jax.default_backend()!r}); on CPU use `with pallas_kernels.config.interpret(True):`"
+            )
+        return None
+    kind, why = plan(x.shape, x.dtype, w, act)
+    if kind is None:
+        if require:
+            raise KernelUnavailable(f"no Pallas kernel takes x {tuple(x.shape)} {x.dtype} @ {w!r}: {why}")
+        return None
+    k, n = w.shape
+    x2 = x.reshape(-1, k)
+    group, scale, zp, _ = _layout(w)
+    if kind == "w8a8":
+        y = w8a8.w8a8_matmul(x2, w.qvalue, scale, w_zero_point=zp, act_scale=w.act_scale, group=group)
+    else:
+        bits = 8 if values_per_byte(w.bits) == 1 else 4
+        y = weight_only.weight_only_matmul(x2, w.qvalue, scale, bits=bits, w_zero_point=zp, group=group)
+    return y.reshape(*x.shape[:-1], n)

@@ -1,0 +1,201 @@
+"""Fused W8A8 matmul: quantize activations per token, int8 x int8 -> int32, rescale, one kernel.
+
+Contract (``(in, out)`` weights, as everywhere in llmeq_jax):
+  x        (M, K)  float32 / bfloat16 / float16
+  wq       (K, N)  int8
+  w_scale  (G, N)  float32, G = 1 (per channel) or ceil(K / group) (per group; last group shorter)
+  w_zero_point (G, N) int8 or None
+  bias     (N,)    or None
+  act_scale        None -> dynamic per-token absmax; else a static per-tensor scale (scalar)
+  -> y     (M, N)  x.dtype
+
+Numerics are the core's (``llmeq_jax.ops.w8a8_xla``): scale_x = max(absmax, tiny) / 127,
+x_q = clip(round_half_even(x / scale_x), -127, 127); per group g
+acc_g = sum_k x_q w_q (int32) [- sum_k x_q * zp_g]; y = (sum_g acc_g * s_g) * scale_x (+ bias).
+
+Kernel: one program per (bm x bn) output tile. Dynamic scales need the whole row,
+so the program first streams its x rows once for the absmax, then streams K
+again quantizing x tiles in registers and feeding int8 tensor-core dots.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import config
+from pallas_kernels.blocks import Blocks, matmul_blocks
+from pallas_kernels.common import (
+    FLOAT_DTYPES,
+    TINY,
+    cdiv,
+    compiler_params,
+    is_pow2,
+    load_tile,
+    quantize_sym,
+    span,
+    store_tile,
+)
+
+QMAX = 127
+
+
+def _kernel(*refs, m, n, k, blocks, group, has_zp, has_bias, static):
+    x_ref, w_ref, ws_ref = refs[:3]
+    rest = list(refs[3:])
+    zp_ref = rest.pop(0) if has_zp else None
+    b_ref = rest.pop(0) if has_bias else None
+    sx_ref = rest.pop(0) if static else None
+    (o_ref,) = rest
+    bm, bn, bk = blocks.bm, blocks.bn, blocks.bk
+    rows = span(pl.program_id(0) * bm, bm, m)
+    cols = span(pl.program_id(1) * bn, bn, n)
+    n_k = cdiv(k, bk)
+
+    def x_tile(kb):
+        return load_tile(x_ref, rows, span(kb * bk, bk, k), 0).astype(jnp.float32)
+
+    if static:
+        sx = jnp.full((bm, 1), sx_ref[0], jnp.float32)
+    else:
+
+        def absmax(kb, amax):
+            return jnp.maximum(amax, jnp.max(jnp.abs(x_tile(kb)), axis=1, keepdims=True))
+
+        amax = jax.lax.fori_loop(0, n_k, absmax, jnp.zeros((bm, 1), jnp.float32))
+        sx = jnp.maximum(amax, TINY) / QMAX
+
+    def row_of(ref, g):  # one (1, bn) row of a per-group array
+        return load_tile(ref, span(g, 1, ref.shape[0]), cols, 0).astype(jnp.float32)
+
+    def body(kb, carry):
+        acc, xsum = carry
+        xq = quantize_sym(x_tile(kb), sx, QMAX)
+        wt = load_tile(w_ref, span(kb * bk, bk, k), cols, 0)
+        part = jax.lax.dot_general(
+            xq.astype(jnp.int8), wt, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32
+        )
+        tsum = jnp.sum(xq, axis=1, keepdims=True)
+        if group is None:  # one scale for all of K: keep exact int32 accumulation
+            return acc + part, xsum + tsum
+        partf = part.astype(jnp.float32)
+        if has_zp:
+            partf = partf - tsum.astype(jnp.float32) * row_of(zp_ref, kb)
+        return acc + partf * row_of(ws_ref, kb), xsum
+
+    acc_dtype = jnp.int32 if group is None else jnp.float32
+    init = (jnp.zeros((bm, bn), acc_dtype), jnp.zeros((bm, 1), jnp.int32))
+    acc, xsum = jax.lax.fori_loop(0, n_k, body, init)
+    if group is None:
+        accf = acc.astype(jnp.float32)
+        if has_zp:
+            accf = accf - xsum.astype(jnp.float32) * row_of(zp_ref, 0)
+        acc = accf * row_of(ws_ref, 0)
+    y = acc * sx
+    if has_bias:
+        y = y + row_of(b_ref, 0)
+    store_tile(o_ref, rows, cols, y.astype(o_ref.dtype))
+
+
+def _check(x, wq, w_scale, w_zero_point, group):
+    if x.ndim != 2 or wq.ndim != 2 or x.shape[1] != wq.shape[0]:
+        raise ValueError(f"w8a8_matmul expects x (M, K) and wq (K, N); got {x.shape} and {wq.shape}")
+    if jnp.dtype(x.dtype) not in FLOAT_DTYPES:
+        raise ValueError(f"w8a8_matmul: x must be float32/bfloat16/float16, got {x.dtype}")
+    if wq.dtype != jnp.int8:
+        raise ValueError(f"w8a8_matmul: wq must be int8, got {wq.dtype}")
+    k, n = wq.shape
+    groups = 1 if group is None else cdiv(k, group)
+    if w_scale.shape != (groups, n):
+        raise ValueError(f"w8a8_matmul: w_scale has shape {w_scale.shape}, expected {(groups, n)} (group={group})")
+    if w_zero_point is not None and w_zero_point.shape != w_scale.shape:
+        raise ValueError(f"w8a8_matmul: zero point shape {w_zero_point.shape} != scale shape {w_scale.shape}")
+    if group is not None and not (is_pow2(group) and group >= 16):
+        raise ValueError(f"w8a8_matmul: group size must be a power of two >= 16, got {group}")
+
+
+def w8a8_matmul(
+    x,
+    wq,
+    w_scale,
+    *,
+    w_zero_point=None,
+    bias=None,
+    act_scale=None,
+    group: int | None = None,
+    blocks: Blocks | None = None,
+    interpret: bool | None = None,
+):
+    """Fused quantize + int8 GEMM + rescale (see module docstring for the contract)."""
+    _check(x, wq, w_scale, w_zero_point, group)
+    m, k = x.shape
+    n = wq.shape[1]
+    blocks = blocks or matmul_blocks(m, n, k, group)
+    if group is not None and blocks.bk != group:
+        raise ValueError(f"w8a8_matmul: with per-group scales the K block must equal the group ({group}), got {blocks.bk}")
+    args = [x, wq, w_scale.astype(jnp.float32)]
+    if w_zero_point is not None:
+        args.append(w_zero_point.astype(jnp.int8))
+    if bias is not None:
+        args.append(bias.astype(jnp.float32).reshape(1, n))
+    if act_scale is not None:
+        args.append(jnp.asarray(act_scale, jnp.float32).reshape(1))
+    kernel = functools.partial(
+        _kernel,
+        m=m,
+        n=n,
+        k=k,
+        blocks=blocks,
+        group=group,
+        has_zp=w_zero_point is not None,
+        has_bias=bias is not None,
+        static=act_scale is not None,
+    )
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
+        grid=(cdiv(m, blocks.bm), cdiv(n, blocks.bn)),
+        compiler_params=compiler_params(blocks.num_warps, blocks.num_stages),
+        interpret=config.resolve_interpret(interpret),
+        name="w8a8_matmul",
+    )(*args)
+
+
+def w8a8_reference(x, wq, w_scale, *, w_zero_point=None, bias=None, act_scale=None, group=None):
+    """Pure-jnp W8A8 with the kernel's math (jnp.round, int32 dots per group)."""
+    _check(x, wq, w_scale, w_zero_point, group)
+    k, n = wq.shape
+    xf = x.astype(jnp.float32)
+    if act_scale is None:
+        sx = jnp.maximum(jnp.max(jnp.abs(xf), axis=1, keepdims=True), TINY) / QMAX
+    else:
+        sx = jnp.asarray(act_scale, jnp.float32)
+    xq = jnp.clip(jnp.round(xf / sx), -QMAX, QMAX).astype(jnp.int8)
+    g = k if group is None else group
+    y = jnp.zeros((x.shape[0], n), jnp.float32)
+    for gi, k0 in enumerate(range(0, k, g)):
+        xs, ws = xq[:, k0 : k0 + g], wq[k0 : k0 + g]
+        acc = jax.lax.dot(xs, ws, preferred_element_type=jnp.int32).astype(jnp.float32)
+        if w_zero_point is not None:
+            acc = acc - jnp.sum(xs.astype(jnp.int32), axis=1, keepdims=True).astype(jnp.float32) * w_zero_point[gi]
+        y = y + acc * w_scale[gi]
+    y = y * sx
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+def can_use(x_shape, x_dtype, wq_dtype, k: int, group: int | None) -> tuple[bool, str]:
+    """(True, "") when the kernel takes this product, else (False, why)."""
+    if len(x_shape) != 2 or x_shape[1] != k:
+        return False, f"x must be (M, {k}), got {tuple(x_shape)}"
+    if jnp.dtype(x_dtype) not in FLOAT_DTYPES:
+        return False, f"activation dtype {jnp.dtype(x_dtype).name} is not float32/bfloat16/float16"
+    if jnp.dtype(wq_dtype) != jnp.int8:
+        return False, f"weight values must be int8, got {jnp.dtype(wq_dtype).name}"
+    if group is not None and not (is_pow2(group) and group >= 16):
+        return False, f"group size {group} is not a power of two >= 16"
+    return True, ""

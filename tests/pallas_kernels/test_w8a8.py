@@ -1,0 +1,116 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from llmeq_jax import ops
+from llmeq_jax.core.quantize import Spec, quantize
+from pallas_kernels.w8a8 import can_use, w8a8_matmul, w8a8_reference
+
+# (M, K, N, group, zero points, bias)
+SHAPES = [
+    (1, 96, 80, None, False, False),  # decode row, N not a block multiple
+    (37, 130, 90, None, True, True),  # ragged M/N/K
+    (5, 100, 48, 32, True, False),  # ragged last group
+    (20, 192, 40, 64, False, True),
+    (3, 300, 24, 128, False, False),
+]
+
+
+def _operands(m, k, n, group, zp, bias, dtype=jnp.float32, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 5)
+    x = (jax.random.normal(ks[0], (m, k)) * 2).astype(dtype)
+    wq = jax.random.randint(ks[1], (k, n), -127, 128).astype(jnp.int8)
+    groups = 1 if group is None else -(-k // group)
+    s = jax.random.uniform(ks[2], (groups, n), minval=1e-3, maxval=1e-2)
+    z = jax.random.randint(ks[3], (groups, n), -4, 5).astype(jnp.int8) if zp else None
+    b = jax.random.normal(ks[4], (n,)) if bias else None
+    return x, wq, s, z, b
+
+
+@pytest.mark.parametrize("m,k,n,group,zp,bias", SHAPES)
+def test_kernel_matches_reference(m, k, n, group, zp, bias):
+    x, wq, s, z, b = _operands(m, k, n, group, zp, bias)
+    y = w8a8_matmul(x, wq, s, w_zero_point=z, bias=b, group=group, interpret=True)
+    r = w8a8_reference(x, wq, s, w_zero_point=z, bias=b, group=group)
+    assert y.shape == (m, n) and y.dtype == x.dtype
+    np.testing.assert_allclose(y, r, rtol=1e-6, atol=1e-6 * float(jnp.max(jnp.abs(r))))
+
+
+def test_integer_path_is_exact():
+    """Integer-valued activations with unit scales: the output is the exact int8 x int8 product."""
+    k, n = 77, 40
+    rng = np.random.default_rng(0)
+    xi = rng.integers(-127, 128, size=(9, k))
+    wi = rng.integers(-127, 128, size=(k, n))
+    y = w8a8_matmul(jnp.asarray(xi, jnp.float32), jnp.asarray(wi, jnp.int8), jnp.ones((1, n)), act_scale=1.0, interpret=True)
+    np.testing.assert_array_equal(np.asarray(y), (xi @ wi).astype(np.float32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_precision_activations(dtype):
+    x, wq, s, z, b = _operands(6, 64, 40, None, False, True, dtype=dtype)
+    y = w8a8_matmul(x, wq, s, bias=b, interpret=True)
+    r = w8a8_reference(x, wq, s, bias=b)
+    assert y.dtype == dtype
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(r, np.float32), rtol=1e-2, atol=1e-2)
+
+
+def test_static_activation_scale_clips_like_the_core():
+    x, wq, s, _, _ = _operands(4, 64, 24, None, False, False)
+    act_scale = jnp.float32(0.01)  # small: many activations clip at +-127
+    y = w8a8_matmul(x, wq, s, act_scale=act_scale, interpret=True)
+    np.testing.assert_allclose(y, w8a8_reference(x, wq, s, act_scale=act_scale), rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        Spec(bits=8, granularity="channel"),
+        Spec(bits=8, granularity="group", group_size=32),
+        Spec(bits=8, granularity="channel", symmetric=False),
+    ],
+    ids=lambda s: s.describe(),
+)
+def test_matches_core_xla_w8a8(spec):
+    w = jax.random.normal(jax.random.key(1), (100, 56))
+    x = jax.random.normal(jax.random.key(2), (7, 100))
+    q = quantize(w, spec, act_spec=Spec(bits=8, granularity="token"))
+    groups = q.scale.shape[0]
+    y = w8a8_matmul(
+        x, q.qvalue, q.scale, w_zero_point=q.zero_point, group=None if groups == 1 else q.tile[0], interpret=True
+    )
+    r = ops.w8a8_xla(x, q, q.act_spec)
+    np.testing.assert_allclose(y, r, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(r))))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize(
+    "m,k,n,group,zp,bias,static",
+    [(1, 4096, 4096, None, False, False, False), (4096, 4096, 11008, 128, True, True, False), (17, 11008, 4096, None, False, True, True), (3, 100, 70, 32, True, False, False)],
+)
+def test_lowers_for_cuda(cuda_lowering, dtype, m, k, n, group, zp, bias, static):
+    groups = 1 if group is None else -(-k // group)
+    sds = jax.ShapeDtypeStruct
+    args = [sds((m, k), dtype), sds((k, n), jnp.int8), sds((groups, n), jnp.float32)]
+    args += [sds((groups, n), jnp.int8) if zp else None, sds((n,), jnp.float32) if bias else None]
+    args += [sds((), jnp.float32) if static else None]
+
+    def f(x, wq, s, z, b, a):
+        return w8a8_matmul(x, wq, s, w_zero_point=z, bias=b, act_scale=a, group=group)
+
+    text = cuda_lowering(f, *args)
+    assert "w8a8_matmul" in text
+
+
+def test_bad_input_is_rejected_clearly():
+    x, wq, s, _, _ = _operands(2, 64, 16, None, False, False)
+    with pytest.raises(ValueError, match="w_scale has shape"):
+        w8a8_matmul(x, wq, s[:, :8], interpret=True)
+    with pytest.raises(ValueError, match="power of two"):
+        w8a8_matmul(x, wq, jnp.ones((3, 16)), group=24, interpret=True)
+    with pytest.raises(ValueError, match="must be int8"):
+        w8a8_matmul(x, wq.astype(jnp.int32), s, interpret=True)
+    assert can_use((2, 64), jnp.float32, jnp.int8, 64, None) == (True, "")
+    assert not can_use((2, 64), jnp.int32, jnp.int8, 64, None)[0]
+    assert not can_use((2, 64), jnp.float32, jnp.int8, 64, 48)[0]

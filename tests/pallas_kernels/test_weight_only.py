@@ -1,0 +1,75 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from llmeq_jax import ops
+from llmeq_jax.core.quantize import Spec, quantize
+from pallas_kernels.weight_only import can_use, weight_only_matmul, weight_only_reference
+
+# (M, K, N, bits, group, symmetric, dtype)
+CASES = [
+    (1, 100, 70, 8, None, True, jnp.float32),
+    (37, 130, 90, 4, 32, False, jnp.float32),
+    (5, 127, 33, 4, 64, True, jnp.bfloat16),  # odd K: last packed byte half empty
+    (3, 300, 40, 4, 128, False, jnp.float16),
+    (20, 64, 33, 8, 32, False, jnp.float32),
+]
+
+
+def _qweight(k, n, bits, group, symmetric):
+    spec = Spec(bits=bits, granularity="group" if group else "channel", group_size=group, symmetric=symmetric)
+    return quantize(jax.random.normal(jax.random.key(3), (k, n)), spec)
+
+
+@pytest.mark.parametrize("m,k,n,bits,group,symmetric,dtype", CASES)
+def test_kernel_matches_reference_and_core(m, k, n, bits, group, symmetric, dtype):
+    q = _qweight(k, n, bits, group, symmetric)
+    x = jax.random.normal(jax.random.key(4), (m, k)).astype(dtype)
+    kw = dict(bits=bits, w_zero_point=q.zero_point, group=group)
+    y = weight_only_matmul(x, q.qvalue, q.scale, interpret=True, **kw)
+    r = weight_only_reference(x, q.qvalue, q.scale, **kw)
+    core = ops.weight_only_xla(x, q)
+    assert y.shape == (m, n) and y.dtype == dtype
+    y32, r32, c32 = (np.asarray(a, np.float32) for a in (y, r, core))
+    scale = float(np.max(np.abs(r32)))
+    tight, loose = (1e-6, 1e-5) if dtype == jnp.float32 else (8e-3, 2e-2)
+    np.testing.assert_allclose(y32, r32, rtol=tight, atol=tight * scale)
+    np.testing.assert_allclose(y32, c32, rtol=loose, atol=loose * scale)
+
+
+def test_integer_path_is_exact():
+    """Unit scales, integer activations: exactly the integer product of the unpacked int4 values."""
+    rng = np.random.default_rng(0)
+    k, n = 70, 24
+    v = rng.integers(-7, 8, size=(k, n))  # symmetric int4 grid: [-7, 7]
+    q = quantize(jnp.asarray(v, jnp.float32), Spec(bits=4, granularity="channel"), scale=jnp.ones((1, n)))
+    np.testing.assert_array_equal(q.values(), v)
+    xi = rng.integers(-50, 50, size=(4, k))
+    y = weight_only_matmul(jnp.asarray(xi, jnp.float32), q.qvalue, q.scale, bits=4, bias=jnp.zeros(n), interpret=True)
+    np.testing.assert_array_equal(np.asarray(y), (xi @ v).astype(np.float32))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("m,k,n,group", [(1, 4096, 11008, 128), (16, 11008, 4096, None), (2048, 4096, 4096, 64), (3, 130, 90, 32)])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_lowers_for_cuda(cuda_lowering, bits, m, k, n, group, dtype):
+    groups = 1 if group is None else -(-k // group)
+    sds = jax.ShapeDtypeStruct
+    wq = sds((k, n), jnp.int8) if bits == 8 else sds((-(-k // 2), n), jnp.uint8)
+
+    def f(x, w, s, z, b):
+        return weight_only_matmul(x, w, s, bits=bits, w_zero_point=z, bias=b, group=group)
+
+    cuda_lowering(f, sds((m, k), dtype), wq, sds((groups, n), jnp.float32), sds((groups, n), jnp.int8), sds((n,), dtype))
+
+
+def test_bad_input_is_rejected_clearly():
+    x = jnp.ones((2, 64))
+    with pytest.raises(ValueError, match="must be uint8 with 32 rows"):
+        weight_only_matmul(x, jnp.zeros((64, 8), jnp.int8), jnp.ones((1, 8)), bits=4, interpret=True)
+    with pytest.raises(ValueError, match="bits=3"):
+        weight_only_matmul(x, jnp.zeros((64, 8), jnp.int8), jnp.ones((1, 8)), bits=3, interpret=True)
+    assert can_use((2, 64), jnp.bfloat16, 4, 64, 128) == (True, "")
+    assert not can_use((2, 64), jnp.bfloat16, 2, 64, None)[0]
+    assert not can_use((2, 64), jnp.bfloat16, 4, 64, 16)[0]
