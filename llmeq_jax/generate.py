@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from llmeq_jax.models.config import ModelConfig
-from llmeq_jax.models.model import forward_step, init_cache
+from llmeq_jax.models.model import forward_step, init_cache  # noqa: F401 (init_cache re-exported)
 
 
 def _check_sampling(temperature: float, top_k: int, top_p: float) -> None:

@@ -15,6 +15,7 @@ calibration can run the model one block at a time; ``forward`` and
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -126,6 +127,11 @@ def forward_step(
 
 def init_params(config: ModelConfig, rng: jax.Array) -> Params:
     """Random float32 params with the tree layout the loaders produce (for tests and smoke runs)."""
+    return _init_params_jit(config, rng)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _init_params_jit(config: ModelConfig, rng: jax.Array) -> Params:
     keys = iter(jax.random.split(rng, config.num_layers + 4))
     one = jnp.zeros((1, 1), jnp.int32)
     params: Params = {"embed": Embed(config.vocab_size, config.hidden_size).init(next(keys), one)["params"]}

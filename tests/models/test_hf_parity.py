@@ -6,16 +6,20 @@ llama and qwen3) and read back by our loader.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 
 from llmeq_jax.generate import generate
-from llmeq_jax.models import forward, load_model
+from llmeq_jax.models import forward as _forward
+from llmeq_jax.models import load_model
 from tests.models.hf_fixtures import CASES, make_hf_model, save
 
 TOL = 1e-4
+
+forward = jax.jit(_forward, static_argnums=0)  # one compile per shape instead of op-by-op dispatch
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
