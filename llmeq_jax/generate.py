@@ -1,0 +1,133 @@
+"""Text generation over a preallocated KV cache.
+
+``prefill`` runs the (left-padded) prompt through the model once and fills the
+cache; ``decode_step`` is one jitted token step with static shapes. ``generate``
+runs prefill, then all decode steps inside one ``lax.fori_loop`` (no Python
+dispatch per token, no recompilation per token).
+Sampling: greedy, or temperature / top-k / top-p with an explicit seed.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from llmeq_jax.models.config import ModelConfig
+from llmeq_jax.models.model import forward_step, init_cache  # noqa: F401 (init_cache re-exported)
+
+
+def _check_sampling(temperature: float, top_k: int, top_p: float) -> None:
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 (use greedy=True for argmax), got {temperature}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
+def sample_logits(
+    logits: jax.Array, key: jax.Array, *, greedy: bool, temperature: float, top_k: int, top_p: float
+) -> jax.Array:
+    """Next token ids [B] from float logits [B, V]."""
+    if greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits.astype(jnp.float32) / temperature
+    if top_k > 0:
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p < 1.0:
+        # Keep the smallest set of most likely tokens whose mass reaches top_p (the top token always stays).
+        sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        keep = mass_before < top_p
+        cutoff = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))
+def prefill(config: ModelConfig, params, tokens, attention_mask, cache):
+    """Fill the cache with the prompt; returns (logits of the last prompt position [B, V], cache)."""
+    logits, cache = forward_step(config, params, tokens, attention_mask, cache)
+    return logits[:, -1], cache
+
+
+@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))
+def decode_step(config: ModelConfig, params, token, cache):
+    """One token per row [B] -> (logits [B, V], cache). Shapes are static: compiled once."""
+    mask = jnp.ones((token.shape[0], 1), jnp.int32)
+    logits, cache = forward_step(config, params, token[:, None], mask, cache)
+    return logits[:, 0], cache
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("config", "max_new_tokens", "greedy", "temperature", "top_k", "top_p"),
+)
+def _decode_loop(config, params, first_logits, cache, key, *, max_new_tokens, greedy, temperature, top_k, top_p):
+    sample = functools.partial(sample_logits, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p)
+    b = first_logits.shape[0]
+    key, sub = jax.random.split(key)
+    out = jnp.zeros((b, max_new_tokens), jnp.int32).at[:, 0].set(sample(first_logits, sub))
+
+    def body(i, carry):
+        out, cache, key = carry
+        mask = jnp.ones((b, 1), jnp.int32)
+        previous = jax.lax.dynamic_slice_in_dim(out, i - 1, 1, axis=1)
+        logits, cache = forward_step(config, params, previous, mask, cache)
+        key, sub = jax.random.split(key)
+        return out.at[:, i].set(sample(logits[:, 0], sub)), cache, key
+
+    out, cache, _ = jax.lax.fori_loop(1, max_new_tokens, body, (out, cache, key))
+    return out
+
+
+def generate(
+    config: ModelConfig,
+    params,
+    prompt_tokens,
+    max_new_tokens: int,
+    *,
+    attention_mask=None,
+    greedy: bool = True,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    cache_dtype=jnp.float32,
+) -> jax.Array:
+    """New tokens [B, max_new_tokens] after left-padded ``prompt_tokens`` [B, T] (mask: 1 = real token).
+
+    Generation does not stop at EOS: every row gets ``max_new_tokens`` tokens (static shapes).
+    """
+    prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
+    if prompt_tokens.ndim != 2:
+        raise ValueError(f"prompt_tokens must be [batch, length], got shape {prompt_tokens.shape}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not greedy:
+        _check_sampling(temperature, top_k, top_p)
+    b, t = prompt_tokens.shape
+    mask = jnp.ones((b, t), jnp.int32) if attention_mask is None else jnp.asarray(attention_mask, jnp.int32)
+    if mask.shape != prompt_tokens.shape:
+        raise ValueError(f"attention_mask shape {mask.shape} differs from prompt_tokens shape {prompt_tokens.shape}")
+    cache = init_cache(config, b, t + max_new_tokens, cache_dtype)
+    first_logits, cache = prefill(config, params, prompt_tokens, mask, cache)
+    return _decode_loop(
+        config,
+        params,
+        first_logits,
+        cache,
+        jax.random.key(seed),
+        max_new_tokens=max_new_tokens,
+        greedy=greedy,
+        temperature=float(temperature),
+        top_k=int(top_k),
+        top_p=float(top_p),
+    )
+
+
+__all__ = ["decode_step", "generate", "prefill", "sample_logits"]

@@ -1,0 +1,198 @@
+"""Load a GGUF file (llama.cpp format) through the ``gguf`` package.
+
+* Config from the ``{arch}.*`` metadata; architectures ``llama``, ``qwen2``, ``qwen3``.
+* Tensors: F32/F16/BF16 as stored, quantized types (Q8_0, Q4_0, Q4_1, Q4_K,
+  Q6_K, ...) dequantized by ``gguf.quants.dequantize`` one tensor at a time.
+* llama.cpp's converter permutes the rows of Q and K of ``llama`` models so
+  that its RoPE can rotate adjacent pairs; we undo that so our rotate-half
+  RoPE (the HF layout) applies.
+* Tokenizer: built by ``transformers``' own GGUF tokenizer converter from the
+  ``tokenizer.ggml.*`` metadata. The metadata is read here rather than by
+  ``AutoTokenizer.from_pretrained(gguf_file=...)`` because some files (e.g.
+  stories260K) mark "no such token" with the id 2**32-1, which that loader
+  uses as an index; such ids are dropped first.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from llmeq_jax.models.config import ModelConfig, ModelConfigError
+from llmeq_jax.models.params_tree import ModelLoadError, TreeBuilder
+
+# GGUF architecture -> our model_type.
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_NO_TOKEN = 2**32 - 1
+
+_TOP = {
+    "token_embd.weight": ("embed/embedding", False),
+    "output_norm.weight": ("norm/scale", False),
+    "output.weight": ("lm_head/kernel", True),
+}
+_LAYER = {
+    "attn_norm.weight": ("input_norm/scale", False),
+    "ffn_norm.weight": ("post_attn_norm/scale", False),
+    "attn_q.weight": ("attn/q_proj/kernel", True),
+    "attn_k.weight": ("attn/k_proj/kernel", True),
+    "attn_v.weight": ("attn/v_proj/kernel", True),
+    "attn_output.weight": ("attn/o_proj/kernel", True),
+    "attn_q.bias": ("attn/q_proj/bias", False),
+    "attn_k.bias": ("attn/k_proj/bias", False),
+    "attn_v.bias": ("attn/v_proj/bias", False),
+    "attn_q_norm.weight": ("attn/q_norm/scale", False),
+    "attn_k_norm.weight": ("attn/k_norm/scale", False),
+    "ffn_gate.weight": ("mlp/gate_proj/kernel", True),
+    "ffn_up.weight": ("mlp/up_proj/kernel", True),
+    "ffn_down.weight": ("mlp/down_proj/kernel", True),
+}
+_BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+def open_reader(path: Path):
+    import gguf
+
+    if not path.is_file():
+        raise ModelLoadError(f"GGUF file not found: {path}")
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # bad magic, truncated header or tensor data
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+
+
+def metadata(reader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def config_from_gguf(reader, source: str) -> ModelConfig:
+    arch = metadata(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ModelConfigError(
+            f"{source}: GGUF architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}"
+        )
+
+    def need(key: str):
+        value = metadata(reader, f"{arch}.{key}")
+        if value is None:
+            raise ModelConfigError(f"{source}: missing GGUF metadata key {arch}.{key!r}")
+        return value
+
+    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    names = {t.name for t in reader.tensors}
+    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    vocab = metadata(reader, f"{arch}.vocab_size") or (int(embd.shape[1]) if embd is not None else None)
+    if vocab is None:
+        raise ModelConfigError(f"{source}: cannot tell the vocabulary size (no {arch}.vocab_size, no token_embd)")
+    eos = metadata(reader, "tokenizer.ggml.eos_token_id")
+    bos = metadata(reader, "tokenizer.ggml.bos_token_id")
+    return ModelConfig(
+        model_type=ARCHITECTURES[arch],
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        num_layers=int(need("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(metadata(reader, f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(metadata(reader, f"{arch}.attention.key_length", hidden // heads)),
+        intermediate_size=int(need("feed_forward_length")),
+        norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+        max_position_embeddings=int(metadata(reader, f"{arch}.context_length", 2048)),
+        tie_word_embeddings="output.weight" not in names,
+        rope_theta=float(metadata(reader, f"{arch}.rope.freq_base", 10000.0)),
+        qkv_bias=arch == "qwen2",
+        qk_norm=arch == "qwen3",
+        bos_token_id=None if bos in (None, _NO_TOKEN) else int(bos),
+        eos_token_id=None if eos in (None, _NO_TOKEN) else int(eos),
+    )
+
+
+def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row order for a ``(out, in)`` weight (or ``(out,)`` bias).
+
+    Its converter turns each head's rows [first half | second half] into
+    interleaved pairs (h0, h_{d/2}, h1, h_{d/2+1}, ...); this puts them back.
+    """
+    out = w.shape[0]
+    head_dim = out // n_heads
+    return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def tensor_as_float(tensor, source: str) -> np.ndarray:
+    """A GGUF tensor as a float numpy array in row-major (out, in) order."""
+    import gguf
+
+    qtype = tensor.tensor_type
+    if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+        return np.asarray(tensor.data)
+    try:
+        return gguf.quants.dequantize(tensor.data, qtype)
+    except NotImplementedError:
+        supported = ["F32", "F16"] + [t.name for t in gguf.quants._type_traits]
+        raise ModelLoadError(
+            f"{source}: tensor {tensor.name!r} has GGUF type {qtype.name}, which cannot be dequantized; "
+            f"supported: {', '.join(supported)}"
+        ) from None
+
+
+def load_params(reader, config: ModelConfig, dtype: Any, source: str) -> dict:
+    builder = TreeBuilder(config, dtype, source)
+    permute_qk = config.model_type == "llama"
+    for tensor in reader.tensors:
+        name = tensor.name
+        m = _BLOCK.fullmatch(name)
+        if m and m.group(2) in _LAYER:
+            path, transpose = _LAYER[m.group(2)]
+            path = f"layers_{int(m.group(1))}/{path}"
+        elif name in _TOP:
+            path, transpose = _TOP[name]
+        elif name == "rope_freqs.weight":
+            raise ModelLoadError(f"{source}: per-frequency RoPE factors (rope_freqs.weight) are not supported")
+        else:
+            raise ModelLoadError(f"{source}: tensor {name!r} is not a parameter of a {config.model_type} model")
+        value = tensor_as_float(tensor, source)
+        if permute_qk and m and m.group(2).startswith(("attn_q.", "attn_k.")):
+            heads = config.num_heads if m.group(2).startswith("attn_q.") else config.num_kv_heads
+            value = unpermute_rope_rows(value, heads)
+        builder.put(path, value.T if transpose else value, name)
+        del value
+    return builder.finish()
+
+
+def tokenizer_from_gguf(reader, source: str):
+    """A ``transformers`` fast tokenizer built from the file's ``tokenizer.ggml.*`` metadata."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+
+    def read(group: str) -> dict:
+        out = {}
+        for key, name in GGUF_TOKENIZER_MAPPING[group].items():
+            value = metadata(reader, f"tokenizer.{key}")
+            if value is not None and not (isinstance(value, int) and value == _NO_TOKEN):
+                out[name] = value
+        return out
+
+    tokenizer_dict, tokenizer_config = read("tokenizer"), read("tokenizer_config")
+    if "tokens" not in tokenizer_dict:
+        raise ModelLoadError(f"{source}: the GGUF file carries no tokenizer (no tokenizer.ggml.tokens)")
+    tokens = tokenizer_dict["tokens"]
+    if tokenizer_dict.get("tokenizer_type") == "llama":
+        tokenizer_config.setdefault("add_bos_token", True)  # llama.cpp's default for sentencepiece vocabularies
+    special = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unk_token_id", "pad_token": "pad_token_id"}
+    for name, key in special.items():
+        if key in tokenizer_dict:
+            tokenizer_config[name] = tokens[tokenizer_dict[key]]
+    arch = metadata(reader, "general.architecture")
+    backend, extra = convert_gguf_tokenizer(arch, tokenizer_dict)
+    tokenizer_config.pop("chat_template", None) if not isinstance(tokenizer_config.get("chat_template"), str) else None
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)
+
+
+def load_gguf(path: str | Path, dtype: Any):
+    path = Path(path)
+    reader = open_reader(path)
+    config = config_from_gguf(reader, str(path))
+    params = load_params(reader, config, dtype, str(path))
+    return config, params, tokenizer_from_gguf(reader, str(path))

@@ -1,0 +1,68 @@
+"""Llama-family decoder block: Llama, Mistral (sliding window), Qwen2 (QKV bias), Qwen3 (q/k RMSNorm).
+
+pre-norm -> GQA attention with RoPE -> residual -> pre-norm -> SwiGLU -> residual.
+Param tree of one block::
+
+    input_norm/scale
+    attn/{q,k,v,o}_proj/kernel (+ bias for Qwen2 q/k/v), attn/{q,k}_norm/scale (Qwen3)
+    post_attn_norm/scale
+    mlp/{gate,up,down}_proj/kernel
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+
+from llmeq_jax import kvcache
+from llmeq_jax.models.config import ModelConfig
+from llmeq_jax.models.layers import Linear, RMSNorm, apply_rope, dot_product_attention, rope_inv_freq
+
+
+class LlamaAttention(nn.Module):
+    config: ModelConfig
+    layer: int
+
+    @nn.compact
+    def __call__(self, x, positions, mask, cache):
+        c = self.config
+        b, t, _ = x.shape
+        q = Linear(c.num_heads * c.head_dim, c.qkv_bias, name="q_proj")(x).reshape(b, t, c.num_heads, c.head_dim)
+        k = Linear(c.num_kv_heads * c.head_dim, c.qkv_bias, name="k_proj")(x).reshape(b, t, c.num_kv_heads, c.head_dim)
+        v = Linear(c.num_kv_heads * c.head_dim, c.qkv_bias, name="v_proj")(x).reshape(b, t, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:  # Qwen3: RMSNorm over each head's features, before RoPE
+            q = RMSNorm(c.norm_eps, name="q_norm")(q)
+            k = RMSNorm(c.norm_eps, name="k_norm")(k)
+        inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
+        q = apply_rope(q, positions, inv_freq)
+        k = apply_rope(k, positions, inv_freq)
+        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, KV, T, D]
+        if cache is not None:
+            cache = kvcache.update(cache, self.layer, k, v)
+            k, v = kvcache.read(cache, self.layer)
+        out = dot_product_attention(q, k, v, mask).reshape(b, t, c.num_heads * c.head_dim)
+        return Linear(c.hidden_size, c.o_bias, name="o_proj")(out), cache
+
+
+class SwiGLU(nn.Module):
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x):
+        c = self.config
+        gate = Linear(c.intermediate_size, name="gate_proj")(x)
+        up = Linear(c.intermediate_size, name="up_proj")(x)
+        return Linear(c.hidden_size, name="down_proj")(jax.nn.silu(gate) * up)
+
+
+class LlamaBlock(nn.Module):
+    config: ModelConfig
+    layer: int = 0
+
+    @nn.compact
+    def __call__(self, x, positions, mask, cache=None):
+        c = self.config
+        h, cache = LlamaAttention(c, self.layer, name="attn")(RMSNorm(c.norm_eps, name="input_norm")(x), positions, mask, cache)
+        x = x + h
+        x = x + SwiGLU(c, name="mlp")(RMSNorm(c.norm_eps, name="post_attn_norm")(x))
+        return x, cache

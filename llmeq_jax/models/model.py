@@ -1,0 +1,147 @@
+"""The causal LM as functions over a plain param dict, with Flax linen modules underneath.
+
+Param tree (top level)::
+
+    embed/embedding            (vocab, hidden)
+    pos_embed/embedding        (max_positions, hidden)   gpt2 only
+    layers_{i}/...             one decoder block (see llama.py / gpt2.py)
+    norm/scale (+ norm/bias for gpt2)
+    lm_head/kernel             (hidden, vocab), absent when embeddings are tied
+
+The pieces are separate functions (``embed``, ``apply_block``, ``head``) so that
+calibration can run the model one block at a time; ``forward`` and
+``forward_step`` compose them.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from llmeq_jax import kvcache, ops
+from llmeq_jax.models.config import ModelConfig
+from llmeq_jax.models.gpt2 import GPT2Block
+from llmeq_jax.models.layers import Embed, LayerNorm, Linear, RMSNorm, attention_mask
+from llmeq_jax.models.llama import LlamaBlock
+
+Params = dict[str, Any]
+
+
+def _block_module(config: ModelConfig, layer: int):
+    return (GPT2Block if config.family == "gpt2" else LlamaBlock)(config, layer)
+
+
+def _norm_module(config: ModelConfig):
+    return LayerNorm(config.norm_eps) if config.family == "gpt2" else RMSNorm(config.norm_eps)
+
+
+def default_positions(attention_mask_: jax.Array) -> jax.Array:
+    """Position ids [B, T] from a left-padded mask: real tokens count 0, 1, ...; pads get 0."""
+    mask = attention_mask_.astype(jnp.int32)
+    return jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
+
+
+def embed(config: ModelConfig, params: Params, tokens: jax.Array, positions: jax.Array) -> jax.Array:
+    """Token embeddings (+ learned positions for gpt2): [B, T] -> [B, T, hidden]."""
+    h = Embed(config.vocab_size, config.hidden_size).apply({"params": params["embed"]}, tokens)
+    if config.family == "gpt2":
+        h = h + Embed(config.max_position_embeddings, config.hidden_size).apply(
+            {"params": params["pos_embed"]}, positions
+        )
+    return h
+
+
+def apply_block(
+    config: ModelConfig,
+    block_params: Params,
+    hidden: jax.Array,
+    positions: jax.Array,
+    mask: jax.Array | None = None,
+    *,
+    layer: int = 0,
+) -> jax.Array:
+    """One decoder block without a cache. ``mask`` is the [B, T] padding mask (1 = real token).
+
+    ``layer`` matters only for models whose layers differ (sliding-window layers).
+    """
+    b, t = hidden.shape[:2]
+    valid = jnp.ones((b, t), bool) if mask is None else mask.astype(bool)
+    window = config.sliding_window if config.is_sliding(layer) else None
+    full_mask = attention_mask(jnp.arange(t), valid, window)
+    out, _ = _block_module(config, layer).apply({"params": block_params}, hidden, positions, full_mask, None)
+    return out
+
+
+def head(config: ModelConfig, params: Params, hidden: jax.Array) -> jax.Array:
+    """Final norm and LM head: [B, T, hidden] -> float32 logits [B, T, vocab]."""
+    h = _norm_module(config).apply({"params": params["norm"]}, hidden)
+    if config.tie_word_embeddings:
+        logits = ops.linear(h, params["embed"]["embedding"].T)
+    else:
+        logits = Linear(config.vocab_size).apply({"params": params["lm_head"]}, h)
+    return logits.astype(jnp.float32)
+
+
+def _run_blocks(config, params, h, positions, query_slots, valid, cache):
+    masks = {}
+    for i in range(config.num_layers):
+        window = config.sliding_window if config.is_sliding(i) else None
+        if window not in masks:
+            masks[window] = attention_mask(query_slots, valid, window)
+        h, cache = _block_module(config, i).apply({"params": params[f"layers_{i}"]}, h, positions, masks[window], cache)
+    return h, cache
+
+
+def forward(config: ModelConfig, params: Params, tokens: jax.Array, attention_mask: jax.Array | None = None) -> jax.Array:
+    """Full-sequence logits [B, T, vocab] (float32). Left padding: pass ``attention_mask`` (1 = real)."""
+    b, t = tokens.shape
+    mask = jnp.ones((b, t), jnp.int32) if attention_mask is None else attention_mask
+    positions = default_positions(mask)
+    h = embed(config, params, tokens, positions)
+    h, _ = _run_blocks(config, params, h, positions, jnp.arange(t), mask.astype(bool), None)
+    return head(config, params, h)
+
+
+def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> kvcache.KVCache:
+    return kvcache.init(config.num_layers, batch, config.num_kv_heads, max_len, config.head_dim, dtype)
+
+
+def forward_step(
+    config: ModelConfig, params: Params, tokens: jax.Array, attention_mask: jax.Array, cache: kvcache.KVCache
+) -> tuple[jax.Array, kvcache.KVCache]:
+    """Run T new tokens against the cache (prefill: T = prompt length; decode: T = 1).
+
+    Returns float32 logits [B, T, vocab] and the cache with the new keys/values written.
+    """
+    t = tokens.shape[1]
+    positions = kvcache.new_positions(cache, attention_mask)
+    query_slots = kvcache.slots(cache, t)
+    cache = kvcache.append_mask(cache, attention_mask)
+    h = embed(config, params, tokens, positions)
+    h, cache = _run_blocks(config, params, h, positions, query_slots, cache.valid, cache)
+    return head(config, params, h), kvcache.advance(cache, attention_mask)
+
+
+def init_params(config: ModelConfig, rng: jax.Array) -> Params:
+    """Random float32 params with the tree layout the loaders produce (for tests and smoke runs)."""
+    return _init_params_jit(config, rng)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _init_params_jit(config: ModelConfig, rng: jax.Array) -> Params:
+    keys = iter(jax.random.split(rng, config.num_layers + 4))
+    one = jnp.zeros((1, 1), jnp.int32)
+    params: Params = {"embed": Embed(config.vocab_size, config.hidden_size).init(next(keys), one)["params"]}
+    if config.family == "gpt2":
+        params["pos_embed"] = Embed(config.max_position_embeddings, config.hidden_size).init(next(keys), one)["params"]
+    x = jnp.zeros((1, 1, config.hidden_size), jnp.float32)
+    for i in range(config.num_layers):
+        mask = jnp.ones((1, 1, 1), bool)
+        params[f"layers_{i}"] = _block_module(config, i).init(next(keys), x, one, mask, None)["params"]
+    params["norm"] = _norm_module(config).init(next(keys), x)["params"]
+    if not config.tie_word_embeddings:
+        params["lm_head"] = Linear(config.vocab_size).init(next(keys), x)["params"]
+    return params

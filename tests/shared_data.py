@@ -1,0 +1,21 @@
+"""Where the real test data lives: ``<repo root>/../shared/data`` (never copied into the repo)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+def shared_data_path(name: str) -> Path:
+    """Path of a file in ../shared/data; fails the test (not skip) with a clear message when absent."""
+    path = SHARED_DATA / name
+    if not path.is_file():
+        pytest.fail(
+            f"real test data {name!r} not found at {path}; the tests expect the shared data folder "
+            f"at <repo root>/../shared/data (see its README.md)",
+            pytrace=False,
+        )
+    return path

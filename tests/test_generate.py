@@ -1,0 +1,82 @@
+"""generate(): static shapes, greedy = argmax of the full forward, sampling controls."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from llmeq_jax import generate as gen
+from llmeq_jax.models import ModelConfig, init_params
+from llmeq_jax.models import forward as _forward
+
+CONFIG = ModelConfig("llama", 64, 32, 2, 4, 2, 8, 48, 1e-5, 64, False)
+
+forward = jax.jit(_forward, static_argnums=0)  # one compile per shape instead of op-by-op dispatch
+
+
+@pytest.fixture(scope="module")
+def params():
+    return jax.tree.map(lambda a: a * 10, init_params(CONFIG, jax.random.key(1)))
+
+
+def test_greedy_equals_argmax_of_full_forward(params):
+    prompt = jnp.array([[0, 5, 7, 9], [3, 4, 5, 6]])
+    mask = jnp.array([[0, 1, 1, 1], [1, 1, 1, 1]])
+    out = gen.generate(CONFIG, params, prompt, 6, attention_mask=mask)
+    assert out.shape == (2, 6)
+    seq, seq_mask = prompt, mask
+    for i in range(6):
+        want = jnp.argmax(forward(CONFIG, params, seq, seq_mask)[:, -1], axis=-1)
+        np.testing.assert_array_equal(out[:, i], want)
+        seq = jnp.concatenate([seq, want[:, None]], axis=1)
+        seq_mask = jnp.concatenate([seq_mask, jnp.ones((2, 1), jnp.int32)], axis=1)
+
+
+def test_decode_step_compiles_once(params):
+    cache = gen.init_cache(CONFIG, 1, 12)
+    _, cache = gen.prefill(CONFIG, params, jnp.array([[1, 2, 3]]), jnp.ones((1, 3), jnp.int32), cache)
+    before = gen.decode_step._cache_size()
+    token = jnp.array([4])
+    for _ in range(4):
+        logits, cache = gen.decode_step(CONFIG, params, token, cache)
+        token = jnp.argmax(logits, -1).astype(jnp.int32)
+    assert gen.decode_step._cache_size() - before <= 1
+    assert int(cache.length) == 7
+
+
+def test_sampling_is_seeded_and_varies(params):
+    prompt = jnp.array([[1, 2, 3]])
+    a = gen.generate(CONFIG, params, prompt, 12, greedy=False, temperature=2.0, seed=0)
+    b = gen.generate(CONFIG, params, prompt, 12, greedy=False, temperature=2.0, seed=0)
+    c = gen.generate(CONFIG, params, prompt, 12, greedy=False, temperature=2.0, seed=1)
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+
+
+def test_top_k_and_top_p_limit_the_choice():
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 512))
+    keys = jax.random.split(jax.random.key(0), 1)[0]
+    k1 = gen.sample_logits(logits, keys, greedy=False, temperature=1.0, top_k=2, top_p=1.0)
+    assert set(np.asarray(k1).tolist()) == {0, 1}
+    p = gen.sample_logits(logits, keys, greedy=False, temperature=1.0, top_k=0, top_p=0.6)
+    assert set(np.asarray(p).tolist()) == {0, 1}  # 0.5 < 0.6, so the second token is needed too
+    p1 = gen.sample_logits(logits, keys, greedy=False, temperature=1.0, top_k=0, top_p=0.4)
+    assert set(np.asarray(p1).tolist()) == {0}
+    full = gen.sample_logits(logits, keys, greedy=False, temperature=1.0, top_k=0, top_p=1.0)
+    assert len(set(np.asarray(full).tolist())) == 4
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(greedy=False, temperature=0.0), "temperature"),
+        (dict(greedy=False, top_k=-1), "top_k"),
+        (dict(greedy=False, top_p=0.0), "top_p"),
+        (dict(attention_mask=jnp.ones((1, 2))), "attention_mask"),
+    ],
+)
+def test_bad_generation_arguments(params, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        gen.generate(CONFIG, params, jnp.array([[1, 2, 3]]), 4, **kwargs)
