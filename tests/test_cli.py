@@ -75,7 +75,7 @@ def test_compare_writes_report_and_plots(tmp_path):
 @pytest.mark.parametrize(
     "args,msg",
     [
-        (["eval", "/nonexistent/model.gguf", "--text", TEXT], "does not exist"),
+        (["eval", "/nonexistent/model.gguf", "--text", TEXT], "/nonexistent/model.gguf"),
         (["eval", MODEL, "--text", "/nonexistent.txt"], "evaluation text file '/nonexistent.txt' does not exist"),
         (["quantize", MODEL, "--recipe", "/nonexistent.yaml", "--out", "x"], "recipe file"),
     ],
