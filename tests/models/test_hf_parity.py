@@ -100,3 +100,23 @@ def test_greedy_tokens_match_transformers(pair):
             eos_token_id=None,
         )[:, tokens.shape[1] :].numpy()
     np.testing.assert_array_equal(ours, theirs)
+
+
+def test_bfloat16_checkpoint(tmp_path):
+    """A bf16 checkpoint streams into fp32 (exact widening) or stays bf16 when asked."""
+    model = make_hf_model("qwen2").to(torch.bfloat16)
+    model.save_pretrained(tmp_path)
+    config, params, _ = load_model(str(tmp_path))
+    assert params["layers_0"]["attn"]["q_proj"]["kernel"].dtype == jnp.float32
+    tokens = np.random.default_rng(4).integers(0, config.vocab_size, (1, 9))
+    # Reference: transformers' own fp32 load of the bf16 file (fresh fp32 RoPE buffers).
+    import transformers
+
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="eager")
+    theirs = _hf_logits(reference.eval(), tokens, np.ones_like(tokens))
+    ours = np.asarray(forward(config, params, jnp.asarray(tokens)))
+    assert np.max(np.abs(ours - theirs)) <= TOL
+    _, bf16_params, _ = load_model(str(tmp_path), dtype=jnp.bfloat16)
+    kernel = bf16_params["layers_0"]["mlp"]["up_proj"]["kernel"]
+    assert kernel.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(kernel, np.float32), np.asarray(params["layers_0"]["mlp"]["up_proj"]["kernel"]))
