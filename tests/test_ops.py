@@ -99,7 +99,7 @@ def test_float_weight_is_a_plain_matmul_with_bias():
 # --------------------------------------------------------------------------- quantized paths
 
 
-@pytest.mark.parametrize("rows", [1, 3, 16])  # 1 and 3 take the small-M path, 16 the matmul path
+@pytest.mark.parametrize("rows", [1, 3, ops.SMALL_M + 16])  # small-M path, then the matmul path
 @pytest.mark.parametrize("name", list(PATHS))
 def test_quantized_paths_against_references(name, rows):
     w = make_weight(name)
@@ -126,13 +126,36 @@ def test_bias_batch_dims_and_default_backend(name):
     assert rel_err(y, want) < 1e-4
 
 
-def test_small_m_multiply_reduce_matches_matmul_path():
-    for name in ["w8-channel", "w4-g64", "w4-g64-asym", "w2-channel-asym", "w8-tensor-asym"]:
-        w = make_weight(name)
-        x = activations(ops.SMALL_M)
-        small = jax.jit(ops._weight_only_reduce)(x, w)
-        large = jax.jit(lambda a, q: jnp.matmul(a, q.dequantize(a.dtype)))(x, w)
-        np.testing.assert_allclose(np.asarray(small), np.asarray(large), rtol=1e-5, atol=1e-5)
+def _matmul_path(x, w):
+    return jnp.matmul(x, w.dequantize(x.dtype))
+
+
+@pytest.mark.parametrize("name", ["w8-channel", "w4-g64", "w4-g64-asym", "w3-g64", "w2-channel-asym", "w8-tensor-asym"])
+def test_small_m_formulations_match_the_matmul_path(name):
+    w = make_weight(name)
+    x = activations(ops.SMALL_M)
+    large = jax.jit(_matmul_path)(x, w)
+    for small in (ops._weight_only_reduce, ops._weight_only_chunked):
+        np.testing.assert_allclose(np.asarray(jax.jit(small)(x, w)), np.asarray(large), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "k,spec,pack_axis,chunked",
+    [
+        (200, Spec(bits=4, granularity="group", group_size=48), None, True),  # chunk 16, ragged last group
+        (130, Spec(bits=2, granularity="channel"), None, True),  # K not a multiple of the chunk
+        (100, Spec(bits=4, granularity="group", group_size=7), None, False),  # group too small to chunk
+        (96, Spec(bits=4, granularity="channel"), 1, False),  # packed along out: not row chunks
+        (64, Spec(bits=8, granularity="channel", axis=0), None, False),  # one scale per input row
+    ],
+)
+def test_small_m_layouts(k, spec, pack_axis, chunked):
+    w = jnp.asarray(_rand((k, 24), 11))
+    q = quantize(w, spec, pack_axis=pack_axis)
+    assert (ops._chunk_rows(q) is not None) == chunked
+    x = jnp.asarray(_rand((2, k), 12))
+    y = linear_xla(x, q)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(reference(x, q)), rtol=1e-5, atol=1e-5)
 
 
 def test_one_dimensional_input():
