@@ -142,7 +142,9 @@ def tile_reduce(x: jax.Array, tile: tuple[int, ...], op: str) -> jax.Array:
     b = _blocked(x.astype(jnp.float32), tile, fill)
     axes = _tile_axes(x.ndim)
     if op == "absmax":
-        return jnp.max(jnp.abs(b), axis=axes)
+        # max(max, -min) == max|x| exactly; XLA's CPU backend fuses two plain
+        # reductions but materialised |x| first (5x slower on 4096x4096).
+        return jnp.maximum(jnp.max(b, axis=axes), -jnp.min(b, axis=axes))
     if op == "min":
         return jnp.min(b, axis=axes)
     if op == "max":
