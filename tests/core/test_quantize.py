@@ -121,6 +121,14 @@ def test_tile_reduce_with_ragged_groups(op):
     np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
+def test_tile_absmax_of_all_negative_ragged_tiles():
+    """The zero padding of a short last group must not win over negative values' magnitude."""
+    x = -np.abs(np.random.default_rng(4).standard_normal((7, 2)).astype(np.float32)) - 0.5
+    got = np.asarray(tile_reduce(jnp.asarray(x), (3, 1), "absmax"))
+    want = np.stack([np.abs(x[i : i + 3]).max(0) for i in range(0, 7, 3)])
+    np.testing.assert_array_equal(got, want)
+
+
 # --------------------------------------------------------------------------- numerics
 
 
