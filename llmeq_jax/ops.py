@@ -5,9 +5,12 @@ shape ``(in, out)``; the weight decides the path:
 
 * plain array          -> ``x @ w``
 * QArray, no act spec  -> weight-only: integer values are dequantized inside
-  the jitted computation. For a handful of tokens (decode) the product is
-  written as a fused multiply-reduce over the int8 values, so XLA streams
-  one byte per weight instead of materialising a float copy.
+  the jitted computation. For up to ``SMALL_M`` rows (decode, short prompts)
+  on CPU the product is a scan over row chunks of the kernel: each chunk is
+  dequantized while it is in cache and multiplied at once, so memory streams
+  the packed bytes only, never a float copy of the whole kernel (measured in
+  ``scripts/bench_core.py``: at M=1 this beats the fp32 GEMV, where a full
+  dequantize-then-matmul or a multiply-reduce was 6x to 100x slower).
 * QArray with act spec -> W8A8: activations quantized per token (dynamic) or
   with a static per-tensor scale, ``int8 x int8 -> int32`` through
   ``lax.dot_general(preferred_element_type=int32)``, then rescaled by the
@@ -25,11 +28,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from llmeq_jax.core.qarray import QArray, int_range
+from llmeq_jax.core.qarray import QArray, int_range, values_per_byte
 from llmeq_jax.core.quantize import Spec
 
-# Up to this many rows of activations, weight-only uses the multiply-reduce form.
-SMALL_M = 4
+# Up to this many rows of activations, weight-only avoids materialising the
+# dequantized kernel (chunked scan on CPU, multiply-reduce elsewhere).
+SMALL_M = 64
+# Kernel rows dequantized per scan step: 64 x 4096 floats (1 MiB) stay in cache;
+# 16-256 measured within noise of each other on a 2-core CPU, 1024 was slower.
+CHUNK_ROWS = 64
 BACKENDS = ("auto", "xla", "pallas")
 
 
@@ -129,8 +136,71 @@ def weight_only_xla(x: jax.Array, w: QArray) -> jax.Array:
     """``x @ dequantize(w)`` in XLA, choosing the formulation by the number of rows."""
     rows = math.prod(x.shape[:-1])
     if rows <= SMALL_M and _out_scale_ok(w):
+        if jax.default_backend() == "cpu" and _chunk_rows(w) is not None:
+            return _weight_only_chunked(x, w)
         return _weight_only_reduce(x, w)
     return jnp.matmul(x, w.dequantize(x.dtype))
+
+
+def _chunk_rows(w: QArray) -> int | None:
+    """Rows per scan step for :func:`_weight_only_chunked`, or None when the layout does not suit it.
+
+    A step must lie inside one scale group (so it needs one scale row) and hold
+    whole packed bytes (sub-byte values must be packed along the rows).
+    """
+    if values_per_byte(w.bits) > 1 and w.pack_axis != 0:
+        return None
+    groups, g = contraction_groups(w)
+    chunk = CHUNK_ROWS if groups == 1 else math.gcd(CHUNK_ROWS, g)
+    return chunk if chunk >= 16 else None
+
+
+def _unpack_rows(packed: jax.Array, bits: int) -> jax.Array:
+    """Values of a row-packed (rows / per_byte, N) block as (rows, N) int32, without a transpose."""
+    per_byte = values_per_byte(bits)
+    if per_byte == 1:
+        return packed.astype(jnp.int32)
+    width = 8 // per_byte
+    shifts = (jnp.arange(per_byte, dtype=jnp.int32) * width)[None, :, None]
+    u = (packed.astype(jnp.int32)[:, None, :] >> shifts) & ((1 << width) - 1)
+    u = jnp.where(u >= (1 << (width - 1)), u - (1 << width), u)  # sign-extend
+    return u.reshape(-1, packed.shape[-1])
+
+
+def _weight_only_chunked(x: jax.Array, w: QArray) -> jax.Array:
+    """Few-row ``x @ dequantize(w)`` as a scan over chunks of kernel rows.
+
+    Each step unpacks and dequantizes ``chunk`` rows (one scale row: a step
+    never crosses a group) and adds ``x[:, chunk] @ rows`` to the accumulator.
+    The contraction dim is zero-padded to whole groups / chunks; padded x
+    columns are zero, so they add nothing.
+    """
+    k, n = w.shape
+    chunk = _chunk_rows(w)
+    groups, g = contraction_groups(w)
+    steps = math.ceil(k / chunk) if groups == 1 else groups * (g // chunk)
+    per_byte = values_per_byte(w.bits)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k).astype(jnp.float32)
+    x2 = jnp.pad(x2, ((0, 0), (0, steps * chunk - k)))
+    xs = jnp.moveaxis(x2.reshape(-1, steps, chunk), 1, 0)  # (steps, M, chunk)
+    q = w.qvalue
+    q = jnp.pad(q, ((0, steps * chunk // per_byte - q.shape[0]), (0, 0)))
+    qs = q.reshape(steps, chunk // per_byte, n)
+    scale = w.scale.astype(jnp.float32)  # (groups or 1, 1 or n)
+    zp = None if w.zero_point is None else w.zero_point.astype(jnp.float32)
+
+    def step(acc, inputs):
+        i, xi, qi = inputs
+        group = i * chunk // g if groups > 1 else 0
+        v = _unpack_rows(qi, w.bits).astype(jnp.float32)
+        if zp is not None:
+            v = v - jax.lax.dynamic_index_in_dim(zp, group, 0)
+        return acc + (xi @ v) * jax.lax.dynamic_index_in_dim(scale, group, 0), None
+
+    acc0 = jnp.zeros((x2.shape[0], n), jnp.float32)
+    acc, _ = jax.lax.scan(step, acc0, (jnp.arange(steps), xs, qs))
+    return acc.reshape(*lead, n).astype(x.dtype)
 
 
 def _weight_only_reduce(x: jax.Array, w: QArray) -> jax.Array:

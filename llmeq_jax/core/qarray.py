@@ -77,11 +77,10 @@ def pack(values: jax.Array, bits: int, axis: int) -> jax.Array:
         values = jnp.pad(values, widths)
     mask = (1 << width) - 1
     u = values.astype(jnp.int32) & mask
-    u = jnp.moveaxis(u, axis, -1)
-    u = u.reshape(*u.shape[:-1], -1, per_byte)
-    shifts = jnp.arange(per_byte, dtype=jnp.int32) * width
-    packed = jnp.sum(u << shifts, axis=-1).astype(jnp.uint8)
-    return jnp.moveaxis(packed, -1, axis)
+    # Split the axis into (bytes, per_byte) in place: no transpose of the array.
+    u = u.reshape(*u.shape[:axis], -1, per_byte, *u.shape[axis + 1 :])
+    shifts = (jnp.arange(per_byte, dtype=jnp.int32) * width).reshape((per_byte,) + (1,) * (values.ndim - axis - 1))
+    return jnp.sum(u << shifts, axis=axis + 1).astype(jnp.uint8)
 
 
 def unpack(packed: jax.Array, bits: int, axis: int, size: int) -> jax.Array:
@@ -91,13 +90,14 @@ def unpack(packed: jax.Array, bits: int, axis: int, size: int) -> jax.Array:
         return packed.astype(jnp.int8)
     axis = axis % packed.ndim
     width = container_bits(bits)
-    p = jnp.moveaxis(packed, axis, -1).astype(jnp.int32)
-    shifts = jnp.arange(per_byte, dtype=jnp.int32) * width
-    u = (p[..., None] >> shifts) & ((1 << width) - 1)
+    trailing = (1,) * (packed.ndim - axis - 1)
+    shifts = (jnp.arange(per_byte, dtype=jnp.int32) * width).reshape((per_byte,) + trailing)
+    # (..., bytes, ...) -> (..., bytes, per_byte, ...): slots next to their byte, no transpose.
+    u = (jnp.expand_dims(packed.astype(jnp.int32), axis + 1) >> shifts) & ((1 << width) - 1)
     # Sign-extend from `width` bits.
     s = jnp.where(u >= (1 << (width - 1)), u - (1 << width), u)
-    s = s.reshape(*s.shape[:-2], -1)[..., :size]
-    return jnp.moveaxis(s.astype(jnp.int8), -1, axis)
+    s = s.reshape(*packed.shape[:axis], -1, *packed.shape[axis + 1 :])
+    return jax.lax.slice_in_dim(s, 0, size, axis=axis).astype(jnp.int8)
 
 
 # --------------------------------------------------------------------------- tiles

@@ -229,10 +229,17 @@ def _spec_from_dict(d: Any, where: str) -> Spec:
     unknown = set(d) - _SPEC_KEYS
     if unknown:
         raise RecipeError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(_SPEC_KEYS)}")
+    # YAML strings like 'no' or 'false' are truthy: demand real booleans.
+    _check_bool(d, "symmetric", where)
     try:
         return Spec(**d)
     except (TypeError, ValueError) as e:
         raise RecipeError(f"{where}: {e}") from None
+
+
+def _check_bool(d: dict, key: str, where: str) -> None:
+    if key in d and not isinstance(d[key], bool):
+        raise RecipeError(f"{where}: {key!r} must be true or false, got {d[key]!r}")
 
 
 def _rule_to_dict(rule: Rule) -> dict:
@@ -273,6 +280,8 @@ def recipe_from_dict(data: Any, source: str = "recipe") -> Recipe:
             raise RecipeError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(_RULE_KEYS)}")
         if not isinstance(r["pattern"], str):
             raise RecipeError(f"{where}: 'pattern' must be a string")
+        _check_bool(r, "skip", where)
+        _check_bool(r, "act_static", where)
         try:
             rules.append(
                 Rule(
