@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -131,7 +132,7 @@ def kv_mapping(value: str | None, recipe: dict | None) -> dict | None:
 
     if value is None:
         return (recipe or {}).get("kv")
-    if value.strip().lower() in kvquant.SHORTHANDS:
+    if value.strip().lower() in kvquant.SHORTHANDS or re.fullmatch(r"(?:int|kv)\d+", value.strip().lower()):
         spec = kvquant.spec_from(value)
         return None if spec is None else spec.to_dict()
     kv = read_recipe(value).kv

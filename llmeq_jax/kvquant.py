@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Any
 
 import jax
@@ -119,8 +120,9 @@ def spec_from(value: Any) -> KVSpec | None:
         v = value.strip().lower()
         if v in ("fp", "float", "none"):
             return None
-        if v in SHORTHANDS:
-            return KVSpec(bits=int(v[-1]))
+        m = re.fullmatch(r"(?:int|kv)(\d+)", v)
+        if m:  # int8 / kv4 / ...: unsupported widths get the bits error
+            return KVSpec(bits=int(m.group(1)))
         raise KVSpecError(f"KV setting {value!r} is not understood; expected one of {list(SHORTHANDS)} or a mapping")
     if isinstance(value, dict):
         unknown = set(value) - _SPEC_KEYS - {"key_ranges"}

@@ -48,8 +48,11 @@ def test_quantize_stores_kv_ranges_and_eval_uses_them(capsys, tmp_path):
     assert [len(kv["key_ranges"]["lo"]), len(kv["key_ranges"]["lo"][0]), len(kv["key_ranges"]["lo"][0][0])] == [5, 4, 8]
     row = _row(capsys, str(out))
     assert "int4" in row["extra"]["kv"] and "32-token float window" in row["extra"]["kv"]
-    code, text, err = run(capsys, "generate", str(out), "--prompt", "Once upon a time", "--max-new-tokens", "8")
+    code, text, err = run(capsys, "generate", str(out), "--prompt", "Once upon a time", "--max-new-tokens", "40")
     assert code == 0 and text.startswith("Once upon a time"), err
+    # 5 prompt + 8 new tokens: a 32-token float window is longer than that context.
+    code, _, err = run(capsys, "generate", str(out), "--prompt", "Once upon a time", "--max-new-tokens", "8")
+    assert code == 2 and "float window (32 tokens) is longer than the context (13 tokens)" in err
 
     # A checkpoint whose KV key ranges do not fit the model's heads: one clear error.
     for k in ("lo", "hi"):
@@ -62,7 +65,7 @@ def test_quantize_stores_kv_ranges_and_eval_uses_them(capsys, tmp_path):
 @pytest.mark.parametrize(
     "kv,message",
     [
-        ("int3", "not understood"),
+        ("int3", "bits=3 is not supported; expected one of [2, 4, 8]"),
         ("fp32", "no 'kv:' mapping"),  # a recipe without a kv mapping
     ],
 )

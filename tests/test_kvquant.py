@@ -114,7 +114,8 @@ def test_bad_bits(bits):
 @pytest.mark.parametrize(
     "value,match",
     [
-        ("int3", "not understood"),
+        ("int3", r"bits=3 is not supported"),
+        ("int4x", "not understood"),
         ({"window": 4}, "needs 'bits'"),
         ({"bits": 4, "windw": 4}, r"unknown key\(s\) \['windw'\]"),
         ({"bits": 4, "key_granularity": "group"}, "key_granularity='group'"),
