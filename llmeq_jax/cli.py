@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -110,13 +111,75 @@ def quantize_model(config, params, tokenizer, recipe, calib: str | None, calib_s
     return qparams, time.perf_counter() - t0, calib_s, n
 
 
-def eval_ppl(config, params, tokenizer, text_path: Path, seq_len: int, windows: int, batch_size: int, progress: bool):
+def eval_ppl(config, params, tokenizer, text_path: Path, seq_len: int, windows: int, batch_size: int, progress: bool,
+             kv=None):
+    """Perplexity; with ``kv`` (a KVQuantizer) attention reads K/V through the quantized cache's prefill path."""
     from llmeq_jax import evaluate
     from llmeq_jax.models import forward
 
     ids = evaluate.tokenize_text(tokenizer, text_path.read_text())
     wins = evaluate.make_windows(ids, seq_len, windows)
-    return evaluate.perplexity(lambda t: forward(config, params, t), wins, batch_size=batch_size, progress=progress)
+    return evaluate.perplexity(lambda t: forward(config, params, t, kv=kv), wins, batch_size=batch_size,
+                               progress=progress)
+
+
+# --------------------------------------------------------------------------- KV-cache quantization
+
+
+def kv_mapping(value: str | None, recipe: dict | None) -> dict | None:
+    """The ``kv:`` mapping in force: ``--kv`` (shorthand, or a recipe with a ``kv:`` mapping) over the checkpoint's."""
+    from llmeq_jax import kvquant
+
+    if value is None:
+        return (recipe or {}).get("kv")
+    if value.strip().lower() in kvquant.SHORTHANDS or re.fullmatch(r"(?:int|kv)\d+", value.strip().lower()):
+        spec = kvquant.spec_from(value)
+        return None if spec is None else spec.to_dict()
+    kv = read_recipe(value).kv
+    if kv is None:
+        raise CliError(f"--kv {value!r}: the recipe has no 'kv:' mapping; expected int8|int4|int2 or a KV recipe")
+    return kv
+
+
+def build_kv(config, params, tokenizer, kv: dict | None, calib: str | None):
+    """A KVQuantizer for the mapping: stored key ranges when present, else calibrated on ``calib`` text."""
+    from llmeq_jax import evaluate, kvquant
+
+    spec = kvquant.spec_from(kv)
+    if spec is None:
+        return None
+    if kv.get("key_ranges") is not None:
+        quantizer = kvquant.quantizer_from_dict(kv)
+    elif spec.needs_key_ranges:
+        text = find_data_file(calib, CALIB_TEXT, "calibration text")
+        ids = evaluate.tokenize_text(tokenizer, text.read_text())
+        quantizer = kvquant.make_quantizer(spec, config, params,
+                                           evaluate.make_windows(ids, spec.calib_seq_len, spec.calib_windows))
+    else:
+        quantizer = kvquant.KVQuantizer(None, spec)
+    quantizer.check(config.num_layers, config.num_kv_heads, config.head_dim)
+    return quantizer
+
+
+def kv_memory(config, seq_len: int, kv, budget_gb: float) -> dict:
+    """Cache bytes per token (one row, all layers) of ``kv`` and of the float cache; longest context in budget."""
+    import jax
+
+    from llmeq_jax import kvcache
+    from llmeq_jax.models import init_cache
+
+    mem = kvcache.memory(jax.eval_shape(lambda: init_cache(config, 1, seq_len, kv=kv)))
+    flt = kvcache.memory(jax.eval_shape(lambda: init_cache(config, 1, seq_len)))
+    budget = budget_gb * 2**30
+    return {
+        "kv": "float32" if kv is None else kv.spec.describe(),
+        "kv_bytes_per_token": mem["bytes_per_token"],
+        "kv_fixed_bytes": mem["fixed_bytes"],
+        "kv_x_smaller_than_float": flt["bytes_per_token"] / mem["bytes_per_token"],
+        "kv_budget_gb": budget_gb,
+        "kv_longest_context": kvcache.longest_context(mem["bytes_per_token"], mem["fixed_bytes"], budget),
+        "float_kv_longest_context": kvcache.longest_context(flt["bytes_per_token"], flt["fixed_bytes"], budget),
+    }
 
 
 def measure_speed(config, params, prefill_len: int = 512, prompt_len: int = 32, new_tokens: int = 128) -> dict:
@@ -170,6 +233,11 @@ def cmd_quantize(args) -> int:
     config, params, tokenizer, _ = open_model(args.model)
     qparams, q_s, c_s, n = quantize_model(config, params, tokenizer, recipe, args.calib, args.calib_samples,
                                           not args.json)
+    kv = build_kv(config, qparams, tokenizer, kv_mapping(args.kv, recipe.to_dict()), args.calib)
+    if kv is not None:  # the key ranges are calibrated on the quantized model and travel in the recipe
+        import dataclasses
+
+        recipe = dataclasses.replace(recipe, kv=kv.to_dict())
     checkpoint.save_model_checkpoint(out, config, qparams, tokenizer, recipe=recipe, overwrite=args.overwrite,
                                      extra={"source": args.model, "quantize_s": q_s, "calib_s": c_s,
                                             "calib_samples": n})
@@ -187,10 +255,14 @@ def cmd_eval(args) -> int:
     t0 = time.perf_counter()
     config, params, tokenizer, recipe = open_model(args.model)
     load_s = time.perf_counter() - t0
+    kv = build_kv(config, params, tokenizer, kv_mapping(args.kv, recipe), args.calib)
     t0 = time.perf_counter()
-    res = eval_ppl(config, params, tokenizer, text, args.seq_len, args.windows, args.batch_size, not args.json)
-    row = evaluate.Row(recipe=(recipe or {}).get("name", "as-loaded"), ppl=res["ppl"], nll=res["nll"],
+    res = eval_ppl(config, params, tokenizer, text, args.seq_len, args.windows, args.batch_size, not args.json, kv)
+    name = (recipe or {}).get("name", "as-loaded") + ("" if kv is None else f" + kv{kv.spec.bits}")
+    row = evaluate.Row(recipe=name, ppl=res["ppl"], nll=res["nll"],
                        param_bytes=_nbytes(params), load_s=load_s, eval_s=time.perf_counter() - t0)
+    mem = kv_memory(config, args.seq_len, kv, args.kv_budget_gb)
+    row.extra.update(mem)
     if Path(args.model).is_dir() and (Path(args.model) / checkpoint.MANIFEST).is_file():
         row.disk_bytes = checkpoint.disk_bytes(args.model)
     if args.speed:
@@ -198,6 +270,11 @@ def cmd_eval(args) -> int:
     report = evaluate.Report(model=args.model, text=str(text), seq_len=args.seq_len, n_windows=res["windows"],
                              rows=[row], peak_host_mb=evaluate.peak_host_memory_mb())
     report.rows[0].extra["tokens"] = res["tokens"]
+    report.notes.append(
+        f"KV cache ({mem['kv']}): {mem['kv_bytes_per_token']:.0f} bytes/token "
+        f"({mem['kv_x_smaller_than_float']:.2f}x smaller than float32) + {mem['kv_fixed_bytes']} fixed bytes; "
+        f"longest context in {mem['kv_budget_gb']:g} GiB: {mem['kv_longest_context']} tokens "
+        f"(float32 cache: {mem['float_kv_longest_context']})")
     if args.json:
         print(json.dumps(report.to_dict(), indent=1))
     else:
@@ -261,7 +338,8 @@ def cmd_generate(args) -> int:
 
     from llmeq_jax.generate import generate
 
-    config, params, tokenizer, _ = open_model(args.model)
+    config, params, tokenizer, recipe = open_model(args.model)
+    kv = build_kv(config, params, tokenizer, kv_mapping(args.kv, recipe), args.calib)
     ids = tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
     if config.bos_token_id is not None and not args.no_bos:
         ids = [config.bos_token_id] + ids
@@ -270,7 +348,7 @@ def cmd_generate(args) -> int:
                        f"context of {config.max_position_embeddings}")
     out = generate(config, params, jnp.asarray([ids], jnp.int32), args.max_new_tokens,
                    greedy=args.temperature is None, temperature=args.temperature or 1.0,
-                   top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, kv=kv)
     new = [int(t) for t in out[0]]
     if config.eos_ids:
         for i, t in enumerate(new):
@@ -359,6 +437,14 @@ def _add_calib_opts(p):
     p.add_argument("--calib-samples", type=int, default=16, help="calibration sequences (default 16)")
 
 
+def _add_kv_opts(p, budget: bool = False):
+    p.add_argument("--kv", help="quantized KV cache: int8|int4|int2 (keys per channel pre-RoPE, values per token), "
+                                "or a recipe with a 'kv:' mapping (e.g. kv4-w32); default: the checkpoint's, else float")
+    if budget:
+        p.add_argument("--kv-budget-gb", type=float, default=1.0,
+                       help="memory budget for the reported longest context (GiB, default 1)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="llmeq",
@@ -371,6 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model")
     p.add_argument("--recipe", required=True, help="recipe YAML (path, or a name from configs/)")
     _add_calib_opts(p)
+    _add_kv_opts(p)
     p.add_argument("--out", required=True, help="checkpoint directory to write")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     p.add_argument("--json", action="store_true", help="print a JSON summary, no progress bars")
@@ -379,6 +466,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="perplexity (and optionally speed) of MODEL on a text")
     p.add_argument("model")
     _add_eval_opts(p)
+    _add_kv_opts(p, budget=True)
+    p.add_argument("--calib", help=f"calibration text for KV key ranges (default: {CALIB_TEXT})")
     p.add_argument("--speed", action="store_true", help="also measure prefill and decode tokens/s")
     p.add_argument("--json", action="store_true", help="print the report as JSON, no progress bars")
     p.set_defaults(fn=cmd_eval)
@@ -412,6 +501,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-bos", action="store_true", help="do not prepend the BOS token")
+    _add_kv_opts(p)
+    p.add_argument("--calib", help=f"calibration text for KV key ranges (default: {CALIB_TEXT})")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_generate)
 

@@ -98,8 +98,11 @@ def generate(
     top_p: float = 1.0,
     seed: int = 0,
     cache_dtype=jnp.float32,
+    kv=None,
 ) -> jax.Array:
     """New tokens [B, max_new_tokens] after left-padded ``prompt_tokens`` [B, T] (mask: 1 = real token).
+
+    ``kv``: a ``kvquant.KVQuantizer`` for a quantized KV cache (None: float cache).
 
     Generation does not stop at EOS: every row gets ``max_new_tokens`` tokens (static shapes).
     """
@@ -114,7 +117,7 @@ def generate(
     mask = jnp.ones((b, t), jnp.int32) if attention_mask is None else jnp.asarray(attention_mask, jnp.int32)
     if mask.shape != prompt_tokens.shape:
         raise ValueError(f"attention_mask shape {mask.shape} differs from prompt_tokens shape {prompt_tokens.shape}")
-    cache = init_cache(config, b, t + max_new_tokens, cache_dtype)
+    cache = init_cache(config, b, t + max_new_tokens, cache_dtype, kv=kv)
     first_logits, cache = prefill(config, params, prompt_tokens, mask, cache)
     return _decode_loop(
         config,

@@ -9,17 +9,28 @@ never changes shape and never recompiles:
   prompts are left-padded to one length)
 * ``positions``: ``[batch]`` int32, the position id the next real token gets
 
-A step goes: :func:`append_mask` (mark the new slots), per layer :func:`update`
-then :func:`read`, finally :func:`advance`. A quantized cache only has to
-provide these same functions.
+A step goes: :func:`append_mask` (mark the new slots), per layer
+:func:`attend` (write the new keys/values, attend over the cache; for the float
+cache that is :func:`update` then :func:`read`), finally :func:`advance`.
+
+:class:`QuantKVCache` is the quantized cache (SimQuant / KVQuant-style, math in
+:mod:`llmeq_jax.kvquant`): the same bookkeeping fields, keys and values stored
+as packed int8/int4/int2 codes, a float ring buffer of the most recent
+``window`` tokens. Every function here dispatches on the cache type, so model
+code never tests for quantization.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from llmeq_jax import kvquant
 
 
 @jax.tree_util.register_dataclass
@@ -62,14 +73,22 @@ def slots(cache: KVCache, num_new: int) -> jax.Array:
     return cache.length + jnp.arange(num_new, dtype=jnp.int32)
 
 
-def append_mask(cache: KVCache, attention_mask: jax.Array) -> KVCache:
-    """Mark the next T slots valid where ``attention_mask`` [B, T] is 1."""
+def append_mask(cache, attention_mask: jax.Array):
+    """Mark the next T slots valid where ``attention_mask`` [B, T] is 1 (quantized: record their positions)."""
     valid = jax.lax.dynamic_update_slice(cache.valid, attention_mask.astype(bool), (0, cache.length))
+    if isinstance(cache, QuantKVCache) and cache.slot_pos is not None:
+        pos = jax.lax.dynamic_update_slice(cache.slot_pos, new_positions(cache, attention_mask), (0, cache.length))
+        return dataclasses.replace(cache, valid=valid, slot_pos=pos)
     return dataclasses.replace(cache, valid=valid)
 
 
-def update(cache: KVCache, layer: int, k: jax.Array, v: jax.Array) -> KVCache:
-    """Write new keys/values ``[B, KV, T, D]`` of ``layer`` at slots ``length .. length+T``."""
+def update(cache, layer: int, k: jax.Array, v: jax.Array, *, k_raw: jax.Array | None = None):
+    """Write new keys/values ``[B, KV, T, D]`` of ``layer`` at slots ``length .. length+T``.
+
+    ``k_raw``: the keys before RoPE (a pre-RoPE quantized cache stores those).
+    """
+    if isinstance(cache, QuantKVCache):
+        return _q_update(cache, layer, k, v, k_raw)
     start = (layer, 0, 0, cache.length, 0)
     return dataclasses.replace(
         cache,
@@ -78,9 +97,29 @@ def update(cache: KVCache, layer: int, k: jax.Array, v: jax.Array) -> KVCache:
     )
 
 
-def read(cache: KVCache, layer: int) -> tuple[jax.Array, jax.Array]:
-    """All keys and values of ``layer``: ``[B, KV, max_len, D]`` each (use ``valid`` to mask)."""
+def read(cache, layer: int) -> tuple[jax.Array, jax.Array]:
+    """All keys and values of ``layer``: ``[B, KV, max_len, D]`` each (use ``valid`` to mask).
+
+    A quantized cache returns the dequantized store (RoPE applied to pre-RoPE keys),
+    without its float window.
+    """
+    if isinstance(cache, QuantKVCache):
+        return _q_read(cache, layer)
     return cache.k[layer], cache.v[layer]
+
+
+def attend(cache, layer: int, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, k_raw=None):
+    """Write the step's keys/values (``[B, KV, T, D]``) and attend over the cache: -> (out [B, T, H, D], cache).
+
+    q [B, T, H, D]; mask [B, T, max_len] (causal, valid, sliding window).
+    """
+    from llmeq_jax.models.layers import dot_product_attention  # lazy: models import this module
+
+    if isinstance(cache, QuantKVCache):
+        return _q_attend(cache, layer, q, k, v, mask, k_raw)
+    cache = update(cache, layer, k, v)
+    keys, values = read(cache, layer)
+    return dot_product_attention(q, keys, values, mask), cache
 
 
 def advance(cache: KVCache, attention_mask: jax.Array) -> KVCache:
@@ -91,3 +130,242 @@ def advance(cache: KVCache, attention_mask: jax.Array) -> KVCache:
         length=cache.length + t,
         positions=cache.positions + jnp.sum(attention_mask.astype(jnp.int32), axis=1),
     )
+
+
+# --------------------------------------------------------------------------- quantized cache
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantKVCache:
+    """Quantized K/V cache. Shapes (L layers, B rows, KV heads, S = max_len slots, D head dim):
+
+    * ``k``, ``v``: :class:`kvquant.QuantizedKV` with codes ``[L, B, KV, S, D / per-byte]``,
+      per-token ``scale``/``lo`` ``[L, B, KV, S, 1]`` float16 (keys per channel: None),
+      outliers ``[L, B, KV, S, n]``.
+    * ``k_scale``, ``k_lo``, ``k_hi``: per-channel key grid ``[L, KV, D]`` (static, calibrated) or None.
+    * ``k_win``, ``v_win``: float ring buffer ``[L, B, KV, W, D]`` of the last W tokens
+      (slot s lives at ``s % W``), or None for W = 0. Keys there are post-RoPE.
+    * ``slot_pos``: ``[B, S]`` position id of each slot (pre-RoPE keys are rotated with it).
+    * ``inv_freq``: RoPE inverse frequencies ``[D / 2]`` (None for models without RoPE).
+    * ``valid``, ``length``, ``positions``: as in :class:`KVCache`.
+
+    Each token is quantized once, when it is written (per-token ranges from the token
+    itself, per-channel ranges calibrated): so its codes do not depend on how the
+    sequence was cut into steps, and a full-sequence "prefill path" sees exactly what
+    token-by-token decoding sees. The float window only changes what attention
+    reads: at query slot t, key slots t-W+1 .. t come from the float copy.
+    """
+
+    k: kvquant.QuantizedKV
+    v: kvquant.QuantizedKV
+    k_scale: jax.Array | None
+    k_lo: jax.Array | None
+    k_hi: jax.Array | None
+    k_win: jax.Array | None
+    v_win: jax.Array | None
+    slot_pos: jax.Array | None
+    inv_freq: jax.Array | None
+    valid: jax.Array
+    length: jax.Array
+    positions: jax.Array
+    spec: kvquant.KVSpec = dataclasses.field(metadata=dict(static=True), default=kvquant.KVSpec())
+    head_dim: int = dataclasses.field(metadata=dict(static=True), default=0)
+
+    @property
+    def max_len(self) -> int:
+        return self.valid.shape[1]
+
+
+def _empty_store(shape, bits: int, per_token: bool, n_out: int) -> kvquant.QuantizedKV:
+    l, b, h, s, d = shape
+    per_byte = 8 // {2: 2, 4: 4, 8: 8}[bits]
+    code_dtype = jnp.int8 if bits == 8 else jnp.uint8
+    side = (l, b, h, s, 1)
+    return kvquant.QuantizedKV(
+        q=jnp.zeros((l, b, h, s, math.ceil(d / per_byte)), code_dtype),
+        scale=jnp.ones(side, kvquant.SCALE_DTYPE) if per_token else None,
+        lo=jnp.zeros(side, kvquant.SCALE_DTYPE) if per_token else None,
+        out_idx=jnp.zeros((l, b, h, s, n_out), jnp.uint8) if n_out else None,
+        out_val=jnp.zeros((l, b, h, s, n_out), kvquant.SCALE_DTYPE) if n_out else None,
+    )
+
+
+def init_quantized(
+    num_layers: int,
+    batch: int,
+    kv_heads: int,
+    max_len: int,
+    head_dim: int,
+    kv: kvquant.KVQuantizer,
+    *,
+    inv_freq: np.ndarray | None = None,
+    dtype=jnp.float32,
+) -> QuantKVCache:
+    """An empty quantized cache. ``inv_freq``: the model's RoPE frequencies (needed for pre-RoPE keys)."""
+    spec = kv.spec
+    kv.check(num_layers, kv_heads, head_dim)
+    if spec.window > max_len:
+        raise kvquant.KVSpecError(
+            f"the float window ({spec.window} tokens) is longer than the context ({max_len} tokens)"
+        )
+    pre_rope = spec.pre_rope and inv_freq is not None
+    n_out = spec.n_outliers(head_dim)
+    shape = (num_layers, batch, kv_heads, max_len, head_dim)
+    k_scale = k_lo = k_hi = None
+    if spec.needs_key_ranges:
+        k_hi = kv.key_ranges.hi
+        k_scale, k_lo = kvquant.grid_from_range(kv.key_ranges.lo, k_hi, spec.bits)
+    win = (num_layers, batch, kv_heads, spec.window, head_dim)
+    return QuantKVCache(
+        k=_empty_store(shape, spec.bits, not spec.needs_key_ranges, n_out),
+        v=_empty_store(shape, spec.bits, True, n_out),
+        k_scale=k_scale,
+        k_lo=k_lo,
+        k_hi=k_hi,
+        k_win=jnp.zeros(win, dtype) if spec.window else None,
+        v_win=jnp.zeros(win, dtype) if spec.window else None,
+        slot_pos=jnp.zeros((batch, max_len), jnp.int32) if pre_rope else None,
+        inv_freq=None if inv_freq is None else jnp.asarray(inv_freq, jnp.float32),
+        valid=jnp.zeros((batch, max_len), bool),
+        length=jnp.zeros((), jnp.int32),
+        positions=jnp.zeros((batch,), jnp.int32),
+        spec=dataclasses.replace(spec, pre_rope=pre_rope),
+        head_dim=head_dim,
+    )
+
+
+def _key_grid(cache: QuantKVCache, layer: int):
+    """Per-channel (scale, lo, hi) of ``layer`` shaped [1, KV, 1, D] to broadcast over [B, KV, T, D]."""
+    return tuple(a[layer][None, :, None, :] for a in (cache.k_scale, cache.k_lo, cache.k_hi))
+
+
+def _quantize_keys(cache: QuantKVCache, layer: int, k: jax.Array) -> kvquant.QuantizedKV:
+    spec, n_out = cache.spec, cache.spec.n_outliers(cache.head_dim)
+    if spec.needs_key_ranges:
+        scale, lo, hi = _key_grid(cache, layer)
+        return kvquant.quantize_per_channel(k, scale, lo, hi, spec.bits, n_out)
+    return kvquant.quantize_per_token(k, spec.bits, n_out)
+
+
+def _write(store: kvquant.QuantizedKV, layer: int, new: kvquant.QuantizedKV, start) -> kvquant.QuantizedKV:
+    return jax.tree.map(
+        lambda a, n: jax.lax.dynamic_update_slice(a, n[None].astype(a.dtype), (layer, 0, 0, start, 0)), store, new
+    )
+
+
+def _q_update(cache: QuantKVCache, layer: int, k, v, k_raw) -> QuantKVCache:
+    if cache.spec.pre_rope and k_raw is None:
+        raise ValueError("a pre-RoPE quantized cache needs the keys before RoPE (k_raw)")
+    keys = k_raw if cache.spec.pre_rope else k
+    n_out = cache.spec.n_outliers(cache.head_dim)
+    return dataclasses.replace(
+        cache,
+        k=_write(cache.k, layer, _quantize_keys(cache, layer, keys), cache.length),
+        v=_write(cache.v, layer, kvquant.quantize_per_token(v, cache.spec.bits, n_out), cache.length),
+    )
+
+
+def _q_read(cache: QuantKVCache, layer: int):
+    spec, d = cache.spec, cache.head_dim
+    k_store = jax.tree.map(lambda a: a[layer], cache.k)
+    v_store = jax.tree.map(lambda a: a[layer], cache.v)
+    if spec.needs_key_ranges:
+        scale, lo, _ = _key_grid(cache, layer)
+        keys = kvquant.dequantize(k_store, spec.bits, d, scale, lo)
+    else:
+        keys = kvquant.dequantize(k_store, spec.bits, d)
+    if spec.pre_rope:
+        keys = kvquant.rope(keys, cache.slot_pos, cache.inv_freq)
+    return keys, kvquant.dequantize(v_store, spec.bits, d)
+
+
+def _window_slots(cache: QuantKVCache) -> jax.Array:
+    """Slot index of each ring entry (oldest first) before this step: ``length - W .. length - 1``."""
+    return cache.length - cache.spec.window + jnp.arange(cache.spec.window, dtype=jnp.int32)
+
+
+def _q_attend(cache: QuantKVCache, layer: int, q, k, v, mask, k_raw):
+    """Attention over [dequantized store | float window before this step | this step's float K/V]."""
+    w, t = cache.spec.window, k.shape[2]
+    cache = _q_update(cache, layer, k, v, k_raw)
+    k_deq, v_deq = _q_read(cache, layer)
+    query_slots = slots(cache, t)
+    key_slots = jnp.arange(cache.max_len, dtype=jnp.int32)
+    in_window = query_slots[:, None] - key_slots[None, :] < w  # [T, S]
+    parts = [(k_deq, v_deq, mask & ~in_window[None])]
+    if w:
+        ring_slots = _window_slots(cache)
+        ring_idx = ring_slots % w
+        k_ring, v_ring = cache.k_win[layer][:, :, ring_idx], cache.v_win[layer][:, :, ring_idx]
+        f_slots = jnp.concatenate([ring_slots, query_slots])  # [W + T]
+        seen = jnp.take(mask, jnp.clip(f_slots, 0, cache.max_len - 1), axis=2)  # causal & valid & sliding
+        f_ok = (f_slots >= 0)[None, :] & (query_slots[:, None] - f_slots[None, :] < w)
+        parts.append((jnp.concatenate([k_ring, k.astype(k_ring.dtype)], 2),
+                      jnp.concatenate([v_ring, v.astype(v_ring.dtype)], 2), seen & f_ok[None]))
+        # The ring keeps this step's last min(T, W) tokens (unique ring indices, so no write order issue).
+        n = min(t, w)
+        new_idx = query_slots[t - n:] % w
+        cache = dataclasses.replace(
+            cache,
+            k_win=cache.k_win.at[layer, :, :, new_idx].set(jnp.moveaxis(k[:, :, t - n:], 2, 0).astype(cache.k_win.dtype)),
+            v_win=cache.v_win.at[layer, :, :, new_idx].set(jnp.moveaxis(v[:, :, t - n:], 2, 0).astype(cache.v_win.dtype)),
+        )
+    return split_attention(q, parts), cache
+
+
+def split_attention(q: jax.Array, parts) -> jax.Array:
+    """One softmax over several key/value sets: ``parts`` = [(k [B,KV,S_i,D], v, mask [B,T,S_i]), ...].
+
+    Grouped-query layout as ``models.layers.dot_product_attention``; scores and softmax in float32.
+    """
+    from llmeq_jax.models.layers import _MASKED
+
+    b, t, h, d = q.shape
+    kv = parts[0][0].shape[1]
+    qg = q.reshape(b, t, kv, h // kv, d)
+    scores = [
+        jnp.where(m[:, None, None], jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32)
+                  / math.sqrt(d), _MASKED)
+        for k, _, m in parts
+    ]
+    probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
+    out, start = 0.0, 0
+    for k, v, _ in parts:
+        p = probs[..., start : start + k.shape[2]].astype(v.dtype)
+        out = out + jnp.einsum("bkgts,bksd->btkgd", p, v)
+        start += k.shape[2]
+    return out.reshape(b, t, h, d)
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def _slot_leaves(cache) -> tuple[list, list]:
+    """(leaves with a per-slot axis, the rest) of a cache."""
+    if isinstance(cache, KVCache):
+        return [cache.k, cache.v, cache.valid], [cache.length, cache.positions]
+    per_slot = jax.tree.leaves((cache.k, cache.v, cache.valid, cache.slot_pos))
+    fixed = jax.tree.leaves((cache.k_scale, cache.k_lo, cache.k_hi, cache.k_win, cache.v_win, cache.inv_freq,
+                             cache.length, cache.positions))
+    return per_slot, fixed
+
+
+def _nbytes(leaves) -> int:
+    return sum(int(a.size) * jnp.dtype(a.dtype).itemsize for a in leaves)
+
+
+def memory(cache) -> dict:
+    """Bytes of a cache, from its arrays: per token (one row, all layers) and fixed (window, key grids)."""
+    per_slot, fixed = _slot_leaves(cache)
+    batch = cache.valid.shape[0]
+    return {
+        "bytes_per_token": _nbytes(per_slot) / (cache.max_len * batch),
+        "fixed_bytes": _nbytes(fixed),
+        "total_bytes": _nbytes(per_slot) + _nbytes(fixed),
+    }
+
+
+def longest_context(bytes_per_token: float, fixed_bytes: int, budget_bytes: float, batch: int = 1) -> int:
+    """The most tokens per row whose cache fits ``budget_bytes`` (0 if not even the fixed part fits)."""
+    return max(int((budget_bytes - fixed_bytes) // (bytes_per_token * batch)), 0)

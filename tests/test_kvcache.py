@@ -63,3 +63,160 @@ def test_cached_decode_equals_full_forward_every_step(name):
         full = forward(config, params, seen, seen_mask)
         np.testing.assert_allclose(logits[:, 0], full[:, -1], atol=1e-4)
     assert int(cache.length) == 10
+
+
+# --------------------------------------------------------------------------- quantized cache (stories260K)
+
+from llmeq_jax import evaluate, kvquant  # noqa: E402
+from llmeq_jax.generate import generate  # noqa: E402
+from llmeq_jax.models import apply_block, embed, load_model  # noqa: E402
+from llmeq_jax.models.layers import apply_rope, attention_mask, dot_product_attention, rope_inv_freq  # noqa: E402
+from tests.shared_data import shared_data_path  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def stories():
+    config, params, tokenizer = load_model(str(shared_data_path("stories260K.gguf")))
+    text = shared_data_path("wikitext2_valid.txt").read_text()[:60000]
+    ids = evaluate.tokenize_text(tokenizer, text)
+    windows = evaluate.make_windows(ids, 64, 12)
+    return config, params, tokenizer, windows[:8], windows[8:]  # calibration, evaluation: disjoint
+
+
+def _quantizer(stories, spec):
+    config, params, _, calib, _ = stories
+    return kvquant.make_quantizer(spec, config, params, calib)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        kvquant.KVSpec(bits=4, key_granularity="channel", pre_rope=True, window=8, outlier_frac=0.1),
+        kvquant.KVSpec(bits=2, key_granularity="token", pre_rope=False, window=0),
+        kvquant.KVSpec(bits=8, key_granularity="channel", pre_rope=False, window=3),
+    ],
+    ids=["int4-ch-preRoPE-w8-out", "int2-tok-w0", "int8-ch-postRoPE-w3"],
+)
+def test_quantized_decode_equals_prefill_path(stories, spec):
+    """Token-by-token decode (after a 12-token prompt chunk) sees exactly what forward(kv=...) sees."""
+    config, params, _, _, evals = stories
+    kv = _quantizer(stories, spec)
+    tokens = jnp.asarray(evals[:2, :40])
+    prefill_path = jax.jit(lambda t: _forward(config, params, t, kv=kv))(tokens)
+    step = jax.jit(forward_step, static_argnums=0)
+    cache = init_cache(config, 2, 40, kv=kv)
+    logits, cache = step(config, params, tokens[:, :12], jnp.ones((2, 12), jnp.int32), cache)
+    outs = [logits]
+    for i in range(12, 40):
+        logits, cache = step(config, params, tokens[:, i : i + 1], jnp.ones((2, 1), jnp.int32), cache)
+        outs.append(logits)
+    decoded = jnp.concatenate(outs, axis=1)
+    np.testing.assert_array_equal(np.argmax(decoded, -1), np.argmax(prefill_path, -1))
+    # Codes can flip where a value sits on a rounding boundary (ulp-level differences between
+    # the chunked and the full matmuls), so logits agree closely, not bit for bit.
+    np.testing.assert_allclose(decoded, prefill_path, atol=5e-3)
+    # ... and the quantization really changed something (else the test would prove nothing).
+    float_logits = forward(config, params, tokens)
+    assert float(jnp.max(jnp.abs(float_logits - prefill_path))) > 1e-2
+
+
+def test_window_covering_everything_equals_float(stories):
+    """With the window as long as the context, every key/value is read in float: the float model exactly."""
+    config, params, _, _, evals = stories
+    kv = _quantizer(stories, kvquant.KVSpec(bits=2, window=32))
+    tokens = jnp.asarray(evals[:2, :32])
+    np.testing.assert_allclose(jax.jit(lambda t: _forward(config, params, t, kv=kv))(tokens),
+                               forward(config, params, tokens), atol=1e-4)
+
+
+def test_int8_greedy_text_equals_float(stories):
+    config, params, tokenizer, _, _ = stories
+    prompt = jnp.asarray([tokenizer.encode("Once upon a time")])
+    float_new = np.asarray(generate(config, params, prompt, 40))
+    # Static key ranges calibrated in the model's domain (WikiText keys are out of domain for a
+    # TinyStories model): its own stories from other one-word prompts, not the test prompt.
+    starts = [tokenizer.encode(w)[-1] for w in ("One", "Tom", "The", "Sue")]
+    seeds = jnp.asarray([[config.bos_token_id, s] for s in starts])
+    calib = np.concatenate([np.asarray(seeds), np.asarray(generate(config, params, seeds, 62))], axis=1)
+    kv = kvquant.make_quantizer(kvquant.spec_from("int8"), config, params, calib)
+    int8_new = np.asarray(generate(config, params, prompt, 40, kv=kv))
+    assert tokenizer.decode(int8_new[0]) == tokenizer.decode(float_new[0])
+    np.testing.assert_array_equal(int8_new, float_new)
+
+
+def _layer_qkv(config, params, tokens):
+    """Real queries/keys/values of every layer (post-RoPE, [B, T, H, D] / [B, KV, T, D]) of stories260K."""
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+    inv = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+    h = embed(config, params, tokens, positions)
+    out = []
+    for i in range(config.num_layers):
+        p = params[f"layers_{i}"]
+        x = h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + config.norm_eps) * p["input_norm"]["scale"]
+        proj = lambda name, heads: (x @ p["attn"][name]["kernel"]).reshape(b, t, heads, config.head_dim)
+        q = apply_rope(proj("q_proj", config.num_heads), positions, inv)
+        k = apply_rope(proj("k_proj", config.num_kv_heads), positions, inv).transpose(0, 2, 1, 3)
+        v = proj("v_proj", config.num_kv_heads).transpose(0, 2, 1, 3)
+        out.append((q, k, v))
+        h = apply_block(config, p, h, positions, layer=i)
+    return out
+
+
+def test_per_channel_keys_beat_per_token_keys_on_real_attention(stories):
+    """KVQuant's reason for per-channel keys: lower attention-output error on real activations (int4)."""
+    config, params, _, calib, evals = stories
+    keys = kvquant.collect_keys(config, params, calib, pre_rope=False)
+    ranges = kvquant.key_ranges_from_keys(keys)
+    tokens = jnp.asarray(evals[:2])
+    mask = attention_mask(jnp.arange(tokens.shape[1]), jnp.ones(tokens.shape, bool))
+    err_ch = err_tok = 0.0
+    for i, (q, k, v) in enumerate(_layer_qkv(config, params, tokens)):
+        # The manual q/k/v must be the model's: the float cache holds the same keys.
+        ref = dot_product_attention(q, k, v, mask)
+        k_ch = kvquant.quantize_dequantize_keys_per_channel(
+            k, ranges.lo[i][None, :, None], ranges.hi[i][None, :, None], 4)
+        k_tok = kvquant.quantize_dequantize_values(k, 4)  # per-token grid, as values get
+        err_ch += float(jnp.sum((dot_product_attention(q, k_ch, v, mask) - ref) ** 2))
+        err_tok += float(jnp.sum((dot_product_attention(q, k_tok, v, mask) - ref) ** 2))
+    assert err_ch < 0.8 * err_tok, (err_ch, err_tok)
+
+
+def test_manual_keys_match_the_cache(stories):
+    config, params, _, _, evals = stories
+    tokens = jnp.asarray(evals[:1, :16])
+    cache = init_cache(config, 1, 16)
+    _, cache = forward_step(config, params, tokens, jnp.ones((1, 16), jnp.int32), cache)
+    for i, (_, k, v) in enumerate(_layer_qkv(config, params, tokens)):
+        np.testing.assert_allclose(cache.k[i], k, atol=1e-4)
+        np.testing.assert_allclose(cache.v[i], v, atol=1e-4)
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_bytes_per_token_from_packed_arrays(stories, bits):
+    config = stories[0]
+    kv = _quantizer(stories, kvquant.KVSpec(bits=bits))
+    mem = kvcache.memory(init_cache(config, 2, 24, kv=kv))
+    heads = config.num_layers * config.num_kv_heads
+    # keys: bits/8 bytes per element; values: the same + float16 scale and min per token and head;
+    # bookkeeping: the valid flag (1 byte) and the slot's position id (int32, for pre-RoPE keys).
+    expected = heads * (2 * config.head_dim * bits // 8 + 2 * 2) + 1 + 4
+    assert mem["bytes_per_token"] == expected
+    float_mem = kvcache.memory(init_cache(config, 2, 24))
+    assert float_mem["bytes_per_token"] == heads * 2 * config.head_dim * 4 + 1
+    assert kvcache.longest_context(mem["bytes_per_token"], mem["fixed_bytes"], 2**20) > 2**20 // float_mem[
+        "bytes_per_token"]
+
+
+def test_window_longer_than_context_is_an_error(stories):
+    config, params, _, _, evals = stories
+    kv = kvquant.KVQuantizer(None, kvquant.KVSpec(bits=4, key_granularity="token", window=64))
+    with pytest.raises(kvquant.KVSpecError, match=r"float window \(64 tokens\) is longer than the context \(16"):
+        _forward(config, params, jnp.asarray(evals[:1, :16]), kv=kv)
+
+
+def test_key_ranges_of_another_model_are_an_error(stories):
+    config = stories[0]
+    wrong = kvquant.KeyRanges(jnp.zeros((5, 3, 8)), jnp.ones((5, 3, 8)))  # 3 KV heads; stories260K has 4
+    with pytest.raises(kvquant.KVSpecError, match=r"the model needs \[layers, kv_heads, head_dim\] = \[5, 4, 8\]"):
+        init_cache(config, 1, 8, kv=kvquant.KVQuantizer(wrong, kvquant.KVSpec(bits=4)))

@@ -30,10 +30,11 @@ class GPT2Attention(nn.Module):
         qkv = Linear(3 * d, True, name="qkv_proj")(x)
         q, k, v = (a.reshape(b, t, c.num_heads, c.head_dim) for a in jax.numpy.split(qkv, 3, axis=-1))
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, H, T, D]
-        if cache is not None:
-            cache = kvcache.update(cache, self.layer, k, v)
-            k, v = kvcache.read(cache, self.layer)
-        out = dot_product_attention(q, k, v, mask).reshape(b, t, d)
+        if cache is None:
+            out = dot_product_attention(q, k, v, mask)
+        else:  # the cache type decides how keys/values are stored and read back
+            out, cache = kvcache.attend(cache, self.layer, q, k, v, mask)
+        out = out.reshape(b, t, d)
         return Linear(d, True, name="o_proj")(out), cache
 
 

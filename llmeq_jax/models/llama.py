@@ -35,12 +35,14 @@ class LlamaAttention(nn.Module):
             k = RMSNorm(c.norm_eps, name="k_norm")(k)
         inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
         q = apply_rope(q, positions, inv_freq)
+        k_raw = k.transpose(0, 2, 1, 3)  # before RoPE: a pre-RoPE quantized cache stores these
         k = apply_rope(k, positions, inv_freq)
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, KV, T, D]
-        if cache is not None:
-            cache = kvcache.update(cache, self.layer, k, v)
-            k, v = kvcache.read(cache, self.layer)
-        out = dot_product_attention(q, k, v, mask).reshape(b, t, c.num_heads * c.head_dim)
+        if cache is None:
+            out = dot_product_attention(q, k, v, mask)
+        else:  # the cache type decides how keys/values are stored and read back
+            out, cache = kvcache.attend(cache, self.layer, q, k, v, mask, k_raw=k_raw)
+        out = out.reshape(b, t, c.num_heads * c.head_dim)
         return Linear(c.hidden_size, c.o_bias, name="o_proj")(out), cache
 
 

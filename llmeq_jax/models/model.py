@@ -21,10 +21,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from llmeq_jax import kvcache, ops
+from llmeq_jax import kvcache, kvquant, ops
 from llmeq_jax.models.config import ModelConfig
 from llmeq_jax.models.gpt2 import GPT2Block
-from llmeq_jax.models.layers import Embed, LayerNorm, Linear, RMSNorm, attention_mask
+from llmeq_jax.models.layers import Embed, LayerNorm, Linear, RMSNorm, attention_mask, rope_inv_freq
 from llmeq_jax.models.llama import LlamaBlock
 
 Params = dict[str, Any]
@@ -95,18 +95,36 @@ def _run_blocks(config, params, h, positions, query_slots, valid, cache):
     return h, cache
 
 
-def forward(config: ModelConfig, params: Params, tokens: jax.Array, attention_mask: jax.Array | None = None) -> jax.Array:
-    """Full-sequence logits [B, T, vocab] (float32). Left padding: pass ``attention_mask`` (1 = real)."""
+def forward(
+    config: ModelConfig,
+    params: Params,
+    tokens: jax.Array,
+    attention_mask: jax.Array | None = None,
+    *,
+    kv: kvquant.KVQuantizer | None = None,
+) -> jax.Array:
+    """Full-sequence logits [B, T, vocab] (float32). Left padding: pass ``attention_mask`` (1 = real).
+
+    ``kv``: the "prefill path" of a quantized KV cache: attention reads keys/values
+    through a fresh quantized cache of T slots, exactly as generation would see them.
+    """
     b, t = tokens.shape
     mask = jnp.ones((b, t), jnp.int32) if attention_mask is None else attention_mask
+    if kv is not None:
+        return forward_step(config, params, tokens, mask, init_cache(config, b, t, kv=kv))[0]
     positions = default_positions(mask)
     h = embed(config, params, tokens, positions)
     h, _ = _run_blocks(config, params, h, positions, jnp.arange(t), mask.astype(bool), None)
     return head(config, params, h)
 
 
-def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> kvcache.KVCache:
-    return kvcache.init(config.num_layers, batch, config.num_kv_heads, max_len, config.head_dim, dtype)
+def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, *, kv=None):
+    """An empty KV cache: float, or quantized when ``kv`` (a ``kvquant.KVQuantizer``) is given."""
+    if kv is None:
+        return kvcache.init(config.num_layers, batch, config.num_kv_heads, max_len, config.head_dim, dtype)
+    inv_freq = None if config.family == "gpt2" else rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+    return kvcache.init_quantized(config.num_layers, batch, config.num_kv_heads, max_len, config.head_dim, kv,
+                                  inv_freq=inv_freq, dtype=dtype)
 
 
 def forward_step(
