@@ -244,12 +244,12 @@ def param_shardings(params: Any, mesh: Mesh, partition: Callable = param_partiti
 def shard_params(params: Any, mesh: Mesh, partition: Callable = param_partition) -> Any:
     """Place ``params`` (floats and QArrays) on ``mesh``; every process must pass the same values."""
     shardings = param_shardings(params, mesh, partition)
-    return jax.tree_util.tree_map(
-        lambda a, s: a if isinstance(a, jax.Array) and a.sharding == s and not a.is_fully_addressable
-        else global_array(to_host(a) if isinstance(a, jax.Array) else a, s),
-        params,
-        shardings,
-    )
+    def place(a, s):
+        if isinstance(a, jax.Array) and a.sharding.is_equivalent_to(s, a.ndim):
+            return a
+        return global_array(to_host(a) if isinstance(a, jax.Array) else np.asarray(a), s)
+
+    return jax.tree_util.tree_map(place, params, shardings)
 
 
 # --------------------------------------------------------------------------- shard_map scale synchronisation
@@ -346,29 +346,23 @@ def _values_tile_and_scale(scale, plans):
     return scale, tuple(vtile)
 
 
-def quantize_sharded(
-    x: jax.Array,
-    spec: Spec,
-    mesh: Mesh,
-    pspec: P,
-    *,
-    replicate_scales: bool = False,
+def sharded_quantize_fn(
+    spec: Spec, mesh: Mesh, pspec: P, shape: tuple[int, ...], *, replicate_scales: bool = False,
     pack_axis: int | None = None,
-    act_spec: Spec | None = None,
-    act_scale: jax.Array | None = None,
-) -> QArray:
-    """Quantize ``x`` laid out as ``pspec`` on ``mesh``; bit-identical to ``quantize(x, spec)`` unsharded.
-
-    Values stay sharded like ``x``; the scale (and zero point) is sharded where its tiles
-    are whole per shard and replicated elsewhere (see :func:`scale_sync_plan`).
-    ``replicate_scales`` all-gathers per-shard scales so every device holds all of them.
-    """
-    shape = tuple(int(s) for s in x.shape)
-    tile = tile_for(spec, shape)
-    plans = scale_sync_plan(spec, shape, pspec, mesh)
+) -> tuple[Callable, int]:
+    """(jitted ``x -> (qvalue, scale[, zero_point])`` over ``mesh``, pack axis) -- the engine of
+    :func:`quantize_sharded`, exposed so its collectives can be inspected and timed."""
+    shape = tuple(int(s) for s in shape)
     if pack_axis is None:
         pack_axis = (spec.axis if spec.axis is not None else spec.default_axis) if spec.granularity == "group" else 0
     pack_axis %= len(shape)
+    return _sharded_quantize_fn(spec, mesh, P(*_entries(pspec, len(shape))), shape, replicate_scales, pack_axis), pack_axis
+
+
+@functools.lru_cache(maxsize=256)
+def _sharded_quantize_fn(spec, mesh, pspec, shape, replicate_scales, pack_axis):
+    tile = tile_for(spec, shape)
+    plans = scale_sync_plan(spec, shape, pspec, mesh)
     qarray_partitions(shape, tile, spec.bits, pack_axis, pspec, mesh)  # checks packed dims split on whole bytes
     entries = _entries(pspec, len(shape))
     # Out specs name every axis a value may vary over (size-1 axes included, as shard_map's
@@ -387,17 +381,40 @@ def quantize_sharded(
         if replicate_scales:
             # Per-shard scales are kept as computed, then gathered so every device holds them all.
             for d, axes in local_dims:
-                scale = jax.lax.all_gather(scale, axes, axis=d, tiled=True)
-                zp = None if zp is None else jax.lax.all_gather(zp, axes, axis=d, tiled=True)
+                scale = jax.lax.all_gather(scale, axes, axis=d, tiled=True, to="invarying")
+                zp = None if zp is None else jax.lax.all_gather(zp, axes, axis=d, tiled=True, to="invarying")
         if zp is None:
             return q, scale.astype(jnp.float32)
         return q, scale.astype(jnp.float32), zp.astype(jnp.int8)
 
     out_specs = (vspec, sspec) if spec.symmetric else (vspec, sspec, sspec)
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(pspec,), out_specs=out_specs))
-    x = x if isinstance(x, jax.Array) and not x.is_fully_addressable else global_array(
-        np.asarray(x), NamedSharding(mesh, pspec)
-    )
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(pspec,), out_specs=out_specs))
+
+
+def quantize_sharded(
+    x: jax.Array,
+    spec: Spec,
+    mesh: Mesh,
+    pspec: P,
+    *,
+    replicate_scales: bool = False,
+    pack_axis: int | None = None,
+    act_spec: Spec | None = None,
+    act_scale: jax.Array | None = None,
+) -> QArray:
+    """Quantize ``x`` laid out as ``pspec`` on ``mesh``; bit-identical to ``quantize(x, spec)`` unsharded.
+
+    Values stay sharded like ``x``; the scale (and zero point) is sharded where its tiles
+    are whole per shard and replicated elsewhere (see :func:`scale_sync_plan`).
+    ``replicate_scales`` all-gathers per-shard scales so every device holds all of them.
+    ``x`` may be a global array already laid out on the mesh or a host array every process holds.
+    """
+    shape = tuple(int(s) for s in x.shape)
+    fn, pack_axis = sharded_quantize_fn(spec, mesh, pspec, shape, replicate_scales=replicate_scales,
+                                        pack_axis=pack_axis)
+    want = NamedSharding(mesh, P(*_entries(pspec, len(shape))))
+    if not (isinstance(x, jax.Array) and x.sharding.is_equivalent_to(want, len(shape))):
+        x = global_array(to_host(x) if isinstance(x, jax.Array) else np.asarray(x), want)
     out = fn(x)
     return QArray(
         qvalue=out[0],
@@ -406,7 +423,7 @@ def quantize_sharded(
         act_scale=act_scale,
         bits=spec.bits,
         shape=shape,
-        tile=tile,
+        tile=tile_for(spec, shape),
         dtype=jnp.dtype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else jnp.dtype(jnp.float32),
         pack_axis=pack_axis,
         act_spec=act_spec,
@@ -484,13 +501,36 @@ STAT_COLLECTIVE = {
 }
 
 
-def reduce_stats(stats: dict, axis_name: Any) -> dict:
-    """Combine per-shard statistics ``{path: {name: array}}`` across ``axis_name`` (inside shard_map)."""
-    return {path: {k: STAT_COLLECTIVE[k](v, axis_name) for k, v in s.items()} for path, s in stats.items()}
+def reduce_stats(stats: dict, axis_name: Any, *, ordered_sums: bool = False) -> dict:
+    """Combine per-shard statistics ``{path: {name: array}}`` across ``axis_name`` (inside shard_map).
+
+    ``ordered_sums``: instead of ``psum`` (whose summation order is the backend's), sums are
+    ``all_gather``-ed as ``[shards, ...]`` so the caller can add them in a fixed order --
+    that reproduces single-device calibration bit for bit, at the cost of gathering.
+    """
+
+    def one(k, v):
+        if ordered_sums and STAT_COLLECTIVE[k] is jax.lax.psum:
+            return jax.lax.all_gather(v, axis_name, to="invarying")
+        return STAT_COLLECTIVE[k](v, axis_name)
+
+    return {path: {k: one(k, v) for k, v in s.items()} for path, s in stats.items()}
+
+
+def _fold_ordered(block_stats: dict | None, found: dict, shards: int) -> dict:
+    """Add gathered per-shard sums one shard at a time, in shard order (= single-device batch order)."""
+    from llmeq_jax.calibrate import combine
+
+    summed = [k for k, f in STAT_COLLECTIVE.items() if f is jax.lax.psum]
+    for j in range(shards):
+        part = {p: {k: (v[j] if k in summed else v) for k, v in s.items()} for p, s in found.items()}
+        block_stats = part if block_stats is None else combine(block_stats, part)
+    return block_stats
 
 
 @functools.lru_cache(maxsize=None)
-def _sharded_block_fn(config, layer: int, wants: tuple, mesh: Mesh, data_axis: str, with_stats: bool):
+def _sharded_block_fn(config, layer: int, wants: tuple, mesh: Mesh, data_axis: str, with_stats: bool,
+                      ordered_sums: bool = False):
     from llmeq_jax.calibrate import input_stats, run_block_capturing
     from llmeq_jax.models.model import apply_block
 
@@ -503,7 +543,7 @@ def _sharded_block_fn(config, layer: int, wants: tuple, mesh: Mesh, data_axis: s
             found[path + "/kernel"] = input_stats(x, wants)
 
         out = run_block_capturing(lambda: apply_block(config, block_params, hidden, positions, layer=layer), record)
-        return out, reduce_stats(found, data_axis)
+        return out, reduce_stats(found, data_axis, ordered_sums=ordered_sums)
 
     batch = P(data_axis)
     out_specs = (batch, P()) if with_stats else batch
@@ -520,13 +560,16 @@ def calibrate_sharded(
     batch_size: int = 4,
     process_block: Callable[[int, dict, dict, list], dict] | None = None,
     data_axis: str = DATA,
+    ordered_sums: bool = False,
 ) -> tuple[dict, dict]:
     """``calibrate.calibrate`` with the windows split over ``data_axis``; same contract and results.
 
     Each step takes ``batch_size`` windows per data shard; every shard runs the block on
     its own windows and the statistics are combined with :data:`STAT_COLLECTIVE`, so all
     devices (and processes) end with the same, replicated statistics. Extrema and counts
-    equal single-device calibration exactly; sums equal it up to float summation order.
+    equal single-device calibration (same ``batch_size``) exactly; with ``psum`` the sums
+    equal it up to float summation order, and with ``ordered_sums=True`` (all_gather, then
+    add shard by shard in batch order) bit for bit.
     """
     from llmeq_jax.calibrate import STATS, CalibrationError, combine
     from llmeq_jax.models.model import embed
@@ -557,11 +600,14 @@ def calibrate_sharded(
     for i in range(config.num_layers):
         name = f"layers_{i}"
         bp = params[name]
-        with_stats = _sharded_block_fn(config, i, wants, mesh, data_axis, True)
+        with_stats = _sharded_block_fn(config, i, wants, mesh, data_axis, True, ordered_sums)
         block_stats = None
         for h, pos in inputs:
             _, found = with_stats(bp, h, pos)
-            block_stats = found if block_stats is None else combine(block_stats, found)
+            if ordered_sums:
+                block_stats = _fold_ordered(block_stats, found, shards)
+            else:
+                block_stats = found if block_stats is None else combine(block_stats, found)
         if process_block is not None:
             bp = process_block(i, bp, block_stats, inputs)
             new_params[name] = bp
@@ -576,8 +622,6 @@ def calibrate_sharded(
 
 def forward_on_mesh(config: Any, params: Any, tokens: Any, mesh: Mesh, attention_mask: Any = None) -> jax.Array:
     """Logits of (sharded) ``params`` on ``tokens`` split over the data axis, under ``jit``."""
-    from llmeq_jax.models.model import forward
-
     batch = NamedSharding(mesh, P(DATA))
     tokens = global_array(np.asarray(tokens, np.int32), batch)
     mask = None if attention_mask is None else global_array(np.asarray(attention_mask, np.int32), batch)
