@@ -443,9 +443,13 @@ def quantize_params_sharded(
         act_scale = static_act_scale(path, stats) if rule.act_static else None
         if act_scale is not None:
             act_scale = global_array(np.asarray(act_scale), NamedSharding(mesh, P()))
-        return quantize_sharded(
+        q = quantize_sharded(
             w, rule.weight, mesh, partition(path, tuple(w.shape), mesh), act_spec=rule.act, act_scale=act_scale
         )
+        # One collective program at a time: on the CPU backend, programs with collectives
+        # dispatched back to back can interleave across device threads and deadlock in the
+        # rendezvous when threads are few (seen on 2 cores with 2+ devices).
+        return jax.block_until_ready(q)
 
     return map_rules(params, recipe, one)
 
@@ -603,7 +607,7 @@ def calibrate_sharded(
         with_stats = _sharded_block_fn(config, i, wants, mesh, data_axis, True, ordered_sums)
         block_stats = None
         for h, pos in inputs:
-            _, found = with_stats(bp, h, pos)
+            _, found = jax.block_until_ready(with_stats(bp, h, pos))  # see quantize_params_sharded
             if ordered_sums:
                 block_stats = _fold_ordered(block_stats, found, shards)
             else:
@@ -613,7 +617,7 @@ def calibrate_sharded(
             new_params[name] = bp
         stats.update({f"{name}/{p}": s for p, s in block_stats.items()})
         plain = _sharded_block_fn(config, i, wants, mesh, data_axis, False)
-        inputs = [(plain(bp, h, pos), pos) for h, pos in inputs]
+        inputs = [(jax.block_until_ready(plain(bp, h, pos)), pos) for h, pos in inputs]
     return stats, new_params
 
 

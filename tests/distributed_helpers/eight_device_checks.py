@@ -183,6 +183,12 @@ def test_sharded_model_matches_single_device():
     assert got.sharding.spec[0] == dist.DATA
     # Column-parallel matmuls compute whole outputs; only XLA's fusion order may differ.
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    # Perplexity (DESIGN §6 protocol) with each batch split over the data axis.
+    from llmeq_jax.evaluate import perplexity
+
+    ppl_1 = perplexity(lambda t: forward(tiny.CONFIG, qparams, t), windows, batch_size=4)
+    ppl_m = dist.perplexity_on_mesh(tiny.CONFIG, on_mesh, windows, mesh, batch_size=4)
+    assert ppl_m["tokens"] == ppl_1["tokens"] and abs(ppl_m["nll"] - ppl_1["nll"]) < 1e-5
     prompt = windows[:2, :5]
     assert np.array_equal(np.asarray(generate(tiny.CONFIG, on_mesh, prompt, 3)),
                           np.asarray(generate(tiny.CONFIG, qparams, prompt, 3)))
