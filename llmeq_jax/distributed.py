@@ -451,6 +451,12 @@ def quantize_params_sharded(
         # rendezvous when threads are few (seen on 2 cores with 2+ devices).
         return jax.block_until_ready(q)
 
+    # map_rules checks every kernel is finite on the host; a kernel spread over several
+    # processes is first gathered for that (quantize_sharded places it back).
+    params = jax.tree_util.tree_map(
+        lambda a: to_host(a) if isinstance(a, jax.Array) and not a.is_fully_addressable else a,
+        params, is_leaf=lambda x: isinstance(x, QArray),
+    )
     return map_rules(params, recipe, one)
 
 
