@@ -170,17 +170,27 @@ def _tile_percentile(x: jax.Array, tile: tuple[int, ...], p: float) -> jax.Array
 # --------------------------------------------------------------------------- scales
 
 
+def _exact_divisor(n: int) -> jax.Array:
+    """``n`` as a float32 that XLA cannot see as a constant.
+
+    Under jit XLA rewrites ``x / constant`` into ``x * (1 / constant)``, which is not
+    exactly rounded (1/127 is inexact), so jitted, eager and sharded quantization could
+    give scales one ulp apart. Hiding the constant keeps a true division everywhere.
+    """
+    return jax.lax.optimization_barrier(jnp.float32(n))
+
+
 def scale_from_range(lo: jax.Array, hi: jax.Array, bits: int, symmetric: bool):
     """Scale (and integer zero point) for a per-tile range [lo, hi] (absmax in ``hi`` if symmetric)."""
     qmin, qmax = int_range(bits)
     tiny = jnp.finfo(jnp.float32).tiny
     if symmetric:
         amax = hi
-        scale = jnp.where(amax > 0, amax / qmax, 1.0)
+        scale = jnp.where(amax > 0, amax / _exact_divisor(qmax), 1.0)
         return jnp.maximum(scale, tiny), None
     lo = jnp.minimum(lo, 0.0)
     hi = jnp.maximum(hi, 0.0)
-    scale = jnp.where(hi > lo, (hi - lo) / (qmax - qmin), 1.0)
+    scale = jnp.where(hi > lo, (hi - lo) / _exact_divisor(qmax - qmin), 1.0)
     scale = jnp.maximum(scale, tiny)
     zero_point = jnp.clip(jnp.round(qmin - lo / scale), qmin, qmax)
     return scale, zero_point
