@@ -61,7 +61,7 @@ def _mlp(params, x, backend):
 
 @pytest.mark.parametrize("pair", [W8A8, W4G128], ids=["w8a8", "w4g128"])
 def test_two_layer_model_logits_match(pair):
-    """Stand-in for the model-level parity test until llmeq_jax.models lands on this branch."""
+    """A two-layer MLP of larger shapes (the stories260K model-level check is in test_model_parity.py)."""
     params = {"up": {"kernel": _q(pair, (256, 384), 2)}, "down": {"kernel": _q(pair, (384, 64), 3)}}
     x = jax.random.normal(jax.random.key(4), (2, 5, 256))
     with config.interpret(True):
