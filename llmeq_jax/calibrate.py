@@ -194,16 +194,21 @@ def calibrate(
     for i in layers:
         name = f"layers_{i}"
         bp = params[name]
-        block_stats = None
+        block_stats, outs = None, []
         for h, pos in inputs:
-            _, found = _block_with_stats(config, bp, h, pos, layer=i, wants=wants)
+            out, found = _block_with_stats(config, bp, h, pos, layer=i, wants=wants)
+            outs.append((out, pos))
             block_stats = found if block_stats is None else combine(block_stats, found)
         if process_block is not None:
             bp = process_block(i, bp, block_stats, inputs)
             new_params[name] = bp
         kept = {p: {k: v for k, v in s.items() if keep is None or k in keep} for p, s in block_stats.items()}
         stats.update({f"{name}/{p}": s for p, s in kept.items() if s})
-        inputs = [(_block(config, bp, h, pos, layer=i), pos) for h, pos in inputs]
+        if process_block is None:
+            inputs = outs  # the block is unchanged: its outputs from the statistics pass are the next inputs
+        else:
+            del outs
+            inputs = [(_block(config, bp, h, pos, layer=i), pos) for h, pos in inputs]
     return stats, new_params
 
 
