@@ -170,6 +170,7 @@ def calibrate(
     process_block: Callable[[int, dict, dict, list], dict] | None = None,
     progress: bool = False,
     keep: Iterable[str] | None = None,
+    sequential: bool = True,
 ) -> tuple[dict, dict]:
     """Run ``windows`` ``[N, T]`` through the model one block at a time.
 
@@ -180,7 +181,9 @@ def calibrate(
     of the processed block ``i``. ``keep`` limits which statistics are
     returned (default: all of ``wants``); a sequential method that consumes
     its Hessians or samples block by block passes ``keep=()`` so memory stays
-    bounded by one block.
+    bounded by one block. ``sequential=False`` feeds the *unprocessed* block's
+    outputs forward instead (statistics of the float model, one block pass
+    instead of two; what SmoothQuant and AWQ calibrate on).
     """
     wants = tuple(dict.fromkeys(wants))
     inputs = _block_inputs(config, params, windows, batch_size)
@@ -204,7 +207,7 @@ def calibrate(
             new_params[name] = bp
         kept = {p: {k: v for k, v in s.items() if keep is None or k in keep} for p, s in block_stats.items()}
         stats.update({f"{name}/{p}": s for p, s in kept.items() if s})
-        if process_block is None:
+        if process_block is None or not sequential:
             inputs = outs  # the block is unchanged: its outputs from the statistics pass are the next inputs
         else:
             del outs

@@ -90,7 +90,8 @@ def check_writable_dir(out: Path, overwrite: bool) -> None:
 # --------------------------------------------------------------------------- pipeline steps
 
 
-def quantize_model(config, params, tokenizer, recipe, calib: str | None, calib_samples: int, progress: bool):
+def quantize_model(config, params, tokenizer, recipe, calib: str | None, calib_samples: int, progress: bool,
+                   calib_seq_len: int = 512):
     """Apply the recipe (calibrating when it needs statistics) -> (params, quantize seconds, calib seconds, samples).
 
     Calibrated methods interleave calibration and quantization block by block,
@@ -108,7 +109,7 @@ def quantize_model(config, params, tokenizer, recipe, calib: str | None, calib_s
         t0 = time.perf_counter()
         text = find_data_file(calib, CALIB_TEXT, "calibration text")
         windows = calibrate.calibration_windows(tokenizer, text, calib_samples,
-                                                min(512, config.max_position_embeddings))
+                                                min(calib_seq_len, config.max_position_embeddings))
         calib_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     qparams, info = methods.quantize_model(config, params, recipe, windows, progress)
@@ -175,7 +176,7 @@ def cmd_quantize(args) -> int:
     recipe = read_recipe(args.recipe)
     config, params, tokenizer, _ = open_model(args.model)
     qparams, q_s, c_s, n = quantize_model(config, params, tokenizer, recipe, args.calib, args.calib_samples,
-                                          not args.json)
+                                          not args.json, args.calib_seq_len)
     checkpoint.save_model_checkpoint(out, config, qparams, tokenizer, recipe=recipe, overwrite=args.overwrite,
                                      extra={"source": args.model, "quantize_s": q_s, "calib_s": c_s,
                                             "calib_samples": n})
@@ -229,7 +230,7 @@ def cmd_compare(args) -> int:
     for recipe in recipes:
         _log(args, f"== {recipe.name}")
         qparams, q_s, c_s, n = quantize_model(config, params, tokenizer, recipe, args.calib, args.calib_samples,
-                                              not args.json)
+                                              not args.json, args.calib_seq_len)
         ckpt = out_dir / f"ckpt-{recipe.name}"
         checkpoint.save_model_checkpoint(ckpt, config, qparams, tokenizer, recipe=recipe, overwrite=True)
         disk = checkpoint.disk_bytes(ckpt)
@@ -300,7 +301,8 @@ def cmd_convert(args) -> int:
     recipe = None
     if args.recipe:
         recipe = read_recipe(args.recipe)
-        params, *_ = quantize_model(config, params, tokenizer, recipe, args.calib, args.calib_samples, True)
+        params, *_ = quantize_model(config, params, tokenizer, recipe, args.calib, args.calib_samples, True,
+                                    args.calib_seq_len)
     checkpoint.save_model_checkpoint(out, config, params, tokenizer, recipe=recipe, overwrite=args.overwrite,
                                      extra={"source": args.src})
     print(f"wrote {out} ({checkpoint.disk_bytes(out) / 1e6:.2f} MB on disk)")
@@ -363,6 +365,7 @@ def _add_eval_opts(p, windows_default: int = 64):
 def _add_calib_opts(p):
     p.add_argument("--calib", help=f"calibration text (default: {CALIB_TEXT}); used by calibrated recipes only")
     p.add_argument("--calib-samples", type=int, default=16, help="calibration sequences (default 16)")
+    p.add_argument("--calib-seq-len", type=int, default=512, help="tokens per calibration sequence (default 512)")
 
 
 def build_parser() -> argparse.ArgumentParser:

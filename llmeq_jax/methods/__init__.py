@@ -7,6 +7,7 @@ module of its own and exposes the same four functions:
 
   ``parse_args(method_args) -> cfg``       validated options (clear errors)
   ``wants(cfg) -> stats names``            what calibration collects per linear input
+  ``sequential(cfg) -> bool``              whether block i+1 must see the *quantized* block i
   ``block_processor(config, recipe, cfg, info) -> process_block``
                                            ``(layer, block, block_stats, block_inputs) -> quantized block``
 
@@ -128,7 +129,7 @@ def quantize_model(config, params: dict, recipe: Recipe, windows: np.ndarray | N
         )
     process = mod.block_processor(config, recipe, cfg, info)
     _, out = calibrate.calibrate(config, params, windows, wants=mod.wants(cfg), process_block=process,
-                                 keep=(), progress=progress)
+                                 keep=(), progress=progress, sequential=mod.sequential(cfg))
     info["calib_samples"] = int(len(windows))
     for path in outside:  # e.g. an untied lm_head under SmoothQuant/ZeroQuant: plain RTN (dynamic activations)
         rule = recipe.rule_for(path)

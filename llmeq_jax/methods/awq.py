@@ -135,6 +135,10 @@ def quantize_clipped(x, w, rule, n_clip, min_clip, clip: bool):
     return quantize(w, spec, scale=scale, zero_point=zp, act_spec=rule.act)
 
 
+def sequential(args: dict) -> bool:
+    return False  # scales and clips are searched on the float model's activations
+
+
 def wants(args: dict) -> tuple[str, ...]:
     return ("abs_sum", "count", "sample")
 

@@ -265,6 +265,10 @@ def parse_args(method_args: dict) -> GPTQConfig:
     return GPTQConfig.from_args(method_args)
 
 
+def sequential(cfg: GPTQConfig) -> bool:
+    return True  # each block's Hessians come from the already quantized blocks before it
+
+
 def wants(cfg: GPTQConfig) -> tuple[str, ...]:
     return ("hessian", "absmax")
 

@@ -109,6 +109,10 @@ def search_alpha(config, block, block_stats, layer, recipe, grid, min_scale=1e-5
     return best
 
 
+def sequential(args: dict) -> bool:
+    return False  # statistics of the float model, as in the paper
+
+
 def wants(args: dict) -> tuple[str, ...]:
     return ("absmax", "sample") if args["alpha"] == "auto" else ("absmax",)
 

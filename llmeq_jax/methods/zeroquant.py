@@ -41,6 +41,10 @@ def parse_args(method_args: dict) -> dict:
     return check_args("zeroquant", method_args, ARGS)
 
 
+def sequential(args: dict) -> bool:
+    return args["lkd_steps"] > 0  # LKD trains each block on the quantized model's hidden states
+
+
 def wants(args: dict) -> tuple[str, ...]:
     return ("absmax",)
 

@@ -57,15 +57,18 @@ def test_quantized_trees_hold_qarrays_of_the_recipe(results):
 
 
 def test_cli_compare_runs_calibrated_recipes(tmp_path):
+    # Short calibration windows: stories260K (trained on short stories) has atypical activations at far
+    # positions of WikiText; Hessians from 512-token windows are dominated by them and GPTQ then loses to
+    # RTN on this model (measured: 2 x 512 -> ppl 237 vs 8 x 128 of the same tokens -> 214, RTN 226).
     env = {**os.environ, "TQDM_DISABLE": "1"}
     cmd = [sys.executable, "-m", "llmeq_jax.cli", "compare", str(shared_data_path("stories260K.gguf")), "--recipes",
            "rtn-w4-g128", "gptq-w4-g128", "--text", str(shared_data_path("wikitext2_test.txt")), "--calib",
-           str(shared_data_path("wikitext2_valid.txt")), "--calib-samples", "2", "--seq-len", "128", "--windows",
-           "4", "--no-speed", "--out-dir", str(tmp_path), "--json"]
+           str(shared_data_path("wikitext2_valid.txt")), "--calib-samples", "8", "--calib-seq-len", "128",
+           "--seq-len", "128", "--windows", "4", "--no-speed", "--out-dir", str(tmp_path), "--json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr
     rows = {r["recipe"]: r for r in json.loads(proc.stdout)["rows"]}
-    assert rows["gptq-w4-g128"]["calib_samples"] == 2 and rows["rtn-w4-g128"]["calib_samples"] == 0
+    assert rows["gptq-w4-g128"]["calib_samples"] == 8 and rows["rtn-w4-g128"]["calib_samples"] == 0
     assert rows["gptq-w4-g128"]["ppl"] < rows["rtn-w4-g128"]["ppl"]
     assert rows["gptq-w4-g128"]["quantize_s"] > 0
 
