@@ -31,8 +31,8 @@ def run_compare(model, recipe, out: Path, args, calib_samples: int) -> dict | No
     if report.is_file() and not args.rerun:
         return json.loads(report.read_text())
     cmd = [sys.executable, "-m", "llmeq_jax.cli", "compare", model, "--recipes", recipe, "--windows",
-           str(args.windows), "--seq-len", str(args.seq_len), "--calib-samples", str(calib_samples), "--no-speed",
-           "--out-dir", str(out), "--json"]
+           str(args.windows), "--seq-len", str(args.seq_len), "--calib-samples", str(calib_samples),
+           "--calib-seq-len", str(args.calib_seq_len), "--no-speed", "--out-dir", str(out), "--json"]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
     if proc.returncode != 0:
@@ -58,6 +58,7 @@ def main(argv=None) -> int:
     p.add_argument("--windows", type=int, default=64)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--calib-samples", type=int, default=16)
+    p.add_argument("--calib-seq-len", type=int, default=512)
     p.add_argument("--calib-sweep", nargs="*", default=[], help="recipes to rerun with each of --sweep-samples")
     p.add_argument("--sweep-samples", nargs="+", type=int, default=[16, 32, 64, 128])
     p.add_argument("--out", default="runs/bench_methods")
@@ -83,7 +84,7 @@ def main(argv=None) -> int:
     if sweep:
         text += "\n\nPerplexity vs calibration samples\n\n" + table(sweep, base)
     head = (f"{args.model}, WikiText-2 test, seq {args.seq_len}, {args.windows} windows; calibration "
-            f"{args.calib_samples} x 512 tokens of WikiText-2 validation\n\n")
+            f"{args.calib_samples} x {args.calib_seq_len} tokens of WikiText-2 validation\n\n")
     out.mkdir(parents=True, exist_ok=True)
     (out / "table.md").write_text(head + text + "\n")
     print(head + text)

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from llmeq_jax.core.rules import Recipe, RecipeError, leaf_paths, map_rules, quantize_leaf, quantize_params
+from llmeq_jax.core.rules import Recipe, RecipeError, map_rules, quantize_leaf, quantize_params
 
 
 def rtn(params: Any, stats: dict | None, recipe: Recipe) -> Any:
@@ -155,4 +155,4 @@ def _set_path(tree, path, value):
 
 
 __all__ = ["METHODS", "NEEDS_STATS", "CALIBRATED", "apply_recipe", "get_method", "needs_calibration",
-           "quantize_model", "rtn", "leaf_paths"]
+           "quantize_model", "rtn"]

@@ -8,16 +8,12 @@ process_block=...)``); inside a block, kernel paths are relative
 
 from __future__ import annotations
 
-import re
-
 import jax
 import jax.numpy as jnp
 
 from llmeq_jax.core.qarray import QArray
 from llmeq_jax.core.quantize import Spec, quantize_dequantize
 from llmeq_jax.core.rules import Recipe, Rule, is_quantizable, path_str, quantize_leaf
-
-BLOCK_RE = re.compile(r"layers_\d+/.*")
 
 
 def block_kernel_paths(block: dict) -> list[str]:

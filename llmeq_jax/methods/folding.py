@@ -71,16 +71,6 @@ def consumer_index(config, group: ScaleGroup) -> np.ndarray | None:
     return ((j // hd) // rep) * hd + j % hd
 
 
-def n_scales(config, group: ScaleGroup) -> int:
-    """How many independent factors the group has (producer output channels)."""
-    idx = consumer_index(config, group)
-    if idx is not None:
-        return config.num_kv_heads * config.head_dim
-    if group.kind == "linear" and group.columns is not None:
-        return group.columns[1] - group.columns[0]
-    return -1  # the consumers' input width
-
-
 def reduce_to_scales(config, group: ScaleGroup, per_input: jnp.ndarray, op: str) -> jnp.ndarray:
     """Reduce a per-consumer-input-channel statistic to one value per factor (``op``: max | mean)."""
     idx = consumer_index(config, group)

@@ -60,6 +60,9 @@ class GPTQConfig:
             raise RecipeError(f"gptq: damp must be a number in (0, {cfg.max_damp}], got {cfg.damp!r}")
         if not (isinstance(cfg.block_size, int) and cfg.block_size > 0):
             raise RecipeError(f"gptq: block_size must be a positive integer, got {cfg.block_size!r}")
+        for flag in ("act_order", "static_groups"):
+            if not isinstance(getattr(cfg, flag), bool):
+                raise RecipeError(f"gptq: {flag} must be true or false, got {getattr(cfg, flag)!r}")
         return cfg
 
 
