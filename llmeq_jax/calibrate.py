@@ -13,6 +13,9 @@ extrema, so batches (and, later, devices) combine with max / min / add:
   ``min``/``max`` per input channel               (combine: min / max)
   ``abs_sum`` sum |x_j| per channel, with ``count`` (mean |x| = abs_sum / count)
   ``hessian`` X^T X, float32 ``[in, in]``          (combine: add; GPTQ)
+  ``sample``  up to ``SAMPLE_TOKENS`` input rows, evenly strided over the
+              batch's tokens (combine: concatenate, keep the first
+              ``SAMPLE_TOKENS``; AWQ and SmoothQuant's alpha search)
 
 Running block by block keeps memory bounded by one block's activations, and
 lets a sequential method quantize block ``i`` before block ``i+1``'s inputs are
@@ -30,9 +33,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-STATS = ("absmax", "min", "max", "abs_sum", "count", "hessian")
+STATS = ("absmax", "min", "max", "abs_sum", "count", "hessian", "sample")
+# Rows of each linear input kept by the "sample" statistic: enough for a
+# per-layer error estimate, small enough that one block's samples stay small.
+SAMPLE_TOKENS = 512
+
+
+def _keep_sample(a, b):
+    return jnp.concatenate([a, b], axis=0)[:SAMPLE_TOKENS]
+
+
 _COMBINE = {"absmax": jnp.maximum, "min": jnp.minimum, "max": jnp.maximum, "abs_sum": jnp.add, "count": jnp.add,
-            "hessian": jnp.add}
+            "hessian": jnp.add, "sample": _keep_sample}
 
 
 class CalibrationError(ValueError):
@@ -81,6 +93,9 @@ def input_stats(x: jax.Array, wants: Iterable[str]) -> dict[str, jax.Array]:
             out[name] = jnp.asarray(xf.shape[0], jnp.float32)
         elif name == "hessian":
             out[name] = jnp.einsum("ti,tj->ij", xf, xf, precision=jax.lax.Precision.HIGHEST)
+        elif name == "sample":
+            stride = max(1, xf.shape[0] // SAMPLE_TOKENS)
+            out[name] = xf[::stride][:SAMPLE_TOKENS]
         else:
             raise CalibrationError(f"unknown statistic {name!r}; available: {list(STATS)}")
     return out
@@ -154,6 +169,8 @@ def calibrate(
     batch_size: int = 4,
     process_block: Callable[[int, dict, dict, list], dict] | None = None,
     progress: bool = False,
+    keep: Iterable[str] | None = None,
+    sequential: bool = True,
 ) -> tuple[dict, dict]:
     """Run ``windows`` ``[N, T]`` through the model one block at a time.
 
@@ -161,7 +178,12 @@ def calibrate(
     ``layers_0/attn/q_proj/kernel``) to its input statistics; ``params`` is the
     tree after ``process_block(layer, block_params, block_stats, block_inputs)``
     replaced each block (unchanged without it). Block ``i+1`` sees the outputs
-    of the processed block ``i``.
+    of the processed block ``i``. ``keep`` limits which statistics are
+    returned (default: all of ``wants``); a sequential method that consumes
+    its Hessians or samples block by block passes ``keep=()`` so memory stays
+    bounded by one block. ``sequential=False`` feeds the *unprocessed* block's
+    outputs forward instead (statistics of the float model, one block pass
+    instead of two; what SmoothQuant and AWQ calibrate on).
     """
     wants = tuple(dict.fromkeys(wants))
     inputs = _block_inputs(config, params, windows, batch_size)
@@ -175,15 +197,21 @@ def calibrate(
     for i in layers:
         name = f"layers_{i}"
         bp = params[name]
-        block_stats = None
+        block_stats, outs = None, []
         for h, pos in inputs:
-            _, found = _block_with_stats(config, bp, h, pos, layer=i, wants=wants)
+            out, found = _block_with_stats(config, bp, h, pos, layer=i, wants=wants)
+            outs.append((out, pos))
             block_stats = found if block_stats is None else combine(block_stats, found)
         if process_block is not None:
             bp = process_block(i, bp, block_stats, inputs)
             new_params[name] = bp
-        stats.update({f"{name}/{p}": s for p, s in block_stats.items()})
-        inputs = [(_block(config, bp, h, pos, layer=i), pos) for h, pos in inputs]
+        kept = {p: {k: v for k, v in s.items() if keep is None or k in keep} for p, s in block_stats.items()}
+        stats.update({f"{name}/{p}": s for p, s in kept.items() if s})
+        if process_block is None or not sequential:
+            inputs = outs  # the block is unchanged: its outputs from the statistics pass are the next inputs
+        else:
+            del outs
+            inputs = [(_block(config, bp, h, pos, layer=i), pos) for h, pos in inputs]
     return stats, new_params
 
 

@@ -1,0 +1,79 @@
+"""What the calibrated methods share: the kernels of one decoder block, the rule each gets, RTN of a block.
+
+Calibrated methods run one decoder block at a time (``calibrate(...,
+process_block=...)``); inside a block, kernel paths are relative
+(``attn/q_proj/kernel``) while recipe rules match full paths
+(``layers_3/attn/q_proj/kernel``). These helpers translate.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from llmeq_jax.core.qarray import QArray
+from llmeq_jax.core.quantize import Spec, quantize_dequantize
+from llmeq_jax.core.rules import Recipe, Rule, is_quantizable, path_str, quantize_leaf
+
+
+def block_kernel_paths(block: dict) -> list[str]:
+    """Relative paths of the (float) linear kernels of a block, in tree order."""
+    out = []
+    for key_path, leaf in jax.tree_util.tree_leaves_with_path(block, is_leaf=lambda x: isinstance(x, QArray)):
+        p = path_str(key_path)
+        if not isinstance(leaf, QArray) and is_quantizable(p, leaf):
+            out.append(p)
+    return out
+
+
+def quant_rule(recipe: Recipe, layer: int, rel: str) -> Rule | None:
+    """The rule that quantizes ``layers_{layer}/{rel}``, or None when it stays float."""
+    rule = recipe.rule_for(f"layers_{layer}/{rel}")
+    return None if rule is None or rule.skip else rule
+
+
+def rtn_block(block: dict, layer: int, recipe: Recipe, block_stats: dict | None, done: dict | None = None) -> dict:
+    """Quantize every kernel of a block its rule quantizes; ``done`` maps paths already quantized to QArrays."""
+    from llmeq_jax.methods.folding import get_leaf, set_leaf
+
+    done = done or {}
+    for rel in block_kernel_paths(block):
+        if rel in done:
+            block = set_leaf(block, rel, done[rel])
+            continue
+        rule = quant_rule(recipe, layer, rel)
+        if rule is None:
+            continue
+        full = f"layers_{layer}/{rel}"
+        stats = None if block_stats is None or rel not in block_stats else {full: block_stats[rel]}
+        block = set_leaf(block, rel, quantize_leaf(full, get_leaf(block, rel), rule, stats))
+    return block
+
+
+def fake_quant_act(x: jax.Array, rule: Rule, static_absmax: jax.Array | None = None) -> jax.Array:
+    """What W8A8 does to a linear's input under ``rule`` (identity without an activation spec)."""
+    if rule is None or rule.act is None:
+        return x
+    if rule.act_static:
+        scale = jnp.maximum(jnp.max(static_absmax), jnp.finfo(jnp.float32).tiny) / 127.0
+        return jnp.clip(jnp.round(x / scale), -127, 127) * scale
+    return quantize_dequantize(x, Spec(8, "token"))
+
+
+def check_args(method: str, args: dict, allowed: dict[str, tuple]) -> dict:
+    """``method_args`` with defaults filled in. ``allowed`` maps name -> (default, accepted types, check, hint).
+
+    Unknown keys, wrong types and out-of-range values are one clear error each.
+    """
+    from llmeq_jax.core.rules import RecipeError
+
+    unknown = set(args) - set(allowed)
+    if unknown:
+        raise RecipeError(f"{method}: unknown method_args {sorted(unknown)}; allowed: {sorted(allowed)}")
+    out = {}
+    for k, (default, types, ok, hint) in allowed.items():
+        v = args.get(k, default)
+        if isinstance(v, bool) and bool not in types or not isinstance(v, types) or not ok(v):
+            raise RecipeError(f"{method}: method_args.{k} must be {hint}, got {v!r}")
+        out[k] = v
+    return out

@@ -1,0 +1,302 @@
+"""GPTQ (Frantar et al., 2022): quantize a kernel input row by input row, pushing each row's error onto the rest.
+
+Our kernels are ``(in, out)`` and used as ``x @ W``, so GPTQ's "columns" (the
+input features the Hessian ``H = X^T X`` is indexed by) are the *rows* of our
+kernel. For each row ``i`` in order: quantize it, and spread its rounding
+error over the rows not yet quantized through the upper Cholesky factor
+``U`` of ``H^-1`` (``H^-1 = U^T U``)::
+
+    err_i = (w_i - q_i) / U_ii ;   w_j -= U_ij * err_i   for j > i
+
+Rows are processed in blocks of ``block_size``; within a block the update is
+applied row by row (a ``lax.fori_loop`` in one jitted call per block shape),
+and the rows after the block get the whole block's error at once ("lazy batch
+update"), which is the same arithmetic in a cache-friendly order.
+
+Scales: per-channel / per-tensor from the full kernel before any update;
+groups (``group_size`` rows along the input dim, the last one may be shorter)
+from the *current* (already error-updated) rows when the group's first row is
+reached, unless ``static_groups`` (all group scales from the original kernel).
+``act_order`` visits rows by decreasing Hessian diagonal; because a QArray's
+groups are contiguous input ranges, act order with groups needs static
+groups and turns them on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from llmeq_jax.core.qarray import QArray, int_range
+from llmeq_jax.core.quantize import Spec, compute_scale, quantize, scale_from_range, tile_for
+from llmeq_jax.core.rules import RecipeError
+
+
+class HessianWarning(UserWarning):
+    """The Hessian needed more damping than asked for (the message names the layer and the damping)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTQConfig:
+    damp: float = 0.01  # fraction of the mean Hessian diagonal added to the diagonal
+    block_size: int = 128
+    act_order: bool = False
+    static_groups: bool = False
+    max_damp: float = 10.0  # give up (error) when even this much damping does not make H positive definite
+
+    @classmethod
+    def from_args(cls, args: dict) -> "GPTQConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(args) - known
+        if unknown:
+            raise RecipeError(f"gptq: unknown method_args {sorted(unknown)}; allowed: {sorted(known)}")
+        cfg = cls(**args)
+        if not (isinstance(cfg.damp, (int, float)) and 0 < cfg.damp <= cfg.max_damp):
+            raise RecipeError(f"gptq: damp must be a number in (0, {cfg.max_damp}], got {cfg.damp!r}")
+        if not (isinstance(cfg.block_size, int) and cfg.block_size > 0):
+            raise RecipeError(f"gptq: block_size must be a positive integer, got {cfg.block_size!r}")
+        for flag in ("act_order", "static_groups"):
+            if not isinstance(getattr(cfg, flag), bool):
+                raise RecipeError(f"gptq: {flag} must be true or false, got {getattr(cfg, flag)!r}")
+        return cfg
+
+
+def check_spec(path: str, spec: Spec) -> None:
+    """GPTQ quantizes rows of an (in, out) kernel: groups must run along the input dim, no clip search."""
+    if spec.clip is not None:
+        raise RecipeError(f"gptq: {path}: clip={spec.clip!r} is not supported (GPTQ sets its own grid); remove it")
+    if spec.granularity == "token":
+        raise RecipeError(f"gptq: {path}: 'token' granularity is for activations, not weights")
+    axis = spec.axis if spec.axis is not None else spec.default_axis
+    if spec.granularity == "group" and axis % 2 != 0:
+        raise RecipeError(f"gptq: {path}: groups must run along the input dim (axis 0), got axis {spec.axis}")
+    if spec.granularity == "channel" and axis % 2 != 1:
+        raise RecipeError(f"gptq: {path}: per-channel scales must be per output channel (axis -1 or 1)")
+
+
+# --------------------------------------------------------------------------- Hessian
+
+
+def inverse_cholesky(hessian: np.ndarray, damp: float, path: str, max_damp: float = 10.0,
+                     dead: np.ndarray | None = None) -> tuple[np.ndarray, float]:
+    """Upper Cholesky factor of ``(H + damp * mean(diag H) * I)^-1`` in float64, and the damping used.
+
+    A Hessian that is not positive definite at ``damp`` is retried with 10x the
+    damping until ``max_damp``; the damping that worked is reported as a
+    :class:`HessianWarning` naming ``path``.
+    """
+    h = np.array(hessian, np.float64)
+    diag = np.diag(h).copy()
+    if dead is None:
+        dead = diag == 0
+    h[dead, dead] = 1.0  # inputs that were always zero: any row value is irrelevant; keep H invertible
+    mean_diag = float(np.mean(np.diag(h)))
+    if not np.isfinite(mean_diag) or mean_diag <= 0:
+        raise ValueError(f"gptq: Hessian of {path} has a non-finite or non-positive diagonal (mean {mean_diag}); "
+                         "the calibration activations are broken")
+    tried = damp
+    while True:
+        hd = h + np.eye(len(h)) * tried * mean_diag
+        try:
+            lower = np.linalg.cholesky(hd)
+            inv = np.linalg.inv(lower)
+            hinv = inv.T @ inv
+            upper = np.linalg.cholesky(hinv).T
+            if np.all(np.isfinite(upper)):
+                break
+        except np.linalg.LinAlgError:
+            pass
+        if tried * 10 > max_damp:
+            raise ValueError(f"gptq: Hessian of {path} is not positive definite even with damping {tried:g} x mean "
+                             f"diagonal; the layer's calibration inputs are degenerate")
+        tried *= 10
+    if tried != damp:
+        warnings.warn(f"gptq: Hessian of {path} is not positive definite with damp={damp:g}; "
+                      f"damp={tried:g} (x mean diagonal) fixed it", HessianWarning, stacklevel=2)
+    return upper, tried
+
+
+# --------------------------------------------------------------------------- the algorithm
+
+
+def _row_grid(scale_rows: jax.Array, zp_rows: jax.Array | None, w: jax.Array, bits: int):
+    qmin, qmax = int_range(bits)
+    q = jnp.round(w / scale_rows)
+    if zp_rows is None:
+        q = jnp.clip(q, -qmax, qmax)
+        return q, q * scale_rows
+    q = jnp.clip(q + zp_rows, qmin, qmax)
+    return q, (q - zp_rows) * scale_rows
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "symmetric", "group", "fixed"))
+def _block(w1, u1, scale, zp, group_start, *, bits, symmetric, group, fixed):
+    """Quantize rows of one block. w1 [b, out], u1 [b, b] (upper factor, this block).
+
+    ``fixed``: ``scale``/``zp`` are per row already ([b, out]); else ``group``
+    rows share a scale computed from the current rows when a group starts
+    (``group_start`` = index of the block's first row in the kernel).
+    Returns integer values [b, out], the scales used per row, and the errors.
+    """
+    b = w1.shape[0]
+    rows = jnp.arange(b)
+
+    def body(i, carry):
+        w1, q1, err1, cur_s, cur_z, s_rows, z_rows = carry
+        if not fixed:
+            # A group starts here: its scale from the current values of its rows inside this block.
+            starts = (group_start + i) % group == 0
+            in_group = (rows >= i) & (rows < i + group)
+            masked = jnp.where(in_group[:, None], w1, 0.0)
+            if symmetric:
+                new_s, new_z = scale_from_range(None, jnp.max(jnp.abs(masked), axis=0), bits, True)
+            else:
+                new_s, new_z = scale_from_range(jnp.min(masked, axis=0), jnp.max(masked, axis=0), bits, False)
+            cur_s = jnp.where(starts, new_s, cur_s)
+            if not symmetric:
+                cur_z = jnp.where(starts, new_z, cur_z)
+            s_i, z_i = cur_s, (None if symmetric else cur_z)
+        else:
+            s_i, z_i = scale[i], (None if symmetric else zp[i])
+        w = w1[i]
+        q, deq = _row_grid(s_i, z_i, w, bits)
+        err = (w - deq) / u1[i, i]
+        later = (rows > i).astype(w1.dtype)
+        w1 = w1 - (u1[i] * later)[:, None] * err[None, :]
+        q1 = q1.at[i].set(q)
+        err1 = err1.at[i].set(err)
+        s_rows = s_rows.at[i].set(s_i)
+        if not symmetric:
+            z_rows = z_rows.at[i].set(z_i)
+        return w1, q1, err1, cur_s, cur_z, s_rows, z_rows
+
+    out = w1.shape[1]
+    init_s = jnp.ones((out,), jnp.float32) if scale is None or not fixed else scale[0]
+    init_z = jnp.zeros((out,), jnp.float32)
+    z_rows = jnp.zeros_like(w1)
+    carry = (w1, jnp.zeros_like(w1), jnp.zeros_like(w1), init_s, init_z, jnp.zeros_like(w1), z_rows)
+    _, q1, err1, _, _, s_rows, z_rows = jax.lax.fori_loop(0, b, body, carry)
+    return q1, err1, s_rows, (None if symmetric else z_rows)
+
+
+def gptq_quantize(w: jax.Array, hessian: jax.Array, spec: Spec, cfg: GPTQConfig = GPTQConfig(), *,
+                  path: str = "kernel") -> tuple[np.ndarray, np.ndarray, np.ndarray | None, dict]:
+    """GPTQ on one ``(in, out)`` kernel -> (int values [in, out], scale, zero_point, info).
+
+    ``scale``/``zero_point`` have the shape :func:`quantize` gives for ``spec``
+    (so the result fits a QArray); ``info`` holds the damping used.
+    """
+    check_spec(path, spec)
+    w = np.array(w, np.float32)
+    k, n = w.shape
+    h = np.asarray(hessian, np.float64)
+    if h.shape != (k, k):
+        raise ValueError(f"gptq: {path}: Hessian shape {h.shape} does not match the kernel's input dim {k}")
+    dead = np.diag(h) == 0
+    w[dead] = 0.0
+    tile = tile_for(spec, (k, n))
+    grouped = spec.granularity == "group"
+    g = tile[0] if grouped else k
+    static = (not grouped) or cfg.static_groups or cfg.act_order
+    if static:
+        # Scales from the original kernel, one per (row tile, out tile), expanded to one per row.
+        scale, zp = compute_scale(jnp.asarray(w), spec, tile)
+        scale, zp = np.asarray(scale), None if zp is None else np.asarray(zp, np.float32)
+        row_scale = _per_row(scale, tile, (k, n))
+        row_zp = None if zp is None else _per_row(zp, tile, (k, n))
+    perm = np.argsort(-np.diag(h), kind="stable") if cfg.act_order else np.arange(k)
+    upper, used = inverse_cholesky(h[np.ix_(perm, perm)], cfg.damp, path, cfg.max_damp, dead[perm])
+    upper = upper.astype(np.float32)
+    wp = jnp.asarray(w[perm])
+    # With groups and dynamic scales, a block must hold whole groups (its rows are updated in place).
+    bs = cfg.block_size if static else g * max(1, round(cfg.block_size / g))
+    qs, ss, zs = [], [], []
+    for i1 in range(0, k, bs):
+        i2 = min(i1 + bs, k)
+        u1 = jnp.asarray(upper[i1:i2, i1:i2])
+        if static:
+            sb = jnp.asarray(row_scale[perm[i1:i2]])
+            zb = None if row_zp is None else jnp.asarray(row_zp[perm[i1:i2]])
+        else:
+            sb = zb = None
+        q1, err1, s_rows, z_rows = _block(wp[i1:i2], u1, sb, zb, i1, bits=spec.bits, symmetric=spec.symmetric,
+                                          group=g, fixed=static)
+        if i2 < k:
+            wp = wp.at[i2:].add(-(jnp.asarray(upper[i1:i2, i2:]).T @ err1))
+        qs.append(q1)
+        ss.append(s_rows)
+        zs.append(z_rows)
+    inv = np.argsort(perm)
+    q = np.asarray(jnp.concatenate(qs))[inv]
+    if static:
+        return q.astype(np.int8), scale, zp, {"damp": used}
+    s_rows = np.asarray(jnp.concatenate(ss))
+    z_rows = None if spec.symmetric else np.asarray(jnp.concatenate(zs))
+    # Dynamic groups: one scale per group = the scale of its first row.
+    starts = np.arange(0, k, g)
+    scale = s_rows[starts].reshape(len(starts), n // tile[1], tile[1])[:, :, 0]
+    zp = None if z_rows is None else z_rows[starts].reshape(len(starts), n // tile[1], tile[1])[:, :, 0]
+    return q.astype(np.int8), scale, zp, {"damp": used}
+
+
+def _per_row(a: np.ndarray, tile, shape) -> np.ndarray:
+    return np.repeat(np.repeat(a, tile[0], axis=0)[: shape[0]], tile[1], axis=1)[:, : shape[1]]
+
+
+def to_qarray(q: np.ndarray, scale: np.ndarray, zp: np.ndarray | None, spec: Spec, dtype=jnp.float32,
+              act_spec: Spec | None = None, act_scale: jax.Array | None = None) -> QArray:
+    """A QArray holding exactly the integer values ``q`` on the grid ``scale``/``zp``."""
+    tile = tile_for(spec, q.shape)
+    s = _per_row(scale, tile, q.shape)
+    deq = q.astype(np.float32) if zp is None else q.astype(np.float32) - _per_row(zp, tile, q.shape)
+    deq = deq * s
+    out = quantize(jnp.asarray(deq, dtype), spec, scale=jnp.asarray(scale, jnp.float32),
+                   zero_point=None if zp is None else jnp.asarray(zp, jnp.float32), act_spec=act_spec,
+                   act_scale=act_scale)
+    return out
+
+
+# --------------------------------------------------------------------------- as a calibrated method
+
+
+def parse_args(method_args: dict) -> GPTQConfig:
+    return GPTQConfig.from_args(method_args)
+
+
+def sequential(cfg: GPTQConfig) -> bool:
+    return True  # each block's Hessians come from the already quantized blocks before it
+
+
+def wants(cfg: GPTQConfig) -> tuple[str, ...]:
+    return ("hessian", "absmax")
+
+
+def block_processor(config, recipe, cfg: GPTQConfig, info: dict):
+    """process_block for calibrate: GPTQ on every kernel its rule quantizes, Hessians from this block's inputs."""
+    from llmeq_jax.core.rules import static_act_scale
+    from llmeq_jax.methods.blockwise import block_kernel_paths, quant_rule
+    from llmeq_jax.methods.folding import get_leaf, set_leaf
+
+    info.setdefault("damp", {})
+
+    def process(layer, block, block_stats, inputs):
+        del inputs
+        for rel in block_kernel_paths(block):
+            rule = quant_rule(recipe, layer, rel)
+            if rule is None:
+                continue
+            full = f"layers_{layer}/{rel}"
+            w = get_leaf(block, rel)
+            q, scale, zp, res = gptq_quantize(w, block_stats[rel]["hessian"], rule.weight, cfg, path=full)
+            act_scale = static_act_scale(full, {full: block_stats[rel]}) if rule.act_static else None
+            block = set_leaf(block, rel, to_qarray(q, scale, zp, rule.weight, w.dtype, rule.act, act_scale))
+            if res["damp"] != cfg.damp:
+                info["damp"][full] = res["damp"]
+        return block
+
+    return process

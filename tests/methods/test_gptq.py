@@ -1,0 +1,147 @@
+"""GPTQ against a straightforward NumPy implementation, and against RTN on the output error."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from llmeq_jax.core.quantize import Spec, quantize
+from llmeq_jax.core.rules import RecipeError
+from llmeq_jax.methods.gptq import GPTQConfig, HessianWarning, gptq_quantize, inverse_cholesky, to_qarray
+
+
+def numpy_gptq(w, h, bits, group, damp=0.01, act_order=False, symmetric=True):
+    """Textbook GPTQ on an (in, out) kernel: one input row at a time, full update of all later rows.
+
+    No blocks, no lazy batches: after quantizing row i, every later row j gets
+    ``-U[i, j] / U[i, i] * (w_i - q_i)`` with U the upper Cholesky factor of H^-1.
+    Group scales (symmetric absmax or asymmetric min/max) come from the
+    current rows when a group starts, or, with act order, from the original
+    kernel (static groups). Returns integer values in the original row order.
+    """
+    w = w.astype(np.float64).copy()
+    k, n = w.shape
+    h = h.astype(np.float64).copy()
+    dead = np.diag(h) == 0
+    h[dead, dead] = 1
+    w[dead] = 0
+    h += np.eye(k) * damp * np.mean(np.diag(h))
+    qmax = 2 ** (bits - 1) - 1
+    qmin = -(2 ** (bits - 1))
+    g = group or k
+
+    def grid(rows):
+        if symmetric:
+            s = np.abs(rows).max(0) / qmax
+            s[s == 0] = 1
+            return s, None
+        lo, hi = np.minimum(rows.min(0), 0), np.maximum(rows.max(0), 0)
+        s = (hi - lo) / (qmax - qmin)
+        s[s == 0] = 1
+        return s, np.clip(np.round(qmin - lo / s), qmin, qmax)
+
+    static = {gi: grid(w[gi * g : (gi + 1) * g]) for gi in range(-(-k // g))} if act_order else None
+    perm = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(k)
+    w, h = w[perm], h[np.ix_(perm, perm)]
+    u = np.linalg.cholesky(np.linalg.inv(h)).T
+    q = np.zeros((k, n))
+    for i in range(k):
+        if act_order:
+            s, z = static[perm[i] // g]
+        elif i % g == 0:
+            s, z = grid(w[i : i + g])
+        if z is None:
+            qi = np.clip(np.round(w[i] / s), -qmax, qmax)
+            deq = qi * s
+        else:
+            qi = np.clip(np.round(w[i] / s) + z, qmin, qmax)
+            deq = (qi - z) * s
+        q[i] = qi
+        err = (w[i] - deq) / u[i, i]
+        w[i + 1 :] -= np.outer(u[i, i + 1 :], err)
+    out = np.zeros_like(q)
+    out[perm] = q
+    return out.astype(np.int64)
+
+
+def _layer(rng, k=96, n=24, t=400):
+    # Correlated inputs with a few strong channels: the case GPTQ exists for.
+    x = rng.normal(size=(t, k)) @ (np.eye(k) + 0.3 * rng.normal(size=(k, k))) * (1 + 4 * (rng.random(k) < 0.1))
+    w = rng.normal(size=(k, n)) * 0.05
+    return x.astype(np.float32), w.astype(np.float32), (x.T @ x).astype(np.float32)
+
+
+def _agree(a, b):
+    """Exact integer agreement, allowing a rare +-1 where float32 vs float64 rounding lands on a tie."""
+    diff = np.abs(np.asarray(a, np.int64) - np.asarray(b, np.int64))
+    assert diff.max() <= 1 and (diff > 0).mean() < 0.005, f"{(diff > 0).sum()} of {diff.size} values differ"
+
+
+@pytest.mark.parametrize(
+    "bits, group, block, act_order, symmetric",
+    [
+        (4, 32, 64, False, True),     # groups inside blocks, dynamic group scales
+        (3, 40, 16, False, True),     # group does not divide K=96; block rounded to whole groups
+        (4, None, 32, False, True),   # per channel, several lazy blocks
+        (4, 32, 32, True, True),      # act order -> static groups
+        (4, 32, 64, False, False),    # asymmetric
+    ],
+)
+def test_matches_numpy_reference(bits, group, block, act_order, symmetric):
+    rng = np.random.default_rng(bits + (group or 0) + block)
+    _, w, h = _layer(rng)
+    spec = Spec(bits, "group", group_size=group, symmetric=symmetric) if group else Spec(
+        bits, "channel", symmetric=symmetric)
+    q, scale, zp, info = gptq_quantize(w, h, spec, GPTQConfig(block_size=block, act_order=act_order))
+    ref = numpy_gptq(w, h, bits, group, act_order=act_order, symmetric=symmetric)
+    _agree(q, ref)
+    assert info["damp"] == 0.01
+    # The QArray built from the result holds exactly these integers on that grid.
+    qa = to_qarray(q, scale, zp, spec)
+    np.testing.assert_array_equal(np.asarray(qa.values()), q)
+
+
+@pytest.mark.parametrize("bits, group", [(4, 32), (3, 32), (4, None)])
+def test_lower_output_error_than_rtn(bits, group):
+    rng = np.random.default_rng(7)
+    x, w, h = _layer(rng)
+    spec = Spec(bits, "group", group_size=group) if group else Spec(bits, "channel")
+    q, scale, zp, _ = gptq_quantize(w, h, spec)
+    w_gptq = np.asarray(to_qarray(q, scale, zp, spec).dequantize())
+    w_rtn = np.asarray(quantize(jnp.asarray(w), spec).dequantize())
+    err_gptq = np.linalg.norm(x @ w - x @ w_gptq)
+    err_rtn = np.linalg.norm(x @ w - x @ w_rtn)
+    assert err_gptq < 0.9 * err_rtn
+
+
+def test_dead_inputs_and_non_pd_hessian_report_the_damping():
+    rng = np.random.default_rng(3)
+    _, w, _ = _layer(rng, k=32, n=8)
+    # Rank-deficient and slightly indefinite: Cholesky fails at 1% damping, a larger one fixes it.
+    v = rng.normal(size=(32, 4))
+    h = v @ v.T - 0.5 * np.eye(32) * np.mean(np.diag(v @ v.T))
+    h[0, :] = h[:, 0] = 0  # an input that was always zero: its row is irrelevant and quantizes to 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        q, *_, info = gptq_quantize(w, h, Spec(4, "channel"), path="layers_3/mlp/down_proj/kernel")
+    assert info["damp"] > 0.01
+    assert np.all(q[0] == 0) and np.any(q[1:] != 0)
+    msgs = [str(c.message) for c in caught if issubclass(c.category, HessianWarning)]
+    assert msgs and "layers_3/mlp/down_proj/kernel" in msgs[0] and f"damp={info['damp']:g}" in msgs[0]
+    with pytest.raises(ValueError, match="not positive definite even with damping"):
+        inverse_cholesky(np.array([[1.0, 10.0], [10.0, 1.0]]), 0.01, "layers_0/attn/q_proj/kernel", max_damp=0.5)
+
+
+def test_bad_specs_and_args():
+    w, h = np.ones((8, 4), np.float32), np.eye(8, dtype=np.float32)
+    with pytest.raises(RecipeError, match="clip"):
+        gptq_quantize(w, h, Spec(4, "channel", clip="mse"))
+    with pytest.raises(RecipeError, match="input dim"):
+        gptq_quantize(w, h, Spec(4, "group", group_size=2, axis=1))
+    with pytest.raises(RecipeError, match="unknown method_args"):
+        GPTQConfig.from_args({"dampening": 0.1})
+    with pytest.raises(RecipeError, match="damp"):
+        GPTQConfig.from_args({"damp": -1.0})
