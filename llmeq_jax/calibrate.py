@@ -213,11 +213,3 @@ def calibrate(
             del outs
             inputs = [(_block(config, bp, h, pos, layer=i), pos) for h, pos in inputs]
     return stats, new_params
-
-
-def collect_for_recipe(config, params, tokenizer, text_path, n_samples: int, recipe, progress: bool = False,
-                       seq_len: int = 512) -> tuple[dict, int]:
-    """Statistics a recipe needs (input absmax per kernel for static activation scales) -> (stats, samples)."""
-    windows = calibration_windows(tokenizer, text_path, n_samples, min(seq_len, config.max_position_embeddings))
-    stats, _ = calibrate(config, params, windows, wants=("absmax",), progress=progress)
-    return stats, n_samples

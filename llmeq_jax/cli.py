@@ -18,7 +18,7 @@ from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = REPO_ROOT / "configs"
-MAIN_RECIPES = ("fp32", "rtn-w8", "rtn-w8a8", "rtn-w4-g128")
+MAIN_RECIPES = ("fp32", "rtn-w8", "rtn-w8a8", "smoothquant-w8a8", "rtn-w4-g128")
 EVAL_TEXT = "wikitext2_test.txt"
 CALIB_TEXT = "wikitext2_valid.txt"
 
