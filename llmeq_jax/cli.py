@@ -530,8 +530,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    return f"llmeq: warning: {message}\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    import warnings
+
+    warnings.formatwarning = _one_line_warning  # the CLI's own output: one line per warning, no source echo
     if getattr(args, "json", False):
         os.environ.setdefault("TQDM_DISABLE", "1")
     try:

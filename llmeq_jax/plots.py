@@ -35,7 +35,8 @@ def weight_histograms(values: dict[str, np.ndarray], layer: str, path: str | Pat
     for ax, (name, v) in zip(axes[0], values.items()):
         v = np.asarray(v).ravel()
         integer = np.issubdtype(v.dtype, np.integer)
-        bins = np.arange(v.min() - 0.5, v.max() + 1.5) if integer and v.max() - v.min() < 300 else 100
+        lo, hi = (int(v.min()), int(v.max())) if integer else (0, 0)  # python ints: no int8 overflow
+        bins = np.arange(lo - 0.5, hi + 1.5) if integer and hi - lo < 300 else 100
         ax.hist(v, bins=bins, color="tab:blue")
         ax.set_title(name, fontsize=9)
         ax.set_xlabel("integer value" if integer else "weight value", fontsize=8)
