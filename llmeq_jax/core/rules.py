@@ -161,6 +161,7 @@ def map_rules(
     params: Any,
     recipe: Recipe,
     fn: Callable[[str, jax.Array, Rule], Any],
+    progress: bool = False,
 ) -> Any:
     """Apply ``fn(path, leaf, rule)`` to every quantizable leaf whose first matching rule quantizes it.
 
@@ -169,6 +170,12 @@ def map_rules(
     """
     used: set[int] = set()
     touched = [0]
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        n = sum(is_quantizable(p, leaf) for p, leaf in zip(leaf_paths(params), jax.tree_util.tree_leaves(params)))
+        bar = tqdm(total=n, desc=f"quantize {recipe.name}", unit="layer", leave=False)
 
     def visit(key_path, leaf):
         path = path_str(key_path)
@@ -181,10 +188,15 @@ def map_rules(
                 if rule.skip:
                     return leaf
                 check_finite(path, leaf)
-                return fn(path, leaf, rule)
+                out = fn(path, leaf, rule)
+                if bar is not None:
+                    bar.update(1)
+                return out
         return leaf
 
     out = jax.tree_util.tree_map_with_path(visit, params, is_leaf=_is_q)
+    if bar is not None:
+        bar.close()
     if recipe.rules and touched[0] == 0:
         kernels = [p for p in leaf_paths(params) if p.endswith("/" + QUANTIZABLE_LEAF)][:5]
         raise RecipeError(
@@ -207,13 +219,13 @@ def _quantize_jit(w, act_scale, *, spec, act_spec):
     return quantize(w, spec, act_spec=act_spec, act_scale=act_scale)
 
 
-def quantize_params(params: Any, recipe: Recipe, stats: dict | None = None) -> Any:
+def quantize_params(params: Any, recipe: Recipe, stats: dict | None = None, progress: bool = False) -> Any:
     """Round-to-nearest (RTN) quantization of a Flax param tree under ``recipe``.
 
     ``stats`` (from calibration, keyed by kernel path) is needed only for
     rules with static activation scales.
     """
-    return map_rules(params, recipe, lambda path, w, rule: quantize_leaf(path, w, rule, stats))
+    return map_rules(params, recipe, lambda path, w, rule: quantize_leaf(path, w, rule, stats), progress)
 
 
 # --------------------------------------------------------------------------- YAML

@@ -114,7 +114,7 @@ def quantize_model(config, params: dict, recipe: Recipe, windows: np.ndarray | N
         if needs_calibration(recipe):
             stats, _ = calibrate.calibrate(config, params, windows, wants=("absmax",), progress=progress)
             info["calib_samples"] = int(len(windows))
-        out = rtn(params, stats, recipe)
+        out = quantize_params(params, recipe, stats=stats, progress=progress)
         info["seconds"] = time.perf_counter() - t0
         return out, info
 

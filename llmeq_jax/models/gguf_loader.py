@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
 
 from llmeq_jax.models.config import ModelConfig, ModelConfigError
 from llmeq_jax.models.params_tree import ModelLoadError, TreeBuilder
@@ -140,7 +141,7 @@ def tensor_as_float(tensor, source: str) -> np.ndarray:
 def load_params(reader, config: ModelConfig, dtype: Any, source: str) -> dict:
     builder = TreeBuilder(config, dtype, source)
     permute_qk = config.model_type == "llama"
-    for tensor in reader.tensors:
+    for tensor in tqdm(reader.tensors, desc="load", unit="tensor", leave=False):
         name = tensor.name
         m = _BLOCK.fullmatch(name)
         if m and m.group(2) in _LAYER:

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 
+from tqdm import tqdm
+
 from llmeq_jax.models.config import ModelConfig, ModelConfigError, config_from_hf_dict
 from llmeq_jax.models.params_tree import ModelLoadError, TreeBuilder
 
@@ -122,7 +124,7 @@ def load_params(directory: Path, config: ModelConfig, dtype: Any) -> dict:
     builder = TreeBuilder(config, dtype, source=str(directory))
     for path in safetensors_files(directory):
         with _open(path) as f:
-            for name in f.keys():
+            for name in tqdm(list(f.keys()), desc=f"load {path.name}", unit="tensor", leave=False):
                 target = map_name(config, name)
                 if target is None:
                     continue
