@@ -501,6 +501,14 @@ def online_quantize_sharded(x, state, mesh: Mesh, *, axis: str = DATA, **kw):
 # Which collective combines each calibration statistic over the data axis, and why:
 # extrema are order-free (pmax/pmin, exact); sums and counts add (psum); the Hessian
 # X^T X is a sum over tokens, so it adds too.
+def _gather_sample(v: jax.Array, axis_name: Any) -> jax.Array:
+    """Input rows are not reduced: gather every shard's rows in shard order and keep the
+    first ``SAMPLE_TOKENS``, as one device keeps the first rows it sees."""
+    from llmeq_jax.calibrate import SAMPLE_TOKENS
+
+    return jax.lax.all_gather(v, axis_name, tiled=True, to="invarying")[:SAMPLE_TOKENS]
+
+
 STAT_COLLECTIVE = {
     "absmax": jax.lax.pmax,
     "max": jax.lax.pmax,
@@ -508,6 +516,7 @@ STAT_COLLECTIVE = {
     "abs_sum": jax.lax.psum,
     "count": jax.lax.psum,
     "hessian": jax.lax.psum,
+    "sample": _gather_sample,  # AWQ / SmoothQuant alpha search: rows, gathered (all_gather)
 }
 
 
@@ -532,8 +541,15 @@ def _fold_ordered(block_stats: dict | None, found: dict, shards: int) -> dict:
     from llmeq_jax.calibrate import combine
 
     summed = [k for k, f in STAT_COLLECTIVE.items() if f is jax.lax.psum]
+
+    def shard_part(k, v, j):
+        if k in summed:
+            return v[j]
+        # Already combined over shards: extrema are idempotent, gathered rows must enter once.
+        return v[:0] if (k == "sample" and j > 0) else v
+
     for j in range(shards):
-        part = {p: {k: (v[j] if k in summed else v) for k, v in s.items()} for p, s in found.items()}
+        part = {p: {k: shard_part(k, v, j) for k, v in s.items()} for p, s in found.items()}
         block_stats = part if block_stats is None else combine(block_stats, part)
     return block_stats
 

@@ -14,7 +14,7 @@ CONFIG = ModelConfig(
     model_type="llama", vocab_size=128, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
     intermediate_size=64, norm_eps=1e-5, max_position_embeddings=64, tie_word_embeddings=False,
 )
-WANTS = ("absmax", "min", "max", "abs_sum", "count", "hessian")
+WANTS = ("absmax", "min", "max", "abs_sum", "count", "hessian", "sample")
 
 
 def params():
