@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from llmeq_jax.core.qarray import QArray
+from llmeq_jax.core.qarray import QArray, is_qarray
 from llmeq_jax.core.quantize import Spec
 from llmeq_jax.core.rules import path_str
 
@@ -68,7 +68,7 @@ def split_tree(params: Any) -> tuple[dict, dict]:
     """-> (flat dict path -> array or {child: array}, layout dict path -> leaf description)."""
     arrays: dict[str, Any] = {}
     layout: dict[str, dict] = {}
-    for key_path, leaf in jax.tree_util.tree_leaves_with_path(params, is_leaf=lambda x: isinstance(x, QArray)):
+    for key_path, leaf in jax.tree_util.tree_leaves_with_path(params, is_leaf=is_qarray):
         path = path_str(key_path)
         if isinstance(leaf, QArray):
             children = {c: getattr(leaf, c) for c in _QARRAY_CHILDREN if getattr(leaf, c) is not None}
@@ -246,7 +246,7 @@ def restore(path: str | Path, target: Any = None) -> Any:
     except (ValueError, KeyError, FileNotFoundError) as e:
         raise CheckpointError(f"could not restore the arrays of {str(path)!r}: {e}") from None
     flat = {}
-    for key_path, leaf in jax.tree_util.tree_leaves_with_path(target, is_leaf=lambda x: isinstance(x, QArray)):
+    for key_path, leaf in jax.tree_util.tree_leaves_with_path(target, is_leaf=is_qarray):
         p = path_str(key_path)
         flat[p] = dataclasses.replace(leaf, **arrays[p]) if isinstance(leaf, QArray) else arrays[p]
     return _nest(flat)

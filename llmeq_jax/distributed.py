@@ -56,7 +56,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from llmeq_jax.core.qarray import QArray, pack, values_per_byte
+from llmeq_jax.core.qarray import QArray, is_qarray, pack, values_per_byte
 from llmeq_jax.core.quantize import Spec, _parse_clip, compute_scale, quantize_values, scale_from_range, tile_for, tile_reduce
 from llmeq_jax.core.rules import path_str
 
@@ -237,7 +237,7 @@ def param_shardings(params: Any, mesh: Mesh, partition: Callable = param_partiti
     return jax.tree_util.tree_map_with_path(
         lambda kp, leaf: _leaf_sharding(path_str(kp), leaf, mesh, partition),
         params,
-        is_leaf=lambda x: isinstance(x, QArray),
+        is_leaf=is_qarray,
     )
 
 
@@ -455,7 +455,7 @@ def quantize_params_sharded(
     # processes is first gathered for that (quantize_sharded places it back).
     params = jax.tree_util.tree_map(
         lambda a: to_host(a) if isinstance(a, jax.Array) and not a.is_fully_addressable else a,
-        params, is_leaf=lambda x: isinstance(x, QArray),
+        params, is_leaf=is_qarray,
     )
     return map_rules(params, recipe, one)
 

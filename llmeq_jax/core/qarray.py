@@ -203,6 +203,7 @@ class QArray:
 
 
 def is_qarray(x: Any) -> bool:
+    """`is_leaf` for tree walks that must keep a QArray whole instead of visiting its children."""
     return isinstance(x, QArray)
 
 

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 import yaml
 
-from llmeq_jax.core.qarray import QArray, int_range
+from llmeq_jax.core.qarray import QArray, is_qarray, int_range
 from llmeq_jax.core.quantize import Spec, quantize
 
 QUANTIZABLE_LEAF = "kernel"
@@ -129,11 +129,8 @@ def is_quantizable(path: str, leaf: Any) -> bool:
 
 
 def leaf_paths(params: Any) -> list[str]:
-    return [path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(params, is_leaf=_is_q)]
+    return [path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(params, is_leaf=is_qarray)]
 
-
-def _is_q(x):
-    return isinstance(x, QArray)
 
 
 # --------------------------------------------------------------------------- quantize_params
@@ -194,7 +191,7 @@ def map_rules(
                 return out
         return leaf
 
-    out = jax.tree_util.tree_map_with_path(visit, params, is_leaf=_is_q)
+    out = jax.tree_util.tree_map_with_path(visit, params, is_leaf=is_qarray)
     if bar is not None:
         bar.close()
     if recipe.rules and touched[0] == 0:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from llmeq_jax.core.qarray import QArray
+from llmeq_jax.core.qarray import QArray, is_qarray
 from llmeq_jax.core.quantize import Spec, quantize_dequantize
 from llmeq_jax.core.rules import Recipe, Rule, is_quantizable, path_str, quantize_leaf
 
@@ -19,7 +19,7 @@ from llmeq_jax.core.rules import Recipe, Rule, is_quantizable, path_str, quantiz
 def block_kernel_paths(block: dict) -> list[str]:
     """Relative paths of the (float) linear kernels of a block, in tree order."""
     out = []
-    for key_path, leaf in jax.tree_util.tree_leaves_with_path(block, is_leaf=lambda x: isinstance(x, QArray)):
+    for key_path, leaf in jax.tree_util.tree_leaves_with_path(block, is_leaf=is_qarray):
         p = path_str(key_path)
         if not isinstance(leaf, QArray) and is_quantizable(p, leaf):
             out.append(p)
