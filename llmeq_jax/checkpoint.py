@@ -11,7 +11,11 @@ On disk a checkpoint directory holds:
 * ``tokenizer/``     optional, written by the tokenizer's ``save_pretrained``.
 
 Everything is written under a temporary sibling name and moved into place at
-the end, so a failed save leaves nothing half-written. Restoring needs no
+the end, so a failed save leaves nothing half-written. In a multi-process
+run every process calls :func:`save` with the same path (arrays sharded over
+a mesh spanning the processes): each writes its own shards through Orbax,
+process 0 writes the manifest and tokenizer and moves the directory into
+place, and all processes return only once it is there. Restoring needs no
 float model: :func:`abstract_tree` rebuilds the shapes from the manifest, and
 :func:`restore` fills them (optionally with shardings).
 """
@@ -141,16 +145,22 @@ def save(
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise CheckpointError(f"cannot create the parent directory of {str(path)!r}: {e}") from None
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+    primary = jax.process_index() == 0
+    tmp = path.parent / f".{path.name}.tmp-{_shared_token()}"
     try:
         arrays, layout = split_tree(params)
         for p, leaf in layout.items():
             if leaf["kind"] == "array" and not jnp.issubdtype(jnp.dtype(leaf["dtype"]), jnp.number):
                 raise CheckpointError(f"leaf {p!r} has dtype {leaf['dtype']}; expected a numeric array")
-        tmp.mkdir()
+        if primary:
+            tmp.mkdir()
+        _barrier("llmeq_checkpoint_tmp_created")
         checkpointer = ocp.StandardCheckpointer()
-        checkpointer.save(tmp / ARRAYS, arrays)
+        checkpointer.save(tmp / ARRAYS, arrays)  # every process writes its shards; Orbax syncs them
         checkpointer.wait_until_finished()
+        if not primary:
+            _barrier("llmeq_checkpoint_in_place")
+            return path
         manifest = {
             "format_version": FORMAT_VERSION,
             "layout": layout,
@@ -168,12 +178,33 @@ def save(
         else:
             tmp.rename(path)
     except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if primary:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"could not write checkpoint {str(path)!r}: {e}") from None
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if primary:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
+    _barrier("llmeq_checkpoint_in_place")
     return path
+
+
+def _shared_token() -> str:
+    """A random suffix for the temporary directory, the same on every process (process 0's)."""
+    token = uuid.uuid4().int % (2**31)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        token = int(multihost_utils.broadcast_one_to_all(np.int32(token)))
+    return f"{token:08x}"
+
+
+def _barrier(name: str) -> None:
+    """Wait for every process (no-op in a single-process run)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
 
 
 def _json_default(o: Any) -> Any:
@@ -237,7 +268,9 @@ def restore(path: str | Path, target: Any = None) -> Any:
     with shardings) or None to restore onto the default device."""
     path = Path(path).absolute()
     if target is None:
-        target = abstract_tree(path)
+        # An explicit device: without one Orbax reuses the saved shardings, which fail
+        # when the checkpoint was written by another topology (e.g. several processes).
+        target = abstract_tree(path, jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
     else:
         read_manifest(path)
     arrays_target, _ = split_tree(target)

@@ -435,7 +435,9 @@ def quantize_params_sharded(
 ) -> Any:
     """RTN over a param tree on ``mesh``: each kernel quantized where it lives with :func:`quantize_sharded`.
 
-    Same rules walk and static activation scales as ``core.rules.quantize_params``.
+    Same rules walk and static activation scales as ``core.rules.quantize_params``. Leaves
+    no rule quantizes are placed on the mesh too (``partition``), so the result is one
+    tree of global arrays: it can be saved from every process (``checkpoint.save``).
     """
     from llmeq_jax.core.rules import map_rules, static_act_scale
 
@@ -457,7 +459,7 @@ def quantize_params_sharded(
         lambda a: to_host(a) if isinstance(a, jax.Array) and not a.is_fully_addressable else a,
         params, is_leaf=is_qarray,
     )
-    return map_rules(params, recipe, one)
+    return shard_params(map_rules(params, recipe, one), mesh, partition)
 
 
 # --------------------------------------------------------------------------- online activation scales
@@ -587,6 +589,7 @@ def calibrate_sharded(
     process_block: Callable[[int, dict, dict, list], dict] | None = None,
     data_axis: str = DATA,
     ordered_sums: bool = False,
+    sequential: bool = True,
 ) -> tuple[dict, dict]:
     """``calibrate.calibrate`` with the windows split over ``data_axis``; same contract and results.
 
@@ -639,8 +642,29 @@ def calibrate_sharded(
             new_params[name] = bp
         stats.update({f"{name}/{p}": s for p, s in block_stats.items()})
         plain = _sharded_block_fn(config, i, wants, mesh, data_axis, False)
-        inputs = [(jax.block_until_ready(plain(bp, h, pos)), pos) for h, pos in inputs]
+        feed = bp if sequential else params[name]  # sequential=False: the float model's activations
+        inputs = [(jax.block_until_ready(plain(feed, h, pos)), pos) for h, pos in inputs]
     return stats, new_params
+
+
+def quantize_model_sharded(config: Any, params: dict, recipe: Any, windows: np.ndarray, mesh: Mesh, *,
+                           batch_size: int = 4, ordered_sums: bool = True) -> tuple[dict, dict]:
+    """``methods.quantize_model`` (any method: GPTQ, AWQ, SmoothQuant, ...) with data-parallel calibration.
+
+    The calibration windows are split over the mesh's data axis (:func:`calibrate_sharded`);
+    every device holds the same replicated statistics and runs the method's block step on
+    them, so all processes end with the same quantized tree. ``ordered_sums`` (default)
+    adds Hessians and sums shard by shard in batch order: the result is bit-identical to
+    ``quantize_model`` on one device with the same per-shard ``batch_size``.
+    """
+    from llmeq_jax.methods import quantize_model
+
+    def calib(config, params, windows, *, wants, process_block=None, keep=None, progress=False, sequential=True):
+        del keep, progress  # statistics live on the mesh, replicated; no progress bar across processes
+        return calibrate_sharded(config, params, windows, mesh, wants=wants, batch_size=batch_size,
+                                 process_block=process_block, ordered_sums=ordered_sums, sequential=sequential)
+
+    return quantize_model(config, params, recipe, windows, calibrate_fn=calib)
 
 
 # --------------------------------------------------------------------------- running a model on the mesh

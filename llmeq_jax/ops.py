@@ -190,16 +190,18 @@ def _weight_only_chunked(x: jax.Array, w: QArray) -> jax.Array:
     scale = w.scale.astype(jnp.float32)  # (groups or 1, 1 or n)
     zp = None if w.zero_point is None else w.zero_point.astype(jnp.float32)
 
-    def step(acc, inputs):
-        i, xi, qi = inputs
+    def term(i, xi, qi):
         group = i * chunk // g if groups > 1 else 0
         v = _unpack_rows(qi, w.bits).astype(jnp.float32)
         if zp is not None:
             v = v - jax.lax.dynamic_index_in_dim(zp, group, 0)
-        return acc + (xi @ v) * jax.lax.dynamic_index_in_dim(scale, group, 0), None
+        return (xi @ v) * jax.lax.dynamic_index_in_dim(scale, group, 0)
 
-    acc0 = jnp.zeros((x2.shape[0], n), jnp.float32)
-    acc, _ = jax.lax.scan(step, acc0, (jnp.arange(steps), xs, qs))
+    # The first chunk starts the sum (not zeros): inside shard_map the carry then has the
+    # same varying-axes type as the products.
+    acc = term(0, xs[0], qs[0])
+    if steps > 1:
+        acc, _ = jax.lax.scan(lambda a, inp: (a + term(*inp), None), acc, (jnp.arange(1, steps), xs[1:], qs[1:]))
     return acc.reshape(*lead, n).astype(x.dtype)
 
 

@@ -14,9 +14,9 @@ import pytest
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
-from llmeq_jax import calibrate
+from llmeq_jax import calibrate, checkpoint
 from llmeq_jax import distributed as dist
-from llmeq_jax.core.qarray import QArray
+from llmeq_jax.core.qarray import QArray, is_qarray
 from llmeq_jax.core.quantize import Spec
 from llmeq_jax.core.rules import path_str, quantize_params
 from tests.distributed_helpers import tiny
@@ -150,3 +150,20 @@ def test_two_processes_calibrate_and_quantize_identically(tmp_path):
                     assert np.array_equal(p0[f"q:{path_str(kp)}:{c}"], np.asarray(getattr(leaf, c))), (kp, c)
                     n_q += 1
     assert n_q >= 3 * 7 * tiny.CONFIG.num_layers  # every kernel: values + scale + (zero point or act scale)
+
+    # The checkpoint both processes wrote restores in one process to the same tree, bit for bit.
+    assert not list(tmp_path.glob(".ckpt.tmp-*"))
+    assert checkpoint.metadata(tmp_path / "ckpt")["metadata"] == {"written_by": 2}
+    restored = checkpoint.restore(tmp_path / "ckpt")
+    want_leaves = jax.tree_util.tree_leaves_with_path(qparams, is_leaf=is_qarray)
+    got_leaves = dict(jax.tree_util.tree_leaves_with_path(restored, is_leaf=is_qarray))
+    assert len(got_leaves) == len(want_leaves)
+    for kp, leaf in want_leaves:
+        got = got_leaves[kp]
+        if isinstance(leaf, QArray):
+            assert isinstance(got, QArray) and got.bits == leaf.bits and got.tile == leaf.tile, kp
+            for c in ("qvalue", "scale", "zero_point", "act_scale"):
+                if getattr(leaf, c) is not None:
+                    assert np.array_equal(np.asarray(getattr(got, c)), np.asarray(getattr(leaf, c))), (kp, c)
+        else:
+            assert np.array_equal(np.asarray(got), np.asarray(leaf)), kp

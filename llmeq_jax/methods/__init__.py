@@ -93,17 +93,20 @@ def _check_recipe(params: Any, recipe: Recipe) -> list[str]:
     return chosen
 
 
-def quantize_model(config, params: dict, recipe: Recipe, windows: np.ndarray | None, progress: bool = False
-                   ) -> tuple[dict, dict]:
+def quantize_model(config, params: dict, recipe: Recipe, windows: np.ndarray | None, progress: bool = False,
+                   calibrate_fn=None) -> tuple[dict, dict]:
     """Quantize a model under ``recipe`` -> (params, info).
 
     ``windows`` ``[N, T]`` are the calibration token windows (needed by
     calibrated methods and static activation scales; ignored otherwise).
     ``info`` holds the method, the calibration size, the wall time and what
     the method chose (alphas, exponents, damping, LKD losses).
+    ``calibrate_fn`` replaces ``calibrate.calibrate`` (same signature), e.g. the
+    data-parallel one of :func:`llmeq_jax.distributed.quantize_model_sharded`.
     """
     from llmeq_jax import calibrate
 
+    calib = calibrate_fn or calibrate.calibrate
     t0 = time.perf_counter()
     info: dict[str, Any] = {"method": recipe.method, "calib_samples": 0}
     get_method(recipe.method)  # unknown names fail here
@@ -112,7 +115,7 @@ def quantize_model(config, params: dict, recipe: Recipe, windows: np.ndarray | N
     if recipe.method == "rtn":
         stats = None
         if needs_calibration(recipe):
-            stats, _ = calibrate.calibrate(config, params, windows, wants=("absmax",), progress=progress)
+            stats, _ = calib(config, params, windows, wants=("absmax",), progress=progress)
             info["calib_samples"] = int(len(windows))
         out = quantize_params(params, recipe, stats=stats, progress=progress)
         info["seconds"] = time.perf_counter() - t0
@@ -128,8 +131,8 @@ def quantize_model(config, params: dict, recipe: Recipe, windows: np.ndarray | N
             f"quantizes {outside}; add a skip rule for them first (e.g. pattern '.*lm_head.*', skip: true)"
         )
     process = mod.block_processor(config, recipe, cfg, info)
-    _, out = calibrate.calibrate(config, params, windows, wants=mod.wants(cfg), process_block=process,
-                                 keep=(), progress=progress, sequential=mod.sequential(cfg))
+    _, out = calib(config, params, windows, wants=mod.wants(cfg), process_block=process,
+                   keep=(), progress=progress, sequential=mod.sequential(cfg))
     info["calib_samples"] = int(len(windows))
     for path in outside:  # e.g. an untied lm_head under SmoothQuant/ZeroQuant: plain RTN (dynamic activations)
         rule = recipe.rule_for(path)

@@ -137,6 +137,35 @@ def test_sharded_calibration_equals_single_device():
     assert float(ref["layers_0/attn/q_proj/kernel"]["count"]) == windows.size
 
 
+@pytest.mark.parametrize("method,args,act", [
+    ("gptq", {"damp": 0.01, "block_size": 8}, None),          # sequential: quantized blocks feed the next
+    ("smoothquant", {"alpha": 0.5}, Spec(8, "tensor")),       # float-model statistics, static act scales
+])
+def test_sharded_calibrated_method_equals_single_device(method, args, act):
+    from llmeq_jax.core.rules import Recipe, Rule
+    from llmeq_jax.methods import quantize_model
+
+    recipe = Recipe((Rule(r"lm_head/kernel", skip=True),
+                     Rule(r".*/kernel", weight=Spec(4, "group", group_size=16), act=act, act_static=act is not None)),
+                    method=method, method_args=args, name=f"{method}-dist")
+    windows = tiny.windows(8)
+    ref, _ = quantize_model(tiny.CONFIG, tiny.params(), recipe, windows, calibrate_fn=functools.partial(
+        calibrate.calibrate, batch_size=1))
+    got, _ = dist.quantize_model_sharded(tiny.CONFIG, tiny.params(), recipe, windows, dist.make_mesh(4, 2),
+                                         batch_size=1)
+    n = 0
+    for kp, leaf in jax.tree_util.tree_leaves_with_path(ref, is_leaf=lambda x: isinstance(x, QArray)):
+        other = functools.reduce(lambda t, k: t[k.key], kp, got)
+        if isinstance(leaf, QArray):
+            assert_qarray_equal(other, leaf)
+            if leaf.act_scale is not None:
+                assert np.array_equal(dist.to_host(other.act_scale), np.asarray(leaf.act_scale))
+            n += 1
+        else:
+            assert np.array_equal(dist.to_host(other), np.asarray(leaf)), kp
+    assert n == 7 * tiny.CONFIG.num_layers
+
+
 def test_uneven_calibration_split_is_refused():
     mesh = dist.make_mesh(4, 2)
     with pytest.raises(calibrate.CalibrationError, match="multiple of 4"):

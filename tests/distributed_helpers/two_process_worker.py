@@ -1,6 +1,7 @@
 """One of two processes (2 CPU devices each) started by scripts/launch_multihost.py from
 tests/test_distributed.py: calibrate and quantize the tiny llama on the 4-device mesh, then
-write what this process holds to ``<out>/process_<id>.npz`` for the test to compare."""
+write what this process holds to ``<out>/process_<id>.npz`` and save one Orbax checkpoint of the
+quantized tree from both processes to ``<out>/ckpt`` for the test to compare."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from llmeq_jax import checkpoint
 from llmeq_jax import distributed as dist
 from llmeq_jax.core.qarray import QArray
 from llmeq_jax.core.rules import path_str
@@ -36,6 +38,9 @@ def main(out: Path) -> None:
     k = qparams["layers_0"]["mlp"]["up_proj"]["kernel"]
     saved["meta:fully_addressable"] = np.asarray(k.qvalue.is_fully_addressable)
     np.savez(out / f"process_{jax.process_index()}.npz", **saved)
+    # Both processes write their shards of one checkpoint; it exists once save returns on either.
+    checkpoint.save(out / "ckpt", qparams, recipe=tiny.recipe(), metadata={"written_by": jax.process_count()})
+    assert (out / "ckpt" / checkpoint.MANIFEST).exists()
 
 
 if __name__ == "__main__":
