@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from llmeq_jax import distributed as dist
 from llmeq_jax.core.qarray import QArray, is_qarray
 from llmeq_jax.core.quantize import Spec
 from llmeq_jax.core.rules import path_str, quantize_params
+from llmeq_jax.methods import quantize_model
 from tests.distributed_helpers import tiny
 
 REPO = Path(__file__).resolve().parents[1]
@@ -150,6 +152,17 @@ def test_two_processes_calibrate_and_quantize_identically(tmp_path):
                     assert np.array_equal(p0[f"q:{path_str(kp)}:{c}"], np.asarray(getattr(leaf, c))), (kp, c)
                     n_q += 1
     assert n_q >= 3 * 7 * tiny.CONFIG.num_layers  # every kernel: values + scale + (zero point or act scale)
+
+    # GPTQ with calibration split over the processes equals GPTQ in one process, bit for bit.
+    gq, _ = quantize_model(tiny.CONFIG, params, tiny.gptq_recipe(), tiny.windows(8),
+                           calibrate_fn=functools.partial(calibrate.calibrate, batch_size=1))
+    n_g = 0
+    for kp, leaf in jax.tree_util.tree_leaves_with_path(gq, is_leaf=is_qarray):
+        if isinstance(leaf, QArray):
+            for c in ("qvalue", "scale"):
+                assert np.array_equal(p0[f"gptq:{path_str(kp)}:{c}"], np.asarray(getattr(leaf, c))), (kp, c)
+                n_g += 1
+    assert n_g == 2 * 7 * tiny.CONFIG.num_layers
 
     # The checkpoint both processes wrote restores in one process to the same tree, bit for bit.
     assert not list(tmp_path.glob(".ckpt.tmp-*"))

@@ -35,3 +35,9 @@ def recipe() -> Recipe:
         ),
         name="dist-test",
     )
+
+
+def gptq_recipe() -> Recipe:
+    """GPTQ int4 g16 on every block kernel (lm_head stays float)."""
+    return Recipe((Rule(r"lm_head/kernel", skip=True), Rule(r".*/kernel", weight=Spec(4, "group", group_size=16))),
+                  method="gptq", method_args={"block_size": 8}, name="dist-gptq")

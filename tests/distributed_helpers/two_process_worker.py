@@ -37,6 +37,13 @@ def main(out: Path) -> None:
     # The quantized kernels are global arrays spanning both processes, not local copies.
     k = qparams["layers_0"]["mlp"]["up_proj"]["kernel"]
     saved["meta:fully_addressable"] = np.asarray(k.qvalue.is_fully_addressable)
+    # A calibrated method across the processes: GPTQ with data-parallel calibration.
+    gq, _ = dist.quantize_model_sharded(tiny.CONFIG, tiny.params(), tiny.gptq_recipe(), tiny.windows(8), mesh,
+                                        batch_size=1)
+    for kp, leaf in jax.tree_util.tree_leaves_with_path(gq, is_leaf=lambda x: isinstance(x, QArray)):
+        if isinstance(leaf, QArray):
+            saved[f"gptq:{path_str(kp)}:qvalue"] = dist.to_host(leaf.qvalue)
+            saved[f"gptq:{path_str(kp)}:scale"] = dist.to_host(leaf.scale)
     np.savez(out / f"process_{jax.process_index()}.npz", **saved)
     # Both processes write their shards of one checkpoint; it exists once save returns on either.
     checkpoint.save(out / "ckpt", qparams, recipe=tiny.recipe(), metadata={"written_by": jax.process_count()})
