@@ -82,7 +82,7 @@ def _decode_loop(config, params, first_logits, cache, key, *, max_new_tokens, gr
         return out.at[:, i].set(sample(logits[:, 0], sub)), cache, key
 
     out, cache, _ = jax.lax.fori_loop(1, max_new_tokens, body, (out, cache, key))
-    return out
+    return out, cache
 
 
 def generate(
@@ -99,10 +99,13 @@ def generate(
     seed: int = 0,
     cache_dtype=jnp.float32,
     kv=None,
-) -> jax.Array:
+    return_cache: bool = False,
+):
     """New tokens [B, max_new_tokens] after left-padded ``prompt_tokens`` [B, T] (mask: 1 = real token).
 
     ``kv``: a ``kvquant.KVQuantizer`` for a quantized KV cache (None: float cache).
+    ``return_cache``: return ``(tokens, cache)``, e.g. to carry online key ranges to the
+    next request with ``kvquant.track_key_ranges``.
 
     Generation does not stop at EOS: every row gets ``max_new_tokens`` tokens (static shapes).
     """
@@ -119,7 +122,7 @@ def generate(
         raise ValueError(f"attention_mask shape {mask.shape} differs from prompt_tokens shape {prompt_tokens.shape}")
     cache = init_cache(config, b, t + max_new_tokens, cache_dtype, kv=kv)
     first_logits, cache = prefill(config, params, prompt_tokens, mask, cache)
-    return _decode_loop(
+    out, cache = _decode_loop(
         config,
         params,
         first_logits,
@@ -131,6 +134,7 @@ def generate(
         top_k=int(top_k),
         top_p=float(top_p),
     )
+    return (out, cache) if return_cache else out
 
 
 __all__ = ["decode_step", "generate", "prefill", "sample_logits"]

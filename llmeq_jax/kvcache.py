@@ -143,7 +143,8 @@ class QuantKVCache:
     * ``k``, ``v``: :class:`kvquant.QuantizedKV` with codes ``[L, B, KV, S, D / per-byte]``,
       per-token ``scale``/``lo`` ``[L, B, KV, S, 1]`` float16 (keys per channel: None),
       outliers ``[L, B, KV, S, n]``.
-    * ``k_scale``, ``k_lo``, ``k_hi``: per-channel key grid ``[L, KV, D]`` (static, calibrated) or None.
+    * ``k_scale``, ``k_lo``, ``k_hi``: per-channel key grid ``[L, KV, D]`` (static, calibrated),
+      ``[L, B, KV, D]`` (online: set per row by the first write), or None (per-token keys).
     * ``k_win``, ``v_win``: float ring buffer ``[L, B, KV, W, D]`` of the last W tokens
       (slot s lives at ``s % W``), or None for W = 0. Keys there are post-RoPE.
     * ``slot_pos``: ``[B, S]`` position id of each slot (pre-RoPE keys are rotated with it).
@@ -216,9 +217,19 @@ def init_quantized(
     if spec.needs_key_ranges:
         k_hi = kv.key_ranges.hi
         k_scale, k_lo = kvquant.grid_from_range(kv.key_ranges.lo, k_hi, spec.bits)
+    elif spec.online_keys:
+        # Until the first write these hold the running range (blended in then), if there is one.
+        rows = (num_layers, batch, kv_heads, head_dim)
+        if kv.key_ranges is None:
+            spec = dataclasses.replace(spec, ema=0.0)  # nothing to blend with: the prompt alone
+            k_lo, k_hi = jnp.zeros(rows, jnp.float32), jnp.zeros(rows, jnp.float32)  # two buffers: both are donated
+        else:
+            k_lo = jnp.broadcast_to(kv.key_ranges.lo[:, None], rows).astype(jnp.float32)
+            k_hi = jnp.broadcast_to(kv.key_ranges.hi[:, None], rows).astype(jnp.float32)
+        k_scale = jnp.ones(rows, jnp.float32)
     win = (num_layers, batch, kv_heads, spec.window, head_dim)
     return QuantKVCache(
-        k=_empty_store(shape, spec.bits, not spec.needs_key_ranges, n_out),
+        k=_empty_store(shape, spec.bits, not spec.per_channel_keys, n_out),
         v=_empty_store(shape, spec.bits, True, n_out),
         k_scale=k_scale,
         k_lo=k_lo,
@@ -236,13 +247,34 @@ def init_quantized(
 
 
 def _key_grid(cache: QuantKVCache, layer: int):
-    """Per-channel (scale, lo, hi) of ``layer`` shaped [1, KV, 1, D] to broadcast over [B, KV, T, D]."""
+    """Per-channel (scale, lo, hi) of ``layer`` shaped [1 or B, KV, 1, D] to broadcast over [B, KV, T, D]."""
+    if cache.spec.online_keys:
+        return tuple(a[layer][:, :, None, :] for a in (cache.k_scale, cache.k_lo, cache.k_hi))
     return tuple(a[layer][None, :, None, :] for a in (cache.k_scale, cache.k_lo, cache.k_hi))
+
+
+def _set_online_grid(cache: QuantKVCache, layer: int, keys: jax.Array) -> QuantKVCache:
+    """First write of an online cache: each row's key range from this step's valid keys (blended with the
+    running range by ``ema``); later writes keep it, so every stored code has one grid."""
+    spec = cache.spec
+    valid = jax.lax.dynamic_slice_in_dim(cache.valid, cache.length, keys.shape[2], axis=1)
+    lo, hi = kvquant.observed_key_ranges(keys, valid, spec.outlier_frac)
+    if spec.ema:
+        lo = spec.ema * cache.k_lo[layer] + (1 - spec.ema) * lo
+        hi = spec.ema * cache.k_hi[layer] + (1 - spec.ema) * hi
+    scale, lo = kvquant.grid_from_range(lo, hi, spec.bits)
+    first = cache.length == 0
+    return dataclasses.replace(
+        cache,
+        k_scale=cache.k_scale.at[layer].set(jnp.where(first, scale, cache.k_scale[layer])),
+        k_lo=cache.k_lo.at[layer].set(jnp.where(first, lo, cache.k_lo[layer])),
+        k_hi=cache.k_hi.at[layer].set(jnp.where(first, hi, cache.k_hi[layer])),
+    )
 
 
 def _quantize_keys(cache: QuantKVCache, layer: int, k: jax.Array) -> kvquant.QuantizedKV:
     spec, n_out = cache.spec, cache.spec.n_outliers(cache.head_dim)
-    if spec.needs_key_ranges:
+    if spec.per_channel_keys:
         scale, lo, hi = _key_grid(cache, layer)
         return kvquant.quantize_per_channel(k, scale, lo, hi, spec.bits, n_out)
     return kvquant.quantize_per_token(k, spec.bits, n_out)
@@ -259,6 +291,8 @@ def _q_update(cache: QuantKVCache, layer: int, k, v, k_raw) -> QuantKVCache:
         raise ValueError("a pre-RoPE quantized cache needs the keys before RoPE (k_raw)")
     keys = k_raw if cache.spec.pre_rope else k
     n_out = cache.spec.n_outliers(cache.head_dim)
+    if cache.spec.online_keys:
+        cache = _set_online_grid(cache, layer, keys)
     return dataclasses.replace(
         cache,
         k=_write(cache.k, layer, _quantize_keys(cache, layer, keys), cache.length),
@@ -270,7 +304,7 @@ def _q_read(cache: QuantKVCache, layer: int):
     spec, d = cache.spec, cache.head_dim
     k_store = jax.tree.map(lambda a: a[layer], cache.k)
     v_store = jax.tree.map(lambda a: a[layer], cache.v)
-    if spec.needs_key_ranges:
+    if spec.per_channel_keys:
         scale, lo, _ = _key_grid(cache, layer)
         keys = kvquant.dequantize(k_store, spec.bits, d, scale, lo)
     else:

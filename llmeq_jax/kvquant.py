@@ -12,6 +12,18 @@ What is quantized and how (Hooper et al., 2024, "KVQuant"):
   cache then rotates after dequantization (positions are known per slot).
 * **values per token**: one range per (token, kv head) over the head dim,
   computed when the token arrives.
+* **online key ranges** (``key_range="online"``): no calibration pass. Each
+  row's per-channel range is taken from its prompt (the first write to the
+  cache) and then frozen, so every stored code keeps one grid; later keys
+  outside it clip (or, with ``outlier_frac``, go to the sparse part, which is
+  what KVQuant's dense-and-sparse scheme is for). With ``ema`` > 0 the range is
+  blended with a running range carried across requests,
+  ``r = ema * running + (1 - ema) * prompt``, and :func:`track_key_ranges`
+  makes the result the next running range (the runtime adaptation of an EMA
+  observer). A range that changed while a sequence is cached would invalidate
+  the codes already stored, which is why it adapts between requests, not
+  within one. Evaluation feeds each window as a ``prompt_tokens`` prompt plus
+  the rest, so it sees the ranges generation would.
 * **per-token keys** (``key_granularity="token"``) exist for comparison.
 
 Grid: asymmetric min/max, ``x ~ lo + q * scale`` with unsigned ``q`` in
@@ -44,6 +56,7 @@ from llmeq_jax.core.qarray import int_range, pack, unpack
 
 KV_BITS = (2, 4, 8)
 KEY_GRANULARITIES = ("channel", "token")
+KEY_RANGES = ("static", "online")
 SCALE_DTYPE = jnp.float16  # per-token scales/mins and outlier values
 SHORTHANDS = ("fp", "float", "none", "int8", "int4", "int2", "kv8", "kv4", "kv2")
 
@@ -62,6 +75,10 @@ class KVSpec:
     window:          the most recent ``window`` tokens are attended in float
                      (at query position t: keys/values t-window+1 .. t).
     outlier_frac:    fraction of each stored vector kept in float (0 = none).
+    key_range:       per-channel key ranges ``static`` (calibrated offline) or
+                     ``online`` (from each row's prompt, see the module docstring).
+    ema:             online: weight of the running range carried across requests (0 = prompt only).
+    prompt_tokens:   online: tokens of each evaluation window that act as the prompt.
     calib_windows, calib_seq_len: how many calibration windows of how many
                      tokens the static key ranges are taken from.
     """
@@ -71,6 +88,9 @@ class KVSpec:
     pre_rope: bool = True
     window: int = 0
     outlier_frac: float = 0.0
+    key_range: str = "static"
+    ema: float = 0.0
+    prompt_tokens: int = 64
     calib_windows: int = 8
     calib_seq_len: int = 512
 
@@ -85,18 +105,37 @@ class KVSpec:
             raise KVSpecError(f"window={self.window!r} must be an integer >= 0 (tokens kept in float)")
         if not 0.0 <= float(self.outlier_frac) < 0.5:
             raise KVSpecError(f"outlier_frac={self.outlier_frac!r} must be in [0, 0.5)")
+        if self.key_range not in KEY_RANGES:
+            raise KVSpecError(f"key_range={self.key_range!r} is not one of {list(KEY_RANGES)}")
+        if self.key_range == "online" and self.key_granularity != "channel":
+            raise KVSpecError("key_range='online' is for per-channel keys; per-token keys take each token's own range")
+        if isinstance(self.ema, bool) or not isinstance(self.ema, (int, float)) or not 0.0 <= self.ema < 1.0:
+            raise KVSpecError(f"ema={self.ema!r} must be a number in [0, 1) (weight of the running key range)")
+        if not isinstance(self.prompt_tokens, int) or isinstance(self.prompt_tokens, bool) or self.prompt_tokens < 1:
+            raise KVSpecError(f"prompt_tokens={self.prompt_tokens!r} must be an integer >= 1")
         if self.calib_windows < 1 or self.calib_seq_len < 2:
             raise KVSpecError("calib_windows must be >= 1 and calib_seq_len >= 2")
 
     @property
-    def needs_key_ranges(self) -> bool:
+    def per_channel_keys(self) -> bool:
         return self.key_granularity == "channel"
+
+    @property
+    def online_keys(self) -> bool:
+        return self.per_channel_keys and self.key_range == "online"
+
+    @property
+    def needs_key_ranges(self) -> bool:
+        """Static per-channel keys: ranges must be calibrated before the cache exists."""
+        return self.per_channel_keys and self.key_range == "static"
 
     def n_outliers(self, head_dim: int) -> int:
         return math.ceil(self.outlier_frac * head_dim) if self.outlier_frac > 0 else 0
 
     def describe(self) -> str:
         keys = f"keys per-{self.key_granularity}" + (" pre-RoPE" if self.pre_rope else " post-RoPE")
+        if self.online_keys:
+            keys += f" online (prompt {self.prompt_tokens}" + (f", ema {self.ema:g})" if self.ema else ")")
         extra = f", {self.window}-token float window" if self.window else ""
         extra += f", {self.outlier_frac:.2%} outliers" if self.outlier_frac else ""
         return f"KV int{self.bits}: {keys}, values per-token{extra}"
@@ -180,6 +219,36 @@ def key_ranges_from_keys(keys: jax.Array, outlier_frac: float = 0.0) -> KeyRange
     else:
         lo, hi = jnp.min(k, axis=2), jnp.max(k, axis=2)
     return KeyRanges(lo.astype(jnp.float32), hi.astype(jnp.float32))
+
+
+def observed_key_ranges(keys: jax.Array, valid: jax.Array, outlier_frac: float = 0.0) -> tuple[jax.Array, jax.Array]:
+    """Per-row, per-channel range of ``keys`` ``[B, KV, T, D]`` over the tokens where ``valid`` ``[B, T]``.
+
+    -> ``(lo, hi)`` each ``[B, KV, D]``. With outliers, the central ``1 - outlier_frac``
+    band (as :func:`key_ranges_from_keys`); a row without valid tokens gets ``[0, 0]``.
+    """
+    k = keys.astype(jnp.float32)
+    ok = valid[:, None, :, None]
+    if outlier_frac > 0:
+        masked = jnp.where(ok, k, jnp.nan)
+        lo = jnp.nanquantile(masked, outlier_frac / 2, axis=2)
+        hi = jnp.nanquantile(masked, 1 - outlier_frac / 2, axis=2)
+    else:
+        lo = jnp.min(jnp.where(ok, k, jnp.inf), axis=2)
+        hi = jnp.max(jnp.where(ok, k, -jnp.inf), axis=2)
+    lo, hi = jnp.nan_to_num(lo, posinf=0.0, neginf=0.0), jnp.nan_to_num(hi, posinf=0.0, neginf=0.0)
+    return lo, jnp.maximum(hi, lo)
+
+
+def track_key_ranges(kv: "KVQuantizer", cache) -> "KVQuantizer":
+    """The quantizer with its running key range set to the ranges an online cache used (mean over rows).
+
+    Those already are ``ema * running + (1 - ema) * prompt``, so calling this after every
+    request keeps an exponential moving average of the prompts' key ranges.
+    """
+    if not kv.spec.online_keys:
+        raise KVSpecError("track_key_ranges is for key_range='online' caches")
+    return KVQuantizer(KeyRanges(jnp.mean(cache.k_lo, axis=1), jnp.mean(cache.k_hi, axis=1)), kv.spec)
 
 
 # --------------------------------------------------------------------------- RoPE on cache layout
@@ -331,7 +400,7 @@ class KVQuantizer:
         if self.spec.needs_key_ranges and self.key_ranges is None:
             raise KVSpecError(
                 "per-channel keys need calibrated key ranges (static scales); calibrate them with "
-                "kvquant.calibrate_key_ranges or use key_granularity='token'"
+                "kvquant.calibrate_key_ranges, use key_range='online' or key_granularity='token'"
             )
 
     def check(self, num_layers: int, kv_heads: int, head_dim: int) -> None:
@@ -393,7 +462,8 @@ def calibrate_key_ranges(config, params, windows: np.ndarray, spec: KVSpec, batc
 
 
 def make_quantizer(spec: KVSpec | None, config=None, params=None, windows: np.ndarray | None = None) -> KVQuantizer | None:
-    """A ready KVQuantizer: calibrates key ranges from ``windows`` when the spec needs them."""
+    """A ready KVQuantizer: calibrates key ranges from ``windows`` when the spec needs them
+    (online keys start without a running range)."""
     if spec is None:
         return None
     if not spec.needs_key_ranges:

@@ -6,7 +6,8 @@ Protocol (DESIGN §6): WikiText-2 test tokenized whole without BOS, non-overlapp
 windows of seq_len, first --windows of them, ppl = exp(mean next-token NLL).
 Each quantized setting is evaluated through the prefill path (``forward(..., kv=...)``:
 attention reads K/V exactly as the quantized cache would hold them). Static
-per-channel key ranges are calibrated on WikiText-2 *validation* windows.
+per-channel key ranges are calibrated on WikiText-2 *validation* windows; online
+ones come from the first 64 tokens of each window (its "prompt").
 One JSON line per setting goes to --out as soon as it is measured.
 """
 
@@ -35,6 +36,8 @@ def settings() -> list[tuple[str, kvquant.KVSpec | None]]:
             (f"int4 tok w{w}", kvquant.KVSpec(4, "token", False, w)),
             (f"int2 ch pre-RoPE w{w}", kvquant.KVSpec(2, "channel", True, w)),
             (f"int2 ch pre-RoPE 1% out w{w}", kvquant.KVSpec(2, "channel", True, w, 0.01)),
+            (f"int8 ch online p64 w{w}", kvquant.KVSpec(8, "channel", True, w, key_range="online")),
+            (f"int4 ch online p64 w{w}", kvquant.KVSpec(4, "channel", True, w, key_range="online")),
         ]
     return out
 

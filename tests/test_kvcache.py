@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -94,8 +96,9 @@ def _quantizer(stories, spec):
         kvquant.KVSpec(bits=4, key_granularity="channel", pre_rope=True, window=8, outlier_frac=0.1),
         kvquant.KVSpec(bits=2, key_granularity="token", pre_rope=False, window=0),
         kvquant.KVSpec(bits=8, key_granularity="channel", pre_rope=False, window=3),
+        kvquant.KVSpec(bits=4, key_range="online", prompt_tokens=12, window=4),
     ],
-    ids=["int4-ch-preRoPE-w8-out", "int2-tok-w0", "int8-ch-postRoPE-w3"],
+    ids=["int4-ch-preRoPE-w8-out", "int2-tok-w0", "int8-ch-postRoPE-w3", "int4-online-w4"],
 )
 def test_quantized_decode_equals_prefill_path(stories, spec):
     """Token-by-token decode (after a 12-token prompt chunk) sees exactly what forward(kv=...) sees."""
@@ -118,6 +121,45 @@ def test_quantized_decode_equals_prefill_path(stories, spec):
     # ... and the quantization really changed something (else the test would prove nothing).
     float_logits = forward(config, params, tokens)
     assert float(jnp.max(jnp.abs(float_logits - prefill_path))) > 1e-2
+
+
+def test_online_key_ranges_come_from_the_prompt_and_ema_carries_them(stories):
+    config, params, _, _, evals = stories
+    # A float window over the whole context: attention reads float K/V, so every layer's keys are
+    # the float model's (collect_keys) while the store is still quantized on the online grid.
+    spec = kvquant.KVSpec(bits=4, key_range="online", prompt_tokens=10, window=16)
+    kv = kvquant.make_quantizer(spec)
+    assert kv.key_ranges is None  # no calibration pass
+    tokens = jnp.asarray(evals[:2, :16])
+    mask = jnp.asarray([[0, 0] + [1] * 8, [1] * 10])  # row 0 left-padded: padding keys must not count
+    step = jax.jit(forward_step, static_argnums=0)
+    cache = init_cache(config, 2, 16, kv=kv)
+    _, cache = step(config, params, tokens[:, :10], mask, cache)
+    # Each row's range is its own prompt's pre-RoPE key range, per layer, head and channel.
+    for row, start in ((0, 2), (1, 0)):
+        keys = kvquant.collect_keys(config, params, np.asarray(tokens[row:row + 1, start:10]), pre_rope=True)
+        np.testing.assert_allclose(cache.k_lo[:, row], jnp.min(keys[:, 0], axis=2), atol=1e-5)
+        np.testing.assert_allclose(cache.k_hi[:, row], jnp.max(keys[:, 0], axis=2), atol=1e-5)
+    assert float(jnp.max(jnp.abs(cache.k_hi[:, 0] - cache.k_hi[:, 1]))) > 1e-3
+    # Decoding does not move the grid (codes already stored keep theirs).
+    lo, hi = cache.k_lo, cache.k_hi
+    _, cache = step(config, params, tokens[:, 10:11], jnp.ones((2, 1), jnp.int32), cache)
+    np.testing.assert_array_equal(cache.k_lo, lo)
+    np.testing.assert_array_equal(cache.k_hi, hi)
+    # Runtime adaptation: the running range (mean over rows) blends into the next request's.
+    running = kvquant.track_key_ranges(kv, cache)
+    np.testing.assert_allclose(running.key_ranges.hi, jnp.mean(hi, axis=1), rtol=1e-6)
+    ema = kvquant.KVQuantizer(running.key_ranges, dataclasses.replace(spec, ema=0.75))
+    other = jnp.asarray(evals[2:3, :10])
+    c2 = step(config, params, other, jnp.ones((1, 10), jnp.int32), init_cache(config, 1, 16, kv=ema))[1]
+    obs = jnp.max(kvquant.collect_keys(config, params, np.asarray(other), pre_rope=True)[:, 0], axis=2)
+    np.testing.assert_allclose(c2.k_hi[:, 0], 0.75 * running.key_ranges.hi + 0.25 * obs, atol=1e-5)
+    # generate(..., return_cache=True) hands back the cache to track from.
+    new, gen_cache = generate(config, params, tokens[:1, :10], 7, kv=ema, return_cache=True)
+    assert new.shape == (1, 7) and int(gen_cache.length) == 16
+    assert kvquant.track_key_ranges(ema, gen_cache).key_ranges.hi.shape == running.key_ranges.hi.shape
+    with pytest.raises(kvquant.KVSpecError, match="for key_range='online'"):
+        kvquant.track_key_ranges(_quantizer(stories, kvquant.KVSpec(bits=4)), cache)
 
 
 def test_window_covering_everything_equals_float(stories):

@@ -121,6 +121,10 @@ def test_bad_bits(bits):
         ({"bits": 4, "key_granularity": "group"}, "key_granularity='group'"),
         ({"bits": 4, "window": -1}, "window=-1"),
         ({"bits": 4, "outlier_frac": 0.7}, "outlier_frac"),
+        ({"bits": 4, "key_range": "dynamic"}, r"key_range='dynamic' is not one of \['static', 'online'\]"),
+        ({"bits": 4, "key_range": "online", "key_granularity": "token"}, "is for per-channel keys"),
+        ({"bits": 4, "key_range": "online", "ema": 1.0}, r"ema=1.0 must be a number in \[0, 1\)"),
+        ({"bits": 4, "key_range": "online", "prompt_tokens": 0}, "prompt_tokens=0 must be an integer >= 1"),
     ],
 )
 def test_bad_specs(value, match):
@@ -131,6 +135,19 @@ def test_bad_specs(value, match):
 def test_per_channel_keys_need_ranges():
     with pytest.raises(KVSpecError, match="per-channel keys need calibrated key ranges"):
         kvquant.KVQuantizer(None, KVSpec(bits=4))
+    assert kvquant.KVQuantizer(None, KVSpec(bits=4, key_range="online")).key_ranges is None  # online: none needed
+
+
+def test_observed_ranges_ignore_padding_and_take_the_outlier_band():
+    k = jnp.arange(2 * 1 * 5 * 3, dtype=jnp.float32).reshape(2, 1, 5, 3)
+    valid = jnp.asarray([[False, True, True, True, False], [True] * 5])
+    lo, hi = kvquant.observed_key_ranges(k, valid)
+    np.testing.assert_array_equal(lo[0, 0], k[0, 0, 1])
+    np.testing.assert_array_equal(hi[0, 0], k[0, 0, 3])
+    np.testing.assert_array_equal(lo[1, 0], k[1, 0, 0])
+    np.testing.assert_array_equal(hi[1, 0], k[1, 0, 4])
+    band_lo, band_hi = kvquant.observed_key_ranges(k, valid, 0.5)
+    assert bool(jnp.all(band_lo > lo)) and bool(jnp.all(band_hi < hi))
 
 
 def test_key_ranges_must_match_model_heads():

@@ -106,12 +106,20 @@ def forward(
     """Full-sequence logits [B, T, vocab] (float32). Left padding: pass ``attention_mask`` (1 = real).
 
     ``kv``: the "prefill path" of a quantized KV cache: attention reads keys/values
-    through a fresh quantized cache of T slots, exactly as generation would see them.
+    through a fresh quantized cache of T slots, exactly as generation would see them
+    (online key ranges: the first ``kv.spec.prompt_tokens`` tokens are the prompt).
     """
     b, t = tokens.shape
     mask = jnp.ones((b, t), jnp.int32) if attention_mask is None else attention_mask
     if kv is not None:
-        return forward_step(config, params, tokens, mask, init_cache(config, b, t, kv=kv))[0]
+        cache = init_cache(config, b, t, kv=kv)
+        prompt = kv.spec.prompt_tokens if kv.spec.online_keys else t
+        if prompt >= t:
+            return forward_step(config, params, tokens, mask, cache)[0]
+        # Online key ranges come from the first write: a prompt, then the rest (as in generation).
+        first, cache = forward_step(config, params, tokens[:, :prompt], mask[:, :prompt], cache)
+        rest, _ = forward_step(config, params, tokens[:, prompt:], mask[:, prompt:], cache)
+        return jnp.concatenate([first, rest], axis=1)
     positions = default_positions(mask)
     h = embed(config, params, tokens, positions)
     h, _ = _run_blocks(config, params, h, positions, jnp.arange(t), mask.astype(bool), None)
