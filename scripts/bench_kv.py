@@ -32,6 +32,7 @@ def settings() -> list[tuple[str, kvquant.KVSpec | None]]:
         out += [
             (f"int8 ch pre-RoPE w{w}", kvquant.KVSpec(8, "channel", True, w)),
             (f"int4 ch pre-RoPE w{w}", kvquant.KVSpec(4, "channel", True, w)),
+            (f"int4 ch pre-RoPE 1% out w{w}", kvquant.KVSpec(4, "channel", True, w, 0.01)),
             (f"int4 ch post-RoPE w{w}", kvquant.KVSpec(4, "channel", False, w)),
             (f"int4 tok w{w}", kvquant.KVSpec(4, "token", False, w)),
             (f"int2 ch pre-RoPE w{w}", kvquant.KVSpec(2, "channel", True, w)),
