@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from llmeq_jax.core.qarray import QArray, is_qarray
 from llmeq_jax.core.quantize import Spec
@@ -193,8 +194,6 @@ def _shared_token() -> str:
     """A random suffix for the temporary directory, the same on every process (process 0's)."""
     token = uuid.uuid4().int % (2**31)
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
         token = int(multihost_utils.broadcast_one_to_all(np.int32(token)))
     return f"{token:08x}"
 
@@ -202,8 +201,6 @@ def _shared_token() -> str:
 def _barrier(name: str) -> None:
     """Wait for every process (no-op in a single-process run)."""
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
         multihost_utils.sync_global_devices(name)
 
 

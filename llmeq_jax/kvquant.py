@@ -212,12 +212,9 @@ def key_ranges_from_keys(keys: jax.Array, outlier_frac: float = 0.0) -> KeyRange
     With outliers, the range is the central ``1 - outlier_frac`` quantile band:
     the entries beyond it are the ones the sparse part keeps in float.
     """
+    # Layers play the role of rows: every calibration token of a layer counts.
     k = jnp.moveaxis(keys, 2, 1).reshape(keys.shape[0], keys.shape[2], -1, keys.shape[-1])
-    if outlier_frac > 0:
-        lo = jnp.quantile(k, outlier_frac / 2, axis=2)
-        hi = jnp.quantile(k, 1 - outlier_frac / 2, axis=2)
-    else:
-        lo, hi = jnp.min(k, axis=2), jnp.max(k, axis=2)
+    lo, hi = observed_key_ranges(k, jnp.ones((k.shape[0], k.shape[2]), bool), outlier_frac)
     return KeyRanges(lo.astype(jnp.float32), hi.astype(jnp.float32))
 
 

@@ -41,10 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _collective_seconds(config, mesh, batch: int, seq_len: int, steps: int) -> float:
     """Wall time of the statistic collectives GPTQ calibration runs: per block, per step."""
-    import functools
-
     import jax
-    import jax.numpy as jnp
     import numpy as np
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -57,16 +54,14 @@ def _collective_seconds(config, mesh, batch: int, seq_len: int, steps: int) -> f
     widths = {"q": d, "k": d, "v": d, "o": config.num_heads * config.head_dim, "gate": d, "up": d, "down": f}
     shards = mesh.shape[dist.DATA]
 
-    def body(*xs):
-        found = {name: input_stats(x.reshape(-1, x.shape[-1]), ("hessian",)) for name, x in zip(widths, xs)}
-        return dist.reduce_stats(found, dist.DATA, ordered_sums=True)
+    def local(*xs):  # each shard's Hessians, no collective
+        return {name: input_stats(x.reshape(-1, x.shape[-1]), ("hessian",)) for name, x in zip(widths, xs)}
 
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(dist.DATA), out_specs=P()))
+    fn = jax.jit(jax.shard_map(lambda *xs: dist.reduce_stats(local(*xs), dist.DATA, ordered_sums=True),
+                               mesh=mesh, in_specs=P(dist.DATA), out_specs=P()))
+    stats_only = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P(dist.DATA), out_specs=P(dist.DATA)))
     xs = [dist.global_array(np.ones((batch * shards, seq_len, w), np.float32), NamedSharding(mesh, P(dist.DATA)))
           for w in widths.values()]
-    stats_only = jax.jit(jax.shard_map(lambda *xs: {n: input_stats(x.reshape(-1, x.shape[-1]), ("hessian",))
-                                                    for n, x in zip(widths, xs)},
-                                       mesh=mesh, in_specs=P(dist.DATA), out_specs=P(dist.DATA)))
     with_coll = median_time(lambda: jax.block_until_ready(fn(*xs)), runs=5)
     without = median_time(lambda: jax.block_until_ready(stats_only(*xs)), runs=5)
     return max(with_coll - without, 0.0) * config.num_layers * steps
