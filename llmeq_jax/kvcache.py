@@ -16,8 +16,9 @@ cache that is :func:`update` then :func:`read`), finally :func:`advance`.
 :class:`QuantKVCache` is the quantized cache (SimQuant / KVQuant-style, math in
 :mod:`llmeq_jax.kvquant`): the same bookkeeping fields, keys and values stored
 as packed int8/int4/int2 codes, a float ring buffer of the most recent
-``window`` tokens. Every function here dispatches on the cache type, so model
-code never tests for quantization.
+``window`` tokens and a float copy of the first ``sink_tokens`` tokens. Every
+function here dispatches on the cache type, so model code never tests for
+quantization.
 """
 
 from __future__ import annotations
@@ -76,9 +77,16 @@ def slots(cache: KVCache, num_new: int) -> jax.Array:
 def append_mask(cache, attention_mask: jax.Array):
     """Mark the next T slots valid where ``attention_mask`` [B, T] is 1 (quantized: record their positions)."""
     valid = jax.lax.dynamic_update_slice(cache.valid, attention_mask.astype(bool), (0, cache.length))
-    if isinstance(cache, QuantKVCache) and cache.slot_pos is not None:
-        pos = jax.lax.dynamic_update_slice(cache.slot_pos, new_positions(cache, attention_mask), (0, cache.length))
-        return dataclasses.replace(cache, valid=valid, slot_pos=pos)
+    if not isinstance(cache, QuantKVCache):
+        return dataclasses.replace(cache, valid=valid)
+    pos = new_positions(cache, attention_mask)
+    if cache.slot_pos is not None:
+        cache = dataclasses.replace(cache, slot_pos=jax.lax.dynamic_update_slice(cache.slot_pos, pos, (0, cache.length)))
+    if cache.sink_slot is not None:
+        rows = jnp.arange(pos.shape[0])[:, None]
+        at = _sink_index(cache, pos, attention_mask)
+        cache = dataclasses.replace(cache, sink_slot=cache.sink_slot.at[rows, at].set(
+            jnp.broadcast_to(slots(cache, pos.shape[1]), pos.shape), mode="drop"))
     return dataclasses.replace(cache, valid=valid)
 
 
@@ -147,6 +155,9 @@ class QuantKVCache:
       ``[L, B, KV, D]`` (online: set per row by the first write), or None (per-token keys).
     * ``k_win``, ``v_win``: float ring buffer ``[L, B, KV, W, D]`` of the last W tokens
       (slot s lives at ``s % W``), or None for W = 0. Keys there are post-RoPE.
+    * ``k_sink``, ``v_sink``: float copy ``[L, B, KV, N, D]`` of the tokens at positions
+      ``0 .. N-1`` (N = ``sink_tokens``; keys post-RoPE), or None for N = 0;
+      ``sink_slot``: ``[B, N]`` the slot each of them sits in (-1 until written).
     * ``slot_pos``: ``[B, S]`` position id of each slot (pre-RoPE keys are rotated with it).
     * ``inv_freq``: RoPE inverse frequencies ``[D / 2]`` (None for models without RoPE).
     * ``valid``, ``length``, ``positions``: as in :class:`KVCache`.
@@ -155,7 +166,8 @@ class QuantKVCache:
     itself, per-channel ranges calibrated): so its codes do not depend on how the
     sequence was cut into steps, and a full-sequence "prefill path" sees exactly what
     token-by-token decoding sees. The float window only changes what attention
-    reads: at query slot t, key slots t-W+1 .. t come from the float copy.
+    reads: at query slot t, key slots t-W+1 .. t come from the float copy, and so do
+    the sink tokens (whatever their slot).
     """
 
     k: kvquant.QuantizedKV
@@ -165,6 +177,9 @@ class QuantKVCache:
     k_hi: jax.Array | None
     k_win: jax.Array | None
     v_win: jax.Array | None
+    k_sink: jax.Array | None
+    v_sink: jax.Array | None
+    sink_slot: jax.Array | None
     slot_pos: jax.Array | None
     inv_freq: jax.Array | None
     valid: jax.Array
@@ -228,6 +243,8 @@ def init_quantized(
             k_hi = jnp.broadcast_to(kv.key_ranges.hi[:, None], rows).astype(jnp.float32)
         k_scale = jnp.ones(rows, jnp.float32)
     win = (num_layers, batch, kv_heads, spec.window, head_dim)
+    n_sink = min(spec.sink_tokens, max_len)  # a shorter context is all sinks
+    sink = (num_layers, batch, kv_heads, n_sink, head_dim)
     return QuantKVCache(
         k=_empty_store(shape, spec.bits, not spec.per_channel_keys, n_out),
         v=_empty_store(shape, spec.bits, True, n_out),
@@ -236,6 +253,9 @@ def init_quantized(
         k_hi=k_hi,
         k_win=jnp.zeros(win, dtype) if spec.window else None,
         v_win=jnp.zeros(win, dtype) if spec.window else None,
+        k_sink=jnp.zeros(sink, dtype) if n_sink else None,
+        v_sink=jnp.zeros(sink, dtype) if n_sink else None,
+        sink_slot=jnp.full((batch, n_sink), -1, jnp.int32) if n_sink else None,
         slot_pos=jnp.zeros((batch, max_len), jnp.int32) if pre_rope else None,
         inv_freq=None if inv_freq is None else jnp.asarray(inv_freq, jnp.float32),
         valid=jnp.zeros((batch, max_len), bool),
@@ -258,6 +278,8 @@ def _set_online_grid(cache: QuantKVCache, layer: int, keys: jax.Array) -> QuantK
     running range by ``ema``); later writes keep it, so every stored code has one grid."""
     spec = cache.spec
     valid = jax.lax.dynamic_slice_in_dim(cache.valid, cache.length, keys.shape[2], axis=1)
+    if spec.sink_tokens:  # the sinks are read from float: keep them out of the range
+        valid = valid & (new_positions(cache, valid) >= spec.sink_tokens)
     lo, hi = kvquant.observed_key_ranges(keys, valid, spec.outlier_frac)
     if spec.ema:
         lo = spec.ema * cache.k_lo[layer] + (1 - spec.ema) * lo
@@ -286,6 +308,29 @@ def _write(store: kvquant.QuantizedKV, layer: int, new: kvquant.QuantizedKV, sta
     )
 
 
+def _sink_index(cache: QuantKVCache, positions: jax.Array, step_mask: jax.Array) -> jax.Array:
+    """Index into the sink store of each new token [B, T]: its position, or N (dropped) for
+    padding and tokens past the sinks."""
+    n = cache.sink_slot.shape[1]
+    return jnp.where(step_mask.astype(bool) & (positions < n), positions, n)
+
+
+def _write_sinks(cache: QuantKVCache, layer: int, k, v) -> QuantKVCache:
+    """Float copies of this step's sink tokens (keys post-RoPE) into the sink store of ``layer``."""
+    step_mask = jax.lax.dynamic_slice_in_dim(cache.valid, cache.length, k.shape[2], axis=1)
+    at = _sink_index(cache, new_positions(cache, step_mask), step_mask)  # [B, T]
+    rows = jnp.arange(at.shape[0])[:, None]
+
+    def put(store, new):  # store [B, KV, N, D] <- new [B, KV, T, D] at (row, :, at[row, t])
+        return store.at[rows, :, at].set(jnp.moveaxis(new, 2, 1).astype(store.dtype), mode="drop")
+
+    return dataclasses.replace(
+        cache,
+        k_sink=cache.k_sink.at[layer].set(put(cache.k_sink[layer], k)),
+        v_sink=cache.v_sink.at[layer].set(put(cache.v_sink[layer], v)),
+    )
+
+
 def _q_update(cache: QuantKVCache, layer: int, k, v, k_raw) -> QuantKVCache:
     if cache.spec.pre_rope and k_raw is None:
         raise ValueError("a pre-RoPE quantized cache needs the keys before RoPE (k_raw)")
@@ -293,6 +338,8 @@ def _q_update(cache: QuantKVCache, layer: int, k, v, k_raw) -> QuantKVCache:
     n_out = cache.spec.n_outliers(cache.head_dim)
     if cache.spec.online_keys:
         cache = _set_online_grid(cache, layer, keys)
+    if cache.sink_slot is not None:
+        cache = _write_sinks(cache, layer, k, v)
     return dataclasses.replace(
         cache,
         k=_write(cache.k, layer, _quantize_keys(cache, layer, keys), cache.length),
@@ -320,14 +367,28 @@ def _window_slots(cache: QuantKVCache) -> jax.Array:
 
 
 def _q_attend(cache: QuantKVCache, layer: int, q, k, v, mask, k_raw):
-    """Attention over [dequantized store | float window before this step | this step's float K/V]."""
+    """Attention over [dequantized store | float sinks | float window before this step | this step's float K/V].
+
+    Each slot is read from exactly one part: in the window (relative to the query) it
+    is float; else a sink slot is float; else it is dequantized.
+    """
     w, t = cache.spec.window, k.shape[2]
     cache = _q_update(cache, layer, k, v, k_raw)
     k_deq, v_deq = _q_read(cache, layer)
     query_slots = slots(cache, t)
     key_slots = jnp.arange(cache.max_len, dtype=jnp.int32)
     in_window = query_slots[:, None] - key_slots[None, :] < w  # [T, S]
-    parts = [(k_deq, v_deq, mask & ~in_window[None])]
+    quantized = mask & ~in_window[None]
+    parts = []
+    if cache.sink_slot is not None:
+        sink_slot = cache.sink_slot  # [B, N]
+        is_sink = jnp.any(sink_slot[:, :, None] == key_slots[None, None, :], axis=1)  # [B, S]
+        quantized = quantized & ~is_sink[:, None, :]
+        seen = jnp.take_along_axis(mask, jnp.broadcast_to(jnp.clip(sink_slot, 0)[:, None, :], (mask.shape[0], t,
+                                   sink_slot.shape[1])), axis=2)  # [B, T, N]
+        outside_window = query_slots[None, :, None] - sink_slot[:, None, :] >= w
+        parts.append((cache.k_sink[layer], cache.v_sink[layer], seen & (sink_slot >= 0)[:, None, :] & outside_window))
+    parts.insert(0, (k_deq, v_deq, quantized))
     if w:
         ring_slots = _window_slots(cache)
         ring_idx = ring_slots % w
@@ -380,8 +441,8 @@ def _slot_leaves(cache) -> tuple[list, list]:
     if isinstance(cache, KVCache):
         return [cache.k, cache.v, cache.valid], [cache.length, cache.positions]
     per_slot = jax.tree.leaves((cache.k, cache.v, cache.valid, cache.slot_pos))
-    fixed = jax.tree.leaves((cache.k_scale, cache.k_lo, cache.k_hi, cache.k_win, cache.v_win, cache.inv_freq,
-                             cache.length, cache.positions))
+    fixed = jax.tree.leaves((cache.k_scale, cache.k_lo, cache.k_hi, cache.k_win, cache.v_win, cache.k_sink,
+                             cache.v_sink, cache.sink_slot, cache.inv_freq, cache.length, cache.positions))
     return per_slot, fixed
 
 
@@ -390,7 +451,7 @@ def _nbytes(leaves) -> int:
 
 
 def memory(cache) -> dict:
-    """Bytes of a cache, from its arrays: per token (one row, all layers) and fixed (window, key grids)."""
+    """Bytes of a cache, from its arrays: per token (one row, all layers) and fixed (window, sinks, key grids)."""
     per_slot, fixed = _slot_leaves(cache)
     batch = cache.valid.shape[0]
     return {

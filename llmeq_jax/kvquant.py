@@ -35,6 +35,15 @@ channels that never cross zero. Per-token scales and mins are stored as
 float16 and the quantizer uses the rounded values, so dequantization is the
 exact inverse of what was stored.
 
+Attention sinks (``sink_tokens``, default 4): the first tokens of a sequence
+draw a large share of the attention mass whatever they are (StreamingLLM found
+four initial tokens enough; KVQuant keeps the first one in fp16). Their keys
+also sit outside the other tokens' per-channel band: on SmolLM2-135M the first
+token's pre-RoPE key lies outside the 1 % band in ~7 of 64 channels, the others
+in < 1. With ``sink_tokens=N`` the tokens at positions ``0 .. N-1`` are attended
+from a float copy and left out of the key ranges (calibrated and online), so
+the grid is spent on the tokens that are quantized. ``sink_tokens=0`` turns it off.
+
 Dense-and-sparse outliers (``outlier_frac``): per stored vector (one token of
 one head, ``head_dim`` entries) the ``ceil(frac * head_dim)`` entries that lie
 furthest outside the grid are kept in float16 with their index (uint8) and
@@ -74,6 +83,8 @@ class KVSpec:
     pre_rope:        quantize keys before RoPE and rotate after dequantization.
     window:          the most recent ``window`` tokens are attended in float
                      (at query position t: keys/values t-window+1 .. t).
+    sink_tokens:     the first ``sink_tokens`` positions of each row are attended in
+                     float and left out of the key ranges (attention sinks; 0 = none).
     outlier_frac:    fraction of each stored vector kept in float (0 = none).
     key_range:       per-channel key ranges ``static`` (calibrated offline) or
                      ``online`` (from each row's prompt, see the module docstring).
@@ -88,6 +99,7 @@ class KVSpec:
     pre_rope: bool = True
     window: int = 0
     outlier_frac: float = 0.0
+    sink_tokens: int = 4
     key_range: str = "static"
     ema: float = 0.0
     prompt_tokens: int = 64
@@ -103,6 +115,8 @@ class KVSpec:
             )
         if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 0:
             raise KVSpecError(f"window={self.window!r} must be an integer >= 0 (tokens kept in float)")
+        if not isinstance(self.sink_tokens, int) or isinstance(self.sink_tokens, bool) or self.sink_tokens < 0:
+            raise KVSpecError(f"sink_tokens={self.sink_tokens!r} must be an integer >= 0 (first tokens kept in float)")
         if not 0.0 <= float(self.outlier_frac) < 0.5:
             raise KVSpecError(f"outlier_frac={self.outlier_frac!r} must be in [0, 0.5)")
         if self.key_range not in KEY_RANGES:
@@ -138,6 +152,7 @@ class KVSpec:
             keys += f" online (prompt {self.prompt_tokens}" + (f", ema {self.ema:g})" if self.ema else ")")
         extra = f", {self.window}-token float window" if self.window else ""
         extra += f", {self.outlier_frac:.2%} outliers" if self.outlier_frac else ""
+        extra += f", first {self.sink_tokens} token(s) in float" if self.sink_tokens else ""
         return f"KV int{self.bits}: {keys}, values per-token{extra}"
 
     def to_dict(self) -> dict:
@@ -206,12 +221,16 @@ def key_ranges_from_dict(d: Any) -> KeyRanges:
     return KeyRanges(lo, hi)
 
 
-def key_ranges_from_keys(keys: jax.Array, outlier_frac: float = 0.0) -> KeyRanges:
+def key_ranges_from_keys(keys: jax.Array, outlier_frac: float = 0.0, sink_tokens: int = 0) -> KeyRanges:
     """Per-channel range of calibration keys ``[layers, N, kv_heads, S, head_dim]`` (N rows, S tokens).
 
     With outliers, the range is the central ``1 - outlier_frac`` quantile band:
-    the entries beyond it are the ones the sparse part keeps in float.
+    the entries beyond it are the ones the sparse part keeps in float. The first
+    ``sink_tokens`` tokens of each row are left out (the cache keeps them in float).
     """
+    if sink_tokens >= keys.shape[3]:
+        raise KVSpecError(f"sink_tokens={sink_tokens} leaves no calibration token of the {keys.shape[3]} per window")
+    keys = keys[:, :, :, sink_tokens:]
     # Layers play the role of rows: every calibration token of a layer counts.
     k = jnp.moveaxis(keys, 2, 1).reshape(keys.shape[0], keys.shape[2], -1, keys.shape[-1])
     lo, hi = observed_key_ranges(k, jnp.ones((k.shape[0], k.shape[2]), bool), outlier_frac)
@@ -455,7 +474,7 @@ def collect_keys(config, params, windows: np.ndarray, *, pre_rope: bool, batch_s
 def calibrate_key_ranges(config, params, windows: np.ndarray, spec: KVSpec, batch_size: int = 4) -> KeyRanges:
     """Static per-channel key ranges of ``spec`` (pre- or post-RoPE) from calibration ``windows``."""
     keys = collect_keys(config, params, windows, pre_rope=spec.pre_rope, batch_size=batch_size)
-    return key_ranges_from_keys(keys, spec.outlier_frac)
+    return key_ranges_from_keys(keys, spec.outlier_frac, spec.sink_tokens)
 
 
 def make_quantizer(spec: KVSpec | None, config=None, params=None, windows: np.ndarray | None = None) -> KVQuantizer | None:

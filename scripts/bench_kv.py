@@ -4,6 +4,8 @@
 
 Protocol (DESIGN §6): WikiText-2 test tokenized whole without BOS, non-overlapping
 windows of seq_len, first --windows of them, ppl = exp(mean next-token NLL).
+Every quantized setting keeps the first 4 tokens of each window in float (attention
+sinks, the KVSpec default) unless its name says "no-sinks".
 Each quantized setting is evaluated through the prefill path (``forward(..., kv=...)``:
 attention reads K/V exactly as the quantized cache would hold them). Static
 per-channel key ranges are calibrated on WikiText-2 *validation* windows; online
@@ -40,6 +42,12 @@ def settings() -> list[tuple[str, kvquant.KVSpec | None]]:
             (f"int8 ch online p64 w{w}", kvquant.KVSpec(8, "channel", True, w, key_range="online")),
             (f"int4 ch online p64 w{w}", kvquant.KVSpec(4, "channel", True, w, key_range="online")),
         ]
+    # Every row above keeps the default 4 attention-sink tokens in float; these turn them off.
+    out += [
+        ("int4 ch pre-RoPE w0 no-sinks", kvquant.KVSpec(4, "channel", True, 0, sink_tokens=0)),
+        ("int4 ch pre-RoPE 1% out w0 no-sinks", kvquant.KVSpec(4, "channel", True, 0, 0.01, sink_tokens=0)),
+        ("int2 ch pre-RoPE 1% out w0 no-sinks", kvquant.KVSpec(2, "channel", True, 0, 0.01, sink_tokens=0)),
+    ]
     return out
 
 
@@ -72,7 +80,8 @@ def main(argv=None) -> int:
             return kvquant.make_quantizer(spec)
         if spec.pre_rope not in keys_by_rope:
             keys_by_rope[spec.pre_rope] = kvquant.collect_keys(config, params, calib, pre_rope=spec.pre_rope)
-        return kvquant.KVQuantizer(kvquant.key_ranges_from_keys(keys_by_rope[spec.pre_rope], spec.outlier_frac), spec)
+        return kvquant.KVQuantizer(
+            kvquant.key_ranges_from_keys(keys_by_rope[spec.pre_rope], spec.outlier_frac, spec.sink_tokens), spec)
 
     base = None
     for name, spec in settings():

@@ -116,8 +116,9 @@ def test_quantized_decode_equals_prefill_path(stories, spec):
     decoded = jnp.concatenate(outs, axis=1)
     np.testing.assert_array_equal(np.argmax(decoded, -1), np.argmax(prefill_path, -1))
     # Codes can flip where a value sits on a rounding boundary (ulp-level differences between
-    # the chunked and the full matmuls), so logits agree closely, not bit for bit.
-    np.testing.assert_allclose(decoded, prefill_path, atol=5e-3)
+    # the chunked and the full matmuls), so logits agree closely, not bit for bit: one flipped
+    # int8 key code moves later logits by up to ~1e-2 on this model.
+    np.testing.assert_allclose(decoded, prefill_path, atol=1.5e-2)
     # ... and the quantization really changed something (else the test would prove nothing).
     float_logits = forward(config, params, tokens)
     assert float(jnp.max(jnp.abs(float_logits - prefill_path))) > 1e-2
@@ -135,11 +136,15 @@ def test_online_key_ranges_come_from_the_prompt_and_ema_carries_them(stories):
     step = jax.jit(forward_step, static_argnums=0)
     cache = init_cache(config, 2, 16, kv=kv)
     _, cache = step(config, params, tokens[:, :10], mask, cache)
-    # Each row's range is its own prompt's pre-RoPE key range, per layer, head and channel.
+    # Each row's range is its own prompt's pre-RoPE key range, per layer, head and channel,
+    # without the first spec.sink_tokens real tokens (read from float).
+    n = spec.sink_tokens
+    assert n == 4
     for row, start in ((0, 2), (1, 0)):
-        keys = kvquant.collect_keys(config, params, np.asarray(tokens[row:row + 1, start:10]), pre_rope=True)
-        np.testing.assert_allclose(cache.k_lo[:, row], jnp.min(keys[:, 0], axis=2), atol=1e-5)
-        np.testing.assert_allclose(cache.k_hi[:, row], jnp.max(keys[:, 0], axis=2), atol=1e-5)
+        keys = kvquant.collect_keys(config, params, np.asarray(tokens[row:row + 1, start:10]), pre_rope=True)[:, 0]
+        np.testing.assert_allclose(cache.k_lo[:, row], jnp.min(keys[:, :, n:], axis=2), atol=1e-5)
+        np.testing.assert_allclose(cache.k_hi[:, row], jnp.max(keys[:, :, n:], axis=2), atol=1e-5)
+        assert float(jnp.max(jnp.abs(cache.k_hi[:, row] - jnp.max(keys, axis=2)))) > 1e-3  # the sinks would widen it
     assert float(jnp.max(jnp.abs(cache.k_hi[:, 0] - cache.k_hi[:, 1]))) > 1e-3
     # Decoding does not move the grid (codes already stored keep theirs).
     lo, hi = cache.k_lo, cache.k_hi
@@ -152,7 +157,7 @@ def test_online_key_ranges_come_from_the_prompt_and_ema_carries_them(stories):
     ema = kvquant.KVQuantizer(running.key_ranges, dataclasses.replace(spec, ema=0.75))
     other = jnp.asarray(evals[2:3, :10])
     c2 = step(config, params, other, jnp.ones((1, 10), jnp.int32), init_cache(config, 1, 16, kv=ema))[1]
-    obs = jnp.max(kvquant.collect_keys(config, params, np.asarray(other), pre_rope=True)[:, 0], axis=2)
+    obs = jnp.max(kvquant.collect_keys(config, params, np.asarray(other), pre_rope=True)[:, 0, :, n:], axis=2)
     np.testing.assert_allclose(c2.k_hi[:, 0], 0.75 * running.key_ranges.hi + 0.25 * obs, atol=1e-5)
     # generate(..., return_cache=True) hands back the cache to track from.
     new, gen_cache = generate(config, params, tokens[:1, :10], 7, kv=ema, return_cache=True)
@@ -160,6 +165,45 @@ def test_online_key_ranges_come_from_the_prompt_and_ema_carries_them(stories):
     assert kvquant.track_key_ranges(ema, gen_cache).key_ranges.hi.shape == running.key_ranges.hi.shape
     with pytest.raises(kvquant.KVSpecError, match="for key_range='online'"):
         kvquant.track_key_ranges(_quantizer(stories, kvquant.KVSpec(bits=4)), cache)
+
+
+def test_sink_tokens_are_read_in_float_and_decode_equals_prefill(stories):
+    """The first N real tokens of each row (left padding does not count) are attended exactly."""
+    config, params, _, _, evals = stories
+    spec = kvquant.KVSpec(bits=2, sink_tokens=3)
+    kv = _quantizer(stories, spec)
+    tokens = jnp.asarray(evals[:2, :24])
+    mask = jnp.asarray([[0, 0, 0] + [1] * 21, [1] * 24])
+    step = jax.jit(forward_step, static_argnums=0)
+    cache = init_cache(config, 2, 24, kv=kv)
+    logits, cache = step(config, params, tokens[:, :8], mask[:, :8], cache)
+    outs = [logits]
+    for i in range(8, 24):
+        logits, cache = step(config, params, tokens[:, i:i + 1], mask[:, i:i + 1], cache)
+        outs.append(logits)
+    np.testing.assert_array_equal(cache.sink_slot, [[3, 4, 5], [0, 1, 2]])
+    # The sink store holds the float model's keys (post-RoPE) and values of those slots.
+    ref = init_cache(config, 2, 24)
+    _, ref = step(config, params, tokens, mask, ref)
+    for row, first in ((0, 3), (1, 0)):
+        np.testing.assert_allclose(cache.k_sink[:, row], ref.k[:, row, :, first:first + 3], atol=1e-5)
+        np.testing.assert_allclose(cache.v_sink[:, row], ref.v[:, row, :, first:first + 3], atol=1e-5)
+    # Decoding step by step sees what the full-sequence prefill path sees (row 1: no padding).
+    prefill = jax.jit(lambda t: _forward(config, params, t, kv=kv))(tokens[1:])
+    decoded = jnp.concatenate(outs, axis=1)[1:]
+    np.testing.assert_allclose(decoded, prefill, atol=5e-3)
+    # ... and keeping the sinks in float changes the int2 result (they were quantized before).
+    no_sink = _quantizer(stories, dataclasses.replace(spec, sink_tokens=0))
+    other = jax.jit(lambda t: _forward(config, params, t, kv=no_sink))(tokens[1:])
+    assert float(jnp.max(jnp.abs(other - prefill))) > 1e-2
+
+
+def test_sinks_longer_than_the_context_keep_everything_in_float(stories):
+    config, params, _, _, evals = stories
+    kv = _quantizer(stories, kvquant.KVSpec(bits=2, sink_tokens=16))
+    tokens = jnp.asarray(evals[:2, :12])
+    np.testing.assert_allclose(jax.jit(lambda t: _forward(config, params, t, kv=kv))(tokens),
+                               forward(config, params, tokens), atol=1e-4)
 
 
 def test_window_covering_everything_equals_float(stories):

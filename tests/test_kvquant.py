@@ -120,6 +120,7 @@ def test_bad_bits(bits):
         ({"bits": 4, "windw": 4}, r"unknown key\(s\) \['windw'\]"),
         ({"bits": 4, "key_granularity": "group"}, "key_granularity='group'"),
         ({"bits": 4, "window": -1}, "window=-1"),
+        ({"bits": 4, "sink_tokens": -2}, "sink_tokens=-2 must be an integer >= 0"),
         ({"bits": 4, "outlier_frac": 0.7}, "outlier_frac"),
         ({"bits": 4, "key_range": "dynamic"}, r"key_range='dynamic' is not one of \['static', 'online'\]"),
         ({"bits": 4, "key_range": "online", "key_granularity": "token"}, "is for per-channel keys"),
@@ -167,6 +168,15 @@ def test_calibrated_ranges_with_outliers_are_a_quantile_band():
     inside = np.mean((np.asarray(keys) <= np.asarray(band.hi)[:, None, :, None]) &
                      (np.asarray(keys) >= np.asarray(band.lo)[:, None, :, None]))
     assert 0.95 < inside < 1.0
+
+
+def test_calibrated_ranges_leave_out_the_sink_tokens():
+    keys = _rand(5, (2, 3, 1, 40, 4)).at[:, :, :, 1].set(50.0)  # token 1 of every window far outside
+    np.testing.assert_allclose(kvquant.key_ranges_from_keys(keys).hi, 50.0)
+    ranges = kvquant.key_ranges_from_keys(keys, sink_tokens=2)
+    np.testing.assert_allclose(ranges.hi, jnp.max(keys[:, :, :, 2:], axis=(1, 3)))
+    with pytest.raises(KVSpecError, match="sink_tokens=40 leaves no calibration token of the 40"):
+        kvquant.key_ranges_from_keys(keys, sink_tokens=40)
 
 
 def test_jit_compatible():
