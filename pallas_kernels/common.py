@@ -96,6 +96,32 @@ def store_tile(ref, rows, cols, value):
     plgpu.store(ref.at[rs, cs], value, mask=rm[:, None] & cm[None, :])
 
 
+def f32_dot_precision(interpret: bool):
+    """Precision for dots with float32 operands: TF32x3 on the GPU, default (exact f32) in interpret mode.
+
+    Seen on an H100 with jax 0.11.2: a float32 ``dot_general`` with default precision
+    ran as single-pass TF32 (errors ~5e-4 relative). TF32x3 splits each operand into
+    two TF32 halves (about float32 accuracy); integer weights and cache values
+    (|v| <= 255) are exact in TF32, so the dot is as exact as the float32 reference
+    up to accumulation order. XLA's CPU backend does not take this algorithm, and
+    interpret mode is exact in float32 anyway, so it is used only when compiling.
+    """
+    return None if interpret else jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+
+
+def dot(a, b, *, precision=None, preferred=jnp.float32):
+    """(m, k) x (k, n) with ``preferred`` accumulation."""
+    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=preferred)
+
+
+def splits_for(programs: int, k_blocks: int, min_blocks: int = 4, target: int = 264) -> int:
+    """Split the K loop so that ``programs`` x splits reaches ~``target`` programs (2 per SM on an H100),
+    each split at least ``min_blocks`` K blocks long; 1 when the grid is large enough already."""
+    if programs >= target // 2:
+        return 1
+    return max(1, min(-(-target // programs), k_blocks // min_blocks))
+
+
 def compiler_params(num_warps: int = 4, num_stages: int = 2):
     """Triton compiler params; passing them also selects the Triton (not Mosaic GPU) backend."""
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)

@@ -17,6 +17,10 @@ float32 accumulation. No full-precision copy of the weight is ever written.
 For int4 the kernel does not interleave the two nibbles of a byte back into
 K order (Triton cannot stack along a non-last axis); it splits the x tile into
 its even and odd K columns instead and runs two dots: x_even @ low + x_odd @ high.
+
+Float32 activations use TF32x3 dots on the GPU (``common.f32_dot_precision``): a
+default-precision float32 dot ran as single-pass TF32 on an H100 with jax 0.11.2.
+Small (M, N) grids (decode) split the K loop over several programs.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import config
 from pallas_kernels.blocks import Blocks, matmul_blocks
@@ -33,19 +38,22 @@ from pallas_kernels.common import (
     FLOAT_DTYPES,
     cdiv,
     compiler_params,
+    dot,
+    f32_dot_precision,
     high_nibble,
     is_pow2,
     load_tile,
     low_nibble,
     span,
     split_pairs,
+    splits_for,
     store_tile,
 )
 
 SUPPORTED_BITS = (4, 8)
 
 
-def _kernel(*refs, m, n, k, bits, blocks, group, has_zp, has_bias):
+def _kernel(*refs, m, n, k, bits, blocks, group, has_zp, has_bias, split_blocks, split, precision):
     x_ref, w_ref, ws_ref = refs[:3]
     rest = list(refs[3:])
     zp_ref = rest.pop(0) if has_zp else None
@@ -53,33 +61,39 @@ def _kernel(*refs, m, n, k, bits, blocks, group, has_zp, has_bias):
     (o_ref,) = rest
     bm, bn, bk = blocks.bm, blocks.bn, blocks.bk
     cdt = x_ref.dtype  # dot operand dtype: integer weights are exact in it
+    prec = precision if jnp.dtype(cdt) == jnp.float32 else None
     rows = span(pl.program_id(0) * bm, bm, m)
     cols = span(pl.program_id(1) * bn, bn, n)
+    first = pl.program_id(2) * split_blocks
+    last = jnp.minimum(first + split_blocks, cdiv(k, bk))
 
     def row_of(ref, g):
         return load_tile(ref, span(g, 1, ref.shape[0]), cols, 0).astype(jnp.float32)
-
-    def dot(a, b):
-        return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
     def body(kb, acc):
         xt = load_tile(x_ref, rows, span(kb * bk, bk, k), 0)
         zp = row_of(zp_ref, kb if group is not None else 0).astype(jnp.int32) if has_zp else 0
         if bits == 8:
             wt = load_tile(w_ref, span(kb * bk, bk, k), cols, 0).astype(jnp.int32)
-            part = dot(xt, (wt - zp).astype(cdt))
+            part = dot(xt, (wt - zp).astype(cdt), precision=prec)
         else:
             half = bk // 2
             packed = load_tile(w_ref, span(kb * half, half, w_ref.shape[0]), cols, 0).astype(jnp.int32)
             x_even, x_odd = split_pairs(xt)
-            part = dot(x_even, (low_nibble(packed) - zp).astype(cdt)) + dot(x_odd, (high_nibble(packed) - zp).astype(cdt))
+            part = dot(x_even, (low_nibble(packed) - zp).astype(cdt), precision=prec) + dot(
+                x_odd, (high_nibble(packed) - zp).astype(cdt), precision=prec
+            )
         if group is None:
             return acc + part
         return acc + part * row_of(ws_ref, kb)
 
-    acc = jax.lax.fori_loop(0, cdiv(k, bk), body, jnp.zeros((bm, bn), jnp.float32))
+    acc = jax.lax.fori_loop(first, last, body, jnp.zeros((bm, bn), jnp.float32))
     if group is None:
         acc = acc * row_of(ws_ref, 0)
+    if split:  # a float32 partial sum; bias and the cast come after the splits are added
+        (rs, rm), (cs, cm) = rows, cols
+        plgpu.store(o_ref.at[pl.program_id(2), rs, cs], acc, mask=rm[:, None] & cm[None, :])
+        return
     if has_bias:
         acc = acc + row_of(b_ref, 0)
     store_tile(o_ref, rows, cols, acc.astype(o_ref.dtype))
@@ -118,9 +132,15 @@ def weight_only_matmul(
     bias=None,
     group: int | None = None,
     blocks: Blocks | None = None,
+    k_splits: int | None = None,
     interpret: bool | None = None,
 ):
-    """``x @ dequantize(w)`` with the weight dequantized tile by tile in registers."""
+    """``x @ dequantize(w)`` with the weight dequantized tile by tile in registers.
+
+    When the (M, N) tile grid is too small to fill the GPU (decode), the K loop is
+    split over ``k_splits`` programs (default :func:`common.splits_for`) whose float32
+    partial sums are added afterwards.
+    """
     _check(x, wq, w_scale, w_zero_point, bits, group)
     m, k = x.shape
     n = wq.shape[1]
@@ -128,10 +148,16 @@ def weight_only_matmul(
     blocks = blocks or matmul_blocks(m, n, k, group, min_bk=32 if bits == 4 else 16)
     if group is not None and blocks.bk != group:
         raise ValueError(f"weight_only_matmul: with per-group scales the K block must equal the group ({group})")
+    interpret = config.resolve_interpret(interpret)
     args = [x, wq, w_scale.astype(jnp.float32)]
     if w_zero_point is not None:
         args.append(w_zero_point.astype(jnp.int8))
-    if bias is not None:
+    grid_mn = (cdiv(m, blocks.bm), cdiv(n, blocks.bn))
+    k_blocks = cdiv(k, blocks.bk)
+    splits = min(k_splits or splits_for(grid_mn[0] * grid_mn[1], k_blocks), k_blocks)
+    split_blocks = cdiv(k_blocks, splits)
+    splits = cdiv(k_blocks, split_blocks)
+    if bias is not None and splits == 1:
         args.append(bias.astype(jnp.float32).reshape(1, n))
     kernel = functools.partial(
         _kernel,
@@ -142,16 +168,26 @@ def weight_only_matmul(
         blocks=blocks,
         group=group,
         has_zp=w_zero_point is not None,
-        has_bias=bias is not None,
+        has_bias=bias is not None and splits == 1,
+        split_blocks=split_blocks,
+        split=splits > 1,
+        precision=f32_dot_precision(interpret),
     )
-    return pl.pallas_call(
+    out_shape = (splits, m, n) if splits > 1 else (m, n)
+    y = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
-        grid=(cdiv(m, blocks.bm), cdiv(n, blocks.bn)),
+        out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32 if splits > 1 else x.dtype),
+        grid=(*grid_mn, splits),
         compiler_params=compiler_params(blocks.num_warps, blocks.num_stages),
-        interpret=config.resolve_interpret(interpret),
+        interpret=interpret,
         name=f"weight_only_int{bits}_matmul",
     )(*args)
+    if splits > 1:
+        y = jnp.sum(y, axis=0)
+        if bias is not None:
+            y = y + bias.astype(jnp.float32)
+        y = y.astype(x.dtype)
+    return y
 
 
 def unpack_int4_rows(wq, k: int):

@@ -67,3 +67,10 @@ def test_round_primitive_still_fails_triton_lowering():
 
     with pytest.raises(NotImplementedError, match="round"):
         jax.jit(f).trace(jnp.ones((16, 16))).lower(lowering_platforms=("cuda",))
+
+
+def test_k_splits_only_for_small_grids():
+    assert common.splits_for(1000, 64) == 1  # prefill: the (M, N) grid fills the GPU
+    assert common.splits_for(64, 86) == 5  # decode 11008 -> 4096: 64 tiles x 5 splits
+    assert common.splits_for(64, 8) == 2  # never below 4 K blocks per split
+    assert common.splits_for(1, 3) == 1

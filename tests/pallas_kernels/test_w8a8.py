@@ -5,6 +5,7 @@ import pytest
 
 from llmeq_jax import ops
 from llmeq_jax.core.quantize import Spec, quantize
+from pallas_kernels.blocks import Blocks
 from pallas_kernels.w8a8 import can_use, w8a8_matmul, w8a8_reference
 
 # (M, K, N, group, zero points, bias)
@@ -35,6 +36,17 @@ def test_kernel_matches_reference(m, k, n, group, zp, bias):
     r = w8a8_reference(x, wq, s, w_zero_point=z, bias=b, group=group)
     assert y.shape == (m, n) and y.dtype == x.dtype
     np.testing.assert_allclose(y, r, rtol=1e-6, atol=1e-6 * float(jnp.max(jnp.abs(r))))
+
+
+@pytest.mark.parametrize("group,zp", [(None, True), (32, True), (None, False)])
+def test_k_splits_and_kmajor_weights_match_one_pass(group, zp):
+    """Split-K (decode grids): float32 partial sums, bias added once; K-major (transposed) weight tiles."""
+    x, wq, s, z, b = _operands(3, 200, 40, group, zp, True)
+    r = w8a8_reference(x, wq, s, w_zero_point=z, bias=b, group=group)
+    for splits, transpose in ((1, False), (3, False), (1, True), (3, True)):
+        y = w8a8_matmul(x, wq, s, w_zero_point=z, bias=b, group=group, k_splits=splits, transpose_w=transpose,
+                        blocks=Blocks(16, 16, group or 32), interpret=True)
+        np.testing.assert_allclose(y, r, rtol=1e-6, atol=1e-6 * float(jnp.max(jnp.abs(r))))
 
 
 def test_integer_path_is_exact():

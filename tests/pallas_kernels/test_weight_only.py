@@ -5,6 +5,7 @@ import pytest
 
 from llmeq_jax import ops
 from llmeq_jax.core.quantize import Spec, quantize
+from pallas_kernels.blocks import Blocks
 from pallas_kernels.weight_only import can_use, weight_only_matmul, weight_only_reference
 
 # (M, K, N, bits, group, symmetric, dtype)
@@ -36,6 +37,20 @@ def test_kernel_matches_reference_and_core(m, k, n, bits, group, symmetric, dtyp
     tight, loose = (1e-6, 1e-5) if dtype == jnp.float32 else (8e-3, 2e-2)
     np.testing.assert_allclose(y32, r32, rtol=tight, atol=tight * scale)
     np.testing.assert_allclose(y32, c32, rtol=loose, atol=loose * scale)
+
+
+@pytest.mark.parametrize("bits,group", [(8, None), (4, 32), (4, None)])
+def test_k_splits_match_one_pass(bits, group):
+    """Split-K (decode grids): float32 partial sums, bias added once after the splits."""
+    q = _qweight(200, 40, bits, group, False)
+    x = jax.random.normal(jax.random.key(5), (3, 200))
+    b = jnp.arange(40.0)
+    kw = dict(bits=bits, w_zero_point=q.zero_point, group=group, bias=b)
+    r = weight_only_reference(x, q.qvalue, q.scale, **kw)
+    for splits in (1, 3):
+        y = weight_only_matmul(x, q.qvalue, q.scale, k_splits=splits, blocks=Blocks(16, 16, group or 32),
+                               interpret=True, **kw)
+        np.testing.assert_allclose(y, r, rtol=1e-6, atol=1e-6 * float(jnp.max(jnp.abs(r))))
 
 
 def test_integer_path_is_exact():
