@@ -14,6 +14,9 @@ Symmetric grids, qmax = 2^(b-1) - 1, round half to even, as in the core.
 ``decode_attention`` runs one query token per head (GQA: H_q = G * H_kv) over the
 first ``length[b]`` cached tokens, dequantizing inside the kernel by folding the
 scales: q . (k * s_k) = (q * s_k) . k, and p . (v * s_v) = (p * s_v) . v.
+The tokens are split into ranges, one program each (flash decoding), so that a
+long cache with few heads still fills the GPU; the partial results are merged
+by a small jnp step.
 """
 
 from __future__ import annotations
@@ -46,6 +49,15 @@ from jax.experimental.pallas import triton as plgpu
 
 SUPPORTED_BITS = (4, 8)
 NEG_INF = -1e30  # finite: a fully masked block must not produce inf - inf = nan
+
+
+def min_head_dim(bits: int) -> int:
+    """int4 dots run on half the head dim (even/odd nibbles), and dot dims must be >= 16.
+
+    Seen on an H100 (jax 0.11.2): int4 decode with head_dim 16 (8-wide dots) compiled and
+    ran but returned wrong values (error ~2e-2 of the output's scale); interpret mode was exact.
+    """
+    return MIN_DOT * (2 if bits == 4 else 1)
 
 
 def _qmax(bits):
@@ -102,8 +114,8 @@ def _check_cache(k_cache, v_cache, v_scale, bits, d):
             )
     if v_scale.shape != (bsz, h, t, 1):
         raise ValueError(f"KV cache: v_scale must be {(bsz, h, t, 1)}, got {v_scale.shape}")
-    if not (is_pow2(d) and d >= MIN_DOT):
-        raise ValueError(f"KV cache kernels need a power-of-two head_dim >= {MIN_DOT}, got {d}")
+    if not (is_pow2(d) and d >= min_head_dim(bits)):
+        raise ValueError(f"KV cache kernels need a power-of-two head_dim >= {min_head_dim(bits)} for int{bits}, got {d}")
 
 
 def _check_k_scale(k_scale, bsz, h, d):
@@ -182,19 +194,40 @@ def dequantize_cache(cache, scale, bits: int):
 # --------------------------------------------------------------------------- decode attention
 
 
-def _decode_kernel(q_ref, k_ref, v_ref, ks_ref, vs_ref, len_ref, o_ref, *, g, bg, bt, d, bits, sm_scale):
-    b, h = pl.program_id(0), pl.program_id(1)
+def _decode_kernel(q_ref, k_ref, v_ref, ks_ref, vs_ref, len_ref, o_ref, m_ref, l_ref, *, g, bg, bt, d, bits, sm_scale,
+                   split_blocks):
+    """One (batch, kv head, split of the tokens): unnormalised partial attention + its max and sum."""
+    b, h, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     heads, head_mask = span(0, bg, g)
     q = _rows_at(q_ref, b, h, heads, head_mask).astype(jnp.float32)  # (bg, D)
     q = q * plgpu.load(ks_ref.at[b, h, pl.ds(0, 1), :]) * sm_scale  # fold the per-channel key scale
     length = len_ref[b]
-    q_even, q_odd = split_pairs(q) if bits == 4 else (None, None)
 
-    def dot_t(a, c):  # a (m, k) . c (n, k)^T
-        return jax.lax.dot_general(a, c, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    # Float32 x cached integers as bf16 tensor-core dots that lose nothing: the integers
+    # (|v| <= 127) are exact in bf16, and the float side is split into three bf16 parts
+    # whose sum is the float32 value (8 + 8 + 8 significant bits), one dot per part.
+    # (TF32x3 was as exact but 3-8x slower here: it also splits the integer side, every block.)
+    def parts(a):
+        hi = a.astype(jnp.bfloat16)
+        r = a - hi.astype(jnp.float32)
+        mid = r.astype(jnp.bfloat16)
+        return hi, mid, (r - mid.astype(jnp.float32)).astype(jnp.bfloat16)
 
-    def dot(a, c):
-        return jax.lax.dot_general(a, c, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    def dot_t(a_parts, c):  # a (m, k) . c (n, k)^T
+        c = c.astype(jnp.bfloat16)
+        return sum(jax.lax.dot_general(p, c, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+                   for p in a_parts)
+
+    def dot(a_parts, c):
+        c = c.astype(jnp.bfloat16)
+        return sum(jax.lax.dot_general(p, c, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+                   for p in a_parts)
+
+    if bits == 8:
+        q_parts = parts(q)
+    else:
+        q_even, q_odd = split_pairs(q)
+        q_even, q_odd = parts(q_even), parts(q_odd)
 
     def body(tb, carry):
         m_prev, l_prev, acc = carry
@@ -202,36 +235,55 @@ def _decode_kernel(q_ref, k_ref, v_ref, ks_ref, vs_ref, len_ref, o_ref, *, g, bg
         kt = _rows_at(k_ref, b, h, toks, tok_mask).astype(jnp.int32)
         vt = _rows_at(v_ref, b, h, toks, tok_mask).astype(jnp.int32)
         if bits == 8:
-            s = dot_t(q, kt.astype(jnp.float32))
+            s = dot_t(q_parts, kt)
         else:
-            s = dot_t(q_even, low_nibble(kt).astype(jnp.float32)) + dot_t(q_odd, high_nibble(kt).astype(jnp.float32))
+            s = dot_t(q_even, low_nibble(kt)) + dot_t(q_odd, high_nibble(kt))
         s = jnp.where(tok_mask[None, :], s, NEG_INF)
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
         p = jnp.exp(s - m_new)
         corr = jnp.exp(m_prev - m_new)
         l_new = l_prev * corr + jnp.sum(p, axis=1, keepdims=True)
         v_scale = plgpu.load(vs_ref.at[b, h, toks, :], mask=tok_mask[:, None], other=0.0)  # (bt, 1)
-        pv = p * v_scale.reshape(1, bt)  # fold the per-token value scale into the weights
+        pv = parts(p * v_scale.reshape(1, bt))  # fold the per-token value scale into the weights
         if bits == 8:
-            upd = dot(pv, vt.astype(jnp.float32))
+            upd = dot(pv, vt)
         else:
-            upd = interleave_pairs(dot(pv, low_nibble(vt).astype(jnp.float32)), dot(pv, high_nibble(vt).astype(jnp.float32)))
+            upd = interleave_pairs(dot(pv, low_nibble(vt)), dot(pv, high_nibble(vt)))
         return m_new, l_new, acc * corr + upd
 
     init = (jnp.full((bg, 1), NEG_INF, jnp.float32), jnp.zeros((bg, 1), jnp.float32), jnp.zeros((bg, d), jnp.float32))
-    _, l_fin, acc = jax.lax.fori_loop(0, (length + bt - 1) // bt, body, init)
-    out = acc / jnp.maximum(l_fin, TINY)
-    _store_rows(o_ref, b, h, heads, head_mask, out.astype(o_ref.dtype))
+    first = sp * split_blocks
+    last = jnp.minimum(first + split_blocks, (length + bt - 1) // bt)
+    m_fin, l_fin, acc = jax.lax.fori_loop(first, last, body, init)  # no iterations when the split is empty
+    plgpu.store(o_ref.at[b, h, sp, heads, :], acc, mask=head_mask[:, None])
+    plgpu.store(m_ref.at[b, h, sp, heads, :], m_fin, mask=head_mask[:, None])
+    plgpu.store(l_ref.at[b, h, sp, heads, :], l_fin, mask=head_mask[:, None])
+
+
+# Aim for this many programs (batch x kv heads x token splits): a few per SM of an H100 (132 SMs).
+TARGET_PROGRAMS = 264
+MIN_SPLIT_TOKENS = 256
+
+
+def decode_splits(bsz: int, h: int, t: int, bt: int) -> int:
+    """Token splits per (batch, kv head): enough programs to fill the GPU, each >= MIN_SPLIT_TOKENS long."""
+    by_length = max(1, t // max(bt, MIN_SPLIT_TOKENS))
+    return max(1, min(cdiv(TARGET_PROGRAMS, bsz * h), by_length))
 
 
 def decode_attention(
     q, k_cache, v_cache, k_scale, v_scale, length, *, bits: int, sm_scale: float | None = None,
-    block_t: int = 64, interpret: bool | None = None,
+    block_t: int = 128, num_splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
+    interpret: bool | None = None,
 ):
-    """Single-query attention over a quantized cache.
+    """Single-query attention over a quantized cache (split-T "flash decoding").
 
     q ``[B, H_q, D]`` float, caches as in the module docstring, ``length`` int32 ``[B]``
     (valid tokens per sequence, >= 1). Returns ``[B, H_q, D]`` in q's dtype.
+
+    The cached tokens are cut into ``num_splits`` ranges (default :func:`decode_splits`),
+    one program each per (batch, kv head); each returns its unnormalised sum with its
+    running max and denominator, and a small jnp step rescales and adds them.
     """
     if q.ndim != 3 or jnp.dtype(q.dtype) not in FLOAT_DTYPES:
         raise ValueError(f"decode_attention: q must be float [B, H_q, D], got {q.dtype} {q.shape}")
@@ -244,21 +296,33 @@ def decode_attention(
     if not (is_pow2(block_t) and block_t >= MIN_DOT):
         raise ValueError(f"decode_attention: block_t must be a power of two >= {MIN_DOT}, got {block_t}")
     g = hq // h
+    bt = min(block_t, max(MIN_DOT, next_pow2(t)))
+    n_blocks = cdiv(t, bt)
+    splits = min(num_splits or decode_splits(bsz, h, t, bt), n_blocks)
+    split_blocks = cdiv(n_blocks, splits)
+    splits = cdiv(n_blocks, split_blocks)  # no split left with nothing to cover
     length = jnp.broadcast_to(jnp.asarray(length, jnp.int32), (bsz,))
+    interpret = config.resolve_interpret(interpret)
     kernel = functools.partial(
-        _decode_kernel, g=g, bg=max(MIN_DOT, next_pow2(g)), bt=min(block_t, max(MIN_DOT, next_pow2(t))), d=d,
-        bits=bits, sm_scale=float(sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)),
+        _decode_kernel, g=g, bg=max(MIN_DOT, next_pow2(g)), bt=bt, d=d, bits=bits,
+        sm_scale=float(sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)), split_blocks=split_blocks,
     )
-    out = pl.pallas_call(
+    part = jax.ShapeDtypeStruct((bsz, h, splits, g, d), jnp.float32)
+    stat = jax.ShapeDtypeStruct((bsz, h, splits, g, 1), jnp.float32)
+    acc, m, l = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((bsz, h, g, d), q.dtype),
-        grid=(bsz, h),
-        compiler_params=compiler_params(),
-        interpret=config.resolve_interpret(interpret),
+        out_shape=(part, stat, stat),
+        grid=(bsz, h, splits),
+        compiler_params=compiler_params(num_warps, num_stages),
+        interpret=interpret,
         name=f"decode_attention_int{bits}",
     )(q.reshape(bsz, h, g, d), k_cache, v_cache, _batched(k_scale, bsz), v_scale.astype(jnp.float32),
       jnp.minimum(length, t))
-    return out.reshape(bsz, hq, d)
+    # Combine the splits: an empty split has m = NEG_INF, l = 0, acc = 0 and weighs exp(NEG_INF - max) = 0.
+    m_all = jnp.max(m, axis=2, keepdims=True)
+    w = jnp.exp(m - m_all)
+    out = jnp.sum(acc * w, axis=2) / jnp.maximum(jnp.sum(l * w, axis=2), TINY)
+    return out.reshape(bsz, hq, d).astype(q.dtype)
 
 
 def decode_attention_reference(q, k_cache, v_cache, k_scale, v_scale, length, *, bits: int, sm_scale=None):
@@ -279,8 +343,8 @@ def can_use(head_dim: int, bits: int, dtype) -> tuple[bool, str]:
     """(True, "") when the KV kernels take this cache, else (False, why)."""
     if bits not in SUPPORTED_BITS:
         return False, f"int{bits} cache (kernels exist for {SUPPORTED_BITS})"
-    if not (is_pow2(head_dim) and head_dim >= MIN_DOT):
-        return False, f"head_dim {head_dim} is not a power of two >= {MIN_DOT}"
+    if not (is_pow2(head_dim) and head_dim >= min_head_dim(bits)):
+        return False, f"head_dim {head_dim} is not a power of two >= {min_head_dim(bits)} (int{bits})"
     if jnp.dtype(dtype) not in FLOAT_DTYPES:
         return False, f"dtype {jnp.dtype(dtype).name} is not float32/bfloat16/float16"
     return True, ""

@@ -23,7 +23,7 @@ def _cache(b, h, t, d, bits, seed=0):
 
 
 # (B, H_kv, q heads per kv head, T, D, new rows S, pos, bits)
-CASES = [(2, 2, 2, 40, 32, 3, 5, 8), (1, 2, 4, 70, 64, 5, 66, 4), (2, 1, 1, 33, 16, 1, 0, 4)]
+CASES = [(2, 2, 2, 40, 32, 3, 5, 8), (1, 2, 4, 70, 64, 5, 66, 4), (2, 1, 1, 33, 32, 1, 0, 4), (1, 1, 2, 20, 16, 2, 3, 8)]
 
 
 @pytest.mark.parametrize("b,h,g,t,d,s,pos,bits", CASES)
@@ -41,10 +41,21 @@ def test_append_then_decode_match_references(b, h, g, t, d, s, pos, bits):
 
     q = jax.random.normal(ks[3], (b, h * g, d))
     length = jnp.array([t, max(1, t // 2)][:b], jnp.int32)
-    out = decode_attention(q, got[0], got[1], k_scale, got[2], length, bits=bits, block_t=16, interpret=True)
     ref = decode_attention_reference(q, got[0], got[1], k_scale, got[2], length, bits=bits)
-    assert out.shape == q.shape and out.dtype == q.dtype
-    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(ref))))
+    for splits in (1, 3):  # 3 splits: with length t // 2 the last split is empty for one sequence
+        out = decode_attention(
+            q, got[0], got[1], k_scale, got[2], length, bits=bits, block_t=16, num_splits=splits, interpret=True
+        )
+        assert out.shape == q.shape and out.dtype == q.dtype
+        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(ref))))
+
+
+def test_default_splits_fill_the_gpu_at_long_context():
+    from pallas_kernels.kv_cache import decode_splits
+
+    assert decode_splits(1, 8, 32768, 64) == 33  # 8 heads x 33 splits >= 264 programs
+    assert decode_splits(1, 8, 300, 64) == 1  # short caches: one program per head
+    assert decode_splits(64, 8, 32768, 64) == 1  # a large batch fills the GPU already
 
 
 def test_decode_ignores_tokens_past_length():
@@ -88,3 +99,7 @@ def test_bad_input_is_rejected_clearly():
         decode_attention(jnp.ones((1, 3, 32)), kc, vc, jnp.ones((1, 2, 1, 32)), vs, 4, bits=8, interpret=True)
     assert can_use(128, 4, jnp.bfloat16) == (True, "")
     assert not can_use(80, 8, jnp.bfloat16)[0]
+    assert can_use(16, 8, jnp.bfloat16)[0] and not can_use(16, 4, jnp.bfloat16)[0]  # int4 dots use head_dim / 2
+    kc4, vc4, vs4 = _cache(1, 1, 16, 16, 4)
+    with pytest.raises(ValueError, match="head_dim >= 32 for int4"):
+        decode_attention(jnp.ones((1, 1, 16)), kc4, vc4, jnp.ones((1, 1, 1, 16)), vs4, 4, bits=4, interpret=True)
