@@ -1,0 +1,302 @@
+"""Run every Pallas kernel compiled for the GPU (interpret=INTERPRET) and compare it with its reference.
+
+One line per case: PASS/FAIL, the max abs error, the tolerance, and for integer
+outputs how many elements differ. Exits 1 if any case fails. On a machine without
+a CUDA GPU it says so and exits 0 (the CPU tests in tests/pallas_kernels cover
+interpret mode and the CUDA lowering there).
+
+References run on the same GPU through XLA with ``jax.default_matmul_precision("highest")``
+(so f32 dots are not TF32); the shapes include the CPU tests' ragged/edge cases
+plus realistic LLM shapes.
+
+    PYTHONPATH=. python scripts/check_kernels_gpu.py [-k SUBSTRING]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from llmeq_jax import ops
+from llmeq_jax.core.quantize import Spec, quantize
+from pallas_kernels import config
+from pallas_kernels.kv_cache import decode_attention, decode_attention_reference, kv_append, kv_append_reference
+from pallas_kernels.online_scale import online_quantize, online_quantize_reference
+from pallas_kernels.w8a8 import w8a8_matmul, w8a8_reference
+from pallas_kernels.weight_only import weight_only_matmul, weight_only_reference
+
+F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
+# Relative tolerance (times max |reference|) by output dtype, as in tests/pallas_kernels.
+REL = {F32: 1e-5, BF16: 2e-2, F16: 1e-2}
+
+CASES = []
+INTERPRET = False  # --interpret: run the same cases in Pallas interpret mode (to check this script on a CPU)
+
+
+def case(fn):
+    CASES.append(fn)
+    return fn
+
+
+def compare(y, r, rel):
+    """(max abs error, tolerance) with tolerance = rel * max |r|; NaN never passes."""
+    y32, r32 = np.asarray(y, np.float32), np.asarray(r, np.float32)
+    assert y32.shape == r32.shape, (y32.shape, r32.shape)
+    err = float(np.max(np.abs(y32 - r32))) if y32.size else 0.0
+    if not np.all(np.isfinite(y32)):
+        err = float("nan")
+    return err, rel * float(np.max(np.abs(r32)))
+
+
+def reference(fn, *args, **kw):
+    with jax.default_matmul_precision("highest"):
+        return fn(*args, **kw)
+
+
+# --------------------------------------------------------------------------- W8A8
+
+W8A8_SHAPES = [  # (M, K, N, group, zero points, bias, static act scale, dtype)
+    (1, 96, 80, None, False, False, False, F32),  # the CPU tests' ragged shapes
+    (37, 130, 90, None, True, True, False, F32),
+    (5, 100, 48, 32, True, False, False, F32),
+    (20, 192, 40, 64, False, True, False, F32),
+    (3, 300, 24, 128, False, False, False, F32),
+    (4, 64, 24, None, False, False, True, F32),
+    (6, 64, 40, None, False, True, False, F16),
+    (1, 4096, 4096, None, False, False, False, BF16),  # decode row
+    (300, 4096, 11008, 128, True, True, False, BF16),  # ragged M, groups, zp, bias
+    (17, 11008, 4096, None, False, True, True, F32),  # static scale
+    (2048, 4096, 4096, None, False, False, False, BF16),  # prefill (K-major weight tiles)
+    (1030, 1000, 700, 128, True, True, False, F32),  # ragged, K-major weight tiles
+]
+
+
+def _w8a8_operands(m, k, n, group, zp, bias, static, dtype, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 5)
+    x = (jax.random.normal(ks[0], (m, k)) * 2).astype(dtype)
+    wq = jax.random.randint(ks[1], (k, n), -127, 128).astype(jnp.int8)
+    groups = 1 if group is None else -(-k // group)
+    s = jax.random.uniform(ks[2], (groups, n), minval=1e-3, maxval=1e-2)
+    z = jax.random.randint(ks[3], (groups, n), -4, 5).astype(jnp.int8) if zp else None
+    b = jax.random.normal(ks[4], (n,)) if bias else None
+    a = jnp.float32(0.02) if static else None  # small: some activations clip
+    return x, wq, s, dict(w_zero_point=z, bias=b, act_scale=a, group=group)
+
+
+for _shape in W8A8_SHAPES:
+
+    @case
+    def _w8a8(shape=_shape):
+        m, k, n, group, zp, bias, static, dtype = shape
+        x, wq, s, kw = _w8a8_operands(*shape)
+        y = jax.jit(lambda x, wq, s: w8a8_matmul(x, wq, s, interpret=INTERPRET, **kw))(x, wq, s)
+        r = reference(w8a8_reference, x, wq, s, **kw)
+        # f32: the CPU tests' 1e-6 plus room for one rounding tie of x / scale_x that
+        # Triton's approximate f32 division may move by one step (see README).
+        rel = 1e-5 if dtype == F32 else REL[dtype]
+        flags = "".join(f for f, on in ((" zp", zp), (" bias", bias), (" static", static)) if on)
+        return f"w8a8 M={m} K={k} N={n} group={group}{flags} {jnp.dtype(dtype).name}", *compare(y, r, rel), None
+
+
+@case
+def _w8a8_integer_exact():
+    rng = np.random.default_rng(0)
+    xi, wi = rng.integers(-127, 128, size=(9, 77)), rng.integers(-127, 128, size=(77, 40))
+    y = w8a8_matmul(jnp.asarray(xi, F32), jnp.asarray(wi, jnp.int8), jnp.ones((1, 40)), act_scale=1.0, interpret=INTERPRET)
+    return "w8a8 integer path exact (9x77x40)", *compare(y, (xi @ wi).astype(np.float32), 0.0), None
+
+
+# --------------------------------------------------------------------------- weight-only
+
+WO_SHAPES = [  # (M, K, N, bits, group, symmetric, dtype)
+    (1, 100, 70, 8, None, True, F32),  # the CPU tests' cases
+    (37, 130, 90, 4, 32, False, F32),
+    (5, 127, 33, 4, 64, True, BF16),  # odd K
+    (3, 300, 40, 4, 128, False, F16),
+    (20, 64, 33, 8, 32, False, F32),
+    (1, 4096, 11008, 4, 128, False, BF16),  # decode
+    (16, 11008, 4096, 4, None, True, BF16),
+    (16, 4096, 4096, 8, None, True, BF16),
+    (2048, 4096, 4096, 8, 64, False, BF16),  # prefill
+    (512, 4096, 4096, 4, 128, True, BF16),
+    (64, 4096, 4096, 8, None, True, F32),
+]
+
+for _shape in WO_SHAPES:
+
+    @case
+    def _weight_only(shape=_shape):
+        m, k, n, bits, group, symmetric, dtype = shape
+        spec = Spec(bits=bits, granularity="group" if group else "channel", group_size=group, symmetric=symmetric)
+        q = quantize(jax.random.normal(jax.random.key(3), (k, n)), spec)
+        x = jax.random.normal(jax.random.key(4), (m, k)).astype(dtype)
+        kw = dict(bits=bits, w_zero_point=q.zero_point, group=group)
+        y = jax.jit(lambda x, w, s: weight_only_matmul(x, w, s, interpret=INTERPRET, **kw))(x, q.qvalue, q.scale)
+        r = reference(weight_only_reference, x, q.qvalue, q.scale, **kw)
+        sym = "sym" if symmetric else "asym"
+        return f"weight-only int{bits} M={m} K={k} N={n} group={group} {sym} {jnp.dtype(dtype).name}", *compare(
+            y, r, 1e-5 if dtype == F32 else 8e-3
+        ), None
+
+
+# --------------------------------------------------------------------------- KV cache
+
+KV_CASES = [  # (B, H_kv, G, T, D, S new rows, pos, bits, dtype)
+    (2, 2, 2, 40, 32, 3, 5, 8, F32),  # the CPU tests' cases
+    (1, 2, 4, 70, 64, 5, 66, 4, F32),  # rows past the end are dropped
+    (2, 1, 1, 33, 32, 1, 0, 4, F32),
+    (1, 1, 2, 20, 16, 2, 3, 8, F32),
+    (2, 8, 4, 4096, 128, 37, 1000, 8, BF16),  # GQA, ragged prefill chunk
+    (2, 8, 4, 4096, 128, 1, 4095, 4, BF16),  # decode step at the last slot
+    (1, 8, 4, 32768, 128, 1, 20000, 8, BF16),  # long context: many token splits
+    (4, 4, 8, 2048, 64, 16, 100, 4, F16),
+]
+
+
+def _kv_case(b, h, g, t, d, s, pos, bits, dtype):
+    ks = jax.random.split(jax.random.key(0), 7)
+    sd, dt = (d, jnp.int8) if bits == 8 else (d // 2, jnp.uint8)
+    lo, hi = (-127, 128) if bits == 8 else (0, 256)
+    kc = jax.random.randint(ks[0], (b, h, t, sd), lo, hi).astype(dt)
+    vc = jax.random.randint(ks[1], (b, h, t, sd), lo, hi).astype(dt)
+    vs = jax.random.uniform(ks[2], (b, h, t, 1), minval=1e-3, maxval=2e-2)
+    k_new = jax.random.normal(ks[3], (b, h, s, d)).astype(dtype)
+    v_new = jax.random.normal(ks[4], (b, h, s, d)).astype(dtype)
+    k_scale = jax.random.uniform(ks[5], (1, h, 1, d), minval=0.01, maxval=0.06)
+    q = jax.random.normal(ks[6], (b, h * g, d)).astype(dtype)
+    return kc, vc, vs, k_new, v_new, k_scale, q
+
+
+for _shape in KV_CASES:
+
+    @case
+    def _kv_append(shape=_shape):
+        b, h, g, t, d, s, pos, bits, dtype = shape
+        kc, vc, vs, k_new, v_new, k_scale, _ = _kv_case(*shape)
+        want = kv_append_reference(kc, vc, vs, k_new, v_new, k_scale, pos, bits=bits)
+        got = jax.jit(lambda *a: kv_append(*a, bits=bits, interpret=INTERPRET))(kc, vc, vs, k_new, v_new, k_scale, pos)
+        # integer caches: count differing stored bytes (exact on CPU); scales: max abs error
+        diff = sum(int(np.sum(np.asarray(a) != np.asarray(w))) for a, w in zip(got[:2], want[:2]))
+        err, tol = compare(got[2], want[2], 1e-6)
+        name = f"kv_append int{bits} B={b} H={h} T={t} D={d} S={s} pos={pos} {jnp.dtype(dtype).name}"
+        return name, err, tol, diff
+
+    @case
+    def _decode(shape=_shape):
+        b, h, g, t, d, s, pos, bits, dtype = shape
+        kc, vc, vs, _, _, k_scale, q = _kv_case(*shape)
+        length = jnp.array([t, max(1, t // 2 + 3), 1, t - 7][:b], jnp.int32)  # full, partial, a single token
+        out = jax.jit(lambda *a: decode_attention(*a, bits=bits, interpret=INTERPRET))(q, kc, vc, k_scale, vs, length)
+        ref = reference(decode_attention_reference, q, kc, vc, k_scale, vs, length, bits=bits)
+        name = f"decode_attention int{bits} B={b} H_kv={h} G={g} T={t} D={d} lengths={list(map(int, length))} {jnp.dtype(dtype).name}"
+        return name, *compare(out, ref, 1e-5 if dtype == F32 else REL[dtype]), None
+
+
+# --------------------------------------------------------------------------- online scales
+
+ONLINE_CASES = [  # (rows, cols, per_channel, with state, bits, dtype)
+    (5, 70, True, False, 8, F32),
+    (37, 200, True, True, 8, F32),
+    (33, 150, False, True, 4, F32),
+    (1, 64, False, False, 8, F32),
+    (4096, 4096, True, True, 8, BF16),
+    (300, 1000, False, True, 8, BF16),
+]
+
+for _shape in ONLINE_CASES:
+
+    @case
+    def _online(shape=_shape):
+        r, c, per_channel, with_state, bits, dtype = shape
+        k1, k2 = jax.random.split(jax.random.key(r))
+        x = (jax.random.normal(k1, (r, c)) * 3).astype(dtype)
+        state = jax.random.uniform(k2, (c,) if per_channel else (), minval=0.5, maxval=4) if with_state else None
+        kw = dict(per_channel=per_channel, bits=bits)
+        q, new, _, _ = jax.jit(lambda x, s: online_quantize(x, s, interpret=INTERPRET, **kw))(x, state)
+        rq, rnew, _, _ = online_quantize_reference(x, state, **kw)
+        diff = int(np.sum(np.asarray(q) != np.asarray(rq)))
+        gran = "channel" if per_channel else "tensor"
+        return f"online_quantize {r}x{c} per-{gran} int{bits} state={with_state} {jnp.dtype(dtype).name}", *compare(
+            new, rnew, 1e-6
+        ), diff
+
+
+# --------------------------------------------------------------------------- ops.linear
+
+
+def _mlp(params, x, backend):
+    h = jax.nn.gelu(ops.linear(x, params["up"], params["up_bias"], backend=backend))
+    return ops.linear(h, params["down"], backend=backend)
+
+
+MLP_RECIPES = {
+    "w8a8": (Spec(bits=8, granularity="channel"), Spec(bits=8, granularity="token")),
+    "w4g128": (Spec(bits=4, granularity="group", group_size=128), None),
+    "w8": (Spec(bits=8, granularity="channel"), None),
+}
+
+for _name in MLP_RECIPES:
+    for _dtype in (F32, BF16):
+
+        @case
+        def _ops_linear(name=_name, dtype=_dtype):
+            spec, act = MLP_RECIPES[name]
+            d, f = 1024, 2816  # a small model's hidden / MLP width
+            up = quantize(jax.random.normal(jax.random.key(2), (d, f)) * 0.03, spec, act_spec=act)
+            down = quantize(jax.random.normal(jax.random.key(3), (f, d)) * 0.02, spec, act_spec=act)
+            params = {"up": up, "down": down, "up_bias": jax.random.normal(jax.random.key(5), (f,)) * 0.1}
+            x = jax.random.normal(jax.random.key(4), (2, 37, d)).astype(dtype)
+            with config.interpret(INTERPRET):
+                y = jax.jit(lambda p, x: _mlp(p, x, "pallas"))(params, x)
+            with jax.default_matmul_precision("highest"):
+                r = jax.jit(lambda p, x: _mlp(p, x, "xla"))(params, x)
+            rel = 1e-4 if dtype == F32 else 3e-2  # as tests/pallas_kernels/test_dispatch.py (f32)
+            return f"ops.linear MLP {name} {d}->{f}->{d} x(2,37) {jnp.dtype(dtype).name} pallas vs xla", *compare(
+                y, r, rel
+            ), None
+
+
+def _label(fn):
+    return f"{fn.__name__.strip('_')}{(fn.__defaults__ or ('',))[0]}"
+
+
+def main():
+    global INTERPRET
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-k", default="", help="only cases whose label (function name + shape tuple) contains this")
+    parser.add_argument("--interpret", action="store_true", help="interpret mode, any backend (checks this script)")
+    args = parser.parse_args()
+    INTERPRET = args.interpret
+    if jax.default_backend() != "gpu" and not INTERPRET:
+        print(f"no GPU found (JAX backend: {jax.default_backend()}); nothing to check here "
+              "(tests/pallas_kernels covers interpret mode and the CUDA lowering on CPU)")
+        return 0
+    print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, interpret={INTERPRET}", flush=True)
+    ran = failed = 0
+    for fn in CASES:
+        if args.k not in _label(fn):
+            continue
+        ran += 1
+        try:
+            name, err, tol, diff = fn()
+        except Exception as e:  # a kernel that does not compile or run is a FAIL, not a crash
+            failed += 1
+            msg = str(e).splitlines()[0][:300] if str(e) else ""
+            print(f"FAIL  {_label(fn)}: {type(e).__name__}: {msg}", flush=True)
+            traceback.print_exc(limit=4, file=sys.stdout)
+            continue
+        ok = err <= tol and (diff is None or diff == 0)  # NaN fails err <= tol
+        failed += not ok
+        extra = "" if diff is None else f"  differing ints {diff}"
+        print(f"{'PASS' if ok else 'FAIL'}  {name}: max abs err {err:.3g} (tol {tol:.3g}){extra}", flush=True)
+    print(f"{ran - failed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
