@@ -17,7 +17,7 @@ from llmeq_jax.models import forward, load_model
 from tests.shared_data import shared_data_path
 
 RECIPES = ("fp32", "rtn-w4-g128", "gptq-w4-g128", "awq-w4-g128", "rtn-w8a8-static", "smoothquant-w8a8",
-           "smoothquant-w8a8-dynamic", "zeroquant-w8a8-g128")
+           "smoothquant-w8a8-dynamic", "smoothquant-w8a8-mixed", "zeroquant-w8a8-g128")
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,7 @@ def test_perplexities_are_finite_and_ordered(results):
         assert ppl[m] - fp < 0.5 * (ppl["rtn-w4-g128"] - fp), ppl
     # Smoothing repairs static per-tensor W8A8.
     assert ppl["smoothquant-w8a8"] < ppl["rtn-w8a8-static"], ppl
-    for m in ("smoothquant-w8a8", "smoothquant-w8a8-dynamic", "zeroquant-w8a8-g128"):
+    for m in ("smoothquant-w8a8", "smoothquant-w8a8-dynamic", "smoothquant-w8a8-mixed", "zeroquant-w8a8-g128"):
         assert ppl[m] < 1.02 * fp, ppl
 
 
@@ -52,6 +52,10 @@ def test_quantized_trees_hold_qarrays_of_the_recipe(results):
     assert isinstance(k, QArray) and k.bits == 4 and k.tile[0] == 128 and k.act_spec is None
     s = results["smoothquant-w8a8"]["params"]["layers_0"]["attn"]["o_proj"]["kernel"]
     assert s.bits == 8 and s.act_scale is not None
+    mixed = results["smoothquant-w8a8-mixed"]["params"]["layers_0"]
+    down, up = mixed["mlp"]["down_proj"]["kernel"], mixed["mlp"]["up_proj"]["kernel"]
+    assert down.act_scale is None and down.act_spec.granularity == "token"  # dynamic per token
+    assert up.act_scale is not None and up.act_spec.granularity == "tensor"  # static
     assert results["gptq-w4-g128"]["bytes"] < 0.5 * results["fp32"]["bytes"]
     assert results["gptq-w4-g128"]["info"]["calib_samples"] == 8
 
