@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 ROWS = ("fp32", "rtn-w8", "rtn-w8a8-static", "rtn-w8a8", "smoothquant-w8a8", "smoothquant-w8a8-dynamic",
+        "smoothquant-w8a8-mixed",
         "zeroquant-w8a8-g128", "rtn-w4-g128", "gptq-w4-g128", "awq-w4-g128", "gptq-w3-g128",
         "zeroquant-lkd-w8a8-g128")
 
