@@ -122,6 +122,19 @@ def splits_for(programs: int, k_blocks: int, min_blocks: int = 4, target: int = 
     return max(1, min(-(-target // programs), k_blocks // min_blocks))
 
 
+def sum_splits(y: jax.Array, splits: int, bias, dtype) -> jax.Array:
+    """Finish a split-K matmul: add the float32 partial sums ``[splits, M, N]``, then bias, then cast.
+
+    With one split the kernel already wrote the finished ``[M, N]`` result.
+    """
+    if splits == 1:
+        return y
+    y = jnp.sum(y, axis=0)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return y.astype(dtype)
+
+
 def compiler_params(num_warps: int = 4, num_stages: int = 2):
     """Triton compiler params; passing them also selects the Triton (not Mosaic GPU) backend."""
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)

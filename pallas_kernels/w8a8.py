@@ -47,6 +47,7 @@ from pallas_kernels.common import (
     load_tile,
     span,
     splits_for,
+    sum_splits,
     store_tile,
 )
 
@@ -194,12 +195,7 @@ def w8a8_matmul(
         interpret=config.resolve_interpret(interpret),
         name="w8a8_matmul",
     )(*args)
-    if splits > 1:
-        y = jnp.sum(y, axis=0)
-        if bias is not None:
-            y = y + bias.astype(jnp.float32)
-        y = y.astype(x.dtype)
-    return y
+    return sum_splits(y, splits, bias, x.dtype)
 
 
 def w8a8_reference(x, wq, w_scale, *, w_zero_point=None, bias=None, act_scale=None, group=None):

@@ -47,6 +47,7 @@ from pallas_kernels.common import (
     span,
     split_pairs,
     splits_for,
+    sum_splits,
     store_tile,
 )
 
@@ -182,12 +183,7 @@ def weight_only_matmul(
         interpret=interpret,
         name=f"weight_only_int{bits}_matmul",
     )(*args)
-    if splits > 1:
-        y = jnp.sum(y, axis=0)
-        if bias is not None:
-            y = y + bias.astype(jnp.float32)
-        y = y.astype(x.dtype)
-    return y
+    return sum_splits(y, splits, bias, x.dtype)
 
 
 def unpack_int4_rows(wq, k: int):
