@@ -198,20 +198,17 @@ def test_sink_tokens_are_read_in_float_and_decode_equals_prefill(stories):
     assert float(jnp.max(jnp.abs(other - prefill))) > 1e-2
 
 
-def test_sinks_longer_than_the_context_keep_everything_in_float(stories):
+@pytest.mark.parametrize(
+    "spec,t",
+    [(kvquant.KVSpec(bits=2, window=32), 32), (kvquant.KVSpec(bits=2, sink_tokens=16), 12)],
+    ids=["window-as-long-as-context", "more-sinks-than-context"],
+)
+def test_float_parts_covering_the_context_equal_float(stories, spec, t):
+    """Every key/value read in float (from the window, or all sinks): the float model exactly."""
     config, params, _, _, evals = stories
-    kv = _quantizer(stories, kvquant.KVSpec(bits=2, sink_tokens=16))
-    tokens = jnp.asarray(evals[:2, :12])
-    np.testing.assert_allclose(jax.jit(lambda t: _forward(config, params, t, kv=kv))(tokens),
-                               forward(config, params, tokens), atol=1e-4)
-
-
-def test_window_covering_everything_equals_float(stories):
-    """With the window as long as the context, every key/value is read in float: the float model exactly."""
-    config, params, _, _, evals = stories
-    kv = _quantizer(stories, kvquant.KVSpec(bits=2, window=32))
-    tokens = jnp.asarray(evals[:2, :32])
-    np.testing.assert_allclose(jax.jit(lambda t: _forward(config, params, t, kv=kv))(tokens),
+    kv = _quantizer(stories, spec)
+    tokens = jnp.asarray(evals[:2, :t])
+    np.testing.assert_allclose(jax.jit(lambda x: _forward(config, params, x, kv=kv))(tokens),
                                forward(config, params, tokens), atol=1e-4)
 
 
