@@ -278,8 +278,8 @@ def _set_online_grid(cache: QuantKVCache, layer: int, keys: jax.Array) -> QuantK
     running range by ``ema``); later writes keep it, so every stored code has one grid."""
     spec = cache.spec
     valid = jax.lax.dynamic_slice_in_dim(cache.valid, cache.length, keys.shape[2], axis=1)
-    if spec.sink_tokens:  # the sinks are read from float: keep them out of the range
-        valid = valid & (new_positions(cache, valid) >= spec.sink_tokens)
+    # The sinks stay in: a prompt's range already under-covers later keys, and leaving the sinks
+    # out narrows it further (SmolLM2, int8, 64-token prompts: +5.1 % ppl without them vs +3.7 %).
     lo, hi = kvquant.observed_key_ranges(keys, valid, spec.outlier_frac)
     if spec.ema:
         lo = spec.ema * cache.k_lo[layer] + (1 - spec.ema) * lo

@@ -41,8 +41,9 @@ four initial tokens enough; KVQuant keeps the first one in fp16). Their keys
 also sit outside the other tokens' per-channel band: on SmolLM2-135M the first
 token's pre-RoPE key lies outside the 1 % band in ~7 of 64 channels, the others
 in < 1. With ``sink_tokens=N`` the tokens at positions ``0 .. N-1`` are attended
-from a float copy and left out of the key ranges (calibrated and online), so
-the grid is spent on the tokens that are quantized. ``sink_tokens=0`` turns it off.
+from a float copy and left out of the calibrated key ranges, so the grid is
+spent on the tokens that are quantized. ``sink_tokens=0`` turns it off. Online
+ranges keep them (a prompt's range is too narrow already; see ``kvcache``).
 
 Dense-and-sparse outliers (``outlier_frac``): per stored vector (one token of
 one head, ``head_dim`` entries) the ``ceil(frac * head_dim)`` entries that lie
@@ -84,7 +85,7 @@ class KVSpec:
     window:          the most recent ``window`` tokens are attended in float
                      (at query position t: keys/values t-window+1 .. t).
     sink_tokens:     the first ``sink_tokens`` positions of each row are attended in
-                     float and left out of the key ranges (attention sinks; 0 = none).
+                     float and left out of calibrated key ranges (attention sinks; 0 = none).
     outlier_frac:    fraction of each stored vector kept in float (0 = none).
     key_range:       per-channel key ranges ``static`` (calibrated offline) or
                      ``online`` (from each row's prompt, see the module docstring).

@@ -136,15 +136,13 @@ def test_online_key_ranges_come_from_the_prompt_and_ema_carries_them(stories):
     step = jax.jit(forward_step, static_argnums=0)
     cache = init_cache(config, 2, 16, kv=kv)
     _, cache = step(config, params, tokens[:, :10], mask, cache)
-    # Each row's range is its own prompt's pre-RoPE key range, per layer, head and channel,
-    # without the first spec.sink_tokens real tokens (read from float).
-    n = spec.sink_tokens
-    assert n == 4
+    # Each row's range is its own prompt's pre-RoPE key range, per layer, head and channel
+    # (the sink tokens included, unlike calibrated ranges).
+    assert spec.sink_tokens == 4
     for row, start in ((0, 2), (1, 0)):
-        keys = kvquant.collect_keys(config, params, np.asarray(tokens[row:row + 1, start:10]), pre_rope=True)[:, 0]
-        np.testing.assert_allclose(cache.k_lo[:, row], jnp.min(keys[:, :, n:], axis=2), atol=1e-5)
-        np.testing.assert_allclose(cache.k_hi[:, row], jnp.max(keys[:, :, n:], axis=2), atol=1e-5)
-        assert float(jnp.max(jnp.abs(cache.k_hi[:, row] - jnp.max(keys, axis=2)))) > 1e-3  # the sinks would widen it
+        keys = kvquant.collect_keys(config, params, np.asarray(tokens[row:row + 1, start:10]), pre_rope=True)
+        np.testing.assert_allclose(cache.k_lo[:, row], jnp.min(keys[:, 0], axis=2), atol=1e-5)
+        np.testing.assert_allclose(cache.k_hi[:, row], jnp.max(keys[:, 0], axis=2), atol=1e-5)
     assert float(jnp.max(jnp.abs(cache.k_hi[:, 0] - cache.k_hi[:, 1]))) > 1e-3
     # Decoding does not move the grid (codes already stored keep theirs).
     lo, hi = cache.k_lo, cache.k_hi
@@ -157,7 +155,7 @@ def test_online_key_ranges_come_from_the_prompt_and_ema_carries_them(stories):
     ema = kvquant.KVQuantizer(running.key_ranges, dataclasses.replace(spec, ema=0.75))
     other = jnp.asarray(evals[2:3, :10])
     c2 = step(config, params, other, jnp.ones((1, 10), jnp.int32), init_cache(config, 1, 16, kv=ema))[1]
-    obs = jnp.max(kvquant.collect_keys(config, params, np.asarray(other), pre_rope=True)[:, 0, :, n:], axis=2)
+    obs = jnp.max(kvquant.collect_keys(config, params, np.asarray(other), pre_rope=True)[:, 0], axis=2)
     np.testing.assert_allclose(c2.k_hi[:, 0], 0.75 * running.key_ranges.hi + 0.25 * obs, atol=1e-5)
     # generate(..., return_cache=True) hands back the cache to track from.
     new, gen_cache = generate(config, params, tokens[:1, :10], 7, kv=ema, return_cache=True)
