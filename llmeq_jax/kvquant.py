@@ -289,14 +289,22 @@ def grid_from_range(lo: jax.Array, hi: jax.Array, bits: int, dtype=jnp.float32):
     levels = 2**bits - 1
     # Round lo down and the scale up to the storage dtype, so the stored grid
     # still covers [lo, hi] and the error bound stays scale / 2.
+    # The barriers make the rounding real under jit: XLA on GPU may otherwise keep a
+    # float32 value where the program asks for float16 (excess precision), and codes
+    # computed with the unrounded grid would not invert exactly with the stored one.
     lo = lo.astype(jnp.float32)
-    lo_s = lo.astype(dtype)
-    lo_s = jnp.where(lo_s.astype(jnp.float32) > lo, jnp.nextafter(lo_s, jnp.asarray(-jnp.inf, dtype)), lo_s)
+    lo_s = _materialized(lo.astype(dtype))
+    lo_s = _materialized(jnp.where(lo_s.astype(jnp.float32) > lo, jnp.nextafter(lo_s, jnp.asarray(-jnp.inf, dtype)), lo_s))
     span = hi.astype(jnp.float32) - lo_s.astype(jnp.float32)
     scale = jnp.maximum(jnp.where(span > 0, span / levels, 1.0), jnp.finfo(jnp.float16).tiny)
-    scale_s = scale.astype(dtype)
+    scale_s = _materialized(scale.astype(dtype))
     scale_s = jnp.where(scale_s.astype(jnp.float32) < scale, jnp.nextafter(scale_s, jnp.asarray(jnp.inf, dtype)), scale_s)
-    return scale_s, lo_s
+    return _materialized(scale_s), lo_s
+
+
+def _materialized(x: jax.Array) -> jax.Array:
+    """``x`` exactly as its dtype holds it (no-op for float32; see :func:`grid_from_range`)."""
+    return x if x.dtype == jnp.float32 else jax.lax.optimization_barrier(x)
 
 
 def quantize_grid(x: jax.Array, scale: jax.Array, lo: jax.Array, bits: int) -> jax.Array:

@@ -63,7 +63,7 @@ def test_cached_decode_equals_full_forward_every_step(name):
         seen = jnp.concatenate([seen, token], axis=1)
         seen_mask = jnp.concatenate([seen_mask, jnp.ones((2, 1), jnp.int32)], axis=1)
         full = forward(config, params, seen, seen_mask)
-        np.testing.assert_allclose(logits[:, 0], full[:, -1], atol=1e-4)
+        np.testing.assert_allclose(logits[:, 0], full[:, -1], atol=2e-4)  # a GPU sums in another order
     assert int(cache.length) == 10
 
 
