@@ -379,16 +379,12 @@ def _q_attend(cache: QuantKVCache, layer: int, q, k, v, mask, k_raw):
     key_slots = jnp.arange(cache.max_len, dtype=jnp.int32)
     in_window = query_slots[:, None] - key_slots[None, :] < w  # [T, S]
     quantized = mask & ~in_window[None]
-    parts = []
+    float_parts = []
     if cache.sink_slot is not None:
-        sink_slot = cache.sink_slot  # [B, N]
-        is_sink = jnp.any(sink_slot[:, :, None] == key_slots[None, None, :], axis=1)  # [B, S]
+        sinks, is_sink = _sink_part(cache, layer, mask, query_slots)
         quantized = quantized & ~is_sink[:, None, :]
-        seen = jnp.take_along_axis(mask, jnp.broadcast_to(jnp.clip(sink_slot, 0)[:, None, :], (mask.shape[0], t,
-                                   sink_slot.shape[1])), axis=2)  # [B, T, N]
-        outside_window = query_slots[None, :, None] - sink_slot[:, None, :] >= w
-        parts.append((cache.k_sink[layer], cache.v_sink[layer], seen & (sink_slot >= 0)[:, None, :] & outside_window))
-    parts.insert(0, (k_deq, v_deq, quantized))
+        float_parts.append(sinks)
+    parts = [(k_deq, v_deq, quantized)] + float_parts
     if w:
         ring_slots = _window_slots(cache)
         ring_idx = ring_slots % w
@@ -407,6 +403,21 @@ def _q_attend(cache: QuantKVCache, layer: int, q, k, v, mask, k_raw):
             v_win=cache.v_win.at[layer, :, :, new_idx].set(jnp.moveaxis(v[:, :, t - n:], 2, 0).astype(cache.v_win.dtype)),
         )
     return split_attention(q, parts), cache
+
+
+def _sink_part(cache: QuantKVCache, layer: int, mask: jax.Array, query_slots: jax.Array):
+    """The float sinks as an attention part (k, v, mask [B, T, N]) and which slots are sinks [B, S].
+
+    A sink is seen where its slot is (causal, valid, sliding window) and not already read
+    from the float window; unwritten sinks (slot -1) are not seen.
+    """
+    sink_slot = cache.sink_slot  # [B, N]
+    b, t, n = mask.shape[0], query_slots.shape[0], sink_slot.shape[1]
+    key_slots = jnp.arange(cache.max_len, dtype=jnp.int32)
+    is_sink = jnp.any(sink_slot[:, :, None] == key_slots[None, None, :], axis=1)
+    seen = jnp.take_along_axis(mask, jnp.broadcast_to(jnp.clip(sink_slot, 0)[:, None, :], (b, t, n)), axis=2)
+    outside_window = query_slots[None, :, None] - sink_slot[:, None, :] >= cache.spec.window
+    return (cache.k_sink[layer], cache.v_sink[layer], seen & (sink_slot >= 0)[:, None, :] & outside_window), is_sink
 
 
 def split_attention(q: jax.Array, parts) -> jax.Array:
