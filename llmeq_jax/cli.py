@@ -447,8 +447,9 @@ def _add_calib_opts(p):
 
 
 def _add_kv_opts(p, budget: bool = False):
-    p.add_argument("--kv", help="quantized KV cache: int8|int4|int2 (keys per channel pre-RoPE, values per token), "
-                                "or a recipe with a 'kv:' mapping (e.g. kv4-w32); default: the checkpoint's, else float")
+    p.add_argument("--kv", help="quantized KV cache: int8|int4|int2 (keys per channel pre-RoPE, values per token, "
+                                "first 4 tokens in float), or a recipe with a 'kv:' mapping (e.g. kv4-w32); "
+                                "default: the checkpoint's, else float")
     if budget:
         p.add_argument("--kv-budget-gb", type=float, default=1.0,
                        help="memory budget for the reported longest context (GiB, default 1)")
