@@ -114,12 +114,23 @@ def dot(a, b, *, precision=None, preferred=jnp.float32):
     return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=preferred)
 
 
-def splits_for(programs: int, k_blocks: int, min_blocks: int = 4, target: int = 264) -> int:
-    """Split the K loop so that ``programs`` x splits reaches ~``target`` programs (2 per SM on an H100),
+# Programs to aim for when a loop is split over several: 2 per SM of an H100 (132 SMs).
+TARGET_PROGRAMS = 264
+
+
+def splits_for(programs: int, k_blocks: int, min_blocks: int = 4, target: int = TARGET_PROGRAMS) -> int:
+    """Split the K loop so that ``programs`` x splits reaches ~``target`` programs,
     each split at least ``min_blocks`` K blocks long; 1 when the grid is large enough already."""
     if programs >= target // 2:
         return 1
     return max(1, min(-(-target // programs), k_blocks // min_blocks))
+
+
+def fit_splits(n_blocks: int, wanted: int) -> tuple[int, int]:
+    """(splits, blocks per split) covering ``n_blocks`` loop blocks in at most ``wanted`` equal
+    ranges, with no range left empty."""
+    per_split = cdiv(n_blocks, max(1, min(wanted, n_blocks)))
+    return cdiv(n_blocks, per_split), per_split
 
 
 def sum_splits(y: jax.Array, splits: int, bias, dtype) -> jax.Array:

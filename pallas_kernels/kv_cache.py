@@ -32,9 +32,11 @@ from pallas_kernels import config
 from pallas_kernels.common import (
     FLOAT_DTYPES,
     MIN_DOT,
+    TARGET_PROGRAMS,
     TINY,
     cdiv,
     compiler_params,
+    fit_splits,
     high_nibble,
     interleave_pairs,
     is_pow2,
@@ -260,8 +262,6 @@ def _decode_kernel(q_ref, k_ref, v_ref, ks_ref, vs_ref, len_ref, o_ref, m_ref, l
     plgpu.store(l_ref.at[b, h, sp, heads, :], l_fin, mask=head_mask[:, None])
 
 
-# Aim for this many programs (batch x kv heads x token splits): a few per SM of an H100 (132 SMs).
-TARGET_PROGRAMS = 264
 MIN_SPLIT_TOKENS = 256
 
 
@@ -298,9 +298,7 @@ def decode_attention(
     g = hq // h
     bt = min(block_t, max(MIN_DOT, next_pow2(t)))
     n_blocks = cdiv(t, bt)
-    splits = min(num_splits or decode_splits(bsz, h, t, bt), n_blocks)
-    split_blocks = cdiv(n_blocks, splits)
-    splits = cdiv(n_blocks, split_blocks)  # no split left with nothing to cover
+    splits, split_blocks = fit_splits(n_blocks, num_splits or decode_splits(bsz, h, t, bt))
     length = jnp.broadcast_to(jnp.asarray(length, jnp.int32), (bsz,))
     interpret = config.resolve_interpret(interpret)
     kernel = functools.partial(

@@ -46,6 +46,7 @@ from pallas_kernels.common import (
     is_pow2,
     load_tile,
     span,
+    fit_splits,
     splits_for,
     sum_splits,
     store_tile,
@@ -168,9 +169,7 @@ def w8a8_matmul(
         args.append(bias.astype(jnp.float32).reshape(1, n))
     grid_mn = (cdiv(m, blocks.bm), cdiv(n, blocks.bn))
     k_blocks = cdiv(k, blocks.bk)
-    splits = min(k_splits or splits_for(grid_mn[0] * grid_mn[1], k_blocks), k_blocks)
-    split_blocks = cdiv(k_blocks, splits)
-    splits = cdiv(k_blocks, split_blocks)
+    splits, split_blocks = fit_splits(k_blocks, k_splits or splits_for(grid_mn[0] * grid_mn[1], k_blocks))
     kernel = functools.partial(
         _kernel,
         m=m,

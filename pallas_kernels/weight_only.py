@@ -46,6 +46,7 @@ from pallas_kernels.common import (
     low_nibble,
     span,
     split_pairs,
+    fit_splits,
     splits_for,
     sum_splits,
     store_tile,
@@ -155,9 +156,7 @@ def weight_only_matmul(
         args.append(w_zero_point.astype(jnp.int8))
     grid_mn = (cdiv(m, blocks.bm), cdiv(n, blocks.bn))
     k_blocks = cdiv(k, blocks.bk)
-    splits = min(k_splits or splits_for(grid_mn[0] * grid_mn[1], k_blocks), k_blocks)
-    split_blocks = cdiv(k_blocks, splits)
-    splits = cdiv(k_blocks, split_blocks)
+    splits, split_blocks = fit_splits(k_blocks, k_splits or splits_for(grid_mn[0] * grid_mn[1], k_blocks))
     if bias is not None and splits == 1:
         args.append(bias.astype(jnp.float32).reshape(1, n))
     kernel = functools.partial(
