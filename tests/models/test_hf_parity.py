@@ -17,7 +17,9 @@ from llmeq_jax.models import forward as _forward
 from llmeq_jax.models import load_model
 from tests.models.hf_fixtures import CASES, make_hf_model, save
 
-TOL = 1e-4
+# Logits are O(1-3) here; float32 sums in another order (another CPU's SIMD width, oneDNN vs
+# XLA) move them by up to ~1.4e-4 (seen on the CI machine), so 1e-4 was too tight there.
+TOL = 5e-4
 
 forward = jax.jit(_forward, static_argnums=0)  # one compile per shape instead of op-by-op dispatch
 
