@@ -370,11 +370,11 @@ def _q_attend(cache: QuantKVCache, layer: int, q, k, v, mask, k_raw):
     """Attention over [dequantized store | float sinks | float window before this step | this step's float K/V].
 
     Each slot is read from exactly one part: in the window (relative to the query) it
-    is float; else a sink slot is float; else it is dequantized.
+    is float; else a sink slot is float; else it is dequantized. A one-token step reads
+    the store through the Pallas decode kernel when one takes it (see :func:`_kernel_store_part`).
     """
     w, t = cache.spec.window, k.shape[2]
     cache = _q_update(cache, layer, k, v, k_raw)
-    k_deq, v_deq = _q_read(cache, layer)
     query_slots = slots(cache, t)
     key_slots = jnp.arange(cache.max_len, dtype=jnp.int32)
     in_window = query_slots[:, None] - key_slots[None, :] < w  # [T, S]
@@ -384,25 +384,86 @@ def _q_attend(cache: QuantKVCache, layer: int, q, k, v, mask, k_raw):
         sinks, is_sink = _sink_part(cache, layer, mask, query_slots)
         quantized = quantized & ~is_sink[:, None, :]
         float_parts.append(sinks)
-    parts = [(k_deq, v_deq, quantized)] + float_parts
     if w:
-        ring_slots = _window_slots(cache)
-        ring_idx = ring_slots % w
-        k_ring, v_ring = cache.k_win[layer][:, :, ring_idx], cache.v_win[layer][:, :, ring_idx]
-        f_slots = jnp.concatenate([ring_slots, query_slots])  # [W + T]
-        seen = jnp.take(mask, jnp.clip(f_slots, 0, cache.max_len - 1), axis=2)  # causal & valid & sliding
-        f_ok = (f_slots >= 0)[None, :] & (query_slots[:, None] - f_slots[None, :] < w)
-        parts.append((jnp.concatenate([k_ring, k.astype(k_ring.dtype)], 2),
-                      jnp.concatenate([v_ring, v.astype(v_ring.dtype)], 2), seen & f_ok[None]))
-        # The ring keeps this step's last min(T, W) tokens (unique ring indices, so no write order issue).
-        n = min(t, w)
-        new_idx = query_slots[t - n:] % w
-        cache = dataclasses.replace(
-            cache,
-            k_win=cache.k_win.at[layer, :, :, new_idx].set(jnp.moveaxis(k[:, :, t - n:], 2, 0).astype(cache.k_win.dtype)),
-            v_win=cache.v_win.at[layer, :, :, new_idx].set(jnp.moveaxis(v[:, :, t - n:], 2, 0).astype(cache.v_win.dtype)),
-        )
-    return split_attention(q, parts), cache
+        float_parts.append(_window_part(cache, layer, k, v, mask, query_slots))
+        cache = _write_window(cache, layer, k, v, query_slots)
+    store = _kernel_store_part(cache, layer, q, quantized) if t == 1 else None
+    if store is None:
+        k_deq, v_deq = _q_read(cache, layer)
+        return split_attention(q, [(k_deq, v_deq, quantized)] + float_parts), cache
+    if not float_parts:
+        return store[0].astype(q.dtype), cache
+    out, _ = merge_attention(store, split_attention(q, float_parts, with_lse=True))
+    return out.astype(q.dtype), cache
+
+
+def _window_part(cache: QuantKVCache, layer: int, k, v, mask, query_slots):
+    """The float window before this step plus this step's K/V as an attention part (k, v, mask [B, T, W + T])."""
+    w = cache.spec.window
+    ring_slots = _window_slots(cache)
+    ring_idx = ring_slots % w
+    k_ring, v_ring = cache.k_win[layer][:, :, ring_idx], cache.v_win[layer][:, :, ring_idx]
+    f_slots = jnp.concatenate([ring_slots, query_slots])  # [W + T]
+    seen = jnp.take(mask, jnp.clip(f_slots, 0, cache.max_len - 1), axis=2)  # causal & valid & sliding
+    f_ok = (f_slots >= 0)[None, :] & (query_slots[:, None] - f_slots[None, :] < w)
+    return (jnp.concatenate([k_ring, k.astype(k_ring.dtype)], 2),
+            jnp.concatenate([v_ring, v.astype(v_ring.dtype)], 2), seen & f_ok[None])
+
+
+def _write_window(cache: QuantKVCache, layer: int, k, v, query_slots) -> QuantKVCache:
+    """The ring keeps this step's last min(T, W) tokens (unique ring indices, so no write order issue)."""
+    w, t = cache.spec.window, k.shape[2]
+    n = min(t, w)
+    new_idx = query_slots[t - n:] % w
+    return dataclasses.replace(
+        cache,
+        k_win=cache.k_win.at[layer, :, :, new_idx].set(jnp.moveaxis(k[:, :, t - n:], 2, 0).astype(cache.k_win.dtype)),
+        v_win=cache.v_win.at[layer, :, :, new_idx].set(jnp.moveaxis(v[:, :, t - n:], 2, 0).astype(cache.v_win.dtype)),
+    )
+
+
+def kernel_reads_store(spec: kvquant.KVSpec, head_dim: int, dtype) -> tuple[bool, str]:
+    """(True, "") when the Pallas decode kernel can read a store of this setting, else (False, why)."""
+    from pallas_kernels import kv_cache as kv_kernels
+
+    if not spec.per_channel_keys:
+        return False, "per-token keys (the kernel folds a per-channel key grid)"
+    if spec.n_outliers(head_dim):
+        return False, "sparse outliers (the kernel reads dense codes only)"
+    return kv_kernels.can_use(head_dim, spec.bits, dtype, rope=spec.pre_rope)
+
+
+def _kernel_store_part(cache: QuantKVCache, layer: int, q, quantized):
+    """(out [B, 1, H, D], lse [B, 1, H]) of one query over the quantized store by the Pallas
+    decode kernel, or None where no kernel runs (no GPU and no interpret mode) or none takes
+    this setting; the caller then dequantizes the store through XLA.
+
+    The kernel reads the codes where they lie instead of writing a dequantized float copy
+    of the whole layer every step. ``quantized`` [B, 1, S] marks the slots to read.
+    """
+    from pallas_kernels import config as kernel_config
+    from pallas_kernels import kv_cache as kv_kernels
+
+    if not kernel_config.kernels_available() or not kernel_reads_store(cache.spec, cache.head_dim, q.dtype)[0]:
+        return None
+    bits, b, n_heads, d = cache.spec.bits, q.shape[0], q.shape[2], q.shape[3]
+    k_scale, k_lo, _ = _key_grid(cache, layer)
+    rope = dict(slot_pos=cache.slot_pos, inv_freq=cache.inv_freq) if cache.spec.pre_rope else {}
+    # Slots past query - window are never read from the store: scan only up to there.
+    scan = jnp.maximum(cache.length + 1 - cache.spec.window, 0)
+    out, lse = kv_kernels.store_decode_attention(
+        q.reshape(b, n_heads, d), cache.k.q[layer], cache.v.q[layer], k_scale, k_lo, cache.v.scale[layer],
+        cache.v.lo[layer], scan, bits=bits, allowed=quantized[:, 0], **rope,
+    )
+    return out[:, None], lse[:, None]
+
+
+def merge_attention(a, b):
+    """Softmax attention over two key sets from each one's (out [..., D], lse [...]): the union's (out, lse)."""
+    (out_a, lse_a), (out_b, lse_b) = a, b
+    lse = jnp.logaddexp(lse_a, lse_b)
+    w_a, w_b = jnp.exp(lse_a - lse)[..., None], jnp.exp(lse_b - lse)[..., None]
+    return out_a.astype(jnp.float32) * w_a + out_b.astype(jnp.float32) * w_b, lse
 
 
 def _sink_part(cache: QuantKVCache, layer: int, mask: jax.Array, query_slots: jax.Array):
@@ -420,10 +481,11 @@ def _sink_part(cache: QuantKVCache, layer: int, mask: jax.Array, query_slots: ja
     return (cache.k_sink[layer], cache.v_sink[layer], seen & (sink_slot >= 0)[:, None, :] & outside_window), is_sink
 
 
-def split_attention(q: jax.Array, parts) -> jax.Array:
+def split_attention(q: jax.Array, parts, *, with_lse: bool = False):
     """One softmax over several key/value sets: ``parts`` = [(k [B,KV,S_i,D], v, mask [B,T,S_i]), ...].
 
     Grouped-query layout as ``models.layers.dot_product_attention``; scores and softmax in float32.
+    ``with_lse``: also return the log-sum-exp of the scores ``[B, T, H]`` (see :func:`merge_attention`).
     """
     from llmeq_jax.models.layers import _MASKED
 
@@ -435,13 +497,18 @@ def split_attention(q: jax.Array, parts) -> jax.Array:
                   / math.sqrt(d), _MASKED)
         for k, _, m in parts
     ]
-    probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
+    scores = jnp.concatenate(scores, axis=-1)
+    probs = jax.nn.softmax(scores, axis=-1)
     out, start = 0.0, 0
     for k, v, _ in parts:
         p = probs[..., start : start + k.shape[2]].astype(v.dtype)
         out = out + jnp.einsum("bkgts,bksd->btkgd", p, v)
         start += k.shape[2]
-    return out.reshape(b, t, h, d)
+    out = out.reshape(b, t, h, d)
+    if not with_lse:
+        return out
+    lse = jax.nn.logsumexp(scores, axis=-1)  # [B, KV, G, T]
+    return out, jnp.moveaxis(lse, 3, 1).reshape(b, t, h)
 
 
 # --------------------------------------------------------------------------- memory

@@ -1,19 +1,25 @@
 """KV-cache kernels: quantize new K/V rows into an int8/int4 cache; decode attention over it.
 
-Layout (shared with ``llmeq_jax/kvcache.py``): caches are ``[B, H_kv, T, D]``.
-  keys    per channel (KVQuant): one scale per (batch|1, head, dim) over tokens,
-          ``k_scale [B or 1, H_kv, 1, D]`` float32, calibrated (given, static)
-  values  per token: one scale per (batch, head, token) over dims,
-          ``v_scale [B, H_kv, T, 1]`` float32, computed when the row is written
-  int8    caches are int8 ``[B, H_kv, T, D]``
-  int4    caches are uint8 ``[B, H_kv, T, D/2]``, byte = (v[2i] & 0xF) | ((v[2i+1] & 0xF) << 4)
-          (packed along head_dim, so appending a token touches whole bytes)
-Symmetric grids, qmax = 2^(b-1) - 1, round half to even, as in the core.
+Two cache layouts, both ``[B, H_kv, T, D]`` with codes packed along head_dim:
+  int8    int8 ``[B, H_kv, T, D]``
+  int4    uint8 ``[B, H_kv, T, D/2]``, byte = (v[2i] & 0xF) | ((v[2i+1] & 0xF) << 4)
+          (so appending a token touches whole bytes; the core's ``qarray.pack`` order)
+keys are per channel (KVQuant: one grid per head and dim, over tokens), values per
+token (one grid per head and token, over dims).
+
+* The symmetric cache (``kv_append``, ``decode_attention``): ``k_scale [B or 1, H_kv, 1, D]``
+  calibrated, ``v_scale [B, H_kv, T, 1]`` float32 computed when a row is written;
+  qmax = 2^(b-1) - 1, round half to even, as in the core.
+* The store of ``llmeq_jax.kvcache.QuantKVCache`` (``store_decode_attention``): asymmetric
+  grids, value = (code - qmin) * scale + lo, float16 per-token value grids, keys
+  optionally stored before RoPE. Its float parts (window, sink tokens) stay outside
+  the kernel: it returns the log-sum-exp of its scores so the cache merges the two.
 
 ``kv_append`` writes S new rows at token offset ``pos`` (aliased in place).
-``decode_attention`` runs one query token per head (GQA: H_q = G * H_kv) over the
-first ``length[b]`` cached tokens, dequantizing inside the kernel by folding the
-scales: q . (k * s_k) = (q * s_k) . k, and p . (v * s_v) = (p * s_v) . v.
+Decode attention runs one query token per head (GQA: H_q = G * H_kv), dequantizing
+inside the kernel by folding the grids: q . (c * s_k + o_k) = (q * s_k) . c + q . o_k,
+and p . (c * s_v + o_v) = (p * s_v) . c + sum(p * o_v). Pre-RoPE keys cannot be
+folded (the rotation depends on the slot): they are dequantized and rotated per tile.
 The tokens are split into ranges, one program each (flash decoding), so that a
 long cache with few heads still fills the GPU; the partial results are merged
 by a small jnp step.
@@ -21,6 +27,7 @@ by a small jnp step.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -28,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from llmeq_jax.core.qarray import int_range, unpack
 from pallas_kernels import config
 from pallas_kernels.common import (
     FLOAT_DTYPES,
@@ -36,6 +44,7 @@ from pallas_kernels.common import (
     TINY,
     cdiv,
     compiler_params,
+    f32_dot_precision,
     fit_splits,
     high_nibble,
     interleave_pairs,
@@ -196,61 +205,137 @@ def dequantize_cache(cache, scale, bits: int):
 # --------------------------------------------------------------------------- decode attention
 
 
-def _decode_kernel(q_ref, k_ref, v_ref, ks_ref, vs_ref, len_ref, o_ref, m_ref, l_ref, *, g, bg, bt, d, bits, sm_scale,
-                   split_blocks):
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """What the decode kernel reads (static: part of the compiled kernel).
+
+    bits:   4 or 8 (codes packed along head_dim as in the module docstring).
+    shift:  codes are stored minus this: dequantized = (code - shift) * scale + lo
+            (0 for the symmetric cache, the signed qmin for the asymmetric store).
+    v_lo:   values carry a per-token minimum ``lo`` (asymmetric grid).
+    masked: an ``allowed`` [B, T] mask says which slots the query reads.
+    rope:   keys are stored before RoPE; the kernel rotates each by its slot's position.
+    """
+
+    bits: int
+    shift: int = 0
+    v_lo: bool = False
+    masked: bool = False
+    rope: bool = False
+
+    @property
+    def halves(self) -> int:
+        # RoPE pairs channel i with i + D/2: the kernel reads the two halves as separate tiles.
+        return 2 if self.rope else 1
+
+
+def _lanes(x, bits):
+    """Float tile (rows, channels) -> the channel groups the packed codes split into."""
+    return list(split_pairs(x)) if bits == 4 else [x]
+
+
+def _code_lanes(c, bits):
+    """Stored code tile -> int32 codes per channel group (even/odd nibbles for int4)."""
+    c = c.astype(jnp.int32)
+    return [low_nibble(c), high_nibble(c)] if bits == 4 else [c]
+
+
+# Float32 x cached integers as bf16 tensor-core dots that lose nothing: the integers
+# (|v| <= 255) are exact in bf16, and the float side is split into three bf16 parts
+# whose sum is the float32 value (8 + 8 + 8 significant bits), one dot per part.
+# (TF32x3 was as exact but 3-8x slower here: it also splits the integer side, every block.)
+def _bf16_parts(a):
+    hi = a.astype(jnp.bfloat16)
+    r = a - hi.astype(jnp.float32)
+    mid = r.astype(jnp.bfloat16)
+    return hi, mid, (r - mid.astype(jnp.float32)).astype(jnp.bfloat16)
+
+
+def _parts_dot(a_parts, c, contract):
+    c = c.astype(jnp.bfloat16)
+    return sum(jax.lax.dot_general(p, c, ((contract[0], contract[1]), ((), ())), preferred_element_type=jnp.float32)
+               for p in a_parts)
+
+
+_NT = ((1,), (1,))  # a (m, k) . c (n, k)^T
+_NN = ((1,), (0,))  # a (m, k) . c (k, n)
+
+
+def _decode_kernel(*refs, lay: _Layout, g, bg, bt, d, sm_scale, split_blocks, precision):
     """One (batch, kv head, split of the tokens): unnormalised partial attention + its max and sum."""
+    refs = list(refs)
+    q_ref, k_ref, v_ref, ks_ref, ko_ref, vs_ref = refs[:6]
+    rest = refs[6:]
+    vlo_ref = rest.pop(0) if lay.v_lo else None
+    allow_ref = rest.pop(0) if lay.masked else None
+    pos_ref, freq_ref = (rest.pop(0), rest.pop(0)) if lay.rope else (None, None)
+    len_ref, o_ref, m_ref, l_ref = rest
+
     b, h, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    bits, halves = lay.bits, lay.halves
+    dh = d // halves  # channels per half
+    bh = dh // 2 if bits == 4 else dh  # stored bytes per half
     heads, head_mask = span(0, bg, g)
-    q = _rows_at(q_ref, b, h, heads, head_mask).astype(jnp.float32)  # (bg, D)
-    q = q * plgpu.load(ks_ref.at[b, h, pl.ds(0, 1), :]) * sm_scale  # fold the per-channel key scale
     length = len_ref[b]
 
-    # Float32 x cached integers as bf16 tensor-core dots that lose nothing: the integers
-    # (|v| <= 127) are exact in bf16, and the float side is split into three bf16 parts
-    # whose sum is the float32 value (8 + 8 + 8 significant bits), one dot per part.
-    # (TF32x3 was as exact but 3-8x slower here: it also splits the integer side, every block.)
-    def parts(a):
-        hi = a.astype(jnp.bfloat16)
-        r = a - hi.astype(jnp.float32)
-        mid = r.astype(jnp.bfloat16)
-        return hi, mid, (r - mid.astype(jnp.float32)).astype(jnp.bfloat16)
+    def half(i, width):  # columns of half i
+        return pl.ds(i * width, width)
 
-    def dot_t(a_parts, c):  # a (m, k) . c (n, k)^T
-        c = c.astype(jnp.bfloat16)
-        return sum(jax.lax.dot_general(p, c, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-                   for p in a_parts)
-
-    def dot(a_parts, c):
-        c = c.astype(jnp.bfloat16)
-        return sum(jax.lax.dot_general(p, c, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-                   for p in a_parts)
-
-    if bits == 8:
-        q_parts = parts(q)
+    # Per half: the query (scaled) and the per-channel key grid, split like the codes.
+    q = [_lanes(plgpu.load(q_ref.at[b, h, heads, half(i, dh)], mask=head_mask[:, None], other=0.0)
+                .astype(jnp.float32) * sm_scale, bits) for i in range(halves)]
+    k_scale = [_lanes(plgpu.load(ks_ref.at[b, h, pl.ds(0, 1), half(i, dh)]), bits) for i in range(halves)]
+    k_off = [_lanes(plgpu.load(ko_ref.at[b, h, pl.ds(0, 1), half(i, dh)]), bits) for i in range(halves)]
+    lanes = range(len(q[0]))
+    if lay.rope:
+        freq = _lanes(freq_ref[...].reshape(1, dh), bits)  # the same frequencies for both halves
     else:
-        q_even, q_odd = split_pairs(q)
-        q_even, q_odd = parts(q_even), parts(q_odd)
+        # Fold the key grid into the query: q . (c * s + o) = (q * s) . c + q . o
+        q_folded = [_bf16_parts(q[0][j] * k_scale[0][j]) for j in lanes]
+        q_const = sum(jnp.sum(q[0][j] * k_off[0][j], axis=1, keepdims=True) for j in lanes)  # (bg, 1)
+
+    def scores(toks, tok_mask):
+        codes = [_code_lanes(plgpu.load(k_ref.at[b, h, toks, half(i, bh)], mask=tok_mask[:, None], other=0),
+                             bits) for i in range(halves)]
+        if not lay.rope:
+            return sum(_parts_dot(q_folded[j], codes[0][j], _NT) for j in lanes) + q_const
+        # Dequantize, rotate by the slot's position (rotate-half RoPE), then a float dot.
+        pos = plgpu.load(pos_ref.at[b, toks], mask=tok_mask, other=0).astype(jnp.float32).reshape(bt, 1)
+        s = 0.0
+        for j in lanes:
+            k0 = codes[0][j].astype(jnp.float32) * k_scale[0][j] + k_off[0][j]
+            k1 = codes[1][j].astype(jnp.float32) * k_scale[1][j] + k_off[1][j]
+            angle = pos * freq[j]
+            cos, sin = jnp.cos(angle), jnp.sin(angle)
+            for qi, ki in ((q[0][j], k0 * cos - k1 * sin), (q[1][j], k1 * cos + k0 * sin)):
+                s = s + jax.lax.dot_general(qi, ki, (_NT, ((), ())), precision=precision,
+                                            preferred_element_type=jnp.float32)
+        return s
 
     def body(tb, carry):
         m_prev, l_prev, acc = carry
         toks, tok_mask = span(tb * bt, bt, length)
-        kt = _rows_at(k_ref, b, h, toks, tok_mask).astype(jnp.int32)
-        vt = _rows_at(v_ref, b, h, toks, tok_mask).astype(jnp.int32)
-        if bits == 8:
-            s = dot_t(q_parts, kt)
-        else:
-            s = dot_t(q_even, low_nibble(kt)) + dot_t(q_odd, high_nibble(kt))
-        s = jnp.where(tok_mask[None, :], s, NEG_INF)
+        ok = tok_mask
+        if lay.masked:
+            ok = ok & (plgpu.load(allow_ref.at[b, toks], mask=tok_mask, other=0) != 0)
+        s = jnp.where(ok[None, :], scores(toks, tok_mask), NEG_INF)
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-        p = jnp.exp(s - m_new)
+        p = jnp.where(ok[None, :], jnp.exp(s - m_new), 0.0)  # a block with nothing allowed adds nothing
         corr = jnp.exp(m_prev - m_new)
         l_new = l_prev * corr + jnp.sum(p, axis=1, keepdims=True)
-        v_scale = plgpu.load(vs_ref.at[b, h, toks, :], mask=tok_mask[:, None], other=0.0)  # (bt, 1)
-        pv = parts(p * v_scale.reshape(1, bt))  # fold the per-token value scale into the weights
-        if bits == 8:
-            upd = dot(pv, vt)
-        else:
-            upd = interleave_pairs(dot(pv, low_nibble(vt)), dot(pv, high_nibble(vt)))
+        v_scale = plgpu.load(vs_ref.at[b, h, toks, :], mask=tok_mask[:, None], other=0.0)
+        v_scale = v_scale.astype(jnp.float32).reshape(1, bt)
+        # p . (c * s_v + o_v) = (p * s_v) . c + sum(p * o_v): fold the per-token value grid into the weights.
+        pv = _bf16_parts(p * v_scale)
+        v_codes = _code_lanes(plgpu.load(v_ref.at[b, h, toks, :], mask=tok_mask[:, None], other=0), bits)
+        upd = [_parts_dot(pv, c, _NN) for c in v_codes]
+        upd = interleave_pairs(*upd) if bits == 4 else upd[0]
+        if lay.shift or lay.v_lo:
+            v_off = -float(lay.shift) * v_scale
+            if lay.v_lo:
+                v_lo = plgpu.load(vlo_ref.at[b, h, toks, :], mask=tok_mask[:, None], other=0.0)
+                v_off = v_off + v_lo.astype(jnp.float32).reshape(1, bt)
+            upd = upd + jnp.sum(p * v_off, axis=1, keepdims=True)
         return m_new, l_new, acc * corr + upd
 
     init = (jnp.full((bg, 1), NEG_INF, jnp.float32), jnp.zeros((bg, 1), jnp.float32), jnp.zeros((bg, d), jnp.float32))
@@ -271,39 +356,22 @@ def decode_splits(bsz: int, h: int, t: int, bt: int) -> int:
     return max(1, min(cdiv(TARGET_PROGRAMS, bsz * h), by_length))
 
 
-def decode_attention(
-    q, k_cache, v_cache, k_scale, v_scale, length, *, bits: int, sm_scale: float | None = None,
-    block_t: int = 128, num_splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
-    interpret: bool | None = None,
-):
-    """Single-query attention over a quantized cache (split-T "flash decoding").
-
-    q ``[B, H_q, D]`` float, caches as in the module docstring, ``length`` int32 ``[B]``
-    (valid tokens per sequence, >= 1). Returns ``[B, H_q, D]`` in q's dtype.
-
-    The cached tokens are cut into ``num_splits`` ranges (default :func:`decode_splits`),
-    one program each per (batch, kv head); each returns its unnormalised sum with its
-    running max and denominator, and a small jnp step rescales and adds them.
-    """
-    if q.ndim != 3 or jnp.dtype(q.dtype) not in FLOAT_DTYPES:
-        raise ValueError(f"decode_attention: q must be float [B, H_q, D], got {q.dtype} {q.shape}")
+def _decode(q, k_codes, v_codes, k_scale, k_off, v_scale, extra, length, lay: _Layout, *, sm_scale, block_t,
+            num_splits, num_warps, num_stages, interpret):
+    """Run the kernel; -> (out [B, H_q, D] float32, log-sum-exp of the scores [B, H_q])."""
     bsz, hq, d = q.shape
-    _check_cache(k_cache, v_cache, v_scale, bits, d)
-    h, t = k_cache.shape[1], k_cache.shape[2]
-    if k_cache.shape[0] != bsz or hq % h:
-        raise ValueError(f"decode_attention: q heads {hq} must be a multiple of cache heads {h} (batch {bsz})")
-    _check_k_scale(k_scale, bsz, h, d)
+    h, t = k_codes.shape[1], k_codes.shape[2]
     if not (is_pow2(block_t) and block_t >= MIN_DOT):
         raise ValueError(f"decode_attention: block_t must be a power of two >= {MIN_DOT}, got {block_t}")
     g = hq // h
     bt = min(block_t, max(MIN_DOT, next_pow2(t)))
-    n_blocks = cdiv(t, bt)
-    splits, split_blocks = fit_splits(n_blocks, num_splits or decode_splits(bsz, h, t, bt))
+    splits, split_blocks = fit_splits(cdiv(t, bt), num_splits or decode_splits(bsz, h, t, bt))
     length = jnp.broadcast_to(jnp.asarray(length, jnp.int32), (bsz,))
     interpret = config.resolve_interpret(interpret)
     kernel = functools.partial(
-        _decode_kernel, g=g, bg=max(MIN_DOT, next_pow2(g)), bt=bt, d=d, bits=bits,
+        _decode_kernel, lay=lay, g=g, bg=max(MIN_DOT, next_pow2(g)), bt=bt, d=d,
         sm_scale=float(sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)), split_blocks=split_blocks,
+        precision=f32_dot_precision(interpret),
     )
     part = jax.ShapeDtypeStruct((bsz, h, splits, g, d), jnp.float32)
     stat = jax.ShapeDtypeStruct((bsz, h, splits, g, 1), jnp.float32)
@@ -313,36 +381,157 @@ def decode_attention(
         grid=(bsz, h, splits),
         compiler_params=compiler_params(num_warps, num_stages),
         interpret=interpret,
-        name=f"decode_attention_int{bits}",
-    )(q.reshape(bsz, h, g, d), k_cache, v_cache, _batched(k_scale, bsz), v_scale.astype(jnp.float32),
-      jnp.minimum(length, t))
+        name=f"decode_attention_int{lay.bits}" + ("_rope" if lay.rope else ""),
+    )(q.reshape(bsz, h, g, d), k_codes, v_codes, _batched(k_scale, bsz), _batched(k_off, bsz), v_scale, *extra,
+      jnp.clip(length, 0, t))
     # Combine the splits: an empty split has m = NEG_INF, l = 0, acc = 0 and weighs exp(NEG_INF - max) = 0.
     m_all = jnp.max(m, axis=2, keepdims=True)
     w = jnp.exp(m - m_all)
-    out = jnp.sum(acc * w, axis=2) / jnp.maximum(jnp.sum(l * w, axis=2), TINY)
-    return out.reshape(bsz, hq, d).astype(q.dtype)
+    denom = jnp.maximum(jnp.sum(l * w, axis=2), TINY)
+    out = jnp.sum(acc * w, axis=2) / denom
+    lse = m_all[:, :, 0] + jnp.log(denom)
+    return out.reshape(bsz, hq, d), lse.reshape(bsz, hq)
+
+
+def _check_query(q, h, bsz):
+    if q.ndim != 3 or jnp.dtype(q.dtype) not in FLOAT_DTYPES:
+        raise ValueError(f"decode_attention: q must be float [B, H_q, D], got {q.dtype} {q.shape}")
+    if q.shape[0] != bsz or q.shape[1] % h:
+        raise ValueError(f"decode_attention: q heads {q.shape[1]} must be a multiple of cache heads {h} (batch {bsz})")
+
+
+def decode_attention(
+    q, k_cache, v_cache, k_scale, v_scale, length, *, bits: int, sm_scale: float | None = None,
+    block_t: int = 128, num_splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
+    interpret: bool | None = None,
+):
+    """Single-query attention over the symmetric cache (split-T "flash decoding").
+
+    q ``[B, H_q, D]`` float, caches as in the module docstring, ``length`` int32 ``[B]``
+    (valid tokens per sequence, >= 1). Returns ``[B, H_q, D]`` in q's dtype.
+
+    The cached tokens are cut into ``num_splits`` ranges (default :func:`decode_splits`),
+    one program each per (batch, kv head); each returns its unnormalised sum with its
+    running max and denominator, and a small jnp step rescales and adds them.
+    """
+    d = q.shape[-1]
+    _check_cache(k_cache, v_cache, v_scale, bits, d)
+    _check_query(q, k_cache.shape[1], k_cache.shape[0])
+    _check_k_scale(k_scale, k_cache.shape[0], k_cache.shape[1], d)
+    out, _ = _decode(
+        q, k_cache, v_cache, k_scale, jnp.zeros_like(k_scale, jnp.float32), v_scale.astype(jnp.float32), (),
+        length, _Layout(bits), sm_scale=sm_scale, block_t=block_t, num_splits=num_splits, num_warps=num_warps,
+        num_stages=num_stages, interpret=interpret,
+    )
+    return out.astype(q.dtype)
 
 
 def decode_attention_reference(q, k_cache, v_cache, k_scale, v_scale, length, *, bits: int, sm_scale=None):
     """Dequantize the whole cache, then plain masked softmax attention in float32."""
+    t = k_cache.shape[2]
+    valid = jnp.arange(t)[None, :] < jnp.broadcast_to(jnp.asarray(length), (q.shape[0],))[:, None]
+    out, _ = _attention_reference(q, dequantize_cache(k_cache, k_scale, bits), dequantize_cache(v_cache, v_scale, bits),
+                                  valid, sm_scale)
+    return out.astype(q.dtype)
+
+
+def _attention_reference(q, k, v, allowed, sm_scale):
+    """Masked single-query attention in float32 -> (out [B, H_q, D], lse [B, H_q])."""
     bsz, hq, d = q.shape
-    h, t = k_cache.shape[1], k_cache.shape[2]
-    k = dequantize_cache(k_cache, k_scale, bits)
-    v = dequantize_cache(v_cache, v_scale, bits)
+    h = k.shape[1]
     qg = q.astype(jnp.float32).reshape(bsz, h, hq // h, d)
     s = jnp.einsum("bhgd,bhtd->bhgt", qg, k) * (sm_scale if sm_scale is not None else 1.0 / math.sqrt(d))
-    valid = jnp.arange(t)[None, :] < jnp.broadcast_to(jnp.asarray(length), (bsz,))[:, None]
-    s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
-    out = jnp.einsum("bhgt,bhtd->bhgd", jax.nn.softmax(s, axis=-1), v)
-    return out.reshape(bsz, hq, d).astype(q.dtype)
+    s = jnp.where(allowed[:, None, None, :], s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=-1)
+    out = jnp.einsum("bhgt,bhtd->bhgd", jnp.exp(s - lse[..., None]), v)
+    return out.reshape(bsz, hq, d), lse.reshape(bsz, hq)
 
 
-def can_use(head_dim: int, bits: int, dtype) -> tuple[bool, str]:
-    """(True, "") when the KV kernels take this cache, else (False, why)."""
+# --------------------------------------------------------------------------- the quantized store of kvcache
+
+
+def store_decode_attention(
+    q, k_codes, v_codes, k_scale, k_lo, v_scale, v_lo, length, *, bits: int, allowed=None, slot_pos=None,
+    inv_freq=None, sm_scale: float | None = None, block_t: int = 128, num_splits: int | None = None,
+    num_warps: int = 4, num_stages: int = 2, interpret: bool | None = None,
+):
+    """Single-query attention over ``llmeq_jax.kvcache.QuantKVCache``'s store of one layer.
+
+    The store holds asymmetric codes, ``(code - qmin) * scale + lo``, qmin the signed
+    minimum of ``bits`` (codes packed along head_dim as in the module docstring):
+      k_codes, v_codes  ``[B, H_kv, T, D / per-byte]`` int8 (8 bits) or uint8 (4 bits)
+      k_scale, k_lo     per-channel key grid ``[B or 1, H_kv, 1, D]``
+      v_scale, v_lo     per-token value grid ``[B, H_kv, T, 1]`` (float16 in the cache)
+      allowed           optional ``[B, T]`` bool/int8: the slots this query reads (the
+                        cache leaves out its float window and sinks); else all of ``0 .. length-1``
+      slot_pos, inv_freq  keys stored before RoPE: ``[B, T]`` position of each slot and the
+                        ``[D / 2]`` RoPE frequencies (rotate-half layout); the kernel
+                        rotates the dequantized keys by them.
+    ``length`` ``[B]`` or scalar: slots to scan (>= 0). Returns ``(out [B, H_q, D] float32,
+    lse [B, H_q])``, lse the log-sum-exp of the scaled scores (about -1e30 when no slot is
+    allowed), so a caller can merge this with attention over other (float) keys.
+    """
+    d = q.shape[-1]
+    bsz, h, t = k_codes.shape[:3]
+    _check_cache(k_codes, v_codes, v_scale, bits, d)
+    _check_query(q, h, bsz)
+    _check_k_scale(k_scale, bsz, h, d)
+    _check_k_scale(k_lo, bsz, h, d)
+    if v_lo.shape != v_scale.shape:
+        raise ValueError(f"store_decode_attention: v_lo must be {v_scale.shape}, got {v_lo.shape}")
+    rope = slot_pos is not None
+    if rope != (inv_freq is not None):
+        raise ValueError("store_decode_attention: pre-RoPE keys need both slot_pos and inv_freq")
+    if rope and (slot_pos.shape != (bsz, t) or inv_freq.shape != (d // 2,)):
+        raise ValueError(f"store_decode_attention: slot_pos must be {(bsz, t)} and inv_freq {(d // 2,)}, "
+                         f"got {slot_pos.shape} and {inv_freq.shape}")
+    ok, why = can_use(d, bits, q.dtype, rope=rope)
+    if not ok:
+        raise ValueError(f"store_decode_attention: {why}")
+    if allowed is not None and allowed.shape != (bsz, t):
+        raise ValueError(f"store_decode_attention: allowed must be {(bsz, t)}, got {allowed.shape}")
+    shift, _ = int_range(bits)
+    k_scale = k_scale.astype(jnp.float32)
+    k_off = k_lo.astype(jnp.float32) - shift * k_scale  # c * s + (lo - qmin * s)
+    extra = [v_lo]
+    if allowed is not None:
+        extra.append(allowed.astype(jnp.int8))
+    if rope:
+        extra += [slot_pos.astype(jnp.int32), inv_freq.astype(jnp.float32).reshape(1, d // 2)]
+    lay = _Layout(bits, shift=shift, v_lo=True, masked=allowed is not None, rope=rope)
+    return _decode(q, k_codes, v_codes, k_scale, k_off, v_scale, tuple(extra), length, lay, sm_scale=sm_scale,
+                   block_t=block_t, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
+                   interpret=interpret)
+
+
+def store_decode_attention_reference(q, k_codes, v_codes, k_scale, k_lo, v_scale, v_lo, length, *, bits: int,
+                                     allowed=None, slot_pos=None, inv_freq=None, sm_scale=None):
+    """Pure-jnp reference of :func:`store_decode_attention`: dequantize, rotate, attend."""
+    from llmeq_jax.kvquant import dequantize_grid, rope
+
+    d = q.shape[-1]
+    bsz, t = k_codes.shape[0], k_codes.shape[2]
+    k = dequantize_grid(unpack(k_codes, bits, -1, d), k_scale, k_lo, bits)
+    v = dequantize_grid(unpack(v_codes, bits, -1, d), v_scale, v_lo, bits)
+    if slot_pos is not None:
+        k = rope(k, slot_pos, inv_freq)
+    ok = jnp.arange(t)[None, :] < jnp.broadcast_to(jnp.asarray(length), (bsz,))[:, None]
+    if allowed is not None:
+        ok = ok & allowed.astype(bool)
+    return _attention_reference(q, k, v, ok, sm_scale)
+
+
+def can_use(head_dim: int, bits: int, dtype, *, rope: bool = False) -> tuple[bool, str]:
+    """(True, "") when the KV kernels take this cache, else (False, why).
+
+    ``rope``: keys stored before RoPE (only :func:`store_decode_attention` reads those;
+    each half of the head dim is a dot of its own, so the minimum doubles).
+    """
     if bits not in SUPPORTED_BITS:
         return False, f"int{bits} cache (kernels exist for {SUPPORTED_BITS})"
-    if not (is_pow2(head_dim) and head_dim >= min_head_dim(bits)):
-        return False, f"head_dim {head_dim} is not a power of two >= {min_head_dim(bits)} (int{bits})"
+    least = min_head_dim(bits) * (2 if rope else 1)
+    if not (is_pow2(head_dim) and head_dim >= least):
+        return False, f"head_dim {head_dim} is not a power of two >= {least} (int{bits}{', pre-RoPE keys' if rope else ''})"
     if jnp.dtype(dtype) not in FLOAT_DTYPES:
         return False, f"dtype {jnp.dtype(dtype).name} is not float32/bfloat16/float16"
     return True, ""

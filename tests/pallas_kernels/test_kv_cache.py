@@ -103,3 +103,89 @@ def test_bad_input_is_rejected_clearly():
     kc4, vc4, vs4 = _cache(1, 1, 16, 16, 4)
     with pytest.raises(ValueError, match="head_dim >= 32 for int4"):
         decode_attention(jnp.ones((1, 1, 16)), kc4, vc4, jnp.ones((1, 1, 1, 16)), vs4, 4, bits=4, interpret=True)
+
+
+# --------------------------------------------------------------------------- the store of kvcache.QuantKVCache
+
+
+def _store(b, h, t, d, bits, seed=0):
+    """Codes and grids exactly as the cache writes them (kvquant), from uneven random keys/values."""
+    from llmeq_jax import kvquant
+
+    ks = jax.random.split(jax.random.key(seed), 2)
+    k = jax.random.normal(ks[0], (b, h, t, d)) * jnp.linspace(0.5, 3, d) + jnp.linspace(-1, 1, d)
+    v = jax.random.normal(ks[1], (b, h, t, d))
+    hi = jnp.max(k, axis=(0, 2))[None, :, None]
+    scale, lo = kvquant.grid_from_range(jnp.min(k, axis=(0, 2))[None, :, None], hi, bits)
+    kq = kvquant.quantize_per_channel(k, scale, lo, hi, bits, 0)
+    vq = kvquant.quantize_per_token(v, bits, 0)
+    return kq.q, vq.q, scale, lo, vq.scale, vq.lo
+
+
+def _rope_args(b, t, d):
+    return dict(slot_pos=jnp.broadcast_to(jnp.arange(t) * 7 + 3, (b, t)), inv_freq=1.0 / 10000 ** (jnp.arange(0, d, 2) / d))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("rope", [False, True], ids=["postRoPE", "preRoPE"])
+def test_store_decode_matches_reference(bits, rope):
+    from pallas_kernels.kv_cache import store_decode_attention, store_decode_attention_reference
+
+    b, h, g, t, d = 2, 2, 3, 70, 64
+    store = _store(b, h, t, d, bits)
+    q = jax.random.normal(jax.random.key(9), (b, h * g, d))
+    kw = dict(bits=bits, allowed=jax.random.bernoulli(jax.random.key(3), 0.7, (b, t)), **(_rope_args(b, t, d) if rope else {}))
+    length = jnp.array([t, 41])
+    ref_out, ref_lse = store_decode_attention_reference(q, *store, length, **kw)
+    for splits in (1, 3):
+        out, lse = store_decode_attention(q, *store, length, block_t=16, num_splits=splits, interpret=True, **kw)
+        np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(ref_out))))
+        np.testing.assert_allclose(lse, ref_lse, rtol=1e-5)
+    # The mask matters: reading every slot gives another answer.
+    everything, _ = store_decode_attention(q, *store, length, block_t=16, interpret=True, **{**kw, "allowed": None})
+    assert float(jnp.max(jnp.abs(everything - ref_out))) > 1e-2
+
+
+def test_store_decode_with_nothing_allowed_weighs_nothing():
+    from pallas_kernels.kv_cache import store_decode_attention
+
+    b, h, t, d = 1, 1, 32, 32
+    store = _store(b, h, t, d, 8)
+    q = jax.random.normal(jax.random.key(1), (b, 2, d))
+    for length, allowed in ((0, None), (t, jnp.zeros((b, t), bool))):
+        out, lse = store_decode_attention(q, *store, length, bits=8, allowed=allowed, interpret=True)
+        np.testing.assert_array_equal(out, 0.0)
+        assert bool(jnp.all(lse < -1e29)) and bool(jnp.all(jnp.isfinite(lse)))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("rope", [False, True], ids=["postRoPE", "preRoPE"])
+def test_store_decode_lowers_for_cuda(cuda_lowering, bits, rope):
+    from pallas_kernels.kv_cache import store_decode_attention
+
+    b, h, g, t, d = 2, 8, 4, 32768, 128
+    sds = jax.ShapeDtypeStruct
+    cache = sds((b, h, t, d if bits == 8 else d // 2), jnp.int8 if bits == 8 else jnp.uint8)
+    tok, grid = sds((b, h, t, 1), jnp.float16), sds((1, h, 1, d), jnp.float32)
+
+    def attend(q, kc, vc, ks, kl, vs, vl, n, allowed, pos, freq):
+        extra = dict(slot_pos=pos, inv_freq=freq) if rope else {}
+        return store_decode_attention(q, kc, vc, ks, kl, vs, vl, n, bits=bits, allowed=allowed, **extra)
+
+    cuda_lowering(attend, sds((b, h * g, d), jnp.bfloat16), cache, cache, grid, grid, tok, tok, sds((b,), jnp.int32),
+                  sds((b, t), bool), sds((b, t), jnp.int32), sds((d // 2,), jnp.float32))
+
+
+def test_store_decode_bad_input_is_rejected_clearly():
+    from pallas_kernels.kv_cache import store_decode_attention
+
+    store = _store(1, 1, 16, 32, 4)
+    q = jnp.ones((1, 1, 32))
+    with pytest.raises(ValueError, match="head_dim 32 is not a power of two >= 64"):
+        store_decode_attention(q, *store, 4, bits=4, **_rope_args(1, 16, 32), interpret=True)
+    with pytest.raises(ValueError, match="need both slot_pos and inv_freq"):
+        store_decode_attention(q, *store, 4, bits=4, slot_pos=jnp.zeros((1, 16), jnp.int32), interpret=True)
+    with pytest.raises(ValueError, match="allowed must be"):
+        store_decode_attention(q, *store, 4, bits=4, allowed=jnp.ones((1, 8), bool), interpret=True)
+    with pytest.raises(ValueError, match="v_lo must be"):
+        store_decode_attention(q, *store[:5], store[5][:, :, :8], 4, bits=4, interpret=True)

@@ -1,0 +1,97 @@
+"""The quantized cache read by the Pallas decode kernel (interpret mode here) equals the XLA path."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from llmeq_jax import kvcache, kvquant
+from llmeq_jax.models import ModelConfig, forward_step, init_cache, init_params
+from pallas_kernels import config as kernel_config
+
+# head_dim 64: pre-RoPE int4 keys need 16-wide dots on each quarter of the head dim.
+LLAMA = ModelConfig("llama", 64, 128, 2, 4, 2, 64, 96, 1e-5, 64, False)
+MISTRAL = ModelConfig("mistral", 64, 128, 2, 4, 2, 64, 96, 1e-5, 64, True, sliding_window=5)
+PROMPT_MASK = np.array([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])  # row 0 left-padded
+
+
+def _model(config):
+    params = init_params(config, jax.random.key(0))
+    return jax.tree.map(lambda a: a * 4, params)  # sharper attention than the 0.02 init, but not one-hot
+
+
+def _decode(config, params, kv, tokens):
+    """Logits of a 6-token prompt then one token per step, and whether a Pallas kernel ran."""
+    step = lambda p, t, m, c: forward_step(config, p, t, m, c)  # a fresh function: traced under this context
+    cache = init_cache(config, 2, tokens.shape[1], kv=kv)
+    logits, cache = jax.jit(step)(params, tokens[:, :6], jnp.asarray(PROMPT_MASK), cache)
+    outs, one = [logits[:, -1:]], jnp.ones((2, 1), jnp.int32)
+    decode = jax.jit(step)
+    used_kernel = "pallas_call" in str(jax.make_jaxpr(step)(params, tokens[:, 6:7], one, cache))
+    for i in range(6, tokens.shape[1]):
+        logits, cache = decode(params, tokens[:, i : i + 1], one, cache)
+        outs.append(logits)
+    return jnp.concatenate(outs, axis=1), used_kernel
+
+
+CASES = {
+    "int4-preRoPE-static": (LLAMA, kvquant.KVSpec(bits=4, sink_tokens=0)),
+    "int8-postRoPE-w3-sinks2": (LLAMA, kvquant.KVSpec(bits=8, pre_rope=False, window=3, sink_tokens=2)),
+    "int4-online-w4-sinks4": (LLAMA, kvquant.KVSpec(bits=4, key_range="online", prompt_tokens=6, window=4)),
+    "int8-preRoPE-sliding5": (MISTRAL, kvquant.KVSpec(bits=8, window=2)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_decode_through_the_kernel_equals_xla(case):
+    config, spec = CASES[case]
+    params = _model(config)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (2, 14)))
+    calib = np.random.default_rng(1).integers(0, config.vocab_size, (4, 16))
+    kv = kvquant.make_quantizer(spec, config, params, calib)
+    xla, used = _decode(config, params, kv, tokens)
+    assert not used  # no GPU here: the XLA path
+    with kernel_config.interpret(True):
+        kernel, used = _decode(config, params, kv, tokens)
+    assert used, "the decode step did not go through the Pallas kernel"
+    scale = float(jnp.max(jnp.abs(xla)))
+    np.testing.assert_allclose(kernel, xla, atol=2e-5 * scale)
+    # The comparison means something: this cache moves the logits away from the float model's.
+    float_logits, _ = _decode(config, params, None, tokens)
+    assert float(jnp.max(jnp.abs(float_logits - xla))) > 100 * 2e-5 * scale
+
+
+@pytest.mark.parametrize(
+    "spec, why",
+    [
+        (kvquant.KVSpec(bits=4, outlier_frac=0.02), "outliers"),
+        (kvquant.KVSpec(bits=4, key_granularity="token"), "per-token keys"),
+        (kvquant.KVSpec(bits=2), "int2"),
+    ],
+)
+def test_settings_the_kernel_cannot_read_fall_back_to_xla(spec, why):
+    ok, reason = kvcache.kernel_reads_store(spec, 64, jnp.float32)
+    assert not ok and why in reason
+    assert kvcache.kernel_reads_store(kvquant.KVSpec(bits=4), 64, jnp.float32) == (True, "")
+    assert not kvcache.kernel_reads_store(kvquant.KVSpec(bits=4), 32, jnp.float32)[0]  # pre-RoPE int4: 16-wide quarters
+    assert kvcache.kernel_reads_store(kvquant.KVSpec(bits=4, pre_rope=False), 32, jnp.float32)[0]
+
+
+def test_merge_attention_equals_one_softmax_over_both_parts():
+    ks = jax.random.split(jax.random.key(0), 6)
+    q = jax.random.normal(ks[0], (2, 1, 4, 8))
+    part = lambda i, s: (jax.random.normal(ks[i], (2, 2, s, 8)) * 2, jax.random.normal(ks[i + 1], (2, 2, s, 8)),
+                         jax.random.bernoulli(ks[i + 2], 0.8, (2, 1, s)).at[:, :, 0].set(True))
+    a, b = part(1, 5), part(3, 7)
+    want, want_lse = kvcache.split_attention(q, [a, b], with_lse=True)
+    got, lse = kvcache.merge_attention(kvcache.split_attention(q, [a], with_lse=True),
+                                       kvcache.split_attention(q, [b], with_lse=True))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-6)
+    # An empty part (everything masked) weighs nothing.
+    empty = (a[0], a[1], jnp.zeros_like(a[2]))
+    got, _ = kvcache.merge_attention(kvcache.split_attention(q, [empty], with_lse=True),
+                                     kvcache.split_attention(q, [b], with_lse=True))
+    np.testing.assert_allclose(got, kvcache.split_attention(q, [b]), rtol=1e-5, atol=1e-6)
