@@ -461,6 +461,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Quantize LLMs in JAX: MODEL is a registry name (smollm2-135m), a Hugging Face directory, "
                     "a GGUF file, or a checkpoint directory written by `llmeq quantize`.",
     )
+    parser.add_argument("--xla", action="store_true",
+                        help="run everything through XLA: no Pallas kernels, even on a GPU")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("quantize", help="quantize MODEL with a recipe and save an Orbax checkpoint")
@@ -543,6 +545,11 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "json", False):
         os.environ.setdefault("TQDM_DISABLE", "1")
     try:
+        if args.xla:
+            from pallas_kernels import config as kernel_config
+
+            with kernel_config.disabled():
+                return args.fn(args)
         return args.fn(args)
     except KeyboardInterrupt:
         print("llmeq: interrupted", file=sys.stderr)

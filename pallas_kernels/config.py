@@ -7,8 +7,16 @@ Interpret mode is off unless a caller turns it on for a block of code::
     with pallas_kernels.config.interpret(True):
         y = ops.linear(x, qw)          # takes the Pallas path on CPU
 
-A ``contextvars.ContextVar`` holds the flag, so it is scoped to the ``with``
-block (and to the current thread / task) and nothing global is patched.
+On a GPU the kernels take over by themselves (``ops.linear`` with ``backend="auto"``,
+one-token decode steps over a quantized KV cache). ``disabled()`` turns them all
+off for a block, so everything runs through XLA (the CLI's ``--xla``)::
+
+    with pallas_kernels.config.disabled():
+        tokens = generate(...)
+
+Context variables hold both flags, so they are scoped to the ``with`` block (and to
+the current thread / task) and nothing global is patched. They are read when a
+function is traced: a function jitted before the ``with`` keeps its compiled choice.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import contextvars
 import jax
 
 _INTERPRET = contextvars.ContextVar("pallas_kernels_interpret", default=False)
+_DISABLED = contextvars.ContextVar("pallas_kernels_disabled", default=False)
 
 
 @contextlib.contextmanager
@@ -31,6 +40,20 @@ def interpret(enabled: bool = True):
         _INTERPRET.reset(token)
 
 
+@contextlib.contextmanager
+def disabled():
+    """No Pallas kernel runs inside this block, not even on a GPU: XLA everywhere."""
+    token = _DISABLED.set(True)
+    try:
+        yield
+    finally:
+        _DISABLED.reset(token)
+
+
+def is_disabled() -> bool:
+    return _DISABLED.get()
+
+
 def interpret_enabled() -> bool:
     return _INTERPRET.get()
 
@@ -41,8 +64,8 @@ def on_gpu() -> bool:
 
 
 def kernels_available() -> bool:
-    """Kernels can run here: on a GPU, or anywhere in interpret mode."""
-    return interpret_enabled() or on_gpu()
+    """Kernels can run here: on a GPU, or anywhere in interpret mode (and they are not disabled)."""
+    return not is_disabled() and (interpret_enabled() or on_gpu())
 
 
 def resolve_interpret(interpret_arg: bool | None) -> bool:

@@ -69,6 +69,8 @@ def plan(x_shape, x_dtype, w: QArray, act) -> tuple[str | None, str]:
 def linear(x, w: QArray, act=None, require: bool = False):
     """``x @ w`` by a Pallas kernel, or None when none applies (an error if ``require``)."""
     if not config.kernels_available():
+        if require and config.is_disabled():
+            raise KernelUnavailable("backend='pallas' inside pallas_kernels.config.disabled(): kernels are off")
         if require:
             raise KernelUnavailable(
                 "backend='pallas' needs a CUDA GPU (the default JAX backend here is "

@@ -110,3 +110,15 @@ def test_bad_recipe_and_unwritable_out_leave_nothing(tmp_path):
         assert not [p for p in tmp_path.rglob(".*tmp*")]
     finally:
         locked.chmod(stat.S_IRWXU)
+
+
+def test_xla_flag_runs_the_command_with_kernels_off(monkeypatch):
+    from llmeq_jax import cli
+    from pallas_kernels import config
+
+    seen = []
+    monkeypatch.setattr(cli, "cmd_inspect", lambda args: seen.append(config.kernels_available()) or 0)
+    with config.interpret(True):  # kernels available here, as on a GPU
+        assert cli.main(["--xla", "inspect", "somewhere"]) == 0
+        assert cli.main(["inspect", "somewhere"]) == 0
+    assert seen == [False, True]

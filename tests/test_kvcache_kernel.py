@@ -56,6 +56,8 @@ def test_decode_through_the_kernel_equals_xla(case):
     with kernel_config.interpret(True):
         kernel, used = _decode(config, params, kv, tokens)
     assert used, "the decode step did not go through the Pallas kernel"
+    with kernel_config.interpret(True), kernel_config.disabled():
+        assert not _decode(config, params, kv, tokens[:, :8])[1]  # the off switch (CLI --xla) holds
     scale = float(jnp.max(jnp.abs(xla)))
     np.testing.assert_allclose(kernel, xla, atol=2e-5 * scale)
     # The comparison means something: this cache moves the logits away from the float model's.

@@ -33,6 +33,19 @@ def test_interpret_switch_is_scoped():
     assert not config.interpret_enabled()
 
 
+def test_disabled_turns_kernels_off_inside_its_block():
+    q = _q(W8A8)
+    x = jnp.ones((2, 200))
+    with config.interpret(True):
+        assert dispatch.linear(x, q, q.act_spec) is not None
+        with config.disabled():
+            assert not config.kernels_available()
+            assert dispatch.linear(x, q, q.act_spec) is None
+            with pytest.raises(dispatch.KernelUnavailable, match="kernels are off"):
+                ops.linear(x, q, backend="pallas")
+        assert config.kernels_available()
+
+
 @pytest.mark.parametrize("pair", [W8A8, W4G128], ids=["w8a8", "w4g128"])
 def test_ops_linear_pallas_equals_xla(pair):
     q = _q(pair)
