@@ -25,7 +25,14 @@ import numpy as np
 from llmeq_jax import ops
 from llmeq_jax.core.quantize import Spec, quantize
 from pallas_kernels import config
-from pallas_kernels.kv_cache import decode_attention, decode_attention_reference, kv_append, kv_append_reference
+from pallas_kernels.kv_cache import (
+    decode_attention,
+    decode_attention_reference,
+    kv_append,
+    kv_append_reference,
+    store_decode_attention,
+    store_decode_attention_reference,
+)
 from pallas_kernels.online_scale import online_quantize, online_quantize_reference
 from pallas_kernels.w8a8 import w8a8_matmul, w8a8_reference
 from pallas_kernels.weight_only import weight_only_matmul, weight_only_reference
@@ -195,6 +202,79 @@ for _shape in KV_CASES:
         ref = reference(decode_attention_reference, q, kc, vc, k_scale, vs, length, bits=bits)
         name = f"decode_attention int{bits} B={b} H_kv={h} G={g} T={t} D={d} lengths={list(map(int, length))} {jnp.dtype(dtype).name}"
         return name, *compare(out, ref, 1e-5 if dtype == F32 else REL[dtype]), None
+
+
+STORE_CASES = [  # (B, H_kv, G, T, D, bits, pre-RoPE keys, dtype) of kvcache.QuantKVCache's store
+    (2, 2, 3, 70, 64, 8, False, F32),  # the CPU tests' shapes
+    (2, 2, 3, 70, 64, 4, True, F32),
+    (1, 3, 3, 2048, 64, 4, True, F32),  # SmolLM2-135M's heads
+    (2, 8, 4, 4096, 128, 8, True, BF16),
+    (1, 8, 4, 32768, 128, 4, True, BF16),
+    (4, 8, 4, 2048, 128, 4, False, F16),
+]
+
+
+def _store_case(b, h, g, t, d, bits, rope, dtype):
+    """A store written by kvquant's own quantizers, a query, an allowed mask and RoPE positions."""
+    from llmeq_jax import kvquant
+
+    ks = jax.random.split(jax.random.key(1), 4)
+    k = jax.random.normal(ks[0], (b, h, t, d)) * jnp.linspace(0.5, 3, d) + jnp.linspace(-1, 1, d)
+    v = jax.random.normal(ks[1], (b, h, t, d))
+    hi = jnp.max(k, axis=(0, 2))[None, :, None]
+    scale, lo = kvquant.grid_from_range(jnp.min(k, axis=(0, 2))[None, :, None], hi, bits)
+    kq, vq = kvquant.quantize_per_channel(k, scale, lo, hi, bits, 0), kvquant.quantize_per_token(v, bits, 0)
+    extra = dict(allowed=jax.random.bernoulli(ks[2], 0.9, (b, t)).at[:, 0].set(True))  # no row left empty
+    if rope:
+        extra.update(slot_pos=jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)),
+                     inv_freq=1.0 / 10000.0 ** (jnp.arange(0, d, 2) / d))
+    q = jax.random.normal(ks[3], (b, h * g, d)).astype(dtype)
+    return q, (kq.q, vq.q, scale, lo, vq.scale, vq.lo), extra
+
+
+for _shape in STORE_CASES:
+
+    @case
+    def _store_decode(shape=_shape):
+        b, h, g, t, d, bits, rope, dtype = shape
+        q, store, extra = _store_case(*shape)
+        length = jnp.array([t, t // 2 + 3, 1, t - 7][:b], jnp.int32)
+        out, lse = jax.jit(lambda q, n, *a: store_decode_attention(q, *a, n, bits=bits, interpret=INTERPRET, **extra))(
+            q, length, *store)
+        ref, ref_lse = reference(store_decode_attention_reference, q, *store, length, bits=bits, **extra)
+        err, tol = compare(out, ref, 1e-5 if dtype == F32 else REL[dtype])
+        lse_err, lse_tol = compare(lse, ref_lse, 1e-5 if dtype == F32 else REL[dtype])
+        name = (f"store_decode_attention int{bits} {'pre' if rope else 'post'}-RoPE B={b} H_kv={h} G={g} T={t} D={d} "
+                f"{jnp.dtype(dtype).name} (lse err {lse_err:.3g}, tol {lse_tol:.3g})")
+        return name, err if lse_err <= lse_tol else float("nan"), tol, None
+
+
+@case
+def _quantized_cache_decode():
+    """Decode steps of a random Llama over a quantized cache: kernel (auto on a GPU) vs XLA (kernels off)."""
+    from llmeq_jax import kvquant
+    from llmeq_jax.models import ModelConfig, forward_step, init_cache, init_params
+
+    cfg = ModelConfig("llama", 512, 512, 2, 8, 4, 128, 1024, 1e-5, 4096, False)
+    params = jax.tree.map(lambda a: a * 4, init_params(cfg, jax.random.key(0)))
+    tokens = jax.random.randint(jax.random.key(1), (2, 1004), 0, cfg.vocab_size)
+    kv = kvquant.make_quantizer(kvquant.KVSpec(bits=4, window=32), cfg, params, np.asarray(tokens[:, :256]))
+
+    def run():
+        step = lambda p, t, m, c: forward_step(cfg, p, t, m, c)  # traced afresh under the caller's context
+        cache = init_cache(cfg, 2, 1004, kv=kv)
+        _, cache = jax.jit(step)(params, tokens[:, :1000], jnp.ones((2, 1000), jnp.int32), cache)
+        outs, decode = [], jax.jit(step)
+        for i in range(1000, 1004):
+            logits, cache = decode(params, tokens[:, i : i + 1], jnp.ones((2, 1), jnp.int32), cache)
+            outs.append(logits)
+        return jnp.concatenate(outs, axis=1)
+
+    with config.interpret(INTERPRET), jax.default_matmul_precision("highest"):
+        got = run()
+        with config.disabled():
+            want = run()
+    return "QuantKVCache int4 pre-RoPE w32 decode: kernel vs XLA, Llama 2x(8q/4kv x 128)", *compare(got, want, 1e-4), None
 
 
 # --------------------------------------------------------------------------- online scales
