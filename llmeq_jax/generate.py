@@ -48,16 +48,31 @@ def sample_logits(
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))
-def prefill(config: ModelConfig, params, tokens, attention_mask, cache):
-    """Fill the cache with the prompt; returns (logits of the last prompt position [B, V], cache)."""
+def kernel_state() -> tuple[bool, bool]:
+    """The Pallas switches a trace depends on (interpret mode, kernels disabled).
+
+    The jitted steps below take it as a static argument, so a step traced with kernels
+    on is not reused inside ``pallas_kernels.config.disabled()`` (or the other way round).
+    """
+    from pallas_kernels import config as kernel_config
+
+    return kernel_config.interpret_enabled(), kernel_config.is_disabled()
+
+
+@functools.partial(jax.jit, static_argnames=("config", "kernels"), donate_argnames=("cache",))
+def prefill(config: ModelConfig, params, tokens, attention_mask, cache, kernels=None):
+    """Fill the cache with the prompt; returns (logits of the last prompt position [B, V], cache).
+
+    ``kernels``: pass :func:`kernel_state` (only keys the compile cache)."""
     logits, cache = forward_step(config, params, tokens, attention_mask, cache)
     return logits[:, -1], cache
 
 
-@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))
-def decode_step(config: ModelConfig, params, token, cache):
-    """One token per row [B] -> (logits [B, V], cache). Shapes are static: compiled once."""
+@functools.partial(jax.jit, static_argnames=("config", "kernels"), donate_argnames=("cache",))
+def decode_step(config: ModelConfig, params, token, cache, kernels=None):
+    """One token per row [B] -> (logits [B, V], cache). Shapes are static: compiled once.
+
+    ``kernels``: pass :func:`kernel_state` (only keys the compile cache)."""
     mask = jnp.ones((token.shape[0], 1), jnp.int32)
     logits, cache = forward_step(config, params, token[:, None], mask, cache)
     return logits[:, 0], cache
@@ -65,9 +80,10 @@ def decode_step(config: ModelConfig, params, token, cache):
 
 @functools.partial(
     jax.jit,
-    static_argnames=("config", "max_new_tokens", "greedy", "temperature", "top_k", "top_p"),
+    static_argnames=("config", "max_new_tokens", "greedy", "temperature", "top_k", "top_p", "kernels"),
 )
-def _decode_loop(config, params, first_logits, cache, key, *, max_new_tokens, greedy, temperature, top_k, top_p):
+def _decode_loop(config, params, first_logits, cache, key, *, max_new_tokens, greedy, temperature, top_k, top_p,
+                 kernels):
     sample = functools.partial(sample_logits, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p)
     b = first_logits.shape[0]
     key, sub = jax.random.split(key)
@@ -121,7 +137,8 @@ def generate(
     if mask.shape != prompt_tokens.shape:
         raise ValueError(f"attention_mask shape {mask.shape} differs from prompt_tokens shape {prompt_tokens.shape}")
     cache = init_cache(config, b, t + max_new_tokens, cache_dtype, kv=kv)
-    first_logits, cache = prefill(config, params, prompt_tokens, mask, cache)
+    kernels = kernel_state()
+    first_logits, cache = prefill(config, params, prompt_tokens, mask, cache, kernels=kernels)
     out, cache = _decode_loop(
         config,
         params,
@@ -133,8 +150,9 @@ def generate(
         temperature=float(temperature),
         top_k=int(top_k),
         top_p=float(top_p),
+        kernels=kernels,
     )
     return (out, cache) if return_cache else out
 
 
-__all__ = ["decode_step", "generate", "prefill", "sample_logits"]
+__all__ = ["decode_step", "generate", "kernel_state", "prefill", "sample_logits"]

@@ -230,7 +230,7 @@ def init_quantized(
     shape = (num_layers, batch, kv_heads, max_len, head_dim)
     k_scale = k_lo = k_hi = None
     if spec.needs_key_ranges:
-        k_hi = kv.key_ranges.hi
+        k_hi = jnp.array(kv.key_ranges.hi, copy=True)  # the cache is donated: never alias the quantizer
         k_scale, k_lo = kvquant.grid_from_range(kv.key_ranges.lo, k_hi, spec.bits)
     elif spec.online_keys:
         # Until the first write these hold the running range (blended in then), if there is one.

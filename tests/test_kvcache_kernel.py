@@ -97,3 +97,21 @@ def test_merge_attention_equals_one_softmax_over_both_parts():
     got, _ = kvcache.merge_attention(kvcache.split_attention(q, [empty], with_lse=True),
                                      kvcache.split_attention(q, [b], with_lse=True))
     np.testing.assert_allclose(got, kvcache.split_attention(q, [b]), rtol=1e-5, atol=1e-6)
+
+
+def test_generate_compiles_once_per_kernel_switch_state():
+    """generate's jitted loop is keyed by the kernel switches: the off switch is not defeated by
+    a loop compiled earlier with kernels on, and greedy text through the kernel equals XLA's."""
+    from llmeq_jax import generate as gen
+
+    config, spec = CASES["int4-preRoPE-static"]
+    params = _model(config)
+    kv = kvquant.make_quantizer(spec, config, params, np.random.default_rng(1).integers(0, config.vocab_size, (4, 16)))
+    prompt = jnp.asarray(np.random.default_rng(2).integers(0, config.vocab_size, (2, 5)))
+    before = gen._decode_loop._cache_size()
+    with kernel_config.interpret(True):
+        with_kernel = gen.generate(config, params, prompt, 6, kv=kv)
+        with kernel_config.disabled():
+            without = gen.generate(config, params, prompt, 6, kv=kv)
+    assert gen._decode_loop._cache_size() == before + 2
+    np.testing.assert_array_equal(with_kernel, without)
