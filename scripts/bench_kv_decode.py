@@ -1,0 +1,75 @@
+"""Decode tokens/s with a float vs a quantized KV cache, side by side, at one context length.
+
+    PYTHONPATH=$PWD python scripts/bench_kv_decode.py --model smollm2-135m --context 1024 --new-tokens 64
+
+Protocol: the prompt is the first ``--context`` tokens of WikiText-2 test (per row,
+``--batch`` rows); greedy ``generate`` of ``--new-tokens`` tokens, decode time =
+t(new tokens) - t(1 token) (the prefill cancels), median of ``--runs`` warm runs;
+tokens/s = batch x (new tokens - 1) / decode time. Static key ranges come from 2
+calibration windows (their values do not change the speed). Every quantized cache
+keeps 4 float sink tokens. On a GPU each quantized setting runs twice: through the
+Pallas decode kernel (the default there) and through XLA (``config.disabled()``),
+which dequantizes the whole store every step. On a CPU only XLA runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from llmeq_jax import evaluate, kvquant
+from llmeq_jax.cli import CALIB_TEXT, EVAL_TEXT, find_data_file
+from llmeq_jax.generate import generate
+from llmeq_jax.models import load_model
+from pallas_kernels import config as kernel_config
+
+SETTINGS = [
+    ("float", None),
+    ("int8 pre-RoPE", kvquant.KVSpec(8)),
+    ("int4 pre-RoPE", kvquant.KVSpec(4)),
+    ("int4 pre-RoPE w32", kvquant.KVSpec(4, window=32)),
+    ("int4 post-RoPE", kvquant.KVSpec(4, pre_rope=False)),
+]
+
+
+def decode_tok_s(config, params, prompt, new_tokens: int, kv, runs: int) -> float:
+    t_one = evaluate.median_time(lambda: generate(config, params, prompt, 1, kv=kv), runs=runs)
+    t_all = evaluate.median_time(lambda: generate(config, params, prompt, new_tokens, kv=kv), runs=runs)
+    return prompt.shape[0] * (new_tokens - 1) / max(t_all - t_one, 1e-9)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--context", type=int, default=1024, help="prompt tokens per row")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--runs", type=int, default=3)
+    args = p.parse_args(argv)
+
+    config, params, tokenizer = load_model(args.model)
+    ids = evaluate.tokenize_text(tokenizer, find_data_file(None, EVAL_TEXT, "evaluation text").read_text())
+    prompt = jnp.asarray(evaluate.make_windows(ids, args.context, args.batch))
+    calib_ids = evaluate.tokenize_text(tokenizer, find_data_file(None, CALIB_TEXT, "calibration text").read_text())
+    calib = evaluate.make_windows(calib_ids, 512, 2)
+    on_gpu = kernel_config.on_gpu()
+    print(f"# {args.model}, context {args.context}, batch {args.batch}, {args.new_tokens} new tokens, "
+          f"median of {args.runs}; {evaluate.machine()}", flush=True)
+    base = None
+    for name, spec in SETTINGS:
+        kv = kvquant.make_quantizer(spec, config, params, calib)
+        paths = [("xla", True)] if spec is None or not on_gpu else [("kernel", False), ("xla", True)]
+        for path, off in paths:
+            with kernel_config.disabled() if off else kernel_config.interpret(False):
+                tok_s = decode_tok_s(config, params, prompt, args.new_tokens, kv, args.runs)
+            base = base or tok_s
+            label = name if spec is None else f"{name} ({path})"
+            print(f"{label:<28} {tok_s:9.1f} tok/s  {tok_s / base:5.2f}x float", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
