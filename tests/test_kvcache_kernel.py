@@ -58,11 +58,13 @@ def test_decode_through_the_kernel_equals_xla(case):
     assert used, "the decode step did not go through the Pallas kernel"
     with kernel_config.interpret(True), kernel_config.disabled():
         assert not _decode(config, params, kv, tokens[:, :8])[1]  # the off switch (CLI --xla) holds
-    scale = float(jnp.max(jnp.abs(xla)))
-    np.testing.assert_allclose(kernel, xla, atol=2e-5 * scale)
+    # Seen here: within 5.4e-6 of the logits' scale (float32 sums in another order); a wrong
+    # rotation or log-sum-exp moves them by more than 1e-2 of it.
+    tol = 5e-5 * float(jnp.max(jnp.abs(xla)))
+    np.testing.assert_allclose(kernel, xla, atol=tol)
     # The comparison means something: this cache moves the logits away from the float model's.
     float_logits, _ = _decode(config, params, None, tokens)
-    assert float(jnp.max(jnp.abs(float_logits - xla))) > 100 * 2e-5 * scale
+    assert float(jnp.max(jnp.abs(float_logits - xla))) > 100 * tol
 
 
 @pytest.mark.parametrize(
