@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-import jax
 import jax.numpy as jnp
 
 from llmeq_jax import evaluate, kvquant
