@@ -231,6 +231,7 @@ def _check_x(x: jax.Array, k: int, what: str) -> None:
 
 
 def _wo_call(x2, q, scale, zp, *, layout: int, bits: int, group_size: int, has_zp: bool, n: int):
+    _require(None, "weight-only call")
     out = jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32)
     call = jax.ffi.ffi_call(_WO_TARGET, out, vmap_method="sequential")
     return call(
@@ -240,6 +241,7 @@ def _wo_call(x2, q, scale, zp, *, layout: int, bits: int, group_size: int, has_z
 
 
 def _w8_call(xq2, q, scale, zp, sx, *, group_size: int, has_zp: bool):
+    _require(None, "W8A8 call")
     out = jax.ShapeDtypeStruct((xq2.shape[0], q.shape[1]), jnp.float32)
     call = jax.ffi.ffi_call(_W8_TARGET, out, vmap_method="sequential")
     return call(xq2, q, scale, zp, sx, group_size=np.int64(group_size), has_zp=np.int64(has_zp))
