@@ -353,9 +353,12 @@ AVX2 void wo_nk_rows(const WO& p, int64_t n0, int64_t n1) {
 // line of an int8 kernel row; 32 nk rows amortise the counter over ~18 KB of weights.
 constexpr int64_t kKnChunk = 64;
 constexpr int64_t kNkChunk = 32;
-// Below this many weight bytes a product runs on the calling thread only: waking a
-// pool thread costs more than it saves (measured with scripts/bench_native.py).
-constexpr int64_t kMinParallelBytes = 48 * 1024;
+// Below this many weight bytes a product runs on the calling thread only. On a quiet
+// machine a second thread pays off from ~50 KB, but this 2-core box is shared: a pool
+// thread that is preempted while it holds a chunk stalls the whole call, which
+// scripts/bench_native.py measured as a net loss for the per-layer GEMVs (<= 1 MB) and
+// a win for the 28 MB head. LLMEQ_NATIVE_THREADS=1 turns threads off entirely.
+constexpr int64_t kMinParallelBytes = 2 * 1024 * 1024;
 
 void wo_run(WO& p, ffi::ThreadPool* pool) {
   std::vector<float> xsum, xl, xh;
