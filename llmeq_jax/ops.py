@@ -16,8 +16,13 @@ shape ``(in, out)``; the weight decides the path:
   ``lax.dot_general(preferred_element_type=int32)``, then rescaled by the
   activation and weight scales (per group, when the weight is grouped).
 
-A Pallas kernel takes over when one applies (``backend="auto"`` on a GPU);
-``"xla"`` forces the fallback.
+A Pallas kernel takes over when one applies (``backend="auto"`` on a GPU), and
+on a CPU a native C++ kernel (:mod:`llmeq_jax.native`) when the table
+``NATIVE_MAX_ROWS`` (measured by ``scripts/bench_native.py``) says it is faster
+than the XLA path for that many rows; ``"xla"`` forces the fallback.
+
+:func:`linear_nk` is the transposed door, ``x @ dequantize(w).T`` for a ``(out, in)``
+matrix whose rows are contiguous (the embedding table used as the LM head).
 """
 
 from __future__ import annotations
@@ -38,6 +43,16 @@ SMALL_M = 64
 # 16-256 measured within noise of each other on a 2-core CPU, 1024 was slower.
 CHUNK_ROWS = 64
 BACKENDS = ("auto", "xla", "pallas")
+# Native CPU kernels take a product with at most this many rows of activations, per
+# kind (0: never), where scripts/bench_native.py measured them at least as fast as the
+# XLA path on every model shape (README "Native CPU kernels"): int8 weight-only tied
+# or lost against XLA's chunked scan (the column-blocked kernel strides through
+# long rows), int4 won at 1 row only, W8A8 up to 8 rows (at 512 the packed int16
+# GEMM lost to XLA on the shared 2-core box), the (out, in) head up to 8 rows.
+NATIVE_MAX_ROWS = {"int8": 0, "int4": 1, "w8a8": 8, "nk": 8}
+# Rows of a (out, in) matrix dequantized per scan step by linear_nk_xla at few rows:
+# 256 x 576 floats (0.6 MB) stay in L2; the 49k-row head never exists as floats.
+NK_CHUNK_ROWS = 256
 
 
 def _check_shapes(x: jax.Array, w: Any) -> None:
@@ -71,6 +86,8 @@ def linear(
         y = None
         if backend != "xla":
             y = _try_pallas(x, w, act, backend)
+        if y is None and backend == "auto":
+            y = _try_native(x, w, act)
         if y is None:
             y = w8a8_xla(x, w, act) if act is not None else weight_only_xla(x, w)
     if bias is not None:
@@ -89,6 +106,141 @@ def _try_pallas(x, w, act, backend):
             raise NotImplementedError("no Pallas kernel is available for ops.linear yet")
         return None
     return dispatch.linear(x, w, act, require=(backend == "pallas"))
+
+
+def _native_kind(w: QArray, act: Spec | None) -> str:
+    if act is not None:
+        return "w8a8"
+    return "int4" if values_per_byte(w.bits) == 2 else "int8"
+
+
+def _native_rows_ok(x: jax.Array, kind: str) -> bool:
+    rows = math.prod(x.shape[:-1])
+    return 0 < rows <= NATIVE_MAX_ROWS[kind] and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def _try_native(x, w, act):
+    """A native CPU kernel's result when one applies and measured faster, else None."""
+    if jax.default_backend() != "cpu":
+        return None
+    from llmeq_jax import native
+
+    kind = _native_kind(w, act)
+    if not _native_rows_ok(x, kind):
+        return None
+    if act is not None:
+        if act.bits > 8 or native.supports_w8a8(w) is not None or not native.enabled():
+            return None
+        return native.w8a8_kn(x, w, act)
+    if native.supports_kn(w) is not None or not native.enabled():
+        return None
+    return native.weight_only_kn(x, w)
+
+
+# --------------------------------------------------------------------------- transposed (nk)
+
+
+def linear_nk(
+    x: jax.Array,
+    w: jax.Array | QArray,
+    bias: jax.Array | None = None,
+    *,
+    backend: str = "auto",
+) -> jax.Array:
+    """``x @ dequantize(w).T (+ bias)`` for a ``(out, in)`` matrix ``w``; output in ``x.dtype``.
+
+    Meant for an embedding table used as the LM head: rows are contiguous along ``in``,
+    scales are per row ``(out, 1)`` (or per tensor) or groups along ``in``
+    ``(out, ceil(in / g))``, int4 values packed along ``in`` (``pack_axis=1``).
+    ``backend="auto"`` takes the native CPU kernel where it applies; the XLA path
+    never builds the whole float table for a few rows (a scan over row chunks).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {list(BACKENDS)}")
+    if len(w.shape) != 2:
+        raise ValueError(f"linear_nk expects an (out, in) matrix, got shape {tuple(w.shape)}")
+    if x.shape[-1] != w.shape[1]:
+        raise ValueError(
+            f"linear_nk: input has {x.shape[-1]} features but the matrix has {w.shape[1]} columns (matrix {tuple(w.shape)})"
+        )
+    if backend == "pallas":
+        raise NotImplementedError("linear_nk has no Pallas kernel")
+    if not isinstance(w, QArray):
+        y = jnp.matmul(x, w.astype(x.dtype).T)
+    else:
+        y = None
+        if backend == "auto":
+            y = _try_native_nk(x, w)
+        if y is None:
+            y = linear_nk_xla(x, w)
+    if bias is not None:
+        y = y + bias.astype(y.dtype)
+    return y
+
+
+def _try_native_nk(x, w):
+    if jax.default_backend() != "cpu" or not _native_rows_ok(x, "nk"):
+        return None
+    from llmeq_jax import native
+
+    if native.supports_nk(w) is not None or not native.enabled():
+        return None
+    return native.weight_only_nk(x, w)
+
+
+def linear_nk_xla(x: jax.Array, w: QArray) -> jax.Array:
+    """``x @ dequantize(w).T`` in XLA: for few rows a scan over chunks of ``w``'s rows."""
+    n, k = w.shape
+    rows = math.prod(x.shape[:-1])
+    if rows > SMALL_M or n <= NK_CHUNK_ROWS or w.tile[0] not in (1, n):
+        return jnp.matmul(x, w.dequantize(x.dtype).T)
+    return _nk_chunked(x, w)
+
+
+def _rows_of(a: jax.Array | None, start, size: int, per_row: bool):
+    """Rows [start, start + size) of a per-row scale / zero point (shared ones pass through)."""
+    if a is None or not per_row:
+        return a
+    return jax.lax.dynamic_slice_in_dim(a, start, size, axis=0)
+
+
+def _nk_chunked(x: jax.Array, w: QArray) -> jax.Array:
+    """Few-row ``x @ dequantize(w).T``: each step dequantizes NK_CHUNK_ROWS rows (in cache)."""
+    import dataclasses
+
+    n, k = w.shape
+    chunk = NK_CHUNK_ROWS
+    steps = math.ceil(n / chunk)
+    pad = steps * chunk - n
+    per_row = w.scale.shape[0] != 1
+    # Stored rows per chunk: fewer when sub-byte values are packed along the rows.
+    q_rows = chunk // values_per_byte(w.bits) if w.pack_axis % 2 == 0 else chunk
+    q, scale, zp = w.qvalue, w.scale, w.zero_point
+    if pad:  # padded rows give outputs that are cut off below
+        q = jnp.pad(q, ((0, steps * q_rows - q.shape[0]), (0, 0)))
+        if per_row:
+            scale = jnp.pad(scale, ((0, pad), (0, 0)))
+            zp = None if zp is None else jnp.pad(zp, ((0, pad), (0, 0)))
+    x2 = x.reshape(-1, k).astype(jnp.float32)
+    tile = (1 if per_row else chunk, w.tile[1])
+
+    def step(_, i):
+        start = i * chunk
+        part = dataclasses.replace(
+            w,
+            qvalue=jax.lax.dynamic_slice_in_dim(q, i * q_rows, q_rows, axis=0),
+            scale=_rows_of(scale, start, chunk, per_row),
+            zero_point=_rows_of(zp, start, chunk, per_row),
+            shape=(chunk, k),
+            tile=tile,
+            act_spec=None,
+            act_scale=None,
+        )
+        return None, x2 @ part.dequantize(jnp.float32).T
+
+    _, ys = jax.lax.scan(step, None, jnp.arange(steps))  # (steps, M, chunk)
+    y = jnp.moveaxis(ys, 0, 1).reshape(x2.shape[0], steps * chunk)[:, :n]
+    return y.reshape(*x.shape[:-1], n).astype(x.dtype)
 
 
 # --------------------------------------------------------------------------- layout helpers
@@ -321,4 +473,5 @@ def dequantize_tree_leaf(w: Any, dtype: Any = jnp.float32) -> Any:
     return w.dequantize(dtype) if isinstance(w, QArray) else w
 
 
-__all__ = ["linear", "qeinsum", "quantize_activations", "take_rows", "weight_only_xla", "w8a8_xla"]
+__all__ = ["linear", "linear_nk", "linear_nk_xla", "qeinsum", "quantize_activations", "take_rows", "weight_only_xla",
+           "w8a8_xla"]

@@ -288,3 +288,55 @@ def _dot_dtypes(fn, *args):
 def test_w8a8_is_an_int8_dot_accumulating_in_int32(name):
     dots = _dot_dtypes(functools.partial(ops.linear, backend="xla"), activations(16), make_weight(name))
     assert dots and all(d == ("int8", "int8", "int32") for d in dots), dots
+
+
+# --------------------------------------------------------------------------- native CPU dispatch
+
+
+def _lowered(f, x):
+    return jax.jit(f).lower(x).as_text()
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="native kernels are CPU kernels")
+def test_native_dispatch_and_its_switches(monkeypatch):
+    from llmeq_jax import native
+    from pallas_kernels import config
+
+    if not native.available():
+        pytest.skip(f"native library: {native.unavailable_reason()}")
+    w4 = make_weight("w4-g64")
+    w8a8 = make_weight("w8a8-token")
+    x1 = activations(1)
+    assert "llmeq_wo_matmul" in _lowered(lambda a: ops.linear(a, w4), x1)
+    assert "llmeq_w8a8_matmul" in _lowered(lambda a: ops.linear(a, w8a8), x1)
+    # What forces XLA: the backend argument, both off switches, the env var, too many rows.
+    assert "llmeq_" not in _lowered(lambda a: ops.linear(a, w4, backend="xla"), x1)
+    with native.disabled():
+        assert "llmeq_" not in _lowered(lambda a: ops.linear(a, w4), x1)
+    with config.disabled():
+        assert "llmeq_" not in _lowered(lambda a: ops.linear(a, w8a8), x1)
+    big = activations(ops.NATIVE_MAX_ROWS["int4"] + 1)
+    assert "llmeq_" not in _lowered(lambda a: ops.linear(a, w4), big)
+    monkeypatch.setenv("LLMEQ_NATIVE", "0")
+    assert "llmeq_" not in _lowered(lambda a: ops.linear(a, w4), x1)
+    monkeypatch.delenv("LLMEQ_NATIVE")
+    # 2-bit weights have no native kernel: XLA, silently.
+    assert "llmeq_" not in _lowered(lambda a: ops.linear(a, make_weight("w2-channel-asym")), x1)
+    # The results agree with XLA (float32 summation order only).
+    for w in (w4, w8a8):
+        np.testing.assert_allclose(
+            np.asarray(ops.linear(x1, w)), np.asarray(linear_xla(x1, w)), rtol=1e-5, atol=1e-5 * np.sqrt(K)
+        )
+
+
+def test_linear_nk_is_the_transposed_product():
+    wt = quantize(float_weight().T, Spec(bits=4, granularity="group", group_size=64, axis=1), pack_axis=1)
+    x = activations(3)
+    ref = np.asarray(x, np.float64) @ np.asarray(wt.dequantize(), np.float64).T
+    for backend in ("auto", "xla"):
+        y = jax.jit(functools.partial(ops.linear_nk, backend=backend))(x, wt)
+        assert rel_err(y, ref) < 1e-6
+    dense = float_weight().T
+    np.testing.assert_allclose(np.asarray(ops.linear_nk(x, dense)), np.asarray(x @ dense.T), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="columns"):
+        ops.linear_nk(activations(1)[:, :10], wt)

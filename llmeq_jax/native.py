@@ -1,0 +1,384 @@
+"""Native CPU kernels for quantized matmuls (C++ through ``jax.ffi``).
+
+The shared library ``llmeq_jax/_native_cpu*.so`` is compiled from
+``native/cpu_kernels.cc`` by the package build (``setup.py``) on ``pip install``.
+This module loads it with ctypes, registers its two XLA FFI handlers for the CPU
+platform and wraps them as jittable functions on QArrays:
+
+* :func:`weight_only_kn` -- ``x @ dequantize(w)`` for an ``(in, out)`` kernel (int8 or
+  row-packed int4/int3, per-channel / per-tensor / groups along ``in``, sym or asym).
+* :func:`weight_only_nk` -- ``x @ dequantize(w).T`` for a ``(out, in)`` matrix with
+  rows contiguous (an embedding table used as the LM head), int4 packed along ``in``.
+* :func:`w8a8_kn` -- activations quantized by :func:`llmeq_jax.ops.quantize_activations`
+  (so numerics match the XLA path), int8 x int8 -> exact int32 per weight group.
+
+``ops.linear`` picks these on CPU when they measured faster (see ``ops.NATIVE_MAX_ROWS``).
+If the library was not built (no compiler at install time) or cannot load, every
+caller falls back to XLA and one warning says why. Turn the kernels off with
+``LLMEQ_NATIVE=0`` in the environment, ``with native.disabled():`` or
+``with pallas_kernels.config.disabled():`` (the "no custom kernels" switch of the CLI's
+``--xla``). The switches are read at trace time, like the Pallas ones.
+
+Under ``vmap`` the FFI calls run sequentially per batch element (``vmap_method=
+"sequential"``); ``ops.linear`` flattens leading dims itself, so that never happens there.
+Gradients: the wrappers are ``custom_vjp`` functions whose backward pass is the vjp of
+the XLA reference, so ``jax.grad`` through them is the XLA gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import ctypes
+import glob
+import math
+import os
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from llmeq_jax.core.qarray import QArray, values_per_byte
+
+_WO_TARGET = "llmeq_wo_matmul"
+_W8_TARGET = "llmeq_w8a8_matmul"
+_ABI_VERSION = 1
+_DISABLED = contextvars.ContextVar("llmeq_native_disabled", default=False)
+
+
+class _State:
+    """Load result, computed once: the ctypes handle or the reason there is none."""
+
+    lib: Any = None
+    reason: str | None = None
+    loaded: bool = False
+    warned: bool = False
+
+
+_state = _State()
+
+
+def library_path() -> str | None:
+    """The built library inside the package (``LLMEQ_NATIVE_LIB`` overrides, for tests)."""
+    override = os.environ.get("LLMEQ_NATIVE_LIB")
+    if override is not None:
+        return override if os.path.exists(override) else None
+    here = os.path.dirname(os.path.abspath(__file__))
+    found = sorted(glob.glob(os.path.join(here, "_native_cpu*.so")) + glob.glob(os.path.join(here, "_native_cpu*.pyd")))
+    return found[0] if found else None
+
+
+def _load() -> None:
+    if _state.loaded:
+        return
+    _state.loaded = True
+    path = library_path()
+    if path is None:
+        _state.reason = (
+            "the native CPU library was not built (no C++ compiler at install time?); reinstall with "
+            "`pip install -e .` where g++ is available"
+        )
+        return
+    try:
+        lib = ctypes.cdll.LoadLibrary(path)
+        if lib.llmeq_native_abi_version() != _ABI_VERSION:
+            raise OSError(f"ABI version {lib.llmeq_native_abi_version()} != {_ABI_VERSION}; rebuild the package")
+        for name in (_WO_TARGET, _W8_TARGET):
+            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
+    except (OSError, AttributeError) as e:  # a stale or foreign build: XLA still works
+        _state.reason = f"the native CPU library {path} could not be loaded: {e}"
+        return
+    _state.lib = lib
+
+
+def available() -> bool:
+    """The library is built, loaded and its FFI targets are registered."""
+    _load()
+    return _state.lib is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`available` is False (None when it is True)."""
+    _load()
+    return _state.reason
+
+
+def simd() -> bool:
+    """The AVX2+FMA code runs on this CPU (else the portable scalar loops do)."""
+    return available() and bool(_state.lib.llmeq_native_simd())
+
+
+@contextlib.contextmanager
+def force_scalar(on: bool = True):
+    """Run the portable scalar loops even on an AVX2 CPU (tests of that path); process-wide."""
+    if not available():
+        yield
+        return
+    _state.lib.llmeq_native_force_scalar(int(on))
+    try:
+        yield
+    finally:
+        _state.lib.llmeq_native_force_scalar(0)
+
+
+@contextlib.contextmanager
+def disabled():
+    """No native kernel is traced inside this block: XLA everywhere."""
+    token = _DISABLED.set(True)
+    try:
+        yield
+    finally:
+        _DISABLED.reset(token)
+
+
+def _switched_off() -> bool:
+    if _DISABLED.get() or os.environ.get("LLMEQ_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+        return True
+    try:
+        from pallas_kernels import config
+    except ImportError:
+        return False
+    return config.is_disabled()
+
+
+def enabled() -> bool:
+    """Native kernels may be used now: on a CPU backend, not switched off, library loaded.
+
+    The first time the library is missing where it would have been used, one warning
+    says why (and every product then runs through XLA).
+    """
+    if _switched_off() or jax.default_backend() != "cpu":
+        return False
+    if available():
+        return True
+    if not _state.warned:
+        _state.warned = True
+        warnings.warn(f"llmeq_jax native CPU kernels are off, using XLA: {_state.reason}", RuntimeWarning, stacklevel=3)
+    return False
+
+
+# --------------------------------------------------------------------------- what a kernel takes
+
+
+def _bits_ok(w: QArray, pack_dim: int) -> str | None:
+    per_byte = values_per_byte(w.bits)
+    if per_byte == 4:
+        return "2-bit weights have no native kernel"
+    if per_byte == 2 and w.pack_axis % 2 != pack_dim:
+        return f"int{w.bits} values must be packed along the contraction dim (pack_axis={pack_dim})"
+    if per_byte == 2 and w.tile[pack_dim] % 2 and w.tile[pack_dim] < w.shape[pack_dim]:
+        return "int4 groups along the contraction dim must have an even size"
+    return None
+
+
+def supports_kn(w: QArray) -> str | None:
+    """None when :func:`weight_only_kn` takes ``w``, else the reason it does not."""
+    if not isinstance(w, QArray) or len(w.shape) != 2:
+        return "needs a 2-D QArray"
+    if w.tile[1] not in (1, w.shape[1]):
+        return "scales grouped along the output dim"
+    return _bits_ok(w, 0)
+
+
+def supports_nk(w: QArray) -> str | None:
+    """None when :func:`weight_only_nk` takes ``w`` (shape (out, in)), else the reason."""
+    if not isinstance(w, QArray) or len(w.shape) != 2:
+        return "needs a 2-D QArray"
+    if w.tile[0] not in (1, w.shape[0]):
+        return "scales grouped along the output (row) dim"
+    return _bits_ok(w, 1)
+
+
+def supports_w8a8(w: QArray) -> str | None:
+    """None when :func:`w8a8_kn` takes ``w``, else the reason."""
+    if not isinstance(w, QArray) or len(w.shape) != 2:
+        return "needs a 2-D QArray"
+    if values_per_byte(w.bits) != 1:
+        return f"W8A8 needs unpacked weights of 5-8 bits, got int{w.bits}"
+    if w.tile[1] not in (1, w.shape[1]):
+        return "scales grouped along the output dim"
+    return None
+
+
+def _require(reason: str | None, what: str) -> None:
+    if reason is not None:
+        raise ValueError(f"native.{what}: {reason}")
+    if not available():
+        raise RuntimeError(f"native.{what}: {unavailable_reason()}")
+
+
+def _as_grid(a: jax.Array, rows: int, cols: int) -> jax.Array:
+    """A scale / zero-point array broadcast to (rows, cols) float32 (tiny arrays: cheap)."""
+    return jnp.broadcast_to(a.astype(jnp.float32), (rows, cols))
+
+
+def _zp_arg(w: QArray, rows: int, cols: int) -> jax.Array:
+    if w.zero_point is None:
+        return jnp.zeros((1, 1), jnp.float32)
+    return _as_grid(w.zero_point, rows, cols)
+
+
+def _check_x(x: jax.Array, k: int, what: str) -> None:
+    if x.shape[-1] != k:
+        raise ValueError(f"native.{what}: x has {x.shape[-1]} features, the weight contracts {k}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"native.{what}: x must be floating point, got {x.dtype}")
+
+
+# --------------------------------------------------------------------------- raw FFI calls
+
+
+def _wo_call(x2, q, scale, zp, *, layout: int, bits: int, group_size: int, has_zp: bool, n: int):
+    _require(None, "weight-only call")
+    out = jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32)
+    call = jax.ffi.ffi_call(_WO_TARGET, out, vmap_method="sequential")
+    return call(
+        x2, q, scale, zp,
+        layout=np.int64(layout), bits=np.int64(bits), group_size=np.int64(group_size), has_zp=np.int64(has_zp),
+    )  # fmt: skip
+
+
+def _w8_call(xq2, q, scale, zp, sx, *, group_size: int, has_zp: bool):
+    _require(None, "W8A8 call")
+    out = jax.ShapeDtypeStruct((xq2.shape[0], q.shape[1]), jnp.float32)
+    call = jax.ffi.ffi_call(_W8_TARGET, out, vmap_method="sequential")
+    return call(xq2, q, scale, zp, sx, group_size=np.int64(group_size), has_zp=np.int64(has_zp))
+
+
+# --------------------------------------------------------------------------- QArray products
+
+
+def _kn_forward(x: jax.Array, w: QArray) -> jax.Array:
+    k, n = w.shape
+    g = w.tile[0]
+    groups = math.ceil(k / g)
+    x2 = x.reshape(-1, k).astype(jnp.float32)
+    y = _wo_call(
+        x2, w.qvalue, _as_grid(w.scale, groups, n), _zp_arg(w, groups, n),
+        layout=0, bits=w.bits, group_size=g, has_zp=w.zero_point is not None, n=n,
+    )  # fmt: skip
+    return y.reshape(*x.shape[:-1], n).astype(x.dtype)
+
+
+def _nk_forward(x: jax.Array, w: QArray) -> jax.Array:
+    n, k = w.shape
+    g = w.tile[1]
+    groups = math.ceil(k / g)
+    x2 = x.reshape(-1, k).astype(jnp.float32)
+    y = _wo_call(
+        x2, w.qvalue, _as_grid(w.scale, n, groups), _zp_arg(w, n, groups),
+        layout=1, bits=w.bits, group_size=g, has_zp=w.zero_point is not None, n=n,
+    )  # fmt: skip
+    return y.reshape(*x.shape[:-1], n).astype(x.dtype)
+
+
+def _w8_forward(x: jax.Array, w: QArray, act) -> jax.Array:
+    from llmeq_jax.ops import quantize_activations  # same activation numerics as the XLA path
+
+    k, n = w.shape
+    g = w.tile[0]
+    groups = math.ceil(k / g)
+    xq, sx = quantize_activations(x, act, w.act_scale)
+    xq2 = xq.reshape(-1, k)
+    # Per-token scales are (..., 1), a static or per-tensor one broadcasts: one entry per row.
+    sx_rows = jnp.broadcast_to(jnp.asarray(sx, jnp.float32), (*xq.shape[:-1], 1))
+    y = _w8_call(
+        xq2, w.qvalue.astype(jnp.int8), _as_grid(w.scale, groups, n), _zp_arg(w, groups, n),
+        sx_rows.reshape(-1), group_size=g, has_zp=w.zero_point is not None,
+    )  # fmt: skip
+    return y.reshape(*x.shape[:-1], n).astype(x.dtype)
+
+
+def _xla_kn(x, w):
+    from llmeq_jax.ops import weight_only_xla
+
+    return weight_only_xla(x, w)
+
+
+def _xla_nk(x, w):
+    from llmeq_jax.ops import linear_nk_xla
+
+    return linear_nk_xla(x, w)
+
+
+def _xla_w8(x, w, act):
+    from llmeq_jax.ops import w8a8_xla
+
+    return w8a8_xla(x, w, act)
+
+
+def _with_xla_grad(forward, reference):
+    """``forward`` on the way in; the vjp of the XLA ``reference`` on the way back."""
+
+    @jax.custom_vjp
+    def f(x, w):
+        return forward(x, w)
+
+    def fwd(x, w):
+        return forward(x, w), (x, w)
+
+    def bwd(res, g):
+        x, w = res
+        return jax.vjp(reference, x, w)[1](g)
+
+    f.defvjp(fwd, bwd)
+    return f
+
+
+_kn = _with_xla_grad(_kn_forward, _xla_kn)
+_nk = _with_xla_grad(_nk_forward, _xla_nk)
+
+
+def weight_only_kn(x: jax.Array, w: QArray) -> jax.Array:
+    """``x @ dequantize(w)`` for an ``(in, out)`` QArray kernel, by the native kernel."""
+    _require(supports_kn(w), "weight_only_kn")
+    _check_x(x, w.shape[0], "weight_only_kn")
+    return _kn(x, w)
+
+
+def weight_only_nk(x: jax.Array, w: QArray) -> jax.Array:
+    """``x @ dequantize(w).T`` for an ``(out, in)`` QArray (rows contiguous), by the native kernel."""
+    _require(supports_nk(w), "weight_only_nk")
+    _check_x(x, w.shape[1], "weight_only_nk")
+    return _nk(x, w)
+
+
+def w8a8_kn(x: jax.Array, w: QArray, act) -> jax.Array:
+    """W8A8 ``x @ w``: activations quantized as in :func:`llmeq_jax.ops.quantize_activations`."""
+    _require(supports_w8a8(w), "w8a8_kn")
+    _check_x(x, w.shape[0], "w8a8_kn")
+    if act is None or act.bits > 8:
+        raise ValueError(f"native.w8a8_kn: needs an activation spec of at most 8 bits, got {act!r}")
+    f = _with_xla_grad(lambda a, b: _w8_forward(a, b, act), lambda a, b: _xla_w8(a, b, act))
+    return f(x, w)
+
+
+def _w8_int32_for_tests(xq2: jax.Array, q: jax.Array, group_size: int) -> jax.Array:
+    """The kernel's integer part alone, as float32 (exact: unit scales, sx = 1); for tests."""
+    k, n = q.shape
+    groups = math.ceil(k / group_size)
+    if groups != 1:
+        raise ValueError("the integer check uses one group")
+    return _w8_call(
+        xq2, q, jnp.ones((1, n), jnp.float32), jnp.zeros((1, 1), jnp.float32), jnp.ones((xq2.shape[0],), jnp.float32),
+        group_size=group_size, has_zp=False,
+    )  # fmt: skip
+
+
+__all__ = [
+    "available",
+    "disabled",
+    "enabled",
+    "force_scalar",
+    "library_path",
+    "simd",
+    "supports_kn",
+    "supports_nk",
+    "supports_w8a8",
+    "unavailable_reason",
+    "w8a8_kn",
+    "weight_only_kn",
+    "weight_only_nk",
+]

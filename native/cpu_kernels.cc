@@ -1,0 +1,777 @@
+// Native CPU kernels for quantized matmuls, called from JAX through the XLA FFI.
+//
+// Two products (see llmeq_jax/native.py for the Python side and the exact
+// layouts it passes):
+//
+//   llmeq_wo_matmul    y[M,N] = x[M,K] (f32) @ dequant(W)      weight-only
+//   llmeq_w8a8_matmul  y[M,N] = (xq[M,K] (s8) @ W (s8)) * scales  W8A8
+//
+// Weight-only numerics: per contraction group g and output n,
+//   y[m,n] = sum_g scale[g,n] * (sum_{k in g} x[m,k] q[k,n] - zp[g,n] * sum_{k in g} x[m,k])
+// which is the XLA reference (x @ (q - zp)) * scale up to float summation order.
+//
+// W8A8 numerics: the integer part sum_{k in g} xq[m,k] q[k,n] is exact int32
+// (int16 x int16 -> int32 pair products, vpmaddwd), then exactly as the XLA
+// reference: y = (sum_g (float(acc) - xsum * zp) * scale) * sx[m].
+//
+// Every AVX2 function is compiled with a target attribute and called only when
+// the CPU reports AVX2 + FMA at run time, so the library builds and loads on
+// any x86-64 (or non-x86) machine and falls back to the scalar loops.
+//
+// Threads: work is split into chunks claimed from an atomic counter by the
+// calling thread and by tasks scheduled on XLA's intra-op pool. The caller only
+// ever waits for chunks somebody already claimed, so it can never deadlock on a
+// pool that is busy (or has no threads): it then simply does all the work.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define LLMEQ_X86 1
+#include <immintrin.h>
+#else
+#define LLMEQ_X86 0
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// ----------------------------------------------------------------------------- CPU features
+
+bool cpu_has_avx2_fma() {
+#if LLMEQ_X86 && (defined(__GNUC__) || defined(__clang__))
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// Set to 0 by llmeq_native_force_scalar() so tests can check the portable path here too.
+std::atomic<int> g_allow_simd{1};
+
+bool use_avx2() { return g_allow_simd.load(std::memory_order_relaxed) && cpu_has_avx2_fma(); }
+
+// ----------------------------------------------------------------------------- threading
+
+// Pool tasks per call at most: LLMEQ_NATIVE_THREADS - 1 (the caller is a thread too).
+int64_t max_workers() {
+  static const int64_t cap = [] {
+    const char* env = std::getenv("LLMEQ_NATIVE_THREADS");
+    return env && std::atoi(env) > 0 ? int64_t(std::atoi(env)) - 1 : int64_t(1) << 30;
+  }();
+  return cap;
+}
+
+// Runs body(i) for i in [0, n). Worker tasks share the state through a
+// shared_ptr: a task that starts after the call returned finds no chunk left
+// and never touches `body` (which lives on the caller's stack).
+void parallel_for(ffi::ThreadPool* pool, int64_t n, const std::function<void(int64_t)>& body) {
+  int64_t workers = pool ? std::min<int64_t>({pool->num_threads(), n - 1, max_workers()}) : 0;
+  if (workers <= 0) {
+    for (int64_t i = 0; i < n; ++i) body(i);
+    return;
+  }
+  struct State {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+    int64_t n = 0;
+    const std::function<void(int64_t)>* body = nullptr;
+  };
+  auto st = std::make_shared<State>();
+  st->n = n;
+  st->body = &body;
+  auto run = [st]() {
+    int64_t i;
+    while ((i = st->next.fetch_add(1, std::memory_order_relaxed)) < st->n) {
+      (*st->body)(i);
+      st->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  for (int64_t w = 0; w < workers; ++w) pool->Schedule([run]() { run(); });
+  run();
+  // Everything left is being computed right now by a worker: a short wait.
+  int spins = 0;
+  while (st->done.load(std::memory_order_acquire) < n) {
+    if (++spins < 2000) {
+#if LLMEQ_X86
+      _mm_pause();
+#endif
+    } else {
+      std::this_thread::yield();
+    }
+  }
+}
+
+inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// ----------------------------------------------------------------------------- weight-only
+
+// One weight-only product. kn: q is (K or K/2 packed, N), scale/zp are (G, N).
+// nk: q is (N, K or K/2 packed), scale/zp are (N, G).
+struct WO {
+  const float* x;      // [M, K]
+  const uint8_t* q;    // int8 values, or two 4-bit values per byte (low nibble = even k)
+  const float* scale;  // see above
+  const float* zp;     // same shape as scale, or nullptr (symmetric)
+  float* y;            // [M, N]
+  int64_t M, K, N, gs, G;
+  bool int4;
+  bool nk;
+  int64_t Kb;          // stored length of the K axis: K (int8) or ceil(K/2) (int4)
+  // Prepared on the calling thread:
+  const float* xsum;   // [M, G] sums of x per group (only with zp)
+  const float* xl;     // int4: [M, Kb] x[2j] * 2^-28
+  const float* xh;     // int4: [M, Kb] x[2j+1] * 2^-4
+};
+
+inline int sext4(int v) { return (v & 8) ? (v | ~15) : (v & 15); }
+
+inline float wo_weight(const WO& p, int64_t k, int64_t n) {
+  int64_t idx = p.nk ? n * p.Kb + (p.int4 ? k / 2 : k) : (p.int4 ? k / 2 : k) * p.N + n;
+  if (!p.int4) return static_cast<float>(static_cast<int8_t>(p.q[idx]));
+  int b = p.q[idx];
+  return static_cast<float>((k & 1) ? sext4(b >> 4) : sext4(b & 15));
+}
+
+inline int64_t sidx(const WO& p, int64_t g, int64_t n) { return p.nk ? n * p.G + g : g * p.N + n; }
+
+// Portable reference loops for an (m, n) rectangle; also the column / row tails of the SIMD paths.
+void wo_scalar(const WO& p, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+  for (int64_t m = m0; m < m1; ++m) {
+    const float* xr = p.x + m * p.K;
+    for (int64_t n = n0; n < n1; ++n) {
+      float tot = 0.f;
+      for (int64_t g = 0; g < p.G; ++g) {
+        int64_t k0 = g * p.gs, k1 = std::min(p.K, k0 + p.gs);
+        float acc = 0.f;
+        for (int64_t k = k0; k < k1; ++k) acc += xr[k] * wo_weight(p, k, n);
+        if (p.zp) acc -= p.zp[sidx(p, g, n)] * p.xsum[m * p.G + g];
+        tot += p.scale[sidx(p, g, n)] * acc;
+      }
+      p.y[m * p.N + n] = tot;
+    }
+  }
+}
+
+#if LLMEQ_X86
+#define AVX2 __attribute__((target("avx2,fma")))
+
+// Low nibble of each sign-extended byte, times 2^28; high nibble times 2^4. Both exact in
+// float; x was pre-scaled by 2^-28 / 2^-4, so the products are exactly x * w.
+AVX2 inline void int4_decode(__m128i bytes8, __m256& lo, __m256& hi) {
+  __m256i b = _mm256_cvtepi8_epi32(bytes8);
+  lo = _mm256_cvtepi32_ps(_mm256_slli_epi32(b, 28));
+  hi = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(~15)));
+}
+
+AVX2 inline __m256 int8_decode(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// kn: MT activation rows x (8 * NV) output columns starting at (m0, c0), all groups.
+// The kernel rows are streamed once per call; the group sums live in registers and
+// are scaled into y at each group end.
+template <int MT, int NV>
+AVX2 void wo_kn_block(const WO& p, int64_t m0, int64_t c0) {
+  for (int64_t g = 0; g < p.G; ++g) {
+    int64_t k0 = g * p.gs, k1 = std::min(p.K, k0 + p.gs);
+    __m256 a[MT][NV];
+    for (int m = 0; m < MT; ++m)
+      for (int v = 0; v < NV; ++v) a[m][v] = _mm256_setzero_ps();
+    if (!p.int4) {
+      for (int64_t k = k0; k < k1; ++k) {
+        const uint8_t* row = p.q + k * p.N + c0;
+        __m256 xb[MT];
+        for (int m = 0; m < MT; ++m) xb[m] = _mm256_broadcast_ss(p.x + (m0 + m) * p.K + k);
+        for (int v = 0; v < NV; ++v) {
+          __m256 w = int8_decode(row + 8 * v);
+          for (int m = 0; m < MT; ++m) a[m][v] = _mm256_fmadd_ps(xb[m], w, a[m][v]);
+        }
+      }
+    } else {
+      for (int64_t j = k0 / 2, j1 = cdiv(k1, 2); j < j1; ++j) {
+        const uint8_t* row = p.q + j * p.N + c0;
+        __m256 xl[MT], xh[MT];
+        for (int m = 0; m < MT; ++m) {
+          xl[m] = _mm256_broadcast_ss(p.xl + (m0 + m) * p.Kb + j);
+          xh[m] = _mm256_broadcast_ss(p.xh + (m0 + m) * p.Kb + j);
+        }
+        for (int v = 0; v < NV; ++v) {
+          __m256 lo, hi;
+          int4_decode(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * v)), lo, hi);
+          for (int m = 0; m < MT; ++m) {
+            a[m][v] = _mm256_fmadd_ps(xl[m], lo, a[m][v]);
+            a[m][v] = _mm256_fmadd_ps(xh[m], hi, a[m][v]);
+          }
+        }
+      }
+    }
+    for (int v = 0; v < NV; ++v) {
+      __m256 s = _mm256_loadu_ps(p.scale + g * p.N + c0 + 8 * v);
+      __m256 z = p.zp ? _mm256_loadu_ps(p.zp + g * p.N + c0 + 8 * v) : _mm256_setzero_ps();
+      for (int m = 0; m < MT; ++m) {
+        __m256 t = a[m][v];
+        if (p.zp) t = _mm256_fnmadd_ps(z, _mm256_broadcast_ss(p.xsum + (m0 + m) * p.G + g), t);
+        float* yp = p.y + (m0 + m) * p.N + c0 + 8 * v;
+        __m256 prev = g == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(yp);
+        _mm256_storeu_ps(yp, _mm256_fmadd_ps(t, s, prev));
+      }
+    }
+  }
+}
+
+// All M rows for columns [c0, c1) (c1 - c0 <= 64): m tiles of 4/2/1, column blocks of
+// 64/32/16/8, scalar for the last N % 8 columns.
+template <int MT>
+AVX2 void wo_kn_cols_mt(const WO& p, int64_t m0, int64_t c0, int64_t c1) {
+  constexpr int NV = MT == 1 ? 8 : (MT == 2 ? 4 : 2);
+  int64_t c = c0;
+  for (; c + 8 * NV <= c1; c += 8 * NV) wo_kn_block<MT, NV>(p, m0, c);
+  for (; c + 8 <= c1; c += 8) wo_kn_block<MT, 1>(p, m0, c);
+  if (c < c1) wo_scalar(p, m0, m0 + MT, c, c1);
+}
+
+AVX2 void wo_kn_cols(const WO& p, int64_t c0, int64_t c1) {
+  int64_t m = 0;
+  for (; m + 4 <= p.M; m += 4) wo_kn_cols_mt<4>(p, m, c0, c1);
+  for (; m + 2 <= p.M; m += 2) wo_kn_cols_mt<2>(p, m, c0, c1);
+  for (; m < p.M; ++m) wo_kn_cols_mt<1>(p, m, c0, c1);
+}
+
+AVX2 inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// nk: R weight rows (outputs n0..n0+R) x MT activation rows. Each row is a contiguous
+// dot product: vector partial sums per group, scaled per group, one horizontal sum at
+// the end. R rows at once give R independent FMA chains (latency) and R streams.
+template <int MT, int R>
+AVX2 void wo_nk_block(const WO& p, int64_t m0, int64_t n0) {
+  // The rows two blocks ahead are fetched now: the hardware prefetcher alone left a
+  // single core at ~60% of its streaming rate on the 28 MB head table.
+  if (m0 == 0 && n0 + 3 * R <= p.N)
+    for (int64_t off = 0; off < R * p.Kb; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p.q + (n0 + 2 * R) * p.Kb + off), _MM_HINT_T0);
+  __m256 tot[MT][R];
+  float adj[MT][R];
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < R; ++r) tot[m][r] = _mm256_setzero_ps(), adj[m][r] = 0.f;
+  for (int64_t g = 0; g < p.G; ++g) {
+    int64_t k0 = g * p.gs, k1 = std::min(p.K, k0 + p.gs);
+    __m256 a[MT][R];
+    float ts[MT][R];
+    for (int m = 0; m < MT; ++m)
+      for (int r = 0; r < R; ++r) a[m][r] = _mm256_setzero_ps(), ts[m][r] = 0.f;
+    if (!p.int4) {
+      int64_t k = k0;
+      for (; k + 8 <= k1; k += 8) {
+        __m256 xv[MT];
+        for (int m = 0; m < MT; ++m) xv[m] = _mm256_loadu_ps(p.x + (m0 + m) * p.K + k);
+        for (int r = 0; r < R; ++r) {
+          __m256 w = int8_decode(p.q + (n0 + r) * p.Kb + k);
+          for (int m = 0; m < MT; ++m) a[m][r] = _mm256_fmadd_ps(xv[m], w, a[m][r]);
+        }
+      }
+      for (; k < k1; ++k)
+        for (int r = 0; r < R; ++r) {
+          float w = static_cast<float>(static_cast<int8_t>(p.q[(n0 + r) * p.Kb + k]));
+          for (int m = 0; m < MT; ++m) ts[m][r] += p.x[(m0 + m) * p.K + k] * w;
+        }
+    } else {
+      int64_t j = k0 / 2, j1 = cdiv(k1, 2);
+      for (; j + 8 <= j1; j += 8) {
+        __m256 xl[MT], xh[MT];
+        for (int m = 0; m < MT; ++m) {
+          xl[m] = _mm256_loadu_ps(p.xl + (m0 + m) * p.Kb + j);
+          xh[m] = _mm256_loadu_ps(p.xh + (m0 + m) * p.Kb + j);
+        }
+        for (int r = 0; r < R; ++r) {
+          __m256 lo, hi;
+          int4_decode(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p.q + (n0 + r) * p.Kb + j)), lo, hi);
+          for (int m = 0; m < MT; ++m) {
+            a[m][r] = _mm256_fmadd_ps(xl[m], lo, a[m][r]);
+            a[m][r] = _mm256_fmadd_ps(xh[m], hi, a[m][r]);
+          }
+        }
+      }
+      for (; j < j1; ++j)
+        for (int r = 0; r < R; ++r) {
+          int b = static_cast<int8_t>(p.q[(n0 + r) * p.Kb + j]);
+          float lo = static_cast<float>(static_cast<int32_t>(static_cast<uint32_t>(b) << 28));
+          float hi = static_cast<float>(b & ~15);
+          for (int m = 0; m < MT; ++m)
+            ts[m][r] += p.xl[(m0 + m) * p.Kb + j] * lo + p.xh[(m0 + m) * p.Kb + j] * hi;
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+      float s = p.scale[(n0 + r) * p.G + g];
+      float z = p.zp ? p.zp[(n0 + r) * p.G + g] : 0.f;
+      __m256 sv = _mm256_set1_ps(s);
+      for (int m = 0; m < MT; ++m) {
+        tot[m][r] = _mm256_fmadd_ps(a[m][r], sv, tot[m][r]);
+        float t = ts[m][r];
+        if (p.zp) t -= z * p.xsum[(m0 + m) * p.G + g];
+        adj[m][r] += s * t;
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < R; ++r) p.y[(m0 + m) * p.N + n0 + r] = hsum(tot[m][r]) + adj[m][r];
+}
+
+template <int MT>
+AVX2 void wo_nk_rows_mt(const WO& p, int64_t m0, int64_t n0, int64_t n1) {
+  constexpr int R = MT == 1 ? 4 : 2;
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) wo_nk_block<MT, R>(p, m0, n);
+  for (; n < n1; ++n) wo_nk_block<MT, 1>(p, m0, n);
+}
+
+AVX2 void wo_nk_rows(const WO& p, int64_t n0, int64_t n1) {
+  int64_t m = 0;
+  for (; m + 4 <= p.M; m += 4) wo_nk_rows_mt<4>(p, m, n0, n1);
+  for (; m + 2 <= p.M; m += 2) wo_nk_rows_mt<2>(p, m, n0, n1);
+  for (; m < p.M; ++m) wo_nk_rows_mt<1>(p, m, n0, n1);
+}
+#endif  // LLMEQ_X86
+
+// Output columns (kn) or weight rows (nk) per claimed chunk: 64 columns is one cache
+// line of an int8 kernel row; 32 nk rows amortise the counter over ~18 KB of weights.
+constexpr int64_t kKnChunk = 64;
+constexpr int64_t kNkChunk = 32;
+// Below this many weight bytes a product runs on the calling thread only. On a quiet
+// machine a second thread pays off from ~50 KB, but this 2-core box is shared: a pool
+// thread that is preempted while it holds a chunk stalls the whole call, which
+// scripts/bench_native.py measured as a net loss for the per-layer GEMVs (<= 1 MB) and
+// a win for the 28 MB head. LLMEQ_NATIVE_THREADS=1 turns threads off entirely.
+constexpr int64_t kMinParallelBytes = 2 * 1024 * 1024;
+
+void wo_run(WO& p, ffi::ThreadPool* pool) {
+  std::vector<float> xsum, xl, xh;
+  if (p.zp) {
+    xsum.assign(p.M * p.G, 0.f);
+    for (int64_t m = 0; m < p.M; ++m)
+      for (int64_t g = 0; g < p.G; ++g) {
+        float s = 0.f;
+        for (int64_t k = g * p.gs, k1 = std::min(p.K, k + p.gs); k < k1; ++k) s += p.x[m * p.K + k];
+        xsum[m * p.G + g] = s;
+      }
+    p.xsum = xsum.data();
+  }
+  bool simd = use_avx2();
+  if (p.int4 && simd) {
+    xl.assign(p.M * p.Kb, 0.f);
+    xh.assign(p.M * p.Kb, 0.f);
+    const float lo_scale = std::ldexp(1.f, -28), hi_scale = 1.f / 16.f;
+    for (int64_t m = 0; m < p.M; ++m)
+      for (int64_t k = 0; k < p.K; ++k) {
+        float v = p.x[m * p.K + k];
+        if (k & 1) xh[m * p.Kb + k / 2] = v * hi_scale;
+        else xl[m * p.Kb + k / 2] = v * lo_scale;
+      }
+    p.xl = xl.data();
+    p.xh = xh.data();
+  }
+  int64_t chunk = p.nk ? kNkChunk : kKnChunk;
+  int64_t n_chunks = cdiv(p.N, chunk);
+  int64_t bytes = p.Kb * p.N;
+  ffi::ThreadPool* use_pool = bytes >= kMinParallelBytes ? pool : nullptr;
+  const WO& c = p;
+  parallel_for(use_pool, n_chunks, [&c, chunk, simd](int64_t i) {
+    int64_t n0 = i * chunk, n1 = std::min(c.N, n0 + chunk);
+#if LLMEQ_X86
+    if (simd) {
+      if (c.nk) wo_nk_rows(c, n0, n1);
+      else wo_kn_cols(c, n0, n1);
+      return;
+    }
+#endif
+    (void)simd;
+    wo_scalar(c, 0, c.M, n0, n1);
+  });
+}
+
+// ----------------------------------------------------------------------------- W8A8
+
+struct W8 {
+  const int8_t* x;     // [M, K]
+  const int8_t* q;     // [K, N]
+  const float* scale;  // [G, N]
+  const float* zp;     // [G, N] or nullptr
+  const float* sx;     // [M] activation scale per row
+  float* y;            // [M, N]
+  int64_t M, K, N, gs, G;
+  const int32_t* xsum;  // [M, G] (only with zp)
+  const int32_t* xpair; // [M, P] GEMM only: (x[k], x[k+1]) int16 pairs, P pairs over all groups
+  int64_t P;
+};
+
+// Pairs of contraction rows never straddle a group: group g starts at pair g * ppg.
+inline int64_t pairs_per_group(const W8& p) { return cdiv(p.gs, 2); }
+
+inline float w8_finish(const W8& p, int64_t m, int64_t g, int64_t n, int32_t acc) {
+  float f = static_cast<float>(acc);
+  if (p.zp) f -= static_cast<float>(p.xsum[m * p.G + g]) * p.zp[g * p.N + n];
+  return f * p.scale[g * p.N + n];
+}
+
+void w8_scalar(const W8& p, int64_t m0, int64_t m1, int64_t n0, int64_t n1, bool apply_sx = true) {
+  for (int64_t m = m0; m < m1; ++m)
+    for (int64_t n = n0; n < n1; ++n) {
+      float tot = 0.f;
+      for (int64_t g = 0; g < p.G; ++g) {
+        int32_t acc = 0;
+        for (int64_t k = g * p.gs, k1 = std::min(p.K, k + p.gs); k < k1; ++k)
+          acc += static_cast<int32_t>(p.x[m * p.K + k]) * static_cast<int32_t>(p.q[k * p.N + n]);
+        tot += w8_finish(p, m, g, n, acc);
+      }
+      p.y[m * p.N + n] = apply_sx ? tot * p.sx[m] : tot;
+    }
+}
+
+#if LLMEQ_X86
+inline int32_t pack_pair(int8_t a, int8_t b) {
+  return static_cast<int32_t>(static_cast<uint16_t>(static_cast<int16_t>(a)) |
+                              (static_cast<uint32_t>(static_cast<uint16_t>(static_cast<int16_t>(b))) << 16));
+}
+
+// Group-end epilogue for 16 columns: int32 pair sums in vpunpck order -> y += (acc - xsum*zp) * s.
+AVX2 inline void w8_flush16(const W8& p, int64_t m, int64_t g, int64_t c, __m256i lo, __m256i hi, bool first) {
+  __m256i c0 = _mm256_permute2x128_si256(lo, hi, 0x20);  // columns c..c+7
+  __m256i c1 = _mm256_permute2x128_si256(lo, hi, 0x31);  // columns c+8..c+15
+  __m256i parts[2] = {c0, c1};
+  for (int h = 0; h < 2; ++h) {
+    __m256 f = _mm256_cvtepi32_ps(parts[h]);
+    if (p.zp) {
+      __m256 xs = _mm256_set1_ps(static_cast<float>(p.xsum[m * p.G + g]));
+      f = _mm256_fnmadd_ps(xs, _mm256_loadu_ps(p.zp + g * p.N + c + 8 * h), f);
+    }
+    float* yp = p.y + m * p.N + c + 8 * h;
+    __m256 prev = first ? _mm256_setzero_ps() : _mm256_loadu_ps(yp);
+    _mm256_storeu_ps(yp, _mm256_fmadd_ps(f, _mm256_loadu_ps(p.scale + g * p.N + c + 8 * h), prev));
+  }
+}
+
+// GEMV-style W8A8 for few rows: kernel rows k, k+1 are sign-extended to int16 and
+// interleaved so one vpmaddwd forms x[k] w[k,n] + x[k+1] w[k+1,n] exactly in int32
+// (|sum| <= 2 * 128 * 128, far below int32; no vpmaddubsw saturation).
+template <int MT, int NU>
+AVX2 void w8_gemv_block(const W8& p, int64_t m0, int64_t c0) {
+  for (int64_t g = 0; g < p.G; ++g) {
+    int64_t k0 = g * p.gs, k1 = std::min(p.K, k0 + p.gs);
+    __m256i lo[MT][NU], hi[MT][NU];
+    for (int m = 0; m < MT; ++m)
+      for (int u = 0; u < NU; ++u) lo[m][u] = hi[m][u] = _mm256_setzero_si256();
+    for (int64_t k = k0; k < k1; k += 2) {
+      bool pair = k + 1 < k1;
+      __m256i xp[MT];
+      for (int m = 0; m < MT; ++m) {
+        const int8_t* xr = p.x + (m0 + m) * p.K;
+        xp[m] = _mm256_set1_epi32(pack_pair(xr[k], pair ? xr[k + 1] : 0));
+      }
+      const int8_t* r0 = p.q + k * p.N + c0;
+      const int8_t* r1 = r0 + p.N;
+      for (int u = 0; u < NU; ++u) {
+        __m256i a = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r0 + 16 * u)));
+        __m256i b = pair ? _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r1 + 16 * u)))
+                         : _mm256_setzero_si256();
+        __m256i il = _mm256_unpacklo_epi16(a, b), ih = _mm256_unpackhi_epi16(a, b);
+        for (int m = 0; m < MT; ++m) {
+          lo[m][u] = _mm256_add_epi32(lo[m][u], _mm256_madd_epi16(il, xp[m]));
+          hi[m][u] = _mm256_add_epi32(hi[m][u], _mm256_madd_epi16(ih, xp[m]));
+        }
+      }
+    }
+    for (int m = 0; m < MT; ++m)
+      for (int u = 0; u < NU; ++u) w8_flush16(p, m0 + m, g, c0 + 16 * u, lo[m][u], hi[m][u], g == 0);
+  }
+}
+
+template <int MT>
+AVX2 void w8_gemv_cols_mt(const W8& p, int64_t m0, int64_t c0, int64_t c1) {
+  constexpr int NU = MT == 1 ? 4 : (MT == 2 ? 2 : 1);
+  int64_t c = c0;
+  for (; c + 16 * NU <= c1; c += 16 * NU) w8_gemv_block<MT, NU>(p, m0, c);
+  for (; c + 16 <= c1; c += 16) w8_gemv_block<MT, 1>(p, m0, c);
+  // The SIMD blocks store y without the activation scale; the tail does the same.
+  if (c < c1) w8_scalar(p, m0, m0 + MT, c, c1, /*apply_sx=*/false);
+  for (int m = 0; m < MT; ++m) {
+    float* yp = p.y + (m0 + m) * p.N;
+    __m256 s = _mm256_set1_ps(p.sx[m0 + m]);
+    int64_t n = c0;
+    for (; n + 8 <= c1; n += 8) _mm256_storeu_ps(yp + n, _mm256_mul_ps(_mm256_loadu_ps(yp + n), s));
+    for (; n < c1; ++n) yp[n] *= p.sx[m0 + m];
+  }
+}
+
+AVX2 void w8_gemv_cols(const W8& p, int64_t c0, int64_t c1) {
+  int64_t m = 0;
+  for (; m + 4 <= p.M; m += 4) w8_gemv_cols_mt<4>(p, m, c0, c1);
+  for (; m + 2 <= p.M; m += 2) w8_gemv_cols_mt<2>(p, m, c0, c1);
+  for (; m < p.M; ++m) w8_gemv_cols_mt<1>(p, m, c0, c1);
+}
+
+// ---- GEMM (many rows): packed panels + a 6 x 16 register-blocked micro-kernel.
+//
+// B panel (16 columns): for each contraction pair, 32 int16 already in the
+// vpunpcklo/hi order (64 bytes, two aligned loads). A: int32 (x[k], x[k+1]) pairs
+// per row, broadcast with one load. 12 int32 accumulators per tile.
+
+constexpr int kMR = 6;
+
+AVX2 void w8_pack_panel(const W8& p, int64_t c, int16_t* dst) {
+  int64_t ppg = pairs_per_group(p);
+  for (int64_t g = 0; g < p.G; ++g) {
+    int64_t k0 = g * p.gs, k1 = std::min(p.K, k0 + p.gs);
+    int16_t* d = dst + g * ppg * 32;
+    int64_t k = k0;
+    for (int64_t j = 0; j < ppg; ++j, k += 2, d += 32) {
+      __m256i a = k < k1 ? _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.q + k * p.N + c)))
+                         : _mm256_setzero_si256();
+      __m256i b = k + 1 < k1
+                      ? _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.q + (k + 1) * p.N + c)))
+                      : _mm256_setzero_si256();
+      _mm256_store_si256(reinterpret_cast<__m256i*>(d), _mm256_unpacklo_epi16(a, b));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(d + 16), _mm256_unpackhi_epi16(a, b));
+    }
+  }
+}
+
+template <int MR>
+AVX2 void w8_micro(const W8& p, int64_t m0, int64_t c, const int16_t* panel) {
+  int64_t ppg = pairs_per_group(p);
+  for (int64_t g = 0; g < p.G; ++g) {
+    __m256i lo[MR], hi[MR];
+    for (int m = 0; m < MR; ++m) lo[m] = hi[m] = _mm256_setzero_si256();
+    const int16_t* b = panel + g * ppg * 32;
+    const int32_t* a = p.xpair + m0 * p.P + g * ppg;
+    for (int64_t j = 0; j < ppg; ++j, b += 32) {
+      __m256i bl = _mm256_load_si256(reinterpret_cast<const __m256i*>(b));
+      __m256i bh = _mm256_load_si256(reinterpret_cast<const __m256i*>(b + 16));
+      for (int m = 0; m < MR; ++m) {
+        __m256i xa = _mm256_set1_epi32(a[m * p.P + j]);
+        lo[m] = _mm256_add_epi32(lo[m], _mm256_madd_epi16(bl, xa));
+        hi[m] = _mm256_add_epi32(hi[m], _mm256_madd_epi16(bh, xa));
+      }
+    }
+    for (int m = 0; m < MR; ++m) w8_flush16(p, m0 + m, g, c, lo[m], hi[m], g == 0);
+  }
+  for (int m = 0; m < MR; ++m) {
+    float* yp = p.y + (m0 + m) * p.N + c;
+    __m256 s = _mm256_set1_ps(p.sx[m0 + m]);
+    _mm256_storeu_ps(yp, _mm256_mul_ps(_mm256_loadu_ps(yp), s));
+    _mm256_storeu_ps(yp + 8, _mm256_mul_ps(_mm256_loadu_ps(yp + 8), s));
+  }
+}
+
+AVX2 void w8_gemm_panel(const W8& p, int64_t c, int16_t* panel) {
+  w8_pack_panel(p, c, panel);
+  int64_t m = 0;
+  for (; m + kMR <= p.M; m += kMR) w8_micro<kMR>(p, m, c, panel);
+  switch (p.M - m) {
+    case 5: w8_micro<5>(p, m, c, panel); break;
+    case 4: w8_micro<4>(p, m, c, panel); break;
+    case 3: w8_micro<3>(p, m, c, panel); break;
+    case 2: w8_micro<2>(p, m, c, panel); break;
+    case 1: w8_micro<1>(p, m, c, panel); break;
+    default: break;
+  }
+}
+#endif  // LLMEQ_X86
+
+// Rows at or below which W8A8 runs as a GEMV straight from the kernel (no packing).
+constexpr int64_t kW8GemvRows = 8;
+constexpr int64_t kW8GemmChunk = 32;  // columns per claimed chunk (two panels)
+
+void w8_run(W8& p, ffi::ThreadPool* pool) {
+  std::vector<int32_t> xsum, xpair;
+  if (p.zp) {
+    xsum.assign(p.M * p.G, 0);
+    for (int64_t m = 0; m < p.M; ++m)
+      for (int64_t g = 0; g < p.G; ++g) {
+        int32_t s = 0;
+        for (int64_t k = g * p.gs, k1 = std::min(p.K, k + p.gs); k < k1; ++k) s += p.x[m * p.K + k];
+        xsum[m * p.G + g] = s;
+      }
+    p.xsum = xsum.data();
+  }
+  bool simd = use_avx2();
+  bool gemm = simd && p.M > kW8GemvRows;
+#if LLMEQ_X86
+  if (gemm) {
+    int64_t ppg = pairs_per_group(p);
+    p.P = ppg * p.G;
+    xpair.assign(p.M * p.P, 0);
+    for (int64_t m = 0; m < p.M; ++m)
+      for (int64_t g = 0; g < p.G; ++g) {
+        int64_t k0 = g * p.gs, k1 = std::min(p.K, k0 + p.gs);
+        for (int64_t j = 0; j < ppg; ++j) {
+          int64_t k = k0 + 2 * j;
+          int8_t a = k < k1 ? p.x[m * p.K + k] : 0, b = k + 1 < k1 ? p.x[m * p.K + k + 1] : 0;
+          xpair[m * p.P + g * ppg + j] = pack_pair(a, b);
+        }
+      }
+    p.xpair = xpair.data();
+  }
+#endif
+  int64_t chunk = gemm ? kW8GemmChunk : kKnChunk;
+  int64_t n_chunks = cdiv(p.N, chunk);
+  ffi::ThreadPool* use_pool = (p.K * p.N >= kMinParallelBytes || p.M > kW8GemvRows) ? pool : nullptr;
+  const W8& c = p;
+  parallel_for(use_pool, n_chunks, [&c, chunk, simd, gemm](int64_t i) {
+    int64_t n0 = i * chunk, n1 = std::min(c.N, n0 + chunk);
+#if LLMEQ_X86
+    if (gemm) {
+      int64_t panel_elems = cdiv(c.gs, 2) * c.G * 32;
+      // 32-byte aligned scratch for two 64-byte-per-pair panels.
+      std::unique_ptr<int16_t[]> buf(new int16_t[panel_elems + 16]);
+      int16_t* panel = reinterpret_cast<int16_t*>((reinterpret_cast<uintptr_t>(buf.get()) + 31) & ~uintptr_t(31));
+      int64_t n = n0;
+      for (; n + 16 <= n1; n += 16) w8_gemm_panel(c, n, panel);
+      if (n < n1) w8_scalar(c, 0, c.M, n, n1);
+      return;
+    }
+    if (simd) {
+      w8_gemv_cols(c, n0, n1);
+      return;
+    }
+#endif
+    (void)simd;
+    (void)gemm;
+    w8_scalar(c, 0, c.M, n0, n1);
+  });
+}
+
+// ----------------------------------------------------------------------------- FFI handlers
+
+ffi::Error wo_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::Buffer<ffi::F32> scale,
+                   ffi::Buffer<ffi::F32> zp, ffi::ResultBuffer<ffi::F32> y, int64_t layout, int64_t bits,
+                   int64_t group_size, int64_t has_zp) {
+  auto xd = x.dimensions();
+  auto qd = q.dimensions();
+  auto yd = y->dimensions();
+  if (xd.size() != 2 || qd.size() != 2 || yd.size() != 2)
+    return ffi::Error::InvalidArgument("llmeq_wo_matmul: x, q and y must be 2-D");
+  if (q.element_type() != ffi::S8 && q.element_type() != ffi::U8)
+    return ffi::Error::InvalidArgument("llmeq_wo_matmul: q must be int8 or uint8");
+  if (bits < 3 || bits > 8) return ffi::Error::InvalidArgument("llmeq_wo_matmul: bits must be in 3..8");
+  WO p{};
+  p.M = xd[0];
+  p.K = xd[1];
+  p.N = yd[1];
+  p.int4 = bits <= 4;
+  p.nk = layout == 1;
+  p.Kb = p.int4 ? cdiv(p.K, 2) : p.K;
+  p.gs = group_size;
+  if (p.gs <= 0 || (p.int4 && p.gs % 2 && p.gs < p.K))
+    return ffi::Error::InvalidArgument("llmeq_wo_matmul: bad group size (int4 groups must be even)");
+  p.G = cdiv(p.K, p.gs);
+  int64_t want0 = p.nk ? p.N : p.Kb, want1 = p.nk ? p.Kb : p.N;
+  if (yd[0] != p.M || qd[0] != want0 || qd[1] != want1)
+    return ffi::Error::InvalidArgument("llmeq_wo_matmul: q / y shapes do not match x");
+  int64_t sd0 = p.nk ? p.N : p.G, sd1 = p.nk ? p.G : p.N;
+  auto sd = scale.dimensions();
+  if (sd.size() != 2 || sd[0] != sd0 || sd[1] != sd1)
+    return ffi::Error::InvalidArgument("llmeq_wo_matmul: scale must be (G, N) for kn or (N, G) for nk");
+  if (has_zp && (zp.dimensions().size() != 2 || zp.dimensions()[0] != sd0 || zp.dimensions()[1] != sd1))
+    return ffi::Error::InvalidArgument("llmeq_wo_matmul: zero point must have the scale's shape");
+  p.x = x.typed_data();
+  p.q = static_cast<const uint8_t*>(q.untyped_data());
+  p.scale = scale.typed_data();
+  p.zp = has_zp ? zp.typed_data() : nullptr;
+  p.y = y->typed_data();
+  if (p.M == 0 || p.N == 0) return ffi::Error::Success();
+  if (p.K == 0) {
+    std::memset(p.y, 0, sizeof(float) * p.M * p.N);
+    return ffi::Error::Success();
+  }
+  wo_run(p, &pool);
+  return ffi::Error::Success();
+}
+
+ffi::Error w8_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi::F32> scale,
+                   ffi::Buffer<ffi::F32> zp, ffi::Buffer<ffi::F32> sx, ffi::ResultBuffer<ffi::F32> y,
+                   int64_t group_size, int64_t has_zp) {
+  auto xd = x.dimensions();
+  auto qd = q.dimensions();
+  auto yd = y->dimensions();
+  if (xd.size() != 2 || qd.size() != 2 || yd.size() != 2)
+    return ffi::Error::InvalidArgument("llmeq_w8a8_matmul: x, q and y must be 2-D");
+  W8 p{};
+  p.M = xd[0];
+  p.K = xd[1];
+  p.N = qd[1];
+  p.gs = group_size;
+  if (p.gs <= 0) return ffi::Error::InvalidArgument("llmeq_w8a8_matmul: bad group size");
+  p.G = cdiv(p.K, p.gs);
+  if (qd[0] != p.K || yd[0] != p.M || yd[1] != p.N)
+    return ffi::Error::InvalidArgument("llmeq_w8a8_matmul: q / y shapes do not match x");
+  auto sd = scale.dimensions();
+  if (sd.size() != 2 || sd[0] != p.G || sd[1] != p.N)
+    return ffi::Error::InvalidArgument("llmeq_w8a8_matmul: scale must be (G, N)");
+  if (has_zp && (zp.dimensions().size() != 2 || zp.dimensions()[0] != p.G || zp.dimensions()[1] != p.N))
+    return ffi::Error::InvalidArgument("llmeq_w8a8_matmul: zero point must have the scale's shape");
+  if (sx.element_count() != static_cast<size_t>(p.M))
+    return ffi::Error::InvalidArgument("llmeq_w8a8_matmul: activation scale must have one entry per row");
+  p.x = x.typed_data();
+  p.q = q.typed_data();
+  p.scale = scale.typed_data();
+  p.zp = has_zp ? zp.typed_data() : nullptr;
+  p.sx = sx.typed_data();
+  p.y = y->typed_data();
+  if (p.M == 0 || p.N == 0) return ffi::Error::Success();
+  if (p.K == 0) {
+    std::memset(p.y, 0, sizeof(float) * p.M * p.N);
+    return ffi::Error::Success();
+  }
+  w8_run(p, &pool);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(llmeq_wo_matmul, wo_impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("layout")
+                                  .Attr<int64_t>("bits")
+                                  .Attr<int64_t>("group_size")
+                                  .Attr<int64_t>("has_zp"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(llmeq_w8a8_matmul, w8_impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("group_size")
+                                  .Attr<int64_t>("has_zp"));
+
+// Plain C helpers for Python (ctypes): what the library was built for and what this CPU runs.
+extern "C" {
+__attribute__((visibility("default"))) int llmeq_native_simd() { return use_avx2() ? 1 : 0; }
+__attribute__((visibility("default"))) void llmeq_native_force_scalar(int on) { g_allow_simd.store(on ? 0 : 1); }
+__attribute__((visibility("default"))) int llmeq_native_abi_version() { return 1; }
+}
