@@ -204,17 +204,24 @@ def scale_from_range(lo: jax.Array, hi: jax.Array, bits: int, symmetric: bool):
     if symmetric:
         amax = hi
         scale = jnp.where(amax > 0, amax / _exact_divisor(qmax), 1.0)
+        # amax at the float32 maximum: a scale rounded up would dequantize +-qmax to Inf.
+        scale = jnp.where(jnp.isfinite(scale * qmax), scale, jnp.nextafter(scale, jnp.float32(0)))
         return jnp.where(jnp.isfinite(amax), jnp.maximum(scale, tiny), jnp.nan), None
     lo = jnp.minimum(lo, 0.0)
     hi = jnp.maximum(hi, 0.0)
     span = hi - lo
-    # hi - lo overflows to Inf near the float32 maximum; halving both first cannot (and halving
-    # and doubling are exact), so ranges up to twice the float32 maximum keep a finite scale.
-    scale = jnp.where(jnp.isfinite(span), span / _exact_divisor(qmax - qmin),
-                      (hi * 0.5 - lo * 0.5) / _exact_divisor(qmax - qmin) * 2.0)
+    # hi - lo overflows to Inf near the float32 maximum (ranges up to twice it). Then: halve
+    # before subtracting (exact), spread over one level more and floor the zero point, so the
+    # whole grid lies inside [lo, hi] and no grid point dequantizes past the float32 maximum
+    # (a rounded zero point could shift the end half a step out, to Inf); the cost there is an
+    # error bound of one step instead of half a step.
+    wide = ~jnp.isfinite(span)
+    scale = jnp.where(wide, (hi * 0.5 - lo * 0.5) / _exact_divisor(qmax - qmin + 1) * 2.0,
+                      span / _exact_divisor(qmax - qmin))
     scale = jnp.where(hi > lo, scale, 1.0)
     scale = jnp.where(jnp.isfinite(lo) & jnp.isfinite(hi), jnp.maximum(scale, tiny), jnp.nan)
-    zero_point = jnp.clip(jnp.round(qmin - lo / scale), qmin, qmax)
+    zp = qmin - lo / scale
+    zero_point = jnp.clip(jnp.where(wide, jnp.floor(zp), jnp.round(zp)), qmin, qmax)
     return scale, jnp.where(jnp.isnan(zero_point), 0.0, zero_point)
 
 

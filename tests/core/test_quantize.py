@@ -401,5 +401,7 @@ def test_values_near_float32_max_give_finite_scales(symmetric):
     q = quantize(x, Spec(8, "channel", symmetric=symmetric))
     deq = np.asarray(q.dequantize())
     assert np.isfinite(np.asarray(q.scale)).all() and np.isfinite(deq).all()
-    half_step = np.asarray(q.scale).max() / 2 * 1.001
-    assert np.abs(deq.astype(np.float64) - x.astype(np.float64)).max() <= half_step
+    step = np.asarray(q.scale).max() * 1.001  # one step where the range overflows, else half of one
+    assert np.abs(deq.astype(np.float64) - x.astype(np.float64)).max() <= step
+    exact = np.array([[np.finfo(np.float32).max, np.finfo(np.float32).min, 0.5]], np.float32).T
+    assert np.isfinite(np.asarray(quantize(exact, Spec(8, "tensor", symmetric=symmetric)).dequantize())).all()
