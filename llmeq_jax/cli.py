@@ -2,17 +2,21 @@
 
 MODEL is everywhere a registry name (``smollm2-135m``), a Hugging Face
 directory, a GGUF file, or a checkpoint directory written by ``llmeq quantize``
-/ ``llmeq convert``. Errors print one line on stderr and exit with status 2.
+/ ``llmeq convert``. Errors print one line on stderr and exit with status 2:
+arguments are checked before any work starts, and any exception that still
+escapes becomes one line too (``LLMEQ_DEBUG=1`` prints the traceback).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +27,70 @@ EVAL_TEXT = "wikitext2_test.txt"
 CALIB_TEXT = "wikitext2_valid.txt"
 
 
+SEED_MAX = 2**32 - 1  # jax.random.key takes the seed as a 32-bit value without x64
+
+
 class CliError(Exception):
     """An error the user can fix; printed as one line."""
+
+
+# --------------------------------------------------------------------------- argument types
+# argparse calls these on the raw strings, so a bad value is rejected before any work starts.
+
+
+def _int_at_least(low: int, what: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer; expected {what}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is out of range; expected {what}")
+        return value
+
+    parse.__name__ = what  # argparse names the type in some messages
+    return parse
+
+
+def _finite_float(low: float | None, high: float | None, what: str, low_open: bool = False):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number; expected {what}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not finite; expected {what}")
+        if (low is not None and (value < low or (low_open and value == low))) or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{value:g} is out of range; expected {what}")
+        return value
+
+    parse.__name__ = what
+    return parse
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; expected a seed in [0, {SEED_MAX}]") from None
+    if not 0 <= value <= SEED_MAX:
+        raise argparse.ArgumentTypeError(f"{value} is out of range; expected a seed in [0, {SEED_MAX}]")
+    return value
+
+
+POSITIVE = _int_at_least(1, "an integer >= 1")
+NON_NEGATIVE = _int_at_least(0, "an integer >= 0")
+SEQ_LEN = _int_at_least(2, "an integer >= 2 (one token predicts the next)")
+TEMPERATURE = _finite_float(0.0, None, "a finite temperature >= 0 (0 = greedy)")
+TOP_P = _finite_float(0.0, 1.0, "a finite mass in (0, 1]", low_open=True)
+BUDGET_GB = _finite_float(0.0, None, "a finite size in GiB > 0", low_open=True)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (its default prints the usage block first)."""
+
+    def error(self, message: str):
+        raise CliError(f"{message} (see {self.prog} --help)")
 
 
 # --------------------------------------------------------------------------- data & models
@@ -53,13 +119,14 @@ def find_data_file(given: str | None, default_name: str, what: str) -> Path:
                    "or set LLMEQ_DATA to the folder that holds it")
 
 
-def open_model(source: str, progress: bool = True):
-    """(config, params, tokenizer, recipe_dict or None) from any MODEL form."""
+def open_model(source: str, progress: bool = True, verify: bool = True):
+    """(config, params, tokenizer, recipe_dict or None) from any MODEL form; checkpoints are checked
+    against their content hashes unless ``verify`` is False."""
     from llmeq_jax import checkpoint
 
     p = Path(source)
     if p.is_dir() and (p / checkpoint.MANIFEST).is_file():
-        return checkpoint.load_model_checkpoint(p)
+        return checkpoint.load_model_checkpoint(p, verify_hashes=verify)
     from llmeq_jax.models import load_model
 
     config, params, tokenizer = load_model(source)
@@ -76,8 +143,18 @@ def read_recipe(path_or_name: str):
 
 
 def check_writable_dir(out: Path, overwrite: bool) -> None:
-    if out.exists() and not overwrite:
-        raise CliError(f"output directory {str(out)!r} already exists; pass --overwrite to replace it")
+    """Before any work: --out may be created, or (with --overwrite) replaced -- only if it is a checkpoint of ours."""
+    from llmeq_jax import checkpoint
+
+    if out.exists() or out.is_symlink():
+        if not overwrite:
+            raise CliError(f"output directory {str(out)!r} already exists; pass --overwrite to replace it")
+        full = Path(os.path.abspath(out))
+        if full == Path.cwd() or full in Path.cwd().parents:
+            raise CliError(f"--out {str(out)!r} is the current directory or holds it; refusing to replace it")
+        if out.is_symlink() or not out.is_dir() or not checkpoint.is_checkpoint(out):
+            raise CliError(f"--out {str(out)!r} exists and is not an llmeq_jax checkpoint; --overwrite replaces "
+                           "only a checkpoint directory, never other files")
     parent = out.absolute().parent
     probe = parent
     while not probe.exists():
@@ -86,6 +163,21 @@ def check_writable_dir(out: Path, overwrite: bool) -> None:
         raise CliError(f"output directory {str(out)!r} cannot be created: {str(probe)!r} is not a directory")
     if not os.access(probe, os.W_OK):
         raise CliError(f"output directory {str(out)!r} cannot be written (no write permission in {str(probe)!r})")
+
+
+def check_context(config, seq_len: int, flag: str = "--seq-len") -> None:
+    """A window longer than the model's context would run past its positions: refuse, don't extrapolate."""
+    if seq_len > config.max_position_embeddings:
+        raise CliError(f"{flag} {seq_len} exceeds the model's context of {config.max_position_embeddings} tokens")
+
+
+def checkpoint_dir_for(out_dir: Path, recipe_name: str) -> Path:
+    """``out_dir/ckpt-<name>`` with the name reduced to one safe path component (never ``..`` or ``/``)."""
+    safe = re.sub(r"[^A-Za-z0-9_.+-]", "_", str(recipe_name)).lstrip(".") or "recipe"
+    path = out_dir / f"ckpt-{safe}"
+    if Path(os.path.abspath(path)).parent != Path(os.path.abspath(out_dir)):
+        raise CliError(f"recipe name {recipe_name!r} does not give a directory inside --out-dir {str(out_dir)!r}")
+    return path
 
 
 # --------------------------------------------------------------------------- pipeline steps
@@ -237,7 +329,7 @@ def cmd_quantize(args) -> int:
     out = Path(args.out)
     check_writable_dir(out, args.overwrite)
     recipe = read_recipe(args.recipe)
-    config, params, tokenizer, _ = open_model(args.model)
+    config, params, tokenizer, _ = open_model(args.model, verify=args.verify)
     qparams, q_s, c_s, n = quantize_model(config, params, tokenizer, recipe, args.calib, args.calib_samples,
                                           not args.json, args.calib_seq_len)
     kv = build_kv(config, qparams, tokenizer, kv_mapping(args.kv, recipe.to_dict()), args.calib)
@@ -260,8 +352,9 @@ def cmd_eval(args) -> int:
 
     text = find_data_file(args.text, EVAL_TEXT, "evaluation text")
     t0 = time.perf_counter()
-    config, params, tokenizer, recipe = open_model(args.model)
+    config, params, tokenizer, recipe = open_model(args.model, verify=args.verify)
     load_s = time.perf_counter() - t0
+    check_context(config, args.seq_len)
     kv = build_kv(config, params, tokenizer, kv_mapping(args.kv, recipe), args.calib)
     t0 = time.perf_counter()
     res = eval_ppl(config, params, tokenizer, text, args.seq_len, args.windows, args.batch_size, not args.json, kv)
@@ -290,25 +383,51 @@ def cmd_eval(args) -> int:
 
 
 def cmd_compare(args) -> int:
+    text = find_data_file(args.text, EVAL_TEXT, "evaluation text")
+    recipes = [read_recipe(r) for r in args.recipes]
+    out_dir = Path(args.out_dir)
+    ckpts = [checkpoint_dir_for(out_dir, r.name) for r in recipes]
+    if len(set(ckpts)) != len(ckpts):
+        raise CliError(f"--recipes: two recipes share a name ({[r.name for r in recipes]}); each needs its own")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise CliError(f"--out-dir {str(out_dir)!r} exists and is not a directory")
+    t0 = time.perf_counter()
+    config, params, tokenizer, _ = open_model(args.model, verify=args.verify)
+    load_s = time.perf_counter() - t0
+    check_context(config, args.seq_len)
+    created = _missing_dirs(out_dir)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        return _compare_into(args, text, recipes, ckpts, out_dir, config, params, tokenizer, load_s)
+    except BaseException:
+        for d in created:  # deepest first: leave no empty directory of ours behind
+            if d.is_dir() and not any(d.iterdir()):
+                d.rmdir()
+        raise
+
+
+def _missing_dirs(path: Path) -> list[Path]:
+    """``path`` and its ancestors that do not exist yet, deepest first."""
+    missing = []
+    for d in [path, *path.absolute().parents]:
+        if d.exists():
+            break
+        missing.append(d)
+    return missing
+
+
+def _compare_into(args, text, recipes, ckpts, out_dir, config, params, tokenizer, load_s) -> int:
     import shutil
 
     from llmeq_jax import checkpoint, evaluate, plots
 
-    text = find_data_file(args.text, EVAL_TEXT, "evaluation text")
-    recipes = [read_recipe(r) for r in args.recipes]
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    config, params, tokenizer, _ = open_model(args.model)
-    load_s = time.perf_counter() - t0
     report = evaluate.Report(model=args.model, text=str(text), seq_len=args.seq_len, n_windows=args.windows)
     layer = first_kernel_path(params)
     hist: dict[str, Any] = {}
-    for recipe in recipes:
+    for recipe, ckpt in zip(recipes, ckpts):
         _log(args, f"== {recipe.name}")
         qparams, q_s, c_s, n = quantize_model(config, params, tokenizer, recipe, args.calib, args.calib_samples,
                                               not args.json, args.calib_seq_len)
-        ckpt = out_dir / f"ckpt-{recipe.name}"
         checkpoint.save_model_checkpoint(ckpt, config, qparams, tokenizer, recipe=recipe, overwrite=True)
         disk = checkpoint.disk_bytes(ckpt)
         if not args.keep_checkpoints:
@@ -345,16 +464,20 @@ def cmd_generate(args) -> int:
 
     from llmeq_jax.generate import generate
 
-    config, params, tokenizer, recipe = open_model(args.model)
-    kv = build_kv(config, params, tokenizer, kv_mapping(args.kv, recipe), args.calib)
+    config, params, tokenizer, recipe = open_model(args.model, verify=args.verify)
     ids = tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
     if config.bos_token_id is not None and not args.no_bos:
         ids = [config.bos_token_id] + ids
+    if not ids:
+        raise CliError("--prompt is empty and no BOS token is prepended (--no-bos or a model without one); "
+                       "expected at least one token to continue from")
+    kv = build_kv(config, params, tokenizer, kv_mapping(args.kv, recipe), args.calib)
     if len(ids) + args.max_new_tokens > config.max_position_embeddings:
         raise CliError(f"prompt ({len(ids)} tokens) + --max-new-tokens {args.max_new_tokens} exceeds the model's "
                        f"context of {config.max_position_embeddings}")
+    greedy = not args.temperature  # None (no --temperature) or 0: argmax, as --temperature 0 means elsewhere
     out = generate(config, params, jnp.asarray([ids], jnp.int32), args.max_new_tokens,
-                   greedy=args.temperature is None, temperature=args.temperature or 1.0,
+                   greedy=greedy, temperature=args.temperature if not greedy else 1.0,
                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, kv=kv)
     new = [int(t) for t in out[0]]
     if config.eos_ids:
@@ -362,7 +485,7 @@ def cmd_generate(args) -> int:
             if t in config.eos_ids:
                 new = new[: i + 1]
                 break
-    text = args.prompt + tokenizer.decode(new, skip_special_tokens=True)
+    text = args.prompt + continuation_text(tokenizer, ids, new)
     if args.json:
         print(json.dumps({"prompt": args.prompt, "tokens": new, "text": text}))
     else:
@@ -370,12 +493,26 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def continuation_text(tokenizer, prompt_ids: list[int], new_ids: list[int]) -> str:
+    """The text the new tokens add after the prompt.
+
+    Decoding the new tokens alone drops the space a SentencePiece token carries in front
+    ("Once upon" + "a time" -> "Once upona time"); decoding prompt + new and cutting off the
+    prompt's own decoding keeps it.
+    """
+    prompt = tokenizer.decode(prompt_ids, skip_special_tokens=True)
+    full = tokenizer.decode(prompt_ids + new_ids, skip_special_tokens=True)
+    if full.startswith(prompt):
+        return full[len(prompt):]
+    return tokenizer.decode(new_ids, skip_special_tokens=True)
+
+
 def cmd_convert(args) -> int:
     from llmeq_jax import checkpoint
 
     out = Path(args.dst)
     check_writable_dir(out, args.overwrite)
-    config, params, tokenizer, _ = open_model(args.src)
+    config, params, tokenizer, _ = open_model(args.src, verify=args.verify)
     recipe = None
     if args.recipe:
         recipe = read_recipe(args.recipe)
@@ -391,14 +528,17 @@ def cmd_inspect(args) -> int:
     from llmeq_jax import checkpoint
 
     manifest = checkpoint.read_manifest(args.dir)
+    # Always the cheap check (manifest hash, every file there at its size); --verify hashes every byte.
+    n_files = checkpoint.verify(args.dir) if args.verify else checkpoint.check_files_present(args.dir)
+    checked = f"{n_files} files verified (sha256)" if args.verify else f"{n_files} files present (--verify hashes them)"
     rows = checkpoint.describe_layout(manifest["layout"])
     if args.json:
-        print(json.dumps({"recipe": manifest.get("recipe"), "metadata": manifest.get("metadata"), "leaves": rows},
-                         indent=1))
+        print(json.dumps({"recipe": manifest.get("recipe"), "metadata": manifest.get("metadata"), "leaves": rows,
+                          "verified": bool(args.verify), "files_checked": n_files}, indent=1))
         return 0
     recipe = (manifest.get("recipe") or {}).get("name", "none")
     print(f"{args.dir}: recipe {recipe}, format version {manifest['format_version']}, "
-          f"{checkpoint.disk_bytes(args.dir) / 1e6:.2f} MB on disk")
+          f"{checkpoint.disk_bytes(args.dir) / 1e6:.2f} MB on disk, {checked}")
     width = max(len(r["path"]) for r in rows) if rows else 10
     print(f"{'path':<{width}}  {'kind':<6} {'bits':>4}  {'granularity':<16} {'shape':<16} {'bytes':>10}")
     for r in rows:
@@ -435,15 +575,17 @@ def _emit(args, info: dict, text: str) -> None:
 
 def _add_eval_opts(p, windows_default: int = 64):
     p.add_argument("--text", help=f"evaluation text file (default: {EVAL_TEXT} from $LLMEQ_DATA or ../shared/data)")
-    p.add_argument("--seq-len", type=int, default=512, help="tokens per window (default 512)")
-    p.add_argument("--windows", type=int, default=windows_default, help="windows to evaluate, 0 = all")
-    p.add_argument("--batch-size", type=int, default=4, help="windows per forward pass (default 4)")
+    p.add_argument("--seq-len", type=SEQ_LEN, default=512,
+                   help="tokens per window, 2 .. the model's context (default 512)")
+    p.add_argument("--windows", type=NON_NEGATIVE, default=windows_default, help="windows to evaluate, 0 = all")
+    p.add_argument("--batch-size", type=POSITIVE, default=4, help="windows per forward pass, >= 1 (default 4)")
 
 
 def _add_calib_opts(p):
     p.add_argument("--calib", help=f"calibration text (default: {CALIB_TEXT}); used by calibrated recipes only")
-    p.add_argument("--calib-samples", type=int, default=16, help="calibration sequences (default 16)")
-    p.add_argument("--calib-seq-len", type=int, default=512, help="tokens per calibration sequence (default 512)")
+    p.add_argument("--calib-samples", type=POSITIVE, default=16, help="calibration sequences, >= 1 (default 16)")
+    p.add_argument("--calib-seq-len", type=SEQ_LEN, default=512,
+                   help="tokens per calibration sequence, >= 2, at most the model's context (default 512)")
 
 
 def _add_kv_opts(p, budget: bool = False):
@@ -451,19 +593,24 @@ def _add_kv_opts(p, budget: bool = False):
                                 "first 4 tokens in float), or a recipe with a 'kv:' mapping (e.g. kv4-w32); "
                                 "default: the checkpoint's, else float")
     if budget:
-        p.add_argument("--kv-budget-gb", type=float, default=1.0,
+        p.add_argument("--kv-budget-gb", type=BUDGET_GB, default=1.0,
                        help="memory budget for the reported longest context (GiB, default 1)")
 
 
+def _add_verify_opt(p):
+    p.add_argument("--no-verify", dest="verify", action="store_false",
+                   help="do not check a checkpoint MODEL against its sha256 hashes before loading it")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="llmeq",
         description="Quantize LLMs in JAX: MODEL is a registry name (smollm2-135m), a Hugging Face directory, "
                     "a GGUF file, or a checkpoint directory written by `llmeq quantize`.",
     )
     parser.add_argument("--xla", action="store_true",
                         help="run everything through XLA: no Pallas kernels, even on a GPU")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
 
     p = sub.add_parser("quantize", help="quantize MODEL with a recipe and save an Orbax checkpoint")
     p.add_argument("model")
@@ -471,7 +618,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_calib_opts(p)
     _add_kv_opts(p)
     p.add_argument("--out", required=True, help="checkpoint directory to write")
-    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --out if it exists and is an llmeq_jax checkpoint (never other directories)")
+    _add_verify_opt(p)
     p.add_argument("--json", action="store_true", help="print a JSON summary, no progress bars")
     p.set_defaults(fn=cmd_quantize)
 
@@ -481,6 +630,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_kv_opts(p, budget=True)
     p.add_argument("--calib", help=f"calibration text for KV key ranges (default: {CALIB_TEXT})")
     p.add_argument("--speed", action="store_true", help="also measure prefill and decode tokens/s")
+    _add_verify_opt(p)
     p.add_argument("--json", action="store_true", help="print the report as JSON, no progress bars")
     p.set_defaults(fn=cmd_eval)
 
@@ -498,21 +648,25 @@ def build_parser() -> argparse.ArgumentParser:
         _add_calib_opts(p)
         p.add_argument("--out-dir", default=f"runs/{name}", help="where report.json/.md and the plots go")
         p.add_argument("--no-speed", dest="speed", action="store_false", help="skip the tokens/s measurements")
-        p.add_argument("--keep-checkpoints", action="store_true", help="keep each recipe's checkpoint in --out-dir")
+        p.add_argument("--keep-checkpoints", action="store_true",
+                       help="keep each recipe's checkpoint in --out-dir (as ckpt-<recipe name>)")
+        _add_verify_opt(p)
         p.add_argument("--json", action="store_true", help="print the report as JSON, no progress bars")
         p.set_defaults(fn=fn)
 
     p = sub.add_parser("generate", help="continue a prompt with MODEL")
     p.add_argument("model")
     p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=POSITIVE, default=64, help=">= 1 (default 64)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--greedy", action="store_true", help="greedy decoding (the default)")
-    mode.add_argument("--temperature", type=float, help="sample with this temperature")
-    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = all)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-bos", action="store_true", help="do not prepend the BOS token")
+    mode.add_argument("--temperature", type=TEMPERATURE,
+                      help="sample with this finite temperature > 0; 0 means greedy")
+    p.add_argument("--top-k", type=NON_NEGATIVE, default=0, help="sample from the k most likely tokens (0 = all)")
+    p.add_argument("--top-p", type=TOP_P, default=1.0, help="nucleus sampling mass in (0, 1] (1.0 = off)")
+    p.add_argument("--seed", type=_seed, default=0, help=f"sampling seed in [0, {SEED_MAX}] (default 0)")
+    p.add_argument("--no-bos", action="store_true", help="do not prepend the BOS token (then --prompt must not be empty)")
+    _add_verify_opt(p)
     _add_kv_opts(p)
     p.add_argument("--calib", help=f"calibration text for KV key ranges (default: {CALIB_TEXT})")
     p.add_argument("--json", action="store_true")
@@ -523,11 +677,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dst")
     p.add_argument("--recipe", help="quantize with this recipe while converting")
     _add_calib_opts(p)
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace DST if it exists and is an llmeq_jax checkpoint (never other directories)")
+    _add_verify_opt(p)
     p.set_defaults(fn=cmd_convert)
 
     p = sub.add_parser("inspect", help="list a checkpoint's leaves: bits, granularity, bytes")
     p.add_argument("dir")
+    p.add_argument("--verify", action="store_true",
+                   help="hash every file and compare with the sha256 written at save (default: sizes only)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_inspect)
     return parser
@@ -537,8 +695,31 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
     return f"llmeq: warning: {message}\n"
 
 
+def one_line(e: BaseException) -> str:
+    """An exception as one line: our own errors as they are, others with their type named."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    text = lines[0] if lines else ""
+    if len(text) > 400:
+        text = text[:400] + " ..."
+    if isinstance(e, CliError) or (text and type(e).__module__.startswith("llmeq_jax")):
+        return text
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _fail(command: str | None, e: BaseException) -> int:
+    if os.environ.get("LLMEQ_DEBUG") == "1":
+        traceback.print_exc()
+    print(f"llmeq{' ' + command if command else ''}: error: {one_line(e)}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except CliError as e:
+        return _fail(None, e)
+    except SystemExit as e:  # --help, --version
+        return int(e.code or 0)
     import warnings
 
     warnings.formatwarning = _one_line_warning  # the CLI's own output: one line per warning, no source echo
@@ -554,9 +735,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("llmeq: interrupted", file=sys.stderr)
         return 130
-    except (CliError, ValueError, FileNotFoundError, NotImplementedError, OSError) as e:
-        print(f"llmeq {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    except Exception as e:  # noqa: BLE001 -- the contract: one line and status 2, never a traceback
+        return _fail(args.command, e)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ Sampling: greedy, or temperature / top-k / top-p with an explicit seed.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +20,7 @@ from llmeq_jax.models.model import forward_step, init_cache  # noqa: F401 (init_
 
 
 def _check_sampling(temperature: float, top_k: int, top_p: float) -> None:
-    if temperature <= 0:
+    if not math.isfinite(temperature) or temperature <= 0:  # nan <= 0 is False: test finiteness first
         raise ValueError(f"temperature must be > 0 (use greedy=True for argmax), got {temperature}")
     if top_k < 0:
         raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")

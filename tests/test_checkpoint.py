@@ -1,4 +1,5 @@
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -131,3 +132,127 @@ def test_missing_or_foreign_directory(tmp_path):
     (tmp_path / "foreign").mkdir()
     with pytest.raises(ck.CheckpointError, match="not an llmeq_jax checkpoint"):
         ck.restore(tmp_path / "foreign")
+
+
+# --------------------------------------------------------------------------- content hashes, safe replacement
+
+
+def _array_files(out):
+    return sorted(f for f in (out / ck.ARRAYS).rglob("*") if f.is_file() and f.stat().st_size > 0)
+
+
+def test_every_file_is_hashed_and_verified(tmp_path):
+    out = ck.save(tmp_path / "c", quantize_params(_params(64, 32), _recipe(Spec(4, "group", group_size=16))))
+    manifest = json.loads((out / ck.MANIFEST).read_text())
+    on_disk = {f.relative_to(out).as_posix() for f in out.rglob("*") if f.is_file()}
+    assert set(manifest["files"]) == on_disk - {ck.MANIFEST, ck.MANIFEST_HASH}
+    assert ck.verify(out) == len(manifest["files"]) + 1
+
+
+@pytest.mark.parametrize("damage", ["flip one bit", "truncate", "delete"])
+def test_damaged_array_file_is_one_error_naming_it(tmp_path, damage):
+    out = ck.save(tmp_path / "c", _params(64, 32))
+    victim = max(_array_files(out), key=lambda f: f.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    if damage == "flip one bit":
+        data[len(data) // 2] ^= 0x01
+        victim.write_bytes(bytes(data))
+    elif damage == "truncate":
+        victim.write_bytes(bytes(data[: len(data) // 2]))
+    else:
+        victim.unlink()
+    rel = victim.relative_to(out).as_posix()
+    for check in (ck.verify, ck.restore):
+        with pytest.raises(ck.CheckpointError, match=re.escape(rel)) as e:
+            check(out)
+        assert "\n" not in str(e.value)
+    with pytest.raises(ck.CheckpointError, match=re.escape(rel)):
+        ck.check_files_present(out) if damage != "flip one bit" else ck.verify(out)
+
+
+def test_restore_without_verification_still_fails_as_one_error(tmp_path):
+    out = ck.save(tmp_path / "c", _params(64, 32))
+    for f in _array_files(out):
+        f.write_bytes(b"\0" * 7)
+    with pytest.raises(ck.CheckpointError, match="could not restore the arrays") as e:
+        ck.restore(out, verify_hashes=False)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda m: m["metadata"]["model_config"].update(num_layers=1), "num_layers=1 but the arrays hold 2 layers"),
+        (lambda m: m["layout"]["layers_0/q_proj/kernel"]["static"].update(bits=9), "bits=9"),
+        (lambda m: m["layout"]["layers_0/q_proj/kernel"]["static"].update(bits=4), "qvalue shape"),
+        (lambda m: m["layout"]["layers_0/q_proj/kernel"]["static"].update(shape=[64, 16]), "scale shape"),
+        (lambda m: m["layout"]["norm/scale"].update(shape=[-1]), "not a list of sizes"),
+        (lambda m: m["layout"]["norm/scale"].update(kind="tensor"), "expected 'array' or 'qarray'"),
+        (lambda m: m.update(layout=[]), "layout is not a mapping"),
+    ],
+)
+def test_edited_manifest_is_caught_by_its_hash_and_by_validation(tmp_path, edit, match):
+    params = quantize_params(_params(64, 32), _recipe(Spec(8)))
+    params["layers_1"] = params["layers_0"]
+    out = ck.save(tmp_path / "c", params, metadata={"model_config": {"num_layers": 2}})
+    manifest = json.loads((out / ck.MANIFEST).read_text())
+    edit(manifest)
+    (out / ck.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ck.CheckpointError, match=match):  # checked even without the hashes
+        ck.restore(out, verify_hashes=False)
+
+
+def test_edited_manifest_that_still_validates_fails_its_hash(tmp_path):
+    out = ck.save(tmp_path / "c", _params(64, 32), recipe={"name": "a"})
+    (out / ck.MANIFEST).write_text((out / ck.MANIFEST).read_text().replace('"a"', '"b"'))
+    with pytest.raises(ck.CheckpointError, match="manifest.json does not match its sha256"):
+        ck.restore(out)
+
+
+def test_overwrite_replaces_only_our_checkpoints(tmp_path):
+    other = tmp_path / "data"
+    other.mkdir()
+    (other / "precious.txt").write_text("keep me")
+    with pytest.raises(ck.CheckpointError, match="not an llmeq_jax checkpoint"):
+        ck.save(other, _params(64, 32), overwrite=True)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ck.CheckpointError, match="not a directory"):
+        ck.save(tmp_path / "file", _params(64, 32), overwrite=True)
+    assert (other / "precious.txt").read_text() == "keep me" and (tmp_path / "file").read_text() == "x"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "file"]
+
+
+def test_final_rename_never_replaces_a_directory_that_appeared_meanwhile(tmp_path, monkeypatch):
+    """Two writers both pass the existence check: the second must fail, not replace the first."""
+    first = tmp_path / "c"
+    real_move = ck._move_into_place
+
+    def other_writer_finishes_first(tmp, path, overwrite):
+        monkeypatch.setattr(ck, "_move_into_place", real_move)
+        ck.save(first, {"w": jnp.zeros(3)})  # the other writer's checkpoint lands now
+        return real_move(tmp, path, overwrite)
+
+    monkeypatch.setattr(ck, "_move_into_place", other_writer_finishes_first)
+    with pytest.raises(ck.CheckpointError, match="could not write checkpoint|appeared while saving"):
+        ck.save(first, _params(64, 32))
+    monkeypatch.undo()
+    assert set(ck.restore(first)) == {"w"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]  # the loser's temp dir is gone
+
+
+def test_stale_temporaries_of_killed_saves_are_removed(tmp_path):
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / ".c.tmp-dead"
+    stale.mkdir()
+    (stale / ck.WRITER).write_text(json.dumps({"host": ck.socket.gethostname(), "pid": dead.pid}))
+    live = tmp_path / ".c.tmp-live"
+    live.mkdir()
+    (live / ck.WRITER).write_text(json.dumps({"host": ck.socket.gethostname(), "pid": ck.os.getpid()}))
+    foreign = tmp_path / ".c.tmp-foreign"  # not ours: no writer marker
+    foreign.mkdir()
+    ck.save(tmp_path / "c", _params(64, 32))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".c.tmp-foreign", ".c.tmp-live", "c"]

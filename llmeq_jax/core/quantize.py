@@ -14,6 +14,16 @@ Numerics
   clipping:   a fixed ratio (0, 1] of the range, a percentile of |x| per tile,
               or "mse": the ratio from a grid that minimises the squared error
               per tile.
+
+Bad input
+  non-finite: :func:`quantize` raises on NaN/Inf in a concrete array
+              (``nan_policy="raise"``, the default). Traced code cannot raise on
+              values, so there (and with ``nan_policy="propagate"``) a tile whose
+              range is not finite gets a NaN scale: its values dequantize to NaN,
+              never silently to 0.
+  extremes:   ranges near the float32 maximum (``hi - lo`` overflows) still give
+              finite scales.
+  empty:      a zero-size array quantizes to an empty QArray.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ from llmeq_jax.core.qarray import QArray, check_bits, expand_to, int_range, pack
 
 Granularity = Literal["tensor", "channel", "group", "token"]
 GRANULARITIES = ("tensor", "channel", "group", "token")
+NAN_POLICIES = ("raise", "propagate")
 # Clip ratios tried by the MSE search (coarse enough to stay fast, fine near 1).
 MSE_GRID = tuple(float(r) for r in np.linspace(0.5, 1.0, 21))
 
@@ -109,13 +120,15 @@ def tile_for(spec: Spec, shape: tuple[int, ...]) -> tuple[int, ...]:
     if not -ndim <= axis < ndim:
         raise ValueError(f"axis={axis} is out of range for an array of shape {shape}")
     axis %= ndim
+    # A zero-size dim still gets a tile of 1: the scale shape divides by the tile.
+    whole = tuple(max(s, 1) for s in shape)
     if spec.granularity == "tensor":
-        return shape
+        return whole
     if spec.granularity == "channel":
-        return tuple(1 if d == axis else s for d, s in enumerate(shape))
+        return tuple(1 if d == axis else s for d, s in enumerate(whole))
     if spec.granularity == "token":
-        return tuple(s if d == axis else 1 for d, s in enumerate(shape))
-    return tuple(min(spec.group_size, s) if d == axis else 1 for d, s in enumerate(shape))
+        return tuple(s if d == axis else 1 for d, s in enumerate(whole))
+    return tuple(min(spec.group_size, s) if d == axis else 1 for d, s in enumerate(whole))
 
 
 # --------------------------------------------------------------------------- tile reductions
@@ -181,19 +194,35 @@ def _exact_divisor(n: int) -> jax.Array:
 
 
 def scale_from_range(lo: jax.Array, hi: jax.Array, bits: int, symmetric: bool):
-    """Scale (and integer zero point) for a per-tile range [lo, hi] (absmax in ``hi`` if symmetric)."""
+    """Scale (and integer zero point) for a per-tile range [lo, hi] (absmax in ``hi`` if symmetric).
+
+    A range that is not finite (NaN or Inf in the tile) gives a NaN scale, so the damage
+    shows on dequantize instead of turning into zeros or a silently wrong grid.
+    """
     qmin, qmax = int_range(bits)
     tiny = jnp.finfo(jnp.float32).tiny
     if symmetric:
         amax = hi
         scale = jnp.where(amax > 0, amax / _exact_divisor(qmax), 1.0)
-        return jnp.maximum(scale, tiny), None
+        # amax at the float32 maximum: a scale rounded up would dequantize +-qmax to Inf.
+        scale = jnp.where(jnp.isfinite(scale * qmax), scale, jnp.nextafter(scale, jnp.float32(0)))
+        return jnp.where(jnp.isfinite(amax), jnp.maximum(scale, tiny), jnp.nan), None
     lo = jnp.minimum(lo, 0.0)
     hi = jnp.maximum(hi, 0.0)
-    scale = jnp.where(hi > lo, (hi - lo) / _exact_divisor(qmax - qmin), 1.0)
-    scale = jnp.maximum(scale, tiny)
-    zero_point = jnp.clip(jnp.round(qmin - lo / scale), qmin, qmax)
-    return scale, zero_point
+    span = hi - lo
+    # hi - lo overflows to Inf near the float32 maximum (ranges up to twice it). Then: halve
+    # before subtracting (exact), spread over one level more and floor the zero point, so the
+    # whole grid lies inside [lo, hi] and no grid point dequantizes past the float32 maximum
+    # (a rounded zero point could shift the end half a step out, to Inf); the cost there is an
+    # error bound of one step instead of half a step.
+    wide = ~jnp.isfinite(span)
+    scale = jnp.where(wide, (hi * 0.5 - lo * 0.5) / _exact_divisor(qmax - qmin + 1) * 2.0,
+                      span / _exact_divisor(qmax - qmin))
+    scale = jnp.where(hi > lo, scale, 1.0)
+    scale = jnp.where(jnp.isfinite(lo) & jnp.isfinite(hi), jnp.maximum(scale, tiny), jnp.nan)
+    zp = qmin - lo / scale
+    zero_point = jnp.clip(jnp.where(wide, jnp.floor(zp), jnp.round(zp)), qmin, qmax)
+    return scale, jnp.where(jnp.isnan(zero_point), 0.0, zero_point)
 
 
 def _range(x: jax.Array, tile: tuple[int, ...], symmetric: bool):
@@ -245,6 +274,9 @@ def _mse_scale(x, tile, bits, symmetric):
 def compute_scale(x: jax.Array, spec: Spec, tile: tuple[int, ...] | None = None):
     """(scale, zero_point or None) of ``x`` under ``spec``; shapes = scale shape."""
     tile = tile_for(spec, x.shape) if tile is None else tile
+    if x.size == 0:  # nothing to range over (reductions of empty arrays have no identity): unit grid
+        shape = scale_shape(x.shape, tile)
+        return jnp.ones(shape, jnp.float32), (None if spec.symmetric else jnp.zeros(shape, jnp.float32))
     kind, value = _parse_clip(spec.clip)
     if kind == "mse":
         return _mse_scale(x, tile, spec.bits, spec.symmetric)
@@ -262,6 +294,26 @@ def compute_scale(x: jax.Array, spec: Spec, tile: tuple[int, ...] | None = None)
 # --------------------------------------------------------------------------- quantize
 
 
+def check_finite(x: jax.Array, nan_policy: str = "raise", what: str = "input") -> None:
+    """Raise on NaN/Inf in a concrete ``x`` under ``nan_policy="raise"``.
+
+    Traced values cannot be inspected; there the NaN scale of :func:`scale_from_range`
+    makes the damage visible instead.
+    """
+    if nan_policy not in NAN_POLICIES:
+        raise ValueError(f"nan_policy={nan_policy!r} is not one of {list(NAN_POLICIES)}")
+    if nan_policy != "raise" or isinstance(x, jax.core.Tracer) or not jnp.issubdtype(x.dtype, jnp.inexact):
+        return
+    finite = jnp.isfinite(x)
+    if bool(jnp.all(finite)):
+        return
+    bad = np.argwhere(~np.asarray(finite))
+    first = tuple(int(i) for i in bad[0])
+    raise ValueError(f"cannot quantize {what} of shape {tuple(x.shape)}: {len(bad)} non-finite value(s) "
+                     f"(first {float(np.asarray(x)[first])} at index {first}); expected finite numbers "
+                     "(pass nan_policy='propagate' to get NaN scales for those tiles instead)")
+
+
 def quantize(
     x: jax.Array,
     spec: Spec,
@@ -271,13 +323,16 @@ def quantize(
     pack_axis: int | None = None,
     act_spec: Spec | None = None,
     act_scale: jax.Array | None = None,
+    nan_policy: str = "raise",
 ) -> QArray:
     """Quantize ``x`` into a QArray; a given ``scale`` (and ``zero_point``) skips the range search.
 
     Sub-byte values are packed along ``pack_axis`` (default: the group/contraction
-    axis for ``group`` specs, else axis 0).
+    axis for ``group`` specs, else axis 0). ``nan_policy``: ``raise`` (NaN/Inf in a
+    concrete ``x`` is an error) or ``propagate`` (their tiles get NaN scales).
     """
     x = jnp.asarray(x)
+    check_finite(x, nan_policy)
     tile = tile_for(spec, x.shape)
     if scale is None:
         scale, zero_point = compute_scale(x, spec, tile)

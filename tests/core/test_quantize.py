@@ -358,3 +358,50 @@ def test_bad_quantize_arguments():
         quantize(x, Spec(granularity="channel"), scale=jnp.ones((1, 4)), zero_point=jnp.zeros((1, 4)))
     with pytest.raises(ValueError, match="zero_point must accompany an asymmetric spec"):
         quantize(x, Spec(granularity="channel", symmetric=False), scale=jnp.ones((1, 4)))
+
+
+# --------------------------------------------------------------------------- bad and extreme input
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_input_is_one_clear_error(bad):
+    x = np.ones((4, 3), np.float32)
+    x[1, 2] = bad
+    with pytest.raises(ValueError, match=r"1 non-finite value\(s\) .* at index \(1, 2\)"):
+        quantize(x, Spec(8))
+    with pytest.raises(ValueError, match="nan_policy='zero' is not one of"):
+        quantize(np.ones((2, 2), np.float32), Spec(8), nan_policy="zero")
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_non_finite_tiles_dequantize_to_nan_never_to_silent_numbers(symmetric, bad):
+    """propagate (and traced code, which cannot raise): only the bad channel turns NaN."""
+    x = np.arange(12, dtype=np.float32).reshape(4, 3) - 5
+    x[1, 2] = bad
+    spec = Spec(8, "channel", symmetric=symmetric)
+    for deq in (quantize(x, spec, nan_policy="propagate").dequantize(),
+                jax.jit(lambda a: quantize(a, spec).dequantize())(x)):
+        deq = np.asarray(deq)
+        assert np.isnan(deq[:, 2]).all()
+        np.testing.assert_allclose(deq[:, :2], x[:, :2], atol=0.05)
+
+
+@pytest.mark.parametrize("spec", [Spec(8, "channel"), Spec(4, "group", group_size=4, symmetric=False),
+                                  Spec(8, "tensor", symmetric=False), Spec(4, "token"), Spec(8, clip="mse")])
+def test_empty_arrays_quantize_to_empty_qarrays(spec):
+    q = quantize(jnp.zeros((0, 8)), spec)
+    assert q.shape == (0, 8) and q.dequantize().shape == (0, 8)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_values_near_float32_max_give_finite_scales(symmetric):
+    big = float(np.finfo(np.float32).max) * 0.99
+    x = np.array([[big, -big, 1.0, 0.0], [big, -big / 2, -1.0, 3.0]], np.float32).T  # ranges ~2x the max
+    q = quantize(x, Spec(8, "channel", symmetric=symmetric))
+    deq = np.asarray(q.dequantize())
+    assert np.isfinite(np.asarray(q.scale)).all() and np.isfinite(deq).all()
+    step = np.asarray(q.scale).max() * 1.001  # one step where the range overflows, else half of one
+    assert np.abs(deq.astype(np.float64) - x.astype(np.float64)).max() <= step
+    exact = np.array([[np.finfo(np.float32).max, np.finfo(np.float32).min, 0.5]], np.float32).T
+    assert np.isfinite(np.asarray(quantize(exact, Spec(8, "tensor", symmetric=symmetric)).dequantize())).all()
