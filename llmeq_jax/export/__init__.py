@@ -1,4 +1,4 @@
-"""Export quantized checkpoints to the formats serving runtimes read: GGUF, compressed-tensors, ONNX.
+"""Export quantized checkpoints to the formats serving runtimes read: GGUF and compressed-tensors.
 
 One module per format; each takes ``(config, params, ...)`` and writes
 through :func:`common.atomic_output`, after every check has passed, so a
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from llmeq_jax.export.common import ExportError
 
-FORMATS = ("gguf", "compressed-tensors", "onnx")
+FORMATS = ("gguf", "compressed-tensors")
 
 
 def source_of(ckpt: Path, given: str | Path | None) -> Path | None:
@@ -46,23 +46,22 @@ def export_checkpoint(ckpt: str | Path, fmt: str, out: str | Path, *, source: st
     if fmt not in FORMATS:
         raise ExportError(f"unknown export format {fmt!r}; expected one of {', '.join(FORMATS)}")
     ckpt = Path(ckpt)
-    config, params, tokenizer, recipe = checkpoint.load_model_checkpoint(ckpt)
+    checkpoint.read_manifest(ckpt)  # a clear error for a directory that is no checkpoint
+    if Path(out).exists() and not overwrite:  # before the (slow) restore; atomic_output checks again
+        raise ExportError(f"output {str(out)!r} already exists; pass --overwrite to replace it")
     src = source_of(ckpt, source)
+    if fmt == "gguf" and (src is None or src.suffix != ".gguf"):
+        found = "records no source on disk" if src is None else f"came from {str(src)!r}, not a .gguf file"
+        raise ExportError(f"GGUF export copies the tokenizer from the source GGUF file, and {str(ckpt)!r} {found}; "
+                          "give it with --source FILE.gguf")
+    config, params, tokenizer, _ = checkpoint.load_model_checkpoint(ckpt)
     if fmt == "gguf":
         from llmeq_jax.export.gguf import write_gguf
 
-        if src is None or src.suffix != ".gguf":
-            raise ExportError(f"GGUF export copies the tokenizer from the source GGUF file, and {str(ckpt)!r} "
-                              f"records none{'' if src is None else f' (its source is {str(src)!r})'}; "
-                              "give it with --source FILE.gguf")
         return write_gguf(config, params, out, source=src, overwrite=overwrite)
-    if fmt == "compressed-tensors":
-        from llmeq_jax.export.compressed_tensors import write_compressed_tensors
+    from llmeq_jax.export.compressed_tensors import write_compressed_tensors
 
-        return write_compressed_tensors(config, params, out, tokenizer=tokenizer, overwrite=overwrite)
-    from llmeq_jax.export.onnx import write_onnx
-
-    return write_onnx(config, params, out, overwrite=overwrite)
+    return write_compressed_tensors(config, params, out, tokenizer=tokenizer, overwrite=overwrite)
 
 
 __all__ = ["ExportError", "FORMATS", "export_checkpoint", "source_of"]
