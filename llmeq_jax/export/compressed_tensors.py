@@ -227,6 +227,9 @@ def model_tensors(config: ModelConfig, params: Any) -> tuple[dict[str, np.ndarra
             a = a.T  # (in, out) -> torch Linear (out, in)
             float_linears.append(module_name(path))
         tensors[name] = np.ascontiguousarray(a)
+    if config.tie_word_embeddings:
+        # transformers builds an lm_head Linear tied to the float embedding: a "Linear" target must skip it.
+        float_linears.append("lm_head")
     if not schemes:
         raise ExportError("the model holds no quantized kernel; compressed-tensors needs at least one")
     return tensors, quantization_config(schemes, float_linears)

@@ -141,7 +141,26 @@ def test_w8a8_dynamic_per_token(model, tmp_path):
 ])
 def test_unsupported_recipe_is_one_error_and_nothing_written(model, tmp_path, rules, message):
     config, params, _, _ = model
+    # Only block 0 is quantized (faster); the error must name its layer.
+    rules = [{**r, "pattern": "layers_0/" + r["pattern"]} for r in rules]
     with pytest.raises(ExportError, match="^layers_0/") as e:
         write_compressed_tensors(config, _quantize(params, *rules), tmp_path / "ct")
     assert message in str(e.value)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_tied_embeddings_keep_lm_head_float(tmp_path):
+    """A tied model (SmolLM2-style) has no lm_head kernel: the Linear transformers ties to the embedding is ignored."""
+    from llmeq_jax.models import ModelConfig, init_params
+
+    config = ModelConfig(model_type="llama", vocab_size=96, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                         head_dim=16, intermediate_size=128, norm_eps=1e-5, max_position_embeddings=64,
+                         tie_word_embeddings=True)
+    params = init_params(config, jax.random.key(0))
+    qparams = _quantize(params, {"pattern": ".*/kernel", "weight": {"bits": 4, "granularity": "group",
+                                                                    "group_size": 32}})
+    out = write_compressed_tensors(config, qparams, tmp_path / "ct")
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["ignore"] == ["lm_head"]
+    ids = list(range(1, 20))
+    _, got = _hf_logits(out, ids)
+    assert _rel_diff(got, forward(config, qparams, jnp.asarray([ids], jnp.int32))) <= 1e-5

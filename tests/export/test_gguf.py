@@ -59,10 +59,8 @@ def _rel_diff(a, b):
 @pytest.mark.parametrize("spec, qtype", [
     (Spec(bits=8, granularity="channel"), Q.Q8_0),
     (Spec(bits=8, granularity="group", group_size=64), Q.Q8_0),
-    (Spec(bits=6, granularity="tensor"), Q.Q8_0),
     (Spec(bits=4, granularity="group", group_size=32), Q.Q4_0),
     (Spec(bits=3, granularity="group", group_size=128), Q.Q4_0),
-    (Spec(bits=4, granularity="channel"), Q.Q4_0),
     (Spec(bits=4, granularity="group", group_size=32, symmetric=False), Q.Q4_1),
     (Spec(bits=2, granularity="group", group_size=64, symmetric=False), Q.Q4_1),
 ])
@@ -130,16 +128,9 @@ def test_round_trip_logits(model, tmp_path, weight, types):
     assert _rel_diff(forward(config2, params2, tokens), ref) <= (2e-3 if Q.Q4_1 in types else 1e-3)
     # Sanity: the quantization itself moves the logits far more than that, so the check can fail.
     assert _rel_diff(forward(config, params, tokens), ref) > 5e-3
-
-
-def test_round_trip_exact_with_fp16_scales(model, tmp_path):
-    """On float16 scales the file holds our grid exactly: logits agree to float32 summation order."""
-    config, params, _, tokens = model
-    qparams = _fp16_scales(quantize_params(params, _recipe(
-        SKIP_DOWN, {"pattern": ".*/kernel", "weight": {"bits": 4, "granularity": "group", "group_size": 32}})))
-    out = write_gguf(config, qparams, tmp_path / "m.gguf", source=MODEL)
-    config2, params2, _ = load_model(out)
-    assert _rel_diff(forward(config2, params2, tokens), forward(config, qparams, tokens)) <= 2e-6
+    if Q.Q4_1 not in types:
+        # On float16 scales the file holds our grid exactly: logits agree to float32 summation order.
+        assert _rel_diff(forward(config2, params2, tokens), forward(config, _fp16_scales(qparams), tokens)) <= 2e-6
 
 
 @pytest.mark.parametrize("rules, message", [
@@ -155,6 +146,8 @@ def test_round_trip_exact_with_fp16_scales(model, tmp_path):
 ])
 def test_unsupported_recipe_is_one_error_and_nothing_written(model, tmp_path, rules, message):
     config, params, _, _ = model
+    # Only block 0 is quantized (faster); the error must name its layer.
+    rules = [{**r, "pattern": "layers_0/" + r["pattern"]} for r in rules]
     qparams = quantize_params(params, _recipe(*rules))
     with pytest.raises(ExportError, match="^layers_0/") as e:
         write_gguf(config, qparams, tmp_path / "m.gguf", source=MODEL)
