@@ -549,6 +549,17 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from llmeq_jax import checkpoint
+    from llmeq_jax.export import export_checkpoint
+
+    out = export_checkpoint(args.ckpt, args.format, args.out, source=args.source, overwrite=args.overwrite)
+    size = checkpoint.disk_bytes(out) if out.is_dir() else out.stat().st_size
+    info = {"out": str(out), "format": args.format, "bytes": size, "checkpoint_bytes": checkpoint.disk_bytes(args.ckpt)}
+    _emit(args, info, f"wrote {args.format} {out} ({size / 1e6:.2f} MB; checkpoint {info['checkpoint_bytes'] / 1e6:.2f} MB)")
+    return 0
+
+
 def cmd_main(args) -> int:
     """The README's main job: compare the ready recipes on the default real model."""
     args.recipes = [str(CONFIGS / f"{r}.yaml") for r in MAIN_RECIPES]
@@ -681,6 +692,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replace DST if it exists and is an llmeq_jax checkpoint (never other directories)")
     _add_verify_opt(p)
     p.set_defaults(fn=cmd_convert)
+
+    p = sub.add_parser("export", help="write a checkpoint as GGUF (llama.cpp) or compressed-tensors (vLLM, transformers)")
+    p.add_argument("ckpt", help="checkpoint directory from `llmeq quantize` / `llmeq convert`")
+    p.add_argument("--format", required=True, choices=["gguf", "compressed-tensors"])
+    p.add_argument("--out", required=True, help="file (gguf) or directory (compressed-tensors) to write")
+    p.add_argument("--source", help="the model the checkpoint came from (GGUF: tokenizer and metadata are copied "
+                                    "from it); default: the source recorded in the checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    p.add_argument("--json", action="store_true", help="print a JSON summary")
+    p.set_defaults(fn=cmd_export)
 
     p = sub.add_parser("inspect", help="list a checkpoint's leaves: bits, granularity, bytes")
     p.add_argument("dir")

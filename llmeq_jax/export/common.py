@@ -1,0 +1,143 @@
+"""What every exporter shares: the error type, a kernel's grid in the (out, in) layout, atomic output.
+
+Our kernels are ``(in, out)`` matrices with their scales grouped along ``in``
+(the contraction dim); every serving format stores ``(out, in)`` rows with
+per-row (or per-row-block) scales. :func:`kernel_grid` turns a QArray into
+that layout once, so each exporter only encodes bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from llmeq_jax.core.qarray import QArray, is_qarray
+from llmeq_jax.core.quantize import Spec
+from llmeq_jax.core.rules import path_str
+
+
+class ExportError(ValueError):
+    """A model, recipe or destination that a format cannot take, with the layer and the reason."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelGrid:
+    """One quantized kernel as a serving format sees it.
+
+    ``q`` (out, in) int8 values; ``scale`` (out, groups) float32; ``zero_point``
+    (out, groups) int8 or None; ``group`` input features per scale (``in`` when
+    there is one scale per row). ``x[o, i] = (q - zp)[o, i] * scale[o, i // group]``.
+    """
+
+    path: str
+    q: np.ndarray
+    scale: np.ndarray
+    zero_point: np.ndarray | None
+    group: int
+    bits: int
+    act_spec: Spec | None = None
+    act_scale: np.ndarray | None = None
+
+    @property
+    def out_features(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def symmetric(self) -> bool:
+        return self.zero_point is None
+
+    def describe(self) -> str:
+        g = "per-channel" if self.group >= self.in_features else f"g{self.group}"
+        act = "" if self.act_spec is None else f", int{self.act_spec.bits} {self.act_spec.granularity} activations"
+        return f"int{self.bits} {g} {'sym' if self.symmetric else 'asym'}{act}"
+
+    def dequantize(self) -> np.ndarray:
+        """(out, in) float32 weights, as our model computes them."""
+        q = self.q.astype(np.float32)
+        cols = np.arange(self.in_features) // self.group
+        if self.zero_point is not None:
+            q = q - self.zero_point.astype(np.float32)[:, cols]
+        return q * self.scale[:, cols]
+
+
+def kernel_grid(path: str, w: QArray) -> KernelGrid:
+    """The (out, in) view of an ``(in, out)`` QArray kernel; an ExportError when no format could read it."""
+    if w.ndim != 2:
+        raise ExportError(f"{path}: expected an (in, out) kernel, got shape {w.shape}")
+    k, n = w.shape
+    t_in, t_out = w.tile
+    if t_out not in (1, n):
+        # Every format keeps one scale per output row (or one per tensor); groups across rows have no encoding.
+        raise ExportError(f"{path}: scales are grouped along the output dim (tile {w.tile}); "
+                          "exported formats need one scale per output row or per row block")
+    groups = -(-k // t_in)
+
+    def rows(a: Any, dtype) -> np.ndarray:
+        a = np.asarray(a, dtype=dtype)
+        return np.ascontiguousarray(np.broadcast_to(a, (groups, n)).T)
+
+    act_scale = None if w.act_scale is None else np.asarray(w.act_scale, np.float32)
+    return KernelGrid(
+        path=path,
+        q=np.ascontiguousarray(np.asarray(w.values(), np.int8).T),
+        scale=rows(w.scale, np.float32),
+        zero_point=None if w.zero_point is None else rows(w.zero_point, np.int8),
+        group=min(t_in, k),
+        bits=w.bits,
+        act_spec=w.act_spec,
+        act_scale=act_scale,
+    )
+
+
+def flat_params(params: Any) -> dict[str, Any]:
+    """``{"layers_0/attn/q_proj/kernel": leaf}`` with QArrays kept whole."""
+    import jax
+
+    return {path_str(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(params, is_leaf=is_qarray)}
+
+
+@contextlib.contextmanager
+def atomic_output(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary sibling of ``out`` to write into; move it into place only on success.
+
+    On any error the temporary file or directory is removed, so a failed
+    export leaves nothing behind (and an existing ``out`` untouched).
+    """
+    out = Path(out).absolute()
+    if out.exists() and not overwrite:
+        raise ExportError(f"output {str(out)!r} already exists; pass overwrite=True (--overwrite) to replace it")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ExportError(f"cannot create the parent directory of {str(out)!r}: {e}") from None
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        yield tmp
+        if out.exists():
+            trash = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+            os.replace(out, trash)
+            os.replace(tmp, out)
+            _remove(trash)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+def _remove(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p, ignore_errors=True)
+    elif p.exists() or p.is_symlink():
+        p.unlink(missing_ok=True)
