@@ -218,7 +218,7 @@ def eval_ppl(config, params, tokenizer, text_path: Path, seq_len: int, windows: 
 
     ids = evaluate.tokenize_text(tokenizer, text_path.read_text())
     wins = evaluate.make_windows(ids, seq_len, windows)
-    return evaluate.perplexity(lambda t: forward(config, params, t, kv=kv), wins, batch_size=batch_size,
+    return evaluate.perplexity(lambda p, t: forward(config, p, t, kv=kv), wins, batch_size=batch_size, params=params,
                                progress=progress)
 
 

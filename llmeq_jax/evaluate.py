@@ -68,14 +68,23 @@ def perplexity(
     windows: np.ndarray,
     batch_size: int = 4,
     progress: bool = False,
+    params: Any = None,
 ) -> dict:
     """Perplexity of ``logits_fn`` (tokens ``[B, T]`` -> logits ``[B, T, V]``) over ``windows``.
 
+    With ``params``, ``logits_fn`` is ``(params, tokens) -> logits`` and the params are an
+    argument of the jitted step. Pass them that way: a closure over the params makes
+    them constants of the compiled program (XLA then constant-folds every weight, slow
+    to compile, and holds a second copy of the model).
     The NLL is reduced inside the jitted step, so logits never leave the device.
     The last batch is padded to ``batch_size`` (padded rows are not counted)
     to keep one compiled shape.
     """
-    step = jax.jit(lambda toks: jnp.sum(token_nll(logits_fn(toks), toks), axis=-1))
+    if params is None:
+        step = jax.jit(lambda toks: jnp.sum(token_nll(logits_fn(toks), toks), axis=-1))
+    else:
+        jitted = jax.jit(lambda p, toks: jnp.sum(token_nll(logits_fn(p, toks), toks), axis=-1))
+        step = lambda toks: jitted(params, toks)  # noqa: E731
     n = len(windows)
     total = 0.0
     batches = range(0, n, batch_size)

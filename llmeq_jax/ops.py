@@ -44,12 +44,12 @@ SMALL_M = 64
 CHUNK_ROWS = 64
 BACKENDS = ("auto", "xla", "pallas")
 # Native CPU kernels take a product with at most this many rows of activations, per
-# kind (0: never), where scripts/bench_native.py measured them at least as fast as the
-# XLA path on every model shape (README "Native CPU kernels"): int8 weight-only tied
-# or lost against XLA's chunked scan (the column-blocked kernel strides through
-# long rows), int4 won at 1 row only, W8A8 up to 8 rows (at 512 the packed int16
-# GEMM lost to XLA on the shared 2-core box), the (out, in) head up to 8 rows.
-NATIVE_MAX_ROWS = {"int8": 0, "int4": 1, "w8a8": 8, "nk": 8}
+# kind (0: never). Measured on SmolLM2-135M's whole decode loop (one jit, so no per-call
+# dispatch in the figures; 2-core CPU, batch 1): with the row-streaming weight-only
+# kernel, rtn-w8 XLA 21.9 -> native 26.4 tok/s, rtn-w4-g128 12.1 -> 36.9, rtn-w8a8
+# 27.2 -> 48.3 (fp32 25.4). Beyond 8 rows (prefill, perplexity) XLA's GEMMs win
+# (scripts/bench_native.py --rows 512).
+NATIVE_MAX_ROWS = {"int8": 8, "int4": 8, "w8a8": 8, "nk": 8}
 # Rows of a (out, in) matrix dequantized per scan step by linear_nk_xla at few rows:
 # 256 x 576 floats (0.6 MB) stay in L2; the 49k-row head never exists as floats.
 NK_CHUNK_ROWS = 256

@@ -250,6 +250,99 @@ AVX2 void wo_kn_cols(const WO& p, int64_t c0, int64_t c1) {
   for (; m < p.M; ++m) wo_kn_cols_mt<1>(p, m, c0, c1);
 }
 
+// kn, few activation rows: stream the kernel row by row across columns [c0, c1).
+// Four kernel rows (int8) or two packed rows (int4, four k) are read side by side and
+// folded into one pass over a per-group accumulator that stays in L1, so memory sees a
+// few long sequential streams (the column-blocked wo_kn_block touches one 64-byte line
+// per row, a strided pattern the prefetchers served at a fraction of the bandwidth).
+constexpr int64_t kStreamMaxRows = 8;
+constexpr int64_t kStreamMaxCols = 512;
+
+AVX2 void wo_kn_stream(const WO& p, int64_t c0, int64_t c1) {
+  const int64_t W = c1 - c0, V = W / 8;  // whole vectors; the W % 8 tail is scalar
+  const int64_t S = cdiv(W, 8) * 8;      // accumulator row stride: keeps every row 32-byte aligned
+  alignas(32) float acc[kStreamMaxRows * kStreamMaxCols];
+  for (int64_t g = 0; g < p.G; ++g) {
+    const int64_t k0 = g * p.gs, k1 = std::min(p.K, k0 + p.gs);
+    std::fill(acc, acc + p.M * S, 0.f);
+    if (!p.int4) {
+      int64_t k = k0;
+      for (; k + 4 <= k1; k += 4) {
+        const uint8_t* r = p.q + k * p.N + c0;
+        for (int64_t v = 0; v < V; ++v) {
+          __m256 w0 = int8_decode(r + 8 * v), w1 = int8_decode(r + p.N + 8 * v);
+          __m256 w2 = int8_decode(r + 2 * p.N + 8 * v), w3 = int8_decode(r + 3 * p.N + 8 * v);
+          for (int64_t m = 0; m < p.M; ++m) {
+            const float* xm = p.x + m * p.K + k;
+            __m256 a = _mm256_load_ps(acc + m * S + 8 * v);
+            a = _mm256_fmadd_ps(_mm256_broadcast_ss(xm), w0, a);
+            a = _mm256_fmadd_ps(_mm256_broadcast_ss(xm + 1), w1, a);
+            a = _mm256_fmadd_ps(_mm256_broadcast_ss(xm + 2), w2, a);
+            a = _mm256_fmadd_ps(_mm256_broadcast_ss(xm + 3), w3, a);
+            _mm256_store_ps(acc + m * S + 8 * v, a);
+          }
+        }
+      }
+      for (; k < k1; ++k) {
+        const uint8_t* r = p.q + k * p.N + c0;
+        for (int64_t v = 0; v < V; ++v) {
+          __m256 w0 = int8_decode(r + 8 * v);
+          for (int64_t m = 0; m < p.M; ++m) {
+            __m256 a = _mm256_load_ps(acc + m * S + 8 * v);
+            _mm256_store_ps(acc + m * S + 8 * v, _mm256_fmadd_ps(_mm256_broadcast_ss(p.x + m * p.K + k), w0, a));
+          }
+        }
+      }
+    } else {
+      int64_t j = k0 / 2;
+      const int64_t j1 = cdiv(k1, 2);
+      for (; j + 2 <= j1; j += 2) {
+        const uint8_t* r = p.q + j * p.N + c0;
+        for (int64_t v = 0; v < V; ++v) {
+          __m256 lo0, hi0, lo1, hi1;
+          int4_decode(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + 8 * v)), lo0, hi0);
+          int4_decode(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + p.N + 8 * v)), lo1, hi1);
+          for (int64_t m = 0; m < p.M; ++m) {
+            const float* xl = p.xl + m * p.Kb + j;
+            const float* xh = p.xh + m * p.Kb + j;
+            __m256 a = _mm256_load_ps(acc + m * S + 8 * v);
+            a = _mm256_fmadd_ps(_mm256_broadcast_ss(xl), lo0, a);
+            a = _mm256_fmadd_ps(_mm256_broadcast_ss(xh), hi0, a);
+            a = _mm256_fmadd_ps(_mm256_broadcast_ss(xl + 1), lo1, a);
+            a = _mm256_fmadd_ps(_mm256_broadcast_ss(xh + 1), hi1, a);
+            _mm256_store_ps(acc + m * S + 8 * v, a);
+          }
+        }
+      }
+      for (; j < j1; ++j) {
+        const uint8_t* r = p.q + j * p.N + c0;
+        for (int64_t v = 0; v < V; ++v) {
+          __m256 lo, hi;
+          int4_decode(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + 8 * v)), lo, hi);
+          for (int64_t m = 0; m < p.M; ++m) {
+            __m256 a = _mm256_load_ps(acc + m * S + 8 * v);
+            a = _mm256_fmadd_ps(_mm256_broadcast_ss(p.xl + m * p.Kb + j), lo, a);
+            a = _mm256_fmadd_ps(_mm256_broadcast_ss(p.xh + m * p.Kb + j), hi, a);
+            _mm256_store_ps(acc + m * S + 8 * v, a);
+          }
+        }
+      }
+    }
+    // Group end: y (+)= scale * (acc - zp * sum of x over the group).
+    for (int64_t m = 0; m < p.M; ++m) {
+      float* yr = p.y + m * p.N + c0;
+      const float xs = p.zp ? p.xsum[m * p.G + g] : 0.f;
+      for (int64_t v = 0; v < V; ++v) {
+        __m256 t = _mm256_load_ps(acc + m * S + 8 * v);
+        if (p.zp) t = _mm256_fnmadd_ps(_mm256_loadu_ps(p.zp + g * p.N + c0 + 8 * v), _mm256_set1_ps(xs), t);
+        __m256 prev = g == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(yr + 8 * v);
+        _mm256_storeu_ps(yr + 8 * v, _mm256_fmadd_ps(t, _mm256_loadu_ps(p.scale + g * p.N + c0 + 8 * v), prev));
+      }
+    }
+  }
+  if (V * 8 < W) wo_scalar(p, 0, p.M, c0 + V * 8, c1);
+}
+
 AVX2 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -352,13 +445,20 @@ AVX2 void wo_nk_rows(const WO& p, int64_t n0, int64_t n1) {
 // Output columns (kn) or weight rows (nk) per claimed chunk: 64 columns is one cache
 // line of an int8 kernel row; 32 nk rows amortise the counter over ~18 KB of weights.
 constexpr int64_t kKnChunk = 64;
+constexpr int64_t kMinParallelBytesDefault = 64 * 1024;
 constexpr int64_t kNkChunk = 32;
-// Below this many weight bytes a product runs on the calling thread only. On a quiet
-// machine a second thread pays off from ~50 KB, but this 2-core box is shared: a pool
-// thread that is preempted while it holds a chunk stalls the whole call, which
-// scripts/bench_native.py measured as a net loss for the per-layer GEMVs (<= 1 MB) and
-// a win for the 28 MB head. LLMEQ_NATIVE_THREADS=1 turns threads off entirely.
-constexpr int64_t kMinParallelBytes = 2 * 1024 * 1024;
+// Below this many weight bytes a product runs on the calling thread only. On the quiet
+// 2-core machine a second thread paid off from ~64 KB (whole-model decode, rtn-w4-g128:
+// 36.9 tok/s with 64 KB vs fewer with 2 MB); on a loaded machine a pool thread that is
+// preempted while it holds a chunk stalls the call, so LLMEQ_NATIVE_PARALLEL_KB raises
+// it and LLMEQ_NATIVE_THREADS=1 turns threads off entirely.
+int64_t min_parallel_bytes() {
+  static const int64_t v = [] {
+    const char* env = std::getenv("LLMEQ_NATIVE_PARALLEL_KB");
+    return env && std::atoi(env) >= 0 ? int64_t(std::atoi(env)) * 1024 : kMinParallelBytesDefault;
+  }();
+  return v;
+}
 
 void wo_run(WO& p, ffi::ThreadPool* pool) {
   std::vector<float> xsum, xl, xh;
@@ -386,16 +486,19 @@ void wo_run(WO& p, ffi::ThreadPool* pool) {
     p.xl = xl.data();
     p.xh = xh.data();
   }
-  int64_t chunk = p.nk ? kNkChunk : kKnChunk;
+  const bool stream = !p.nk && simd && p.M <= kStreamMaxRows;
+  // Streaming kn: about four column chunks (multiples of 8) so two threads balance.
+  int64_t chunk = p.nk ? kNkChunk : (stream ? std::min<int64_t>(kStreamMaxCols, std::max<int64_t>(64, cdiv(cdiv(p.N, 4), 8) * 8)) : kKnChunk);
   int64_t n_chunks = cdiv(p.N, chunk);
   int64_t bytes = p.Kb * p.N;
-  ffi::ThreadPool* use_pool = bytes >= kMinParallelBytes ? pool : nullptr;
+  ffi::ThreadPool* use_pool = bytes >= min_parallel_bytes() ? pool : nullptr;
   const WO& c = p;
-  parallel_for(use_pool, n_chunks, [&c, chunk, simd](int64_t i) {
+  parallel_for(use_pool, n_chunks, [&c, chunk, simd, stream](int64_t i) {
     int64_t n0 = i * chunk, n1 = std::min(c.N, n0 + chunk);
 #if LLMEQ_X86
     if (simd) {
-      if (c.nk) wo_nk_rows(c, n0, n1);
+      if (stream) wo_kn_stream(c, n0, n1);
+      else if (c.nk) wo_nk_rows(c, n0, n1);
       else wo_kn_cols(c, n0, n1);
       return;
     }
@@ -630,7 +733,7 @@ void w8_run(W8& p, ffi::ThreadPool* pool) {
 #endif
   int64_t chunk = gemm ? kW8GemmChunk : kKnChunk;
   int64_t n_chunks = cdiv(p.N, chunk);
-  ffi::ThreadPool* use_pool = (p.K * p.N >= kMinParallelBytes || p.M > kW8GemvRows) ? pool : nullptr;
+  ffi::ThreadPool* use_pool = (p.K * p.N >= min_parallel_bytes() || p.M > kW8GemvRows) ? pool : nullptr;
   const W8& c = p;
   parallel_for(use_pool, n_chunks, [&c, chunk, simd, gemm](int64_t i) {
     int64_t n0 = i * chunk, n1 = std::min(c.N, n0 + chunk);

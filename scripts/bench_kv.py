@@ -91,7 +91,8 @@ def main(argv=None) -> int:
         kv = quantizer(spec)
         calib_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        res = evaluate.perplexity(lambda t, kv=kv: forward(config, params, t, kv=kv), wins, batch_size=args.batch_size)
+        res = evaluate.perplexity(lambda p, t, kv=kv: forward(config, p, t, kv=kv), wins, batch_size=args.batch_size,
+                                 params=params)
         eval_s = time.perf_counter() - t0
         mem = kvcache.memory(jax.eval_shape(lambda kv=kv: init_cache(config, 1, args.seq_len, kv=kv)))
         if spec is None:

@@ -69,3 +69,12 @@ def test_median_time_and_memory():
     t = ev.median_time(lambda: calls.append(1) or jnp.zeros(3), runs=3, warmup=2)
     assert len(calls) == 5 and t >= 0
     assert ev.peak_host_memory_mb() > 10
+
+
+def test_perplexity_with_params_as_an_argument_equals_the_closure():
+    rng = np.random.default_rng(1)
+    table = rng.normal(size=(7, 7)).astype(np.float32)
+    windows = ev.make_windows(rng.integers(0, 7, size=30).astype(np.int32), 5, n_windows=0)
+    closed = ev.perplexity(_bigram_logits_fn(table), windows, batch_size=2)
+    passed = ev.perplexity(lambda p, toks: p[toks], windows, batch_size=2, params=jnp.asarray(table))
+    assert passed["ppl"] == pytest.approx(closed["ppl"], rel=1e-6)

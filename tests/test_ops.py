@@ -340,3 +340,46 @@ def test_linear_nk_is_the_transposed_product():
     np.testing.assert_allclose(np.asarray(ops.linear_nk(x, dense)), np.asarray(x @ dense.T), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="columns"):
         ops.linear_nk(activations(1)[:, :10], wt)
+
+
+# --------------------------------------------------------------------------- quantized embedding tables
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [Spec(bits=8), Spec(bits=4, granularity="group", group_size=32, symmetric=False), Spec(bits=8, granularity="tensor")],
+)
+def test_take_rows_dequantizes_only_the_rows_read(spec):
+    from llmeq_jax.core.rules import quantize_table
+
+    table = quantize_table(_rand((300, 96), 7), spec)
+    ids = jnp.asarray([[0, 299, 5], [5, 17, 42]])
+    rows = jax.jit(ops.take_rows)(table, ids)
+    assert rows.shape == (2, 3, 96)
+    np.testing.assert_array_equal(np.asarray(rows), np.asarray(table.dequantize())[np.asarray(ids)])
+
+
+def test_take_rows_float_table_and_bad_layouts():
+    table = _rand((10, 8), 3)
+    np.testing.assert_array_equal(np.asarray(ops.take_rows(table, jnp.asarray([3, 1]))), np.asarray(table)[[3, 1]])
+    packed_rows = quantize(_rand((10, 8), 3), Spec(bits=4), pack_axis=0)  # int4 pairs across rows
+    with pytest.raises(ValueError, match="pack_axis=1"):
+        ops.take_rows(packed_rows, jnp.asarray([1]))
+
+
+def test_model_with_an_int8_table_equals_the_model_with_its_dequantized_table():
+    from llmeq_jax.core.rules import Recipe, Rule, quantize_params
+    from llmeq_jax.models import forward, init_params
+    from llmeq_jax.models.config import ModelConfig
+
+    config = ModelConfig(model_type="llama", vocab_size=300, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                         head_dim=16, intermediate_size=48, norm_eps=1e-5, max_position_embeddings=64,
+                         tie_word_embeddings=True, rope_theta=10000.0)
+    params = init_params(config, jax.random.key(0))
+    q = quantize_params(params, Recipe(rules=(Rule("embed/embedding", weight=Spec(bits=8)),)))
+    table = q["embed"]["embedding"]
+    assert isinstance(table, QArray) and table.nbytes < params["embed"]["embedding"].nbytes / 3
+    floats = {**q, "embed": {"embedding": table.dequantize()}}
+    toks = jnp.asarray([[1, 7, 299, 42, 5]])
+    np.testing.assert_allclose(np.asarray(forward(config, q, toks)), np.asarray(forward(config, floats, toks)),
+                               rtol=1e-5, atol=1e-5)

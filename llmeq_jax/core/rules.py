@@ -252,9 +252,10 @@ def map_rules(
 def quantize_leaf(path: str, w: jax.Array, rule: Rule, stats: dict | None = None) -> QArray:
     """Round-to-nearest quantization of one kernel (or the embedding table) under ``rule``."""
     if is_table(path):
-        if rule.act is not None:
-            raise RecipeError(f"{path}: an embedding table is looked up (and used as a weight-only head); "
-                              f"its rule {rule.pattern!r} must not give an activation spec")
+        if rule.act is not None:  # e.g. a ".*" W8A8 rule: the table still gets its weight spec
+            warnings.warn(f"{path}: an embedding table is looked up (and used as a weight-only head), so rule "
+                          f"{rule.pattern!r}'s activation spec does not apply to it; its weights are quantized only",
+                          UserWarning)
         return quantize_table(w, rule.weight)
     act_scale = static_act_scale(path, stats) if rule.act_static else None
     return _quantize_jit(jnp.asarray(w), act_scale, spec=rule.weight, act_spec=rule.act)

@@ -86,14 +86,13 @@ def test_fullmatch_not_search():
     assert out["layers_0"]["attn"]["q_proj"]["kernel"].bits == 4
 
 
-def test_embeddings_norms_biases_stay_float():
+def test_only_kernels_and_the_token_table_are_quantized():
     params = tiny_params()
     out = _quietly(quantize_params, params, Recipe(rules=(Rule(".*", weight=W8),)))
-    kernels = [p for p in leaf_paths(params) if p.endswith("/kernel")]
+    quantizable = [p for p in leaf_paths(params) if p.endswith("/kernel") or p == "embed/embedding"]
     for path, leaf in jax.tree_util.tree_leaves_with_path(out, is_leaf=lambda x: isinstance(x, QArray)):
         name = "/".join(str(k.key) for k in path)
-        assert isinstance(leaf, QArray) == (name in kernels), name
-    np.testing.assert_array_equal(np.asarray(out["embed"]["embedding"]), np.asarray(params["embed"]["embedding"]))
+        assert isinstance(leaf, QArray) == (name in quantizable), name
     np.testing.assert_array_equal(
         np.asarray(out["layers_0"]["attn"]["q_proj"]["bias"]), np.asarray(params["layers_0"]["attn"]["q_proj"]["bias"])
     )
@@ -101,10 +100,10 @@ def test_embeddings_norms_biases_stay_float():
 
 
 def test_a_rule_for_a_non_kernel_leaf_is_reported_not_silently_applied():
-    recipe = Recipe(rules=(Rule("embed/embedding", weight=W8), Rule(".*/kernel", weight=W8)))
-    with pytest.warns(UnusedRuleWarning, match="embed/embedding"):
+    recipe = Recipe(rules=(Rule("final_norm/scale", weight=W8), Rule(".*/kernel", weight=W8)))
+    with pytest.warns(UnusedRuleWarning, match="final_norm/scale"):
         out = quantize_params(tiny_params(), recipe)
-    assert not isinstance(out["embed"]["embedding"], QArray)
+    assert not isinstance(out["final_norm"]["scale"], QArray)
 
 
 def test_unused_rules_warn_with_recipe_and_pattern():
@@ -271,3 +270,30 @@ def test_malformed_recipe_is_one_clear_error(tmp_path, text, match):
 def test_missing_recipe_file(tmp_path):
     with pytest.raises(RecipeError, match="does not exist"):
         load_recipe(tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize(
+    "spec, scale_shape, pack_axis",
+    [
+        (Spec(bits=8), (50, 1), 0),  # channel = one scale per vocabulary row (the head's outputs)
+        (Spec(bits=4, granularity="group", group_size=4), (50, 4), 1),  # groups along hidden, packed along hidden
+        (Spec(bits=4, granularity="group", group_size=4, symmetric=False), (50, 4), 1),
+    ],
+)
+def test_token_table_is_quantized_as_the_transposed_head_kernel(spec, scale_shape, pack_axis):
+    params = tiny_params()
+    table = params["embed"]["embedding"]
+    out = _quietly(quantize_params, params, Recipe(rules=(Rule("embed/embedding", weight=spec),)))["embed"]["embedding"]
+    assert isinstance(out, QArray) and out.shape == table.shape and out.scale.shape == scale_shape
+    if out.bits == 4:
+        assert out.pack_axis == pack_axis and out.qvalue.shape == (table.shape[0], table.shape[1] // 2)
+    # The same spec on the transposed table as a kernel gives the same grid, transposed.
+    as_kernel = quantize_params({"k": {"kernel": table.T}}, Recipe(rules=(Rule(".*", weight=spec),)))["k"]["kernel"]
+    np.testing.assert_array_equal(np.asarray(out.dequantize()), np.asarray(as_kernel.dequantize()).T)
+
+
+def test_token_table_is_weight_only_under_an_activation_rule():
+    recipe = Recipe(rules=(Rule("embed/embedding", weight=Spec(bits=8), act=Spec(bits=8, granularity="token")),))
+    with pytest.warns(UserWarning, match="activation spec does not apply"):
+        out = quantize_params(tiny_params(), recipe)["embed"]["embedding"]
+    assert out.bits == 8 and out.act_spec is None
