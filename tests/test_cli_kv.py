@@ -58,7 +58,11 @@ def test_quantize_stores_kv_ranges_and_eval_uses_them(capsys, tmp_path):
     for k in ("lo", "hi"):
         kv["key_ranges"][k] = [heads[:3] for heads in kv["key_ranges"][k]]
     (out / "manifest.json").write_text(json.dumps(manifest))
+    # The edited manifest no longer matches its hash: that is caught first ...
     code, _, err = run(capsys, "eval", str(out), *EVAL)
+    assert code == 2 and "manifest.json does not match its sha256" in err
+    # ... and without the hash check, the key ranges' shape is.
+    code, _, err = run(capsys, "eval", str(out), "--no-verify", *EVAL)
     assert code == 2 and "the model needs [layers, kv_heads, head_dim] = [5, 4, 8]" in err
 
 

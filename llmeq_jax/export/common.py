@@ -20,7 +20,7 @@ import numpy as np
 
 from llmeq_jax.core.qarray import QArray, is_qarray
 from llmeq_jax.core.quantize import Spec
-from llmeq_jax.core.rules import path_str
+from llmeq_jax.core.rules import is_table, path_str
 
 
 class ExportError(ValueError):
@@ -101,10 +101,16 @@ def kernel_grid(path: str, w: QArray) -> KernelGrid:
 
 
 def flat_params(params: Any) -> dict[str, Any]:
-    """``{"layers_0/attn/q_proj/kernel": leaf}`` with QArrays kept whole."""
+    """``{"layers_0/attn/q_proj/kernel": leaf}`` with QArrays kept whole.
+
+    A quantized token table comes back as its dequantized floats: neither format has
+    our per-row embedding grid (GGUF's blocks run along hidden in 32s, compressed-tensors
+    quantizes Linear modules only), and the floats are exactly the values our model reads.
+    """
     import jax
 
-    return {path_str(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(params, is_leaf=is_qarray)}
+    flat = {path_str(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(params, is_leaf=is_qarray)}
+    return {p: (leaf.dequantize() if is_table(p) and is_qarray(leaf) else leaf) for p, leaf in flat.items()}
 
 
 @contextlib.contextmanager

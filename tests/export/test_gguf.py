@@ -164,3 +164,16 @@ def test_existing_output_kept_without_overwrite(model, tmp_path):
     assert out.read_bytes() == b"keep"
     write_gguf(config, params, out, source=MODEL, overwrite=True)
     assert load_model(out)[0] is not None and sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+
+
+def test_a_quantized_token_table_is_written_as_its_floats(model, tmp_path):
+    config, params, tokenizer, tokens = model
+    table_rule = {"pattern": "embed/embedding", "weight": {"bits": 8, "granularity": "channel"}}
+    qparams = quantize_params(params, _recipe(table_rule, SKIP_DOWN,
+                                              {"pattern": ".*/kernel", "weight": {"bits": 8, "granularity": "channel"}}))
+    out = write_gguf(config, qparams, tmp_path / "m.gguf", source=MODEL)
+    config2, params2, _ = load_model(out)
+    np.testing.assert_array_equal(np.asarray(params2["embed"]["embedding"]),
+                                  np.asarray(qparams["embed"]["embedding"].dequantize()))
+    expected = {**_fp16_scales(qparams), "embed": {"embedding": qparams["embed"]["embedding"].dequantize()}}
+    assert _rel_diff(forward(config2, params2, tokens), forward(config, expected, tokens)) <= 2e-6
