@@ -15,6 +15,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from llmeq_jax import decode_layout
 from llmeq_jax.models.config import ModelConfig
 from llmeq_jax.models.model import forward_step, init_cache  # noqa: F401 (init_cache re-exported)
 
@@ -49,15 +50,18 @@ def sample_logits(
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-def kernel_state() -> tuple[bool, bool]:
-    """The Pallas switches a trace depends on (interpret mode, kernels disabled).
+def kernel_state() -> tuple[bool, bool, bool]:
+    """The kernel switches a trace depends on (Pallas interpret mode, Pallas kernels disabled,
+    native CPU kernels enabled).
 
     The jitted steps below take it as a static argument, so a step traced with kernels
-    on is not reused inside ``pallas_kernels.config.disabled()`` (or the other way round).
+    on is not reused inside ``pallas_kernels.config.disabled()`` or ``native.disabled()``
+    (or the other way round).
     """
+    from llmeq_jax import native
     from pallas_kernels import config as kernel_config
 
-    return kernel_config.interpret_enabled(), kernel_config.is_disabled()
+    return kernel_config.interpret_enabled(), kernel_config.is_disabled(), native.enabled()
 
 
 @functools.partial(jax.jit, static_argnames=("config", "kernels"), donate_argnames=("cache",))
@@ -87,6 +91,8 @@ def _decode_loop(config, params, first_logits, cache, key, *, max_new_tokens, gr
                  kernels):
     sample = functools.partial(sample_logits, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p)
     b = first_logits.shape[0]
+    # Quantized kernels transposed once for the native row-major decode kernels (no-op without them).
+    params = decode_layout.for_decode(params, rows=b)
     key, sub = jax.random.split(key)
     out = jnp.zeros((b, max_new_tokens), jnp.int32).at[:, 0].set(sample(first_logits, sub))
 

@@ -44,7 +44,10 @@ from llmeq_jax.core.qarray import QArray, values_per_byte
 
 _WO_TARGET = "llmeq_wo_matmul"
 _W8_TARGET = "llmeq_w8a8_matmul"
-_ABI_VERSION = 1
+_RM_A16_TARGET = "llmeq_rm_a16"
+_RM_A8_TARGET = "llmeq_rm_a8"
+_ATTN_TARGET = "llmeq_decode_attention"
+_ABI_VERSION = 2
 _DISABLED = contextvars.ContextVar("llmeq_native_disabled", default=False)
 
 
@@ -85,7 +88,7 @@ def _load() -> None:
         lib = ctypes.cdll.LoadLibrary(path)
         if lib.llmeq_native_abi_version() != _ABI_VERSION:
             raise OSError(f"ABI version {lib.llmeq_native_abi_version()} != {_ABI_VERSION}; rebuild the package")
-        for name in (_WO_TARGET, _W8_TARGET):
+        for name in (_WO_TARGET, _W8_TARGET, _RM_A16_TARGET, _RM_A8_TARGET, _ATTN_TARGET):
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
     except (OSError, AttributeError) as e:  # a stale or foreign build: XLA still works
         _state.reason = f"the native CPU library {path} could not be loaded: {e}"
@@ -202,6 +205,35 @@ def supports_w8a8(w: QArray) -> str | None:
     return None
 
 
+# Longest weight group the row-major kernels sum in int32 (weight-only / W8A8).
+_RM_MAX_GROUP = 2048
+
+
+def supports_row_major(w: QArray, act=None) -> str | None:
+    """None when :func:`row_major_matmul` takes the ``(out, in)`` QArray ``w`` (with activation spec ``act``)."""
+    if not isinstance(w, QArray) or len(w.shape) != 2:
+        return "needs a 2-D QArray"
+    n, k = w.shape
+    per_byte = values_per_byte(w.bits)
+    if per_byte == 4:
+        return "2-bit weights have no native kernel"
+    if per_byte == 2 and w.pack_axis % 2 != 1:
+        return f"int{w.bits} values must be packed along the contraction dim (pack_axis=1)"
+    if k % 32:
+        return f"the contraction dim ({k}) must be a multiple of 32"
+    if w.tile[0] not in (1, n):
+        return "scales grouped along the output (row) dim"
+    g = w.tile[1]
+    if g < k and (g % 32 or g > _RM_MAX_GROUP):
+        return f"groups along the contraction dim must be multiples of 32 up to {_RM_MAX_GROUP}, got {g}"
+    if act is not None:
+        if act.bits > 8:
+            return f"activations of {act.bits} bits"
+        if per_byte != 1:
+            return f"W8A8 needs unpacked weights of 5-8 bits, got int{w.bits}"
+    return None
+
+
 def _require(reason: str | None, what: str) -> None:
     if reason is not None:
         raise ValueError(f"native.{what}: {reason}")
@@ -244,6 +276,20 @@ def _w8_call(xq2, q, scale, zp, sx, *, group_size: int, has_zp: bool):
     _require(None, "W8A8 call")
     out = jax.ShapeDtypeStruct((xq2.shape[0], q.shape[1]), jnp.float32)
     call = jax.ffi.ffi_call(_W8_TARGET, out, vmap_method="sequential")
+    return call(xq2, q, scale, zp, sx, group_size=np.int64(group_size), has_zp=np.int64(has_zp))
+
+
+def _rm_a16_call(x2, q, scale, zp, *, bits: int, group_size: int, has_zp: bool):
+    _require(None, "row-major call")
+    out = jax.ShapeDtypeStruct((x2.shape[0], q.shape[0]), jnp.float32)
+    call = jax.ffi.ffi_call(_RM_A16_TARGET, out, vmap_method="sequential")
+    return call(x2, q, scale, zp, bits=np.int64(bits), group_size=np.int64(group_size), has_zp=np.int64(has_zp))
+
+
+def _rm_a8_call(xq2, q, scale, zp, sx, *, group_size: int, has_zp: bool):
+    _require(None, "row-major W8A8 call")
+    out = jax.ShapeDtypeStruct((xq2.shape[0], q.shape[0]), jnp.float32)
+    call = jax.ffi.ffi_call(_RM_A8_TARGET, out, vmap_method="sequential")
     return call(xq2, q, scale, zp, sx, group_size=np.int64(group_size), has_zp=np.int64(has_zp))
 
 
@@ -291,6 +337,30 @@ def _w8_forward(x: jax.Array, w: QArray, act) -> jax.Array:
     return y.reshape(*x.shape[:-1], n).astype(x.dtype)
 
 
+def _rm_forward(x: jax.Array, w: QArray, act) -> jax.Array:
+    n, k = w.shape
+    g = w.tile[1]
+    groups = math.ceil(k / g)
+    scale, zp = _as_grid(w.scale, n, groups), _zp_arg(w, n, groups)
+    if act is None:
+        x2 = x.reshape(-1, k).astype(jnp.float32)
+        y = _rm_a16_call(x2, w.qvalue, scale, zp, bits=w.bits, group_size=g, has_zp=w.zero_point is not None)
+    else:
+        from llmeq_jax.ops import quantize_activations  # same activation numerics as the XLA path
+
+        xq, sx = quantize_activations(x, act, w.act_scale)
+        sx_rows = jnp.broadcast_to(jnp.asarray(sx, jnp.float32), (*xq.shape[:-1], 1))
+        y = _rm_a8_call(xq.reshape(-1, k), w.qvalue.astype(jnp.int8), scale, zp, sx_rows.reshape(-1),
+                        group_size=g, has_zp=w.zero_point is not None)
+    return y.reshape(*x.shape[:-1], n).astype(x.dtype)
+
+
+def _xla_row_major(x, w, act):
+    from llmeq_jax.ops import linear_nk_xla, w8a8_nk_xla
+
+    return linear_nk_xla(x, w) if act is None else w8a8_nk_xla(x, w, act)
+
+
 def _xla_kn(x, w):
     from llmeq_jax.ops import weight_only_xla
 
@@ -313,15 +383,14 @@ def _with_xla_grad(forward, reference):
     """``forward`` on the way in; the vjp of the XLA ``reference`` on the way back."""
 
     @jax.custom_vjp
-    def f(x, w):
-        return forward(x, w)
+    def f(*args):
+        return forward(*args)
 
-    def fwd(x, w):
-        return forward(x, w), (x, w)
+    def fwd(*args):
+        return forward(*args), args
 
-    def bwd(res, g):
-        x, w = res
-        return jax.vjp(reference, x, w)[1](g)
+    def bwd(args, g):
+        return jax.vjp(reference, *args)[1](g)
 
     f.defvjp(fwd, bwd)
     return f
@@ -355,6 +424,45 @@ def w8a8_kn(x: jax.Array, w: QArray, act) -> jax.Array:
     return f(x, w)
 
 
+def row_major_matmul(x: jax.Array, w: QArray, act=None) -> jax.Array:
+    """``x @ dequantize(w).T`` for an ``(out, in)`` QArray by the row-major integer kernels.
+
+    Weight-only (``act`` None): x is quantized on the fly to int16 per row and per
+    group (the weight's, or 128 values for per-channel weights) -- a relative error
+    of at most 2^-16 of the group's absmax -- and multiplied with the int8 / int4 codes
+    in exact int32. With ``act`` (W8A8): activations quantized as in
+    :func:`llmeq_jax.ops.quantize_activations`, exact int32 products.
+    """
+    _require(supports_row_major(w, act), "row_major_matmul")
+    _check_x(x, w.shape[1], "row_major_matmul")
+    f = _with_xla_grad(lambda a, b: _rm_forward(a, b, act), lambda a, b: _xla_row_major(a, b, act))
+    return f(x, w)
+
+
+def _attention_forward(q, k, v, mask, masked: float):
+    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    call = jax.ffi.ffi_call(_ATTN_TARGET, out, vmap_method="sequential")
+    return call(q, k, v, mask, masked=np.float32(masked))
+
+
+def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, masked: float, reference) -> jax.Array:
+    """Grouped-query attention of a few float32 query positions over a float32 cache, in one native call.
+
+    q [B, T, H, D]; k, v [B, KV, S, D]; mask [B, T, S] bool -> [B, T, H, D]: scores
+    ``q . k / sqrt(D)`` (``masked`` where the mask is False), softmax over S, weighted
+    sum of v -- ``reference``'s math (its XLA code is also the backward pass).
+    """
+    _require(None, "decode_attention")
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        if a.ndim != 4 or a.dtype != jnp.float32:
+            raise ValueError(f"native.decode_attention: {name} must be a 4-D float32 array, got {a.shape} {a.dtype}")
+    if mask.shape != (q.shape[0], q.shape[1], k.shape[2]):
+        raise ValueError(f"native.decode_attention: mask must be [B, T, S] = {(q.shape[0], q.shape[1], k.shape[2])}, "
+                         f"got {mask.shape}")
+    f = _with_xla_grad(lambda a, b, c, m: _attention_forward(a, b, c, m.astype(jnp.bool_), masked), reference)
+    return f(q, k, v, mask)
+
+
 def _w8_int32_for_tests(xq2: jax.Array, q: jax.Array, group_size: int) -> jax.Array:
     """The kernel's integer part alone, as float32 (exact: unit scales, sx = 1); for tests."""
     k, n = q.shape
@@ -369,13 +477,16 @@ def _w8_int32_for_tests(xq2: jax.Array, q: jax.Array, group_size: int) -> jax.Ar
 
 __all__ = [
     "available",
+    "decode_attention",
     "disabled",
     "enabled",
     "force_scalar",
     "library_path",
+    "row_major_matmul",
     "simd",
     "supports_kn",
     "supports_nk",
+    "supports_row_major",
     "supports_w8a8",
     "unavailable_reason",
     "w8a8_kn",

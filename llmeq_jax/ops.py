@@ -35,6 +35,7 @@ import jax.numpy as jnp
 
 from llmeq_jax.core.qarray import QArray, int_range, values_per_byte
 from llmeq_jax.core.quantize import Spec
+from llmeq_jax.decode_layout import RowMajorKernel, kernel_view
 
 # Up to this many rows of activations, weight-only avoids materialising the
 # dequantized kernel (chunked scan on CPU, multiply-reduce elsewhere).
@@ -49,7 +50,7 @@ BACKENDS = ("auto", "xla", "pallas")
 # kernel, rtn-w8 XLA 21.9 -> native 26.4 tok/s, rtn-w4-g128 12.1 -> 36.9, rtn-w8a8
 # 27.2 -> 48.3 (fp32 25.4). Beyond 8 rows (prefill, perplexity) XLA's GEMMs win
 # (scripts/bench_native.py --rows 512).
-NATIVE_MAX_ROWS = {"int8": 8, "int4": 8, "w8a8": 8, "nk": 8}
+NATIVE_MAX_ROWS = {"int8": 8, "int4": 8, "w8a8": 8, "nk": 8, "row_major": 8, "attention": 8}
 # Rows of a (out, in) matrix dequantized per scan step by linear_nk_xla at few rows:
 # 256 x 576 floats (0.6 MB) stay in L2; the 49k-row head never exists as floats.
 NK_CHUNK_ROWS = 256
@@ -79,6 +80,9 @@ def linear(
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {list(BACKENDS)}")
     _check_shapes(x, w)
+    if isinstance(w, RowMajorKernel):
+        y = _linear_row_major(x, w.w, act if act is not None else w.w.act_spec, backend)
+        return y if bias is None else y + bias.astype(y.dtype)
     if not isinstance(w, QArray):
         y = jnp.matmul(x, w.astype(x.dtype))
     else:
@@ -137,6 +141,16 @@ def _try_native(x, w, act):
     return native.weight_only_kn(x, w)
 
 
+def _linear_row_major(x, w: QArray, act, backend):
+    """``x @ kernel`` for a kernel stored row-major (``w`` is ``(out, in)``): native, else XLA."""
+    if backend == "auto" and jax.default_backend() == "cpu" and _native_rows_ok(x, "row_major"):
+        from llmeq_jax import native
+
+        if native.enabled() and native.supports_row_major(w, act) is None:
+            return native.row_major_matmul(x, w, act)
+    return w8a8_nk_xla(x, w, act) if act is not None else linear_nk_xla(x, w)
+
+
 # --------------------------------------------------------------------------- transposed (nk)
 
 
@@ -183,7 +197,11 @@ def _try_native_nk(x, w):
         return None
     from llmeq_jax import native
 
-    if native.supports_nk(w) is not None or not native.enabled():
+    if not native.enabled():
+        return None
+    if native.supports_row_major(w) is None:  # int16 activations x integer codes: the faster kernel
+        return native.row_major_matmul(x, w)
+    if native.supports_nk(w) is not None:
         return None
     return native.weight_only_nk(x, w)
 
@@ -461,6 +479,11 @@ def w8a8_xla(x: jax.Array, w: QArray, act: Spec) -> jax.Array:
     return y.astype(x.dtype)
 
 
+def w8a8_nk_xla(x: jax.Array, w: QArray, act: Spec) -> jax.Array:
+    """W8A8 ``x @ dequantize(w).T`` for an ``(out, in)`` QArray: the XLA W8A8 path on its kernel view."""
+    return w8a8_xla(x, kernel_view(w), act)
+
+
 def qeinsum(subscripts: str, x: jax.Array, w: jax.Array | QArray) -> jax.Array:
     """``einsum`` with a float or QArray second operand (weight-only: dequantized in the jit)."""
     if isinstance(w, QArray):
@@ -474,4 +497,4 @@ def dequantize_tree_leaf(w: Any, dtype: Any = jnp.float32) -> Any:
 
 
 __all__ = ["linear", "linear_nk", "linear_nk_xla", "qeinsum", "quantize_activations", "take_rows", "weight_only_xla",
-           "w8a8_xla"]
+           "w8a8_nk_xla", "w8a8_xla"]

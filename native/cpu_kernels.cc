@@ -29,7 +29,11 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <condition_variable>
 #include <functional>
+#include <limits>
+#include <mutex>
+#include <string>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -759,6 +763,342 @@ void w8_run(W8& p, ffi::ThreadPool* pool) {
   });
 }
 
+// ----------------------------------------------------------------------------- row-major decode kernels
+//
+// y[M,N] = x[M,K] @ W^T for a weight stored row-major (N, K): each output is one
+// contiguous dot product, so each thread streams whole weight rows (ops.decode_layout
+// transposes a model's (in, out) kernels into this layout once per generate call).
+// The products are integer: the weight's int8 / int4 codes times integer activations,
+// summed exactly in int32 and scaled per group:
+//
+//   mode 0 (int8 weights) and 1 (int4 weights), weight-only: float x is quantized per
+//     row and per "flush group" (the weight's group, or 128 along K for per-channel
+//     weights) to int16 with scale absmax / 32767. The relative error of that step is
+//     at most 2^-16 of its group's absmax, orders below the weights' own rounding.
+//     int16 x int8 pairs go through vpmaddwd (16 products per instruction, 2x the
+//     float convert + FMA path on this CPU class).
+//   mode 2 (int8 weights, W8A8): x arrives as int8 from ops.quantize_activations (the
+//     XLA path's numerics) with one scale per row; |w| * (x * sign(w)) through
+//     vpmaddubsw is exact for w in [-128, 127], x in [-127, 127] (|pair| <= 32512).
+//
+// int4 codes v in [-8, 7] are read as u = v + 8 = nibble ^ 8, in [0, 15]; the offset
+// (and any zero point) is removed per group with the activation sums:
+//   sum_k (v_k - zp) x_k = sum_k u_k x_k - (8 + zp) sum_k x_k.
+// int32 headroom: a flush group holds at most 32768 values (checked); per lane a group
+// adds at most 2 * 32767 * 128 * (F / 16) for mode 0 (F <= 128 there: < 2^26).
+
+struct RM {
+  int mode;                 // 0, 1, 2 as above
+  int64_t M, N, K, Kb;      // Kb: stored bytes per weight row (K, or K / 2 for int4)
+  int64_t G;                // weight scale groups along K (1: per channel)
+  int64_t F, FG;            // flush group size (values) and count
+  const uint8_t* q;         // (N, Kb)
+  const float* scale;       // (N, G)
+  const float* zp;          // (N, G) or nullptr
+  const int16_t* x16;       // modes 0/1: [M, xs] int16 (int4: K/2 even-k values, then K/2 odd-k)
+  const int8_t* x8;         // mode 2: [M, K]
+  int64_t xstride;
+  const float* sa;          // [M, FG] activation scale per flush group
+  const int32_t* xsum;      // [M, FG] sums of the integer activations per flush group
+  float* y;                 // [M, N]
+};
+
+inline float rm_wscale(const RM& p, int64_t n, int64_t f) { return p.scale[n * p.G + (p.G > 1 ? f : 0)]; }
+inline float rm_offset(const RM& p, int64_t n, int64_t f) {
+  return (p.mode == 1 ? 8.f : 0.f) + (p.zp ? p.zp[n * p.G + (p.G > 1 ? f : 0)] : 0.f);
+}
+
+// Portable loops over rows [n0, n1), all M: the same integer sums as the SIMD path.
+void rm_scalar(const RM& p, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* w = p.q + n * p.Kb;
+    for (int64_t m = 0; m < p.M; ++m) {
+      float tot = 0.f;
+      for (int64_t f = 0; f < p.FG; ++f) {
+        int64_t k0 = f * p.F, k1 = std::min(p.K, k0 + p.F);
+        int64_t acc = 0;
+        for (int64_t k = k0; k < k1; ++k) {
+          int64_t xv, wv;
+          if (p.mode == 2) {
+            xv = p.x8[m * p.xstride + k];
+            wv = static_cast<int8_t>(w[k]);
+          } else if (p.mode == 0) {
+            xv = p.x16[m * p.xstride + k];
+            wv = static_cast<int8_t>(w[k]);
+          } else {
+            xv = p.x16[m * p.xstride + (k & 1 ? p.K / 2 : 0) + k / 2];
+            wv = ((w[k / 2] >> (k & 1 ? 4 : 0)) & 15) ^ 8;
+          }
+          acc += xv * wv;
+        }
+        float s = rm_wscale(p, n, f) * p.sa[m * p.FG + f];
+        tot += s * (static_cast<float>(acc) - rm_offset(p, n, f) * static_cast<float>(p.xsum[m * p.FG + f]));
+      }
+      p.y[m * p.N + n] = tot;
+    }
+  }
+}
+
+#if LLMEQ_X86
+AVX2 inline int32_t hsum_i32(__m256i v) {
+  __m128i a = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  a = _mm_add_epi32(a, _mm_shuffle_epi32(a, 0x4e));
+  a = _mm_add_epi32(a, _mm_shuffle_epi32(a, 0xb1));
+  return _mm_cvtsi128_si32(a);
+}
+
+// R weight rows (n0..n0+R) x MT activation rows (m0..m0+MT), all of K. The weight
+// vectors are decoded once per step and used by every activation row.
+template <int MODE, int MT, int R>
+AVX2 void rm_tile(const RM& p, int64_t m0, int64_t n0) {
+  __m256 tot[R][MT];
+  float corr[R][MT];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MT; ++m) {
+      tot[r][m] = _mm256_setzero_ps();
+      corr[r][m] = 0.f;
+    }
+  const uint8_t* wrow[R];
+  for (int r = 0; r < R; ++r) wrow[r] = p.q + (n0 + r) * p.Kb;
+  const __m128i low4 = _mm_set1_epi8(15), flip8 = _mm_set1_epi8(static_cast<char>(0x88));
+  const __m256i ones16 = _mm256_set1_epi16(1);
+  for (int64_t f = 0; f < p.FG; ++f) {
+    const int64_t k0 = f * p.F, k1 = std::min(p.K, k0 + p.F);
+    __m256i acc[R][MT];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MT; ++m) acc[r][m] = _mm256_setzero_si256();
+    if (MODE == 0) {
+      for (int64_t k = k0; k < k1; k += 16) {
+        __m256i xv[MT];
+        for (int m = 0; m < MT; ++m)
+          xv[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.x16 + (m0 + m) * p.xstride + k));
+    for (int r = 0; r < R; ++r) {
+          __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wrow[r] + k)));
+          for (int m = 0; m < MT; ++m) acc[r][m] = _mm256_add_epi32(acc[r][m], _mm256_madd_epi16(w, xv[m]));
+        }
+      }
+    } else if (MODE == 1) {
+      const int64_t half = p.K / 2;
+      for (int64_t k = k0; k < k1; k += 32) {
+        const int64_t j = k / 2;  // byte offset: 16 bytes hold k..k+31
+        __m256i xe[MT], xo[MT];
+        for (int m = 0; m < MT; ++m) {
+          const int16_t* xr = p.x16 + (m0 + m) * p.xstride;
+          xe[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + j));
+          xo[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + half + j));
+        }
+    for (int r = 0; r < R; ++r) {
+          __m128i b = _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wrow[r] + j)), flip8);
+          __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(b, low4));
+          __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), low4));
+        for (int m = 0; m < MT; ++m)
+            acc[r][m] = _mm256_add_epi32(acc[r][m],
+                                         _mm256_add_epi32(_mm256_madd_epi16(lo, xe[m]), _mm256_madd_epi16(hi, xo[m])));
+        }
+      }
+    } else {
+      for (int64_t k = k0; k < k1; k += 32) {
+        __m256i xv[MT];
+        for (int m = 0; m < MT; ++m)
+          xv[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.x8 + (m0 + m) * p.xstride + k));
+    for (int r = 0; r < R; ++r) {
+          __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wrow[r] + k));
+          __m256i aw = _mm256_abs_epi8(w);
+        for (int m = 0; m < MT; ++m)
+            acc[r][m] = _mm256_add_epi32(
+                acc[r][m], _mm256_madd_epi16(ones16, _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv[m], w))));
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const float ws = rm_wscale(p, n0 + r, f), off = rm_offset(p, n0 + r, f);
+      for (int m = 0; m < MT; ++m) {
+        const float s = ws * p.sa[(m0 + m) * p.FG + f];
+        tot[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][m]), _mm256_set1_ps(s), tot[r][m]);
+        corr[r][m] += s * off * static_cast<float>(p.xsum[(m0 + m) * p.FG + f]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MT; ++m) p.y[(m0 + m) * p.N + n0 + r] = hsum(tot[r][m]) - corr[r][m];
+}
+
+template <int MODE>
+AVX2 void rm_rows_simd(const RM& p, int64_t n0, int64_t n1) {
+  int64_t m = 0;
+  for (; m + 2 <= p.M; m += 2) {
+    int64_t n = n0;
+    for (; n + 2 <= n1; n += 2) rm_tile<MODE, 2, 2>(p, m, n);
+    for (; n < n1; ++n) rm_tile<MODE, 2, 1>(p, m, n);
+  }
+  for (; m < p.M; ++m) {
+    int64_t n = n0;
+    for (; n + 4 <= n1; n += 4) rm_tile<MODE, 1, 4>(p, m, n);
+    for (; n < n1; ++n) rm_tile<MODE, 1, 1>(p, m, n);
+  }
+}
+#endif  // LLMEQ_X86
+
+// A few persistent worker threads for the row-major kernels. Decode calls come every
+// few tens of microseconds; waking a sleeping pool thread per call cost more than the
+// second core gave back (the XLA intra-op pool path above measured slower with two
+// threads than with one). Workers spin briefly (yielding, so XLA's own threads still
+// run) on a job counter, then sleep. A caller that finds the pool busy (concurrent
+// FFI calls) runs its job alone; a job's chunks are claimed from an atomic counter,
+// so the caller never waits on a chunk nobody took.
+class SpinPool {
+ public:
+  static SpinPool& get() {
+    static SpinPool* pool = new SpinPool();  // never destroyed: workers outlive static teardown
+    return *pool;
+  }
+  int workers() const { return static_cast<int>(threads_.size()); }
+
+  void run(int64_t n, const std::function<void(int64_t)>& body) {
+    std::unique_lock<std::mutex> busy(call_, std::try_to_lock);
+    if (!busy.owns_lock() || threads_.empty() || n <= 1) {
+      for (int64_t i = 0; i < n; ++i) body(i);
+      return;
+    }
+    auto job = std::make_shared<Job>();
+    job->n = n;
+    job->body = &body;
+    {
+      std::lock_guard<std::mutex> lk(m_);
+      job_ = job;
+      epoch_.fetch_add(1, std::memory_order_release);
+    }
+    cv_.notify_all();
+    work(*job);
+    while (job->done.load(std::memory_order_acquire) < n) {
+#if LLMEQ_X86
+      _mm_pause();
+#endif
+    }
+    std::lock_guard<std::mutex> lk(m_);
+    job_.reset();
+  }
+
+ private:
+  struct Job {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+    int64_t n = 0;
+    const std::function<void(int64_t)>* body = nullptr;
+  };
+
+  SpinPool() {
+    int want = static_cast<int>(std::thread::hardware_concurrency());
+    const char* env = std::getenv("LLMEQ_NATIVE_THREADS");
+    if (env && std::atoi(env) > 0) want = std::atoi(env);
+    for (int i = 1; i < want; ++i) threads_.emplace_back([this] { loop(); });
+  }
+
+  static void work(Job& job) {
+    int64_t i;
+    while ((i = job.next.fetch_add(1, std::memory_order_relaxed)) < job.n) {
+      (*job.body)(i);
+      job.done.fetch_add(1, std::memory_order_release);
+    }
+  }
+
+  void loop() {
+    uint64_t seen = epoch_.load(std::memory_order_acquire);
+    for (;;) {
+      // Spin ~100 us (yielding) for the next job, then sleep until one is posted.
+      for (int spin = 0; spin < 2000 && epoch_.load(std::memory_order_acquire) == seen; ++spin) {
+        if (spin % 16 == 15) std::this_thread::yield();
+#if LLMEQ_X86
+        else _mm_pause();
+#endif
+      }
+      std::shared_ptr<Job> job;
+      {
+        std::unique_lock<std::mutex> lk(m_);
+        cv_.wait(lk, [&] { return epoch_.load(std::memory_order_acquire) != seen; });
+        seen = epoch_.load(std::memory_order_acquire);
+        job = job_;
+      }
+      if (job) work(*job);
+    }
+  }
+
+  std::vector<std::thread> threads_;
+  std::mutex call_, m_;
+  std::condition_variable cv_;
+  std::atomic<uint64_t> epoch_{0};
+  std::shared_ptr<Job> job_;
+};
+
+// Weight rows per claimed chunk: at least ~16 KB of weights, a multiple of 4 rows.
+int64_t rm_chunk_rows(const RM& p) {
+  int64_t rows = std::max<int64_t>(4, cdiv(16 * 1024, std::max<int64_t>(p.Kb, 1)));
+  rows = cdiv(rows, 4) * 4;
+  // At least two chunks per thread where the matrix allows it (balance).
+  int64_t threads = SpinPool::get().workers() + 1;
+  int64_t even = cdiv(cdiv(p.N, 2 * threads), 4) * 4;
+  return std::max<int64_t>(4, std::min(rows, even));
+}
+
+void rm_run(const RM& p) {
+  const bool simd = use_avx2();
+  int64_t chunk = rm_chunk_rows(p);
+  int64_t n_chunks = cdiv(p.N, chunk);
+  auto body = [&p, chunk, simd](int64_t i) {
+    int64_t n0 = i * chunk, n1 = std::min(p.N, n0 + chunk);
+#if LLMEQ_X86
+    if (simd) {
+      if (p.mode == 0) rm_rows_simd<0>(p, n0, n1);
+      else if (p.mode == 1) rm_rows_simd<1>(p, n0, n1);
+      else rm_rows_simd<2>(p, n0, n1);
+      return;
+    }
+#endif
+    (void)simd;
+    rm_scalar(p, n0, n1);
+  };
+  if (p.N * p.Kb < min_parallel_bytes()) {
+    for (int64_t i = 0; i < n_chunks; ++i) body(i);
+  } else {
+    SpinPool::get().run(n_chunks, body);
+  }
+}
+
+// Weight-only activations: int16 per (row, flush group), int4 split into even / odd k.
+void rm_quantize_x16(const float* x, RM& p, std::vector<int16_t>& xq, std::vector<float>& sa,
+                     std::vector<int32_t>& xsum) {
+  xq.assign(p.M * p.K, 0);
+  sa.assign(p.M * p.FG, 0.f);
+  xsum.assign(p.M * p.FG, 0);
+  for (int64_t m = 0; m < p.M; ++m) {
+    const float* xr = x + m * p.K;
+    for (int64_t f = 0; f < p.FG; ++f) {
+      int64_t k0 = f * p.F, k1 = std::min(p.K, k0 + p.F);
+      float amax = 0.f;
+      for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::fabs(xr[k]));
+      if (!(amax > 0.f) || !std::isfinite(amax)) {
+        // Zero group: nothing to add. A non-finite one is passed on as NaN, as a float matmul would.
+        sa[m * p.FG + f] = amax > 0.f || std::isnan(amax) ? std::numeric_limits<float>::quiet_NaN() : 0.f;
+        continue;
+      }
+      const float inv = 32767.f / amax;
+      int32_t s = 0;
+      for (int64_t k = k0; k < k1; ++k) {
+        int16_t v = static_cast<int16_t>(std::lrintf(xr[k] * inv));
+        s += v;
+        int64_t at = p.mode == 1 ? (k & 1 ? p.K / 2 : 0) + k / 2 : k;
+        xq[m * p.K + at] = v;
+      }
+      sa[m * p.FG + f] = amax / 32767.f;
+      xsum[m * p.FG + f] = s;
+    }
+  }
+  p.x16 = xq.data();
+  p.xstride = p.K;
+  p.sa = sa.data();
+  p.xsum = xsum.data();
+}
+
 // ----------------------------------------------------------------------------- FFI handlers
 
 ffi::Error wo_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::Buffer<ffi::F32> scale,
@@ -845,6 +1185,222 @@ ffi::Error w8_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi
   return ffi::Error::Success();
 }
 
+
+// Shared checks of the row-major handlers; fills p's shapes, weight pointers and flush groups.
+ffi::Error rm_setup(RM& p, const char* name, int64_t M, int64_t K, ffi::Span<const int64_t> qd,
+                    ffi::Span<const int64_t> sd, ffi::Span<const int64_t> zd, bool has_zp, int64_t group_size,
+                    int64_t max_flush) {
+  auto bad = [name](const char* why) { return ffi::Error::InvalidArgument(std::string(name) + ": " + why); };
+  if (qd.size() != 2 || sd.size() != 2) return bad("q and scale must be 2-D");
+  p.M = M;
+  p.K = K;
+  p.N = qd[0];
+  p.Kb = p.mode == 1 ? K / 2 : K;
+  if (K % 32) return bad("K must be a multiple of 32");
+  if (qd[1] != p.Kb) return bad("q must be (N, K) int8 or (N, K/2) packed int4");
+  if (group_size <= 0) return bad("bad group size");
+  p.G = cdiv(K, group_size);
+  if (sd[0] != p.N || sd[1] != p.G) return bad("scale must be (N, ceil(K / group_size))");
+  if (has_zp && (zd.size() != 2 || zd[0] != p.N || zd[1] != p.G)) return bad("zero point must have the scale's shape");
+  if (p.G > 1) {
+    if (group_size % 32) return bad("groups must be multiples of 32 values");
+    if (group_size > max_flush) return bad("groups are too long for int32 sums");
+    p.F = group_size;
+  } else {
+    p.F = std::min<int64_t>(K, max_flush);
+  }
+  p.FG = cdiv(K, p.F);
+  return ffi::Error::Success();
+}
+
+ffi::Error rm_a16_impl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> zp,
+                       ffi::ResultBuffer<ffi::F32> y, int64_t bits, int64_t group_size, int64_t has_zp) {
+  auto xd = x.dimensions();
+  if (xd.size() != 2 || y->dimensions().size() != 2) return ffi::Error::InvalidArgument("llmeq_rm_a16: x and y must be 2-D");
+  if (bits < 3 || bits > 8) return ffi::Error::InvalidArgument("llmeq_rm_a16: bits must be in 3..8");
+  RM p{};
+  p.mode = bits <= 4 ? 1 : 0;
+  // Per-channel weights flush every 128 values (the activations' int16 groups).
+  auto err = rm_setup(p, "llmeq_rm_a16", xd[0], xd[1], q.dimensions(), scale.dimensions(), zp.dimensions(), has_zp,
+                      group_size, group_size >= xd[1] ? 128 : 2048);
+  if (!err.success()) return err;
+  if (y->dimensions()[0] != p.M || y->dimensions()[1] != p.N) return ffi::Error::InvalidArgument("llmeq_rm_a16: y must be (M, N)");
+  p.q = static_cast<const uint8_t*>(q.untyped_data());
+  p.scale = scale.typed_data();
+  p.zp = has_zp ? zp.typed_data() : nullptr;
+  p.y = y->typed_data();
+  if (p.M == 0 || p.N == 0) return ffi::Error::Success();
+  if (p.K == 0) {
+    std::memset(p.y, 0, sizeof(float) * p.M * p.N);
+    return ffi::Error::Success();
+  }
+  std::vector<int16_t> xq;
+  std::vector<float> sa;
+  std::vector<int32_t> xsum;
+  rm_quantize_x16(x.typed_data(), p, xq, sa, xsum);
+  rm_run(p);
+  return ffi::Error::Success();
+}
+
+ffi::Error rm_a8_impl(ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi::F32> scale,
+                      ffi::Buffer<ffi::F32> zp, ffi::Buffer<ffi::F32> sx, ffi::ResultBuffer<ffi::F32> y,
+                      int64_t group_size, int64_t has_zp) {
+  auto xd = x.dimensions();
+  if (xd.size() != 2 || y->dimensions().size() != 2) return ffi::Error::InvalidArgument("llmeq_rm_a8: x and y must be 2-D");
+  RM p{};
+  p.mode = 2;
+  auto err = rm_setup(p, "llmeq_rm_a8", xd[0], xd[1], q.dimensions(), scale.dimensions(), zp.dimensions(), has_zp,
+                      group_size, 4096);
+  if (!err.success()) return err;
+  if (y->dimensions()[0] != p.M || y->dimensions()[1] != p.N) return ffi::Error::InvalidArgument("llmeq_rm_a8: y must be (M, N)");
+  if (sx.element_count() != static_cast<size_t>(p.M))
+    return ffi::Error::InvalidArgument("llmeq_rm_a8: activation scale must have one entry per row");
+  p.q = reinterpret_cast<const uint8_t*>(q.typed_data());
+  p.scale = scale.typed_data();
+  p.zp = has_zp ? zp.typed_data() : nullptr;
+  p.y = y->typed_data();
+  p.x8 = x.typed_data();
+  p.xstride = p.K;
+  if (p.M == 0 || p.N == 0) return ffi::Error::Success();
+  std::vector<float> sa(p.M * p.FG);
+  std::vector<int32_t> xsum(p.M * p.FG, 0);
+  for (int64_t m = 0; m < p.M; ++m)
+    for (int64_t f = 0; f < p.FG; ++f) {
+      sa[m * p.FG + f] = sx.typed_data()[m];
+      int32_t s = 0;
+      for (int64_t k = f * p.F, k1 = std::min(p.K, (f + 1) * p.F); k < k1; ++k) s += p.x8[m * p.K + k];
+      xsum[m * p.FG + f] = s;
+    }
+  p.sa = sa.data();
+  p.xsum = xsum.data();
+  rm_run(p);
+  return ffi::Error::Success();
+}
+
+// ----------------------------------------------------------------------------- decode attention
+//
+// Grouped-query attention for a few query positions over a float KV cache, the
+// math of models.layers.dot_product_attention in one call (XLA ran it as two small
+// dot fusions plus softmax ops, ~100 us per layer of mostly launch overhead):
+//   s = mask ? q . k / sqrt(D) : masked;  p = softmax(s);  out = sum_s p_s v_s.
+
+struct AT {
+  int64_t B, T, H, KV, S, D;
+  const float *q, *k, *v;  // q [B, T, H, D]; k, v [B, KV, S, D]
+  const bool* mask;        // [B, T, S]
+  float* out;              // [B, T, H, D]
+  float masked, inv_sqrt_d;
+};
+
+float at_dot_scalar(const float* a, const float* b, int64_t d) {
+  float s = 0.f;
+  for (int64_t i = 0; i < d; ++i) s += a[i] * b[i];
+  return s;
+}
+
+#if LLMEQ_X86
+AVX2 float at_dot_avx2(const float* a, const float* b, int64_t d) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= d; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+  }
+  for (; i + 8 <= d; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+  float s = hsum(_mm256_add_ps(acc0, acc1));
+  for (; i < d; ++i) s += a[i] * b[i];
+  return s;
+}
+
+AVX2 void at_axpy_avx2(float a, const float* x, float* y, int64_t d) {
+  int64_t i = 0;
+  __m256 av = _mm256_set1_ps(a);
+  for (; i + 8 <= d; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  for (; i < d; ++i) y[i] += a * x[i];
+}
+#endif
+
+// One (batch row, KV head): every query position and every query head of its group.
+void at_group(const AT& p, int64_t b, int64_t kvh, bool simd) {
+  const int64_t G = p.H / p.KV;
+  std::vector<float> sc(p.S);
+  const float* kb = p.k + (b * p.KV + kvh) * p.S * p.D;
+  const float* vb = p.v + (b * p.KV + kvh) * p.S * p.D;
+  for (int64_t t = 0; t < p.T; ++t) {
+    const bool* mk = p.mask + (b * p.T + t) * p.S;
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t h = kvh * G + g;
+      const float* qv = p.q + ((b * p.T + t) * p.H + h) * p.D;
+      float* o = p.out + ((b * p.T + t) * p.H + h) * p.D;
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t s = 0; s < p.S; ++s) {
+        float d;
+#if LLMEQ_X86
+        if (simd) d = mk[s] ? at_dot_avx2(qv, kb + s * p.D, p.D) * p.inv_sqrt_d : p.masked;
+        else
+#endif
+          d = mk[s] ? at_dot_scalar(qv, kb + s * p.D, p.D) * p.inv_sqrt_d : p.masked;
+        sc[s] = d;
+        mx = std::max(mx, d);
+      }
+      float sum = 0.f;
+      for (int64_t s = 0; s < p.S; ++s) {
+        sc[s] = std::exp(sc[s] - mx);
+        sum += sc[s];
+      }
+      const float inv = 1.f / sum;
+      std::fill(o, o + p.D, 0.f);
+      for (int64_t s = 0; s < p.S; ++s) {
+        const float w = sc[s] * inv;
+        if (w == 0.f) continue;  // masked slots (exp underflows to exactly 0) add nothing
+#if LLMEQ_X86
+        if (simd) {
+          at_axpy_avx2(w, vb + s * p.D, o, p.D);
+          continue;
+        }
+#endif
+        for (int64_t i = 0; i < p.D; ++i) o[i] += w * vb[s * p.D + i];
+      }
+    }
+  }
+}
+
+ffi::Error at_impl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::PRED> mask,
+                   ffi::ResultBuffer<ffi::F32> out, float masked) {
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), md = mask.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || md.size() != 3)
+    return ffi::Error::InvalidArgument("llmeq_decode_attention: q, k, v must be 4-D and mask 3-D");
+  AT p{};
+  p.B = qd[0];
+  p.T = qd[1];
+  p.H = qd[2];
+  p.D = qd[3];
+  p.KV = kd[1];
+  p.S = kd[2];
+  if (kd[0] != p.B || kd[3] != p.D || vd[0] != p.B || vd[1] != p.KV || vd[2] != p.S || vd[3] != p.D)
+    return ffi::Error::InvalidArgument("llmeq_decode_attention: k, v must be [B, KV, S, D] matching q");
+  if (p.KV == 0 || p.H % p.KV) return ffi::Error::InvalidArgument("llmeq_decode_attention: heads must be a multiple of KV heads");
+  if (md[0] != p.B || md[1] != p.T || md[2] != p.S) return ffi::Error::InvalidArgument("llmeq_decode_attention: mask must be [B, T, S]");
+  p.q = q.typed_data();
+  p.k = k.typed_data();
+  p.v = v.typed_data();
+  p.mask = mask.typed_data();
+  p.out = out->typed_data();
+  p.masked = masked;
+  p.inv_sqrt_d = 1.f / std::sqrt(static_cast<float>(p.D));
+  if (p.B * p.T * p.H * p.D == 0) return ffi::Error::Success();
+  if (p.S == 0) return ffi::Error::InvalidArgument("llmeq_decode_attention: empty cache");
+  const bool simd = use_avx2();
+  auto body = [&p, simd](int64_t i) { at_group(p, i / p.KV, i % p.KV, simd); };
+  int64_t tasks = p.B * p.KV;
+  if (2 * p.B * p.KV * p.S * p.D * 4 < min_parallel_bytes()) {
+    for (int64_t i = 0; i < tasks; ++i) body(i);
+  } else {
+    SpinPool::get().run(tasks, body);
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(llmeq_wo_matmul, wo_impl,
@@ -872,9 +1428,40 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(llmeq_w8a8_matmul, w8_impl,
                                   .Attr<int64_t>("group_size")
                                   .Attr<int64_t>("has_zp"));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(llmeq_rm_a16, rm_a16_impl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("bits")
+                                  .Attr<int64_t>("group_size")
+                                  .Attr<int64_t>("has_zp"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(llmeq_rm_a8, rm_a8_impl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("group_size")
+                                  .Attr<int64_t>("has_zp"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(llmeq_decode_attention, at_impl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("masked"));
+
 // Plain C helpers for Python (ctypes): what the library was built for and what this CPU runs.
 extern "C" {
 __attribute__((visibility("default"))) int llmeq_native_simd() { return use_avx2() ? 1 : 0; }
 __attribute__((visibility("default"))) void llmeq_native_force_scalar(int on) { g_allow_simd.store(on ? 0 : 1); }
-__attribute__((visibility("default"))) int llmeq_native_abi_version() { return 1; }
+__attribute__((visibility("default"))) int llmeq_native_abi_version() { return 2; }
 }

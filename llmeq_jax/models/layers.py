@@ -140,6 +140,26 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Ar
     q [B, T, H, D]; k, v [B, KV, S, D]; mask [B, T, S] -> [B, T, H, D].
     Scores and softmax in float32.
     """
+    if _native_attention_ok(q, k, v):
+        from llmeq_jax import native
+
+        return native.decode_attention(q, k, v, mask, masked=_MASKED, reference=_attention_xla)
+    return _attention_xla(q, k, v, mask)
+
+
+def _native_attention_ok(q, k, v) -> bool:
+    """Decode-sized float32 attention on CPU goes to the native kernel (one call instead of
+    XLA's two small dot fusions and softmax ops, whose launch overhead dominated a decode step)."""
+    if not 0 < q.shape[0] * q.shape[1] <= ops.NATIVE_MAX_ROWS["attention"]:
+        return False
+    if any(a.dtype != jnp.float32 for a in (q, k, v)) or jax.default_backend() != "cpu":
+        return False
+    from llmeq_jax import native
+
+    return native.enabled()
+
+
+def _attention_xla(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
     b, t, h, d = q.shape
     kv = k.shape[1]
     qg = q.reshape(b, t, kv, h // kv, d)

@@ -1,0 +1,106 @@
+"""Row-major kernels for decoding: quantized ``(in, out)`` kernels stored as ``(out, in)``.
+
+A decode step multiplies one activation row per sequence by every weight, so its
+speed is how fast the weights stream through the cores. The native row-major
+kernels (:func:`llmeq_jax.native.row_major_matmul`) compute each output as one
+contiguous integer dot product, so every thread reads whole weight rows in order;
+the checkpoint's ``(in, out)`` layout would make them read a short piece of every
+row instead. :func:`for_decode` transposes the quantized kernels once, at the start
+of a generate call's jitted decode loop (the loop then reads the transposed copy
+on every token), and wraps each in a :class:`RowMajorKernel` that ``ops.linear``
+recognises. Checkpoints, prefill and perplexity keep the ``(in, out)`` layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from llmeq_jax.core.qarray import QArray, pack, values_per_byte
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RowMajorKernel:
+    """An ``(in, out)`` kernel whose QArray ``w`` is stored transposed, ``(out, in)``."""
+
+    w: QArray
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The kernel's logical ``(in, out)`` shape (what ``ops.linear`` checks)."""
+        n, k = self.w.shape
+        return k, n
+
+
+def transpose_kernel(w: QArray) -> QArray:
+    """The ``(out, in)`` QArray of an ``(in, out)`` one: same codes, scales and zero points.
+
+    Sub-byte values are re-packed along ``in`` (``pack_axis=1``), the layout the
+    row-major kernels and ``ops.linear_nk`` read.
+    """
+    if len(w.shape) != 2:
+        raise ValueError(f"transpose_kernel expects a 2-D kernel, got shape {w.shape}")
+    values = w.values().T
+    qvalue = pack(values, w.bits, axis=1) if values_per_byte(w.bits) > 1 else values
+    return QArray(
+        qvalue=qvalue,
+        scale=w.scale.T,
+        zero_point=None if w.zero_point is None else w.zero_point.T,
+        act_scale=w.act_scale,
+        bits=w.bits,
+        shape=(w.shape[1], w.shape[0]),
+        tile=(w.tile[1], w.tile[0]),
+        dtype=w.dtype,
+        pack_axis=1,
+        act_spec=w.act_spec,
+    )
+
+
+def kernel_view(w: QArray) -> QArray:
+    """An ``(in, out)`` QArray with the values of the ``(out, in)`` ``w`` (unpacked to int8 storage).
+
+    For the XLA fallbacks: dequantizing it gives exactly ``dequantize(w).T``.
+    """
+    return QArray(
+        qvalue=w.values().T,
+        scale=w.scale.T,
+        zero_point=None if w.zero_point is None else w.zero_point.T,
+        act_scale=w.act_scale,
+        bits=w.bits if values_per_byte(w.bits) == 1 else 8,  # int8 storage of the same values
+        shape=(w.shape[1], w.shape[0]),
+        tile=(w.tile[1], w.tile[0]),
+        dtype=w.dtype,
+        pack_axis=0,
+        act_spec=w.act_spec,
+    )
+
+
+def _is_kernel(path) -> bool:
+    last = path[-1] if path else None
+    return getattr(last, "key", getattr(last, "name", None)) == "kernel"
+
+
+def for_decode(params, rows: int):
+    """``params`` with every quantized kernel a row-major native kernel takes wrapped as a
+    :class:`RowMajorKernel`; unchanged where native kernels are off or ``rows`` (activation
+    rows per step) is beyond ``ops.NATIVE_MAX_ROWS["row_major"]``. Call inside the jit."""
+    from llmeq_jax import native, ops
+
+    if not 0 < rows <= ops.NATIVE_MAX_ROWS["row_major"] or not native.enabled():
+        return params
+
+    def convert(path, leaf):
+        if not (isinstance(leaf, QArray) and _is_kernel(path) and len(leaf.shape) == 2):
+            return leaf
+        if values_per_byte(leaf.bits) > 1 and leaf.pack_axis != 0:
+            return leaf
+        w = transpose_kernel(leaf)
+        return RowMajorKernel(w) if native.supports_row_major(w, leaf.act_spec) is None else leaf
+
+    return jax.tree_util.tree_map_with_path(convert, params, is_leaf=lambda a: isinstance(a, QArray))
+
+
+__all__ = ["RowMajorKernel", "for_decode", "kernel_view", "transpose_kernel"]

@@ -1,0 +1,234 @@
+"""Decode-time native kernels: row-major integer GEMV (native.row_major_matmul), the
+decode layout that feeds it (decode_layout), and decode attention (native.decode_attention).
+
+Weight-only row-major products quantize x to int16 per group; the bound below is that
+rounding (half a step of each group's scale, times the weights it meets) plus float32
+summation, computed from the actual magnitudes: a wrong nibble, offset, scale or group
+index moves the result by orders more. W8A8 integer sums must be exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from llmeq_jax import decode_layout, native, ops
+from llmeq_jax import generate as gen
+from llmeq_jax.core.qarray import QArray, expand_to
+from llmeq_jax.core.quantize import Spec, quantize
+from llmeq_jax.models import ModelConfig, init_params, layers
+
+pytestmark = [
+    pytest.mark.skipif(jax.default_backend() != "cpu", reason="native kernels are CPU kernels"),
+    pytest.mark.skipif(not native.available(), reason=f"native library: {native.unavailable_reason()}"),
+]
+
+EPS = np.finfo(np.float32).eps
+WEIGHTS = {
+    "int8-channel": Spec(bits=8),
+    "int8-channel-asym": Spec(bits=8, symmetric=False),
+    "int8-g32-asym": Spec(bits=8, granularity="group", group_size=32, symmetric=False),
+    "int4-channel": Spec(bits=4),
+    "int4-g32": Spec(bits=4, granularity="group", group_size=32),
+    "int4-g64-asym": Spec(bits=4, granularity="group", group_size=64, symmetric=False),
+    "int3-g32": Spec(bits=3, granularity="group", group_size=32),
+}
+# K = 320: per-channel weights flush int16 activation groups of 128, 128 and a short 64.
+K, N = 320, 37
+
+
+def _rand(shape, seed):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(name: str, k: int = K, n: int = N) -> QArray:
+    """An (in, out) kernel as the model stores it."""
+    return jax.jit(quantize, static_argnums=1)(jnp.asarray(_rand((k, n), 0)), WEIGHTS[name])
+
+
+def _dequant64(w: QArray) -> np.ndarray:
+    return np.asarray(w.dequantize(), np.float64)
+
+
+def _a16_bound(x: np.ndarray, w_kn: QArray) -> np.ndarray:
+    """int16 rounding of x per flush group (half a step times sum |w|) + float32 summation, per output."""
+    k = w_kn.shape[0]
+    g = w_kn.tile[0] if w_kn.tile[0] < k else 128
+    absw = np.abs(_dequant64(w_kn))
+    if w_kn.zero_point is not None:  # the kernel folds zp * sum(x) separately: its terms count too
+        absw = absw + np.abs(np.asarray(expand_to(w_kn.zero_point.astype(jnp.float32) * w_kn.scale, w_kn.shape,
+                                                  w_kn.tile), np.float64))
+    bound = np.zeros((x.shape[0], w_kn.shape[1]))
+    for k0 in range(0, k, g):
+        xs = np.abs(x[:, k0:k0 + g].astype(np.float64))
+        step = xs.max(axis=1, keepdims=True) / 32767
+        bound += 0.5 * step * absw[k0:k0 + g].sum(axis=0)[None] * (1 + 1e-3)
+    mag = np.abs(x.astype(np.float64)) @ absw
+    return bound + 4 * (k + 8) * EPS * mag + 1e-30
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("name", sorted(WEIGHTS))
+def test_weight_only_row_major_matches_reference(name, rows):
+    w = _kernel(name)
+    rm = decode_layout.transpose_kernel(w)
+    assert native.supports_row_major(rm) is None
+    x = _rand((rows, K), rows)
+    y = np.asarray(jax.jit(native.row_major_matmul)(jnp.asarray(x), rm), np.float64)
+    ref = x.astype(np.float64) @ _dequant64(w)
+    err = np.abs(y - ref)
+    bound = _a16_bound(x, w)
+    assert np.all(err <= bound), f"max err {err.max():.3g} vs bound {bound.flat[np.argmax(err)]:.3g}"
+    # The bound is not vacuous: it is a small fraction of the outputs.
+    assert bound.max() < 1e-2 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("name", ["int8-channel-asym", "int4-g64-asym", "int3-g32"])
+def test_portable_scalar_path_gives_the_same_sums(name):
+    rm = decode_layout.transpose_kernel(_kernel(name))
+    x = jnp.asarray(_rand((3, K), 7))
+    f = jax.jit(lambda a, b: native.row_major_matmul(a, b))
+    simd = np.asarray(f(x, rm))
+    with native.force_scalar():
+        scalar = np.asarray(jax.jit(lambda a, b: native.row_major_matmul(a, b) * 1.0)(x, rm))
+    np.testing.assert_allclose(scalar, simd, rtol=1e-5, atol=1e-5 * np.abs(simd).max())
+
+
+def _w8a8_case(seed, k=K, n=N, weights=None, xint=None):
+    """Integer weights (unit scale, every code incl. -128) and integer-valued x (|x| max 127: scale 1)."""
+    rng = np.random.default_rng(seed)
+    q = rng.integers(-128, 128, (k, n)).astype(np.int8) if weights is None else weights
+    q[0, 0] = -128
+    w = QArray(qvalue=jnp.asarray(q), scale=jnp.ones((1, n), jnp.float32), zero_point=None, bits=8, shape=(k, n),
+               tile=(k, 1), dtype=jnp.float32, pack_axis=0, act_spec=Spec(bits=8, granularity="token"))
+    x = rng.integers(-127, 128, (3, k)).astype(np.float32) if xint is None else xint
+    x[:, 0] = -127  # pairs with the -128 weight: the sign trick's worst case
+    x[:, 1] = 127
+    return w, x, q
+
+
+def test_w8a8_row_major_integer_sums_are_exact():
+    w, x, q = _w8a8_case(0)
+    y = jax.jit(lambda a, b: ops.linear(a, b))(jnp.asarray(x), decode_layout.RowMajorKernel(decode_layout.transpose_kernel(w)))
+    exact = x.astype(np.int64) @ q.astype(np.int64)  # |sum| < 2^24: exact in float32 too
+    np.testing.assert_array_equal(np.asarray(y, np.float64), exact.astype(np.float64))
+
+
+@pytest.mark.parametrize("spec", [Spec(bits=8), Spec(bits=8, symmetric=False),
+                                  Spec(bits=8, granularity="group", group_size=64, symmetric=False)])
+def test_w8a8_row_major_matches_the_xla_path(spec):
+    w = dataclasses.replace(quantize(jnp.asarray(_rand((K, N), 3)), spec), act_spec=Spec(bits=8, granularity="token"))
+    x = jnp.asarray(_rand((5, K), 4))
+    ref = np.asarray(ops.linear(x, w, backend="xla"))
+    y = np.asarray(jax.jit(lambda a, b: ops.linear(a, b))(x, decode_layout.RowMajorKernel(decode_layout.transpose_kernel(w))))
+    np.testing.assert_allclose(y, ref, rtol=2e-6, atol=2e-6 * np.abs(ref).max())
+
+
+def test_transpose_kernel_and_kernel_view_keep_every_value():
+    for name in ("int8-g32-asym", "int4-g64-asym", "int3-g32"):
+        w = _kernel(name, k=96, n=37)
+        t = jax.jit(decode_layout.transpose_kernel)(w)
+        assert t.shape == (37, 96) and t.pack_axis == 1
+        dq = jax.jit(lambda a: a.dequantize())
+        np.testing.assert_array_equal(np.asarray(dq(t)), np.asarray(dq(w)).T)
+        np.testing.assert_array_equal(np.asarray(dq(decode_layout.kernel_view(t))), np.asarray(dq(w)))
+
+
+def test_unsupported_weights_say_why_and_ops_linear_falls_back():
+    odd_k = decode_layout.transpose_kernel(_kernel("int8-channel", k=100, n=8))
+    assert "multiple of 32" in native.supports_row_major(odd_k)
+    g48 = decode_layout.transpose_kernel(
+        quantize(jnp.asarray(_rand((96, 8), 1)), Spec(bits=4, granularity="group", group_size=48)))
+    assert "multiples of 32" in native.supports_row_major(g48)
+    int4 = decode_layout.transpose_kernel(_kernel("int4-g32"))
+    assert "W8A8" in native.supports_row_major(int4, Spec(bits=8, granularity="token"))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        native.row_major_matmul(jnp.ones((1, 100)), odd_k)
+    # ops.linear on a row-major kernel the native code cannot take: the XLA path, same numbers.
+    x = jnp.asarray(_rand((2, 100), 2))
+    y = ops.linear(x, decode_layout.RowMajorKernel(odd_k))
+    np.testing.assert_allclose(np.asarray(y), np.asarray(x @ odd_k.dequantize().T), rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- decode layout in generate
+
+CONFIG = ModelConfig("llama", 64, 64, 2, 4, 2, 16, 96, 1e-5, 64, False)  # K = 64 and 96: multiples of 32
+
+
+@pytest.fixture(scope="module")
+def qparams():
+    params = jax.tree.map(lambda a: a * 10, init_params(CONFIG, jax.random.key(1)))
+
+    spec = Spec(bits=4, granularity="group", group_size=32, symmetric=False)
+
+    def q(path, leaf):
+        return quantize(leaf, spec) if jax.tree_util.keystr(path).endswith("['kernel']") else leaf
+
+    return jax.jit(lambda p: jax.tree_util.tree_map_with_path(q, p))(params)  # one compile, not eager ops
+
+
+def test_for_decode_wraps_the_kernels_it_can_run(qparams):
+    wrapped = jax.eval_shape(lambda p: decode_layout.for_decode(p, rows=1), qparams)
+    kinds = [type(a).__name__ for a in jax.tree.leaves(wrapped, is_leaf=lambda a: isinstance(a, (QArray, decode_layout.RowMajorKernel)))
+             if isinstance(a, (QArray, decode_layout.RowMajorKernel))]
+    assert kinds and set(kinds) == {"RowMajorKernel"}
+    too_many_rows = jax.eval_shape(lambda p: decode_layout.for_decode(p, rows=ops.NATIVE_MAX_ROWS["row_major"] + 1),
+                                   qparams)
+    assert jax.tree.structure(too_many_rows) == jax.tree.structure(qparams)
+    with native.disabled():
+        off = jax.eval_shape(lambda p: decode_layout.for_decode(p, rows=1), qparams)
+    assert jax.tree.structure(off) == jax.tree.structure(qparams)
+
+
+def test_generate_uses_the_native_decode_kernels_and_agrees_with_xla(qparams):
+    prompt = jnp.array([[1, 5, 7, 9], [3, 4, 5, 6]])
+    cache = gen.init_cache(CONFIG, 2, 4 + 8)
+    logits, cache = gen.prefill(CONFIG, qparams, prompt, jnp.ones_like(prompt), cache, kernels=gen.kernel_state())
+    hlo = gen._decode_loop.lower(CONFIG, qparams, logits, cache, jax.random.key(0), max_new_tokens=8, greedy=True,
+                                 temperature=1.0, top_k=0, top_p=1.0, kernels=gen.kernel_state()).as_text()
+    assert "llmeq_rm_a16" in hlo and "llmeq_decode_attention" in hlo
+    native_out = gen.generate(CONFIG, qparams, prompt, 8)
+    with native.disabled():
+        assert "llmeq_" not in gen._decode_loop.lower(
+            CONFIG, qparams, logits, cache, jax.random.key(0), max_new_tokens=8, greedy=True, temperature=1.0, top_k=0,
+            top_p=1.0, kernels=gen.kernel_state()).as_text()
+        xla_out = gen.generate(CONFIG, qparams, prompt, 8)
+    np.testing.assert_array_equal(np.asarray(native_out), np.asarray(xla_out))
+
+
+# --------------------------------------------------------------------------- decode attention
+
+
+@pytest.mark.parametrize("b,t,h,kv,s,d", [(1, 1, 9, 3, 160, 64), (2, 3, 4, 2, 17, 12), (8, 1, 4, 4, 5, 8)])
+def test_decode_attention_matches_xla_and_its_gradient(b, t, h, kv, s, d):
+    rng = np.random.default_rng(s)
+    q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for shape in ((b, t, h, d), (b, kv, s, d), (b, kv, s, d)))
+    mask = jnp.asarray(rng.random((b, t, s)) < 0.6).at[0, 0].set(False)  # one row sees nothing: uniform
+    assert layers._native_attention_ok(q, k, v)
+    y = jax.jit(layers.dot_product_attention)(q, k, v, mask)
+    ref = jax.jit(layers._attention_xla)(q, k, v, mask)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+    def loss(f):
+        return lambda q, k, v: jnp.sum(f(q, k, v, mask) ** 2)
+
+    g = jax.jit(jax.grad(loss(layers.dot_product_attention), argnums=(0, 1, 2)))(q, k, v)
+    g_ref = jax.jit(jax.grad(loss(layers._attention_xla), argnums=(0, 1, 2)))(q, k, v)
+    for a, r in zip(g, g_ref):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-4, atol=1e-4)
+
+
+def test_decode_attention_rejects_bad_shapes():
+    q = jnp.ones((1, 1, 4, 8))
+    k = jnp.ones((1, 2, 5, 8))
+    with pytest.raises(ValueError, match="mask must be"):
+        native.decode_attention(q, k, k, jnp.ones((1, 1, 4), bool), masked=-1e30, reference=layers._attention_xla)
+    with pytest.raises(ValueError, match="float32"):
+        native.decode_attention(q.astype(jnp.bfloat16), k, k, jnp.ones((1, 1, 5), bool), masked=-1e30,
+                                reference=layers._attention_xla)
