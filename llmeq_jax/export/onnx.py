@@ -409,8 +409,11 @@ def io_names(config: ModelConfig) -> tuple[list[tuple[str, str]], list[tuple[str
 
 def build_model(config: ModelConfig, params: Any, *, kv: dict | None = None, metadata: dict | None = None):
     """The ``onnx.ModelProto`` of the decoder; every ExportError is raised here, before anything is written."""
-    import onnx
-    from onnx import TensorProto, helper
+    try:
+        import onnx
+        from onnx import TensorProto, helper
+    except ImportError:
+        raise ExportError("ONNX export needs the onnx package: pip install 'llmeq_jax[export]'") from None
 
     check_config(config, kv)
     g = Graph()
