@@ -1,6 +1,7 @@
 """Export benchmark: file size, max |Δlogit| after reloading, and runtime speed, per format and recipe.
 
     python scripts/bench_export.py [--model smollm2-135m] [--out runs/export] [--formats gguf compressed-tensors onnx]
+                                   [--recipes rtn-w8 ...]
 
 For each recipe: quantize (RTN), save our checkpoint, export it, reload the
 export (GGUF: our own GGUF loader; compressed-tensors: transformers +
@@ -138,6 +139,7 @@ def main():
     ap.add_argument("--out", default="runs/export")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--formats", nargs="+", default=["gguf", "compressed-tensors", "onnx"])
+    ap.add_argument("--recipes", nargs="+", default=None, help="only these recipes (default: every case)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -149,7 +151,8 @@ def main():
     rows = []
     decode_rows = []
     quantized = {}
-    for recipe_name, fmt in [c for c in CASES if c[1] in args.formats]:
+    cases = [c for c in CASES if c[1] in args.formats and (args.recipes is None or c[0] in args.recipes)]
+    for recipe_name, fmt in cases:
         recipe = cli.read_recipe(recipe_name)
         if recipe_name not in quantized:
             qparams = quantize_params(params, recipe)
