@@ -693,10 +693,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_verify_opt(p)
     p.set_defaults(fn=cmd_convert)
 
-    p = sub.add_parser("export", help="write a checkpoint as GGUF (llama.cpp) or compressed-tensors (vLLM, transformers)")
+    p = sub.add_parser("export", help="write a checkpoint as GGUF (llama.cpp), compressed-tensors (vLLM, transformers) "
+                                      "or ONNX (onnxruntime)")
     p.add_argument("ckpt", help="checkpoint directory from `llmeq quantize` / `llmeq convert`")
-    p.add_argument("--format", required=True, choices=["gguf", "compressed-tensors"])
-    p.add_argument("--out", required=True, help="file (gguf) or directory (compressed-tensors) to write")
+    p.add_argument("--format", required=True, choices=["gguf", "compressed-tensors", "onnx"])
+    p.add_argument("--out", required=True, help="file (gguf, onnx) or directory (compressed-tensors) to write")
     p.add_argument("--source", help="the model the checkpoint came from (GGUF: tokenizer and metadata are copied "
                                     "from it); default: the source recorded in the checkpoint")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")

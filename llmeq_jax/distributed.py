@@ -57,7 +57,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from llmeq_jax.core.qarray import QArray, is_qarray, pack, values_per_byte
-from llmeq_jax.core.quantize import Spec, _parse_clip, compute_scale, quantize_values, scale_from_range, tile_for, tile_reduce
+from llmeq_jax.core.quantize import (Spec, _parse_clip, compute_scale, quantize_values, scale_from_range, storable_scale,
+                                     tile_for, tile_reduce)
 from llmeq_jax.core.rules import path_str
 
 DATA = "data"
@@ -328,7 +329,7 @@ def _local_scale(xl: jax.Array, spec: Spec, shape: tuple[int, ...], plans: tuple
     if kind == "ratio":
         lo = None if lo is None else lo * ratio
         hi = hi * ratio
-    return scale_from_range(lo, hi, spec.bits, spec.symmetric)
+    return storable_scale(*scale_from_range(lo, hi, spec.bits, spec.symmetric), spec)
 
 
 def _values_tile_and_scale(scale, plans):

@@ -14,6 +14,12 @@ Numerics
   clipping:   a fixed ratio (0, 1] of the range, a percentile of |x| per tile,
               or "mse": the ratio from a grid that minimises the squared error
               per tile.
+  scale_dtype: "float16" rounds each scale to a float16 value *before* the
+              integers are computed (and recomputes asymmetric zero points on
+              it), so a format that stores float16 scales (GGUF's Q4_0/Q4_1/
+              Q8_0) holds the grid exactly. Asymmetric grids (up to 4 bits)
+              keep 7 significand bits, so that (zp + 8) * scale, GGUF Q4_1's
+              block minimum, is a float16 value too.
 
 Bad input
   non-finite: :func:`quantize` raises on NaN/Inf in a concrete array
@@ -40,6 +46,7 @@ from llmeq_jax.core.qarray import QArray, check_bits, expand_to, int_range, pack
 
 Granularity = Literal["tensor", "channel", "group", "token"]
 GRANULARITIES = ("tensor", "channel", "group", "token")
+SCALE_DTYPES = (None, "float16")
 NAN_POLICIES = ("raise", "propagate")
 # Clip ratios tried by the MSE search (coarse enough to stay fast, fine near 1).
 MSE_GRID = tuple(float(r) for r in np.linspace(0.5, 1.0, 21))
@@ -67,9 +74,16 @@ class Spec:
     group_size: int | None = None
     symmetric: bool = True
     clip: float | str | None = None
+    scale_dtype: str | None = None
 
     def __post_init__(self):
         check_bits(self.bits)
+        if self.scale_dtype not in SCALE_DTYPES:
+            raise ValueError(f"scale_dtype={self.scale_dtype!r} is not one of {list(SCALE_DTYPES)}")
+        if self.scale_dtype == "float16" and not self.symmetric and self.bits > 4:
+            # A nibble offset zp + 8 takes 4 of float16's 11 significand bits; wider offsets would leave too few.
+            raise ValueError(f"scale_dtype='float16' with asymmetric int{self.bits}: only asymmetric grids of up to "
+                             "4 bits keep float16-exact zero offsets (GGUF's Q4_1); use symmetric=True or bits <= 4")
         if self.granularity not in GRANULARITIES:
             raise ValueError(f"granularity={self.granularity!r} is not one of {list(GRANULARITIES)}")
         if self.granularity == "group":
@@ -87,7 +101,8 @@ class Spec:
         g = {"tensor": "per-tensor", "channel": "per-channel", "token": "per-token"}.get(
             self.granularity, f"g{self.group_size}"
         )
-        return f"int{self.bits} {g} {'sym' if self.symmetric else 'asym'}" + (f" clip={self.clip}" if self.clip else "")
+        return (f"int{self.bits} {g} {'sym' if self.symmetric else 'asym'}" + (f" clip={self.clip}" if self.clip else "")
+                + (f" {self.scale_dtype} scales" if self.scale_dtype else ""))
 
 
 def _parse_clip(clip: float | str | None) -> tuple[str, float]:
@@ -271,8 +286,40 @@ def _mse_scale(x, tile, bits, symmetric):
     return scale, zp
 
 
+def round_significand(x: jax.Array, bits: int) -> jax.Array:
+    """``x`` rounded (half to even) to ``bits`` significand bits, the leading one included."""
+    m, e = jnp.frexp(x)  # x = m * 2^e, 0.5 <= |m| < 1
+    return jnp.ldexp(jnp.round(jnp.ldexp(m, bits)), e - bits)
+
+
+def storable_scale(scale: jax.Array, zero_point: jax.Array | None, spec: Spec):
+    """(scale, zero_point) as ``spec.scale_dtype`` stores them; unchanged when it is None.
+
+    float16: symmetric scales are rounded to the nearest float16; asymmetric ones
+    (at most 4 bits) to 7 significand bits, so (zp + 8) * scale -- 0..15 times
+    the scale, GGUF Q4_1's block minimum -- is a float16 too.
+    The zero point is recomputed on the new scale from the range's low end
+    ``(qmin - zp) * old_scale``, which keeps 0.0 on the grid.
+    """
+    if spec.scale_dtype is None:
+        return scale, zero_point
+    precision = 11 if zero_point is None else 7
+    new = round_significand(scale.astype(jnp.float32), precision).astype(jnp.float16).astype(jnp.float32)
+    # Outside float16's range (0 or Inf): keep the float32 scale; an exporter's own check names that tile.
+    new = jnp.where((new > 0) & jnp.isfinite(new), new, scale)
+    if zero_point is None:
+        return new, None
+    qmin, qmax = int_range(spec.bits)
+    lo = (qmin - zero_point) * scale
+    return new, jnp.clip(jnp.round(qmin - lo / new), qmin, qmax)
+
+
 def compute_scale(x: jax.Array, spec: Spec, tile: tuple[int, ...] | None = None):
     """(scale, zero_point or None) of ``x`` under ``spec``; shapes = scale shape."""
+    return storable_scale(*_compute_scale(x, spec, tile), spec)
+
+
+def _compute_scale(x: jax.Array, spec: Spec, tile: tuple[int, ...] | None = None):
     tile = tile_for(spec, x.shape) if tile is None else tile
     if x.size == 0:  # nothing to range over (reductions of empty arrays have no identity): unit grid
         shape = scale_shape(x.shape, tile)

@@ -1,4 +1,4 @@
-"""Export quantized checkpoints to the formats serving runtimes read: GGUF and compressed-tensors.
+"""Export quantized checkpoints to the formats serving runtimes read: GGUF, compressed-tensors and ONNX.
 
 One module per format; each takes ``(config, params, ...)`` and writes
 through :func:`common.atomic_output`, after every check has passed, so a
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from llmeq_jax.export.common import ExportError
 
-FORMATS = ("gguf", "compressed-tensors")
+FORMATS = ("gguf", "compressed-tensors", "onnx")
 
 
 def source_of(ckpt: Path, given: str | Path | None) -> Path | None:
@@ -54,7 +54,15 @@ def export_checkpoint(ckpt: str | Path, fmt: str, out: str | Path, *, source: st
         found = "records no source on disk" if src is None else f"came from {str(src)!r}, not a .gguf file"
         raise ExportError(f"GGUF export copies the tokenizer from the source GGUF file, and {str(ckpt)!r} {found}; "
                           "give it with --source FILE.gguf")
-    config, params, tokenizer, _ = checkpoint.load_model_checkpoint(ckpt)
+    config, params, tokenizer, recipe = checkpoint.load_model_checkpoint(ckpt)
+    if fmt == "onnx":
+        from llmeq_jax.export.onnx import check_config, write_onnx
+
+        kv = (recipe or {}).get("kv")
+        check_config(config, kv)  # a quantized KV cache is refused before the graph is built
+        meta = {"recipe": (recipe or {}).get("name", "none"), "source": str(src) if src else "",
+                "model_type": config.model_type}
+        return write_onnx(config, params, out, kv=kv, metadata=meta, overwrite=overwrite)
     if fmt == "gguf":
         from llmeq_jax.export.gguf import write_gguf
 

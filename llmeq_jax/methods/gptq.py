@@ -70,6 +70,10 @@ def check_spec(path: str, spec: Spec) -> None:
     """GPTQ quantizes rows of an (in, out) kernel: groups must run along the input dim, no clip search."""
     if spec.clip is not None:
         raise RecipeError(f"gptq: {path}: clip={spec.clip!r} is not supported (GPTQ sets its own grid); remove it")
+    if spec.scale_dtype is not None:
+        # Its group scales come from the error-corrected rows inside the solver, not from compute_scale.
+        raise RecipeError(f"gptq: {path}: scale_dtype={spec.scale_dtype!r} is not supported (GPTQ computes its "
+                          "group scales during error feedback); remove it")
     if spec.granularity == "token":
         raise RecipeError(f"gptq: {path}: 'token' granularity is for activations, not weights")
     axis = spec.axis if spec.axis is not None else spec.default_axis

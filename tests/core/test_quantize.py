@@ -5,6 +5,7 @@ library returns, with an independent broadcast of per-tile scales (not the
 library's ``expand_to``).
 """
 
+import dataclasses
 import functools
 import math
 
@@ -16,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from llmeq_jax.core.qarray import int_range
+from llmeq_jax.core.qarray import expand_to, int_range
 from llmeq_jax.core.quantize import (
     Spec,
     compute_scale,
@@ -339,6 +340,8 @@ def test_fake_quant_gradient_is_masked_where_clipped():
         (dict(clip="p0"), "is not understood"),
         (dict(clip="pxx"), "is not understood"),
         (dict(clip="max"), "is not understood"),
+        (dict(scale_dtype="bfloat16"), "scale_dtype='bfloat16' is not one of"),
+        (dict(bits=8, symmetric=False, scale_dtype="float16"), "only asymmetric grids of up to 4 bits"),
     ],
 )
 def test_bad_spec_is_one_clear_error(kwargs, match):
@@ -405,3 +408,31 @@ def test_values_near_float32_max_give_finite_scales(symmetric):
     assert np.abs(deq.astype(np.float64) - x.astype(np.float64)).max() <= step
     exact = np.array([[np.finfo(np.float32).max, np.finfo(np.float32).min, 0.5]], np.float32).T
     assert np.isfinite(np.asarray(quantize(exact, Spec(8, "tensor", symmetric=symmetric)).dequantize())).all()
+
+
+@pytest.mark.parametrize("spec", [
+    Spec(bits=4, granularity="group", group_size=32, scale_dtype="float16"),
+    Spec(bits=8, granularity="channel", scale_dtype="float16"),
+    Spec(bits=4, granularity="group", group_size=32, symmetric=False, scale_dtype="float16"),
+    Spec(bits=2, granularity="group", group_size=64, symmetric=False, scale_dtype="float16"),
+])
+def test_float16_scales_are_stored_exactly_and_the_codes_use_them(spec):
+    """scale_dtype=float16: every scale (and, asymmetric, every nibble offset (zp + 8) * scale, GGUF Q4_1's
+    block minimum) is a float16 value, the integers are those of the rounded scale (quantizing the
+    dequantized values again gives them back), and the error stays within one step of the float32 grid's."""
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(96, 40)).astype(np.float32) * 0.03)
+    q = quantize(x, spec)
+    scale = np.asarray(q.scale)
+    np.testing.assert_array_equal(scale.astype(np.float16).astype(np.float32), scale)
+    if not spec.symmetric:
+        offsets = (np.asarray(q.zero_point, np.float32) + 8)[..., None] * np.arange(0, 2, dtype=np.float32)
+        m = offsets * scale[..., None]
+        np.testing.assert_array_equal(m.astype(np.float16).astype(np.float32), m)
+        assert np.all(np.asarray(q.dequantize())[np.asarray(x) == 0] == 0)  # 0.0 still on the grid
+    again = quantize(q.dequantize(), spec, scale=q.scale,
+                     zero_point=None if q.zero_point is None else q.zero_point.astype(jnp.float32))
+    np.testing.assert_array_equal(np.asarray(again.values()), np.asarray(q.values()))
+    plain = dataclasses.replace(spec, scale_dtype=None)
+    assert not np.array_equal(np.asarray(compute_scale(x, plain)[0]), scale)  # the option changes something
+    step = np.asarray(expand_to(q.scale, x.shape, q.tile))
+    assert np.all(np.abs(np.asarray(q.dequantize()) - np.asarray(x)) <= step * (0.5 if spec.symmetric else 1.0) + 1e-9)

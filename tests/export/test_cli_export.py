@@ -20,8 +20,10 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpts")
     config, params, tokenizer = load_model(MODEL)
     out = {}
-    for name, rules in (("skip-down", [{"pattern": ".*down_proj.*", "skip": True}, INT8]), ("all", [INT8])):
-        recipe = recipe_from_dict({"name": name, "rules": rules})
+    cases = (("skip-down", [{"pattern": ".*down_proj.*", "skip": True}, INT8], None), ("all", [INT8], None),
+             ("kv8", [INT8], {"bits": 8}))
+    for name, rules, kv in cases:
+        recipe = recipe_from_dict({"name": name, "rules": rules, **({"kv": kv} if kv else {})})
         out[name] = checkpoint.save_model_checkpoint(root / name, config, quantize_params(params, recipe), tokenizer,
                                                      recipe=recipe, extra={"source": str(MODEL)})
     return out
@@ -42,13 +44,31 @@ def test_export_gguf_and_compressed_tensors(checkpoints, tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ct", "m.gguf"]  # no temporary names left
 
 
-@pytest.mark.parametrize("fmt, message", [
-    ("gguf", "layers_0/mlp/down_proj/kernel (int8 per-channel sym): input dim 172 is not a multiple of the GGUF "
-             "block size 32"),
+def test_export_onnx_runs_in_onnxruntime(checkpoints, tmp_path, capsys):
+    import numpy as np
+    import onnxruntime as ort
+
+    from llmeq_jax.export.onnx import empty_past, session_options
+
+    out = tmp_path / "m.onnx"
+    assert cli.main(["export", str(checkpoints["all"]), "--format", "onnx", "--out", str(out), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["bytes"] == out.stat().st_size
+    config = checkpoint.load_model_checkpoint(checkpoints["all"])[0]
+    session = ort.InferenceSession(str(out), session_options(), providers=["CPUExecutionProvider"])
+    logits = session.run(["logits"], {"input_ids": np.array([[1, 403, 407]], np.int64), **empty_past(config, 1)})[0]
+    assert logits.shape == (1, 3, config.vocab_size) and np.all(np.isfinite(logits))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
+
+
+@pytest.mark.parametrize("fmt, ckpt, message", [
+    ("gguf", "all", "layers_0/mlp/down_proj/kernel (int8 per-channel sym): input dim 172 is not a multiple of the GGUF "
+                    "block size 32"),
+    ("onnx", "kv8", "layers_*/attn (KV cache): the recipe quantizes the KV cache"),
 ])
-def test_unsupported_layer_is_one_line_and_nothing_written(checkpoints, tmp_path, capsys, fmt, message):
+def test_unsupported_layer_is_one_line_and_nothing_written(checkpoints, tmp_path, capsys, fmt, ckpt, message):
     out = tmp_path / "out"
-    assert cli.main(["export", str(checkpoints["all"]), "--format", fmt, "--out", str(out)]) == 2
+    assert cli.main(["export", str(checkpoints[ckpt]), "--format", fmt, "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("llmeq export: error: ") and message in err and err.count("\n") == 1
     assert list(tmp_path.iterdir()) == []

@@ -107,6 +107,10 @@ def test_permute_inverts_loader():
     ({"bits": 4, "granularity": "group", "group_size": 32}, {Q.Q4_0}),
     ({"bits": 8, "granularity": "channel"}, {Q.Q8_0}),
     ({"bits": 4, "granularity": "group", "group_size": 32, "symmetric": False}, {Q.Q4_1}),
+    # scale_dtype float16 (configs/rtn-w4-g32-*.yaml): the grid is the file's, so the reload is exact.
+    ({"bits": 4, "granularity": "group", "group_size": 32, "scale_dtype": "float16"}, {Q.Q4_0}),
+    ({"bits": 8, "granularity": "channel", "scale_dtype": "float16"}, {Q.Q8_0}),
+    ({"bits": 4, "granularity": "group", "group_size": 32, "symmetric": False, "scale_dtype": "float16"}, {Q.Q4_1}),
 ])
 def test_round_trip_logits(model, tmp_path, weight, types):
     config, params, tokenizer, tokens = model
@@ -126,6 +130,9 @@ def test_round_trip_logits(model, tmp_path, weight, types):
     # Q4_1 also stores its block minimum m = -(zp + 8) * s in float16: up to |m| * 2^-11 on every value of
     # the block (measured 1.1e-3 of the logits' scale here), so it gets 2e-3.
     assert _rel_diff(forward(config2, params2, tokens), ref) <= (2e-3 if Q.Q4_1 in types else 1e-3)
+    if weight.get("scale_dtype") == "float16":
+        # Scales (and Q4_1's m) were float16 values before the integers were computed: float32 summation order only.
+        assert _rel_diff(forward(config2, params2, tokens), ref) <= 2e-6
     # Sanity: the quantization itself moves the logits far more than that, so the check can fail.
     assert _rel_diff(forward(config, params, tokens), ref) > 5e-3
     if Q.Q4_1 not in types:
