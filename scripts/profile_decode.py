@@ -30,15 +30,20 @@ def op_kind(name: str) -> str:
     return re.sub(r"\.\d+$", "", name)
 
 
-def op_times(trace_dir: Path) -> collections.Counter:
-    """Total microseconds per op name in the Perfetto trace under ``trace_dir``."""
+def op_times(trace_dir: Path, module: str = "jit__decode_loop") -> collections.Counter:
+    """Total microseconds per op kind in the Perfetto trace under ``trace_dir``, counting only
+    ops of the XLA module whose name starts with ``module`` (the decode loop: prefill and the
+    other one-off programs of a generate call would otherwise be spread over the steps)."""
     path = sorted(trace_dir.rglob("*.json.gz"))[-1]
     events = json.load(gzip.open(path))
     events = events["traceEvents"] if isinstance(events, dict) else events
     totals: collections.Counter = collections.Counter()
     for e in events:
-        if e.get("ph") == "X" and not e["name"].startswith(_CONTAINERS):
-            totals[op_kind(e["name"])] += e.get("dur", 0)
+        if e.get("ph") != "X" or e["name"].startswith(_CONTAINERS):
+            continue
+        if not (e.get("args") or {}).get("hlo_module", "").startswith(module):
+            continue
+        totals[op_kind(e["name"])] += e.get("dur", 0)
     return totals
 
 
@@ -68,7 +73,8 @@ def main(argv=None) -> None:
         totals = op_times(Path(tmp))
     steps = args.new_tokens - 1
     total = sum(totals.values())
-    print(f"\n{args.recipe}: {total / 1e3 / steps:.2f} ms of ops per decode step ({steps} steps + prefill)")
+    print(f"\n{args.recipe}: {total / 1e3 / steps:.2f} ms of ops per decode step ({steps} steps; the decode loop's "
+          f"module only, incl. its one-off weight transposition)")
     for name, us in totals.most_common(args.top):
         print(f"{us / 1e3 / steps:8.3f} ms/token {100 * us / total:5.1f}%  {name}")
 
