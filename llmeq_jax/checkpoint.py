@@ -83,6 +83,7 @@ def _qarray_static(q: QArray) -> dict:
         "dtype": jnp.dtype(q.dtype).name,
         "pack_axis": q.pack_axis,
         "act_spec": None if q.act_spec is None else dataclasses.asdict(q.act_spec),
+        "grid": q.grid,
     }
 
 
@@ -135,6 +136,7 @@ def _qarray_from(static: dict, children: dict) -> QArray:
         dtype=jnp.dtype(static["dtype"]),
         pack_axis=int(static["pack_axis"]),
         act_spec=None if act is None else Spec(**act),
+        grid=str(static.get("grid", "uniform")),  # checkpoints from before log2 grids hold uniform codes
     )
 
 

@@ -410,6 +410,9 @@ def quantize_sharded(
     ``x`` may be a global array already laid out on the mesh or a host array every process holds.
     """
     shape = tuple(int(s) for s in x.shape)
+    if spec.grid != "uniform":  # the shard_map engine encodes uniform integers only
+        raise DistributedError(f"sharded quantization supports uniform grids; got grid={spec.grid!r} "
+                               "(quantize it unsharded with core.quantize.quantize, then shard the QArray)")
     fn, pack_axis = sharded_quantize_fn(spec, mesh, pspec, shape, replicate_scales=replicate_scales,
                                         pack_axis=pack_axis)
     want = NamedSharding(mesh, P(*_entries(pspec, len(shape))))

@@ -85,6 +85,9 @@ class Rule:
                 raise RecipeError(f"rule {self.pattern!r}: activations are quantized to symmetric int8 only")
             if self.weight is not None and self.weight.bits > 8:
                 raise RecipeError(f"rule {self.pattern!r}: W8A8 needs weights of at most 8 bits")
+            if self.weight is not None and self.weight.grid != "uniform":
+                raise RecipeError(f"rule {self.pattern!r}: integer W8A8 needs a uniform weight grid, got "
+                                  f"grid={self.weight.grid!r} (log2 weights run weight-only)")
         if self.act_static and (self.act is None or self.act.granularity != "tensor"):
             raise RecipeError(f"rule {self.pattern!r}: act_static needs act granularity 'tensor'")
 
