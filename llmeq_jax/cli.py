@@ -211,13 +211,21 @@ def quantize_model(config, params, tokenizer, recipe, calib: str | None, calib_s
 
 
 def eval_ppl(config, params, tokenizer, text_path: Path, seq_len: int, windows: int, batch_size: int, progress: bool,
-             kv=None):
-    """Perplexity; with ``kv`` (a KVQuantizer) attention reads K/V through the quantized cache's prefill path."""
-    from llmeq_jax import evaluate
+             kv=None, recipe=None):
+    """Perplexity; with ``kv`` (a KVQuantizer) attention reads K/V through the quantized cache's prefill path.
+
+    A ``recipe`` with online activation scales (``act_ema``) carries their EMA state from batch to batch."""
+    from llmeq_jax import evaluate, online
     from llmeq_jax.models import forward
 
     ids = evaluate.tokenize_text(tokenizer, text_path.read_text())
     wins = evaluate.make_windows(ids, seq_len, windows)
+    alphas = online.decays(params, recipe)
+    if alphas:
+        if kv is not None:
+            raise CliError("online activation scales (act_ema) and a quantized KV cache cannot be evaluated together "
+                           "yet; drop --kv or use a recipe without act_ema")
+        return online.perplexity(config, params, wins, alphas, batch_size=batch_size, progress=progress)
     return evaluate.perplexity(lambda p, t: forward(config, p, t, kv=kv), wins, batch_size=batch_size, params=params,
                                progress=progress)
 
@@ -357,7 +365,8 @@ def cmd_eval(args) -> int:
     check_context(config, args.seq_len)
     kv = build_kv(config, params, tokenizer, kv_mapping(args.kv, recipe), args.calib)
     t0 = time.perf_counter()
-    res = eval_ppl(config, params, tokenizer, text, args.seq_len, args.windows, args.batch_size, not args.json, kv)
+    res = eval_ppl(config, params, tokenizer, text, args.seq_len, args.windows, args.batch_size, not args.json, kv,
+                   recipe)
     name = (recipe or {}).get("name", "as-loaded") + ("" if kv is None else f" + kv{kv.spec.bits}")
     row = evaluate.Row(recipe=name, ppl=res["ppl"], nll=res["nll"],
                        param_bytes=_nbytes(params), load_s=load_s, eval_s=time.perf_counter() - t0)
@@ -433,7 +442,8 @@ def _compare_into(args, text, recipes, ckpts, out_dir, config, params, tokenizer
         if not args.keep_checkpoints:
             shutil.rmtree(ckpt)
         t1 = time.perf_counter()
-        res = eval_ppl(config, qparams, tokenizer, text, args.seq_len, args.windows, args.batch_size, not args.json)
+        res = eval_ppl(config, qparams, tokenizer, text, args.seq_len, args.windows, args.batch_size, not args.json,
+                       recipe=recipe)
         row = evaluate.Row(recipe=recipe.name, ppl=res["ppl"], nll=res["nll"], param_bytes=_nbytes(qparams),
                            disk_bytes=disk, load_s=load_s, calib_s=c_s, calib_samples=n, quantize_s=q_s,
                            eval_s=time.perf_counter() - t1)
@@ -472,13 +482,22 @@ def cmd_generate(args) -> int:
         raise CliError("--prompt is empty and no BOS token is prepended (--no-bos or a model without one); "
                        "expected at least one token to continue from")
     kv = build_kv(config, params, tokenizer, kv_mapping(args.kv, recipe), args.calib)
+    from llmeq_jax import online
+
+    alphas = online.decays(params, recipe)
+    if alphas and (kv is not None or not (args.temperature is None or args.temperature == 0)):
+        raise CliError("a recipe with online activation scales (act_ema) generates greedily with a float KV cache; "
+                       "drop --kv / --temperature")
     if len(ids) + args.max_new_tokens > config.max_position_embeddings:
         raise CliError(f"prompt ({len(ids)} tokens) + --max-new-tokens {args.max_new_tokens} exceeds the model's "
                        f"context of {config.max_position_embeddings}")
     greedy = not args.temperature  # None (no --temperature) or 0: argmax, as --temperature 0 means elsewhere
-    out = generate(config, params, jnp.asarray([ids], jnp.int32), args.max_new_tokens,
-                   greedy=greedy, temperature=args.temperature if not greedy else 1.0,
-                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, kv=kv)
+    if alphas:  # the EMA state runs through prefill and every decode step
+        out, _ = online.generate(config, params, jnp.asarray([ids], jnp.int32), args.max_new_tokens, alphas)
+    else:
+        out = generate(config, params, jnp.asarray([ids], jnp.int32), args.max_new_tokens,
+                       greedy=greedy, temperature=args.temperature if not greedy else 1.0,
+                       top_k=args.top_k, top_p=args.top_p, seed=args.seed, kv=kv)
     new = [int(t) for t in out[0]]
     if config.eos_ids:
         for i, t in enumerate(new):
