@@ -579,6 +579,50 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_allocate(args) -> int:
+    """Per-layer bit widths under a budget -> a recipe YAML that `llmeq quantize` runs (methods/allocate.py)."""
+    from llmeq_jax import calibrate
+    from llmeq_jax.methods import allocate as alloc
+
+    out = Path(args.out)
+    if out.exists() and not args.overwrite:
+        raise CliError(f"--out {str(out)!r} already exists; pass --overwrite to replace it")
+    if out.exists() and not out.is_file():
+        raise CliError(f"--out {str(out)!r} exists and is not a file")
+    if not out.absolute().parent.is_dir():
+        raise CliError(f"--out {str(out)!r}: folder {str(out.absolute().parent)!r} does not exist")
+    candidates = alloc.parse_candidates(args.candidates)
+    config, params, tokenizer, recipe = open_model(args.model, verify=args.verify)
+    if recipe is not None:
+        raise CliError(f"MODEL {args.model!r} is an already quantized checkpoint; allocate from the float model")
+    check_context(config, args.calib_seq_len, "--calib-seq-len")
+    text = find_data_file(args.calib, CALIB_TEXT, "calibration text")
+    windows = calibrate.calibration_windows(tokenizer, text, args.calib_samples, args.calib_seq_len)
+    name = args.name or out.stem
+    t0 = time.perf_counter()
+    recipe, info = alloc.allocate(config, params, windows, candidates=candidates, budget_bits=args.budget_bits,
+                                  budget_mb=args.budget_mb, group_size=args.group_size or None, solver=args.solver,
+                                  sensitivity=args.sensitivity, method=args.method, name=name,
+                                  progress=not args.json)
+    info["seconds"] = time.perf_counter() - t0
+    group = f"g{args.group_size}" if args.group_size else "per-channel"
+    header = [f"{name}: per-layer widths from `llmeq allocate {args.model}` ({args.sensitivity} sensitivity, "
+              f"{args.solver} solver)",
+              f"budget {info['budget_bytes']} bytes of block linears; used {info['bytes']} "
+              f"({info['avg_bits']:.3f} stored bits/weight, scales counted); widths {info['widths']} ({group})",
+              f"calibration: {args.calib_samples} x {args.calib_seq_len} tokens of {text.name}; "
+              f"{info['seconds']:.0f} s"]
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(alloc.recipe_yaml(recipe, header))
+    os.replace(tmp, out)  # never a half-written recipe under the final name
+    summary = {k: info[k] for k in ("budget_bytes", "bytes", "avg_bits", "widths", "solver", "sensitivity",
+                                    "seconds")}
+    _emit(args, {"out": str(out), **summary},
+          f"wrote {out}: {info['avg_bits']:.3f} bits/weight ({info['bytes']} of {info['budget_bytes']} bytes), "
+          f"widths {info['widths']}, {info['seconds']:.0f} s")
+    return 0
+
+
 def cmd_main(args) -> int:
     """The README's main job: compare the ready recipes on the default real model."""
     args.recipes = [str(CONFIGS / f"{r}.yaml") for r in MAIN_RECIPES]
@@ -721,6 +765,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     p.set_defaults(fn=cmd_export)
+
+    p = sub.add_parser("allocate", help="per-layer bit widths under a size budget -> a recipe YAML")
+    p.add_argument("model")
+    budget = p.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--budget-bits", type=_finite_float(0.0, 64.0, "average stored bits per weight in (0, 64]",
+                                                            low_open=True),
+                        help="average stored bits per block-linear weight, scales counted (4.25 = int4 g128)")
+    budget.add_argument("--budget-mb", type=_finite_float(0.0, None, "megabytes > 0", low_open=True),
+                        help="bytes (1e6) of the block linears as stored")
+    p.add_argument("--candidates", default="2,3,4,8", help="widths to choose from (default 2,3,4,8)")
+    p.add_argument("--method", default="rtn", choices=["rtn", "gptq"], help="the written recipe's method")
+    p.add_argument("--solver", default="greedy", choices=["greedy", "lagrange"])
+    p.add_argument("--sensitivity", default="measured", choices=["measured", "proxy"])
+    p.add_argument("--group-size", type=NON_NEGATIVE, default=128, help="group size along the input (0: per channel)")
+    p.add_argument("--calib", help=f"calibration text (default: {CALIB_TEXT})")
+    p.add_argument("--calib-samples", type=POSITIVE, default=4, help="calibration sequences (default 4)")
+    p.add_argument("--calib-seq-len", type=SEQ_LEN, default=256, help="tokens per sequence (default 256)")
+    p.add_argument("--name", help="recipe name (default: the --out file's stem)")
+    p.add_argument("--out", required=True, help="recipe YAML to write")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    _add_verify_opt(p)
+    p.add_argument("--json", action="store_true", help="print a JSON summary, no progress bars")
+    p.set_defaults(fn=cmd_allocate)
 
     p = sub.add_parser("inspect", help="list a checkpoint's leaves: bits, granularity, bytes")
     p.add_argument("dir")
