@@ -51,6 +51,8 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--out", default="runs/allocate")
+    ap.add_argument("--float-ppl", type=float, help="the float model's perplexity under the same protocol, if "
+                                                    "already measured (skips that evaluation)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -87,7 +89,7 @@ def main() -> None:
         (out / "results.json").write_text(json.dumps(results, indent=1))
         print(json.dumps(row), flush=True)
 
-    record({"kind": "float", "avg_bits": 32.0, "ppl": ppl(config, params, wins)})
+    record({"kind": "float", "avg_bits": 32.0, "ppl": args.float_ppl or ppl(config, params, wins)})
     recipes = []
     for b in [int(x) for x in args.uniform.split(",") if x]:
         choice = {p: b for p in shapes}

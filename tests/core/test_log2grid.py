@@ -119,3 +119,14 @@ def test_calibrated_methods_refuse_log2_rules():
         "bits": 4, "granularity": "group", "group_size": 128, "grid": "log2"}}]})
     with pytest.raises(RecipeError, match="use method rtn for log2"):
         quantize_model(None, {"layers_0": {"q": {"kernel": jnp.ones((4, 4))}}}, recipe, np.zeros((1, 4), np.int32))
+
+
+def test_a_manifest_with_an_unknown_grid_is_refused(tmp_path):
+    from llmeq_jax import checkpoint as ck
+
+    q = quantize(jnp.ones((8, 4)), Spec(bits=4, granularity="channel", grid="log2"))
+    out = ck.save(tmp_path / "c", {"l": {"kernel": q}}, metadata={"model_type": "llama"})
+    manifest = ck.read_manifest(out)
+    manifest["layout"]["l/kernel"]["static"]["grid"] = "cubic"
+    with pytest.raises(ck.CheckpointError, match="grid 'cubic' is not one of"):
+        ck.validate_manifest(manifest)
