@@ -623,6 +623,41 @@ def cmd_allocate(args) -> int:
     return 0
 
 
+def cmd_qat(args) -> int:
+    """Quantization-aware training (fake quant + STE, optax), then the recipe's quantization and a checkpoint."""
+    from llmeq_jax import checkpoint, evaluate
+    from llmeq_jax.methods import qat
+
+    out = Path(args.out)
+    check_writable_dir(out, args.overwrite)
+    recipe = read_recipe(args.recipe)
+    try:
+        cfg = qat.QATConfig(steps=args.steps, lr=args.lr, batch_size=args.batch_size, save_every=args.save_every)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    text = find_data_file(args.text, CALIB_TEXT, "training text")
+    config, params, tokenizer, loaded = open_model(args.model, verify=args.verify)
+    if loaded is not None:
+        raise CliError(f"MODEL {args.model!r} is an already quantized checkpoint; QAT starts from the float model")
+    check_context(config, args.seq_len)
+    windows = evaluate.make_windows(evaluate.tokenize_text(tokenizer, text.read_text()), args.seq_len, 0)
+    state_dir = out.with_name(out.name + ".qat-state")
+    t0 = time.perf_counter()
+    trained, losses = qat.train(config, params, recipe, windows, cfg, state_dir=state_dir, resume=args.resume,
+                                progress=not args.json)
+    train_s = time.perf_counter() - t0
+    qparams, q_s, c_s, n = quantize_model(config, trained, tokenizer, recipe, args.calib, args.calib_samples,
+                                          not args.json, args.calib_seq_len)
+    checkpoint.save_model_checkpoint(out, config, qparams, tokenizer, recipe=recipe, overwrite=args.overwrite,
+                                     extra={"source": args.model, "qat_steps": cfg.steps, "qat_lr": cfg.lr,
+                                            "qat_s": train_s, "quantize_s": q_s})
+    info = {"out": str(out), "recipe": recipe.name, "steps": cfg.steps, "first_loss": losses[0] if losses else None,
+            "last_loss": losses[-1] if losses else None, "qat_s": train_s, "state_dir": str(state_dir)}
+    _emit(args, info, f"saved QAT {recipe.name} checkpoint to {out} after {cfg.steps} steps "
+                      f"(loss {info['first_loss']:.4f} -> {info['last_loss']:.4f}, {train_s:.0f} s)")
+    return 0
+
+
 def cmd_main(args) -> int:
     """The README's main job: compare the ready recipes on the default real model."""
     args.recipes = [str(CONFIGS / f"{r}.yaml") for r in MAIN_RECIPES]
@@ -788,6 +823,24 @@ def build_parser() -> argparse.ArgumentParser:
     _add_verify_opt(p)
     p.add_argument("--json", action="store_true", help="print a JSON summary, no progress bars")
     p.set_defaults(fn=cmd_allocate)
+
+    p = sub.add_parser("qat", help="quantization-aware training (fake quant, STE, optax) -> quantized checkpoint")
+    p.add_argument("model")
+    p.add_argument("--recipe", required=True, help="recipe YAML (path, or a name from configs/)")
+    p.add_argument("--text", help=f"training text (default: {CALIB_TEXT}; never the evaluation text)")
+    p.add_argument("--steps", type=POSITIVE, default=100, help="optimizer steps, >= 1 (default 100)")
+    p.add_argument("--lr", type=_finite_float(0.0, None, "a learning rate > 0", low_open=True), default=1e-5)
+    p.add_argument("--batch-size", type=POSITIVE, default=4, help="windows per step (default 4)")
+    p.add_argument("--seq-len", type=SEQ_LEN, default=256, help="tokens per training window (default 256)")
+    p.add_argument("--save-every", type=POSITIVE, default=50, help="write the training state every N steps")
+    p.add_argument("--resume", action="store_true", help="continue from OUT.qat-state/ if a saved state is there")
+    _add_calib_opts(p)
+    p.add_argument("--out", required=True, help="checkpoint directory to write")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --out if it exists and is an llmeq_jax checkpoint (never other directories)")
+    _add_verify_opt(p)
+    p.add_argument("--json", action="store_true", help="print a JSON summary, no progress bars")
+    p.set_defaults(fn=cmd_qat)
 
     p = sub.add_parser("inspect", help="list a checkpoint's leaves: bits, granularity, bytes")
     p.add_argument("dir")
