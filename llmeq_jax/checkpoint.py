@@ -51,7 +51,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from llmeq_jax.core.qarray import QArray, check_bits, is_qarray, scale_shape, values_per_byte
-from llmeq_jax.core.quantize import Spec
+from llmeq_jax.core.quantize import GRIDS, Spec
 from llmeq_jax.core.rules import path_str
 
 FORMAT_VERSION = 1
@@ -83,6 +83,7 @@ def _qarray_static(q: QArray) -> dict:
         "dtype": jnp.dtype(q.dtype).name,
         "pack_axis": q.pack_axis,
         "act_spec": None if q.act_spec is None else dataclasses.asdict(q.act_spec),
+        "grid": q.grid,
     }
 
 
@@ -135,6 +136,7 @@ def _qarray_from(static: dict, children: dict) -> QArray:
         dtype=jnp.dtype(static["dtype"]),
         pack_axis=int(static["pack_axis"]),
         act_spec=None if act is None else Spec(**act),
+        grid=str(static.get("grid", "uniform")),  # checkpoints from before log2 grids hold uniform codes
     )
 
 
@@ -420,6 +422,8 @@ def _check_qarray_leaf(p: str, leaf: dict) -> None:
         check_bits(st["bits"])
     except ValueError as e:
         raise CheckpointError(f"leaf {p!r}: {e}") from None
+    if st.get("grid", "uniform") not in GRIDS:
+        raise CheckpointError(f"leaf {p!r}: grid {st['grid']!r} is not one of {list(GRIDS)}")
     shape, tile = tuple(st["shape"]), tuple(st["tile"])
     _check_meta(f"leaf {p!r}", {"shape": list(shape), "dtype": st["dtype"]})
     if len(tile) != len(shape) or not all(isinstance(t, int) and t >= 1 for t in tile):

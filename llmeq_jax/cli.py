@@ -211,13 +211,21 @@ def quantize_model(config, params, tokenizer, recipe, calib: str | None, calib_s
 
 
 def eval_ppl(config, params, tokenizer, text_path: Path, seq_len: int, windows: int, batch_size: int, progress: bool,
-             kv=None):
-    """Perplexity; with ``kv`` (a KVQuantizer) attention reads K/V through the quantized cache's prefill path."""
-    from llmeq_jax import evaluate
+             kv=None, recipe=None):
+    """Perplexity; with ``kv`` (a KVQuantizer) attention reads K/V through the quantized cache's prefill path.
+
+    A ``recipe`` with online activation scales (``act_ema``) carries their EMA state from batch to batch."""
+    from llmeq_jax import evaluate, online
     from llmeq_jax.models import forward
 
     ids = evaluate.tokenize_text(tokenizer, text_path.read_text())
     wins = evaluate.make_windows(ids, seq_len, windows)
+    alphas = online.decays(params, recipe)
+    if alphas:
+        if kv is not None:
+            raise CliError("online activation scales (act_ema) and a quantized KV cache cannot be evaluated together "
+                           "yet; drop --kv or use a recipe without act_ema")
+        return online.perplexity(config, params, wins, alphas, batch_size=batch_size, progress=progress)
     return evaluate.perplexity(lambda p, t: forward(config, p, t, kv=kv), wins, batch_size=batch_size, params=params,
                                progress=progress)
 
@@ -357,7 +365,8 @@ def cmd_eval(args) -> int:
     check_context(config, args.seq_len)
     kv = build_kv(config, params, tokenizer, kv_mapping(args.kv, recipe), args.calib)
     t0 = time.perf_counter()
-    res = eval_ppl(config, params, tokenizer, text, args.seq_len, args.windows, args.batch_size, not args.json, kv)
+    res = eval_ppl(config, params, tokenizer, text, args.seq_len, args.windows, args.batch_size, not args.json, kv,
+                   recipe)
     name = (recipe or {}).get("name", "as-loaded") + ("" if kv is None else f" + kv{kv.spec.bits}")
     row = evaluate.Row(recipe=name, ppl=res["ppl"], nll=res["nll"],
                        param_bytes=_nbytes(params), load_s=load_s, eval_s=time.perf_counter() - t0)
@@ -433,7 +442,8 @@ def _compare_into(args, text, recipes, ckpts, out_dir, config, params, tokenizer
         if not args.keep_checkpoints:
             shutil.rmtree(ckpt)
         t1 = time.perf_counter()
-        res = eval_ppl(config, qparams, tokenizer, text, args.seq_len, args.windows, args.batch_size, not args.json)
+        res = eval_ppl(config, qparams, tokenizer, text, args.seq_len, args.windows, args.batch_size, not args.json,
+                       recipe=recipe)
         row = evaluate.Row(recipe=recipe.name, ppl=res["ppl"], nll=res["nll"], param_bytes=_nbytes(qparams),
                            disk_bytes=disk, load_s=load_s, calib_s=c_s, calib_samples=n, quantize_s=q_s,
                            eval_s=time.perf_counter() - t1)
@@ -472,13 +482,22 @@ def cmd_generate(args) -> int:
         raise CliError("--prompt is empty and no BOS token is prepended (--no-bos or a model without one); "
                        "expected at least one token to continue from")
     kv = build_kv(config, params, tokenizer, kv_mapping(args.kv, recipe), args.calib)
+    from llmeq_jax import online
+
+    alphas = online.decays(params, recipe)
+    if alphas and (kv is not None or not (args.temperature is None or args.temperature == 0)):
+        raise CliError("a recipe with online activation scales (act_ema) generates greedily with a float KV cache; "
+                       "drop --kv / --temperature")
     if len(ids) + args.max_new_tokens > config.max_position_embeddings:
         raise CliError(f"prompt ({len(ids)} tokens) + --max-new-tokens {args.max_new_tokens} exceeds the model's "
                        f"context of {config.max_position_embeddings}")
     greedy = not args.temperature  # None (no --temperature) or 0: argmax, as --temperature 0 means elsewhere
-    out = generate(config, params, jnp.asarray([ids], jnp.int32), args.max_new_tokens,
-                   greedy=greedy, temperature=args.temperature if not greedy else 1.0,
-                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, kv=kv)
+    if alphas:  # the EMA state runs through prefill and every decode step
+        out, _ = online.generate(config, params, jnp.asarray([ids], jnp.int32), args.max_new_tokens, alphas)
+    else:
+        out = generate(config, params, jnp.asarray([ids], jnp.int32), args.max_new_tokens,
+                       greedy=greedy, temperature=args.temperature if not greedy else 1.0,
+                       top_k=args.top_k, top_p=args.top_p, seed=args.seed, kv=kv)
     new = [int(t) for t in out[0]]
     if config.eos_ids:
         for i, t in enumerate(new):
@@ -557,6 +576,85 @@ def cmd_export(args) -> int:
     size = checkpoint.disk_bytes(out) if out.is_dir() else out.stat().st_size
     info = {"out": str(out), "format": args.format, "bytes": size, "checkpoint_bytes": checkpoint.disk_bytes(args.ckpt)}
     _emit(args, info, f"wrote {args.format} {out} ({size / 1e6:.2f} MB; checkpoint {info['checkpoint_bytes'] / 1e6:.2f} MB)")
+    return 0
+
+
+def cmd_allocate(args) -> int:
+    """Per-layer bit widths under a budget -> a recipe YAML that `llmeq quantize` runs (methods/allocate.py)."""
+    from llmeq_jax import calibrate
+    from llmeq_jax.methods import allocate as alloc
+
+    out = Path(args.out)
+    if out.exists() and not args.overwrite:
+        raise CliError(f"--out {str(out)!r} already exists; pass --overwrite to replace it")
+    if out.exists() and not out.is_file():
+        raise CliError(f"--out {str(out)!r} exists and is not a file")
+    if not out.absolute().parent.is_dir():
+        raise CliError(f"--out {str(out)!r}: folder {str(out.absolute().parent)!r} does not exist")
+    candidates = alloc.parse_candidates(args.candidates)
+    config, params, tokenizer, recipe = open_model(args.model, verify=args.verify)
+    if recipe is not None:
+        raise CliError(f"MODEL {args.model!r} is an already quantized checkpoint; allocate from the float model")
+    check_context(config, args.calib_seq_len, "--calib-seq-len")
+    text = find_data_file(args.calib, CALIB_TEXT, "calibration text")
+    windows = calibrate.calibration_windows(tokenizer, text, args.calib_samples, args.calib_seq_len)
+    name = args.name or out.stem
+    t0 = time.perf_counter()
+    recipe, info = alloc.allocate(config, params, windows, candidates=candidates, budget_bits=args.budget_bits,
+                                  budget_mb=args.budget_mb, group_size=args.group_size or None, solver=args.solver,
+                                  sensitivity=args.sensitivity, method=args.method, name=name,
+                                  progress=not args.json)
+    info["seconds"] = time.perf_counter() - t0
+    group = f"g{args.group_size}" if args.group_size else "per-channel"
+    header = [f"{name}: per-layer widths from `llmeq allocate {args.model}` ({args.sensitivity} sensitivity, "
+              f"{args.solver} solver)",
+              f"budget {info['budget_bytes']} bytes of block linears; used {info['bytes']} "
+              f"({info['avg_bits']:.3f} stored bits/weight, scales counted); widths {info['widths']} ({group})",
+              f"calibration: {args.calib_samples} x {args.calib_seq_len} tokens of {text.name}; "
+              f"{info['seconds']:.0f} s"]
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(alloc.recipe_yaml(recipe, header))
+    os.replace(tmp, out)  # never a half-written recipe under the final name
+    summary = {k: info[k] for k in ("budget_bytes", "bytes", "avg_bits", "widths", "solver", "sensitivity",
+                                    "seconds")}
+    _emit(args, {"out": str(out), **summary},
+          f"wrote {out}: {info['avg_bits']:.3f} bits/weight ({info['bytes']} of {info['budget_bytes']} bytes), "
+          f"widths {info['widths']}, {info['seconds']:.0f} s")
+    return 0
+
+
+def cmd_qat(args) -> int:
+    """Quantization-aware training (fake quant + STE, optax), then the recipe's quantization and a checkpoint."""
+    from llmeq_jax import checkpoint, evaluate
+    from llmeq_jax.methods import qat
+
+    out = Path(args.out)
+    check_writable_dir(out, args.overwrite)
+    recipe = read_recipe(args.recipe)
+    try:
+        cfg = qat.QATConfig(steps=args.steps, lr=args.lr, batch_size=args.batch_size, save_every=args.save_every)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    text = find_data_file(args.text, CALIB_TEXT, "training text")
+    config, params, tokenizer, loaded = open_model(args.model, verify=args.verify)
+    if loaded is not None:
+        raise CliError(f"MODEL {args.model!r} is an already quantized checkpoint; QAT starts from the float model")
+    check_context(config, args.seq_len)
+    windows = evaluate.make_windows(evaluate.tokenize_text(tokenizer, text.read_text()), args.seq_len, 0)
+    state_dir = out.with_name(out.name + ".qat-state")
+    t0 = time.perf_counter()
+    trained, losses = qat.train(config, params, recipe, windows, cfg, state_dir=state_dir, resume=args.resume,
+                                progress=not args.json)
+    train_s = time.perf_counter() - t0
+    qparams, q_s, c_s, n = quantize_model(config, trained, tokenizer, recipe, args.calib, args.calib_samples,
+                                          not args.json, args.calib_seq_len)
+    checkpoint.save_model_checkpoint(out, config, qparams, tokenizer, recipe=recipe, overwrite=args.overwrite,
+                                     extra={"source": args.model, "qat_steps": cfg.steps, "qat_lr": cfg.lr,
+                                            "qat_s": train_s, "quantize_s": q_s})
+    info = {"out": str(out), "recipe": recipe.name, "steps": cfg.steps, "first_loss": losses[0] if losses else None,
+            "last_loss": losses[-1] if losses else None, "qat_s": train_s, "state_dir": str(state_dir)}
+    _emit(args, info, f"saved QAT {recipe.name} checkpoint to {out} after {cfg.steps} steps "
+                      f"(loss {info['first_loss']:.4f} -> {info['last_loss']:.4f}, {train_s:.0f} s)")
     return 0
 
 
@@ -703,6 +801,47 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     p.set_defaults(fn=cmd_export)
+
+    p = sub.add_parser("allocate", help="per-layer bit widths under a size budget -> a recipe YAML")
+    p.add_argument("model")
+    budget = p.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--budget-bits", type=_finite_float(0.0, 64.0, "average stored bits per weight in (0, 64]",
+                                                            low_open=True),
+                        help="average stored bits per block-linear weight, scales counted (4.25 = int4 g128)")
+    budget.add_argument("--budget-mb", type=_finite_float(0.0, None, "megabytes > 0", low_open=True),
+                        help="bytes (1e6) of the block linears as stored")
+    p.add_argument("--candidates", default="2,3,4,8", help="widths to choose from (default 2,3,4,8)")
+    p.add_argument("--method", default="rtn", choices=["rtn", "gptq"], help="the written recipe's method")
+    p.add_argument("--solver", default="greedy", choices=["greedy", "lagrange"])
+    p.add_argument("--sensitivity", default="measured", choices=["measured", "proxy"])
+    p.add_argument("--group-size", type=NON_NEGATIVE, default=128, help="group size along the input (0: per channel)")
+    p.add_argument("--calib", help=f"calibration text (default: {CALIB_TEXT})")
+    p.add_argument("--calib-samples", type=POSITIVE, default=4, help="calibration sequences (default 4)")
+    p.add_argument("--calib-seq-len", type=SEQ_LEN, default=256, help="tokens per sequence (default 256)")
+    p.add_argument("--name", help="recipe name (default: the --out file's stem)")
+    p.add_argument("--out", required=True, help="recipe YAML to write")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    _add_verify_opt(p)
+    p.add_argument("--json", action="store_true", help="print a JSON summary, no progress bars")
+    p.set_defaults(fn=cmd_allocate)
+
+    p = sub.add_parser("qat", help="quantization-aware training (fake quant, STE, optax) -> quantized checkpoint")
+    p.add_argument("model")
+    p.add_argument("--recipe", required=True, help="recipe YAML (path, or a name from configs/)")
+    p.add_argument("--text", help=f"training text (default: {CALIB_TEXT}; never the evaluation text)")
+    p.add_argument("--steps", type=POSITIVE, default=100, help="optimizer steps, >= 1 (default 100)")
+    p.add_argument("--lr", type=_finite_float(0.0, None, "a learning rate > 0", low_open=True), default=1e-5)
+    p.add_argument("--batch-size", type=POSITIVE, default=4, help="windows per step (default 4)")
+    p.add_argument("--seq-len", type=SEQ_LEN, default=256, help="tokens per training window (default 256)")
+    p.add_argument("--save-every", type=POSITIVE, default=50, help="write the training state every N steps")
+    p.add_argument("--resume", action="store_true", help="continue from OUT.qat-state/ if a saved state is there")
+    _add_calib_opts(p)
+    p.add_argument("--out", required=True, help="checkpoint directory to write")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --out if it exists and is an llmeq_jax checkpoint (never other directories)")
+    _add_verify_opt(p)
+    p.add_argument("--json", action="store_true", help="print a JSON summary, no progress bars")
+    p.set_defaults(fn=cmd_qat)
 
     p = sub.add_parser("inspect", help="list a checkpoint's leaves: bits, granularity, bytes")
     p.add_argument("dir")

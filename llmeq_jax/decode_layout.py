@@ -56,6 +56,7 @@ def transpose_kernel(w: QArray) -> QArray:
         dtype=w.dtype,
         pack_axis=1,
         act_spec=w.act_spec,
+        grid=w.grid,
     )
 
 
@@ -75,6 +76,7 @@ def kernel_view(w: QArray) -> QArray:
         dtype=w.dtype,
         pack_axis=0,
         act_spec=w.act_spec,
+        grid=w.grid,
     )
 
 
@@ -93,7 +95,7 @@ def for_decode(params, rows: int):
         return params
 
     def convert(path, leaf):
-        if not (isinstance(leaf, QArray) and _is_kernel(path) and len(leaf.shape) == 2):
+        if not (isinstance(leaf, QArray) and _is_kernel(path) and len(leaf.shape) == 2) or leaf.grid != "uniform":
             return leaf
         if values_per_byte(leaf.bits) > 1 and leaf.pack_axis != 0:
             return leaf

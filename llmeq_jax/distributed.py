@@ -411,6 +411,9 @@ def quantize_sharded(
     ``x`` may be a global array already laid out on the mesh or a host array every process holds.
     """
     shape = tuple(int(s) for s in x.shape)
+    if spec.grid != "uniform":  # the shard_map engine encodes uniform integers only
+        raise DistributedError(f"sharded quantization supports uniform grids; got grid={spec.grid!r} "
+                               "(quantize it unsharded with core.quantize.quantize, then shard the QArray)")
     fn, pack_axis = sharded_quantize_fn(spec, mesh, pspec, shape, replicate_scales=replicate_scales,
                                         pack_axis=pack_axis)
     want = NamedSharding(mesh, P(*_entries(pspec, len(shape))))
@@ -474,16 +477,15 @@ def online_quantize_synced(x, state=None, *, axis_name, alpha: float = 0.9, eps:
     ``pmax``-ed over the shards *before* the EMA update, so every shard tracks the same
     range and quantizes with the same scale. Returns (q int8, new_state, scale).
     """
-    from pallas_kernels.common import TINY
+    from llmeq_jax.core import ema
 
-    eps = TINY if eps is None else eps
+    eps = ema.TINY if eps is None else eps
     qmax = 2 ** (bits - 1) - 1
     xf = x.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(xf), axis=0) if per_channel else jnp.max(jnp.abs(xf))
-    amax = jax.lax.pmax(amax, axis_name)
-    observed = jnp.maximum(amax, eps)
-    new = observed if state is None else alpha * state.astype(jnp.float32) + (1.0 - alpha) * observed
-    scale = new / qmax
+    # absmax is a max: pmax over the shards gives the unsharded observation exactly.
+    amax = jax.lax.pmax(ema.absmax(xf, per_channel), axis_name)
+    new = ema.update(state, amax, alpha, eps)
+    scale = ema.scale(new, bits)
     q = jnp.clip(jnp.round(xf / scale), -qmax, qmax).astype(jnp.int8)
     return q, new, scale
 

@@ -213,6 +213,8 @@ def supports_row_major(w: QArray, act=None) -> str | None:
     """None when :func:`row_major_matmul` takes the ``(out, in)`` QArray ``w`` (with activation spec ``act``)."""
     if not isinstance(w, QArray) or len(w.shape) != 2:
         return "needs a 2-D QArray"
+    if w.grid != "uniform":
+        return f"{w.grid} grids have no integer kernel"
     n, k = w.shape
     per_byte = values_per_byte(w.bits)
     if per_byte == 4:

@@ -85,6 +85,8 @@ def linear(
         return y if bias is None else y + bias.astype(y.dtype)
     if not isinstance(w, QArray):
         y = jnp.matmul(x, w.astype(x.dtype))
+    elif w.grid != "uniform":  # log2 codes: no integer kernel applies, dequantize inside the jit
+        y = jnp.matmul(x, w.dequantize(x.dtype))
     else:
         act = act if act is not None else w.act_spec
         y = None
@@ -181,6 +183,8 @@ def linear_nk(
         raise NotImplementedError("linear_nk has no Pallas kernel")
     if not isinstance(w, QArray):
         y = jnp.matmul(x, w.astype(x.dtype).T)
+    elif w.grid != "uniform":  # log2 codes: the chunked XLA path dequantizes through QArray.dequantize
+        y = linear_nk_xla(x, w)
     else:
         y = None
         if backend == "auto":
@@ -426,6 +430,7 @@ def take_rows(table: jax.Array | QArray, ids: jax.Array, dtype: Any = None) -> j
         tile=(1 if scale.shape[0] > 1 else flat.shape[0], table.tile[1]),
         dtype=table.dtype,
         pack_axis=1,
+        grid=table.grid,
     )
     return picked.dequantize(dtype).reshape(*jnp.shape(ids), table.shape[1])
 

@@ -149,6 +149,8 @@ class QArray:
     dtype: Any = dataclasses.field(default=jnp.float32, metadata=dict(static=True))
     pack_axis: int = dataclasses.field(default=0, metadata=dict(static=True))
     act_spec: Any = dataclasses.field(default=None, metadata=dict(static=True))
+    # "uniform" or "log2" (sign + exponent codes, core/log2grid.py); only dequantize differs.
+    grid: str = dataclasses.field(default="uniform", metadata=dict(static=True))
 
     # -- logical view -----------------------------------------------------
     @property
@@ -179,6 +181,11 @@ class QArray:
 
     def dequantize(self, dtype: Any = None) -> jax.Array:
         dtype = self.dtype if dtype is None else dtype
+        if self.grid == "log2":
+            from llmeq_jax.core import log2grid
+
+            rel = log2grid.decode(self.values(), self.bits)
+            return (rel * expand_to(self.scale.astype(jnp.float32), self.shape, self.tile)).astype(dtype)
         q = self.values().astype(jnp.float32)
         if self.zero_point is not None:
             q = q - expand_to(self.zero_point.astype(jnp.float32), self.shape, self.tile)
@@ -195,8 +202,9 @@ class QArray:
         act = ""
         if self.act_spec is not None:
             act = f", act=int{self.act_spec.bits}/{'static' if self.act_scale is not None else 'dynamic'}"
+        kind = "log2-" if self.grid == "log2" else "int"
         return (
-            f"QArray(int{self.bits} {zp}, shape={self.shape}, {self.granularity}, "
+            f"QArray({kind}{self.bits} {zp}, shape={self.shape}, {self.granularity}, "
             f"scale={tuple(self.scale.shape)}, dtype={jnp.dtype(self.dtype).name}, "
             f"nbytes={self.nbytes}{act})"
         )

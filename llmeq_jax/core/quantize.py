@@ -42,12 +42,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from llmeq_jax.core import log2grid
 from llmeq_jax.core.qarray import QArray, check_bits, expand_to, int_range, pack, scale_shape
 
 Granularity = Literal["tensor", "channel", "group", "token"]
 GRANULARITIES = ("tensor", "channel", "group", "token")
 SCALE_DTYPES = (None, "float16")
 NAN_POLICIES = ("raise", "propagate")
+# Value grids: evenly spaced integers, or sign + power-of-two exponent (core/log2grid.py).
+GRIDS = ("uniform", "log2")
 # Clip ratios tried by the MSE search (coarse enough to stay fast, fine near 1).
 MSE_GRID = tuple(float(r) for r in np.linspace(0.5, 1.0, 21))
 
@@ -66,6 +69,9 @@ class Spec:
       ``token``   one scale per token: reduce over ``axis`` (default -1, the
                   features of an activation ``(..., tokens, features)``).
     clip: None, a ratio in (0, 1], ``"pNN.N"`` (percentile of |x|) or ``"mse"``.
+    grid: ``uniform`` (integers times the scale) or ``log2`` (sign and power-of-two
+      exponent relative to the tile's absmax, see :mod:`llmeq_jax.core.log2grid`;
+      symmetric only, stored and packed like uniform codes of the same bits).
     """
 
     bits: int = 8
@@ -75,6 +81,7 @@ class Spec:
     symmetric: bool = True
     clip: float | str | None = None
     scale_dtype: str | None = None
+    grid: str = "uniform"
 
     def __post_init__(self):
         check_bits(self.bits)
@@ -84,6 +91,15 @@ class Spec:
             # A nibble offset zp + 8 takes 4 of float16's 11 significand bits; wider offsets would leave too few.
             raise ValueError(f"scale_dtype='float16' with asymmetric int{self.bits}: only asymmetric grids of up to "
                              "4 bits keep float16-exact zero offsets (GGUF's Q4_1); use symmetric=True or bits <= 4")
+        if self.grid not in GRIDS:
+            raise ValueError(f"grid={self.grid!r} is not one of {list(GRIDS)}")
+        if self.grid == "log2" and not self.symmetric:
+            raise ValueError("grid='log2' is a sign + exponent code around zero; it needs symmetric=True")
+        if self.grid == "log2" and self.bits > 7:  # 8-bit codes would need magnitudes down to 2^-126
+            raise ValueError(f"grid='log2' takes 2 to 7 bits (a {self.bits}-bit code's smallest magnitude 2^{2 - 2 ** (self.bits - 1)} "
+                             "leaves float32's normal range); use a uniform grid for 8 bits")
+        if self.grid == "log2" and self.clip == "mse":
+            raise ValueError("clip='mse' searches uniform grids; with grid='log2' use None, a ratio or 'pNN'")
         if self.granularity not in GRANULARITIES:
             raise ValueError(f"granularity={self.granularity!r} is not one of {list(GRANULARITIES)}")
         if self.granularity == "group":
@@ -101,7 +117,8 @@ class Spec:
         g = {"tensor": "per-tensor", "channel": "per-channel", "token": "per-token"}.get(
             self.granularity, f"g{self.group_size}"
         )
-        return (f"int{self.bits} {g} {'sym' if self.symmetric else 'asym'}" + (f" clip={self.clip}" if self.clip else "")
+        kind = "log2-" if self.grid == "log2" else "int"
+        return (f"{kind}{self.bits} {g} {'sym' if self.symmetric else 'asym'}" + (f" clip={self.clip}" if self.clip else "")
                 + (f" {self.scale_dtype} scales" if self.scale_dtype else ""))
 
 
@@ -246,10 +263,12 @@ def _range(x: jax.Array, tile: tuple[int, ...], symmetric: bool):
     return tile_reduce(x, tile, "min"), tile_reduce(x, tile, "max")
 
 
-def quantize_values(x: jax.Array, scale, zero_point, bits: int, tile) -> jax.Array:
-    """Integer values (int8, logical shape) of ``x`` on a given grid."""
+def quantize_values(x: jax.Array, scale, zero_point, bits: int, tile, grid: str = "uniform") -> jax.Array:
+    """Integer values (int8, logical shape) of ``x`` on a given grid (log2 grids: sign + exponent codes)."""
     qmin, qmax = int_range(bits)
     s = expand_to(scale, x.shape, tile)
+    if grid == "log2":
+        return log2grid.encode(x.astype(jnp.float32) / s, bits)
     q = jnp.round(x.astype(jnp.float32) / s)
     if zero_point is None:
         return jnp.clip(q, -qmax, qmax).astype(jnp.int8)
@@ -257,7 +276,9 @@ def quantize_values(x: jax.Array, scale, zero_point, bits: int, tile) -> jax.Arr
     return jnp.clip(q, qmin, qmax).astype(jnp.int8)
 
 
-def _dequant_values(q, scale, zero_point, shape, tile):
+def _dequant_values(q, scale, zero_point, shape, tile, grid="uniform", bits=8):
+    if grid == "log2":
+        return log2grid.decode(q, bits) * expand_to(scale, shape, tile)
     q = q.astype(jnp.float32)
     if zero_point is not None:
         q = q - expand_to(zero_point, shape, tile)
@@ -325,6 +346,9 @@ def _compute_scale(x: jax.Array, spec: Spec, tile: tuple[int, ...] | None = None
         shape = scale_shape(x.shape, tile)
         return jnp.ones(shape, jnp.float32), (None if spec.symmetric else jnp.zeros(shape, jnp.float32))
     kind, value = _parse_clip(spec.clip)
+    if spec.grid == "log2":  # scale = the (clipped) absmax: the top magnitude is 1
+        amax = _tile_percentile(x, tile, value) if kind == "percentile" else tile_reduce(x, tile, "absmax") * value
+        return log2grid.scale_from_absmax(amax), None
     if kind == "mse":
         return _mse_scale(x, tile, spec.bits, spec.symmetric)
     if kind == "percentile":
@@ -388,7 +412,7 @@ def quantize(
     expected = scale_shape(x.shape, tile)
     if tuple(scale.shape) != expected:
         raise ValueError(f"scale has shape {tuple(scale.shape)}; expected {expected} for {spec.describe()} on {x.shape}")
-    q = quantize_values(x, scale, zero_point, spec.bits, tile)
+    q = quantize_values(x, scale, zero_point, spec.bits, tile, spec.grid)
     if pack_axis is None:
         pack_axis = (spec.axis if spec.axis is not None else spec.default_axis) if spec.granularity == "group" else 0
     pack_axis = pack_axis % max(x.ndim, 1)
@@ -407,6 +431,7 @@ def quantize(
         dtype=jnp.dtype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else jnp.dtype(jnp.float32),
         pack_axis=pack_axis,
         act_spec=act_spec,
+        grid=spec.grid,
     )
 
 
@@ -418,17 +443,19 @@ def quantize_dequantize(x: jax.Array, spec: Spec) -> jax.Array:
     """Real quantize followed by dequantize (no packing round trip needed)."""
     tile = tile_for(spec, x.shape)
     scale, zp = compute_scale(x, spec, tile)
-    q = quantize_values(x, scale, zp, spec.bits, tile)
-    return _dequant_values(q, scale, zp, x.shape, tile).astype(x.dtype)
+    q = quantize_values(x, scale, zp, spec.bits, tile, spec.grid)
+    return _dequant_values(q, scale, zp, x.shape, tile, spec.grid, spec.bits).astype(x.dtype)
 
 
 # --------------------------------------------------------------------------- fake quant (STE)
 
 
-def _clip_bounds(scale, zero_point, bits, shape, tile):
+def _clip_bounds(scale, zero_point, bits, shape, tile, grid="uniform"):
     """Float range [lo, hi] that the grid covers, broadcast to ``shape``."""
     qmin, qmax = int_range(bits)
     s = expand_to(scale, shape, tile)
+    if grid == "log2":  # magnitudes up to 1 x scale
+        return -s, s
     if zero_point is None:
         return -qmax * s, qmax * s
     zp = expand_to(zero_point, shape, tile)
@@ -465,7 +492,7 @@ def _fake_quant(x, spec):
     tile = tile_for(spec, x.shape)
     xs = jax.lax.stop_gradient(x)
     scale, zp = compute_scale(xs, spec, tile)
-    q = quantize_values(xs, scale, zp, spec.bits, tile)
-    y = _dequant_values(q, scale, zp, x.shape, tile).astype(x.dtype)
-    lo, hi = _clip_bounds(scale, zp, spec.bits, x.shape, tile)
+    q = quantize_values(xs, scale, zp, spec.bits, tile, spec.grid)
+    y = _dequant_values(q, scale, zp, x.shape, tile, spec.grid, spec.bits).astype(x.dtype)
+    lo, hi = _clip_bounds(scale, zp, spec.bits, x.shape, tile, spec.grid)
     return _ste(x, jax.lax.stop_gradient(lo), jax.lax.stop_gradient(hi), y)

@@ -25,6 +25,7 @@ YAML form (``configs/*.yaml``)::
         weight: {bits: 4, granularity: group, group_size: 128}
         act: {bits: 8, granularity: token}   # optional: W8A8, dynamic per token
         act_static: false                     # true: per-tensor scale from calibration
+        act_ema: 0.9                          # or: per-tensor scale tracked online (llmeq_jax/online.py)
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class Rule:
     act: Spec | None = None
     act_static: bool = False
     skip: bool = False
+    act_ema: float | None = None  # online per-tensor activation scale: EMA decay in [0, 1) (llmeq_jax/online.py)
 
     def __post_init__(self):
         try:
@@ -85,8 +87,21 @@ class Rule:
                 raise RecipeError(f"rule {self.pattern!r}: activations are quantized to symmetric int8 only")
             if self.weight is not None and self.weight.bits > 8:
                 raise RecipeError(f"rule {self.pattern!r}: W8A8 needs weights of at most 8 bits")
+            if self.weight is not None and self.weight.grid != "uniform":
+                raise RecipeError(f"rule {self.pattern!r}: integer W8A8 needs a uniform weight grid, got "
+                                  f"grid={self.weight.grid!r} (log2 weights run weight-only)")
         if self.act_static and (self.act is None or self.act.granularity != "tensor"):
             raise RecipeError(f"rule {self.pattern!r}: act_static needs act granularity 'tensor'")
+        if self.act_ema is not None:
+            if self.act is None or self.act.granularity != "tensor" or self.act_static:
+                raise RecipeError(f"rule {self.pattern!r}: act_ema (online scales) needs act granularity 'tensor' "
+                                  "and no act_static (a scale is either calibrated or tracked)")
+            from llmeq_jax.core.ema import check_alpha
+
+            try:
+                check_alpha(self.act_ema)
+            except ValueError as e:
+                raise RecipeError(f"rule {self.pattern!r}: act_{e}") from None
 
     def matches(self, path: str) -> bool:
         return re.fullmatch(self.pattern, path) is not None
@@ -277,7 +292,7 @@ def quantize_params(params: Any, recipe: Recipe, stats: dict | None = None, prog
 
 # --------------------------------------------------------------------------- YAML
 
-_RULE_KEYS = {"pattern", "weight", "act", "act_static", "skip"}
+_RULE_KEYS = {"pattern", "weight", "act", "act_static", "skip", "act_ema"}
 _RECIPE_KEYS = {"name", "method", "method_args", "rules", "kv"}
 _SPEC_KEYS = {f.name for f in dataclasses.fields(Spec)}
 
@@ -311,6 +326,8 @@ def _rule_to_dict(rule: Rule) -> dict:
         out["act"] = _spec_to_dict(rule.act)
     if rule.act_static:
         out["act_static"] = True
+    if rule.act_ema is not None:
+        out["act_ema"] = rule.act_ema
     return out
 
 
@@ -349,6 +366,7 @@ def recipe_from_dict(data: Any, source: str = "recipe") -> Recipe:
                     act=None if r.get("act") is None else _spec_from_dict(r["act"], where + ".act"),
                     act_static=bool(r.get("act_static", False)),
                     skip=bool(r.get("skip", False)),
+                    act_ema=r.get("act_ema"),
                 )
             )
         except RecipeError as e:

@@ -75,6 +75,9 @@ def kernel_grid(path: str, w: QArray) -> KernelGrid:
     """The (out, in) view of an ``(in, out)`` QArray kernel; an ExportError when no format could read it."""
     if w.ndim != 2:
         raise ExportError(f"{path}: expected an (in, out) kernel, got shape {w.shape}")
+    if w.grid != "uniform":
+        raise ExportError(f"{path}: {w.grid} grid codes have no encoding in the exported formats; "
+                          "expected a uniform integer grid")
     k, n = w.shape
     t_in, t_out = w.tile
     if t_out not in (1, n):

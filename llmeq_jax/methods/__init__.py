@@ -121,6 +121,10 @@ def quantize_model(config, params: dict, recipe: Recipe, windows: np.ndarray | N
         info["seconds"] = time.perf_counter() - t0
         return out, info
 
+    log2 = [r.pattern for r in recipe.rules if r.weight is not None and r.weight.grid != "uniform"]
+    if log2:  # their solvers round to uniform integer grids (GPTQ error feedback, AWQ/SmoothQuant searches)
+        raise RecipeError(f"recipe {recipe.name!r}: method {recipe.method!r} works on uniform grids, but rules "
+                          f"{log2} ask for another grid; use method rtn for log2 grids")
     mod = _module(recipe.method)
     cfg = mod.parse_args(dict(recipe.method_args))
     chosen = _check_recipe(params, recipe)

@@ -1,0 +1,302 @@
+"""Per-layer bit-width allocation under a byte budget -> a recipe with one exact rule per linear.
+
+Three steps, each a small pure function:
+
+1. **Cost** of every candidate width per linear: the bytes its QArray really
+   stores (packed values + float32 scales + zero points), from ``jax.eval_shape``
+   of :func:`~llmeq_jax.core.quantize.quantize` -- so 3-bit values, which live
+   in 4-bit slots, cost what 4-bit ones cost, and the allocator sees it.
+2. **Sensitivity** ``D[l][b]``: the calibration-loss increase when linear ``l``
+   alone is quantized at ``b`` bits (:mod:`llmeq_jax.methods.sensitivity`):
+   ``measured`` (real forward passes) or ``proxy`` (Hessian diagonal x weight
+   quantization noise).
+3. **Allocation** under the budget, two solvers:
+
+   ``lagrange``  the high-rate rule: with ``D_l(b) ~ a_l * s_l^2 * 2^(-2b)`` per weight,
+                 minimising ``sum D + lambda * bits`` gives ``b* = 1/2 log2(a_l s_l^2 / lambda)``
+                 (reverse water-filling; e.g. Gersho & Gray, *Vector Quantization and
+                 Signal Compression*, ch. 8). Each ``b*`` is rounded to the nearest
+                 candidate; ``lambda`` is bisected (in log space) to the largest total
+                 that fits the budget.
+   ``greedy``    a multiple-choice knapsack by marginal gains: start every linear at its
+                 cheapest width, repeatedly take the upgrade with the largest loss
+                 decrease per extra byte that still fits, stop when none fits.
+
+The budget is the bytes of the allocated linears (the decoder blocks' kernels);
+``--budget-bits B`` means ``B * weights / 8`` bytes, so 4.25 is the size of
+uniform int4 with groups of 128 and float32 scales.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from llmeq_jax.core.qarray import SUPPORTED_BITS
+from llmeq_jax.core.quantize import Spec, quantize
+from llmeq_jax.core.rules import Recipe, RecipeError, Rule, is_quantizable, path_str
+
+SOLVERS = ("greedy", "lagrange")
+
+
+class AllocationError(ValueError):
+    """A budget or candidate set that cannot give an allocation, with the reason."""
+
+
+# --------------------------------------------------------------------------- layers and costs
+
+
+def block_kernels(params: Any) -> dict[str, tuple[int, ...]]:
+    """``{path: shape}`` of the linear kernels inside decoder blocks (``layers_<i>/.../kernel``), in tree order."""
+    out = {}
+    for key_path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        path = path_str(key_path)
+        if path.startswith("layers_") and is_quantizable(path, leaf):
+            out[path] = tuple(int(s) for s in leaf.shape)
+    if not out:
+        raise AllocationError("the model has no linear kernels inside decoder blocks (layers_<i>/.../kernel)")
+    return out
+
+
+def candidate_spec(bits: int, group_size: int | None) -> Spec:
+    """The spec a candidate width stands for: symmetric RTN grid, groups along the input dim (or per channel)."""
+    if group_size is None:
+        return Spec(bits, "channel")
+    return Spec(bits, "group", group_size=group_size)
+
+
+def spec_bytes(shape: tuple[int, ...], spec: Spec) -> int:
+    """Bytes a QArray of ``shape`` under ``spec`` stores (values, scales, zero points), computed without data."""
+    q = jax.eval_shape(lambda w: quantize(w, spec), jax.ShapeDtypeStruct(shape, jnp.float32))
+    return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in jax.tree_util.tree_leaves(q))
+
+
+def cost_table(shapes: dict[str, tuple[int, ...]], candidates: Sequence[int],
+               group_size: int | None) -> dict[str, dict[int, int]]:
+    """``{path: {bits: bytes}}`` (shapes repeat across blocks: computed once per distinct shape)."""
+    memo: dict[tuple, int] = {}
+    out = {}
+    for path, shape in shapes.items():
+        row = {}
+        for b in candidates:
+            key = (shape, b)
+            if key not in memo:
+                memo[key] = spec_bytes(shape, candidate_spec(b, group_size))
+            row[b] = memo[key]
+        out[path] = row
+    return out
+
+
+def parse_candidates(text: str | Sequence[int]) -> tuple[int, ...]:
+    """``"2,3,4,8"`` -> (2, 3, 4, 8); each a supported width, at least two, no repeats."""
+    try:
+        bits = tuple(int(t) for t in (text.split(",") if isinstance(text, str) else text))
+    except ValueError:
+        raise AllocationError(f"--candidates {text!r} is not a comma-separated list of integers (e.g. 2,3,4,8)") \
+            from None
+    bad = [b for b in bits if b not in SUPPORTED_BITS]
+    if bad or len(bits) < 2 or len(set(bits)) != len(bits):
+        raise AllocationError(f"--candidates {text!r}: expected at least two distinct widths from "
+                              f"{list(SUPPORTED_BITS)}")
+    return tuple(sorted(bits))
+
+
+def budget_bytes(shapes: dict[str, tuple[int, ...]], budget_bits: float | None, budget_mb: float | None) -> int:
+    """The byte budget of the allocated linears from exactly one of ``budget_bits`` / ``budget_mb``."""
+    if (budget_bits is None) == (budget_mb is None):
+        raise AllocationError("give exactly one of --budget-bits (average bits per weight, scales included) "
+                              "or --budget-mb (megabytes, 1e6 bytes, of the allocated linears)")
+    if budget_bits is not None:
+        if not (math.isfinite(budget_bits) and budget_bits > 0):
+            raise AllocationError(f"--budget-bits {budget_bits!r}: expected a finite number > 0")
+        return int(math.floor(budget_bits * sum(math.prod(s) for s in shapes.values()) / 8))
+    if not (math.isfinite(budget_mb) and budget_mb > 0):
+        raise AllocationError(f"--budget-mb {budget_mb!r}: expected a finite number > 0")
+    return int(math.floor(budget_mb * 1e6))
+
+
+# --------------------------------------------------------------------------- solvers
+
+
+def _frontier(cost: dict[int, int], dist: dict[int, float]) -> list[int]:
+    """Candidates not dominated by another (as cheap or cheaper and no worse), cheapest first."""
+    order = sorted(cost, key=lambda b: (cost[b], dist[b], -b))
+    keep: list[int] = []
+    for b in order:
+        if not keep or dist[b] < dist[keep[-1]]:
+            if keep and cost[b] == cost[keep[-1]]:
+                keep[-1] = b
+            else:
+                keep.append(b)
+    return keep
+
+
+def _check_floor(cost, budget):
+    floor = sum(min(c.values()) for c in cost.values())
+    if floor > budget:
+        raise AllocationError(f"budget of {budget} bytes is below the smallest allocation ({floor} bytes, every "
+                              "linear at its cheapest candidate); raise the budget or add a narrower candidate")
+
+
+def greedy(cost: dict[str, dict[int, int]], dist: dict[str, dict[int, float]], budget: int) -> dict[str, int]:
+    """Marginal-gain knapsack: upgrades by largest loss decrease per extra byte, while they fit."""
+    _check_floor(cost, budget)
+    front = {p: _frontier(cost[p], dist[p]) for p in cost}
+    choice = {p: f[0] for p, f in front.items()}
+    used = sum(cost[p][b] for p, b in choice.items())
+    while True:
+        best, best_gain = None, -math.inf
+        for p, f in front.items():
+            cur = choice[p]
+            for b in f[f.index(cur) + 1:]:  # any wider width, not only the next: skips a concave step
+                extra = cost[p][b] - cost[p][cur]
+                if used + extra > budget:
+                    continue
+                gain = (dist[p][cur] - dist[p][b]) / extra
+                if gain > best_gain:
+                    best, best_gain = (p, b), gain
+        if best is None:
+            return choice
+        p, b = best
+        used += cost[p][b] - cost[p][choice[p]]
+        choice[p] = b
+
+
+def lagrange(cost: dict[str, dict[int, int]], coef: dict[str, float], budget: int,
+             iterations: int = 200) -> tuple[dict[str, int], float]:
+    """``b* = 1/2 log2(coef / lambda)`` rounded to the nearest candidate; lambda bisected to fit the budget.
+
+    ``coef[l]`` is ``a_l * s_l^2`` per weight (sensitivity x noise scale). Returns the
+    allocation with the most bytes within the budget and its lambda.
+    """
+    _check_floor(cost, budget)
+
+    def assign(log_lam: float) -> dict[str, int]:
+        out = {}
+        for p, c in cost.items():
+            target = 0.5 * (math.log2(max(coef[p], 1e-300)) - log_lam)
+            # a width that stores no fewer bytes than a wider one (3-bit in 4-bit slots) is never worth it
+            cands = [x for x in sorted(c) if not any(y > x and c[y] <= c[x] for y in c)]
+            # nearest candidate; ties to the narrower one (cheaper), then cheapest among equal bytes
+            b = min(cands, key=lambda x: (abs(x - target), x))
+            out[p] = b
+        return out
+
+    def total(a):
+        return sum(cost[p][b] for p, b in a.items())
+
+    lo, hi = -400.0, 400.0  # log2(lambda): lo -> widest everywhere, hi -> narrowest
+    best = assign(hi)
+    if total(best) > budget:  # rounding can land above the floor: take the cheapest candidates
+        best = {p: min(c, key=lambda b: (c[b], b)) for p, c in cost.items()}
+        return best, math.inf
+    if total(assign(lo)) <= budget:
+        return assign(lo), 2.0 ** lo
+    for _ in range(iterations):
+        mid = 0.5 * (lo + hi)
+        a = assign(mid)
+        if total(a) <= budget:
+            hi, best = mid, a
+        else:
+            lo = mid
+    return best, 2.0 ** hi
+
+
+# --------------------------------------------------------------------------- recipe
+
+
+def allocation_recipe(choice: dict[str, int], method: str, group_size: int | None, name: str,
+                      method_args: dict | None = None, base_rules: Sequence[Rule] | None = None) -> Recipe:
+    """A recipe with one exact rule per allocated linear (``re.escape``d path), after ``base_rules``.
+
+    The default base rules are the ready recipes' (the embedding table int8 per row, no
+    untied lm_head quantization).
+    """
+    if base_rules is None:
+        base_rules = (Rule("embed/embedding", weight=Spec(8, "channel")), Rule(".*lm_head.*", skip=True))
+    rules = list(base_rules)
+    for path, bits in choice.items():
+        rules.append(Rule(re.escape(path), weight=candidate_spec(bits, group_size)))
+    return Recipe(rules=tuple(rules), method=method, method_args=dict(method_args or {}), name=name)
+
+
+def summary(choice: dict[str, int], cost: dict[str, dict[int, int]], shapes: dict[str, tuple[int, ...]]) -> dict:
+    """Bytes, average stored bits per weight and the histogram of widths of an allocation."""
+    used = sum(cost[p][b] for p, b in choice.items())
+    weights = sum(math.prod(shapes[p]) for p in choice)
+    hist: dict[int, int] = {}
+    for b in choice.values():
+        hist[b] = hist.get(b, 0) + 1
+    return {"bytes": used, "avg_bits": 8 * used / weights, "widths": dict(sorted(hist.items())),
+            "weights": weights}
+
+
+def recipe_yaml(recipe: Recipe, header: Sequence[str]) -> str:
+    """The recipe as YAML (``core.rules`` schema) with ``#`` comment lines on top."""
+    import yaml
+
+    lines = "".join(f"# {h}\n" for h in header)
+    return lines + yaml.safe_dump(recipe.to_dict(), sort_keys=False, width=120)
+
+
+# --------------------------------------------------------------------------- driver
+
+SENSITIVITIES = ("measured", "proxy")
+
+
+def allocate(config, params: dict, windows: np.ndarray, *, candidates: Sequence[int], budget_bits: float | None = None,
+             budget_mb: float | None = None, group_size: int | None = 128, solver: str = "greedy",
+             sensitivity: str = "measured", method: str = "rtn", name: str = "allocated",
+             progress: bool = False) -> tuple[Recipe, dict]:
+    """Sensitivities on ``windows`` -> allocation under the budget -> (recipe, info).
+
+    ``info`` holds the budget, the bytes used, the average stored bits, the width histogram,
+    the per-layer choice and sensitivity table, and the seconds each step took.
+    """
+    import time
+
+    from llmeq_jax.methods import sensitivity as sens
+
+    if solver not in SOLVERS:
+        raise AllocationError(f"--solver {solver!r} is not one of {list(SOLVERS)}")
+    if sensitivity not in SENSITIVITIES:
+        raise AllocationError(f"--sensitivity {sensitivity!r} is not one of {list(SENSITIVITIES)}")
+    candidates = parse_candidates(candidates)
+    shapes = block_kernels(params)
+    budget = budget_bytes(shapes, budget_bits, budget_mb)
+    cost = cost_table(shapes, candidates, group_size)
+    _check_floor(cost, budget)
+    spec_for = functools.partial(candidate_spec, group_size=group_size)
+    t0 = time.perf_counter()
+    diags = sens.hessian_diagonals(config, params, windows, progress=progress)
+    table = sens.proxy_table(params, diags, list(shapes), candidates, spec_for)
+    t_proxy = time.perf_counter() - t0
+    t_measured = 0.0
+    if sensitivity == "measured":
+        t0 = time.perf_counter()
+        deltas = sens.measured_deltas(config, params, windows, list(shapes), spec_for(candidates[0]),
+                                      progress=progress)
+        table = sens.measured_table(deltas, table, candidates[0])
+        t_measured = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    if solver == "greedy":
+        choice, lam = greedy(cost, table, budget), None
+    else:
+        weights = {p: math.prod(s) for p, s in shapes.items()}
+        choice, lam = lagrange(cost, sens.lagrange_coefficients(table, weights), budget)
+    recipe = allocation_recipe(choice, method, group_size, name)
+    info = {"budget_bytes": budget, **summary(choice, cost, shapes), "solver": solver, "sensitivity": sensitivity,
+            "candidates": list(candidates), "group_size": group_size, "lambda": lam,
+            "calib_windows": list(windows.shape), "proxy_s": t_proxy, "measured_s": t_measured,
+            "solve_s": time.perf_counter() - t0, "choice": choice, "table": table}
+    return recipe, info
+
+
+__all__ = ["AllocationError", "allocate", "SOLVERS", "allocation_recipe", "block_kernels", "budget_bytes", "candidate_spec",
+           "cost_table", "greedy", "lagrange", "parse_candidates", "recipe_yaml", "spec_bytes", "summary"]

@@ -1,0 +1,174 @@
+"""How much each linear layer's quantization costs: the tables the bit allocator solves over.
+
+Two estimates of ``D[l][b]``, the calibration-loss increase when linear ``l`` alone
+is quantized (symmetric RTN) at ``b`` bits:
+
+``proxy``     ``E[l][b] = sum_jn H_jj (Q_b(W) - W)_jn^2`` with ``H = X^T X`` of the layer's
+              calibration inputs: the Hessian diagonal of the layer's output error times
+              the measured weight-quantization noise (HAWQ-style trace x noise; the
+              Hessian's diagonal is what an OBS/GPTQ-style second-order model weighs
+              each input row with). One calibration pass; relative units.
+``measured``  the real loss change: the float model's hidden state entering block ``i``
+              is computed once, then for each linear of that block the block is rerun
+              with only that kernel quantized and the *rest of the model from there on*
+              (one compiled tail loop over stacked block weights, so one compile serves
+              every start block). Measured at one width ``b0`` (the narrowest candidate,
+              where the signal stands far above noise) and carried to the other widths by
+              the proxy's ratio ``E[l][b] / E[l][b0]`` -- the second-order model says the
+              loss change scales with the weighted noise energy.
+
+Both return ``{path: {bits: D}}``; the solvers in :mod:`llmeq_jax.methods.allocate` only
+compare these numbers, so their unit does not matter.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from llmeq_jax.core.quantize import quantize_dequantize
+
+
+def _get(tree, path):
+    for k in path.split("/"):
+        tree = tree[k]
+    return tree
+
+
+def _set(tree, path, value):
+    head, _, rest = path.partition("/")
+    out = dict(tree)
+    out[head] = value if not rest else _set(tree[head], rest, value)
+    return out
+
+
+# --------------------------------------------------------------------------- proxy
+
+
+def hessian_diagonals(config, params: dict, windows: np.ndarray, progress: bool = False) -> dict[str, jax.Array]:
+    """``{kernel path: diag(X^T X)}`` of every linear input in the decoder blocks (float model).
+
+    Taken block by block inside calibration, so the full ``[in, in]`` Hessians never pile up.
+    """
+    from llmeq_jax.calibrate import calibrate
+
+    diags: dict[str, jax.Array] = {}
+
+    def keep_diag(layer, block, block_stats, inputs):
+        for rel, s in block_stats.items():
+            diags[f"layers_{layer}/{rel}"] = jnp.diagonal(s["hessian"])
+        return block
+
+    calibrate(config, params, windows, wants=("hessian",), process_block=keep_diag, keep=(), progress=progress,
+              sequential=False)
+    return diags
+
+
+@functools.partial(jax.jit, static_argnames=("spec",))
+def weighted_error(w: jax.Array, h_diag: jax.Array, *, spec) -> jax.Array:
+    """``sum_jn h_j (Q(W) - W)_jn^2`` for an ``(in, out)`` kernel."""
+    d = quantize_dequantize(w, spec) - w
+    return jnp.sum(h_diag[:, None] * d * d)
+
+
+def proxy_table(params: dict, diags: dict[str, jax.Array], paths: Sequence[str], candidates: Sequence[int],
+                spec_for: Callable[[int], Any]) -> dict[str, dict[int, float]]:
+    """``E[l][b]`` for every path and candidate width."""
+    return {p: {b: float(weighted_error(_get(params, p), diags[p], spec=spec_for(b))) for b in candidates}
+            for p in paths}
+
+
+# --------------------------------------------------------------------------- measured
+
+
+def _stack_blocks(params: dict, n: int) -> Any:
+    return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *[params[f"layers_{i}"] for i in range(n)])
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _block_inputs(config, params, tokens):
+    """Hidden states entering every block of the float model, ``[L + 1, B, T, d]`` (last: the final output)."""
+    from llmeq_jax.models.model import apply_block, embed
+
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    h = embed(config, params, tokens, positions)
+    out = [h]
+    for i in range(config.num_layers):
+        h = apply_block(config, params[f"layers_{i}"], h, positions, layer=i)
+        out.append(h)
+    return jnp.stack(out)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _tail_nll(config, params, stacked, first_block, h, tokens, start):
+    """Mean next-token NLL when ``first_block`` replaces block ``start`` and blocks after it run as stored."""
+    from llmeq_jax.evaluate import token_nll
+    from llmeq_jax.models.model import apply_block, head
+
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    h = apply_block(config, first_block, h, positions, layer=0)
+
+    def body(i, h):
+        bp = jax.tree_util.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), stacked)
+        return apply_block(config, bp, h, positions, layer=0)
+
+    h = jax.lax.fori_loop(start + 1, config.num_layers, body, h)
+    return jnp.mean(token_nll(head(config, params, h), tokens))
+
+
+def measured_deltas(config, params: dict, windows: np.ndarray, paths: Sequence[str], spec, *,
+                    progress: bool = False) -> dict[str, float]:
+    """``{path: loss(only path quantized under spec) - loss(float)}`` on the calibration windows."""
+    if config.sliding_window is not None:
+        raise ValueError("measured sensitivities run every block through one compiled loop, which assumes "
+                         "identical layers; this model has sliding-window layers: use --sensitivity proxy")
+    tokens = jnp.asarray(windows)
+    hs = _block_inputs(config, params, tokens)
+    stacked = _stack_blocks(params, config.num_layers)
+    base = float(_tail_nll(config, params, stacked, params["layers_0"], hs[0], tokens, 0))
+    items = list(paths)
+    if progress:
+        from tqdm import tqdm
+
+        items = tqdm(items, desc="sensitivity", unit="linear", leave=False)
+    out = {}
+    for p in items:
+        layer, _, rel = p.partition("/")
+        i = int(layer.split("_")[1])
+        block = params[layer]
+        block_q = _set(block, rel, quantize_dequantize(_get(block, rel), spec))
+        out[p] = float(_tail_nll(config, params, stacked, block_q, hs[i], tokens, i)) - base
+    return out
+
+
+def measured_table(deltas: dict[str, float], proxy: dict[str, dict[int, float]], b0: int) -> dict[str, dict[int, float]]:
+    """Measured changes at ``b0`` carried to every width by the proxy's ratio; non-positive ones floored.
+
+    A measured change at or below zero is noise (or a lucky rounding): it is floored at
+    1e-6 of the largest change, so the layer still ranks by its proxy shape.
+    """
+    floor = 1e-6 * max(max(deltas.values()), 1e-12)
+    out = {}
+    for p, d in deltas.items():
+        d0 = max(d, floor)
+        e0 = proxy[p][b0]
+        out[p] = {b: d0 * (e / e0 if e0 > 0 else 1.0) for b, e in proxy[p].items()}
+    return out
+
+
+def lagrange_coefficients(table: dict[str, dict[int, float]], weights: dict[str, int]) -> dict[str, float]:
+    """Per-weight ``a * s^2`` of the model ``D(b) = n * a * s^2 * 2^(-2b)``: geometric mean of ``D(b) 4^b / n``."""
+    out = {}
+    for p, row in table.items():
+        logs = [math.log(d) + 2 * b * math.log(2) - math.log(weights[p]) for b, d in row.items() if d > 0]
+        out[p] = math.exp(sum(logs) / len(logs)) if logs else 1e-300
+    return out
+
+
+__all__ = ["hessian_diagonals", "lagrange_coefficients", "measured_deltas", "measured_table", "proxy_table",
+           "weighted_error"]

@@ -1,0 +1,152 @@
+"""Perplexity vs average stored bits: allocated (llmeq allocate) vs uniform RTN recipes -> table + PNG.
+
+    python scripts/bench_allocate.py smollm2-135m --budgets 2.5,3,4.25,6 --lagrange-budgets 3,4.25 \
+        --uniform 2,4,8 --windows 16 --out runs/allocate
+
+The sensitivity table is computed once (it does not depend on the budget), then each
+budget is solved and its recipe quantized (RTN) and evaluated under DESIGN §6's protocol
+(wikitext2_test.txt, windows of 512, the first --windows; calibration on
+wikitext2_valid.txt). Results are appended to ``results.json`` as they come, so an
+interrupted run keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+import jax
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from llmeq_jax import calibrate, evaluate  # noqa: E402
+from llmeq_jax.cli import CALIB_TEXT, EVAL_TEXT, find_data_file  # noqa: E402
+from llmeq_jax.methods import allocate as A  # noqa: E402
+from llmeq_jax.methods import quantize_model  # noqa: E402
+from llmeq_jax.methods import sensitivity as S  # noqa: E402
+from llmeq_jax.models import forward, load_model  # noqa: E402
+
+
+def ppl(config, params, wins) -> float:
+    return evaluate.perplexity(lambda p, t: forward(config, p, t), wins, batch_size=4, params=params)["ppl"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model", nargs="?", default="smollm2-135m")
+    ap.add_argument("--budgets", default="2.5,3,4.25,6")
+    ap.add_argument("--uniform", default="2,4,8")
+    ap.add_argument("--candidates", default="2,3,4,8")
+    ap.add_argument("--group-size", type=int, default=128)
+    ap.add_argument("--sensitivity", default="measured", choices=["measured", "proxy"])
+    ap.add_argument("--lagrange-budgets", default="3,4.25", help="budgets also solved by the Lagrangian rule")
+    ap.add_argument("--calib-samples", type=int, default=4)
+    ap.add_argument("--calib-seq-len", type=int, default=256)
+    ap.add_argument("--windows", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--out", default="runs/allocate")
+    ap.add_argument("--float-ppl", type=float, help="the float model's perplexity under the same protocol, if "
+                                                    "already measured (skips that evaluation)")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    config, params, tok = load_model(args.model)
+    cal = calibrate.calibration_windows(tok, find_data_file(None, CALIB_TEXT, "calibration"), args.calib_samples,
+                                        args.calib_seq_len)
+    ids = evaluate.tokenize_text(tok, find_data_file(None, EVAL_TEXT, "evaluation").read_text())
+    wins = evaluate.make_windows(ids, args.seq_len, args.windows)
+    cands = A.parse_candidates(args.candidates)
+    group = args.group_size or None
+    shapes = A.block_kernels(params)
+    cost = A.cost_table(shapes, cands, group)
+    weights = {p: math.prod(s) for p, s in shapes.items()}
+
+    t0 = time.perf_counter()
+    diags = S.hessian_diagonals(config, params, cal, progress=True)
+    table = S.proxy_table(params, diags, list(shapes), cands, lambda b: A.candidate_spec(b, group))
+    t_proxy = time.perf_counter() - t0
+    t_meas = 0.0
+    if args.sensitivity == "measured":
+        t0 = time.perf_counter()
+        deltas = S.measured_deltas(config, params, cal, list(shapes), A.candidate_spec(cands[0], group),
+                                   progress=True)
+        table = S.measured_table(deltas, table, cands[0])
+        t_meas = time.perf_counter() - t0
+    results = {"model": args.model, "device": f"{jax.devices()[0].device_kind} ({platform.processor() or 'cpu'})",
+               "protocol": evaluate.PROTOCOL, "windows": args.windows, "seq_len": args.seq_len,
+               "calibration": f"{args.calib_samples} x {args.calib_seq_len} tokens of {CALIB_TEXT}",
+               "sensitivity": args.sensitivity, "proxy_s": t_proxy, "measured_s": t_meas, "rows": []}
+    print(f"sensitivity: proxy {t_proxy:.0f} s, measured {t_meas:.0f} s", flush=True)
+
+    def record(row):
+        results["rows"].append(row)
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+        print(json.dumps(row), flush=True)
+
+    record({"kind": "float", "avg_bits": 32.0, "ppl": args.float_ppl or ppl(config, params, wins)})
+    recipes = []
+    for b in [int(x) for x in args.uniform.split(",") if x]:
+        choice = {p: b for p in shapes}
+        recipes.append(("uniform", f"rtn-w{b}-g{args.group_size}", choice))
+    for solver, budgets in (("greedy", args.budgets), ("lagrange", args.lagrange_budgets)):
+        for budget in [float(x) for x in budgets.split(",") if x]:
+            budget_b = A.budget_bytes(shapes, budget, None)
+            if solver == "greedy":
+                choice = A.greedy(cost, table, budget_b)
+            else:
+                choice = A.lagrange(cost, S.lagrange_coefficients(table, weights), budget_b)[0]
+            recipes.append((f"allocated-{solver}", f"alloc-{solver}-{budget:g}", choice))
+    for kind, name, choice in recipes:
+        recipe = A.allocation_recipe(choice, "rtn", group, name)
+        qp, _ = quantize_model(config, params, recipe, None)
+        s = A.summary(choice, cost, shapes)
+        record({"kind": kind, "name": name, "avg_bits": s["avg_bits"], "widths": s["widths"],
+                "ppl": ppl(config, qp, wins)})
+    plot(results, out / "ppl_vs_bits.png")
+    (out / "table.md").write_text(table_md(results))
+    print(table_md(results))
+
+
+def table_md(results: dict) -> str:
+    base = next(r["ppl"] for r in results["rows"] if r["kind"] == "float")
+    lines = ["| recipe | stored bits/weight | widths (count of linears) | ppl | vs float |", "|---|---:|---|---:|---:|"]
+    for r in results["rows"]:
+        if r["kind"] == "float":
+            continue
+        lines.append(f"| {r['name']} | {r['avg_bits']:.3f} | {r['widths']} | {r['ppl']:.3f} | "
+                     f"{100 * (r['ppl'] / base - 1):+.1f} % |")
+    lines.append(f"| float (dequantized Q4_1 baseline) | 32 | | {base:.3f} | |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    base = next(r["ppl"] for r in results["rows"] if r["kind"] == "float")
+    kinds = sorted({r["kind"] for r in results["rows"] if r["kind"] != "float"})
+    for kind in kinds:
+        rows = sorted((r for r in results["rows"] if r["kind"] == kind), key=lambda r: r["avg_bits"])
+        ax.plot([r["avg_bits"] for r in rows], [r["ppl"] for r in rows], "o-", label=kind)
+    ax.axhline(base, color="gray", ls="--", label="float")
+    ax.set_yscale("log")
+    ax.set_xlabel("stored bits per block-linear weight (scales counted)")
+    ax.set_ylabel(f"perplexity ({results['windows']} x {results['seq_len']} tokens, wikitext2 test)")
+    ax.set_title(f"{results['model']}: allocated vs uniform RTN")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

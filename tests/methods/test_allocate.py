@@ -1,0 +1,160 @@
+"""Bit allocation: byte costs, both solvers on constructed cases, measured sensitivities, CLI -> quantize round trip."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from llmeq_jax.core.quantize import Spec, quantize, quantize_dequantize
+from llmeq_jax.core.rules import load_recipe
+from llmeq_jax.methods import allocate as A
+from llmeq_jax.methods import sensitivity as S
+from tests.shared_data import shared_data_path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_costs_are_the_bytes_a_qarray_stores():
+    w = jnp.zeros((300, 64))
+    for b in (2, 3, 4, 8):
+        spec = A.candidate_spec(b, 128)
+        assert A.spec_bytes((300, 64), spec) == quantize(w, spec).nbytes
+    # 4-bit: 150 packed rows x 64 + 3 groups x 64 float32 scales; 3-bit lives in 4-bit slots
+    assert A.spec_bytes((300, 64), A.candidate_spec(4, 128)) == 150 * 64 + 3 * 64 * 4
+    assert A.spec_bytes((300, 64), A.candidate_spec(3, 128)) == A.spec_bytes((300, 64), A.candidate_spec(4, 128))
+
+
+def _case():
+    shapes = {"layers_0/a/kernel": (256, 64), "layers_0/b/kernel": (256, 64), "layers_1/c/kernel": (256, 128)}
+    cost = A.cost_table(shapes, (2, 4, 8), 128)
+    # the high-rate model D = n * c * 4^-b, with layer a 1000x as sensitive
+    c = {"layers_0/a/kernel": 1000.0, "layers_0/b/kernel": 1.0, "layers_1/c/kernel": 1.0}
+    dist = {p: {b: math.prod(shapes[p]) * c[p] * 4.0 ** -b for b in (2, 4, 8)} for p in shapes}
+    return shapes, cost, dist, c
+
+
+def _used(choice, cost):
+    return sum(cost[p][b] for p, b in choice.items())
+
+
+def test_greedy_meets_the_budget_and_no_upgrade_fits():
+    shapes, cost, dist, _ = _case()
+    for budget_bits in (2.3, 3.0, 4.25, 5.0, 6.0, 8.25):
+        budget = A.budget_bytes(shapes, budget_bits, None)
+        choice = A.greedy(cost, dist, budget)
+        used = _used(choice, cost)
+        assert used <= budget
+        for p, b in choice.items():  # maximal: every wider width of any single layer would break the budget
+            assert all(used - cost[p][b] + cost[p][w] > budget for w in cost[p] if w > b)
+
+
+def test_both_solvers_give_the_sensitive_layer_more_bits():
+    shapes, cost, dist, c = _case()
+    budget = A.budget_bytes(shapes, 4.25, None)  # the size of uniform int4 g128
+    weights = {p: math.prod(s) for p, s in shapes.items()}
+    for choice in (A.greedy(cost, dist, budget), A.lagrange(cost, c, budget)[0]):
+        assert _used(choice, cost) <= budget
+        assert choice["layers_0/a/kernel"] == 8 and choice["layers_1/c/kernel"] < 4, choice
+    # equal sensitivities at exactly the int4 size: everything int4
+    equal = {p: 1.0 for p in shapes}
+    assert set(A.lagrange(cost, equal, _used({p: 4 for p in shapes}, cost))[0].values()) == {4}
+
+
+def test_lagrange_coefficients_recover_the_model():
+    shapes, _, dist, c = _case()
+    coef = S.lagrange_coefficients(dist, {p: math.prod(s) for p, s in shapes.items()})
+    for p in shapes:
+        assert np.isclose(coef[p], c[p])
+
+
+def test_lagrange_never_picks_a_width_that_costs_as_much_as_a_wider_one():
+    shapes = {"layers_0/a/kernel": (256, 64)}
+    cost = A.cost_table(shapes, (2, 3, 4), 128)
+    choice, _ = A.lagrange(cost, {"layers_0/a/kernel": 4.0 ** 3}, cost["layers_0/a/kernel"][4])
+    assert choice["layers_0/a/kernel"] == 4  # b* = 3 exactly, but 3-bit costs 4-bit's bytes
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(budget_bits=4.0, budget_mb=1.0), "exactly one of"),
+    (dict(budget_bits=None, budget_mb=None), "exactly one of"),
+    (dict(budget_bits=-1.0, budget_mb=None), "finite number > 0"),
+])
+def test_bad_budgets_are_named(kw, match):
+    with pytest.raises(A.AllocationError, match=match):
+        A.budget_bytes({"layers_0/a/kernel": (4, 4)}, **kw)
+
+
+@pytest.mark.parametrize("text", ["2,x", "4", "4,4", "1,4", "4,9"])
+def test_bad_candidates_are_named(text):
+    with pytest.raises(A.AllocationError, match="--candidates"):
+        A.parse_candidates(text)
+
+
+def test_budget_below_the_floor_is_an_error():
+    shapes, cost, dist, _ = _case()
+    with pytest.raises(A.AllocationError, match="below the smallest allocation"):
+        A.greedy(cost, dist, 100)
+
+
+@pytest.fixture(scope="module")
+def stories():
+    from llmeq_jax import evaluate
+    from llmeq_jax.models import load_model
+
+    config, params, tok = load_model(str(shared_data_path("stories260K.gguf")))
+    ids = evaluate.tokenize_text(tok, shared_data_path("wikitext2_valid.txt").read_text()[:40000])
+    return config, params, evaluate.make_windows(ids, 64, 4)
+
+
+def test_measured_delta_equals_a_full_forward_with_that_layer_quantized(stories):
+    from llmeq_jax.evaluate import token_nll
+    from llmeq_jax.models import forward
+
+    config, params, wins = stories
+    spec = Spec(2, "group", group_size=32)
+    paths = ["layers_0/attn/q_proj/kernel", "layers_3/mlp/down_proj/kernel"]
+    deltas = S.measured_deltas(config, params, wins, paths, spec)
+    toks = jnp.asarray(wins)
+    base = float(jnp.mean(token_nll(forward(config, params, toks), toks)))
+    for p in paths:
+        layer, _, rel = p.partition("/")
+        q = S._set(params, p, quantize_dequantize(S._get(params, p), spec))
+        direct = float(jnp.mean(token_nll(forward(config, q, toks), toks))) - base
+        assert np.isclose(deltas[p], direct, rtol=1e-3, atol=1e-5), (p, deltas[p], direct)
+        assert abs(direct) > 1e-3  # a real change (stories260K on wikitext can even gain from noise: no sign test)
+
+
+def test_cli_allocate_writes_a_recipe_that_quantize_runs(tmp_path):
+    model = str(shared_data_path("stories260K.gguf"))
+    out = tmp_path / "alloc.yaml"
+    run = lambda *a: subprocess.run([sys.executable, "-m", "llmeq_jax.cli", *a], capture_output=True,  # noqa: E731
+                                    text=True, cwd=REPO, timeout=900)
+    proc = run("allocate", model, "--budget-bits", "3.5", "--group-size", "32", "--sensitivity", "proxy",
+               "--calib-samples", "2", "--calib-seq-len", "64", "--out", str(out), "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert info["bytes"] <= info["budget_bytes"] and 2 <= info["avg_bits"] <= 3.5
+    recipe = load_recipe(out)
+    widths = {r.pattern.replace("\\", ""): r.weight.bits for r in recipe.rules[2:]}
+    assert len(widths) == 35 and set(widths.values()) <= {2, 3, 4, 8} and len(set(widths.values())) > 1
+    proc = run("quantize", model, "--recipe", str(out), "--out", str(tmp_path / "ckpt"), "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    from llmeq_jax import checkpoint
+
+    _, qp, _, _ = checkpoint.load_model_checkpoint(tmp_path / "ckpt")
+    stored = 0
+    for path, bits in widths.items():
+        node = qp
+        for k in path.split("/"):
+            node = node[k]
+        assert node.bits == bits
+        stored += node.nbytes
+    assert stored == info["bytes"]  # the allocator's byte count is what the checkpoint's QArrays hold
+    # the same file again without --overwrite: one clear error, nothing replaced
+    again = run("allocate", model, "--budget-bits", "3.5", "--out", str(out))
+    assert again.returncode == 2 and "already exists" in again.stderr
