@@ -33,6 +33,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from llmeq_jax.core.rope import apply_rope, rope_inv_freq
+from llmeq_jax.kv import grid as kvgrid
+from llmeq_jax.kv.spec import KeyRanges, KVQuantizer, KVSpec, KVSpecError
+from llmeq_jax.models.layers import Linear
+from llmeq_jax.models.model import apply_block, embed, forward_step, init_cache
+
 STATS = ("absmax", "min", "max", "abs_sum", "count", "hessian", "sample")
 # Rows of each linear input kept by the "sample" statistic: enough for a
 # per-layer error estimate, small enough that one block's samples stay small.
@@ -110,8 +116,6 @@ def combine(a: dict, b: dict) -> dict:
 
 
 def _is_linear(module: nn.Module) -> bool:
-    from llmeq_jax.models.layers import Linear
-
     return isinstance(module, Linear)
 
 
@@ -131,8 +135,6 @@ def run_block_capturing(
 
 @functools.partial(jax.jit, static_argnames=("config", "layer", "wants"))
 def _block_with_stats(config, block_params, hidden, positions, *, layer, wants):
-    from llmeq_jax.models.model import apply_block
-
     found: dict[str, dict] = {}
 
     def record(path, x):
@@ -144,14 +146,10 @@ def _block_with_stats(config, block_params, hidden, positions, *, layer, wants):
 
 @functools.partial(jax.jit, static_argnames=("config", "layer"))
 def _block(config, block_params, hidden, positions, *, layer):
-    from llmeq_jax.models.model import apply_block
-
     return apply_block(config, block_params, hidden, positions, layer=layer)
 
 
 def _block_inputs(config, params, windows: np.ndarray, batch_size: int) -> list[tuple[jax.Array, jax.Array]]:
-    from llmeq_jax.models.model import embed
-
     out = []
     for start in range(0, len(windows), batch_size):
         toks = jnp.asarray(windows[start : start + batch_size])
@@ -189,8 +187,7 @@ def calibrate(
     inputs = _block_inputs(config, params, windows, batch_size)
     layers = range(config.num_layers)
     if progress:
-        from tqdm import tqdm
-
+        
         layers = tqdm(layers, desc="calibrate", unit="block", leave=False)
     stats: dict[str, dict] = {}
     new_params = dict(params)
@@ -213,3 +210,50 @@ def calibrate(
             del outs
             inputs = [(_block(config, bp, h, pos, layer=i), pos) for h, pos in inputs]
     return stats, new_params
+
+
+# --------------------------------------------------------------------------- KV cache: static key ranges
+
+
+def collect_keys(config, params, windows: np.ndarray, *, pre_rope: bool, batch_size: int = 4) -> jax.Array:
+    """Keys of every layer for calibration token ``windows`` [N, S]: ``[layers, N, kv_heads, S, head_dim]``.
+
+    They are read from a float cache after a prefill (post-RoPE); pre-RoPE keys
+    are recovered by rotating back by each token's position.
+    """
+    windows = np.asarray(windows, np.int32)
+    n, s = windows.shape
+
+    @jax.jit
+    def keys_of(tokens):
+        cache = init_cache(config, tokens.shape[0], s)
+        _, cache = forward_step(config, params, tokens, jnp.ones(tokens.shape, jnp.int32), cache)
+        return cache.k
+
+    out = []
+    for start in range(0, n, batch_size):
+        k = keys_of(jnp.asarray(windows[start : start + batch_size]))
+        if pre_rope and config.family != "gpt2":
+            inv = jnp.asarray(rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling))
+            back = -jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (k.shape[1], s))
+            k = jax.vmap(lambda kl: apply_rope(kl, back, inv, heads_axis=1))(k)
+        out.append(k)
+    return jnp.concatenate(out, axis=1)
+
+
+def calibrate_key_ranges(config, params, windows: np.ndarray, spec: KVSpec, batch_size: int = 4) -> KeyRanges:
+    """Static per-channel key ranges of ``spec`` (pre- or post-RoPE) from calibration ``windows``."""
+    keys = collect_keys(config, params, windows, pre_rope=spec.pre_rope, batch_size=batch_size)
+    return kvgrid.key_ranges_from_keys(keys, spec.outlier_frac, spec.sink_tokens)
+
+
+def make_kv_quantizer(spec: KVSpec | None, config=None, params=None, windows: np.ndarray | None = None) -> KVQuantizer | None:
+    """A ready KVQuantizer: calibrates key ranges from ``windows`` when the spec needs them
+    (online keys start without a running range)."""
+    if spec is None:
+        return None
+    if not spec.needs_key_ranges:
+        return KVQuantizer(None, spec)
+    if windows is None:
+        raise KVSpecError("per-channel keys need calibration windows to compute static key ranges")
+    return KVQuantizer(calibrate_key_ranges(config, params, windows, spec), spec)

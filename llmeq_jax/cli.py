@@ -227,12 +227,12 @@ def eval_ppl(config, params, tokenizer, text_path: Path, seq_len: int, windows: 
 
 def kv_mapping(value: str | None, recipe: dict | None) -> dict | None:
     """The ``kv:`` mapping in force: ``--kv`` (shorthand, or a recipe with a ``kv:`` mapping) over the checkpoint's."""
-    from llmeq_jax import kvquant
+    from llmeq_jax.kv import spec as kvspec
 
     if value is None:
         return (recipe or {}).get("kv")
-    if value.strip().lower() in kvquant.SHORTHANDS or re.fullmatch(r"(?:int|kv)\d+", value.strip().lower()):
-        spec = kvquant.spec_from(value)
+    if value.strip().lower() in kvspec.SHORTHANDS or re.fullmatch(r"(?:int|kv)\d+", value.strip().lower()):
+        spec = kvspec.spec_from(value)
         return None if spec is None else spec.to_dict()
     kv = read_recipe(value).kv
     if kv is None:
@@ -242,20 +242,21 @@ def kv_mapping(value: str | None, recipe: dict | None) -> dict | None:
 
 def build_kv(config, params, tokenizer, kv: dict | None, calib: str | None):
     """A KVQuantizer for the mapping: stored key ranges when present, else calibrated on ``calib`` text."""
-    from llmeq_jax import evaluate, kvquant
+    from llmeq_jax import calibrate, evaluate
+    from llmeq_jax.kv import spec as kvspec
 
-    spec = kvquant.spec_from(kv)
+    spec = kvspec.spec_from(kv)
     if spec is None:
         return None
     if kv.get("key_ranges") is not None:
-        quantizer = kvquant.quantizer_from_dict(kv)
+        quantizer = kvspec.quantizer_from_dict(kv)
     elif spec.needs_key_ranges:
         text = find_data_file(calib, CALIB_TEXT, "calibration text")
         ids = evaluate.tokenize_text(tokenizer, text.read_text())
-        quantizer = kvquant.make_quantizer(spec, config, params,
-                                           evaluate.make_windows(ids, spec.calib_seq_len, spec.calib_windows))
+        quantizer = calibrate.make_kv_quantizer(spec, config, params,
+                                               evaluate.make_windows(ids, spec.calib_seq_len, spec.calib_windows))
     else:
-        quantizer = kvquant.KVQuantizer(None, spec)
+        quantizer = kvspec.KVQuantizer(None, spec)
     quantizer.check(config.num_layers, config.num_kv_heads, config.head_dim)
     return quantizer
 
@@ -264,11 +265,11 @@ def kv_memory(config, seq_len: int, kv, budget_gb: float) -> dict:
     """Cache bytes per token (one row, all layers) of ``kv`` and of the float cache; longest context in budget."""
     import jax
 
-    from llmeq_jax import kvcache
+    from llmeq_jax.kv import memory as kvmemory
     from llmeq_jax.models import init_cache
 
-    mem = kvcache.memory(jax.eval_shape(lambda: init_cache(config, 1, seq_len, kv=kv)))
-    flt = kvcache.memory(jax.eval_shape(lambda: init_cache(config, 1, seq_len)))
+    mem = kvmemory.memory(jax.eval_shape(lambda: init_cache(config, 1, seq_len, kv=kv)))
+    flt = kvmemory.memory(jax.eval_shape(lambda: init_cache(config, 1, seq_len)))
     budget = budget_gb * 2**30
     return {
         "kv": "float32" if kv is None else kv.spec.describe(),
@@ -276,8 +277,8 @@ def kv_memory(config, seq_len: int, kv, budget_gb: float) -> dict:
         "kv_fixed_bytes": mem["fixed_bytes"],
         "kv_x_smaller_than_float": flt["bytes_per_token"] / mem["bytes_per_token"],
         "kv_budget_gb": budget_gb,
-        "kv_longest_context": kvcache.longest_context(mem["bytes_per_token"], mem["fixed_bytes"], budget),
-        "float_kv_longest_context": kvcache.longest_context(flt["bytes_per_token"], flt["fixed_bytes"], budget),
+        "kv_longest_context": kvmemory.longest_context(mem["bytes_per_token"], mem["fixed_bytes"], budget),
+        "float_kv_longest_context": kvmemory.longest_context(flt["bytes_per_token"], flt["fixed_bytes"], budget),
     }
 
 

@@ -10,7 +10,7 @@ token (one grid per head and token, over dims).
 * The symmetric cache (``kv_append``, ``decode_attention``): ``k_scale [B or 1, H_kv, 1, D]``
   calibrated, ``v_scale [B, H_kv, T, 1]`` float32 computed when a row is written;
   qmax = 2^(b-1) - 1, round half to even, as in the core.
-* The store of ``llmeq_jax.kvcache.QuantKVCache`` (``store_decode_attention``): asymmetric
+* The store of ``llmeq_jax.kv.cache.QuantKVCache`` (``store_decode_attention``): asymmetric
   grids, value = (code - qmin) * scale + lo, float16 per-token value grids, keys
   optionally stored before RoPE. Its float parts (window, sink tokens) stay outside
   the kernel: it returns the log-sum-exp of its scores so the cache merges the two.
@@ -36,6 +36,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from llmeq_jax.core.qarray import int_range, unpack
+from llmeq_jax.core.rope import apply_rope
+from llmeq_jax.kv.grid import dequantize_grid
 from pallas_kernels import config
 from pallas_kernels.common import (
     FLOAT_DTYPES,
@@ -447,7 +449,7 @@ def _attention_reference(q, k, v, allowed, sm_scale):
     return out.reshape(bsz, hq, d), lse.reshape(bsz, hq)
 
 
-# --------------------------------------------------------------------------- the quantized store of kvcache
+# --------------------------------------------------------------------------- the quantized store of kv.cache
 
 
 def store_decode_attention(
@@ -455,7 +457,7 @@ def store_decode_attention(
     inv_freq=None, sm_scale: float | None = None, block_t: int = 128, num_splits: int | None = None,
     num_warps: int = 4, num_stages: int = 2, interpret: bool | None = None,
 ):
-    """Single-query attention over ``llmeq_jax.kvcache.QuantKVCache``'s store of one layer.
+    """Single-query attention over ``llmeq_jax.kv.cache.QuantKVCache``'s store of one layer.
 
     The store holds asymmetric codes, ``(code - qmin) * scale + lo``, qmin the signed
     minimum of ``bits`` (codes packed along head_dim as in the module docstring):
@@ -507,14 +509,12 @@ def store_decode_attention(
 def store_decode_attention_reference(q, k_codes, v_codes, k_scale, k_lo, v_scale, v_lo, length, *, bits: int,
                                      allowed=None, slot_pos=None, inv_freq=None, sm_scale=None):
     """Pure-jnp reference of :func:`store_decode_attention`: dequantize, rotate, attend."""
-    from llmeq_jax.kvquant import dequantize_grid, rope
-
     d = q.shape[-1]
     bsz, t = k_codes.shape[0], k_codes.shape[2]
     k = dequantize_grid(unpack(k_codes, bits, -1, d), k_scale, k_lo, bits)
     v = dequantize_grid(unpack(v_codes, bits, -1, d), v_scale, v_lo, bits)
     if slot_pos is not None:
-        k = rope(k, slot_pos, inv_freq)
+        k = apply_rope(k, slot_pos, inv_freq, heads_axis=1)
     ok = jnp.arange(t)[None, :] < jnp.broadcast_to(jnp.asarray(length), (bsz,))[:, None]
     if allowed is not None:
         ok = ok & allowed.astype(bool)

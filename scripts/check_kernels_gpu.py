@@ -204,7 +204,7 @@ for _shape in KV_CASES:
         return name, *compare(out, ref, 1e-5 if dtype == F32 else REL[dtype]), None
 
 
-STORE_CASES = [  # (B, H_kv, G, T, D, bits, pre-RoPE keys, dtype) of kvcache.QuantKVCache's store
+STORE_CASES = [  # (B, H_kv, G, T, D, bits, pre-RoPE keys, dtype) of kv.cache.QuantKVCache's store
     (2, 2, 3, 70, 64, 8, False, F32),  # the CPU tests' shapes
     (2, 2, 3, 70, 64, 4, True, F32),
     (1, 3, 3, 2048, 64, 4, True, F32),  # SmolLM2-135M's heads
@@ -215,15 +215,15 @@ STORE_CASES = [  # (B, H_kv, G, T, D, bits, pre-RoPE keys, dtype) of kvcache.Qua
 
 
 def _store_case(b, h, g, t, d, bits, rope, dtype):
-    """A store written by kvquant's own quantizers, a query, an allowed mask and RoPE positions."""
-    from llmeq_jax import kvquant
+    """A store written by the cache's own quantizers (llmeq_jax.kv.grid), a query, an allowed mask and RoPE positions."""
+    from llmeq_jax.kv import grid as kvgrid
 
     ks = jax.random.split(jax.random.key(1), 4)
     k = jax.random.normal(ks[0], (b, h, t, d)) * jnp.linspace(0.5, 3, d) + jnp.linspace(-1, 1, d)
     v = jax.random.normal(ks[1], (b, h, t, d))
     hi = jnp.max(k, axis=(0, 2))[None, :, None]
-    scale, lo = kvquant.grid_from_range(jnp.min(k, axis=(0, 2))[None, :, None], hi, bits)
-    kq, vq = kvquant.quantize_per_channel(k, scale, lo, hi, bits, 0), kvquant.quantize_per_token(v, bits, 0)
+    scale, lo = kvgrid.grid_from_range(jnp.min(k, axis=(0, 2))[None, :, None], hi, bits)
+    kq, vq = kvgrid.quantize_per_channel(k, scale, lo, hi, bits, 0), kvgrid.quantize_per_token(v, bits, 0)
     extra = dict(allowed=jax.random.bernoulli(ks[2], 0.9, (b, t)).at[:, 0].set(True))  # no row left empty
     if rope:
         extra.update(slot_pos=jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)),
@@ -252,13 +252,14 @@ for _shape in STORE_CASES:
 @case
 def _quantized_cache_decode():
     """Decode steps of a random Llama over a quantized cache: kernel (auto on a GPU) vs XLA (kernels off)."""
-    from llmeq_jax import kvquant
+    from llmeq_jax import calibrate
+    from llmeq_jax.kv import spec as kvspec
     from llmeq_jax.models import ModelConfig, forward_step, init_cache, init_params
 
     cfg = ModelConfig("llama", 512, 512, 2, 8, 4, 128, 1024, 1e-5, 4096, False)
     params = jax.tree.map(lambda a: a * 4, init_params(cfg, jax.random.key(0)))
     tokens = jax.random.randint(jax.random.key(1), (2, 1004), 0, cfg.vocab_size)
-    kv = kvquant.make_quantizer(kvquant.KVSpec(bits=4, window=32), cfg, params, np.asarray(tokens[:, :256]))
+    kv = calibrate.make_kv_quantizer(kvspec.KVSpec(bits=4, window=32), cfg, params, np.asarray(tokens[:, :256]))
 
     def run():
         step = lambda p, t, m, c: forward_step(cfg, p, t, m, c)  # traced afresh under the caller's context

@@ -105,20 +105,20 @@ def test_bad_input_is_rejected_clearly():
         decode_attention(jnp.ones((1, 1, 16)), kc4, vc4, jnp.ones((1, 1, 1, 16)), vs4, 4, bits=4, interpret=True)
 
 
-# --------------------------------------------------------------------------- the store of kvcache.QuantKVCache
+# --------------------------------------------------------------------------- the store of kv.cache.QuantKVCache
 
 
 def _store(b, h, t, d, bits, seed=0):
-    """Codes and grids exactly as the cache writes them (kvquant), from uneven random keys/values."""
-    from llmeq_jax import kvquant
+    """Codes and grids exactly as the cache writes them (llmeq_jax.kv.grid), from uneven random keys/values."""
+    from llmeq_jax.kv import grid as kvgrid
 
     ks = jax.random.split(jax.random.key(seed), 2)
     k = jax.random.normal(ks[0], (b, h, t, d)) * jnp.linspace(0.5, 3, d) + jnp.linspace(-1, 1, d)
     v = jax.random.normal(ks[1], (b, h, t, d))
     hi = jnp.max(k, axis=(0, 2))[None, :, None]
-    scale, lo = kvquant.grid_from_range(jnp.min(k, axis=(0, 2))[None, :, None], hi, bits)
-    kq = kvquant.quantize_per_channel(k, scale, lo, hi, bits, 0)
-    vq = kvquant.quantize_per_token(v, bits, 0)
+    scale, lo = kvgrid.grid_from_range(jnp.min(k, axis=(0, 2))[None, :, None], hi, bits)
+    kq = kvgrid.quantize_per_channel(k, scale, lo, hi, bits, 0)
+    vq = kvgrid.quantize_per_token(v, bits, 0)
     return kq.q, vq.q, scale, lo, vq.scale, vq.lo
 
 
