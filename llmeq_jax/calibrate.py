@@ -7,7 +7,7 @@ param path). Nothing in jax or flax is patched, and the model code knows
 nothing about calibration.
 
 Per kernel input ``x`` (``[tokens, in_features]``) the statistics are sums or
-extrema, so batches (and, later, devices) combine with max / min / add:
+extrema, so batches (and devices, see :mod:`llmeq_jax.distributed.calibrate`) combine with max / min / add:
 
   ``absmax``  max |x_j| per input channel         (combine: max)
   ``min``/``max`` per input channel               (combine: min / max)
@@ -32,6 +32,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 
 from llmeq_jax.core.rope import apply_rope, rope_inv_freq
 from llmeq_jax.kv import grid as kvgrid
@@ -158,6 +159,44 @@ def _block_inputs(config, params, windows: np.ndarray, batch_size: int) -> list[
     return out
 
 
+class BlockRunner:
+    """How :func:`calibrate` runs one decoder block: this one under plain ``jit`` on one device.
+
+    ``llmeq_jax.distributed.calibrate.ShardedBlockRunner`` runs it under ``shard_map`` with the
+    windows split over a mesh's data axis. The driver (which block, what is kept, what feeds
+    the next block) is the same for both.
+    """
+
+    def place(self, params: dict) -> dict:
+        """``params`` where the blocks run (here: as they are)."""
+        return params
+
+    def inputs(self, config, params, windows: np.ndarray, batch_size: int) -> list[tuple[jax.Array, jax.Array]]:
+        """The first block's inputs: ``(hidden, positions)`` per batch of ``batch_size`` windows."""
+        return _block_inputs(config, params, windows, batch_size)
+
+    def block_with_stats(self, config, block_params, hidden, positions, *, layer: int, wants: tuple):
+        """``(block output, {kernel path in block: statistics of its input})`` of one batch."""
+        return _block_with_stats(config, block_params, hidden, positions, layer=layer, wants=wants)
+
+    def block(self, config, block_params, hidden, positions, *, layer: int):
+        """The block's output alone (the next block's input after a method changed this one)."""
+        return _block(config, block_params, hidden, positions, layer=layer)
+
+    def fold(self, block_stats: dict | None, found: dict) -> dict:
+        """``block_stats`` with one more batch's statistics ``found`` added."""
+        return found if block_stats is None else combine(block_stats, found)
+
+
+def check_wants(wants: Iterable[str]) -> tuple[str, ...]:
+    """``wants`` without repeats, or a CalibrationError naming the unknown statistics."""
+    wants = tuple(dict.fromkeys(wants))
+    unknown = [w for w in wants if w not in STATS]
+    if unknown:
+        raise CalibrationError(f"unknown statistic(s) {unknown}; available: {list(STATS)}")
+    return wants
+
+
 def calibrate(
     config: Any,
     params: dict,
@@ -169,6 +208,7 @@ def calibrate(
     progress: bool = False,
     keep: Iterable[str] | None = None,
     sequential: bool = True,
+    runner: BlockRunner | None = None,
 ) -> tuple[dict, dict]:
     """Run ``windows`` ``[N, T]`` through the model one block at a time.
 
@@ -182,12 +222,14 @@ def calibrate(
     bounded by one block. ``sequential=False`` feeds the *unprocessed* block's
     outputs forward instead (statistics of the float model, one block pass
     instead of two; what SmoothQuant and AWQ calibrate on).
+    ``runner``: how a block runs (default: :class:`BlockRunner`, plain jit on one device).
     """
-    wants = tuple(dict.fromkeys(wants))
-    inputs = _block_inputs(config, params, windows, batch_size)
+    runner = BlockRunner() if runner is None else runner
+    wants = check_wants(wants)
+    params = runner.place(params)
+    inputs = runner.inputs(config, params, windows, batch_size)
     layers = range(config.num_layers)
     if progress:
-        
         layers = tqdm(layers, desc="calibrate", unit="block", leave=False)
     stats: dict[str, dict] = {}
     new_params = dict(params)
@@ -196,9 +238,9 @@ def calibrate(
         bp = params[name]
         block_stats, outs = None, []
         for h, pos in inputs:
-            out, found = _block_with_stats(config, bp, h, pos, layer=i, wants=wants)
+            out, found = runner.block_with_stats(config, bp, h, pos, layer=i, wants=wants)
             outs.append((out, pos))
-            block_stats = found if block_stats is None else combine(block_stats, found)
+            block_stats = runner.fold(block_stats, found)
         if process_block is not None:
             bp = process_block(i, bp, block_stats, inputs)
             new_params[name] = bp
@@ -208,7 +250,7 @@ def calibrate(
             inputs = outs  # the block is unchanged: its outputs from the statistics pass are the next inputs
         else:
             del outs
-            inputs = [(_block(config, bp, h, pos, layer=i), pos) for h, pos in inputs]
+            inputs = [(runner.block(config, bp, h, pos, layer=i), pos) for h, pos in inputs]
     return stats, new_params
 
 

@@ -1,5 +1,6 @@
 """Data-parallel calibration: windows split over the mesh's data axis, statistics combined
-with the collective that is correct for each.
+with the collective that is correct for each. The block-by-block driver is
+:func:`llmeq_jax.calibrate.calibrate`; :class:`ShardedBlockRunner` is how a block runs here.
 
 Statistics (calibration) combine with the collective that matches them:
 absmax/max -> ``pmax``, min -> ``pmin``, sums (``abs_sum``, ``count``,
@@ -9,14 +10,22 @@ Hessians ``X^T X``) -> ``psum`` (:data:`STAT_COLLECTIVE`).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from llmeq_jax.calibrate import SAMPLE_TOKENS, STATS, CalibrationError, combine, input_stats, run_block_capturing
+from llmeq_jax.calibrate import (
+    SAMPLE_TOKENS,
+    BlockRunner,
+    CalibrationError,
+    calibrate,
+    combine,
+    input_stats,
+    run_block_capturing,
+)
 from llmeq_jax.distributed.mesh import DATA, global_array, replicate
 from llmeq_jax.methods import quantize_model
 from llmeq_jax.models.model import apply_block, embed
@@ -93,18 +102,64 @@ def _sharded_block_fn(config, layer: int, wants: tuple, mesh: Mesh, data_axis: s
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), batch, batch), out_specs=out_specs))
 
 
+class ShardedBlockRunner(BlockRunner):
+    """Runs a block under ``shard_map``: each data shard takes ``batch_size`` windows per step, and
+    the statistics are combined across shards with :data:`STAT_COLLECTIVE` (replicated results).
+
+    ``ordered_sums``: sums are gathered and added shard by shard in batch order (bit-identical
+    to one device) instead of ``psum``-ed (the backend's summation order).
+    """
+
+    def __init__(self, mesh: Mesh, data_axis: str = DATA, ordered_sums: bool = False):
+        self.mesh, self.data_axis, self.ordered_sums = mesh, data_axis, ordered_sums
+        self.shards = mesh.shape[data_axis]
+
+    def place(self, params: dict) -> dict:
+        return replicate(params, self.mesh)
+
+    def inputs(self, config, params, windows: np.ndarray, batch_size: int) -> list[tuple[jax.Array, jax.Array]]:
+        windows = np.asarray(windows)
+        if len(windows) % self.shards:
+            raise CalibrationError(
+                f"{len(windows)} calibration windows cannot be split evenly over the {self.shards} shards of mesh "
+                f"axis {self.data_axis!r}; use a multiple of {self.shards}"
+            )
+        step = batch_size * self.shards
+        batch_sharding = NamedSharding(self.mesh, P(self.data_axis))
+        embed_fn = jax.jit(embed, static_argnums=0)
+        out = []
+        for start in range(0, len(windows), step):
+            toks = windows[start : start + step]
+            pos = np.broadcast_to(np.arange(toks.shape[1]), toks.shape)
+            toks, pos = global_array(toks, batch_sharding), global_array(pos, batch_sharding)
+            out.append((embed_fn(config, params, toks, pos), pos))
+        return out
+
+    # Each step waits for its result: collectives dispatched back to back can deadlock on few
+    # cores (see quantize_params_sharded).
+    def block_with_stats(self, config, block_params, hidden, positions, *, layer: int, wants: tuple):
+        fn = _sharded_block_fn(config, layer, wants, self.mesh, self.data_axis, True, self.ordered_sums)
+        return jax.block_until_ready(fn(block_params, hidden, positions))
+
+    def block(self, config, block_params, hidden, positions, *, layer: int):
+        fn = _sharded_block_fn(config, layer, (), self.mesh, self.data_axis, False)
+        return jax.block_until_ready(fn(block_params, hidden, positions))
+
+    def fold(self, block_stats: dict | None, found: dict) -> dict:
+        if self.ordered_sums:
+            return _fold_ordered(block_stats, found, self.shards)
+        return super().fold(block_stats, found)
+
+
 def calibrate_sharded(
     config: Any,
     params: dict,
     windows: np.ndarray,
     mesh: Mesh,
     *,
-    wants: Iterable[str] = ("absmax", "abs_sum", "count"),
-    batch_size: int = 4,
-    process_block: Callable[[int, dict, dict, list], dict] | None = None,
     data_axis: str = DATA,
     ordered_sums: bool = False,
-    sequential: bool = True,
+    **kw,
 ) -> tuple[dict, dict]:
     """``calibrate.calibrate`` with the windows split over ``data_axis``; same contract and results.
 
@@ -113,50 +168,9 @@ def calibrate_sharded(
     devices (and processes) end with the same, replicated statistics. Extrema and counts
     equal single-device calibration (same ``batch_size``) exactly; with ``psum`` the sums
     equal it up to float summation order, and with ``ordered_sums=True`` (all_gather, then
-    add shard by shard in batch order) bit for bit.
+    add shard by shard in batch order) bit for bit. ``kw``: as :func:`llmeq_jax.calibrate.calibrate`.
     """
-    wants = tuple(dict.fromkeys(wants))
-    unknown = [w for w in wants if w not in STATS]
-    if unknown:
-        raise CalibrationError(f"unknown statistic(s) {unknown}; available: {list(STATS)}")
-    shards = mesh.shape[data_axis]
-    windows = np.asarray(windows)
-    if len(windows) % shards:
-        raise CalibrationError(
-            f"{len(windows)} calibration windows cannot be split evenly over the {shards} shards of mesh axis "
-            f"{data_axis!r}; use a multiple of {shards}"
-        )
-    step = batch_size * shards
-    batch_sharding = NamedSharding(mesh, P(data_axis))
-    embed_fn = jax.jit(embed, static_argnums=0)
-    params = replicate(params, mesh)
-    inputs = []
-    for start in range(0, len(windows), step):
-        toks = windows[start : start + step]
-        pos = np.broadcast_to(np.arange(toks.shape[1]), toks.shape)
-        toks, pos = global_array(toks, batch_sharding), global_array(pos, batch_sharding)
-        inputs.append((embed_fn(config, params, toks, pos), pos))
-    stats: dict[str, dict] = {}
-    new_params = dict(params)
-    for i in range(config.num_layers):
-        name = f"layers_{i}"
-        bp = params[name]
-        with_stats = _sharded_block_fn(config, i, wants, mesh, data_axis, True, ordered_sums)
-        block_stats = None
-        for h, pos in inputs:
-            _, found = jax.block_until_ready(with_stats(bp, h, pos))  # see quantize_params_sharded
-            if ordered_sums:
-                block_stats = _fold_ordered(block_stats, found, shards)
-            else:
-                block_stats = found if block_stats is None else combine(block_stats, found)
-        if process_block is not None:
-            bp = process_block(i, bp, block_stats, inputs)
-            new_params[name] = bp
-        stats.update({f"{name}/{p}": s for p, s in block_stats.items()})
-        plain = _sharded_block_fn(config, i, wants, mesh, data_axis, False)
-        feed = bp if sequential else params[name]  # sequential=False: the float model's activations
-        inputs = [(jax.block_until_ready(plain(feed, h, pos)), pos) for h, pos in inputs]
-    return stats, new_params
+    return calibrate(config, params, windows, runner=ShardedBlockRunner(mesh, data_axis, ordered_sums), **kw)
 
 
 def quantize_model_sharded(config: Any, params: dict, recipe: Any, windows: np.ndarray, mesh: Mesh, *,
@@ -169,9 +183,9 @@ def quantize_model_sharded(config: Any, params: dict, recipe: Any, windows: np.n
     adds Hessians and sums shard by shard in batch order: the result is bit-identical to
     ``quantize_model`` on one device with the same per-shard ``batch_size``.
     """
-    def calib(config, params, windows, *, wants, process_block=None, keep=None, progress=False, sequential=True):
-        del keep, progress  # statistics live on the mesh, replicated; no progress bar across processes
-        return calibrate_sharded(config, params, windows, mesh, wants=wants, batch_size=batch_size,
-                                 process_block=process_block, ordered_sums=ordered_sums, sequential=sequential)
+    def calib(config, params, windows, *, progress=False, **kw):
+        # One progress bar, not one per process.
+        return calibrate_sharded(config, params, windows, mesh, batch_size=batch_size, ordered_sums=ordered_sums,
+                                 progress=progress and jax.process_index() == 0, **kw)
 
     return quantize_model(config, params, recipe, windows, calibrate_fn=calib)
