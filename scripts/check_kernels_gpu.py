@@ -25,15 +25,7 @@ import numpy as np
 from llmeq_jax import ops
 from llmeq_jax.core.quantize import Spec, quantize
 from pallas_kernels import config
-from pallas_kernels.kv_cache import (
-    decode_attention,
-    decode_attention_reference,
-    kv_append,
-    kv_append_reference,
-    store_decode_attention,
-    store_decode_attention_reference,
-)
-from pallas_kernels.online_scale import online_quantize, online_quantize_reference
+from pallas_kernels.kv_cache import store_decode_attention, store_decode_attention_reference
 from pallas_kernels.w8a8 import w8a8_matmul, w8a8_reference
 from pallas_kernels.weight_only import weight_only_matmul, weight_only_reference
 
@@ -153,57 +145,6 @@ for _shape in WO_SHAPES:
 
 # --------------------------------------------------------------------------- KV cache
 
-KV_CASES = [  # (B, H_kv, G, T, D, S new rows, pos, bits, dtype)
-    (2, 2, 2, 40, 32, 3, 5, 8, F32),  # the CPU tests' cases
-    (1, 2, 4, 70, 64, 5, 66, 4, F32),  # rows past the end are dropped
-    (2, 1, 1, 33, 32, 1, 0, 4, F32),
-    (1, 1, 2, 20, 16, 2, 3, 8, F32),
-    (2, 8, 4, 4096, 128, 37, 1000, 8, BF16),  # GQA, ragged prefill chunk
-    (2, 8, 4, 4096, 128, 1, 4095, 4, BF16),  # decode step at the last slot
-    (1, 8, 4, 32768, 128, 1, 20000, 8, BF16),  # long context: many token splits
-    (4, 4, 8, 2048, 64, 16, 100, 4, F16),
-]
-
-
-def _kv_case(b, h, g, t, d, s, pos, bits, dtype):
-    ks = jax.random.split(jax.random.key(0), 7)
-    sd, dt = (d, jnp.int8) if bits == 8 else (d // 2, jnp.uint8)
-    lo, hi = (-127, 128) if bits == 8 else (0, 256)
-    kc = jax.random.randint(ks[0], (b, h, t, sd), lo, hi).astype(dt)
-    vc = jax.random.randint(ks[1], (b, h, t, sd), lo, hi).astype(dt)
-    vs = jax.random.uniform(ks[2], (b, h, t, 1), minval=1e-3, maxval=2e-2)
-    k_new = jax.random.normal(ks[3], (b, h, s, d)).astype(dtype)
-    v_new = jax.random.normal(ks[4], (b, h, s, d)).astype(dtype)
-    k_scale = jax.random.uniform(ks[5], (1, h, 1, d), minval=0.01, maxval=0.06)
-    q = jax.random.normal(ks[6], (b, h * g, d)).astype(dtype)
-    return kc, vc, vs, k_new, v_new, k_scale, q
-
-
-for _shape in KV_CASES:
-
-    @case
-    def _kv_append(shape=_shape):
-        b, h, g, t, d, s, pos, bits, dtype = shape
-        kc, vc, vs, k_new, v_new, k_scale, _ = _kv_case(*shape)
-        want = kv_append_reference(kc, vc, vs, k_new, v_new, k_scale, pos, bits=bits)
-        got = jax.jit(lambda *a: kv_append(*a, bits=bits, interpret=INTERPRET))(kc, vc, vs, k_new, v_new, k_scale, pos)
-        # integer caches: count differing stored bytes (exact on CPU); scales: max abs error
-        diff = sum(int(np.sum(np.asarray(a) != np.asarray(w))) for a, w in zip(got[:2], want[:2]))
-        err, tol = compare(got[2], want[2], 1e-6)
-        name = f"kv_append int{bits} B={b} H={h} T={t} D={d} S={s} pos={pos} {jnp.dtype(dtype).name}"
-        return name, err, tol, diff
-
-    @case
-    def _decode(shape=_shape):
-        b, h, g, t, d, s, pos, bits, dtype = shape
-        kc, vc, vs, _, _, k_scale, q = _kv_case(*shape)
-        length = jnp.array([t, max(1, t // 2 + 3), 1, t - 7][:b], jnp.int32)  # full, partial, a single token
-        out = jax.jit(lambda *a: decode_attention(*a, bits=bits, interpret=INTERPRET))(q, kc, vc, k_scale, vs, length)
-        ref = reference(decode_attention_reference, q, kc, vc, k_scale, vs, length, bits=bits)
-        name = f"decode_attention int{bits} B={b} H_kv={h} G={g} T={t} D={d} lengths={list(map(int, length))} {jnp.dtype(dtype).name}"
-        return name, *compare(out, ref, 1e-5 if dtype == F32 else REL[dtype]), None
-
-
 STORE_CASES = [  # (B, H_kv, G, T, D, bits, pre-RoPE keys, dtype) of kv.cache.QuantKVCache's store
     (2, 2, 3, 70, 64, 8, False, F32),  # the CPU tests' shapes
     (2, 2, 3, 70, 64, 4, True, F32),
@@ -276,35 +217,6 @@ def _quantized_cache_decode():
         with config.disabled():
             want = run()
     return "QuantKVCache int4 pre-RoPE w32 decode: kernel vs XLA, Llama 2x(8q/4kv x 128)", *compare(got, want, 1e-4), None
-
-
-# --------------------------------------------------------------------------- online scales
-
-ONLINE_CASES = [  # (rows, cols, per_channel, with state, bits, dtype)
-    (5, 70, True, False, 8, F32),
-    (37, 200, True, True, 8, F32),
-    (33, 150, False, True, 4, F32),
-    (1, 64, False, False, 8, F32),
-    (4096, 4096, True, True, 8, BF16),
-    (300, 1000, False, True, 8, BF16),
-]
-
-for _shape in ONLINE_CASES:
-
-    @case
-    def _online(shape=_shape):
-        r, c, per_channel, with_state, bits, dtype = shape
-        k1, k2 = jax.random.split(jax.random.key(r))
-        x = (jax.random.normal(k1, (r, c)) * 3).astype(dtype)
-        state = jax.random.uniform(k2, (c,) if per_channel else (), minval=0.5, maxval=4) if with_state else None
-        kw = dict(per_channel=per_channel, bits=bits)
-        q, new, _, _ = jax.jit(lambda x, s: online_quantize(x, s, interpret=INTERPRET, **kw))(x, state)
-        rq, rnew, _, _ = online_quantize_reference(x, state, **kw)
-        diff = int(np.sum(np.asarray(q) != np.asarray(rq)))
-        gran = "channel" if per_channel else "tensor"
-        return f"online_quantize {r}x{c} per-{gran} int{bits} state={with_state} {jnp.dtype(dtype).name}", *compare(
-            new, rnew, 1e-6
-        ), diff
 
 
 # --------------------------------------------------------------------------- ops.linear

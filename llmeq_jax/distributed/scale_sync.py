@@ -261,7 +261,7 @@ def online_quantize_synced(x, state=None, *, axis_name, alpha: float = 0.9, eps:
                            per_channel: bool = True, bits: int = 8):
     """EMA-tracked activation quantization inside ``shard_map`` with rows (tokens) split over ``axis_name``.
 
-    The XLA twin of ``pallas_kernels.online_scale.online_quantize``: the step's absmax is
+    One EMA observer step (range ``alpha * state + (1 - alpha) * max(absmax, eps)``): the step's absmax is
     ``pmax``-ed over the shards *before* the EMA update, so every shard tracks the same
     range and quantizes with the same scale. Returns (q int8, new_state, scale).
     """
