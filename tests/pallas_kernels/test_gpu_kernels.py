@@ -1,26 +1,23 @@
-"""Run every Pallas kernel compiled for the GPU (interpret=INTERPRET) and compare it with its reference.
+"""Every Pallas kernel compiled for the GPU (``interpret=False``) against its reference: ``gpu`` marker.
 
-One line per case: PASS/FAIL, the max abs error, the tolerance, and for integer
-outputs how many elements differ. Exits 1 if any case fails. On a machine without
-a CUDA GPU it says so and exits 0 (the CPU tests in tests/pallas_kernels cover
-interpret mode and the CUDA lowering there).
+These run only where JAX's default backend is a GPU. Elsewhere ``tests/conftest.py``
+deselects them at collection (they are not reported as skipped tests); the CPU tests
+in tests/pallas_kernels cover interpret mode and the CUDA lowering there.
 
 References run on the same GPU through XLA with ``jax.default_matmul_precision("highest")``
 (so f32 dots are not TF32); the shapes include the CPU tests' ragged/edge cases
-plus realistic LLM shapes.
+plus realistic LLM shapes. Each case passes when its max abs error is within
+``rel * max |reference|`` (NaN never passes) and, for integer outputs, no element differs.
 
-    PYTHONPATH=. python scripts/check_kernels_gpu.py [-k SUBSTRING]
+    pytest -m gpu tests/pallas_kernels/test_gpu_kernels.py [-k SUBSTRING]
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
-import traceback
-
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from llmeq_jax import ops
 from llmeq_jax.core.quantize import Spec, quantize
@@ -34,7 +31,8 @@ F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 REL = {F32: 1e-5, BF16: 2e-2, F16: 1e-2}
 
 CASES = []
-INTERPRET = False  # --interpret: run the same cases in Pallas interpret mode (to check this script on a CPU)
+INTERPRET = False  # True runs the same cases in Pallas interpret mode (to check this file on a CPU; slow)
+pytestmark = pytest.mark.gpu
 
 
 def case(fn):
@@ -258,38 +256,8 @@ def _label(fn):
     return f"{fn.__name__.strip('_')}{(fn.__defaults__ or ('',))[0]}"
 
 
-def main():
-    global INTERPRET
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("-k", default="", help="only cases whose label (function name + shape tuple) contains this")
-    parser.add_argument("--interpret", action="store_true", help="interpret mode, any backend (checks this script)")
-    args = parser.parse_args()
-    INTERPRET = args.interpret
-    if jax.default_backend() != "gpu" and not INTERPRET:
-        print(f"no GPU found (JAX backend: {jax.default_backend()}); nothing to check here "
-              "(tests/pallas_kernels covers interpret mode and the CUDA lowering on CPU)")
-        return 0
-    print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, interpret={INTERPRET}", flush=True)
-    ran = failed = 0
-    for fn in CASES:
-        if args.k not in _label(fn):
-            continue
-        ran += 1
-        try:
-            name, err, tol, diff = fn()
-        except Exception as e:  # a kernel that does not compile or run is a FAIL, not a crash
-            failed += 1
-            msg = str(e).splitlines()[0][:300] if str(e) else ""
-            print(f"FAIL  {_label(fn)}: {type(e).__name__}: {msg}", flush=True)
-            traceback.print_exc(limit=4, file=sys.stdout)
-            continue
-        ok = err <= tol and (diff is None or diff == 0)  # NaN fails err <= tol
-        failed += not ok
-        extra = "" if diff is None else f"  differing ints {diff}"
-        print(f"{'PASS' if ok else 'FAIL'}  {name}: max abs err {err:.3g} (tol {tol:.3g}){extra}", flush=True)
-    print(f"{ran - failed} passed, {failed} failed")
-    return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+@pytest.mark.parametrize("case_fn", CASES, ids=[_label(fn) for fn in CASES])
+def test_kernel_matches_reference(case_fn):
+    name, err, tol, diff = case_fn()
+    assert err <= tol, f"{name}: max abs err {err:.3g} > tol {tol:.3g}"  # NaN fails too
+    assert diff is None or diff == 0, f"{name}: {diff} integer outputs differ"
