@@ -27,6 +27,7 @@ import time
 from types import ModuleType
 from typing import Any
 
+import jax
 import numpy as np
 
 from llmeq_jax import calibrate
@@ -85,8 +86,11 @@ def quantize_model(config, params: dict, recipe: Recipe, windows: np.ndarray | N
         raise RecipeError(f"recipe {recipe.name!r} ({recipe.method}) needs calibration windows")
     if recipe.method == "rtn":
         stats = None
+        info["calib_s"] = 0.0
         if needs_calibration(recipe):
-            stats, _ = calib(config, params, windows, wants=("absmax",), progress=progress)
+            t1 = time.perf_counter()
+            stats, _ = jax.block_until_ready(calib(config, params, windows, wants=("absmax",), progress=progress))
+            info["calib_s"] = time.perf_counter() - t1
             info["calib_samples"] = int(len(windows))
         out = quantize_params(params, recipe, stats=stats, progress=progress)
         info["seconds"] = time.perf_counter() - t0
@@ -104,8 +108,20 @@ def quantize_model(config, params: dict, recipe: Recipe, windows: np.ndarray | N
             f"quantizes {beyond_blocks}; add a skip rule for them first (e.g. pattern '.*lm_head.*', skip: true)"
         )
     process = mod.block_processor(config, recipe, opts, info)
-    _, out = calib(config, params, windows, wants=mod.wants(opts), process_block=process,
-                   keep=(), progress=progress, sequential=mod.sequential(opts))
+    method_s = [0.0]
+
+    def timed_process(layer, block, block_stats, inputs):  # the method's own time, told apart from calibration's
+        t1 = time.perf_counter()
+        out = jax.block_until_ready(process(layer, block, block_stats, inputs))
+        method_s[0] += time.perf_counter() - t1
+        return out
+
+    t1 = time.perf_counter()
+    _, out = jax.block_until_ready(calib(config, params, windows, wants=mod.wants(opts), process_block=timed_process,
+                                         keep=(), progress=progress, sequential=mod.sequential(opts)))
+    # Calibration passes (statistics, and the next block's inputs) interleave with the method's
+    # block steps: their time is the driver's wall time less the method's.
+    info["calib_s"] = time.perf_counter() - t1 - method_s[0]
     info["calib_samples"] = int(len(windows))
     for path in outside:  # the embedding table, or an untied lm_head under SmoothQuant/ZeroQuant: plain RTN
         rule = recipe.rule_for(path)
