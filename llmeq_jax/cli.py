@@ -264,7 +264,11 @@ def build_kv(config, params, tokenizer, kv: dict | None, calib: str | None):
 
 
 def kv_memory(config, seq_len: int, kv, budget_gb: float) -> dict:
-    """Cache bytes per token (one row, all layers) of ``kv`` and of the float cache; longest context in budget."""
+    """Cache bytes per token (one row, all layers) of ``kv`` and of the float cache; longest context in budget.
+
+    The longest context is also capped by the model's own (``max_position_embeddings``): a cache
+    that would fit more tokens than the model can attend to does not make the model take them.
+    """
     import jax
 
     from llmeq_jax.kv import memory as kvmemory
@@ -279,8 +283,11 @@ def kv_memory(config, seq_len: int, kv, budget_gb: float) -> dict:
         "kv_fixed_bytes": mem["fixed_bytes"],
         "kv_x_smaller_than_float": flt["bytes_per_token"] / mem["bytes_per_token"],
         "kv_budget_gb": budget_gb,
-        "kv_longest_context": kvmemory.longest_context(mem["bytes_per_token"], mem["fixed_bytes"], budget),
-        "float_kv_longest_context": kvmemory.longest_context(flt["bytes_per_token"], flt["fixed_bytes"], budget),
+        "kv_longest_context": min(kvmemory.longest_context(mem["bytes_per_token"], mem["fixed_bytes"], budget),
+                                  config.max_position_embeddings),
+        "float_kv_longest_context": min(kvmemory.longest_context(flt["bytes_per_token"], flt["fixed_bytes"], budget),
+                                        config.max_position_embeddings),
+        "model_max_context": config.max_position_embeddings,
     }
 
 
@@ -377,7 +384,7 @@ def cmd_eval(args) -> int:
         f"KV cache ({mem['kv']}): {mem['kv_bytes_per_token']:.0f} bytes/token "
         f"({mem['kv_x_smaller_than_float']:.2f}x smaller than float32) + {mem['kv_fixed_bytes']} fixed bytes; "
         f"longest context in {mem['kv_budget_gb']:g} GiB: {mem['kv_longest_context']} tokens "
-        f"(float32 cache: {mem['float_kv_longest_context']})")
+        f"(float32 cache: {mem['float_kv_longest_context']}; the model's own limit: {mem['model_max_context']})")
     if args.json:
         print(json.dumps(report.to_dict(), indent=1))
     else:
