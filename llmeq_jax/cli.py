@@ -23,6 +23,7 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = REPO_ROOT / "configs"
 MAIN_RECIPES = ("fp32", "rtn-w8", "rtn-w8a8", "smoothquant-w8a8", "rtn-w4-g128")
+MODEL_HELP = "registry name (e.g. smollm2-135m), Hugging Face directory, .gguf file or llmeq checkpoint directory"
 EVAL_TEXT = "wikitext2_test.txt"
 CALIB_TEXT = "wikitext2_valid.txt"
 
@@ -530,7 +531,9 @@ def cmd_convert(args) -> int:
                                     args.calib_seq_len)
     checkpoint.save_model_checkpoint(out, config, params, tokenizer, recipe=recipe, overwrite=args.overwrite,
                                      extra={"source": args.src})
-    print(f"wrote {out} ({checkpoint.disk_bytes(out) / 1e6:.2f} MB on disk)")
+    size = checkpoint.disk_bytes(out)
+    _emit(args, {"out": str(out), "recipe": None if recipe is None else recipe.name, "bytes": size},
+          f"wrote {out} ({size / 1e6:.2f} MB on disk)")
     return 0
 
 
@@ -598,7 +601,8 @@ def _add_eval_opts(p, windows_default: int = 64):
     p.add_argument("--text", help=f"evaluation text file (default: {EVAL_TEXT} from $LLMEQ_DATA or ../shared/data)")
     p.add_argument("--seq-len", type=SEQ_LEN, default=512,
                    help="tokens per window, 2 .. the model's context (default 512)")
-    p.add_argument("--windows", type=NON_NEGATIVE, default=windows_default, help="windows to evaluate, 0 = all")
+    p.add_argument("--windows", type=NON_NEGATIVE, default=windows_default,
+                   help=f"windows to evaluate, 0 = all (default {windows_default})")
     p.add_argument("--batch-size", type=POSITIVE, default=4, help="windows per forward pass, >= 1 (default 4)")
 
 
@@ -618,6 +622,13 @@ def _add_kv_opts(p, budget: bool = False):
                        help="memory budget for the reported longest context (GiB, default 1)")
 
 
+def _add_xla_opt(p, default=False):
+    # Also on every subcommand (`llmeq eval MODEL --xla`); there the default is SUPPRESS, so an
+    # absent flag leaves the top-level value alone instead of resetting it.
+    p.add_argument("--xla", action="store_true", default=default,
+                   help="run everything through XLA: no Pallas kernels, even on a GPU")
+
+
 def _add_verify_opt(p):
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="do not check a checkpoint MODEL against its sha256 hashes before loading it")
@@ -629,12 +640,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Quantize LLMs in JAX: MODEL is a registry name (smollm2-135m), a Hugging Face directory, "
                     "a GGUF file, or a checkpoint directory written by `llmeq quantize`.",
     )
-    parser.add_argument("--xla", action="store_true",
-                        help="run everything through XLA: no Pallas kernels, even on a GPU")
+    _add_xla_opt(parser)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
 
     p = sub.add_parser("quantize", help="quantize MODEL with a recipe and save an Orbax checkpoint")
-    p.add_argument("model")
+    p.add_argument("model", help=MODEL_HELP)
     p.add_argument("--recipe", required=True, help="recipe YAML (path, or a name from configs/)")
     _add_calib_opts(p)
     _add_kv_opts(p)
@@ -646,7 +656,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_quantize)
 
     p = sub.add_parser("eval", help="perplexity (and optionally speed) of MODEL on a text")
-    p.add_argument("model")
+    p.add_argument("model", help=MODEL_HELP)
     _add_eval_opts(p)
     _add_kv_opts(p, budget=True)
     p.add_argument("--calib", help=f"calibration text for KV key ranges (default: {CALIB_TEXT})")
@@ -657,14 +667,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, fn, helptext in (
         ("compare", cmd_compare, "quantize MODEL with several recipes; table, JSON report and plots"),
-        ("main", cmd_main, "the main job: compare the ready recipes on smollm2-135m"),
+        ("main", cmd_main, f"the main job: compare the ready recipes {', '.join(MAIN_RECIPES)} on smollm2-135m"),
     ):
-        p = sub.add_parser(name, help=helptext)
+        p = sub.add_parser(name, help=helptext, description=helptext)
         if name == "compare":
-            p.add_argument("model")
-            p.add_argument("--recipes", nargs="+", required=True, help="recipe YAML files (or names in configs/)")
+            p.add_argument("model", help=MODEL_HELP)
+            p.add_argument("--recipes", nargs="+", required=True,
+                           help="recipe YAML files (or names in configs/); the Δ%% and size columns compare with "
+                                "the first (list fp32 first for the float baseline)")
         else:
-            p.add_argument("model", nargs="?", default="smollm2-135m")
+            p.add_argument("model", nargs="?", default="smollm2-135m", help=MODEL_HELP + " (default smollm2-135m)")
         _add_eval_opts(p, windows_default=64 if name == "compare" else 16)
         _add_calib_opts(p)
         p.add_argument("--out-dir", default=f"runs/{name}", help="where report.json/.md and the plots go")
@@ -676,8 +688,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(fn=fn)
 
     p = sub.add_parser("generate", help="continue a prompt with MODEL")
-    p.add_argument("model")
-    p.add_argument("--prompt", required=True)
+    p.add_argument("model", help=MODEL_HELP)
+    p.add_argument("--prompt", required=True, help="the text to continue (printed, then the continuation)")
     p.add_argument("--max-new-tokens", type=POSITIVE, default=64, help=">= 1 (default 64)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--greedy", action="store_true", help="greedy decoding (the default)")
@@ -690,17 +702,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_verify_opt(p)
     _add_kv_opts(p)
     p.add_argument("--calib", help=f"calibration text for KV key ranges (default: {CALIB_TEXT})")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the prompt, new token ids and text as JSON")
     p.set_defaults(fn=cmd_generate)
 
     p = sub.add_parser("convert", help="HF directory or GGUF -> Orbax checkpoint (float, or quantized with --recipe)")
-    p.add_argument("src")
-    p.add_argument("dst")
+    p.add_argument("src", help="Hugging Face directory, .gguf file or registry name to read")
+    p.add_argument("dst", help="checkpoint directory to write")
     p.add_argument("--recipe", help="quantize with this recipe while converting")
     _add_calib_opts(p)
     p.add_argument("--overwrite", action="store_true",
                    help="replace DST if it exists and is an llmeq_jax checkpoint (never other directories)")
     _add_verify_opt(p)
+    p.add_argument("--json", action="store_true", help="print a JSON summary")
     p.set_defaults(fn=cmd_convert)
 
     p = sub.add_parser("export", help="write a checkpoint as GGUF (llama.cpp) or compressed-tensors (vLLM, transformers)")
@@ -714,11 +727,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_export)
 
     p = sub.add_parser("inspect", help="list a checkpoint's leaves: bits, granularity, bytes")
-    p.add_argument("dir")
+    p.add_argument("dir", help="checkpoint directory")
     p.add_argument("--verify", action="store_true",
                    help="hash every file and compare with the sha256 written at save (default: sizes only)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the leaves as JSON")
     p.set_defaults(fn=cmd_inspect)
+    for command in sub.choices.values():
+        _add_xla_opt(command, default=argparse.SUPPRESS)
     return parser
 
 
