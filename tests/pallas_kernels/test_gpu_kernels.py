@@ -246,7 +246,7 @@ for _name in MLP_RECIPES:
                 y = jax.jit(lambda p, x: _mlp(p, x, "pallas"))(params, x)
             with jax.default_matmul_precision("highest"):
                 r = jax.jit(lambda p, x: _mlp(p, x, "xla"))(params, x)
-            rel = 1e-4 if dtype == F32 else 3e-2  # as tests/pallas_kernels/test_dispatch.py (f32)
+            rel = 1e-4 if dtype == F32 else 3e-2  # as tests/test_kernel_dispatch.py (f32)
             return f"ops.linear MLP {name} {d}->{f}->{d} x(2,37) {jnp.dtype(dtype).name} pallas vs xla", *compare(
                 y, r, rel
             ), None
