@@ -7,7 +7,7 @@ param path). Nothing in jax or flax is patched, and the model code knows
 nothing about calibration.
 
 Per kernel input ``x`` (``[tokens, in_features]``) the statistics are sums or
-extrema, so batches (and, later, devices) combine with max / min / add:
+extrema, so batches (and devices, see :mod:`llmeq_jax.distributed.calibrate`) combine with max / min / add:
 
   ``absmax``  max |x_j| per input channel         (combine: max)
   ``min``/``max`` per input channel               (combine: min / max)
@@ -32,6 +32,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
+
+from llmeq_jax.core.rope import apply_rope, rope_inv_freq
+from llmeq_jax.kv import grid as kvgrid
+from llmeq_jax.kv.spec import KeyRanges, KVQuantizer, KVSpec, KVSpecError
+from llmeq_jax.models.layers import Linear
+from llmeq_jax.models.model import apply_block, embed, forward_step, init_cache
 
 STATS = ("absmax", "min", "max", "abs_sum", "count", "hessian", "sample")
 # Rows of each linear input kept by the "sample" statistic: enough for a
@@ -110,8 +117,6 @@ def combine(a: dict, b: dict) -> dict:
 
 
 def _is_linear(module: nn.Module) -> bool:
-    from llmeq_jax.models.layers import Linear
-
     return isinstance(module, Linear)
 
 
@@ -131,8 +136,6 @@ def run_block_capturing(
 
 @functools.partial(jax.jit, static_argnames=("config", "layer", "wants"))
 def _block_with_stats(config, block_params, hidden, positions, *, layer, wants):
-    from llmeq_jax.models.model import apply_block
-
     found: dict[str, dict] = {}
 
     def record(path, x):
@@ -144,20 +147,54 @@ def _block_with_stats(config, block_params, hidden, positions, *, layer, wants):
 
 @functools.partial(jax.jit, static_argnames=("config", "layer"))
 def _block(config, block_params, hidden, positions, *, layer):
-    from llmeq_jax.models.model import apply_block
-
     return apply_block(config, block_params, hidden, positions, layer=layer)
 
 
 def _block_inputs(config, params, windows: np.ndarray, batch_size: int) -> list[tuple[jax.Array, jax.Array]]:
-    from llmeq_jax.models.model import embed
-
     out = []
     for start in range(0, len(windows), batch_size):
         toks = jnp.asarray(windows[start : start + batch_size])
         positions = jnp.broadcast_to(jnp.arange(toks.shape[1]), toks.shape)
         out.append((jax.jit(embed, static_argnums=0)(config, params, toks, positions), positions))
     return out
+
+
+class BlockRunner:
+    """How :func:`calibrate` runs one decoder block: this one under plain ``jit`` on one device.
+
+    ``llmeq_jax.distributed.calibrate.ShardedBlockRunner`` runs it under ``shard_map`` with the
+    windows split over a mesh's data axis. The driver (which block, what is kept, what feeds
+    the next block) is the same for both.
+    """
+
+    def place(self, params: dict) -> dict:
+        """``params`` where the blocks run (here: as they are)."""
+        return params
+
+    def inputs(self, config, params, windows: np.ndarray, batch_size: int) -> list[tuple[jax.Array, jax.Array]]:
+        """The first block's inputs: ``(hidden, positions)`` per batch of ``batch_size`` windows."""
+        return _block_inputs(config, params, windows, batch_size)
+
+    def block_with_stats(self, config, block_params, hidden, positions, *, layer: int, wants: tuple):
+        """``(block output, {kernel path in block: statistics of its input})`` of one batch."""
+        return _block_with_stats(config, block_params, hidden, positions, layer=layer, wants=wants)
+
+    def block(self, config, block_params, hidden, positions, *, layer: int):
+        """The block's output alone (the next block's input after a method changed this one)."""
+        return _block(config, block_params, hidden, positions, layer=layer)
+
+    def fold(self, block_stats: dict | None, found: dict) -> dict:
+        """``block_stats`` with one more batch's statistics ``found`` added."""
+        return found if block_stats is None else combine(block_stats, found)
+
+
+def check_wants(wants: Iterable[str]) -> tuple[str, ...]:
+    """``wants`` without repeats, or a CalibrationError naming the unknown statistics."""
+    wants = tuple(dict.fromkeys(wants))
+    unknown = [w for w in wants if w not in STATS]
+    if unknown:
+        raise CalibrationError(f"unknown statistic(s) {unknown}; available: {list(STATS)}")
+    return wants
 
 
 def calibrate(
@@ -171,6 +208,7 @@ def calibrate(
     progress: bool = False,
     keep: Iterable[str] | None = None,
     sequential: bool = True,
+    runner: BlockRunner | None = None,
 ) -> tuple[dict, dict]:
     """Run ``windows`` ``[N, T]`` through the model one block at a time.
 
@@ -184,13 +222,14 @@ def calibrate(
     bounded by one block. ``sequential=False`` feeds the *unprocessed* block's
     outputs forward instead (statistics of the float model, one block pass
     instead of two; what SmoothQuant and AWQ calibrate on).
+    ``runner``: how a block runs (default: :class:`BlockRunner`, plain jit on one device).
     """
-    wants = tuple(dict.fromkeys(wants))
-    inputs = _block_inputs(config, params, windows, batch_size)
+    runner = BlockRunner() if runner is None else runner
+    wants = check_wants(wants)
+    params = runner.place(params)
+    inputs = runner.inputs(config, params, windows, batch_size)
     layers = range(config.num_layers)
     if progress:
-        from tqdm import tqdm
-
         layers = tqdm(layers, desc="calibrate", unit="block", leave=False)
     stats: dict[str, dict] = {}
     new_params = dict(params)
@@ -199,9 +238,9 @@ def calibrate(
         bp = params[name]
         block_stats, outs = None, []
         for h, pos in inputs:
-            out, found = _block_with_stats(config, bp, h, pos, layer=i, wants=wants)
+            out, found = runner.block_with_stats(config, bp, h, pos, layer=i, wants=wants)
             outs.append((out, pos))
-            block_stats = found if block_stats is None else combine(block_stats, found)
+            block_stats = runner.fold(block_stats, found)
         if process_block is not None:
             bp = process_block(i, bp, block_stats, inputs)
             new_params[name] = bp
@@ -211,5 +250,52 @@ def calibrate(
             inputs = outs  # the block is unchanged: its outputs from the statistics pass are the next inputs
         else:
             del outs
-            inputs = [(_block(config, bp, h, pos, layer=i), pos) for h, pos in inputs]
+            inputs = [(runner.block(config, bp, h, pos, layer=i), pos) for h, pos in inputs]
     return stats, new_params
+
+
+# --------------------------------------------------------------------------- KV cache: static key ranges
+
+
+def collect_keys(config, params, windows: np.ndarray, *, pre_rope: bool, batch_size: int = 4) -> jax.Array:
+    """Keys of every layer for calibration token ``windows`` [N, S]: ``[layers, N, kv_heads, S, head_dim]``.
+
+    They are read from a float cache after a prefill (post-RoPE); pre-RoPE keys
+    are recovered by rotating back by each token's position.
+    """
+    windows = np.asarray(windows, np.int32)
+    n, s = windows.shape
+
+    @jax.jit
+    def keys_of(tokens):
+        cache = init_cache(config, tokens.shape[0], s)
+        _, cache = forward_step(config, params, tokens, jnp.ones(tokens.shape, jnp.int32), cache)
+        return cache.k
+
+    out = []
+    for start in range(0, n, batch_size):
+        k = keys_of(jnp.asarray(windows[start : start + batch_size]))
+        if pre_rope and config.family != "gpt2":
+            inv = jnp.asarray(rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling))
+            back = -jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (k.shape[1], s))
+            k = jax.vmap(lambda kl: apply_rope(kl, back, inv, heads_axis=1))(k)
+        out.append(k)
+    return jnp.concatenate(out, axis=1)
+
+
+def calibrate_key_ranges(config, params, windows: np.ndarray, spec: KVSpec, batch_size: int = 4) -> KeyRanges:
+    """Static per-channel key ranges of ``spec`` (pre- or post-RoPE) from calibration ``windows``."""
+    keys = collect_keys(config, params, windows, pre_rope=spec.pre_rope, batch_size=batch_size)
+    return kvgrid.key_ranges_from_keys(keys, spec.outlier_frac, spec.sink_tokens)
+
+
+def make_kv_quantizer(spec: KVSpec | None, config=None, params=None, windows: np.ndarray | None = None) -> KVQuantizer | None:
+    """A ready KVQuantizer: calibrates key ranges from ``windows`` when the spec needs them
+    (online keys start without a running range)."""
+    if spec is None:
+        return None
+    if not spec.needs_key_ranges:
+        return KVQuantizer(None, spec)
+    if windows is None:
+        raise KVSpecError("per-channel keys need calibration windows to compute static key ranges")
+    return KVQuantizer(calibrate_key_ranges(config, params, windows, spec), spec)

@@ -23,6 +23,7 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = REPO_ROOT / "configs"
 MAIN_RECIPES = ("fp32", "rtn-w8", "rtn-w8a8", "smoothquant-w8a8", "rtn-w4-g128")
+MODEL_HELP = "registry name (e.g. smollm2-135m), Hugging Face directory, .gguf file or llmeq checkpoint directory"
 EVAL_TEXT = "wikitext2_test.txt"
 CALIB_TEXT = "wikitext2_valid.txt"
 
@@ -187,9 +188,10 @@ def quantize_model(config, params, tokenizer, recipe, calib: str | None, calib_s
                    calib_seq_len: int = 512):
     """Apply the recipe (calibrating when it needs statistics) -> (params, quantize seconds, calib seconds, samples).
 
-    Calibrated methods interleave calibration and quantization block by block,
-    so their quantize seconds include the calibration passes; calib seconds is
-    then only reading and tokenizing the calibration text.
+    Calib seconds: reading and tokenizing the calibration text plus the calibration passes
+    over the model. Calibrated methods interleave those passes with their block steps; the
+    passes are counted as calibration, the block steps as quantization, so the two add up
+    to the wall time.
     """
     import jax
 
@@ -207,7 +209,8 @@ def quantize_model(config, params, tokenizer, recipe, calib: str | None, calib_s
     t0 = time.perf_counter()
     qparams, info = methods.quantize_model(config, params, recipe, windows, progress)
     jax.block_until_ready(qparams)
-    return qparams, time.perf_counter() - t0, calib_s, info["calib_samples"]
+    passes_s = info.get("calib_s", 0.0)
+    return qparams, time.perf_counter() - t0 - passes_s, calib_s + passes_s, info["calib_samples"]
 
 
 def eval_ppl(config, params, tokenizer, text_path: Path, seq_len: int, windows: int, batch_size: int, progress: bool,
@@ -235,12 +238,12 @@ def eval_ppl(config, params, tokenizer, text_path: Path, seq_len: int, windows: 
 
 def kv_mapping(value: str | None, recipe: dict | None) -> dict | None:
     """The ``kv:`` mapping in force: ``--kv`` (shorthand, or a recipe with a ``kv:`` mapping) over the checkpoint's."""
-    from llmeq_jax import kvquant
+    from llmeq_jax.kv import spec as kvspec
 
     if value is None:
         return (recipe or {}).get("kv")
-    if value.strip().lower() in kvquant.SHORTHANDS or re.fullmatch(r"(?:int|kv)\d+", value.strip().lower()):
-        spec = kvquant.spec_from(value)
+    if value.strip().lower() in kvspec.SHORTHANDS or re.fullmatch(r"(?:int|kv)\d+", value.strip().lower()):
+        spec = kvspec.spec_from(value)
         return None if spec is None else spec.to_dict()
     kv = read_recipe(value).kv
     if kv is None:
@@ -250,33 +253,38 @@ def kv_mapping(value: str | None, recipe: dict | None) -> dict | None:
 
 def build_kv(config, params, tokenizer, kv: dict | None, calib: str | None):
     """A KVQuantizer for the mapping: stored key ranges when present, else calibrated on ``calib`` text."""
-    from llmeq_jax import evaluate, kvquant
+    from llmeq_jax import calibrate, evaluate
+    from llmeq_jax.kv import spec as kvspec
 
-    spec = kvquant.spec_from(kv)
+    spec = kvspec.spec_from(kv)
     if spec is None:
         return None
     if kv.get("key_ranges") is not None:
-        quantizer = kvquant.quantizer_from_dict(kv)
+        quantizer = kvspec.quantizer_from_dict(kv)
     elif spec.needs_key_ranges:
         text = find_data_file(calib, CALIB_TEXT, "calibration text")
         ids = evaluate.tokenize_text(tokenizer, text.read_text())
-        quantizer = kvquant.make_quantizer(spec, config, params,
-                                           evaluate.make_windows(ids, spec.calib_seq_len, spec.calib_windows))
+        quantizer = calibrate.make_kv_quantizer(spec, config, params,
+                                               evaluate.make_windows(ids, spec.calib_seq_len, spec.calib_windows))
     else:
-        quantizer = kvquant.KVQuantizer(None, spec)
+        quantizer = kvspec.KVQuantizer(None, spec)
     quantizer.check(config.num_layers, config.num_kv_heads, config.head_dim)
     return quantizer
 
 
 def kv_memory(config, seq_len: int, kv, budget_gb: float) -> dict:
-    """Cache bytes per token (one row, all layers) of ``kv`` and of the float cache; longest context in budget."""
+    """Cache bytes per token (one row, all layers) of ``kv`` and of the float cache; longest context in budget.
+
+    The longest context is also capped by the model's own (``max_position_embeddings``): a cache
+    that would fit more tokens than the model can attend to does not make the model take them.
+    """
     import jax
 
-    from llmeq_jax import kvcache
+    from llmeq_jax.kv import memory as kvmemory
     from llmeq_jax.models import init_cache
 
-    mem = kvcache.memory(jax.eval_shape(lambda: init_cache(config, 1, seq_len, kv=kv)))
-    flt = kvcache.memory(jax.eval_shape(lambda: init_cache(config, 1, seq_len)))
+    mem = kvmemory.memory(jax.eval_shape(lambda: init_cache(config, 1, seq_len, kv=kv)))
+    flt = kvmemory.memory(jax.eval_shape(lambda: init_cache(config, 1, seq_len)))
     budget = budget_gb * 2**30
     return {
         "kv": "float32" if kv is None else kv.spec.describe(),
@@ -284,8 +292,11 @@ def kv_memory(config, seq_len: int, kv, budget_gb: float) -> dict:
         "kv_fixed_bytes": mem["fixed_bytes"],
         "kv_x_smaller_than_float": flt["bytes_per_token"] / mem["bytes_per_token"],
         "kv_budget_gb": budget_gb,
-        "kv_longest_context": kvcache.longest_context(mem["bytes_per_token"], mem["fixed_bytes"], budget),
-        "float_kv_longest_context": kvcache.longest_context(flt["bytes_per_token"], flt["fixed_bytes"], budget),
+        "kv_longest_context": min(kvmemory.longest_context(mem["bytes_per_token"], mem["fixed_bytes"], budget),
+                                  config.max_position_embeddings),
+        "float_kv_longest_context": min(kvmemory.longest_context(flt["bytes_per_token"], flt["fixed_bytes"], budget),
+                                        config.max_position_embeddings),
+        "model_max_context": config.max_position_embeddings,
     }
 
 
@@ -383,7 +394,7 @@ def cmd_eval(args) -> int:
         f"KV cache ({mem['kv']}): {mem['kv_bytes_per_token']:.0f} bytes/token "
         f"({mem['kv_x_smaller_than_float']:.2f}x smaller than float32) + {mem['kv_fixed_bytes']} fixed bytes; "
         f"longest context in {mem['kv_budget_gb']:g} GiB: {mem['kv_longest_context']} tokens "
-        f"(float32 cache: {mem['float_kv_longest_context']})")
+        f"(float32 cache: {mem['float_kv_longest_context']}; the model's own limit: {mem['model_max_context']})")
     if args.json:
         print(json.dumps(report.to_dict(), indent=1))
     else:
@@ -539,7 +550,9 @@ def cmd_convert(args) -> int:
                                     args.calib_seq_len)
     checkpoint.save_model_checkpoint(out, config, params, tokenizer, recipe=recipe, overwrite=args.overwrite,
                                      extra={"source": args.src})
-    print(f"wrote {out} ({checkpoint.disk_bytes(out) / 1e6:.2f} MB on disk)")
+    size = checkpoint.disk_bytes(out)
+    _emit(args, {"out": str(out), "recipe": None if recipe is None else recipe.name, "bytes": size},
+          f"wrote {out} ({size / 1e6:.2f} MB on disk)")
     return 0
 
 
@@ -686,7 +699,8 @@ def _add_eval_opts(p, windows_default: int = 64):
     p.add_argument("--text", help=f"evaluation text file (default: {EVAL_TEXT} from $LLMEQ_DATA or ../shared/data)")
     p.add_argument("--seq-len", type=SEQ_LEN, default=512,
                    help="tokens per window, 2 .. the model's context (default 512)")
-    p.add_argument("--windows", type=NON_NEGATIVE, default=windows_default, help="windows to evaluate, 0 = all")
+    p.add_argument("--windows", type=NON_NEGATIVE, default=windows_default,
+                   help=f"windows to evaluate, 0 = all (default {windows_default})")
     p.add_argument("--batch-size", type=POSITIVE, default=4, help="windows per forward pass, >= 1 (default 4)")
 
 
@@ -706,6 +720,13 @@ def _add_kv_opts(p, budget: bool = False):
                        help="memory budget for the reported longest context (GiB, default 1)")
 
 
+def _add_xla_opt(p, default=False):
+    # Also on every subcommand (`llmeq eval MODEL --xla`); there the default is SUPPRESS, so an
+    # absent flag leaves the top-level value alone instead of resetting it.
+    p.add_argument("--xla", action="store_true", default=default,
+                   help="run everything through XLA: no Pallas kernels, even on a GPU")
+
+
 def _add_verify_opt(p):
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="do not check a checkpoint MODEL against its sha256 hashes before loading it")
@@ -717,12 +738,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Quantize LLMs in JAX: MODEL is a registry name (smollm2-135m), a Hugging Face directory, "
                     "a GGUF file, or a checkpoint directory written by `llmeq quantize`.",
     )
-    parser.add_argument("--xla", action="store_true",
-                        help="run everything through XLA: no Pallas kernels, even on a GPU")
+    _add_xla_opt(parser)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
 
     p = sub.add_parser("quantize", help="quantize MODEL with a recipe and save an Orbax checkpoint")
-    p.add_argument("model")
+    p.add_argument("model", help=MODEL_HELP)
     p.add_argument("--recipe", required=True, help="recipe YAML (path, or a name from configs/)")
     _add_calib_opts(p)
     _add_kv_opts(p)
@@ -734,7 +754,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_quantize)
 
     p = sub.add_parser("eval", help="perplexity (and optionally speed) of MODEL on a text")
-    p.add_argument("model")
+    p.add_argument("model", help=MODEL_HELP)
     _add_eval_opts(p)
     _add_kv_opts(p, budget=True)
     p.add_argument("--calib", help=f"calibration text for KV key ranges (default: {CALIB_TEXT})")
@@ -745,14 +765,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, fn, helptext in (
         ("compare", cmd_compare, "quantize MODEL with several recipes; table, JSON report and plots"),
-        ("main", cmd_main, "the main job: compare the ready recipes on smollm2-135m"),
+        ("main", cmd_main, f"the main job: compare the ready recipes {', '.join(MAIN_RECIPES)} on smollm2-135m"),
     ):
-        p = sub.add_parser(name, help=helptext)
+        p = sub.add_parser(name, help=helptext, description=helptext)
         if name == "compare":
-            p.add_argument("model")
-            p.add_argument("--recipes", nargs="+", required=True, help="recipe YAML files (or names in configs/)")
+            p.add_argument("model", help=MODEL_HELP)
+            p.add_argument("--recipes", nargs="+", required=True,
+                           help="recipe YAML files (or names in configs/); the Δ%% and size columns compare with "
+                                "the first (list fp32 first for the float baseline)")
         else:
-            p.add_argument("model", nargs="?", default="smollm2-135m")
+            p.add_argument("model", nargs="?", default="smollm2-135m", help=MODEL_HELP + " (default smollm2-135m)")
         _add_eval_opts(p, windows_default=64 if name == "compare" else 16)
         _add_calib_opts(p)
         p.add_argument("--out-dir", default=f"runs/{name}", help="where report.json/.md and the plots go")
@@ -764,8 +786,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(fn=fn)
 
     p = sub.add_parser("generate", help="continue a prompt with MODEL")
-    p.add_argument("model")
-    p.add_argument("--prompt", required=True)
+    p.add_argument("model", help=MODEL_HELP)
+    p.add_argument("--prompt", required=True, help="the text to continue (printed, then the continuation)")
     p.add_argument("--max-new-tokens", type=POSITIVE, default=64, help=">= 1 (default 64)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--greedy", action="store_true", help="greedy decoding (the default)")
@@ -778,17 +800,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_verify_opt(p)
     _add_kv_opts(p)
     p.add_argument("--calib", help=f"calibration text for KV key ranges (default: {CALIB_TEXT})")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the prompt, new token ids and text as JSON")
     p.set_defaults(fn=cmd_generate)
 
     p = sub.add_parser("convert", help="HF directory or GGUF -> Orbax checkpoint (float, or quantized with --recipe)")
-    p.add_argument("src")
-    p.add_argument("dst")
+    p.add_argument("src", help="Hugging Face directory, .gguf file or registry name to read")
+    p.add_argument("dst", help="checkpoint directory to write")
     p.add_argument("--recipe", help="quantize with this recipe while converting")
     _add_calib_opts(p)
     p.add_argument("--overwrite", action="store_true",
                    help="replace DST if it exists and is an llmeq_jax checkpoint (never other directories)")
     _add_verify_opt(p)
+    p.add_argument("--json", action="store_true", help="print a JSON summary")
     p.set_defaults(fn=cmd_convert)
 
     p = sub.add_parser("export", help="write a checkpoint as GGUF (llama.cpp), compressed-tensors (vLLM, transformers) "
@@ -844,11 +867,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_qat)
 
     p = sub.add_parser("inspect", help="list a checkpoint's leaves: bits, granularity, bytes")
-    p.add_argument("dir")
+    p.add_argument("dir", help="checkpoint directory")
     p.add_argument("--verify", action="store_true",
                    help="hash every file and compare with the sha256 written at save (default: sizes only)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the leaves as JSON")
     p.set_defaults(fn=cmd_inspect)
+    for command in sub.choices.values():
+        _add_xla_opt(command, default=argparse.SUPPRESS)
     return parser
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 
 from llmeq_jax.core.qarray import QArray, pack, values_per_byte
 

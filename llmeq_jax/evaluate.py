@@ -198,22 +198,28 @@ class Report:
         return path
 
     def to_markdown(self) -> str:
+        """The report as a Markdown table. The relative columns name the row they compare with (the
+        first); a one-row report (``llmeq eval``) has nothing to compare with and leaves them out."""
         base = self.baseline()
-        head = "| recipe | ppl | Δ% vs first | param MB | size vs first | quantize s | prefill tok/s | decode tok/s |"
+        relative = len(self.rows) > 1
+        cols = ["recipe", "ppl", *([f"Δ% vs {base.recipe}"] if relative else []), "param MB",
+                *([f"size vs {base.recipe}"] if relative else []), "quantize s", "prefill tok/s", "decode tok/s"]
         lines = [
             f"Model `{self.model}`, text `{self.text}`, seq_len {self.seq_len}, windows {self.n_windows}, "
             f"device {self.machine.get('device')} ({self.machine.get('jax_backend')}).",
             "",
-            head,
-            "|" + "---|" * 8,
+            "| " + " | ".join(cols) + " |",
+            "|" + "---|" * len(cols),
         ]
         for r in self.rows:
-            dppl = _pct(r.ppl, base.ppl if base else None)
-            ratio = _ratio(r.param_bytes, base.param_bytes if base else None)
-            lines.append(
-                f"| {r.recipe} | {_fmt(r.ppl, '.3f')} | {dppl} | {_fmt(_mb(r.param_bytes), '.2f')} | {ratio} | "
-                f"{_fmt(r.quantize_s, '.1f')} | {_fmt(r.prefill_tok_s, '.0f')} | {_fmt(r.decode_tok_s, '.1f')} |"
-            )
+            cells = [r.recipe, _fmt(r.ppl, ".3f")]
+            if relative:
+                cells.append(_pct(r.ppl, base.ppl))
+            cells.append(_fmt(_mb(r.param_bytes), ".2f"))
+            if relative:
+                cells.append(_ratio(r.param_bytes, base.param_bytes))
+            cells += [_fmt(r.quantize_s, ".1f"), _fmt(r.prefill_tok_s, ".0f"), _fmt(r.decode_tok_s, ".1f")]
+            lines.append("| " + " | ".join(cells) + " |")
         lines += ["", f"Protocol: {self.protocol}."]
         lines += [f"- {n}" for n in self.notes]
         return "\n".join(lines)

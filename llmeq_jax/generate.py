@@ -126,9 +126,9 @@ def generate(
 ):
     """New tokens [B, max_new_tokens] after left-padded ``prompt_tokens`` [B, T] (mask: 1 = real token).
 
-    ``kv``: a ``kvquant.KVQuantizer`` for a quantized KV cache (None: float cache).
+    ``kv``: a :class:`llmeq_jax.kv.spec.KVQuantizer` for a quantized KV cache (None: float cache).
     ``return_cache``: return ``(tokens, cache)``, e.g. to carry online key ranges to the
-    next request with ``kvquant.track_key_ranges``.
+    next request with :func:`llmeq_jax.kv.cache.track_key_ranges`.
 
     Generation does not stop at EOS: every row gets ``max_new_tokens`` tokens (static shapes).
     """

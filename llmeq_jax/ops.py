@@ -33,6 +33,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from llmeq_jax import kernel_dispatch
 from llmeq_jax.core.qarray import QArray, int_range, values_per_byte
 from llmeq_jax.core.quantize import Spec
 from llmeq_jax.decode_layout import RowMajorKernel, kernel_view
@@ -103,15 +104,7 @@ def linear(
 
 def _try_pallas(x, w, act, backend):
     """A Pallas kernel's result when one can take this product, else None (XLA fallback)."""
-    try:
-        from pallas_kernels import dispatch
-    except ImportError:
-        dispatch = None
-    if dispatch is None or not hasattr(dispatch, "linear"):
-        if backend == "pallas":
-            raise NotImplementedError("no Pallas kernel is available for ops.linear yet")
-        return None
-    return dispatch.linear(x, w, act, require=(backend == "pallas"))
+    return kernel_dispatch.linear(x, w, act, require=(backend == "pallas"))
 
 
 def _native_kind(w: QArray, act: Spec | None) -> str:

@@ -1,10 +1,11 @@
 """Pallas (GPU Triton) kernels for llmeq_jax, each beside a pure-jnp reference of the same math.
 
+Which kernel ``llmeq_jax.ops.linear`` uses for a product is decided on the ops side,
+in :mod:`llmeq_jax.kernel_dispatch`.
+
 * :mod:`pallas_kernels.w8a8`         fused per-token activation quantize + int8 GEMM + rescale
 * :mod:`pallas_kernels.weight_only`  int8 / packed-int4 weight-only matmul (dequantize in registers)
-* :mod:`pallas_kernels.online_scale` EMA-tracked (asynchronous) activation scales + quantize
-* :mod:`pallas_kernels.kv_cache`     quantized KV-cache append and single-query decode attention
-* :mod:`pallas_kernels.dispatch`     what ``llmeq_jax.ops.linear`` calls
+* :mod:`pallas_kernels.kv_cache`     single-query decode attention over the quantized KV cache's store
 * :mod:`pallas_kernels.config`       the interpret-mode switch for running kernels on CPU
 """
 

@@ -14,6 +14,7 @@ mask built from the logical sizes, so ragged M/N/K are handled, not rejected.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -144,6 +145,37 @@ def sum_splits(y: jax.Array, splits: int, bias, dtype) -> jax.Array:
     if bias is not None:
         y = y + bias.astype(jnp.float32)
     return y.astype(dtype)
+
+
+def launch_matmul(kernel, args: list, *, m: int, n: int, k: int, blocks, bias, k_splits: int | None, out_dtype,
+                  interpret: bool, name: str, **static):
+    """Run a tiled ``(M, N)`` matmul kernel over the grid ``(M / bm, N / bn, K splits)``: the launch
+    shared by the W8A8 and weight-only kernels.
+
+    The K loop is split over programs when the (M, N) grid is too small to fill the GPU
+    (:func:`splits_for`, or ``k_splits``); split programs write float32 partials that
+    :func:`sum_splits` adds. ``bias`` is fused into the kernel (appended as the last operand)
+    only without splits, else added after the sum. ``kernel`` gets ``m, n, k, blocks, has_bias,
+    split_blocks, split`` and ``static`` as keyword arguments.
+    """
+    grid_mn = (cdiv(m, blocks.bm), cdiv(n, blocks.bn))
+    k_blocks = cdiv(k, blocks.bk)
+    splits, split_blocks = fit_splits(k_blocks, k_splits or splits_for(grid_mn[0] * grid_mn[1], k_blocks))
+    fused_bias = bias is not None and splits == 1
+    if fused_bias:
+        args = [*args, bias.astype(jnp.float32).reshape(1, n)]
+    body = functools.partial(kernel, m=m, n=n, k=k, blocks=blocks, has_bias=fused_bias, split_blocks=split_blocks,
+                             split=splits > 1, **static)
+    out_shape = (splits, m, n) if splits > 1 else (m, n)
+    y = pl.pallas_call(
+        body,
+        out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32 if splits > 1 else out_dtype),
+        grid=(*grid_mn, splits),
+        compiler_params=compiler_params(blocks.num_warps, blocks.num_stages),
+        interpret=interpret,
+        name=name,
+    )(*args)
+    return sum_splits(y, splits, bias, out_dtype)
 
 
 def compiler_params(num_warps: int = 4, num_stages: int = 2):

@@ -1,28 +1,26 @@
-"""KV-cache kernels: quantize new K/V rows into an int8/int4 cache; decode attention over it.
+"""Decode attention over the quantized KV cache's store (``llmeq_jax.kv.cache.QuantKVCache``).
 
-Two cache layouts, both ``[B, H_kv, T, D]`` with codes packed along head_dim:
+The store, ``[B, H_kv, T, D]`` with codes packed along head_dim:
   int8    int8 ``[B, H_kv, T, D]``
   int4    uint8 ``[B, H_kv, T, D/2]``, byte = (v[2i] & 0xF) | ((v[2i+1] & 0xF) << 4)
-          (so appending a token touches whole bytes; the core's ``qarray.pack`` order)
-keys are per channel (KVQuant: one grid per head and dim, over tokens), values per
-token (one grid per head and token, over dims).
+          (the core's ``qarray.pack`` order)
+keys per channel (KVQuant: one grid per head and dim, over tokens), values per
+token (one grid per head and token, over dims); asymmetric grids, value =
+(code - qmin) * scale + lo, float16 per-token value grids, keys optionally stored
+before RoPE. The cache's float parts (window, sink tokens) stay outside the
+kernel: it returns the log-sum-exp of its scores so the cache merges the two.
 
-* The symmetric cache (``kv_append``, ``decode_attention``): ``k_scale [B or 1, H_kv, 1, D]``
-  calibrated, ``v_scale [B, H_kv, T, 1]`` float32 computed when a row is written;
-  qmax = 2^(b-1) - 1, round half to even, as in the core.
-* The store of ``llmeq_jax.kvcache.QuantKVCache`` (``store_decode_attention``): asymmetric
-  grids, value = (code - qmin) * scale + lo, float16 per-token value grids, keys
-  optionally stored before RoPE. Its float parts (window, sink tokens) stay outside
-  the kernel: it returns the log-sum-exp of its scores so the cache merges the two.
-
-``kv_append`` writes S new rows at token offset ``pos`` (aliased in place).
-Decode attention runs one query token per head (GQA: H_q = G * H_kv), dequantizing
+``store_decode_attention`` runs one query token per head (GQA: H_q = G * H_kv), dequantizing
 inside the kernel by folding the grids: q . (c * s_k + o_k) = (q * s_k) . c + q . o_k,
 and p . (c * s_v + o_v) = (p * s_v) . c + sum(p * o_v). Pre-RoPE keys cannot be
 folded (the rotation depends on the slot): they are dequantized and rotated per tile.
 The tokens are split into ranges, one program each (flash decoding), so that a
 long cache with few heads still fills the GPU; the partial results are merged
 by a small jnp step.
+
+(A symmetric int8/int4 cache with its own append kernel, ``kv_append`` / ``decode_attention``,
+lived here until nothing in the package used it; the ``_Layout`` fields ``shift``/``v_lo``
+still describe both grids.)
 """
 
 from __future__ import annotations
@@ -36,6 +34,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from llmeq_jax.core.qarray import int_range, unpack
+from llmeq_jax.core.rope import apply_rope
+from llmeq_jax.kv.grid import dequantize_grid
 from pallas_kernels import config
 from pallas_kernels.common import (
     FLOAT_DTYPES,
@@ -51,8 +51,6 @@ from pallas_kernels.common import (
     is_pow2,
     low_nibble,
     next_pow2,
-    pack_nibbles,
-    quantize_sym,
     span,
     split_pairs,
 )
@@ -80,38 +78,6 @@ def _rows_at(ref, b, h, rows, mask_rows, other=0):
     return plgpu.load(ref.at[b, h, rows, :], mask=mask_rows[:, None], other=other)
 
 
-def _store_rows(ref, b, h, rows, mask_rows, value):
-    plgpu.store(ref.at[b, h, rows, :], value, mask=mask_rows[:, None])
-
-
-def _to_cache(q, bits):
-    """int32 values (S, D) -> stored form: int8 (S, D) or packed uint8 (S, D/2)."""
-    if bits == 8:
-        return q.astype(jnp.int8)
-    even, odd = split_pairs(q)
-    return pack_nibbles(even, odd).astype(jnp.uint8)
-
-
-# --------------------------------------------------------------------------- append
-
-
-def _append_kernel(kn_ref, vn_ref, ks_ref, pos_ref, _k_in, _v_in, _vs_in, k_ref, v_ref, vs_ref, *, s, t, bs, bits):
-    b, h = pl.program_id(0), pl.program_id(1)
-    qmax = _qmax(bits)
-    pos = pos_ref[0]
-    new_rows, new_mask = span(0, bs, s)
-    dst_idx = pos + jax.lax.broadcasted_iota(jnp.int32, (bs,), 0)
-    dst = pl.ds(pos, bs)
-    dst_mask = new_mask & (dst_idx < t)  # never write past the cache end
-    k_scale = plgpu.load(ks_ref.at[b, h, pl.ds(0, 1), :]).astype(jnp.float32)  # (1, D)
-    k = _rows_at(kn_ref, b, h, new_rows, new_mask).astype(jnp.float32)
-    _store_rows(k_ref, b, h, dst, dst_mask, _to_cache(quantize_sym(k, k_scale, qmax), bits))
-    v = _rows_at(vn_ref, b, h, new_rows, new_mask).astype(jnp.float32)
-    v_scale = jnp.maximum(jnp.max(jnp.abs(v), axis=1, keepdims=True), TINY) / qmax  # (bs, 1)
-    _store_rows(v_ref, b, h, dst, dst_mask, _to_cache(quantize_sym(v, v_scale, qmax), bits))
-    _store_rows(vs_ref, b, h, dst, dst_mask, v_scale)
-
-
 def _check_cache(k_cache, v_cache, v_scale, bits, d):
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"KV cache: bits={bits} is not supported; expected one of {SUPPORTED_BITS}")
@@ -137,69 +103,6 @@ def _check_k_scale(k_scale, bsz, h, d):
 def _batched(k_scale, bsz):
     # A tiny [B, H, 1, D] copy, so the kernel always indexes it by program id.
     return jnp.broadcast_to(k_scale.astype(jnp.float32), (bsz, *k_scale.shape[1:]))
-
-
-def kv_append(k_cache, v_cache, v_scale, k_new, v_new, k_scale, pos, *, bits: int, interpret: bool | None = None):
-    """Quantize ``k_new``/``v_new`` ``[B, H_kv, S, D]`` and write them at token ``pos``.
-
-    Returns the updated ``(k_cache, v_cache, v_scale)`` (the inputs' buffers, aliased).
-    Rows that would fall past the end of the cache are dropped.
-    """
-    bsz, h, s, d = k_new.shape
-    if v_new.shape != k_new.shape or jnp.dtype(k_new.dtype) not in FLOAT_DTYPES:
-        raise ValueError(f"kv_append: k_new/v_new must be float [B, H, S, D] of one shape, got {k_new.shape}, {v_new.shape}")
-    _check_cache(k_cache, v_cache, v_scale, bits, d)
-    if k_cache.shape[:2] != (bsz, h):
-        raise ValueError(f"kv_append: cache is for (B, H) = {k_cache.shape[:2]}, new rows are for {(bsz, h)}")
-    _check_k_scale(k_scale, bsz, h, d)
-    t = k_cache.shape[2]
-    kernel = functools.partial(
-_append_kernel, s=s, t=t, bs=next_pow2(s), bits=bits)
-    pos = jnp.asarray(pos, jnp.int32).reshape(1)
-    return pl.pallas_call(
-        kernel,
-        out_shape=(
-            jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
-            jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
-            jax.ShapeDtypeStruct(v_scale.shape, jnp.float32),
-        ),
-        grid=(bsz, h),
-        input_output_aliases={4: 0, 5: 1, 6: 2},
-        compiler_params=compiler_params(),
-        interpret=config.resolve_interpret(interpret),
-        name=f"kv_append_int{bits}",
-    )(k_new, v_new, _batched(k_scale, bsz), pos, k_cache, v_cache, v_scale.astype(jnp.float32))
-
-
-def kv_append_reference(k_cache, v_cache, v_scale, k_new, v_new, k_scale, pos, *, bits: int):
-    """Pure-jnp reference of :func:`kv_append` (``pos`` static here)."""
-    qmax = _qmax(bits)
-    t = k_cache.shape[2]
-    keep = max(0, min(k_new.shape[2], t - pos))
-    kq = jnp.clip(jnp.round(k_new.astype(jnp.float32) / k_scale), -qmax, qmax).astype(jnp.int32)
-    vf = v_new.astype(jnp.float32)
-    vs = jnp.maximum(jnp.max(jnp.abs(vf), axis=-1, keepdims=True), TINY) / qmax
-    vq = jnp.clip(jnp.round(vf / vs), -qmax, qmax).astype(jnp.int32)
-
-    def stored(q):
-        if bits == 8:
-            return q.astype(jnp.int8)
-        return ((q[..., 0::2] & 15) | ((q[..., 1::2] & 15) << 4)).astype(jnp.uint8)
-
-    def put(cache, rows):
-        return cache.at[:, :, pos : pos + keep].set(rows[:, :, :keep].astype(cache.dtype))
-
-    return put(k_cache, stored(kq)), put(v_cache, stored(vq)), put(v_scale, vs)
-
-
-def dequantize_cache(cache, scale, bits: int):
-    """Float32 ``[B, H, T, D]`` view of a quantized cache (scale broadcasts: per channel or per token)."""
-    if bits == 8:
-        q = cache.astype(jnp.float32)
-    else:
-        b = cache.astype(jnp.int32)
-        q = jnp.stack([low_nibble(b), high_nibble(b)], axis=-1).reshape(*cache.shape[:-1], -1).astype(jnp.float32)
-    return q * scale
 
 
 # --------------------------------------------------------------------------- decode attention
@@ -400,41 +303,6 @@ def _check_query(q, h, bsz):
         raise ValueError(f"decode_attention: q heads {q.shape[1]} must be a multiple of cache heads {h} (batch {bsz})")
 
 
-def decode_attention(
-    q, k_cache, v_cache, k_scale, v_scale, length, *, bits: int, sm_scale: float | None = None,
-    block_t: int = 128, num_splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
-    interpret: bool | None = None,
-):
-    """Single-query attention over the symmetric cache (split-T "flash decoding").
-
-    q ``[B, H_q, D]`` float, caches as in the module docstring, ``length`` int32 ``[B]``
-    (valid tokens per sequence, >= 1). Returns ``[B, H_q, D]`` in q's dtype.
-
-    The cached tokens are cut into ``num_splits`` ranges (default :func:`decode_splits`),
-    one program each per (batch, kv head); each returns its unnormalised sum with its
-    running max and denominator, and a small jnp step rescales and adds them.
-    """
-    d = q.shape[-1]
-    _check_cache(k_cache, v_cache, v_scale, bits, d)
-    _check_query(q, k_cache.shape[1], k_cache.shape[0])
-    _check_k_scale(k_scale, k_cache.shape[0], k_cache.shape[1], d)
-    out, _ = _decode(
-        q, k_cache, v_cache, k_scale, jnp.zeros_like(k_scale, jnp.float32), v_scale.astype(jnp.float32), (),
-        length, _Layout(bits), sm_scale=sm_scale, block_t=block_t, num_splits=num_splits, num_warps=num_warps,
-        num_stages=num_stages, interpret=interpret,
-    )
-    return out.astype(q.dtype)
-
-
-def decode_attention_reference(q, k_cache, v_cache, k_scale, v_scale, length, *, bits: int, sm_scale=None):
-    """Dequantize the whole cache, then plain masked softmax attention in float32."""
-    t = k_cache.shape[2]
-    valid = jnp.arange(t)[None, :] < jnp.broadcast_to(jnp.asarray(length), (q.shape[0],))[:, None]
-    out, _ = _attention_reference(q, dequantize_cache(k_cache, k_scale, bits), dequantize_cache(v_cache, v_scale, bits),
-                                  valid, sm_scale)
-    return out.astype(q.dtype)
-
-
 def _attention_reference(q, k, v, allowed, sm_scale):
     """Masked single-query attention in float32 -> (out [B, H_q, D], lse [B, H_q])."""
     bsz, hq, d = q.shape
@@ -447,7 +315,7 @@ def _attention_reference(q, k, v, allowed, sm_scale):
     return out.reshape(bsz, hq, d), lse.reshape(bsz, hq)
 
 
-# --------------------------------------------------------------------------- the quantized store of kvcache
+# --------------------------------------------------------------------------- the quantized store of kv.cache
 
 
 def store_decode_attention(
@@ -455,7 +323,7 @@ def store_decode_attention(
     inv_freq=None, sm_scale: float | None = None, block_t: int = 128, num_splits: int | None = None,
     num_warps: int = 4, num_stages: int = 2, interpret: bool | None = None,
 ):
-    """Single-query attention over ``llmeq_jax.kvcache.QuantKVCache``'s store of one layer.
+    """Single-query attention over ``llmeq_jax.kv.cache.QuantKVCache``'s store of one layer.
 
     The store holds asymmetric codes, ``(code - qmin) * scale + lo``, qmin the signed
     minimum of ``bits`` (codes packed along head_dim as in the module docstring):
@@ -507,14 +375,12 @@ def store_decode_attention(
 def store_decode_attention_reference(q, k_codes, v_codes, k_scale, k_lo, v_scale, v_lo, length, *, bits: int,
                                      allowed=None, slot_pos=None, inv_freq=None, sm_scale=None):
     """Pure-jnp reference of :func:`store_decode_attention`: dequantize, rotate, attend."""
-    from llmeq_jax.kvquant import dequantize_grid, rope
-
     d = q.shape[-1]
     bsz, t = k_codes.shape[0], k_codes.shape[2]
     k = dequantize_grid(unpack(k_codes, bits, -1, d), k_scale, k_lo, bits)
     v = dequantize_grid(unpack(v_codes, bits, -1, d), v_scale, v_lo, bits)
     if slot_pos is not None:
-        k = rope(k, slot_pos, inv_freq)
+        k = apply_rope(k, slot_pos, inv_freq, heads_axis=1)
     ok = jnp.arange(t)[None, :] < jnp.broadcast_to(jnp.asarray(length), (bsz,))[:, None]
     if allowed is not None:
         ok = ok & allowed.astype(bool)

@@ -28,8 +28,6 @@ being redone for every N tile -- see the README.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -41,14 +39,11 @@ from pallas_kernels.common import (
     FLOAT_DTYPES,
     TINY,
     cdiv,
-    compiler_params,
     dot,
     is_pow2,
+    launch_matmul,
     load_tile,
     span,
-    fit_splits,
-    splits_for,
-    sum_splits,
     store_tile,
 )
 
@@ -165,36 +160,9 @@ def w8a8_matmul(
     args = [xq, sx, wq.T if w_kmajor else wq, w_scale.astype(jnp.float32)]
     if w_zero_point is not None:
         args.append(w_zero_point.astype(jnp.int8))
-    if bias is not None:
-        args.append(bias.astype(jnp.float32).reshape(1, n))
-    grid_mn = (cdiv(m, blocks.bm), cdiv(n, blocks.bn))
-    k_blocks = cdiv(k, blocks.bk)
-    splits, split_blocks = fit_splits(k_blocks, k_splits or splits_for(grid_mn[0] * grid_mn[1], k_blocks))
-    kernel = functools.partial(
-        _kernel,
-        m=m,
-        n=n,
-        k=k,
-        blocks=blocks,
-        group=group,
-        has_zp=w_zero_point is not None,
-        has_bias=bias is not None and splits == 1,
-        split_blocks=split_blocks,
-        split=splits > 1,
-        w_kmajor=w_kmajor,
-    )
-    if splits > 1 and bias is not None:
-        args.pop()  # added after the splits are summed
-    out_shape = (splits, m, n) if splits > 1 else (m, n)
-    y = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32 if splits > 1 else x.dtype),
-        grid=(*grid_mn, splits),
-        compiler_params=compiler_params(blocks.num_warps, blocks.num_stages),
-        interpret=config.resolve_interpret(interpret),
-        name="w8a8_matmul",
-    )(*args)
-    return sum_splits(y, splits, bias, x.dtype)
+    return launch_matmul(_kernel, args, m=m, n=n, k=k, blocks=blocks, bias=bias, k_splits=k_splits, out_dtype=x.dtype,
+                         interpret=config.resolve_interpret(interpret), name="w8a8_matmul", group=group,
+                         has_zp=w_zero_point is not None, w_kmajor=w_kmajor)
 
 
 def w8a8_reference(x, wq, w_scale, *, w_zero_point=None, bias=None, act_scale=None, group=None):

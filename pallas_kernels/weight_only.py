@@ -25,8 +25,6 @@ Small (M, N) grids (decode) split the K loop over several programs.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -37,18 +35,15 @@ from pallas_kernels.blocks import Blocks, matmul_blocks
 from pallas_kernels.common import (
     FLOAT_DTYPES,
     cdiv,
-    compiler_params,
     dot,
     f32_dot_precision,
     high_nibble,
     is_pow2,
+    launch_matmul,
     load_tile,
     low_nibble,
     span,
     split_pairs,
-    fit_splits,
-    splits_for,
-    sum_splits,
     store_tile,
 )
 
@@ -154,35 +149,9 @@ def weight_only_matmul(
     args = [x, wq, w_scale.astype(jnp.float32)]
     if w_zero_point is not None:
         args.append(w_zero_point.astype(jnp.int8))
-    grid_mn = (cdiv(m, blocks.bm), cdiv(n, blocks.bn))
-    k_blocks = cdiv(k, blocks.bk)
-    splits, split_blocks = fit_splits(k_blocks, k_splits or splits_for(grid_mn[0] * grid_mn[1], k_blocks))
-    if bias is not None and splits == 1:
-        args.append(bias.astype(jnp.float32).reshape(1, n))
-    kernel = functools.partial(
-        _kernel,
-        m=m,
-        n=n,
-        k=k,
-        bits=bits,
-        blocks=blocks,
-        group=group,
-        has_zp=w_zero_point is not None,
-        has_bias=bias is not None and splits == 1,
-        split_blocks=split_blocks,
-        split=splits > 1,
-        precision=f32_dot_precision(interpret),
-    )
-    out_shape = (splits, m, n) if splits > 1 else (m, n)
-    y = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32 if splits > 1 else x.dtype),
-        grid=(*grid_mn, splits),
-        compiler_params=compiler_params(blocks.num_warps, blocks.num_stages),
-        interpret=interpret,
-        name=f"weight_only_int{bits}_matmul",
-    )(*args)
-    return sum_splits(y, splits, bias, x.dtype)
+    return launch_matmul(_kernel, args, m=m, n=n, k=k, blocks=blocks, bias=bias, k_splits=k_splits, out_dtype=x.dtype,
+                         interpret=interpret, name=f"weight_only_int{bits}_matmul", bits=bits, group=group,
+                         has_zp=w_zero_point is not None, precision=f32_dot_precision(interpret))
 
 
 def unpack_int4_rows(wq, k: int):

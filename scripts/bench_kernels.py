@@ -87,7 +87,7 @@ def _copies(a, n):
 
 def gpu_bench(reps, sweep=False):
     from llmeq_jax.core.quantize import Spec, quantize
-    from pallas_kernels.kv_cache import decode_attention
+    from pallas_kernels.kv_cache import store_decode_attention
     from pallas_kernels.w8a8 import w8a8_matmul
     from pallas_kernels.weight_only import weight_only_matmul
 
@@ -129,8 +129,9 @@ def gpu_bench(reps, sweep=False):
         del wb, w8, s8, w4, s4, kinds
 
     b, h, g, t, d = KV_SHAPE
-    ks = jnp.full((1, h, 1, d), 0.01)
-    vs = jnp.full((b, h, t, 1), 0.01)
+    # The quantized cache's store: per-channel key grid, float16 per-token value scale and min.
+    ks, kl = jnp.full((1, h, 1, d), 0.01), jnp.zeros((1, h, 1, d))
+    vs, vl = jnp.full((b, h, t, 1), 0.01, jnp.float16), jnp.zeros((b, h, t, 1), jnp.float16)
     length = jnp.array([t], jnp.int32)
     q = jax.random.normal(jax.random.key(3), (b, h * g, d), jnp.bfloat16)
     kq = jax.random.randint(jax.random.key(2), (b, h, t, d), -127, 128).astype(jnp.int8)
@@ -151,7 +152,8 @@ def gpu_bench(reps, sweep=False):
     configs = [dict()] + ([dict(block_t=64), dict(num_splits=64), dict(num_splits=16)] if sweep else [])
     for bits, caches in ((8, kqs), (4, k4s)):
         for cfg in configs:
-            fn = lambda q, k, v, cfg=cfg, bits=bits: decode_attention(q, k, v, ks, vs, length, bits=bits, **cfg)
+            fn = lambda q, k, v, cfg=cfg, bits=bits: store_decode_attention(q, k, v, ks, kl, vs, vl, length, bits=bits,
+                                                                          **cfg)[0]
             try:
                 t_q = timed(fn, [(q, caches[i], caches[r + i]) for i in range(r)], reps=reps)
             except Exception as e:  # e.g. a block size that needs more shared memory than there is

@@ -23,30 +23,33 @@ from pathlib import Path
 
 import jax
 
-from llmeq_jax import evaluate, kvcache, kvquant
+from llmeq_jax import calibrate, evaluate
+from llmeq_jax.kv import grid as kvgrid
+from llmeq_jax.kv import memory as kvmemory
+from llmeq_jax.kv import spec as kvspec
 from llmeq_jax.cli import CALIB_TEXT, EVAL_TEXT, find_data_file
 from llmeq_jax.models import forward, init_cache, load_model
 
 
-def settings() -> list[tuple[str, kvquant.KVSpec | None]]:
-    out: list[tuple[str, kvquant.KVSpec | None]] = [("float", None)]
+def settings() -> list[tuple[str, kvspec.KVSpec | None]]:
+    out: list[tuple[str, kvspec.KVSpec | None]] = [("float", None)]
     for w in (0, 32):
         out += [
-            (f"int8 ch pre-RoPE w{w}", kvquant.KVSpec(8, "channel", True, w)),
-            (f"int4 ch pre-RoPE w{w}", kvquant.KVSpec(4, "channel", True, w)),
-            (f"int4 ch pre-RoPE 1% out w{w}", kvquant.KVSpec(4, "channel", True, w, 0.01)),
-            (f"int4 ch post-RoPE w{w}", kvquant.KVSpec(4, "channel", False, w)),
-            (f"int4 tok w{w}", kvquant.KVSpec(4, "token", False, w)),
-            (f"int2 ch pre-RoPE w{w}", kvquant.KVSpec(2, "channel", True, w)),
-            (f"int2 ch pre-RoPE 1% out w{w}", kvquant.KVSpec(2, "channel", True, w, 0.01)),
-            (f"int8 ch online p64 w{w}", kvquant.KVSpec(8, "channel", True, w, key_range="online")),
-            (f"int4 ch online p64 w{w}", kvquant.KVSpec(4, "channel", True, w, key_range="online")),
+            (f"int8 ch pre-RoPE w{w}", kvspec.KVSpec(8, "channel", True, w)),
+            (f"int4 ch pre-RoPE w{w}", kvspec.KVSpec(4, "channel", True, w)),
+            (f"int4 ch pre-RoPE 1% out w{w}", kvspec.KVSpec(4, "channel", True, w, 0.01)),
+            (f"int4 ch post-RoPE w{w}", kvspec.KVSpec(4, "channel", False, w)),
+            (f"int4 tok w{w}", kvspec.KVSpec(4, "token", False, w)),
+            (f"int2 ch pre-RoPE w{w}", kvspec.KVSpec(2, "channel", True, w)),
+            (f"int2 ch pre-RoPE 1% out w{w}", kvspec.KVSpec(2, "channel", True, w, 0.01)),
+            (f"int8 ch online p64 w{w}", kvspec.KVSpec(8, "channel", True, w, key_range="online")),
+            (f"int4 ch online p64 w{w}", kvspec.KVSpec(4, "channel", True, w, key_range="online")),
         ]
     # Every row above keeps the default 4 attention-sink tokens in float; these turn them off.
     out += [
-        ("int4 ch pre-RoPE w0 no-sinks", kvquant.KVSpec(4, "channel", True, 0, sink_tokens=0)),
-        ("int4 ch pre-RoPE 1% out w0 no-sinks", kvquant.KVSpec(4, "channel", True, 0, 0.01, sink_tokens=0)),
-        ("int2 ch pre-RoPE 1% out w0 no-sinks", kvquant.KVSpec(2, "channel", True, 0, 0.01, sink_tokens=0)),
+        ("int4 ch pre-RoPE w0 no-sinks", kvspec.KVSpec(4, "channel", True, 0, sink_tokens=0)),
+        ("int4 ch pre-RoPE 1% out w0 no-sinks", kvspec.KVSpec(4, "channel", True, 0, 0.01, sink_tokens=0)),
+        ("int2 ch pre-RoPE 1% out w0 no-sinks", kvspec.KVSpec(2, "channel", True, 0, 0.01, sink_tokens=0)),
     ]
     return out
 
@@ -77,11 +80,11 @@ def main(argv=None) -> int:
     def quantizer(spec):
         """Calibrated KVQuantizer; the calibration keys are collected once per pre/post-RoPE."""
         if spec is None or not spec.needs_key_ranges:
-            return kvquant.make_quantizer(spec)
+            return calibrate.make_kv_quantizer(spec)
         if spec.pre_rope not in keys_by_rope:
-            keys_by_rope[spec.pre_rope] = kvquant.collect_keys(config, params, calib, pre_rope=spec.pre_rope)
-        return kvquant.KVQuantizer(
-            kvquant.key_ranges_from_keys(keys_by_rope[spec.pre_rope], spec.outlier_frac, spec.sink_tokens), spec)
+            keys_by_rope[spec.pre_rope] = calibrate.collect_keys(config, params, calib, pre_rope=spec.pre_rope)
+        return kvspec.KVQuantizer(
+            kvgrid.key_ranges_from_keys(keys_by_rope[spec.pre_rope], spec.outlier_frac, spec.sink_tokens), spec)
 
     base = None
     for name, spec in settings():
@@ -94,7 +97,7 @@ def main(argv=None) -> int:
         res = evaluate.perplexity(lambda p, t, kv=kv: forward(config, p, t, kv=kv), wins, batch_size=args.batch_size,
                                  params=params)
         eval_s = time.perf_counter() - t0
-        mem = kvcache.memory(jax.eval_shape(lambda kv=kv: init_cache(config, 1, args.seq_len, kv=kv)))
+        mem = kvmemory.memory(jax.eval_shape(lambda kv=kv: init_cache(config, 1, args.seq_len, kv=kv)))
         if spec is None:
             base = res["ppl"], mem["bytes_per_token"]
         row = {
@@ -107,7 +110,7 @@ def main(argv=None) -> int:
             "bytes_per_token": mem["bytes_per_token"],
             "fixed_bytes": mem["fixed_bytes"],
             "x_smaller": None if base is None else base[1] / mem["bytes_per_token"],
-            "longest_context_at_budget": kvcache.longest_context(
+            "longest_context_at_budget": kvmemory.longest_context(
                 mem["bytes_per_token"], mem["fixed_bytes"], args.budget_gb * 2**30
             ),
             "calib_s": calib_s,

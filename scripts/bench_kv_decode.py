@@ -19,7 +19,8 @@ import sys
 
 import jax.numpy as jnp
 
-from llmeq_jax import evaluate, kvquant
+from llmeq_jax import calibrate, evaluate
+from llmeq_jax.kv import spec as kvspec
 from llmeq_jax.cli import CALIB_TEXT, EVAL_TEXT, find_data_file
 from llmeq_jax.generate import generate
 from llmeq_jax.models import load_model
@@ -27,10 +28,10 @@ from pallas_kernels import config as kernel_config
 
 SETTINGS = [
     ("float", None),
-    ("int8 pre-RoPE", kvquant.KVSpec(8)),
-    ("int4 pre-RoPE", kvquant.KVSpec(4)),
-    ("int4 pre-RoPE w32", kvquant.KVSpec(4, window=32)),
-    ("int4 post-RoPE", kvquant.KVSpec(4, pre_rope=False)),
+    ("int8 pre-RoPE", kvspec.KVSpec(8)),
+    ("int4 pre-RoPE", kvspec.KVSpec(4)),
+    ("int4 pre-RoPE w32", kvspec.KVSpec(4, window=32)),
+    ("int4 post-RoPE", kvspec.KVSpec(4, pre_rope=False)),
 ]
 
 
@@ -59,7 +60,7 @@ def main(argv=None) -> int:
           f"median of {args.runs}; {evaluate.machine()}", flush=True)
     base = None
     for name, spec in SETTINGS:
-        kv = kvquant.make_quantizer(spec, config, params, calib)
+        kv = calibrate.make_kv_quantizer(spec, config, params, calib)
         paths = [("xla", True)] if spec is None or not on_gpu else [("kernel", False), ("xla", True)]
         for path, off in paths:
             with kernel_config.disabled() if off else kernel_config.interpret(False):

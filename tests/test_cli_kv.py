@@ -27,6 +27,18 @@ def _row(capsys, *args):
     return json.loads(out)["rows"][0]
 
 
+def test_longest_context_is_capped_by_the_model():
+    """A 1 GiB budget holds far more than stories260K's context: report the model's limit, not the budget's."""
+    from llmeq_jax.models import load_model
+
+    config, params, tokenizer = load_model(MODEL)
+    mem = cli.kv_memory(config, 64, None, 1.0)
+    assert mem["model_max_context"] == config.max_position_embeddings
+    assert mem["kv_longest_context"] == mem["float_kv_longest_context"] == config.max_position_embeddings
+    tiny = cli.kv_memory(config, 64, None, 1e-5)  # ~10 KB: a few tokens, fewer than the model's limit
+    assert 0 < tiny["kv_longest_context"] < config.max_position_embeddings
+
+
 def test_eval_kv_ppl_and_bytes(capsys):
     fp, kv8, kv2 = (_row(capsys, MODEL, *extra) for extra in ([], ["--kv", "int8"], ["--kv", "int2"]))
     assert fp["extra"]["kv"] == "float32" and "int8" in kv8["extra"]["kv"] and kv8["recipe"].endswith("kv8")

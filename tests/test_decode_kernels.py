@@ -21,7 +21,8 @@ from llmeq_jax import decode_layout, native, ops
 from llmeq_jax import generate as gen
 from llmeq_jax.core.qarray import QArray, expand_to
 from llmeq_jax.core.quantize import Spec, quantize
-from llmeq_jax.models import ModelConfig, init_params, layers
+from llmeq_jax.kv import attention
+from llmeq_jax.models import ModelConfig, init_params
 
 pytestmark = [
     pytest.mark.skipif(jax.default_backend() != "cpu", reason="native kernels are CPU kernels"),
@@ -210,16 +211,16 @@ def test_decode_attention_matches_xla_and_its_gradient(b, t, h, kv, s, d):
     rng = np.random.default_rng(s)
     q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for shape in ((b, t, h, d), (b, kv, s, d), (b, kv, s, d)))
     mask = jnp.asarray(rng.random((b, t, s)) < 0.6).at[0, 0].set(False)  # one row sees nothing: uniform
-    assert layers._native_attention_ok(q, k, v)
-    y = jax.jit(layers.dot_product_attention)(q, k, v, mask)
-    ref = jax.jit(layers._attention_xla)(q, k, v, mask)
+    assert attention.native_attention_ok(q, k, v)
+    y = jax.jit(attention.dot_product_attention)(q, k, v, mask)
+    ref = jax.jit(attention.attention_xla)(q, k, v, mask)
     np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=1e-5, atol=1e-5)
 
     def loss(f):
         return lambda q, k, v: jnp.sum(f(q, k, v, mask) ** 2)
 
-    g = jax.jit(jax.grad(loss(layers.dot_product_attention), argnums=(0, 1, 2)))(q, k, v)
-    g_ref = jax.jit(jax.grad(loss(layers._attention_xla), argnums=(0, 1, 2)))(q, k, v)
+    g = jax.jit(jax.grad(loss(attention.dot_product_attention), argnums=(0, 1, 2)))(q, k, v)
+    g_ref = jax.jit(jax.grad(loss(attention.attention_xla), argnums=(0, 1, 2)))(q, k, v)
     for a, r in zip(g, g_ref):
         np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-4, atol=1e-4)
 
@@ -228,7 +229,7 @@ def test_decode_attention_rejects_bad_shapes():
     q = jnp.ones((1, 1, 4, 8))
     k = jnp.ones((1, 2, 5, 8))
     with pytest.raises(ValueError, match="mask must be"):
-        native.decode_attention(q, k, k, jnp.ones((1, 1, 4), bool), masked=-1e30, reference=layers._attention_xla)
+        native.decode_attention(q, k, k, jnp.ones((1, 1, 4), bool), masked=-1e30, reference=attention.attention_xla)
     with pytest.raises(ValueError, match="float32"):
         native.decode_attention(q.astype(jnp.bfloat16), k, k, jnp.ones((1, 1, 5), bool), masked=-1e30,
-                                reference=layers._attention_xla)
+                                reference=attention.attention_xla)

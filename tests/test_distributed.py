@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import subprocess
@@ -98,6 +99,32 @@ def _one_rule(spec):
     from llmeq_jax.core.rules import Recipe, Rule
 
     return Recipe((Rule(".*", weight=spec),), name="one")
+
+
+def test_block_runners_give_the_same_statistics():
+    """One calibration driver, two block runners (plain jit; shard_map on a 1-device mesh): the same
+    statistics, the same ``keep`` filter and the same processed params. (The 8-device checks compare
+    the runners across shards.)"""
+    from llmeq_jax.distributed.calibrate import ShardedBlockRunner
+    from llmeq_jax.models.model import init_params
+
+    config = dataclasses.replace(tiny.CONFIG, num_layers=2)
+    params, windows = init_params(config, jax.random.key(0)), tiny.windows(4)
+
+    def halve_block(layer, block_params, block_stats, inputs):  # a sequential "method": block i+1 sees it
+        return jax.tree.map(lambda a: a * 0.5, block_params)
+
+    kw = dict(wants=("absmax", "hessian", "count"), batch_size=2, keep=("absmax", "count"), process_block=halve_block)
+    ref, ref_params = calibrate.calibrate(config, params, windows, **kw)
+    runner = ShardedBlockRunner(dist.make_mesh(1, 1, devices=jax.devices()[:1]), ordered_sums=True)
+    got, got_params = calibrate.calibrate(config, params, windows, runner=runner, **kw)
+    assert set(got) == set(ref) and len(ref) == 14
+    for path in ref:
+        assert set(got[path]) == set(ref[path]) == {"absmax", "count"}, path  # the sharded driver keeps only `keep`
+        for k in ref[path]:
+            np.testing.assert_allclose(dist.to_host(got[path][k]), np.asarray(ref[path][k]), rtol=1e-6, err_msg=f"{path} {k}")
+    for a, b in zip(jax.tree.leaves(got_params), jax.tree.leaves(ref_params)):
+        np.testing.assert_array_equal(dist.to_host(a), np.asarray(b))
 
 
 # --------------------------------------------------------------------------- 8 host devices

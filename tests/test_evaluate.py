@@ -62,6 +62,16 @@ def test_report_json_and_markdown(tmp_path):
     assert data["machine"]["jax_backend"] == jax.default_backend()
     md = rep.to_markdown()
     assert "| rtn-w8 | 10.500 | +5.00 | 1.00 | 0.250× |" in md
+    assert "| Δ% vs fp32 |" in md and "| size vs fp32 |" in md  # the header names the row compared with
+
+
+def test_one_row_report_has_no_relative_columns():
+    """`llmeq eval` reports one model: "Δ% vs first" would compare it with itself."""
+    rep = ev.Report(model="m", text="t.txt", seq_len=8, n_windows=2)
+    rep.rows.append(ev.Row(recipe="as-loaded", ppl=10.0, param_bytes=4_000_000))
+    md = rep.to_markdown()
+    assert " vs " not in md.split("\n")[2]
+    assert "| as-loaded | 10.000 | 4.00 | – | – | – |" in md
 
 
 def test_median_time_and_memory():

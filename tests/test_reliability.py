@@ -226,9 +226,19 @@ def test_temperature_zero_is_greedy(capsys):
 
 
 def test_generated_text_keeps_the_space_after_the_prompt(capsys):
-    rc, out, err = run(capsys, "generate", MODEL, "--prompt", "Once upon", "--max-new-tokens", "3")
+    """The printed text is exactly the prompt followed by the new SentencePiece pieces ("▁" = a space)."""
+    from llmeq_jax.models import load_model
+
+    args = ("generate", MODEL, "--prompt", "Once upon", "--max-new-tokens", "3")
+    rc, out, err = run(capsys, *args)
     assert rc == 0, err
-    assert out.startswith("Once upon a time"), out  # was "Once upona time"
+    rc, js, err = run(capsys, *args, "--json")
+    assert rc == 0, err
+    tokens = json.loads(js)["tokens"]
+    pieces = load_model(MODEL)[2].convert_ids_to_tokens(tokens)
+    expected = "Once upon" + "".join(pieces).replace("\u2581", " ")
+    assert out == expected + "\n" and json.loads(js)["text"] == expected  # was "Once upona time"
+    assert expected.startswith("Once upon a")
 
 
 @pytest.mark.parametrize("exc", [TypeError, IndexError, OverflowError, ZeroDivisionError, KeyError, RuntimeError])

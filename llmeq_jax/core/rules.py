@@ -258,10 +258,22 @@ def map_rules(
         raise RecipeError(
             f"recipe {recipe.name!r} matched no quantizable parameter; kernel paths look like {kernels}"
         )
+    paths = set(leaf_paths(params))
     for i, rule in enumerate(recipe.rules):
-        if i not in used:
+        if i not in used and not _for_an_absent_tied_head(rule, paths):
             warnings.warn(f"recipe {recipe.name!r}: rule {rule.pattern!r} matched no parameter", UnusedRuleWarning)
     return out
+
+
+# The separate LM head a rule may be written for (every ready recipe has ".*lm_head.*": skip).
+HEAD_KERNEL = "lm_head/kernel"
+
+
+def _for_an_absent_tied_head(rule: Rule, paths: set[str]) -> bool:
+    """A rule for the LM head cannot apply to a model whose head is tied to the embedding table
+    (the tree has the table and no head kernel): it is not reported as unused there. A rule that
+    would not match the head either (a typo) still is."""
+    return rule.matches(HEAD_KERNEL) and HEAD_KERNEL not in paths and EMBEDDING_TABLE in paths
 
 
 def quantize_leaf(path: str, w: jax.Array, rule: Rule, stats: dict | None = None) -> QArray:

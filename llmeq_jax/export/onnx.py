@@ -76,7 +76,7 @@ from llmeq_jax.models.config import ModelConfig
 
 OPSET = 21  # blocked DequantizeLinear (block_size) arrived in opset 21
 MS_DOMAIN = "com.microsoft"
-# Masked attention scores: the value our model uses (layers._MASKED), so fully masked rows agree too.
+# Masked attention scores: the value our model uses (kv.attention.MASKED), so fully masked rows agree too.
 MASKED = -1e30
 # protobuf cannot serialise a message of 2 GiB or more (external data is not written here).
 MAX_PROTO_BYTES = 2**31 - 2**20

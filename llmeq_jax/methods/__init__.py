@@ -1,81 +1,55 @@
-"""Quantization methods: each is ``(params, stats, recipe) -> params`` (DESIGN §2).
+"""Quantization methods and the driver that runs a recipe end to end: :func:`quantize_model`.
 
-``rtn`` (round-to-nearest under the recipe's rules) needs no statistics.
-The calibrated methods work one decoder block at a time, driven by
-:func:`llmeq_jax.calibrate.calibrate` with ``process_block``; each lives in a
-module of its own and exposes the same four functions:
+One signature for every method, the driver's:
+``quantize_model(config, params, recipe, windows) -> (params, info)``.
 
-  ``parse_args(method_args) -> cfg``       validated options (clear errors)
-  ``wants(cfg) -> stats names``            what calibration collects per linear input
-  ``sequential(cfg) -> bool``              whether block i+1 must see the *quantized* block i
-  ``block_processor(config, recipe, cfg, info) -> process_block``
+``rtn`` (round-to-nearest under the recipe's rules, :func:`llmeq_jax.core.rules.quantize_params`)
+needs no statistics (unless a rule asks for a static activation scale). The calibrated
+methods work one decoder block at a time, driven by :func:`llmeq_jax.calibrate.calibrate`
+with ``process_block``; each is a module of :data:`CALIBRATED` with the same four functions
+(``opts`` is the module's validated options, whatever type its ``parse_args`` returns):
+
+  ``parse_args(method_args) -> opts``      validated options (clear errors)
+  ``wants(opts) -> stats names``           what calibration collects per linear input
+  ``sequential(opts) -> bool``             whether block i+1 must see the *quantized* block i
+  ``block_processor(config, recipe, opts, info) -> process_block``
                                            ``(layer, block, block_stats, block_inputs) -> quantized block``
 
   smoothquant   fold s = max|X|^a / max|W|^(1-a) into the producer, then W8A8 RTN
   awq           activation-aware scale search + clip search (low-bit weights)
   gptq          Hessian-based row-by-row quantization with error feedback
   zeroquant     group-wise weights + per-token activations, optional LKD
-
-:func:`quantize_model` runs any recipe end to end (calibrating when needed).
 """
 
 from __future__ import annotations
 
 import time
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
+import jax
 import numpy as np
 
+from llmeq_jax import calibrate
 from llmeq_jax.core.rules import Recipe, RecipeError, is_table, map_rules, quantize_leaf, quantize_params
+from llmeq_jax.methods import awq, gptq, smoothquant, zeroquant
 
-
-def rtn(params: Any, stats: dict | None, recipe: Recipe) -> Any:
-    """Round-to-nearest: each kernel quantized on its own grid, no calibration."""
-    return quantize_params(params, recipe, stats=stats)
-
-
-def _module(name: str) -> ModuleType:
-    import importlib
-
-    return importlib.import_module(f"llmeq_jax.methods.{name}")
-
-
-CALIBRATED = ("smoothquant", "awq", "gptq", "zeroquant")
+# The calibrated methods by recipe name (a static table: adding a method is adding a line).
+CALIBRATED: dict[str, ModuleType] = {"smoothquant": smoothquant, "awq": awq, "gptq": gptq, "zeroquant": zeroquant}
+METHODS: tuple[str, ...] = ("rtn", *CALIBRATED)
 # Methods that can only handle kernels inside decoder blocks (they need that block's inputs).
 BLOCK_ONLY = {"awq", "gptq"}
 
 
-def _calibrated(name: str) -> Callable[[Any, dict | None, Recipe], Any]:
-    def run(params, stats, recipe, *, config=None, windows=None):
-        """As a plain function it needs ``config`` and calibration ``windows``; ``stats`` are recomputed."""
-        if config is None or windows is None:
-            raise RecipeError(f"method {name!r} calibrates block by block: call "
-                              "llmeq_jax.methods.quantize_model(config, params, recipe, windows)")
-        return quantize_model(config, params, recipe, windows)[0]
-
-    run.__name__ = name
-    return run
-
-
-METHODS: dict[str, Callable[..., Any]] = {"rtn": rtn, **{m: _calibrated(m) for m in CALIBRATED}}
-# Methods whose recipes need calibration statistics before they can run.
-NEEDS_STATS: set[str] = set(CALIBRATED)
-
-
-def get_method(name: str) -> Callable[[Any, dict | None, Recipe], Any]:
+def check_method(name: str) -> None:
+    """A RecipeError naming the known methods when ``name`` is not one."""
     if name not in METHODS:
         raise RecipeError(f"unknown method {name!r}; available: {sorted(METHODS)}")
-    return METHODS[name]
 
 
 def needs_calibration(recipe: Recipe) -> bool:
     """True when the recipe's method or a static activation scale needs calibration statistics."""
-    return recipe.method in NEEDS_STATS or any(r.act_static for r in recipe.rules)
-
-
-def apply_recipe(params: Any, recipe: Recipe, stats: dict | None = None) -> Any:
-    return get_method(recipe.method)(params, stats, recipe)
+    return recipe.method in CALIBRATED or any(r.act_static for r in recipe.rules)
 
 
 # --------------------------------------------------------------------------- the driver
@@ -104,18 +78,19 @@ def quantize_model(config, params: dict, recipe: Recipe, windows: np.ndarray | N
     ``calibrate_fn`` replaces ``calibrate.calibrate`` (same signature), e.g. the
     data-parallel one of :func:`llmeq_jax.distributed.quantize_model_sharded`.
     """
-    from llmeq_jax import calibrate
-
     calib = calibrate_fn or calibrate.calibrate
     t0 = time.perf_counter()
     info: dict[str, Any] = {"method": recipe.method, "calib_samples": 0}
-    get_method(recipe.method)  # unknown names fail here
+    check_method(recipe.method)
     if needs_calibration(recipe) and windows is None:
         raise RecipeError(f"recipe {recipe.name!r} ({recipe.method}) needs calibration windows")
     if recipe.method == "rtn":
         stats = None
+        info["calib_s"] = 0.0
         if needs_calibration(recipe):
-            stats, _ = calib(config, params, windows, wants=("absmax",), progress=progress)
+            t1 = time.perf_counter()
+            stats, _ = jax.block_until_ready(calib(config, params, windows, wants=("absmax",), progress=progress))
+            info["calib_s"] = time.perf_counter() - t1
             info["calib_samples"] = int(len(windows))
         out = quantize_params(params, recipe, stats=stats, progress=progress)
         info["seconds"] = time.perf_counter() - t0
@@ -125,8 +100,8 @@ def quantize_model(config, params: dict, recipe: Recipe, windows: np.ndarray | N
     if log2:  # their solvers round to uniform integer grids (GPTQ error feedback, AWQ/SmoothQuant searches)
         raise RecipeError(f"recipe {recipe.name!r}: method {recipe.method!r} works on uniform grids, but rules "
                           f"{log2} ask for another grid; use method rtn for log2 grids")
-    mod = _module(recipe.method)
-    cfg = mod.parse_args(dict(recipe.method_args))
+    mod = CALIBRATED[recipe.method]
+    opts = mod.parse_args(dict(recipe.method_args))
     chosen = _check_recipe(params, recipe)
     outside = [p for p in chosen if not p.startswith("layers_")]
     # The embedding table is round-to-nearest under every method (no block sees its input).
@@ -136,9 +111,21 @@ def quantize_model(config, params: dict, recipe: Recipe, windows: np.ndarray | N
             f"{recipe.method} works on the linear layers inside decoder blocks, but recipe {recipe.name!r} also "
             f"quantizes {beyond_blocks}; add a skip rule for them first (e.g. pattern '.*lm_head.*', skip: true)"
         )
-    process = mod.block_processor(config, recipe, cfg, info)
-    _, out = calib(config, params, windows, wants=mod.wants(cfg), process_block=process,
-                   keep=(), progress=progress, sequential=mod.sequential(cfg))
+    process = mod.block_processor(config, recipe, opts, info)
+    method_s = [0.0]
+
+    def timed_process(layer, block, block_stats, inputs):  # the method's own time, told apart from calibration's
+        t1 = time.perf_counter()
+        out = jax.block_until_ready(process(layer, block, block_stats, inputs))
+        method_s[0] += time.perf_counter() - t1
+        return out
+
+    t1 = time.perf_counter()
+    _, out = jax.block_until_ready(calib(config, params, windows, wants=mod.wants(opts), process_block=timed_process,
+                                         keep=(), progress=progress, sequential=mod.sequential(opts)))
+    # Calibration passes (statistics, and the next block's inputs) interleave with the method's
+    # block steps: their time is the driver's wall time less the method's.
+    info["calib_s"] = time.perf_counter() - t1 - method_s[0]
     info["calib_samples"] = int(len(windows))
     for path in outside:  # the embedding table, or an untied lm_head under SmoothQuant/ZeroQuant: plain RTN
         rule = recipe.rule_for(path)
@@ -163,5 +150,4 @@ def _set_path(tree, path, value):
     return out
 
 
-__all__ = ["METHODS", "NEEDS_STATS", "CALIBRATED", "apply_recipe", "get_method", "needs_calibration",
-           "quantize_model", "rtn"]
+__all__ = ["BLOCK_ONLY", "CALIBRATED", "METHODS", "check_method", "needs_calibration", "quantize_model"]

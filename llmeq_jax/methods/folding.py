@@ -107,7 +107,7 @@ def fold(config, block: dict, group: ScaleGroup, s: jnp.ndarray) -> dict:
     """Divide the producer's output by ``s`` and multiply the consumers' kernel rows by it.
 
     The block computes the same function afterwards (up to float rounding).
-    ``s`` has one entry per factor (:func:`n_scales`); it must be positive.
+    ``s`` has one entry per factor (as :func:`reduce_to_scales` returns them); it must be positive.
     """
     s = jnp.asarray(s, jnp.float32)
     if group.kind == "norm":

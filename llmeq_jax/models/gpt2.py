@@ -14,9 +14,10 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 
-from llmeq_jax import kvcache
+from llmeq_jax.kv import cache as kvcache
+from llmeq_jax.kv.attention import dot_product_attention
 from llmeq_jax.models.config import ModelConfig
-from llmeq_jax.models.layers import LayerNorm, Linear, dot_product_attention
+from llmeq_jax.models.layers import LayerNorm, Linear
 
 
 class GPT2Attention(nn.Module):

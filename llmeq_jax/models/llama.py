@@ -14,9 +14,11 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 
-from llmeq_jax import kvcache
+from llmeq_jax.core.rope import apply_rope, rope_inv_freq
+from llmeq_jax.kv import cache as kvcache
+from llmeq_jax.kv.attention import dot_product_attention
 from llmeq_jax.models.config import ModelConfig
-from llmeq_jax.models.layers import Linear, RMSNorm, apply_rope, dot_product_attention, rope_inv_freq
+from llmeq_jax.models.layers import Linear, RMSNorm
 
 
 class LlamaAttention(nn.Module):

@@ -21,10 +21,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from llmeq_jax import kvcache, kvquant, ops
+from llmeq_jax import ops
+from llmeq_jax.core.rope import rope_inv_freq
+from llmeq_jax.kv import cache as kvcache
+from llmeq_jax.kv.spec import KVQuantizer
 from llmeq_jax.models.config import ModelConfig
 from llmeq_jax.models.gpt2 import GPT2Block
-from llmeq_jax.models.layers import Embed, LayerNorm, Linear, RMSNorm, attention_mask, rope_inv_freq
+from llmeq_jax.models.layers import Embed, LayerNorm, Linear, RMSNorm, attention_mask
 from llmeq_jax.models.llama import LlamaBlock
 
 Params = dict[str, Any]
@@ -101,7 +104,7 @@ def forward(
     tokens: jax.Array,
     attention_mask: jax.Array | None = None,
     *,
-    kv: kvquant.KVQuantizer | None = None,
+    kv: KVQuantizer | None = None,
 ) -> jax.Array:
     """Full-sequence logits [B, T, vocab] (float32). Left padding: pass ``attention_mask`` (1 = real).
 
@@ -127,7 +130,7 @@ def forward(
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, *, kv=None):
-    """An empty KV cache: float, or quantized when ``kv`` (a ``kvquant.KVQuantizer``) is given."""
+    """An empty KV cache: float, or quantized when ``kv`` (a :class:`llmeq_jax.kv.spec.KVQuantizer`) is given."""
     if kv is None:
         return kvcache.init(config.num_layers, batch, config.num_kv_heads, max_len, config.head_dim, dtype)
     inv_freq = None if config.family == "gpt2" else rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)

@@ -114,6 +114,20 @@ def test_unused_rules_warn_with_recipe_and_pattern():
     assert messages == ["recipe 'demo': rule '.*/gate_proj/kernel' matched no parameter"]
 
 
+def test_a_head_rule_is_not_reported_on_a_tied_model():
+    """Tied head (the embedding table, no lm_head kernel): the ready recipes' ".*lm_head.*" skip rule
+    cannot apply and is not reported; a typo'd head rule, or the rule on a tree without the table, is."""
+    tied = {"embed": {"embedding": _rand((16, 8))}, "layers_0": {"q_proj": {"kernel": _rand((8, 8))}}}
+    head_rule = Rule(".*lm_head.*", skip=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnusedRuleWarning)
+        quantize_params(tied, Recipe(rules=(head_rule, Rule(".*/kernel", weight=W8)), name="tied"))
+    with pytest.warns(UnusedRuleWarning, match="'.*lm_haed.*' matched no parameter"):
+        quantize_params(tied, Recipe(rules=(Rule(".*lm_haed.*", skip=True), Rule(".*/kernel", weight=W8))))
+    with pytest.warns(UnusedRuleWarning, match="'.*lm_head.*' matched no parameter"):
+        quantize_params({"layers_0": tied["layers_0"]}, Recipe(rules=(head_rule, Rule(".*/kernel", weight=W8))))
+
+
 def test_recipe_matching_nothing_is_an_error():
     recipe = Recipe(rules=(Rule(".*/gate_proj/kernel", weight=W4),), name="wrong-model")
     with pytest.raises(RecipeError, match="'wrong-model' matched no quantizable parameter.*kernel paths look like"):

@@ -21,7 +21,6 @@ from llmeq_jax.core.quantize import Spec, quantize
 from llmeq_jax.core.rules import quantize_params
 from llmeq_jax.generate import generate
 from llmeq_jax.models.model import forward, init_params
-from pallas_kernels.online_scale import online_quantize_reference
 from tests.distributed_helpers import tiny
 
 if jax.device_count() != 8:
@@ -170,6 +169,18 @@ def test_uneven_calibration_split_is_refused():
     mesh = dist.make_mesh(4, 2)
     with pytest.raises(calibrate.CalibrationError, match="multiple of 4"):
         dist.calibrate_sharded(tiny.CONFIG, tiny.params(), tiny.windows(6), mesh)
+
+
+def online_quantize_reference(x, state=None, *, alpha=0.9, eps=float(jnp.finfo(jnp.float32).tiny), per_channel=True,
+                              bits=8):
+    """One device's EMA step: range ``alpha * state + (1 - alpha) * max(absmax, eps)``, then symmetric int8."""
+    qmax = 2 ** (bits - 1) - 1
+    xf = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xf), axis=0) if per_channel else jnp.max(jnp.abs(xf))
+    observed = jnp.maximum(amax, eps)
+    new = observed if state is None else alpha * state.astype(jnp.float32) + (1.0 - alpha) * observed
+    scale = new / qmax
+    return jnp.clip(jnp.round(xf / scale), -qmax, qmax).astype(jnp.int8), new, scale, None
 
 
 def test_online_scales_agree_across_shards():

@@ -3,122 +3,35 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.kv_cache import (
-    can_use,
-    decode_attention,
-    decode_attention_reference,
-    kv_append,
-    kv_append_reference,
-)
-
-
-def _cache(b, h, t, d, bits, seed=0):
-    ks = jax.random.split(jax.random.key(seed), 3)
-    sd, dt = (d, jnp.int8) if bits == 8 else (d // 2, jnp.uint8)
-    lo, hi = (-127, 128) if bits == 8 else (0, 256)
-    kc = jax.random.randint(ks[0], (b, h, t, sd), lo, hi).astype(dt)
-    vc = jax.random.randint(ks[1], (b, h, t, sd), lo, hi).astype(dt)
-    vs = jax.random.uniform(ks[2], (b, h, t, 1), minval=1e-3, maxval=2e-2)
-    return kc, vc, vs
-
-
-# (B, H_kv, q heads per kv head, T, D, new rows S, pos, bits)
-CASES = [(2, 2, 2, 40, 32, 3, 5, 8), (1, 2, 4, 70, 64, 5, 66, 4), (2, 1, 1, 33, 32, 1, 0, 4), (1, 1, 2, 20, 16, 2, 3, 8)]
-
-
-@pytest.mark.parametrize("b,h,g,t,d,s,pos,bits", CASES)
-def test_append_then_decode_match_references(b, h, g, t, d, s, pos, bits):
-    kc, vc, vs = _cache(b, h, t, d, bits)
-    ks = jax.random.split(jax.random.key(1), 4)
-    k_new, v_new = jax.random.normal(ks[0], (b, h, s, d)), jax.random.normal(ks[1], (b, h, s, d))
-    k_scale = jax.random.uniform(ks[2], (1, h, 1, d), minval=0.01, maxval=0.06)
-    got = kv_append(kc, vc, vs, k_new, v_new, k_scale, pos, bits=bits, interpret=True)
-    want = kv_append_reference(kc, vc, vs, k_new, v_new, k_scale, pos, bits=bits)
-    for a, w in zip(got, want):
-        np.testing.assert_array_equal(a, w)  # exact: integer values and the same scales
-    # rows past the cache end are dropped, rows before pos untouched
-    np.testing.assert_array_equal(got[0][:, :, :pos], kc[:, :, :pos])
-
-    q = jax.random.normal(ks[3], (b, h * g, d))
-    length = jnp.array([t, max(1, t // 2)][:b], jnp.int32)
-    ref = decode_attention_reference(q, got[0], got[1], k_scale, got[2], length, bits=bits)
-    for splits in (1, 3):  # 3 splits: with length t // 2 the last split is empty for one sequence
-        out = decode_attention(
-            q, got[0], got[1], k_scale, got[2], length, bits=bits, block_t=16, num_splits=splits, interpret=True
-        )
-        assert out.shape == q.shape and out.dtype == q.dtype
-        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(ref))))
+from pallas_kernels.kv_cache import can_use, decode_splits, store_decode_attention, store_decode_attention_reference
 
 
 def test_default_splits_fill_the_gpu_at_long_context():
-    from pallas_kernels.kv_cache import decode_splits
-
     assert decode_splits(1, 8, 32768, 64) == 33  # 8 heads x 33 splits >= 264 programs
     assert decode_splits(1, 8, 300, 64) == 1  # short caches: one program per head
     assert decode_splits(64, 8, 32768, 64) == 1  # a large batch fills the GPU already
 
 
-def test_decode_ignores_tokens_past_length():
-    b, h, t, d, bits = 1, 1, 48, 32, 8
-    kc, vc, vs = _cache(b, h, t, d, bits)
-    q = jax.random.normal(jax.random.key(5), (b, 2, d))
-    ks = jnp.full((1, h, 1, d), 0.02)
-    out = decode_attention(q, kc, vc, ks, vs, jnp.array([20]), bits=bits, block_t=16, interpret=True)
-    garbage = kc.at[:, :, 20:].set(127), vc.at[:, :, 20:].set(-127)
-    out2 = decode_attention(q, *garbage, ks, vs, jnp.array([20]), bits=bits, block_t=16, interpret=True)
-    np.testing.assert_array_equal(out, out2)
-
-
-@pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_lowers_for_cuda(cuda_lowering, bits, dtype):
-    b, h, g, t, d = 2, 8, 4, 32768, 128
-    sds = jax.ShapeDtypeStruct
-    sd, dt = (d, jnp.int8) if bits == 8 else (d // 2, jnp.uint8)
-    cache = sds((b, h, t, sd), dt)
-    vs = sds((b, h, t, 1), jnp.float32)
-    kscale = sds((1, h, 1, d), jnp.float32)
-    cuda_lowering(
-        lambda q, k, v, ks, s, n: decode_attention(q, k, v, ks, s, n, bits=bits),
-        sds((b, h * g, d), dtype), cache, cache, kscale, vs, sds((b,), jnp.int32),
-    )
-    for s in (1, 37):  # decode step and a ragged prefill chunk
-        cuda_lowering(
-            lambda kc, vc, v_s, kn, vn, ks, p: kv_append(kc, vc, v_s, kn, vn, ks, p, bits=bits),
-            cache, cache, vs, sds((b, h, s, d), dtype), sds((b, h, s, d), dtype), kscale, sds((), jnp.int32),
-        )
-
-
-def test_bad_input_is_rejected_clearly():
-    kc, vc, vs = _cache(1, 2, 16, 32, 8)
-    with pytest.raises(ValueError, match="k_cache must be uint8"):
-        decode_attention(jnp.ones((1, 2, 32)), kc, vc, jnp.ones((1, 2, 1, 32)), vs, 4, bits=4, interpret=True)
-    with pytest.raises(ValueError, match="k_scale must be"):
-        decode_attention(jnp.ones((1, 2, 32)), kc, vc, jnp.ones((2, 1, 32)), vs, 4, bits=8, interpret=True)
-    with pytest.raises(ValueError, match="multiple of cache heads"):
-        decode_attention(jnp.ones((1, 3, 32)), kc, vc, jnp.ones((1, 2, 1, 32)), vs, 4, bits=8, interpret=True)
+def test_can_use():
     assert can_use(128, 4, jnp.bfloat16) == (True, "")
     assert not can_use(80, 8, jnp.bfloat16)[0]
     assert can_use(16, 8, jnp.bfloat16)[0] and not can_use(16, 4, jnp.bfloat16)[0]  # int4 dots use head_dim / 2
-    kc4, vc4, vs4 = _cache(1, 1, 16, 16, 4)
-    with pytest.raises(ValueError, match="head_dim >= 32 for int4"):
-        decode_attention(jnp.ones((1, 1, 16)), kc4, vc4, jnp.ones((1, 1, 1, 16)), vs4, 4, bits=4, interpret=True)
 
 
-# --------------------------------------------------------------------------- the store of kvcache.QuantKVCache
+# --------------------------------------------------------------------------- the store of kv.cache.QuantKVCache
 
 
 def _store(b, h, t, d, bits, seed=0):
-    """Codes and grids exactly as the cache writes them (kvquant), from uneven random keys/values."""
-    from llmeq_jax import kvquant
+    """Codes and grids exactly as the cache writes them (llmeq_jax.kv.grid), from uneven random keys/values."""
+    from llmeq_jax.kv import grid as kvgrid
 
     ks = jax.random.split(jax.random.key(seed), 2)
     k = jax.random.normal(ks[0], (b, h, t, d)) * jnp.linspace(0.5, 3, d) + jnp.linspace(-1, 1, d)
     v = jax.random.normal(ks[1], (b, h, t, d))
     hi = jnp.max(k, axis=(0, 2))[None, :, None]
-    scale, lo = kvquant.grid_from_range(jnp.min(k, axis=(0, 2))[None, :, None], hi, bits)
-    kq = kvquant.quantize_per_channel(k, scale, lo, hi, bits, 0)
-    vq = kvquant.quantize_per_token(v, bits, 0)
+    scale, lo = kvgrid.grid_from_range(jnp.min(k, axis=(0, 2))[None, :, None], hi, bits)
+    kq = kvgrid.quantize_per_channel(k, scale, lo, hi, bits, 0)
+    vq = kvgrid.quantize_per_token(v, bits, 0)
     return kq.q, vq.q, scale, lo, vq.scale, vq.lo
 
 
@@ -129,8 +42,6 @@ def _rope_args(b, t, d):
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("rope", [False, True], ids=["postRoPE", "preRoPE"])
 def test_store_decode_matches_reference(bits, rope):
-    from pallas_kernels.kv_cache import store_decode_attention, store_decode_attention_reference
-
     b, h, g, t, d = 2, 2, 3, 70, 64
     store = _store(b, h, t, d, bits)
     q = jax.random.normal(jax.random.key(9), (b, h * g, d))
@@ -146,9 +57,17 @@ def test_store_decode_matches_reference(bits, rope):
     assert float(jnp.max(jnp.abs(everything - ref_out))) > 1e-2
 
 
-def test_store_decode_with_nothing_allowed_weighs_nothing():
-    from pallas_kernels.kv_cache import store_decode_attention
+def test_store_decode_ignores_slots_past_length():
+    b, h, t, d, bits = 1, 1, 48, 32, 8
+    kc, vc, *grids = _store(b, h, t, d, bits)
+    q = jax.random.normal(jax.random.key(5), (b, 2, d))
+    out, _ = store_decode_attention(q, kc, vc, *grids, jnp.array([20]), bits=bits, block_t=16, interpret=True)
+    garbage = kc.at[:, :, 20:].set(127), vc.at[:, :, 20:].set(-127)
+    out2, _ = store_decode_attention(q, *garbage, *grids, jnp.array([20]), bits=bits, block_t=16, interpret=True)
+    np.testing.assert_array_equal(out, out2)
 
+
+def test_store_decode_with_nothing_allowed_weighs_nothing():
     b, h, t, d = 1, 1, 32, 32
     store = _store(b, h, t, d, 8)
     q = jax.random.normal(jax.random.key(1), (b, 2, d))
@@ -161,8 +80,6 @@ def test_store_decode_with_nothing_allowed_weighs_nothing():
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("rope", [False, True], ids=["postRoPE", "preRoPE"])
 def test_store_decode_lowers_for_cuda(cuda_lowering, bits, rope):
-    from pallas_kernels.kv_cache import store_decode_attention
-
     b, h, g, t, d = 2, 8, 4, 32768, 128
     sds = jax.ShapeDtypeStruct
     cache = sds((b, h, t, d if bits == 8 else d // 2), jnp.int8 if bits == 8 else jnp.uint8)
@@ -177,8 +94,6 @@ def test_store_decode_lowers_for_cuda(cuda_lowering, bits, rope):
 
 
 def test_store_decode_bad_input_is_rejected_clearly():
-    from pallas_kernels.kv_cache import store_decode_attention
-
     store = _store(1, 1, 16, 32, 4)
     q = jnp.ones((1, 1, 32))
     with pytest.raises(ValueError, match="head_dim 32 is not a power of two >= 64"):
@@ -189,3 +104,7 @@ def test_store_decode_bad_input_is_rejected_clearly():
         store_decode_attention(q, *store, 4, bits=4, allowed=jnp.ones((1, 8), bool), interpret=True)
     with pytest.raises(ValueError, match="v_lo must be"):
         store_decode_attention(q, *store[:5], store[5][:, :, :8], 4, bits=4, interpret=True)
+    with pytest.raises(ValueError, match="k_cache must be int8"):
+        store_decode_attention(q, *store, 4, bits=8, interpret=True)
+    with pytest.raises(ValueError, match="multiple of cache heads"):
+        store_decode_attention(jnp.ones((1, 3, 32)), *_store(1, 2, 16, 32, 8), 4, bits=8, interpret=True)

@@ -9,7 +9,8 @@ from llmeq_jax.core.qarray import QArray
 from llmeq_jax.core.quantize import Spec
 from llmeq_jax.core.rules import Recipe, Rule, leaf_paths, quantize_params
 from llmeq_jax.models import forward, load_model
-from pallas_kernels import config, dispatch
+from llmeq_jax import kernel_dispatch as dispatch
+from pallas_kernels import config
 from tests.shared_data import shared_data_path
 
 RECIPES = {

@@ -9,7 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from llmeq_jax import kvcache
+from llmeq_jax.kv import cache as kvcache
+from llmeq_jax.kv import grid as kvgrid
+from llmeq_jax.kv import memory as kvmemory
+from llmeq_jax.kv import spec as kvspec
 from llmeq_jax.models import ModelConfig, forward_step, init_cache, init_params
 from llmeq_jax.models import forward as _forward
 
@@ -69,10 +72,12 @@ def test_cached_decode_equals_full_forward_every_step(name):
 
 # --------------------------------------------------------------------------- quantized cache (stories260K)
 
-from llmeq_jax import evaluate, kvquant  # noqa: E402
+from llmeq_jax import calibrate, evaluate  # noqa: E402
 from llmeq_jax.generate import generate  # noqa: E402
 from llmeq_jax.models import apply_block, embed, load_model  # noqa: E402
-from llmeq_jax.models.layers import apply_rope, attention_mask, dot_product_attention, rope_inv_freq  # noqa: E402
+from llmeq_jax.core.rope import apply_rope, rope_inv_freq  # noqa: E402
+from llmeq_jax.kv.attention import dot_product_attention  # noqa: E402
+from llmeq_jax.models.layers import attention_mask  # noqa: E402
 from tests.shared_data import shared_data_path  # noqa: E402
 
 
@@ -87,16 +92,16 @@ def stories():
 
 def _quantizer(stories, spec):
     config, params, _, calib, _ = stories
-    return kvquant.make_quantizer(spec, config, params, calib)
+    return calibrate.make_kv_quantizer(spec, config, params, calib)
 
 
 @pytest.mark.parametrize(
     "spec",
     [
-        kvquant.KVSpec(bits=4, key_granularity="channel", pre_rope=True, window=8, outlier_frac=0.1),
-        kvquant.KVSpec(bits=2, key_granularity="token", pre_rope=False, window=0),
-        kvquant.KVSpec(bits=8, key_granularity="channel", pre_rope=False, window=3),
-        kvquant.KVSpec(bits=4, key_range="online", prompt_tokens=12, window=4),
+        kvspec.KVSpec(bits=4, key_granularity="channel", pre_rope=True, window=8, outlier_frac=0.1),
+        kvspec.KVSpec(bits=2, key_granularity="token", pre_rope=False, window=0),
+        kvspec.KVSpec(bits=8, key_granularity="channel", pre_rope=False, window=3),
+        kvspec.KVSpec(bits=4, key_range="online", prompt_tokens=12, window=4),
     ],
     ids=["int4-ch-preRoPE-w8-out", "int2-tok-w0", "int8-ch-postRoPE-w3", "int4-online-w4"],
 )
@@ -128,8 +133,8 @@ def test_online_key_ranges_come_from_the_prompt_and_ema_carries_them(stories):
     config, params, _, _, evals = stories
     # A float window over the whole context: attention reads float K/V, so every layer's keys are
     # the float model's (collect_keys) while the store is still quantized on the online grid.
-    spec = kvquant.KVSpec(bits=4, key_range="online", prompt_tokens=10, window=16)
-    kv = kvquant.make_quantizer(spec)
+    spec = kvspec.KVSpec(bits=4, key_range="online", prompt_tokens=10, window=16)
+    kv = calibrate.make_kv_quantizer(spec)
     assert kv.key_ranges is None  # no calibration pass
     tokens = jnp.asarray(evals[:2, :16])
     mask = jnp.asarray([[0, 0] + [1] * 8, [1] * 10])  # row 0 left-padded: padding keys must not count
@@ -140,7 +145,7 @@ def test_online_key_ranges_come_from_the_prompt_and_ema_carries_them(stories):
     # (the sink tokens included, unlike calibrated ranges).
     assert spec.sink_tokens == 4
     for row, start in ((0, 2), (1, 0)):
-        keys = kvquant.collect_keys(config, params, np.asarray(tokens[row:row + 1, start:10]), pre_rope=True)
+        keys = calibrate.collect_keys(config, params, np.asarray(tokens[row:row + 1, start:10]), pre_rope=True)
         np.testing.assert_allclose(cache.k_lo[:, row], jnp.min(keys[:, 0], axis=2), atol=1e-5)
         np.testing.assert_allclose(cache.k_hi[:, row], jnp.max(keys[:, 0], axis=2), atol=1e-5)
     assert float(jnp.max(jnp.abs(cache.k_hi[:, 0] - cache.k_hi[:, 1]))) > 1e-3
@@ -150,25 +155,25 @@ def test_online_key_ranges_come_from_the_prompt_and_ema_carries_them(stories):
     np.testing.assert_array_equal(cache.k_lo, lo)
     np.testing.assert_array_equal(cache.k_hi, hi)
     # Runtime adaptation: the running range (mean over rows) blends into the next request's.
-    running = kvquant.track_key_ranges(kv, cache)
+    running = kvcache.track_key_ranges(kv, cache)
     np.testing.assert_allclose(running.key_ranges.hi, jnp.mean(hi, axis=1), rtol=1e-6)
-    ema = kvquant.KVQuantizer(running.key_ranges, dataclasses.replace(spec, ema=0.75))
+    ema = kvspec.KVQuantizer(running.key_ranges, dataclasses.replace(spec, ema=0.75))
     other = jnp.asarray(evals[2:3, :10])
     c2 = step(config, params, other, jnp.ones((1, 10), jnp.int32), init_cache(config, 1, 16, kv=ema))[1]
-    obs = jnp.max(kvquant.collect_keys(config, params, np.asarray(other), pre_rope=True)[:, 0], axis=2)
+    obs = jnp.max(calibrate.collect_keys(config, params, np.asarray(other), pre_rope=True)[:, 0], axis=2)
     np.testing.assert_allclose(c2.k_hi[:, 0], 0.75 * running.key_ranges.hi + 0.25 * obs, atol=1e-5)
     # generate(..., return_cache=True) hands back the cache to track from.
     new, gen_cache = generate(config, params, tokens[:1, :10], 7, kv=ema, return_cache=True)
     assert new.shape == (1, 7) and int(gen_cache.length) == 16
-    assert kvquant.track_key_ranges(ema, gen_cache).key_ranges.hi.shape == running.key_ranges.hi.shape
-    with pytest.raises(kvquant.KVSpecError, match="for key_range='online'"):
-        kvquant.track_key_ranges(_quantizer(stories, kvquant.KVSpec(bits=4)), cache)
+    assert kvcache.track_key_ranges(ema, gen_cache).key_ranges.hi.shape == running.key_ranges.hi.shape
+    with pytest.raises(kvspec.KVSpecError, match="for key_range='online'"):
+        kvcache.track_key_ranges(_quantizer(stories, kvspec.KVSpec(bits=4)), cache)
 
 
 def test_sink_tokens_are_read_in_float_and_decode_equals_prefill(stories):
     """The first N real tokens of each row (left padding does not count) are attended exactly."""
     config, params, _, _, evals = stories
-    spec = kvquant.KVSpec(bits=2, sink_tokens=3)
+    spec = kvspec.KVSpec(bits=2, sink_tokens=3)
     kv = _quantizer(stories, spec)
     tokens = jnp.asarray(evals[:2, :24])
     mask = jnp.asarray([[0, 0, 0] + [1] * 21, [1] * 24])
@@ -198,7 +203,7 @@ def test_sink_tokens_are_read_in_float_and_decode_equals_prefill(stories):
 
 @pytest.mark.parametrize(
     "spec,t",
-    [(kvquant.KVSpec(bits=2, window=32), 32), (kvquant.KVSpec(bits=2, sink_tokens=16), 12)],
+    [(kvspec.KVSpec(bits=2, window=32), 32), (kvspec.KVSpec(bits=2, sink_tokens=16), 12)],
     ids=["window-as-long-as-context", "more-sinks-than-context"],
 )
 def test_float_parts_covering_the_context_equal_float(stories, spec, t):
@@ -219,7 +224,7 @@ def test_int8_greedy_text_equals_float(stories):
     starts = [tokenizer.encode(w)[-1] for w in ("One", "Tom", "The", "Sue")]
     seeds = jnp.asarray([[config.bos_token_id, s] for s in starts])
     calib = np.concatenate([np.asarray(seeds), np.asarray(generate(config, params, seeds, 62))], axis=1)
-    kv = kvquant.make_quantizer(kvquant.spec_from("int8"), config, params, calib)
+    kv = calibrate.make_kv_quantizer(kvspec.spec_from("int8"), config, params, calib)
     int8_new = np.asarray(generate(config, params, prompt, 40, kv=kv))
     assert tokenizer.decode(int8_new[0]) == tokenizer.decode(float_new[0])
     np.testing.assert_array_equal(int8_new, float_new)
@@ -247,17 +252,17 @@ def _layer_qkv(config, params, tokens):
 def test_per_channel_keys_beat_per_token_keys_on_real_attention(stories):
     """KVQuant's reason for per-channel keys: lower attention-output error on real activations (int4)."""
     config, params, _, calib, evals = stories
-    keys = kvquant.collect_keys(config, params, calib, pre_rope=False)
-    ranges = kvquant.key_ranges_from_keys(keys)
+    keys = calibrate.collect_keys(config, params, calib, pre_rope=False)
+    ranges = kvgrid.key_ranges_from_keys(keys)
     tokens = jnp.asarray(evals[:2])
     mask = attention_mask(jnp.arange(tokens.shape[1]), jnp.ones(tokens.shape, bool))
     err_ch = err_tok = 0.0
     for i, (q, k, v) in enumerate(_layer_qkv(config, params, tokens)):
         # The manual q/k/v must be the model's: the float cache holds the same keys.
         ref = dot_product_attention(q, k, v, mask)
-        k_ch = kvquant.quantize_dequantize_keys_per_channel(
+        k_ch = kvgrid.quantize_dequantize_keys_per_channel(
             k, ranges.lo[i][None, :, None], ranges.hi[i][None, :, None], 4)
-        k_tok = kvquant.quantize_dequantize_values(k, 4)  # per-token grid, as values get
+        k_tok = kvgrid.quantize_dequantize_values(k, 4)  # per-token grid, as values get
         err_ch += float(jnp.sum((dot_product_attention(q, k_ch, v, mask) - ref) ** 2))
         err_tok += float(jnp.sum((dot_product_attention(q, k_tok, v, mask) - ref) ** 2))
     assert err_ch < 0.8 * err_tok, (err_ch, err_tok)
@@ -276,28 +281,28 @@ def test_manual_keys_match_the_cache(stories):
 @pytest.mark.parametrize("bits", [8, 4, 2])
 def test_bytes_per_token_from_packed_arrays(stories, bits):
     config = stories[0]
-    kv = _quantizer(stories, kvquant.KVSpec(bits=bits))
-    mem = kvcache.memory(init_cache(config, 2, 24, kv=kv))
+    kv = _quantizer(stories, kvspec.KVSpec(bits=bits))
+    mem = kvmemory.memory(init_cache(config, 2, 24, kv=kv))
     heads = config.num_layers * config.num_kv_heads
     # keys: bits/8 bytes per element; values: the same + float16 scale and min per token and head;
     # bookkeeping: the valid flag (1 byte) and the slot's position id (int32, for pre-RoPE keys).
     expected = heads * (2 * config.head_dim * bits // 8 + 2 * 2) + 1 + 4
     assert mem["bytes_per_token"] == expected
-    float_mem = kvcache.memory(init_cache(config, 2, 24))
+    float_mem = kvmemory.memory(init_cache(config, 2, 24))
     assert float_mem["bytes_per_token"] == heads * 2 * config.head_dim * 4 + 1
-    assert kvcache.longest_context(mem["bytes_per_token"], mem["fixed_bytes"], 2**20) > 2**20 // float_mem[
+    assert kvmemory.longest_context(mem["bytes_per_token"], mem["fixed_bytes"], 2**20) > 2**20 // float_mem[
         "bytes_per_token"]
 
 
 def test_window_longer_than_context_is_an_error(stories):
     config, params, _, _, evals = stories
-    kv = kvquant.KVQuantizer(None, kvquant.KVSpec(bits=4, key_granularity="token", window=64))
-    with pytest.raises(kvquant.KVSpecError, match=r"float window \(64 tokens\) is longer than the context \(16"):
+    kv = kvspec.KVQuantizer(None, kvspec.KVSpec(bits=4, key_granularity="token", window=64))
+    with pytest.raises(kvspec.KVSpecError, match=r"float window \(64 tokens\) is longer than the context \(16"):
         _forward(config, params, jnp.asarray(evals[:1, :16]), kv=kv)
 
 
 def test_key_ranges_of_another_model_are_an_error(stories):
     config = stories[0]
-    wrong = kvquant.KeyRanges(jnp.zeros((5, 3, 8)), jnp.ones((5, 3, 8)))  # 3 KV heads; stories260K has 4
-    with pytest.raises(kvquant.KVSpecError, match=r"the model needs \[layers, kv_heads, head_dim\] = \[5, 4, 8\]"):
-        init_cache(config, 1, 8, kv=kvquant.KVQuantizer(wrong, kvquant.KVSpec(bits=4)))
+    wrong = kvspec.KeyRanges(jnp.zeros((5, 3, 8)), jnp.ones((5, 3, 8)))  # 3 KV heads; stories260K has 4
+    with pytest.raises(kvspec.KVSpecError, match=r"the model needs \[layers, kv_heads, head_dim\] = \[5, 4, 8\]"):
+        init_cache(config, 1, 8, kv=kvspec.KVQuantizer(wrong, kvspec.KVSpec(bits=4)))

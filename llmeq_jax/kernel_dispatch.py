@@ -1,4 +1,7 @@
-"""The bridge ``llmeq_jax.ops.linear`` calls: pick a Pallas kernel for a QArray product, or None.
+"""Which Pallas kernel (if any) ``llmeq_jax.ops.linear`` hands a QArray product to.
+
+The ops side of the kernels: ``pallas_kernels`` holds the kernels and their ``can_use``
+predicates; this module decides, from the QArray's layout, which one takes a product.
 
 ``linear(x, w, act, require)`` returns the kernel's result when a kernel can take
 the product on this backend (a CUDA GPU, or anywhere inside

@@ -1,4 +1,7 @@
-"""KV-cache quantization math (SimQuant / KVQuant-style): specs, quantize, dequantize.
+"""KV-cache quantization settings (SimQuant / KVQuant-style): the spec, calibrated key ranges, the quantizer.
+
+The bottom of :mod:`llmeq_jax.kv`: the grid math is in :mod:`llmeq_jax.kv.grid`, the caches in
+:mod:`llmeq_jax.kv.cache`, key-range calibration (it runs the model) in :mod:`llmeq_jax.calibrate`.
 
 What is quantized and how (Hooper et al., 2024, "KVQuant"):
 
@@ -6,7 +9,7 @@ What is quantized and how (Hooper et al., 2024, "KVQuant"):
   tokens. Key activations have a few channels with large magnitude; a
   per-token grid would spend its levels on those channels and crush the rest.
   The range must be known when a token arrives, so it is calibrated offline
-  (static, :func:`calibrate_key_ranges`) and stored with the recipe. Keys can
+  (static, :func:`llmeq_jax.calibrate.calibrate_key_ranges`) and stored with the recipe. Keys can
   be quantized *before* RoPE (``pre_rope``): the rotation mixes channel pairs
   with position-dependent angles and smears the per-channel structure; the
   cache then rotates after dequantization (positions are known per slot).
@@ -18,7 +21,7 @@ What is quantized and how (Hooper et al., 2024, "KVQuant"):
   outside it clip (or, with ``outlier_frac``, go to the sparse part, which is
   what KVQuant's dense-and-sparse scheme is for). With ``ema`` > 0 the range is
   blended with a running range carried across requests,
-  ``r = ema * running + (1 - ema) * prompt``, and :func:`track_key_ranges`
+  ``r = ema * running + (1 - ema) * prompt``, and :func:`llmeq_jax.kv.cache.track_key_ranges`
   makes the result the next running range (the runtime adaptation of an EMA
   observer). A range that changed while a sequence is cached would invalidate
   the codes already stored, which is why it adapts between requests, not
@@ -43,7 +46,7 @@ token's pre-RoPE key lies outside the 1 % band in ~7 of 64 channels, the others
 in < 1. With ``sink_tokens=N`` the tokens at positions ``0 .. N-1`` are attended
 from a float copy and left out of the calibrated key ranges, so the grid is
 spent on the tokens that are quantized. ``sink_tokens=0`` turns it off. Online
-ranges keep them (a prompt's range is too narrow already; see ``kvcache``).
+ranges keep them (a prompt's range is too narrow already; see :mod:`llmeq_jax.kv.cache`).
 
 Dense-and-sparse outliers (``outlier_frac``): per stored vector (one token of
 one head, ``head_dim`` entries) the ``ceil(frac * head_dim)`` entries that lie
@@ -62,12 +65,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from llmeq_jax.core.qarray import int_range, pack, unpack
-
 KV_BITS = (2, 4, 8)
+
+
 KEY_GRANULARITIES = ("channel", "token")
+
+
 KEY_RANGES = ("static", "online")
-SCALE_DTYPE = jnp.float16  # per-token scales/mins and outlier values
+
+
 SHORTHANDS = ("fp", "float", "none", "int8", "int4", "int2", "kv8", "kv4", "kv2")
 
 
@@ -222,194 +228,6 @@ def key_ranges_from_dict(d: Any) -> KeyRanges:
     return KeyRanges(lo, hi)
 
 
-def key_ranges_from_keys(keys: jax.Array, outlier_frac: float = 0.0, sink_tokens: int = 0) -> KeyRanges:
-    """Per-channel range of calibration keys ``[layers, N, kv_heads, S, head_dim]`` (N rows, S tokens).
-
-    With outliers, the range is the central ``1 - outlier_frac`` quantile band:
-    the entries beyond it are the ones the sparse part keeps in float. The first
-    ``sink_tokens`` tokens of each row are left out (the cache keeps them in float).
-    """
-    if sink_tokens >= keys.shape[3]:
-        raise KVSpecError(f"sink_tokens={sink_tokens} leaves no calibration token of the {keys.shape[3]} per window")
-    keys = keys[:, :, :, sink_tokens:]
-    # Layers play the role of rows: every calibration token of a layer counts.
-    k = jnp.moveaxis(keys, 2, 1).reshape(keys.shape[0], keys.shape[2], -1, keys.shape[-1])
-    lo, hi = observed_key_ranges(k, jnp.ones((k.shape[0], k.shape[2]), bool), outlier_frac)
-    return KeyRanges(lo.astype(jnp.float32), hi.astype(jnp.float32))
-
-
-def observed_key_ranges(keys: jax.Array, valid: jax.Array, outlier_frac: float = 0.0) -> tuple[jax.Array, jax.Array]:
-    """Per-row, per-channel range of ``keys`` ``[B, KV, T, D]`` over the tokens where ``valid`` ``[B, T]``.
-
-    -> ``(lo, hi)`` each ``[B, KV, D]``. With outliers, the central ``1 - outlier_frac``
-    band (as :func:`key_ranges_from_keys`); a row without valid tokens gets ``[0, 0]``.
-    """
-    k = keys.astype(jnp.float32)
-    ok = valid[:, None, :, None]
-    if outlier_frac > 0:
-        masked = jnp.where(ok, k, jnp.nan)
-        lo = jnp.nanquantile(masked, outlier_frac / 2, axis=2)
-        hi = jnp.nanquantile(masked, 1 - outlier_frac / 2, axis=2)
-    else:
-        lo = jnp.min(jnp.where(ok, k, jnp.inf), axis=2)
-        hi = jnp.max(jnp.where(ok, k, -jnp.inf), axis=2)
-    lo, hi = jnp.nan_to_num(lo, posinf=0.0, neginf=0.0), jnp.nan_to_num(hi, posinf=0.0, neginf=0.0)
-    return lo, jnp.maximum(hi, lo)
-
-
-def track_key_ranges(kv: "KVQuantizer", cache) -> "KVQuantizer":
-    """The quantizer with its running key range set to the ranges an online cache used (mean over rows).
-
-    Those already are ``ema * running + (1 - ema) * prompt``, so calling this after every
-    request keeps an exponential moving average of the prompts' key ranges.
-    """
-    if not kv.spec.online_keys:
-        raise KVSpecError("track_key_ranges is for key_range='online' caches")
-    return KVQuantizer(KeyRanges(jnp.mean(cache.k_lo, axis=1), jnp.mean(cache.k_hi, axis=1)), kv.spec)
-
-
-# --------------------------------------------------------------------------- RoPE on cache layout
-
-
-def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotate ``x`` ``[B, H, S, D]`` by ``positions`` ``[B, S]`` (rotate-half layout, as the models)."""
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, S, D/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)[:, None]  # [B, 1, S, D]
-    xf = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
-    return (xf * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
-
-
-# --------------------------------------------------------------------------- grid
-
-
-def grid_from_range(lo: jax.Array, hi: jax.Array, bits: int, dtype=jnp.float32):
-    """(scale, lo) of the asymmetric grid over [lo, hi], rounded to the storage ``dtype``."""
-    levels = 2**bits - 1
-    # Round lo down and the scale up to the storage dtype, so the stored grid
-    # still covers [lo, hi] and the error bound stays scale / 2.
-    # The barriers make the rounding real under jit: XLA on GPU may otherwise keep a
-    # float32 value where the program asks for float16 (excess precision), and codes
-    # computed with the unrounded grid would not invert exactly with the stored one.
-    lo = lo.astype(jnp.float32)
-    lo_s = _materialized(lo.astype(dtype))
-    lo_s = _materialized(jnp.where(lo_s.astype(jnp.float32) > lo, jnp.nextafter(lo_s, jnp.asarray(-jnp.inf, dtype)), lo_s))
-    span = hi.astype(jnp.float32) - lo_s.astype(jnp.float32)
-    scale = jnp.maximum(jnp.where(span > 0, span / levels, 1.0), jnp.finfo(jnp.float16).tiny)
-    scale_s = _materialized(scale.astype(dtype))
-    scale_s = jnp.where(scale_s.astype(jnp.float32) < scale, jnp.nextafter(scale_s, jnp.asarray(jnp.inf, dtype)), scale_s)
-    return _materialized(scale_s), lo_s
-
-
-def _materialized(x: jax.Array) -> jax.Array:
-    """``x`` exactly as its dtype holds it (no-op for float32; see :func:`grid_from_range`)."""
-    return x if x.dtype == jnp.float32 else jax.lax.optimization_barrier(x)
-
-
-def quantize_grid(x: jax.Array, scale: jax.Array, lo: jax.Array, bits: int) -> jax.Array:
-    """Unsigned codes ``[0, 2^bits-1]`` shifted into the signed storage range (int8, not packed)."""
-    qmin, _ = int_range(bits)
-    u = jnp.clip(jnp.round((x.astype(jnp.float32) - lo.astype(jnp.float32)) / scale.astype(jnp.float32)), 0, 2**bits - 1)
-    return (u + qmin).astype(jnp.int8)
-
-
-def dequantize_grid(q: jax.Array, scale: jax.Array, lo: jax.Array, bits: int) -> jax.Array:
-    qmin, _ = int_range(bits)
-    return (q.astype(jnp.float32) - qmin) * scale.astype(jnp.float32) + lo.astype(jnp.float32)
-
-
-def outlier_indices(x: jax.Array, lo: jax.Array, hi: jax.Array, n: int) -> jax.Array:
-    """Indices ``[..., n]`` of the ``n`` entries of each vector (last axis) furthest outside [lo, hi].
-
-    Distance is measured in units of the range, from its centre, so inside-range
-    entries rank by how close they are to the edges (the largest magnitudes).
-    """
-    centre, half = (hi + lo) / 2, jnp.maximum((hi - lo) / 2, 1e-12)
-    score = jnp.abs(x.astype(jnp.float32) - centre) / half
-    return jax.lax.top_k(score, n)[1]
-
-
-def _take(x: jax.Array, idx: jax.Array) -> jax.Array:
-    return jnp.take_along_axis(x, idx, axis=-1)
-
-
-def _scatter(x: jax.Array, idx: jax.Array, vals: jax.Array) -> jax.Array:
-    """``x`` with ``x[..., idx[..., j]] = vals[..., j]`` (n is small: a loop of selects)."""
-    lanes = jnp.arange(x.shape[-1])
-    for j in range(idx.shape[-1]):
-        x = jnp.where(lanes == idx[..., j : j + 1], vals[..., j : j + 1].astype(x.dtype), x)
-    return x
-
-
-# --------------------------------------------------------------------------- stored form
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class QuantizedKV:
-    """Quantized vectors ``[..., D]`` (keys or values of some tokens).
-
-    q: packed codes (uint8 for 2/4 bits, int8 for 8 bits), last axis D / per-byte.
-    scale, lo: ``[..., 1]`` float16 per token, or None when the grid is per channel (held elsewhere).
-    out_idx (uint8), out_val (float16): ``[..., n]`` sparse outliers, or None.
-    """
-
-    q: jax.Array
-    scale: jax.Array | None
-    lo: jax.Array | None
-    out_idx: jax.Array | None
-    out_val: jax.Array | None
-
-
-def quantize_per_token(x: jax.Array, bits: int, n_out: int) -> QuantizedKV:
-    """Each vector (last axis) on its own min/max grid; the ``n_out`` largest magnitudes kept in float."""
-    xf = x.astype(jnp.float32)
-    idx = val = None
-    inside = xf
-    if n_out:
-        idx = jax.lax.top_k(jnp.abs(xf), n_out)[1]
-        val = _take(xf, idx).astype(SCALE_DTYPE)
-        # Range over the remaining (dense) entries: outliers are replaced by a dense entry's value.
-        fill = _take(xf, jnp.argmin(jnp.abs(xf), axis=-1, keepdims=True))
-        inside = _scatter(xf, idx, jnp.broadcast_to(fill, idx.shape))
-    scale, lo = grid_from_range(jnp.min(inside, -1, keepdims=True), jnp.max(inside, -1, keepdims=True), bits, SCALE_DTYPE)
-    q = pack(quantize_grid(xf, scale, lo, bits), bits, -1)
-    return QuantizedKV(q, scale, lo, None if idx is None else idx.astype(jnp.uint8), val)
-
-
-def quantize_per_channel(x: jax.Array, scale: jax.Array, lo: jax.Array, hi: jax.Array, bits: int, n_out: int) -> QuantizedKV:
-    """Vectors on a given per-channel grid (``scale``, ``lo``, ``hi`` broadcast against ``x``)."""
-    xf = x.astype(jnp.float32)
-    idx = val = None
-    if n_out:
-        idx = outlier_indices(xf, lo, hi, n_out)
-        val = _take(xf, idx).astype(SCALE_DTYPE)
-    q = pack(quantize_grid(xf, scale, lo, bits), bits, -1)
-    return QuantizedKV(q, None, None, None if idx is None else idx.astype(jnp.uint8), val)
-
-
-def dequantize(stored: QuantizedKV, bits: int, head_dim: int, scale=None, lo=None) -> jax.Array:
-    """Float32 vectors ``[..., D]``; per-channel grids pass ``scale``/``lo`` (broadcastable)."""
-    scale = stored.scale if scale is None else scale
-    lo = stored.lo if lo is None else lo
-    x = dequantize_grid(unpack(stored.q, bits, -1, head_dim), scale, lo, bits)
-    if stored.out_idx is not None:
-        x = _scatter(x, stored.out_idx.astype(jnp.int32), stored.out_val.astype(jnp.float32))
-    return x
-
-
-def quantize_dequantize_values(v: jax.Array, bits: int, n_out: int = 0) -> jax.Array:
-    """What the cache returns for values ``[..., D]`` (per token)."""
-    return dequantize(quantize_per_token(v, bits, n_out), bits, v.shape[-1])
-
-
-def quantize_dequantize_keys_per_channel(k: jax.Array, lo: jax.Array, hi: jax.Array, bits: int, n_out: int = 0):
-    """What the cache returns for keys ``[..., D]`` on a per-channel range ``lo``/``hi`` (broadcastable)."""
-    scale, lo_s = grid_from_range(lo, hi, bits)
-    return dequantize(quantize_per_channel(k, scale, lo_s, hi, bits, n_out), bits, k.shape[-1], scale, lo_s)
-
-
 # --------------------------------------------------------------------------- setting
 
 
@@ -425,7 +243,7 @@ class KVQuantizer:
         if self.spec.needs_key_ranges and self.key_ranges is None:
             raise KVSpecError(
                 "per-channel keys need calibrated key ranges (static scales); calibrate them with "
-                "kvquant.calibrate_key_ranges, use key_range='online' or key_granularity='token'"
+                "calibrate.calibrate_key_ranges, use key_range='online' or key_granularity='token'"
             )
 
     def check(self, num_layers: int, kv_heads: int, head_dim: int) -> None:
@@ -447,52 +265,3 @@ def quantizer_from_dict(d: dict) -> KVQuantizer:
     spec = spec_from(d)
     ranges = key_ranges_from_dict(d["key_ranges"]) if d.get("key_ranges") is not None else None
     return KVQuantizer(ranges, spec)
-
-
-# --------------------------------------------------------------------------- calibration
-
-
-def collect_keys(config, params, windows: np.ndarray, *, pre_rope: bool, batch_size: int = 4) -> jax.Array:
-    """Keys of every layer for calibration token ``windows`` [N, S]: ``[layers, N, kv_heads, S, head_dim]``.
-
-    They are read from a float cache after a prefill (post-RoPE); pre-RoPE keys
-    are recovered by rotating back by each token's position.
-    """
-    from llmeq_jax.models import model as model_lib
-
-    windows = np.asarray(windows, np.int32)
-    n, s = windows.shape
-
-    @jax.jit
-    def keys_of(tokens):
-        cache = model_lib.init_cache(config, tokens.shape[0], s)
-        _, cache = model_lib.forward_step(config, params, tokens, jnp.ones(tokens.shape, jnp.int32), cache)
-        return cache.k
-
-    out = []
-    for start in range(0, n, batch_size):
-        k = keys_of(jnp.asarray(windows[start : start + batch_size]))
-        if pre_rope and config.family != "gpt2":
-            inv = jnp.asarray(model_lib.rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling))
-            back = -jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (k.shape[1], s))
-            k = jax.vmap(lambda kl: rope(kl, back, inv))(k)
-        out.append(k)
-    return jnp.concatenate(out, axis=1)
-
-
-def calibrate_key_ranges(config, params, windows: np.ndarray, spec: KVSpec, batch_size: int = 4) -> KeyRanges:
-    """Static per-channel key ranges of ``spec`` (pre- or post-RoPE) from calibration ``windows``."""
-    keys = collect_keys(config, params, windows, pre_rope=spec.pre_rope, batch_size=batch_size)
-    return key_ranges_from_keys(keys, spec.outlier_frac, spec.sink_tokens)
-
-
-def make_quantizer(spec: KVSpec | None, config=None, params=None, windows: np.ndarray | None = None) -> KVQuantizer | None:
-    """A ready KVQuantizer: calibrates key ranges from ``windows`` when the spec needs them
-    (online keys start without a running range)."""
-    if spec is None:
-        return None
-    if not spec.needs_key_ranges:
-        return KVQuantizer(None, spec)
-    if windows is None:
-        raise KVSpecError("per-channel keys need calibration windows to compute static key ranges")
-    return KVQuantizer(calibrate_key_ranges(config, params, windows, spec), spec)

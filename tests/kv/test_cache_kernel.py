@@ -7,7 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from llmeq_jax import kvcache, kvquant
+from llmeq_jax import calibrate
+from llmeq_jax.kv import attention as kvattention
+from llmeq_jax.kv import cache as kvcache
+from llmeq_jax.kv import spec as kvspec
 from llmeq_jax.models import ModelConfig, forward_step, init_cache, init_params
 from pallas_kernels import config as kernel_config
 
@@ -55,10 +58,10 @@ def _decode(config, params, kv, tokens):
 
 
 CASES = {
-    "int4-preRoPE-static": (LLAMA, kvquant.KVSpec(bits=4, sink_tokens=0)),
-    "int8-postRoPE-w3-sinks2": (LLAMA, kvquant.KVSpec(bits=8, pre_rope=False, window=3, sink_tokens=2)),
-    "int4-online-w4-sinks4": (LLAMA, kvquant.KVSpec(bits=4, key_range="online", prompt_tokens=6, window=4)),
-    "int8-preRoPE-sliding5": (MISTRAL, kvquant.KVSpec(bits=8, window=2)),
+    "int4-preRoPE-static": (LLAMA, kvspec.KVSpec(bits=4, sink_tokens=0)),
+    "int8-postRoPE-w3-sinks2": (LLAMA, kvspec.KVSpec(bits=8, pre_rope=False, window=3, sink_tokens=2)),
+    "int4-online-w4-sinks4": (LLAMA, kvspec.KVSpec(bits=4, key_range="online", prompt_tokens=6, window=4)),
+    "int8-preRoPE-sliding5": (MISTRAL, kvspec.KVSpec(bits=8, window=2)),
 }
 
 
@@ -68,7 +71,7 @@ def test_decode_through_the_kernel_equals_xla(case):
     params = _same_codes_model(config)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (2, 14)))
     calib = np.random.default_rng(1).integers(0, config.vocab_size, (4, 16))
-    kv = kvquant.make_quantizer(spec, config, params, calib)
+    kv = calibrate.make_kv_quantizer(spec, config, params, calib)
     xla, used, xla_cache = _decode(config, params, kv, tokens)
     assert not used  # no GPU here: the XLA path
     with kernel_config.interpret(True):
@@ -92,17 +95,17 @@ def test_decode_through_the_kernel_equals_xla(case):
 @pytest.mark.parametrize(
     "spec, why",
     [
-        (kvquant.KVSpec(bits=4, outlier_frac=0.02), "outliers"),
-        (kvquant.KVSpec(bits=4, key_granularity="token"), "per-token keys"),
-        (kvquant.KVSpec(bits=2), "int2"),
+        (kvspec.KVSpec(bits=4, outlier_frac=0.02), "outliers"),
+        (kvspec.KVSpec(bits=4, key_granularity="token"), "per-token keys"),
+        (kvspec.KVSpec(bits=2), "int2"),
     ],
 )
 def test_settings_the_kernel_cannot_read_fall_back_to_xla(spec, why):
     ok, reason = kvcache.kernel_reads_store(spec, 64, jnp.float32)
     assert not ok and why in reason
-    assert kvcache.kernel_reads_store(kvquant.KVSpec(bits=4), 64, jnp.float32) == (True, "")
-    assert not kvcache.kernel_reads_store(kvquant.KVSpec(bits=4), 32, jnp.float32)[0]  # pre-RoPE int4: 16-wide quarters
-    assert kvcache.kernel_reads_store(kvquant.KVSpec(bits=4, pre_rope=False), 32, jnp.float32)[0]
+    assert kvcache.kernel_reads_store(kvspec.KVSpec(bits=4), 64, jnp.float32) == (True, "")
+    assert not kvcache.kernel_reads_store(kvspec.KVSpec(bits=4), 32, jnp.float32)[0]  # pre-RoPE int4: 16-wide quarters
+    assert kvcache.kernel_reads_store(kvspec.KVSpec(bits=4, pre_rope=False), 32, jnp.float32)[0]
 
 
 def test_merge_attention_equals_one_softmax_over_both_parts():
@@ -111,16 +114,16 @@ def test_merge_attention_equals_one_softmax_over_both_parts():
     part = lambda i, s: (jax.random.normal(ks[i], (2, 2, s, 8)) * 2, jax.random.normal(ks[i + 1], (2, 2, s, 8)),
                          jax.random.bernoulli(ks[i + 2], 0.8, (2, 1, s)).at[:, :, 0].set(True))
     a, b = part(1, 5), part(3, 7)
-    want, want_lse = kvcache.split_attention(q, [a, b], with_lse=True)
-    got, lse = kvcache.merge_attention(kvcache.split_attention(q, [a], with_lse=True),
-                                       kvcache.split_attention(q, [b], with_lse=True))
+    want, want_lse = kvattention.split_attention(q, [a, b], with_lse=True)
+    got, lse = kvattention.merge_attention(kvattention.split_attention(q, [a], with_lse=True),
+                                       kvattention.split_attention(q, [b], with_lse=True))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(lse, want_lse, rtol=1e-6)
     # An empty part (everything masked) weighs nothing.
     empty = (a[0], a[1], jnp.zeros_like(a[2]))
-    got, _ = kvcache.merge_attention(kvcache.split_attention(q, [empty], with_lse=True),
-                                     kvcache.split_attention(q, [b], with_lse=True))
-    np.testing.assert_allclose(got, kvcache.split_attention(q, [b]), rtol=1e-5, atol=1e-6)
+    got, _ = kvattention.merge_attention(kvattention.split_attention(q, [empty], with_lse=True),
+                                     kvattention.split_attention(q, [b], with_lse=True))
+    np.testing.assert_allclose(got, kvattention.split_attention(q, [b]), rtol=1e-5, atol=1e-6)
 
 
 def test_generate_compiles_once_per_kernel_switch_state():
@@ -130,7 +133,7 @@ def test_generate_compiles_once_per_kernel_switch_state():
 
     config, spec = CASES["int4-preRoPE-static"]
     params = _same_codes_model(config)  # greedy tokens equal only if no code flips between the paths
-    kv = kvquant.make_quantizer(spec, config, params, np.random.default_rng(1).integers(0, config.vocab_size, (4, 16)))
+    kv = calibrate.make_kv_quantizer(spec, config, params, np.random.default_rng(1).integers(0, config.vocab_size, (4, 16)))
     prompt = jnp.asarray(np.random.default_rng(2).integers(0, config.vocab_size, (2, 5)))
     before = gen._decode_loop._cache_size()
     with kernel_config.interpret(True):

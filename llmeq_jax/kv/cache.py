@@ -14,7 +14,7 @@ A step goes: :func:`append_mask` (mark the new slots), per layer
 cache that is :func:`update` then :func:`read`), finally :func:`advance`.
 
 :class:`QuantKVCache` is the quantized cache (SimQuant / KVQuant-style, math in
-:mod:`llmeq_jax.kvquant`): the same bookkeeping fields, keys and values stored
+:mod:`llmeq_jax.kv.grid`): the same bookkeeping fields, keys and values stored
 as packed int8/int4/int2 codes, a float ring buffer of the most recent
 ``window`` tokens and a float copy of the first ``sink_tokens`` tokens. Every
 function here dispatches on the cache type, so model code never tests for
@@ -24,14 +24,18 @@ quantization.
 from __future__ import annotations
 
 import dataclasses
-
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from llmeq_jax import kvquant
+from llmeq_jax.core.rope import apply_rope
+from llmeq_jax.kv import grid as kvgrid
+from llmeq_jax.kv import spec as kvspec
+from llmeq_jax.kv.attention import dot_product_attention, merge_attention, split_attention
+from pallas_kernels import config as kernel_config
+from pallas_kernels import kv_cache as kv_kernels
 
 
 @jax.tree_util.register_dataclass
@@ -121,8 +125,6 @@ def attend(cache, layer: int, q: jax.Array, k: jax.Array, v: jax.Array, mask: ja
 
     q [B, T, H, D]; mask [B, T, max_len] (causal, valid, sliding window).
     """
-    from llmeq_jax.models.layers import dot_product_attention  # lazy: models import this module
-
     if isinstance(cache, QuantKVCache):
         return _q_attend(cache, layer, q, k, v, mask, k_raw)
     cache = update(cache, layer, k, v)
@@ -148,7 +150,7 @@ def advance(cache: KVCache, attention_mask: jax.Array) -> KVCache:
 class QuantKVCache:
     """Quantized K/V cache. Shapes (L layers, B rows, KV heads, S = max_len slots, D head dim):
 
-    * ``k``, ``v``: :class:`kvquant.QuantizedKV` with codes ``[L, B, KV, S, D / per-byte]``,
+    * ``k``, ``v``: :class:`llmeq_jax.kv.grid.QuantizedKV` with codes ``[L, B, KV, S, D / per-byte]``,
       per-token ``scale``/``lo`` ``[L, B, KV, S, 1]`` float16 (keys per channel: None),
       outliers ``[L, B, KV, S, n]``.
     * ``k_scale``, ``k_lo``, ``k_hi``: per-channel key grid ``[L, KV, D]`` (static, calibrated),
@@ -170,8 +172,8 @@ class QuantKVCache:
     the sink tokens (whatever their slot).
     """
 
-    k: kvquant.QuantizedKV
-    v: kvquant.QuantizedKV
+    k: kvgrid.QuantizedKV
+    v: kvgrid.QuantizedKV
     k_scale: jax.Array | None
     k_lo: jax.Array | None
     k_hi: jax.Array | None
@@ -185,7 +187,7 @@ class QuantKVCache:
     valid: jax.Array
     length: jax.Array
     positions: jax.Array
-    spec: kvquant.KVSpec = dataclasses.field(metadata=dict(static=True), default=kvquant.KVSpec())
+    spec: kvspec.KVSpec = dataclasses.field(metadata=dict(static=True), default=kvspec.KVSpec())
     head_dim: int = dataclasses.field(metadata=dict(static=True), default=0)
 
     @property
@@ -193,17 +195,17 @@ class QuantKVCache:
         return self.valid.shape[1]
 
 
-def _empty_store(shape, bits: int, per_token: bool, n_out: int) -> kvquant.QuantizedKV:
+def _empty_store(shape, bits: int, per_token: bool, n_out: int) -> kvgrid.QuantizedKV:
     l, b, h, s, d = shape
     per_byte = 8 // {2: 2, 4: 4, 8: 8}[bits]
     code_dtype = jnp.int8 if bits == 8 else jnp.uint8
     side = (l, b, h, s, 1)
-    return kvquant.QuantizedKV(
+    return kvgrid.QuantizedKV(
         q=jnp.zeros((l, b, h, s, math.ceil(d / per_byte)), code_dtype),
-        scale=jnp.ones(side, kvquant.SCALE_DTYPE) if per_token else None,
-        lo=jnp.zeros(side, kvquant.SCALE_DTYPE) if per_token else None,
+        scale=jnp.ones(side, kvgrid.SCALE_DTYPE) if per_token else None,
+        lo=jnp.zeros(side, kvgrid.SCALE_DTYPE) if per_token else None,
         out_idx=jnp.zeros((l, b, h, s, n_out), jnp.uint8) if n_out else None,
-        out_val=jnp.zeros((l, b, h, s, n_out), kvquant.SCALE_DTYPE) if n_out else None,
+        out_val=jnp.zeros((l, b, h, s, n_out), kvgrid.SCALE_DTYPE) if n_out else None,
     )
 
 
@@ -213,7 +215,7 @@ def init_quantized(
     kv_heads: int,
     max_len: int,
     head_dim: int,
-    kv: kvquant.KVQuantizer,
+    kv: kvspec.KVQuantizer,
     *,
     inv_freq: np.ndarray | None = None,
     dtype=jnp.float32,
@@ -222,7 +224,7 @@ def init_quantized(
     spec = kv.spec
     kv.check(num_layers, kv_heads, head_dim)
     if spec.window > max_len:
-        raise kvquant.KVSpecError(
+        raise kvspec.KVSpecError(
             f"the float window ({spec.window} tokens) is longer than the context ({max_len} tokens)"
         )
     pre_rope = spec.pre_rope and inv_freq is not None
@@ -231,7 +233,7 @@ def init_quantized(
     k_scale = k_lo = k_hi = None
     if spec.needs_key_ranges:
         k_hi = jnp.array(kv.key_ranges.hi, copy=True)  # the cache is donated: never alias the quantizer
-        k_scale, k_lo = kvquant.grid_from_range(kv.key_ranges.lo, k_hi, spec.bits)
+        k_scale, k_lo = kvgrid.grid_from_range(kv.key_ranges.lo, k_hi, spec.bits)
     elif spec.online_keys:
         # Until the first write these hold the running range (blended in then), if there is one.
         rows = (num_layers, batch, kv_heads, head_dim)
@@ -280,11 +282,11 @@ def _set_online_grid(cache: QuantKVCache, layer: int, keys: jax.Array) -> QuantK
     valid = jax.lax.dynamic_slice_in_dim(cache.valid, cache.length, keys.shape[2], axis=1)
     # The sinks stay in: a prompt's range already under-covers later keys, and leaving the sinks
     # out narrows it further (SmolLM2, int8, 64-token prompts: +5.1 % ppl without them vs +3.7 %).
-    lo, hi = kvquant.observed_key_ranges(keys, valid, spec.outlier_frac)
+    lo, hi = kvgrid.observed_key_ranges(keys, valid, spec.outlier_frac)
     if spec.ema:
         lo = spec.ema * cache.k_lo[layer] + (1 - spec.ema) * lo
         hi = spec.ema * cache.k_hi[layer] + (1 - spec.ema) * hi
-    scale, lo = kvquant.grid_from_range(lo, hi, spec.bits)
+    scale, lo = kvgrid.grid_from_range(lo, hi, spec.bits)
     first = cache.length == 0
     return dataclasses.replace(
         cache,
@@ -294,15 +296,15 @@ def _set_online_grid(cache: QuantKVCache, layer: int, keys: jax.Array) -> QuantK
     )
 
 
-def _quantize_keys(cache: QuantKVCache, layer: int, k: jax.Array) -> kvquant.QuantizedKV:
+def _quantize_keys(cache: QuantKVCache, layer: int, k: jax.Array) -> kvgrid.QuantizedKV:
     spec, n_out = cache.spec, cache.spec.n_outliers(cache.head_dim)
     if spec.per_channel_keys:
         scale, lo, hi = _key_grid(cache, layer)
-        return kvquant.quantize_per_channel(k, scale, lo, hi, spec.bits, n_out)
-    return kvquant.quantize_per_token(k, spec.bits, n_out)
+        return kvgrid.quantize_per_channel(k, scale, lo, hi, spec.bits, n_out)
+    return kvgrid.quantize_per_token(k, spec.bits, n_out)
 
 
-def _write(store: kvquant.QuantizedKV, layer: int, new: kvquant.QuantizedKV, start) -> kvquant.QuantizedKV:
+def _write(store: kvgrid.QuantizedKV, layer: int, new: kvgrid.QuantizedKV, start) -> kvgrid.QuantizedKV:
     return jax.tree.map(
         lambda a, n: jax.lax.dynamic_update_slice(a, n[None].astype(a.dtype), (layer, 0, 0, start, 0)), store, new
     )
@@ -343,7 +345,7 @@ def _q_update(cache: QuantKVCache, layer: int, k, v, k_raw) -> QuantKVCache:
     return dataclasses.replace(
         cache,
         k=_write(cache.k, layer, _quantize_keys(cache, layer, keys), cache.length),
-        v=_write(cache.v, layer, kvquant.quantize_per_token(v, cache.spec.bits, n_out), cache.length),
+        v=_write(cache.v, layer, kvgrid.quantize_per_token(v, cache.spec.bits, n_out), cache.length),
     )
 
 
@@ -353,12 +355,12 @@ def _q_read(cache: QuantKVCache, layer: int):
     v_store = jax.tree.map(lambda a: a[layer], cache.v)
     if spec.per_channel_keys:
         scale, lo, _ = _key_grid(cache, layer)
-        keys = kvquant.dequantize(k_store, spec.bits, d, scale, lo)
+        keys = kvgrid.dequantize(k_store, spec.bits, d, scale, lo)
     else:
-        keys = kvquant.dequantize(k_store, spec.bits, d)
+        keys = kvgrid.dequantize(k_store, spec.bits, d)
     if spec.pre_rope:
-        keys = kvquant.rope(keys, cache.slot_pos, cache.inv_freq)
-    return keys, kvquant.dequantize(v_store, spec.bits, d)
+        keys = apply_rope(keys, cache.slot_pos, cache.inv_freq, heads_axis=1)
+    return keys, kvgrid.dequantize(v_store, spec.bits, d)
 
 
 def _window_slots(cache: QuantKVCache) -> jax.Array:
@@ -422,10 +424,8 @@ def _write_window(cache: QuantKVCache, layer: int, k, v, query_slots) -> QuantKV
     )
 
 
-def kernel_reads_store(spec: kvquant.KVSpec, head_dim: int, dtype) -> tuple[bool, str]:
+def kernel_reads_store(spec: kvspec.KVSpec, head_dim: int, dtype) -> tuple[bool, str]:
     """(True, "") when the Pallas decode kernel can read a store of this setting, else (False, why)."""
-    from pallas_kernels import kv_cache as kv_kernels
-
     if not spec.per_channel_keys:
         return False, "per-token keys (the kernel folds a per-channel key grid)"
     if spec.n_outliers(head_dim):
@@ -441,9 +441,6 @@ def _kernel_store_part(cache: QuantKVCache, layer: int, q, quantized):
     The kernel reads the codes where they lie instead of writing a dequantized float copy
     of the whole layer every step. ``quantized`` [B, 1, S] marks the slots to read.
     """
-    from pallas_kernels import config as kernel_config
-    from pallas_kernels import kv_cache as kv_kernels
-
     if not kernel_config.kernels_available() or not kernel_reads_store(cache.spec, cache.head_dim, q.dtype)[0]:
         return None
     bits, b, n_heads, d = cache.spec.bits, q.shape[0], q.shape[2], q.shape[3]
@@ -456,14 +453,6 @@ def _kernel_store_part(cache: QuantKVCache, layer: int, q, quantized):
         cache.v.lo[layer], scan, bits=bits, allowed=quantized[:, 0], **rope,
     )
     return out[:, None], lse[:, None]
-
-
-def merge_attention(a, b):
-    """Softmax attention over two key sets from each one's (out [..., D], lse [...]): the union's (out, lse)."""
-    (out_a, lse_a), (out_b, lse_b) = a, b
-    lse = jnp.logaddexp(lse_a, lse_b)
-    w_a, w_b = jnp.exp(lse_a - lse)[..., None], jnp.exp(lse_b - lse)[..., None]
-    return out_a.astype(jnp.float32) * w_a + out_b.astype(jnp.float32) * w_b, lse
 
 
 def _sink_part(cache: QuantKVCache, layer: int, mask: jax.Array, query_slots: jax.Array):
@@ -481,64 +470,15 @@ def _sink_part(cache: QuantKVCache, layer: int, mask: jax.Array, query_slots: ja
     return (cache.k_sink[layer], cache.v_sink[layer], seen & (sink_slot >= 0)[:, None, :] & outside_window), is_sink
 
 
-def split_attention(q: jax.Array, parts, *, with_lse: bool = False):
-    """One softmax over several key/value sets: ``parts`` = [(k [B,KV,S_i,D], v, mask [B,T,S_i]), ...].
+# --------------------------------------------------------------------------- online key ranges across requests
 
-    Grouped-query layout as ``models.layers.dot_product_attention``; scores and softmax in float32.
-    ``with_lse``: also return the log-sum-exp of the scores ``[B, T, H]`` (see :func:`merge_attention`).
+
+def track_key_ranges(kv: kvspec.KVQuantizer, cache) -> kvspec.KVQuantizer:
+    """The quantizer with its running key range set to the ranges an online cache used (mean over rows).
+
+    Those already are ``ema * running + (1 - ema) * prompt``, so calling this after every
+    request keeps an exponential moving average of the prompts' key ranges.
     """
-    from llmeq_jax.models.layers import _MASKED
-
-    b, t, h, d = q.shape
-    kv = parts[0][0].shape[1]
-    qg = q.reshape(b, t, kv, h // kv, d)
-    scores = [
-        jnp.where(m[:, None, None], jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32)
-                  / math.sqrt(d), _MASKED)
-        for k, _, m in parts
-    ]
-    scores = jnp.concatenate(scores, axis=-1)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out, start = 0.0, 0
-    for k, v, _ in parts:
-        p = probs[..., start : start + k.shape[2]].astype(v.dtype)
-        out = out + jnp.einsum("bkgts,bksd->btkgd", p, v)
-        start += k.shape[2]
-    out = out.reshape(b, t, h, d)
-    if not with_lse:
-        return out
-    lse = jax.nn.logsumexp(scores, axis=-1)  # [B, KV, G, T]
-    return out, jnp.moveaxis(lse, 3, 1).reshape(b, t, h)
-
-
-# --------------------------------------------------------------------------- memory
-
-
-def _slot_leaves(cache) -> tuple[list, list]:
-    """(leaves with a per-slot axis, the rest) of a cache."""
-    if isinstance(cache, KVCache):
-        return [cache.k, cache.v, cache.valid], [cache.length, cache.positions]
-    per_slot = jax.tree.leaves((cache.k, cache.v, cache.valid, cache.slot_pos))
-    fixed = jax.tree.leaves((cache.k_scale, cache.k_lo, cache.k_hi, cache.k_win, cache.v_win, cache.k_sink,
-                             cache.v_sink, cache.sink_slot, cache.inv_freq, cache.length, cache.positions))
-    return per_slot, fixed
-
-
-def _nbytes(leaves) -> int:
-    return sum(int(a.size) * jnp.dtype(a.dtype).itemsize for a in leaves)
-
-
-def memory(cache) -> dict:
-    """Bytes of a cache, from its arrays: per token (one row, all layers) and fixed (window, sinks, key grids)."""
-    per_slot, fixed = _slot_leaves(cache)
-    batch = cache.valid.shape[0]
-    return {
-        "bytes_per_token": _nbytes(per_slot) / (cache.max_len * batch),
-        "fixed_bytes": _nbytes(fixed),
-        "total_bytes": _nbytes(per_slot) + _nbytes(fixed),
-    }
-
-
-def longest_context(bytes_per_token: float, fixed_bytes: int, budget_bytes: float, batch: int = 1) -> int:
-    """The most tokens per row whose cache fits ``budget_bytes`` (0 if not even the fixed part fits)."""
-    return max(int((budget_bytes - fixed_bytes) // (bytes_per_token * batch)), 0)
+    if not kv.spec.online_keys:
+        raise kvspec.KVSpecError("track_key_ranges is for key_range='online' caches")
+    return kvspec.KVQuantizer(kvspec.KeyRanges(jnp.mean(cache.k_lo, axis=1), jnp.mean(cache.k_hi, axis=1)), kv.spec)

@@ -1,39 +1,28 @@
-"""Run every Pallas kernel compiled for the GPU (interpret=INTERPRET) and compare it with its reference.
+"""Every Pallas kernel compiled for the GPU (``interpret=False``) against its reference: ``gpu`` marker.
 
-One line per case: PASS/FAIL, the max abs error, the tolerance, and for integer
-outputs how many elements differ. Exits 1 if any case fails. On a machine without
-a CUDA GPU it says so and exits 0 (the CPU tests in tests/pallas_kernels cover
-interpret mode and the CUDA lowering there).
+These run only where JAX's default backend is a GPU. Elsewhere ``tests/conftest.py``
+deselects them at collection (they are not reported as skipped tests); the CPU tests
+in tests/pallas_kernels cover interpret mode and the CUDA lowering there.
 
 References run on the same GPU through XLA with ``jax.default_matmul_precision("highest")``
 (so f32 dots are not TF32); the shapes include the CPU tests' ragged/edge cases
-plus realistic LLM shapes.
+plus realistic LLM shapes. Each case passes when its max abs error is within
+``rel * max |reference|`` (NaN never passes) and, for integer outputs, no element differs.
 
-    PYTHONPATH=. python scripts/check_kernels_gpu.py [-k SUBSTRING]
+    pytest -m gpu tests/pallas_kernels/test_gpu_kernels.py [-k SUBSTRING]
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
-import traceback
-
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from llmeq_jax import ops
 from llmeq_jax.core.quantize import Spec, quantize
 from pallas_kernels import config
-from pallas_kernels.kv_cache import (
-    decode_attention,
-    decode_attention_reference,
-    kv_append,
-    kv_append_reference,
-    store_decode_attention,
-    store_decode_attention_reference,
-)
-from pallas_kernels.online_scale import online_quantize, online_quantize_reference
+from pallas_kernels.kv_cache import store_decode_attention, store_decode_attention_reference
 from pallas_kernels.w8a8 import w8a8_matmul, w8a8_reference
 from pallas_kernels.weight_only import weight_only_matmul, weight_only_reference
 
@@ -42,7 +31,8 @@ F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 REL = {F32: 1e-5, BF16: 2e-2, F16: 1e-2}
 
 CASES = []
-INTERPRET = False  # --interpret: run the same cases in Pallas interpret mode (to check this script on a CPU)
+INTERPRET = False  # True runs the same cases in Pallas interpret mode (to check this file on a CPU; slow)
+pytestmark = pytest.mark.gpu
 
 
 def case(fn):
@@ -153,58 +143,7 @@ for _shape in WO_SHAPES:
 
 # --------------------------------------------------------------------------- KV cache
 
-KV_CASES = [  # (B, H_kv, G, T, D, S new rows, pos, bits, dtype)
-    (2, 2, 2, 40, 32, 3, 5, 8, F32),  # the CPU tests' cases
-    (1, 2, 4, 70, 64, 5, 66, 4, F32),  # rows past the end are dropped
-    (2, 1, 1, 33, 32, 1, 0, 4, F32),
-    (1, 1, 2, 20, 16, 2, 3, 8, F32),
-    (2, 8, 4, 4096, 128, 37, 1000, 8, BF16),  # GQA, ragged prefill chunk
-    (2, 8, 4, 4096, 128, 1, 4095, 4, BF16),  # decode step at the last slot
-    (1, 8, 4, 32768, 128, 1, 20000, 8, BF16),  # long context: many token splits
-    (4, 4, 8, 2048, 64, 16, 100, 4, F16),
-]
-
-
-def _kv_case(b, h, g, t, d, s, pos, bits, dtype):
-    ks = jax.random.split(jax.random.key(0), 7)
-    sd, dt = (d, jnp.int8) if bits == 8 else (d // 2, jnp.uint8)
-    lo, hi = (-127, 128) if bits == 8 else (0, 256)
-    kc = jax.random.randint(ks[0], (b, h, t, sd), lo, hi).astype(dt)
-    vc = jax.random.randint(ks[1], (b, h, t, sd), lo, hi).astype(dt)
-    vs = jax.random.uniform(ks[2], (b, h, t, 1), minval=1e-3, maxval=2e-2)
-    k_new = jax.random.normal(ks[3], (b, h, s, d)).astype(dtype)
-    v_new = jax.random.normal(ks[4], (b, h, s, d)).astype(dtype)
-    k_scale = jax.random.uniform(ks[5], (1, h, 1, d), minval=0.01, maxval=0.06)
-    q = jax.random.normal(ks[6], (b, h * g, d)).astype(dtype)
-    return kc, vc, vs, k_new, v_new, k_scale, q
-
-
-for _shape in KV_CASES:
-
-    @case
-    def _kv_append(shape=_shape):
-        b, h, g, t, d, s, pos, bits, dtype = shape
-        kc, vc, vs, k_new, v_new, k_scale, _ = _kv_case(*shape)
-        want = kv_append_reference(kc, vc, vs, k_new, v_new, k_scale, pos, bits=bits)
-        got = jax.jit(lambda *a: kv_append(*a, bits=bits, interpret=INTERPRET))(kc, vc, vs, k_new, v_new, k_scale, pos)
-        # integer caches: count differing stored bytes (exact on CPU); scales: max abs error
-        diff = sum(int(np.sum(np.asarray(a) != np.asarray(w))) for a, w in zip(got[:2], want[:2]))
-        err, tol = compare(got[2], want[2], 1e-6)
-        name = f"kv_append int{bits} B={b} H={h} T={t} D={d} S={s} pos={pos} {jnp.dtype(dtype).name}"
-        return name, err, tol, diff
-
-    @case
-    def _decode(shape=_shape):
-        b, h, g, t, d, s, pos, bits, dtype = shape
-        kc, vc, vs, _, _, k_scale, q = _kv_case(*shape)
-        length = jnp.array([t, max(1, t // 2 + 3), 1, t - 7][:b], jnp.int32)  # full, partial, a single token
-        out = jax.jit(lambda *a: decode_attention(*a, bits=bits, interpret=INTERPRET))(q, kc, vc, k_scale, vs, length)
-        ref = reference(decode_attention_reference, q, kc, vc, k_scale, vs, length, bits=bits)
-        name = f"decode_attention int{bits} B={b} H_kv={h} G={g} T={t} D={d} lengths={list(map(int, length))} {jnp.dtype(dtype).name}"
-        return name, *compare(out, ref, 1e-5 if dtype == F32 else REL[dtype]), None
-
-
-STORE_CASES = [  # (B, H_kv, G, T, D, bits, pre-RoPE keys, dtype) of kvcache.QuantKVCache's store
+STORE_CASES = [  # (B, H_kv, G, T, D, bits, pre-RoPE keys, dtype) of kv.cache.QuantKVCache's store
     (2, 2, 3, 70, 64, 8, False, F32),  # the CPU tests' shapes
     (2, 2, 3, 70, 64, 4, True, F32),
     (1, 3, 3, 2048, 64, 4, True, F32),  # SmolLM2-135M's heads
@@ -215,15 +154,15 @@ STORE_CASES = [  # (B, H_kv, G, T, D, bits, pre-RoPE keys, dtype) of kvcache.Qua
 
 
 def _store_case(b, h, g, t, d, bits, rope, dtype):
-    """A store written by kvquant's own quantizers, a query, an allowed mask and RoPE positions."""
-    from llmeq_jax import kvquant
+    """A store written by the cache's own quantizers (llmeq_jax.kv.grid), a query, an allowed mask and RoPE positions."""
+    from llmeq_jax.kv import grid as kvgrid
 
     ks = jax.random.split(jax.random.key(1), 4)
     k = jax.random.normal(ks[0], (b, h, t, d)) * jnp.linspace(0.5, 3, d) + jnp.linspace(-1, 1, d)
     v = jax.random.normal(ks[1], (b, h, t, d))
     hi = jnp.max(k, axis=(0, 2))[None, :, None]
-    scale, lo = kvquant.grid_from_range(jnp.min(k, axis=(0, 2))[None, :, None], hi, bits)
-    kq, vq = kvquant.quantize_per_channel(k, scale, lo, hi, bits, 0), kvquant.quantize_per_token(v, bits, 0)
+    scale, lo = kvgrid.grid_from_range(jnp.min(k, axis=(0, 2))[None, :, None], hi, bits)
+    kq, vq = kvgrid.quantize_per_channel(k, scale, lo, hi, bits, 0), kvgrid.quantize_per_token(v, bits, 0)
     extra = dict(allowed=jax.random.bernoulli(ks[2], 0.9, (b, t)).at[:, 0].set(True))  # no row left empty
     if rope:
         extra.update(slot_pos=jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)),
@@ -252,13 +191,14 @@ for _shape in STORE_CASES:
 @case
 def _quantized_cache_decode():
     """Decode steps of a random Llama over a quantized cache: kernel (auto on a GPU) vs XLA (kernels off)."""
-    from llmeq_jax import kvquant
+    from llmeq_jax import calibrate
+    from llmeq_jax.kv import spec as kvspec
     from llmeq_jax.models import ModelConfig, forward_step, init_cache, init_params
 
     cfg = ModelConfig("llama", 512, 512, 2, 8, 4, 128, 1024, 1e-5, 4096, False)
     params = jax.tree.map(lambda a: a * 4, init_params(cfg, jax.random.key(0)))
     tokens = jax.random.randint(jax.random.key(1), (2, 1004), 0, cfg.vocab_size)
-    kv = kvquant.make_quantizer(kvquant.KVSpec(bits=4, window=32), cfg, params, np.asarray(tokens[:, :256]))
+    kv = calibrate.make_kv_quantizer(kvspec.KVSpec(bits=4, window=32), cfg, params, np.asarray(tokens[:, :256]))
 
     def run():
         step = lambda p, t, m, c: forward_step(cfg, p, t, m, c)  # traced afresh under the caller's context
@@ -275,35 +215,6 @@ def _quantized_cache_decode():
         with config.disabled():
             want = run()
     return "QuantKVCache int4 pre-RoPE w32 decode: kernel vs XLA, Llama 2x(8q/4kv x 128)", *compare(got, want, 1e-4), None
-
-
-# --------------------------------------------------------------------------- online scales
-
-ONLINE_CASES = [  # (rows, cols, per_channel, with state, bits, dtype)
-    (5, 70, True, False, 8, F32),
-    (37, 200, True, True, 8, F32),
-    (33, 150, False, True, 4, F32),
-    (1, 64, False, False, 8, F32),
-    (4096, 4096, True, True, 8, BF16),
-    (300, 1000, False, True, 8, BF16),
-]
-
-for _shape in ONLINE_CASES:
-
-    @case
-    def _online(shape=_shape):
-        r, c, per_channel, with_state, bits, dtype = shape
-        k1, k2 = jax.random.split(jax.random.key(r))
-        x = (jax.random.normal(k1, (r, c)) * 3).astype(dtype)
-        state = jax.random.uniform(k2, (c,) if per_channel else (), minval=0.5, maxval=4) if with_state else None
-        kw = dict(per_channel=per_channel, bits=bits)
-        q, new, _, _ = jax.jit(lambda x, s: online_quantize(x, s, interpret=INTERPRET, **kw))(x, state)
-        rq, rnew, _, _ = online_quantize_reference(x, state, **kw)
-        diff = int(np.sum(np.asarray(q) != np.asarray(rq)))
-        gran = "channel" if per_channel else "tensor"
-        return f"online_quantize {r}x{c} per-{gran} int{bits} state={with_state} {jnp.dtype(dtype).name}", *compare(
-            new, rnew, 1e-6
-        ), diff
 
 
 # --------------------------------------------------------------------------- ops.linear
@@ -335,7 +246,7 @@ for _name in MLP_RECIPES:
                 y = jax.jit(lambda p, x: _mlp(p, x, "pallas"))(params, x)
             with jax.default_matmul_precision("highest"):
                 r = jax.jit(lambda p, x: _mlp(p, x, "xla"))(params, x)
-            rel = 1e-4 if dtype == F32 else 3e-2  # as tests/pallas_kernels/test_dispatch.py (f32)
+            rel = 1e-4 if dtype == F32 else 3e-2  # as tests/test_kernel_dispatch.py (f32)
             return f"ops.linear MLP {name} {d}->{f}->{d} x(2,37) {jnp.dtype(dtype).name} pallas vs xla", *compare(
                 y, r, rel
             ), None
@@ -345,38 +256,8 @@ def _label(fn):
     return f"{fn.__name__.strip('_')}{(fn.__defaults__ or ('',))[0]}"
 
 
-def main():
-    global INTERPRET
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("-k", default="", help="only cases whose label (function name + shape tuple) contains this")
-    parser.add_argument("--interpret", action="store_true", help="interpret mode, any backend (checks this script)")
-    args = parser.parse_args()
-    INTERPRET = args.interpret
-    if jax.default_backend() != "gpu" and not INTERPRET:
-        print(f"no GPU found (JAX backend: {jax.default_backend()}); nothing to check here "
-              "(tests/pallas_kernels covers interpret mode and the CUDA lowering on CPU)")
-        return 0
-    print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, interpret={INTERPRET}", flush=True)
-    ran = failed = 0
-    for fn in CASES:
-        if args.k not in _label(fn):
-            continue
-        ran += 1
-        try:
-            name, err, tol, diff = fn()
-        except Exception as e:  # a kernel that does not compile or run is a FAIL, not a crash
-            failed += 1
-            msg = str(e).splitlines()[0][:300] if str(e) else ""
-            print(f"FAIL  {_label(fn)}: {type(e).__name__}: {msg}", flush=True)
-            traceback.print_exc(limit=4, file=sys.stdout)
-            continue
-        ok = err <= tol and (diff is None or diff == 0)  # NaN fails err <= tol
-        failed += not ok
-        extra = "" if diff is None else f"  differing ints {diff}"
-        print(f"{'PASS' if ok else 'FAIL'}  {name}: max abs err {err:.3g} (tol {tol:.3g}){extra}", flush=True)
-    print(f"{ran - failed} passed, {failed} failed")
-    return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+@pytest.mark.parametrize("case_fn", CASES, ids=[_label(fn) for fn in CASES])
+def test_kernel_matches_reference(case_fn):
+    name, err, tol, diff = case_fn()
+    assert err <= tol, f"{name}: max abs err {err:.3g} > tol {tol:.3g}"  # NaN fails too
+    assert diff is None or diff == 0, f"{name}: {diff} integer outputs differ"

@@ -7,7 +7,8 @@ import pytest
 
 from llmeq_jax import ops
 from llmeq_jax.core.quantize import Spec, quantize
-from pallas_kernels import config, dispatch
+from llmeq_jax import kernel_dispatch as dispatch
+from pallas_kernels import config
 
 W8A8 = (Spec(bits=8, granularity="channel"), Spec(bits=8, granularity="token"))
 W4G128 = (Spec(bits=4, granularity="group", group_size=128), None)

@@ -1,0 +1,90 @@
+"""Softmax attention over cached keys/values (grouped-query layout), in float32.
+
+* :func:`dot_product_attention`: one key/value set (the float cache, the models' prefill).
+* :func:`split_attention`: one softmax over several key/value sets (the quantized cache's
+  dequantized store, float sinks, float window), each with its own mask.
+* :func:`merge_attention`: combine two partial results by their log-sum-exp (the Pallas
+  decode kernel's store part with the float parts).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from llmeq_jax import native, ops
+
+# Masked attention scores: a large finite value, so a row with no visible key
+# (a left-padding query) gives a uniform softmax instead of NaN.
+MASKED = -1e30
+
+
+def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query attention.
+
+    q [B, T, H, D]; k, v [B, KV, S, D]; mask [B, T, S] -> [B, T, H, D].
+    Scores and softmax in float32.
+    """
+    if native_attention_ok(q, k, v):
+        return native.decode_attention(q, k, v, mask, masked=MASKED, reference=attention_xla)
+    return attention_xla(q, k, v, mask)
+
+
+def native_attention_ok(q, k, v) -> bool:
+    """Decode-sized float32 attention on CPU goes to the native kernel (one call instead of
+    XLA's two small dot fusions and softmax ops, whose launch overhead dominated a decode step)."""
+    if not 0 < q.shape[0] * q.shape[1] <= ops.NATIVE_MAX_ROWS["attention"]:
+        return False
+    if any(a.dtype != jnp.float32 for a in (q, k, v)) or jax.default_backend() != "cpu":
+        return False
+    return native.enabled()
+
+
+def attention_xla(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """:func:`dot_product_attention` in XLA ops (also the native kernel's reference and backward pass)."""
+    b, t, h, d = q.shape
+    kv = k.shape[1]
+    qg = q.reshape(b, t, kv, h // kv, d)
+    scores = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32) / math.sqrt(d)
+    scores = jnp.where(mask[:, None, None, :, :], scores, MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bksd->btkgd", probs, v)
+    return out.reshape(b, t, h, d)
+
+
+def merge_attention(a, b):
+    """Softmax attention over two key sets from each one's (out [..., D], lse [...]): the union's (out, lse)."""
+    (out_a, lse_a), (out_b, lse_b) = a, b
+    lse = jnp.logaddexp(lse_a, lse_b)
+    w_a, w_b = jnp.exp(lse_a - lse)[..., None], jnp.exp(lse_b - lse)[..., None]
+    return out_a.astype(jnp.float32) * w_a + out_b.astype(jnp.float32) * w_b, lse
+
+
+def split_attention(q: jax.Array, parts, *, with_lse: bool = False):
+    """One softmax over several key/value sets: ``parts`` = [(k [B,KV,S_i,D], v, mask [B,T,S_i]), ...].
+
+    Grouped-query layout as :func:`dot_product_attention`; scores and softmax in float32.
+    ``with_lse``: also return the log-sum-exp of the scores ``[B, T, H]`` (see :func:`merge_attention`).
+    """
+    b, t, h, d = q.shape
+    kv = parts[0][0].shape[1]
+    qg = q.reshape(b, t, kv, h // kv, d)
+    scores = [
+        jnp.where(m[:, None, None], jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32)
+                  / math.sqrt(d), MASKED)
+        for k, _, m in parts
+    ]
+    scores = jnp.concatenate(scores, axis=-1)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out, start = 0.0, 0
+    for k, v, _ in parts:
+        p = probs[..., start : start + k.shape[2]].astype(v.dtype)
+        out = out + jnp.einsum("bkgts,bksd->btkgd", p, v)
+        start += k.shape[2]
+    out = out.reshape(b, t, h, d)
+    if not with_lse:
+        return out
+    lse = jax.nn.logsumexp(scores, axis=-1)  # [B, KV, G, T]
+    return out, jnp.moveaxis(lse, 3, 1).reshape(b, t, h)
