@@ -15,6 +15,7 @@ module of its own and exposes the same four functions:
   awq           activation-aware scale search + clip search (low-bit weights)
   gptq          Hessian-based row-by-row quantization with error feedback
   zeroquant     group-wise weights + per-token activations, optional LKD
+  autoround     learned rounding offsets and clip ranges (signed gradient descent per block)
 
 :func:`quantize_model` runs any recipe end to end (calibrating when needed).
 """
@@ -41,9 +42,9 @@ def _module(name: str) -> ModuleType:
     return importlib.import_module(f"llmeq_jax.methods.{name}")
 
 
-CALIBRATED = ("smoothquant", "awq", "gptq", "zeroquant")
+CALIBRATED = ("smoothquant", "awq", "gptq", "zeroquant", "autoround")
 # Methods that can only handle kernels inside decoder blocks (they need that block's inputs).
-BLOCK_ONLY = {"awq", "gptq"}
+BLOCK_ONLY = {"awq", "gptq", "autoround"}
 
 
 def _calibrated(name: str) -> Callable[[Any, dict | None, Recipe], Any]:
