@@ -90,3 +90,25 @@ def test_training_lowers_the_block_error_below_rtn_and_gives_a_checkpoint_ops_ru
                                rtol=1e-5, atol=1e-6)
     x = inputs[0][0][0, :5]
     np.testing.assert_allclose(np.asarray(ops.linear(x, qa)), np.asarray(x @ qa.dequantize()), rtol=1e-4, atol=1e-5)
+
+
+LOW_BIT = {"rtn-w4-g128": (4, 128), "gptq-w4-g128": (4, 128), "gptq-w3-g128": (3, 128), "awq-w4-g128": (4, 128),
+           "autoround-w4-g128": (4, 128), "autoround-w3-g128": (3, 128), "autoround-w2-g64": (2, 64)}
+
+
+@pytest.mark.parametrize("name", sorted(LOW_BIT))
+def test_low_bit_recipes_load_asymmetric_and_their_sym_twins_symmetric(name):
+    """2-4-bit recipes default to zero-point grids; the symmetric ones stay available as -sym."""
+    from llmeq_jax.cli import read_recipe
+    from llmeq_jax.methods import get_method, quantize_model  # noqa: F401  (the method name resolves)
+
+    recipe = read_recipe(name)
+    get_method(recipe.method)
+    spec = recipe.rule_for("layers_0/mlp/down_proj/kernel").weight
+    assert (spec.bits, spec.group_size, spec.symmetric) == (*LOW_BIT[name], False)
+    if recipe.method == "autoround":
+        ar.parse_args(dict(recipe.method_args))
+    if not name.startswith("autoround"):
+        twin = read_recipe(f"{name}-sym")
+        tspec = twin.rule_for("layers_0/mlp/down_proj/kernel").weight
+        assert twin.name == f"{name}-sym" and tspec.symmetric and tspec.bits == spec.bits
