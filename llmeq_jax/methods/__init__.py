@@ -19,6 +19,7 @@ with ``process_block``; each is a module of :data:`CALIBRATED` with the same fou
   awq           activation-aware scale search + clip search (low-bit weights)
   gptq          Hessian-based row-by-row quantization with error feedback
   zeroquant     group-wise weights + per-token activations, optional LKD
+  autoround     learned rounding offsets and clip ranges (signed gradient descent per block)
 """
 
 from __future__ import annotations
@@ -32,13 +33,14 @@ import numpy as np
 
 from llmeq_jax import calibrate
 from llmeq_jax.core.rules import Recipe, RecipeError, is_table, map_rules, quantize_leaf, quantize_params
-from llmeq_jax.methods import awq, gptq, smoothquant, zeroquant
+from llmeq_jax.methods import autoround, awq, gptq, smoothquant, zeroquant
 
 # The calibrated methods by recipe name (a static table: adding a method is adding a line).
-CALIBRATED: dict[str, ModuleType] = {"smoothquant": smoothquant, "awq": awq, "gptq": gptq, "zeroquant": zeroquant}
+CALIBRATED: dict[str, ModuleType] = {"smoothquant": smoothquant, "awq": awq, "gptq": gptq, "zeroquant": zeroquant,
+                                     "autoround": autoround}
 METHODS: tuple[str, ...] = ("rtn", *CALIBRATED)
 # Methods that can only handle kernels inside decoder blocks (they need that block's inputs).
-BLOCK_ONLY = {"awq", "gptq"}
+BLOCK_ONLY = {"awq", "gptq", "autoround"}
 
 
 def check_method(name: str) -> None:

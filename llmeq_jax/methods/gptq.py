@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from llmeq_jax.core.qarray import QArray, int_range
-from llmeq_jax.core.quantize import Spec, compute_scale, quantize, scale_from_range, tile_for
+from llmeq_jax.core.quantize import MSE_GRID, Spec, compute_scale, quantize, scale_from_range, tile_for
 from llmeq_jax.core.rules import RecipeError
 
 
@@ -67,9 +67,10 @@ class GPTQConfig:
 
 
 def check_spec(path: str, spec: Spec) -> None:
-    """GPTQ quantizes rows of an (in, out) kernel: groups must run along the input dim, no clip search."""
-    if spec.clip is not None:
-        raise RecipeError(f"gptq: {path}: clip={spec.clip!r} is not supported (GPTQ sets its own grid); remove it")
+    """GPTQ quantizes rows of an (in, out) kernel: groups must run along the input dim; clip: none or "mse"."""
+    if spec.clip not in (None, "mse"):
+        raise RecipeError(f"gptq: {path}: clip={spec.clip!r} is not supported; GPTQ takes no clip or clip: mse "
+                          "(the per-group range shrink with the lowest reconstruction error)")
     if spec.scale_dtype is not None:
         # Its group scales come from the error-corrected rows inside the solver, not from compute_scale.
         raise RecipeError(f"gptq: {path}: scale_dtype={spec.scale_dtype!r} is not supported (GPTQ computes its "
@@ -138,8 +139,33 @@ def _row_grid(scale_rows: jax.Array, zp_rows: jax.Array | None, w: jax.Array, bi
     return q, (q - zp_rows) * scale_rows
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "symmetric", "group", "fixed"))
-def _block(w1, u1, scale, zp, group_start, *, bits, symmetric, group, fixed):
+def _group_grid(w1, in_group, bits: int, symmetric: bool, mse: bool):
+    """Scale (and zero point) of the rows ``in_group`` of ``w1`` [b, out], per output column.
+
+    ``mse``: the range shrunk by the ratio of ``MSE_GRID`` with the lowest squared
+    reconstruction error of those rows (the rows are GPTQ's current, error-updated
+    values, so the clip follows the updates), else the full range.
+    """
+    masked = jnp.where(in_group[:, None], w1, 0.0)
+    lo = None if symmetric else jnp.min(masked, axis=0)
+    hi = jnp.max(jnp.abs(masked), axis=0) if symmetric else jnp.max(masked, axis=0)
+    if not mse:
+        return scale_from_range(lo, hi, bits, symmetric)
+
+    def err(ratio):
+        s, z = scale_from_range(None if lo is None else lo * ratio, hi * ratio, bits, symmetric)
+        _, deq = _row_grid(s[None], None if z is None else z[None], w1, bits)
+        return jnp.sum(jnp.where(in_group[:, None], (deq - w1) ** 2, 0.0), axis=0), s, z
+
+    ratios = jnp.asarray(MSE_GRID, jnp.float32)
+    errs, ss, zs = jax.vmap(err)(ratios)  # [R, out]
+    best = jnp.argmin(errs, axis=0)
+    pick = lambda a: jnp.take_along_axis(a, best[None], axis=0)[0]
+    return pick(ss), (None if zs is None else pick(zs))
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "symmetric", "group", "fixed", "mse"))
+def _block(w1, u1, scale, zp, group_start, *, bits, symmetric, group, fixed, mse=False):
     """Quantize rows of one block. w1 [b, out], u1 [b, b] (upper factor, this block).
 
     ``fixed``: ``scale``/``zp`` are per row already ([b, out]); else ``group``
@@ -156,11 +182,8 @@ def _block(w1, u1, scale, zp, group_start, *, bits, symmetric, group, fixed):
             # A group starts here: its scale from the current values of its rows inside this block.
             starts = (group_start + i) % group == 0
             in_group = (rows >= i) & (rows < i + group)
-            masked = jnp.where(in_group[:, None], w1, 0.0)
-            if symmetric:
-                new_s, new_z = scale_from_range(None, jnp.max(jnp.abs(masked), axis=0), bits, True)
-            else:
-                new_s, new_z = scale_from_range(jnp.min(masked, axis=0), jnp.max(masked, axis=0), bits, False)
+            new_s, new_z = jax.lax.cond(starts, lambda: _group_grid(w1, in_group, bits, symmetric, mse),
+                                        lambda: (cur_s, None if symmetric else cur_z))
             cur_s = jnp.where(starts, new_s, cur_s)
             if not symmetric:
                 cur_z = jnp.where(starts, new_z, cur_z)
@@ -229,7 +252,7 @@ def gptq_quantize(w: jax.Array, hessian: jax.Array, spec: Spec, cfg: GPTQConfig 
         else:
             sb = zb = None
         q1, err1, s_rows, z_rows = _block(wp[i1:i2], u1, sb, zb, i1, bits=spec.bits, symmetric=spec.symmetric,
-                                          group=g, fixed=static)
+                                          group=g, fixed=static, mse=spec.clip == "mse")
         if i2 < k:
             wp = wp.at[i2:].add(-(jnp.asarray(upper[i1:i2, i2:]).T @ err1))
         qs.append(q1)

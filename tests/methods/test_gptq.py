@@ -138,10 +138,46 @@ def test_dead_inputs_and_non_pd_hessian_report_the_damping():
 def test_bad_specs_and_args():
     w, h = np.ones((8, 4), np.float32), np.eye(8, dtype=np.float32)
     with pytest.raises(RecipeError, match="clip"):
-        gptq_quantize(w, h, Spec(4, "channel", clip="mse"))
+        gptq_quantize(w, h, Spec(4, "channel", clip=0.9))  # only "mse" (a searched clip) is taken
     with pytest.raises(RecipeError, match="input dim"):
         gptq_quantize(w, h, Spec(4, "group", group_size=2, axis=1))
     with pytest.raises(RecipeError, match="unknown method_args"):
         GPTQConfig.from_args({"dampening": 0.1})
     with pytest.raises(RecipeError, match="damp"):
         GPTQConfig.from_args({"damp": -1.0})
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_group_grid_mse_never_worse_than_the_full_range(symmetric):
+    """GPTQ's per-group clip search on the current rows: the chosen grid's error is at most the full range's."""
+    from llmeq_jax.methods.gptq import _group_grid, _row_grid
+
+    rng = np.random.default_rng(5)
+    w = rng.standard_t(df=3, size=(48, 16)).astype(np.float32)  # heavy tails: clipping pays off somewhere
+    in_group = jnp.arange(48) < 40  # a group of 40 of the 48 rows
+
+    def err(s, z):
+        _, deq = _row_grid(s[None], None if z is None else z[None], jnp.asarray(w), 4)
+        return np.sum(np.where(np.asarray(in_group)[:, None], (np.asarray(deq) - w) ** 2, 0.0), axis=0)
+
+    full = err(*_group_grid(jnp.asarray(w), in_group, 4, symmetric, False))
+    s, z = _group_grid(jnp.asarray(w), in_group, 4, symmetric, True)
+    assert np.all(err(s, z) <= full * (1 + 1e-6))
+    assert err(s, z).sum() < full.sum()
+    if not symmetric:
+        assert np.all((np.asarray(z) >= -8) & (np.asarray(z) <= 7))
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_asymmetric_mse_grid_beats_rtn_and_keeps_zero_points_in_range(act_order):
+    rng = np.random.default_rng(11)
+    x, w, h = _layer(rng)
+    spec = Spec(4, "group", group_size=32, symmetric=False, clip="mse")
+    q, scale, zp, _ = gptq_quantize(w, h, spec, GPTQConfig(act_order=act_order))
+    assert zp is not None and np.all((zp >= -8) & (zp <= 7)) and np.all(zp == np.round(zp))
+    assert q.min() >= -8 and q.max() <= 7
+    qa = to_qarray(q, scale, zp, spec)
+    np.testing.assert_array_equal(np.asarray(qa.values()), q)
+    w_rtn = np.asarray(quantize(jnp.asarray(w), Spec(4, "group", group_size=32, symmetric=False)).dequantize())
+    err_gptq = np.linalg.norm(x @ w - x @ np.asarray(qa.dequantize()))
+    assert err_gptq < 0.9 * np.linalg.norm(x @ w - x @ w_rtn)
