@@ -71,6 +71,7 @@ from typing import Any
 import numpy as np
 
 from llmeq_jax.core.qarray import QArray
+from llmeq_jax.core.rope import rope_inv_freq
 from llmeq_jax.export.common import ExportError, KernelGrid, atomic_output, kernel_grid
 from llmeq_jax.models.config import ModelConfig
 
@@ -331,8 +332,6 @@ class StepInputs:
 
 def step_inputs(g: Graph, config: ModelConfig, ids: str, past_key: str) -> StepInputs:
     """Positions past .. past+T-1 from the shapes of ``ids`` and the first past key; RoPE angles; causal mask."""
-    from llmeq_jax.models.layers import rope_inv_freq
-
     past = g.op("Squeeze", [g.op("Shape", [past_key], "pos", start=2, end=3)], "pos")
     seq = g.op("Squeeze", [g.op("Shape", [ids], "pos", start=1, end=2)], "pos")
     total = g.op("Add", [past, seq], "pos")
