@@ -40,7 +40,7 @@ import numpy as np
 
 from llmeq_jax.core.qarray import SUPPORTED_BITS
 from llmeq_jax.core.quantize import Spec, quantize
-from llmeq_jax.core.rules import Recipe, RecipeError, Rule, is_quantizable, path_str
+from llmeq_jax.core.rules import Recipe, Rule, is_quantizable, path_str
 
 SOLVERS = ("greedy", "lagrange")
 
