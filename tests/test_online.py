@@ -6,13 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from llmeq_jax import calibrate, evaluate, online, ops
-from llmeq_jax.core import ema
 from llmeq_jax.core.quantize import Spec, quantize
 from llmeq_jax.core.rules import RecipeError, load_recipe, quantize_params, recipe_from_dict
 from llmeq_jax.models.layers import Linear

@@ -35,7 +35,6 @@ Bad input
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Literal
 
 import jax

@@ -1,8 +1,6 @@
 """Run with 2 fake CPU devices: online activation scales inside shard_map (batch split over 'data')
 track the same state, and give the same logits, as one device on the whole batch."""
 
-import functools
-import sys
 
 import jax
 import jax.numpy as jnp
