@@ -40,13 +40,16 @@ def test_longest_context_is_capped_by_the_model():
 
 
 def test_eval_kv_ppl_and_bytes(capsys):
-    fp, kv8, kv2 = (_row(capsys, MODEL, *extra) for extra in ([], ["--kv", "int8"], ["--kv", "int2"]))
+    # A 0.1 MB budget, so the longest context is set by the cache's bytes, not capped by the model's limit.
+    budget = ["--kv-budget-gb", "0.0001"]
+    fp, kv8, kv2 = (_row(capsys, MODEL, *extra, *budget) for extra in ([], ["--kv", "int8"], ["--kv", "int2"]))
     assert fp["extra"]["kv"] == "float32" and "int8" in kv8["extra"]["kv"] and kv8["recipe"].endswith("kv8")
     assert abs(kv8["ppl"] / fp["ppl"] - 1) < 0.01  # int8 KV costs (almost) nothing
     assert kv2["ppl"] > kv8["ppl"] * 1.01  # 2 bits does cost something
     assert kv8["extra"]["kv_bytes_per_token"] < fp["extra"]["kv_bytes_per_token"] / 3
     assert kv2["extra"]["kv_bytes_per_token"] < kv8["extra"]["kv_bytes_per_token"] / 2
     assert kv2["extra"]["kv_longest_context"] > kv8["extra"]["kv_longest_context"] > fp["extra"]["kv_longest_context"]
+    assert kv2["extra"]["kv_longest_context"] < kv2["extra"]["model_max_context"]
 
 
 def test_quantize_stores_kv_ranges_and_eval_uses_them(capsys, tmp_path):
