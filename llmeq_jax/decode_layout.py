@@ -34,6 +34,23 @@ class RowMajorKernel:
         return k, n
 
 
+def _transposed(w: QArray, qvalue, bits: int, pack_axis: int) -> QArray:
+    """``w`` with its two axes swapped: ``qvalue`` given, scales, zero points and tiles transposed."""
+    return QArray(
+        qvalue=qvalue,
+        scale=w.scale.T,
+        zero_point=None if w.zero_point is None else w.zero_point.T,
+        act_scale=w.act_scale,
+        bits=bits,
+        shape=(w.shape[1], w.shape[0]),
+        tile=(w.tile[1], w.tile[0]),
+        dtype=w.dtype,
+        pack_axis=pack_axis,
+        act_spec=w.act_spec,
+        grid=w.grid,
+    )
+
+
 def transpose_kernel(w: QArray) -> QArray:
     """The ``(out, in)`` QArray of an ``(in, out)`` one: same codes, scales and zero points.
 
@@ -44,19 +61,7 @@ def transpose_kernel(w: QArray) -> QArray:
         raise ValueError(f"transpose_kernel expects a 2-D kernel, got shape {w.shape}")
     values = w.values().T
     qvalue = pack(values, w.bits, axis=1) if values_per_byte(w.bits) > 1 else values
-    return QArray(
-        qvalue=qvalue,
-        scale=w.scale.T,
-        zero_point=None if w.zero_point is None else w.zero_point.T,
-        act_scale=w.act_scale,
-        bits=w.bits,
-        shape=(w.shape[1], w.shape[0]),
-        tile=(w.tile[1], w.tile[0]),
-        dtype=w.dtype,
-        pack_axis=1,
-        act_spec=w.act_spec,
-        grid=w.grid,
-    )
+    return _transposed(w, qvalue, w.bits, pack_axis=1)
 
 
 def kernel_view(w: QArray) -> QArray:
@@ -64,19 +69,8 @@ def kernel_view(w: QArray) -> QArray:
 
     For the XLA fallbacks: dequantizing it gives exactly ``dequantize(w).T``.
     """
-    return QArray(
-        qvalue=w.values().T,
-        scale=w.scale.T,
-        zero_point=None if w.zero_point is None else w.zero_point.T,
-        act_scale=w.act_scale,
-        bits=w.bits if values_per_byte(w.bits) == 1 else 8,  # int8 storage of the same values
-        shape=(w.shape[1], w.shape[0]),
-        tile=(w.tile[1], w.tile[0]),
-        dtype=w.dtype,
-        pack_axis=0,
-        act_spec=w.act_spec,
-        grid=w.grid,
-    )
+    bits = w.bits if values_per_byte(w.bits) == 1 else 8  # int8 storage of the same values
+    return _transposed(w, w.values().T, bits, pack_axis=0)
 
 
 def _is_kernel(path) -> bool:
