@@ -9,6 +9,11 @@ row instead. :func:`for_decode` transposes the quantized kernels once, at the st
 of a generate call's jitted decode loop (the loop then reads the transposed copy
 on every token), and wraps each in a :class:`RowMajorKernel` that ``ops.linear``
 recognises. Checkpoints, prefill and perplexity keep the ``(in, out)`` layout.
+
+Linears that read the same input (q/k/v, gate/up) are then fused into one
+row-major kernel (their rows stacked, :data:`FUSED_LINEARS`): one native call and
+one activation quantization instead of three or two. Each output row is still its
+own dot product, so the fused outputs equal the separate ones exactly.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 
 from llmeq_jax.core.qarray import QArray, pack, values_per_byte
 
@@ -78,9 +84,74 @@ def _is_kernel(path) -> bool:
     return getattr(last, "key", getattr(last, "name", None)) == "kernel"
 
 
+# Fused name -> the sibling linears (same input) whose rows it stacks, in output order.
+# A model block asks for the fused name first (models.layers.parallel_linears).
+FUSED_LINEARS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+
+
+def _row_major_part(module) -> RowMajorKernel | None:
+    if not isinstance(module, dict) or set(module) - {"kernel", "bias"}:
+        return None
+    kernel = module.get("kernel")
+    return kernel if isinstance(kernel, RowMajorKernel) else None
+
+
+def _stackable(ws: list[QArray]) -> bool:
+    """Whether the (out, in) QArrays can be one kernel: same codes layout, per-row scales, no static act scale."""
+    first = ws[0]
+    same = all(
+        (w.bits, w.tile, w.dtype, w.pack_axis, w.act_spec, w.grid, w.shape[1], w.zero_point is None)
+        == (first.bits, first.tile, first.dtype, first.pack_axis, first.act_spec, first.grid, first.shape[1],
+            first.zero_point is None)
+        for w in ws
+    )
+    # Per-tensor scales (tile[0] == rows) and static activation scales belong to one linear each.
+    return same and first.tile[0] == 1 and all(w.act_scale is None for w in ws)
+
+
+def stack_rows(ws: list[QArray]) -> QArray:
+    """One ``(sum out, in)`` QArray whose rows are those of ``ws`` in order (see :func:`_stackable`)."""
+    first = ws[0]
+    zero_point = None if first.zero_point is None else jnp.concatenate([w.zero_point for w in ws])
+    return dataclasses.replace(
+        first,
+        qvalue=jnp.concatenate([w.qvalue for w in ws]),
+        scale=jnp.concatenate([w.scale for w in ws]),
+        zero_point=zero_point,
+        shape=(sum(w.shape[0] for w in ws), first.shape[1]),
+    )
+
+
+def _fuse_siblings(tree: dict) -> dict:
+    out = dict(tree)
+    for fused, names in FUSED_LINEARS.items():
+        parts = [_row_major_part(tree.get(n)) for n in names]
+        if any(p is None for p in parts) or not _stackable([p.w for p in parts]):
+            continue
+        biases = [tree[n].get("bias") for n in names]
+        if any(b is None for b in biases) and not all(b is None for b in biases):
+            continue
+        out[fused] = {"kernel": RowMajorKernel(stack_rows([p.w for p in parts]))}
+        if biases[0] is not None:
+            out[fused]["bias"] = jnp.concatenate(biases)
+        for n in names:
+            del out[n]
+    return out
+
+
+def fuse_linears(params):
+    """``params`` with each compatible group of :data:`FUSED_LINEARS` row-major kernels stacked into one."""
+    if not isinstance(params, dict):
+        return params
+    return _fuse_siblings({k: fuse_linears(v) for k, v in params.items()})
+
+
 def for_decode(params, rows: int):
     """``params`` with every quantized kernel a row-major native kernel takes wrapped as a
-    :class:`RowMajorKernel`; unchanged where native kernels are off or ``rows`` (activation
+    :class:`RowMajorKernel` (siblings fused, :func:`fuse_linears`); unchanged where native kernels are off or ``rows`` (activation
     rows per step) is beyond ``ops.NATIVE_MAX_ROWS["row_major"]``. Call inside the jit."""
     from llmeq_jax import native, ops
 
@@ -95,7 +166,9 @@ def for_decode(params, rows: int):
         w = transpose_kernel(leaf)
         return RowMajorKernel(w) if native.supports_row_major(w, leaf.act_spec) is None else leaf
 
-    return jax.tree_util.tree_map_with_path(convert, params, is_leaf=lambda a: isinstance(a, QArray))
+    converted = jax.tree_util.tree_map_with_path(convert, params, is_leaf=lambda a: isinstance(a, QArray))
+    return fuse_linears(converted)
 
 
-__all__ = ["RowMajorKernel", "for_decode", "kernel_view", "transpose_kernel"]
+__all__ = ["FUSED_LINEARS", "RowMajorKernel", "for_decode", "fuse_linears", "kernel_view", "stack_rows",
+           "transpose_kernel"]

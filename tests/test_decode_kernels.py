@@ -203,6 +203,49 @@ def test_generate_uses_the_native_decode_kernels_and_agrees_with_xla(qparams):
     np.testing.assert_array_equal(np.asarray(native_out), np.asarray(xla_out))
 
 
+def test_for_decode_fuses_qkv_and_gate_up(qparams):
+    wrapped = jax.eval_shape(lambda p: decode_layout.for_decode(p, rows=1), qparams)
+    attn, mlp = wrapped["layers_0"]["attn"], wrapped["layers_0"]["mlp"]
+    assert set(attn) == {"qkv_proj", "o_proj"} and set(mlp) == {"gate_up_proj", "down_proj"}
+    # (out, in): q 4 x 16 + k 2 x 16 + v 2 x 16 rows; gate + up 2 x 96 rows.
+    assert attn["qkv_proj"]["kernel"].w.shape == (128, 64) and mlp["gate_up_proj"]["kernel"].w.shape == (192, 64)
+
+
+def test_stacked_rows_give_exactly_the_separate_outputs(qparams):
+    names = decode_layout.FUSED_LINEARS["qkv_proj"]
+    ws = [decode_layout.transpose_kernel(qparams["layers_1"]["attn"][n]["kernel"]) for n in names]
+    x = jnp.asarray(_rand((2, 64), 7))
+    fused = ops.linear(x, decode_layout.RowMajorKernel(decode_layout.stack_rows(ws)))
+    apart = jnp.concatenate([ops.linear(x, decode_layout.RowMajorKernel(w)) for w in ws], axis=-1)
+    np.testing.assert_array_equal(np.asarray(fused), np.asarray(apart))
+
+
+def test_siblings_with_different_grids_stay_apart(qparams):
+    mixed = jax.tree.map(lambda a: a, qparams)
+    k_float = init_params(CONFIG, jax.random.key(1))["layers_0"]["attn"]["k_proj"]["kernel"]
+    mixed["layers_0"]["attn"]["k_proj"]["kernel"] = quantize(k_float, Spec(bits=8, granularity="channel"))
+    wrapped = jax.eval_shape(lambda p: decode_layout.for_decode(p, rows=1), mixed)
+    assert set(wrapped["layers_0"]["attn"]) == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    assert "qkv_proj" in wrapped["layers_1"]["attn"]
+
+
+def test_fused_qkv_with_biases_generates_the_xla_tokens():
+    config = dataclasses.replace(CONFIG, qkv_bias=True)
+    params = jax.tree.map(lambda a: a * 10, init_params(config, jax.random.key(2)))
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, a: a + 0.5 if jax.tree_util.keystr(path).endswith("['bias']") else a, params)
+    spec = Spec(bits=8, granularity="channel")
+    qp = jax.tree_util.tree_map_with_path(
+        lambda path, a: quantize(a, spec) if jax.tree_util.keystr(path).endswith("['kernel']") else a, params)
+    wrapped = jax.eval_shape(lambda p: decode_layout.for_decode(p, rows=1), qp)
+    assert wrapped["layers_0"]["attn"]["qkv_proj"]["bias"].shape == (128,)
+    prompt = jnp.array([[1, 5, 7, 9]])
+    native_out = gen.generate(config, qp, prompt, 6)
+    with native.disabled():
+        xla_out = gen.generate(config, qp, prompt, 6)
+    np.testing.assert_array_equal(np.asarray(native_out), np.asarray(xla_out))
+
+
 # --------------------------------------------------------------------------- decode attention
 
 

@@ -36,6 +36,21 @@ class Linear(nn.Module):
         return ops.linear(x, kernel, bias)
 
 
+def parallel_linears(module: nn.Module, x: jax.Array, fused_name: str, linears) -> list[jax.Array]:
+    """The outputs of several ``Linear`` s of the same input ``x``, created inside ``module``.
+
+    ``linears``: ``(name, features, use_bias)`` per linear. When the param tree holds
+    ``fused_name`` instead (the decode layout stacks such siblings into one kernel,
+    ``decode_layout.FUSED_LINEARS``), one product runs and its output is split.
+    """
+    if module.has_variable("params", fused_name):
+        widths = [features for _, features, _ in linears]
+        fused = Linear(sum(widths), any(bias for _, _, bias in linears), name=fused_name)(x)
+        cuts = [sum(widths[: i + 1]) for i in range(len(widths) - 1)]
+        return jnp.split(fused, cuts, axis=-1)
+    return [Linear(features, bias, name=name)(x) for name, features, bias in linears]
+
+
 class Embed(nn.Module):
     """Row lookup in an ``(num_embeddings, features)`` table, float or QArray (only the rows read are dequantized)."""
 

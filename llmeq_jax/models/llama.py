@@ -18,7 +18,7 @@ from llmeq_jax.core.rope import apply_rope, rope_inv_freq
 from llmeq_jax.kv import cache as kvcache
 from llmeq_jax.kv.attention import dot_product_attention
 from llmeq_jax.models.config import ModelConfig
-from llmeq_jax.models.layers import Linear, RMSNorm
+from llmeq_jax.models.layers import Linear, RMSNorm, parallel_linears
 
 
 class LlamaAttention(nn.Module):
@@ -29,9 +29,14 @@ class LlamaAttention(nn.Module):
     def __call__(self, x, positions, mask, cache):
         c = self.config
         b, t, _ = x.shape
-        q = Linear(c.num_heads * c.head_dim, c.qkv_bias, name="q_proj")(x).reshape(b, t, c.num_heads, c.head_dim)
-        k = Linear(c.num_kv_heads * c.head_dim, c.qkv_bias, name="k_proj")(x).reshape(b, t, c.num_kv_heads, c.head_dim)
-        v = Linear(c.num_kv_heads * c.head_dim, c.qkv_bias, name="v_proj")(x).reshape(b, t, c.num_kv_heads, c.head_dim)
+        q, k, v = parallel_linears(self, x, "qkv_proj", [
+            ("q_proj", c.num_heads * c.head_dim, c.qkv_bias),
+            ("k_proj", c.num_kv_heads * c.head_dim, c.qkv_bias),
+            ("v_proj", c.num_kv_heads * c.head_dim, c.qkv_bias),
+        ])
+        q = q.reshape(b, t, c.num_heads, c.head_dim)
+        k = k.reshape(b, t, c.num_kv_heads, c.head_dim)
+        v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
         if c.qk_norm:  # Qwen3: RMSNorm over each head's features, before RoPE
             q = RMSNorm(c.norm_eps, name="q_norm")(q)
             k = RMSNorm(c.norm_eps, name="k_norm")(k)
@@ -54,8 +59,10 @@ class SwiGLU(nn.Module):
     @nn.compact
     def __call__(self, x):
         c = self.config
-        gate = Linear(c.intermediate_size, name="gate_proj")(x)
-        up = Linear(c.intermediate_size, name="up_proj")(x)
+        gate, up = parallel_linears(self, x, "gate_up_proj", [
+            ("gate_proj", c.intermediate_size, False),
+            ("up_proj", c.intermediate_size, False),
+        ])
         return Linear(c.hidden_size, name="down_proj")(jax.nn.silu(gate) * up)
 
 
