@@ -20,19 +20,16 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = REPO_ROOT / "configs"
-MAIN_RECIPES = ("fp32", "rtn-w8", "rtn-w8a8", "smoothquant-w8a8", "rtn-w4-g128")
+from llmeq_jax.data import CALIB_TEXT, EVAL_TEXT, find_data_file
+from llmeq_jax.errors import UsageError
+from llmeq_jax.pipeline import (MAIN_RECIPES, build_kv_quantizer, first_kernel_path, kv_mapping, kv_memory,
+                                layer_values, measure_speed, open_model, param_bytes, read_recipe, recipe_path,
+                                run_recipe, text_perplexity)
+
 MODEL_HELP = "registry name (e.g. smollm2-135m), Hugging Face directory, .gguf file or llmeq checkpoint directory"
-EVAL_TEXT = "wikitext2_test.txt"
-CALIB_TEXT = "wikitext2_valid.txt"
 
 
 SEED_MAX = 2**32 - 1  # jax.random.key takes the seed as a 32-bit value without x64
-
-
-class CliError(Exception):
-    """An error the user can fix; printed as one line."""
 
 
 # --------------------------------------------------------------------------- argument types
@@ -91,56 +88,10 @@ class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors (its default prints the usage block first)."""
 
     def error(self, message: str):
-        raise CliError(f"{message} (see {self.prog} --help)")
+        raise UsageError(f"{message} (see {self.prog} --help)")
 
 
-# --------------------------------------------------------------------------- data & models
-
-
-def data_dirs() -> list[Path]:
-    """Where shared data is looked for: $LLMEQ_DATA, ./../shared/data, <repo>/../shared/data."""
-    dirs = []
-    if os.environ.get("LLMEQ_DATA"):
-        dirs.append(Path(os.environ["LLMEQ_DATA"]))
-    dirs += [Path.cwd().parent / "shared" / "data", REPO_ROOT.parent / "shared" / "data"]
-    return dirs
-
-
-def find_data_file(given: str | None, default_name: str, what: str) -> Path:
-    if given:
-        p = Path(given)
-        if not p.is_file():
-            raise CliError(f"{what} file {given!r} does not exist")
-        return p
-    for d in data_dirs():
-        if (d / default_name).is_file():
-            return d / default_name
-    looked = ", ".join(str(d) for d in data_dirs())
-    raise CliError(f"no {what} file given and {default_name} was not found in {looked}; pass it with --text/--calib "
-                   "or set LLMEQ_DATA to the folder that holds it")
-
-
-def open_model(source: str, progress: bool = True, verify: bool = True):
-    """(config, params, tokenizer, recipe_dict or None) from any MODEL form; checkpoints are checked
-    against their content hashes unless ``verify`` is False."""
-    from llmeq_jax import checkpoint
-
-    p = Path(source)
-    if p.is_dir() and (p / checkpoint.MANIFEST).is_file():
-        return checkpoint.load_model_checkpoint(p, verify_hashes=verify)
-    from llmeq_jax.models import load_model
-
-    config, params, tokenizer = load_model(source)
-    return config, params, tokenizer, None
-
-
-def read_recipe(path_or_name: str):
-    from llmeq_jax.core.rules import load_recipe
-
-    p = Path(path_or_name)
-    if not p.is_file() and (CONFIGS / f"{path_or_name}.yaml").is_file():
-        p = CONFIGS / f"{path_or_name}.yaml"
-    return load_recipe(p)
+# --------------------------------------------------------------------------- argument checks
 
 
 def check_writable_dir(out: Path, overwrite: bool) -> None:
@@ -149,27 +100,27 @@ def check_writable_dir(out: Path, overwrite: bool) -> None:
 
     if out.exists() or out.is_symlink():
         if not overwrite:
-            raise CliError(f"output directory {str(out)!r} already exists; pass --overwrite to replace it")
+            raise UsageError(f"output directory {str(out)!r} already exists; pass --overwrite to replace it")
         full = Path(os.path.abspath(out))
         if full == Path.cwd() or full in Path.cwd().parents:
-            raise CliError(f"--out {str(out)!r} is the current directory or holds it; refusing to replace it")
+            raise UsageError(f"--out {str(out)!r} is the current directory or holds it; refusing to replace it")
         if out.is_symlink() or not out.is_dir() or not checkpoint.is_checkpoint(out):
-            raise CliError(f"--out {str(out)!r} exists and is not an llmeq_jax checkpoint; --overwrite replaces "
+            raise UsageError(f"--out {str(out)!r} exists and is not an llmeq_jax checkpoint; --overwrite replaces "
                            "only a checkpoint directory, never other files")
     parent = out.absolute().parent
     probe = parent
     while not probe.exists():
         probe = probe.parent
     if not probe.is_dir():
-        raise CliError(f"output directory {str(out)!r} cannot be created: {str(probe)!r} is not a directory")
+        raise UsageError(f"output directory {str(out)!r} cannot be created: {str(probe)!r} is not a directory")
     if not os.access(probe, os.W_OK):
-        raise CliError(f"output directory {str(out)!r} cannot be written (no write permission in {str(probe)!r})")
+        raise UsageError(f"output directory {str(out)!r} cannot be written (no write permission in {str(probe)!r})")
 
 
 def check_context(config, seq_len: int, flag: str = "--seq-len") -> None:
     """A window longer than the model's context would run past its positions: refuse, don't extrapolate."""
     if seq_len > config.max_position_embeddings:
-        raise CliError(f"{flag} {seq_len} exceeds the model's context of {config.max_position_embeddings} tokens")
+        raise UsageError(f"{flag} {seq_len} exceeds the model's context of {config.max_position_embeddings} tokens")
 
 
 def checkpoint_dir_for(out_dir: Path, recipe_name: str) -> Path:
@@ -177,166 +128,8 @@ def checkpoint_dir_for(out_dir: Path, recipe_name: str) -> Path:
     safe = re.sub(r"[^A-Za-z0-9_.+-]", "_", str(recipe_name)).lstrip(".") or "recipe"
     path = out_dir / f"ckpt-{safe}"
     if Path(os.path.abspath(path)).parent != Path(os.path.abspath(out_dir)):
-        raise CliError(f"recipe name {recipe_name!r} does not give a directory inside --out-dir {str(out_dir)!r}")
+        raise UsageError(f"recipe name {recipe_name!r} does not give a directory inside --out-dir {str(out_dir)!r}")
     return path
-
-
-# --------------------------------------------------------------------------- pipeline steps
-
-
-def quantize_model(config, params, tokenizer, recipe, calib: str | None, calib_samples: int, progress: bool,
-                   calib_seq_len: int = 512):
-    """Apply the recipe (calibrating when it needs statistics) -> (params, quantize seconds, calib seconds, samples).
-
-    Calib seconds: reading and tokenizing the calibration text plus the calibration passes
-    over the model. Calibrated methods interleave those passes with their block steps; the
-    passes are counted as calibration, the block steps as quantization, so the two add up
-    to the wall time.
-    """
-    import jax
-
-    from llmeq_jax import methods
-
-    windows, calib_s = None, 0.0
-    if methods.needs_calibration(recipe):
-        from llmeq_jax import calibrate
-
-        t0 = time.perf_counter()
-        text = find_data_file(calib, CALIB_TEXT, "calibration text")
-        windows = calibrate.calibration_windows(tokenizer, text, calib_samples,
-                                                min(calib_seq_len, config.max_position_embeddings))
-        calib_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    qparams, info = methods.quantize_model(config, params, recipe, windows, progress)
-    jax.block_until_ready(qparams)
-    passes_s = info.get("calib_s", 0.0)
-    return qparams, time.perf_counter() - t0 - passes_s, calib_s + passes_s, info["calib_samples"]
-
-
-def eval_ppl(config, params, tokenizer, text_path: Path, seq_len: int, windows: int, batch_size: int, progress: bool,
-             kv=None, recipe=None):
-    """Perplexity; with ``kv`` (a KVQuantizer) attention reads K/V through the quantized cache's prefill path.
-
-    A ``recipe`` with online activation scales (``act_ema``) carries their EMA state from batch to batch."""
-    from llmeq_jax import evaluate, online
-    from llmeq_jax.models import forward
-
-    ids = evaluate.tokenize_text(tokenizer, text_path.read_text())
-    wins = evaluate.make_windows(ids, seq_len, windows)
-    alphas = online.decays(params, recipe)
-    if alphas:
-        if kv is not None:
-            raise CliError("online activation scales (act_ema) and a quantized KV cache cannot be evaluated together "
-                           "yet; drop --kv or use a recipe without act_ema")
-        return online.perplexity(config, params, wins, alphas, batch_size=batch_size, progress=progress)
-    return evaluate.perplexity(lambda p, t: forward(config, p, t, kv=kv), wins, batch_size=batch_size, params=params,
-                               progress=progress)
-
-
-# --------------------------------------------------------------------------- KV-cache quantization
-
-
-def kv_mapping(value: str | None, recipe: dict | None) -> dict | None:
-    """The ``kv:`` mapping in force: ``--kv`` (shorthand, or a recipe with a ``kv:`` mapping) over the checkpoint's."""
-    from llmeq_jax.kv import spec as kvspec
-
-    if value is None:
-        return (recipe or {}).get("kv")
-    if value.strip().lower() in kvspec.SHORTHANDS or re.fullmatch(r"(?:int|kv)\d+", value.strip().lower()):
-        spec = kvspec.spec_from(value)
-        return None if spec is None else spec.to_dict()
-    kv = read_recipe(value).kv
-    if kv is None:
-        raise CliError(f"--kv {value!r}: the recipe has no 'kv:' mapping; expected int8|int4|int2 or a KV recipe")
-    return kv
-
-
-def build_kv(config, params, tokenizer, kv: dict | None, calib: str | None):
-    """A KVQuantizer for the mapping: stored key ranges when present, else calibrated on ``calib`` text."""
-    from llmeq_jax import calibrate, evaluate
-    from llmeq_jax.kv import spec as kvspec
-
-    spec = kvspec.spec_from(kv)
-    if spec is None:
-        return None
-    if kv.get("key_ranges") is not None:
-        quantizer = kvspec.quantizer_from_dict(kv)
-    elif spec.needs_key_ranges:
-        text = find_data_file(calib, CALIB_TEXT, "calibration text")
-        ids = evaluate.tokenize_text(tokenizer, text.read_text())
-        quantizer = calibrate.make_kv_quantizer(spec, config, params,
-                                               evaluate.make_windows(ids, spec.calib_seq_len, spec.calib_windows))
-    else:
-        quantizer = kvspec.KVQuantizer(None, spec)
-    quantizer.check(config.num_layers, config.num_kv_heads, config.head_dim)
-    return quantizer
-
-
-def kv_memory(config, seq_len: int, kv, budget_gb: float) -> dict:
-    """Cache bytes per token (one row, all layers) of ``kv`` and of the float cache; longest context in budget.
-
-    The longest context is also capped by the model's own (``max_position_embeddings``): a cache
-    that would fit more tokens than the model can attend to does not make the model take them.
-    """
-    import jax
-
-    from llmeq_jax.kv import memory as kvmemory
-    from llmeq_jax.models import init_cache
-
-    mem = kvmemory.memory(jax.eval_shape(lambda: init_cache(config, 1, seq_len, kv=kv)))
-    flt = kvmemory.memory(jax.eval_shape(lambda: init_cache(config, 1, seq_len)))
-    budget = budget_gb * 2**30
-    return {
-        "kv": "float32" if kv is None else kv.spec.describe(),
-        "kv_bytes_per_token": mem["bytes_per_token"],
-        "kv_fixed_bytes": mem["fixed_bytes"],
-        "kv_x_smaller_than_float": flt["bytes_per_token"] / mem["bytes_per_token"],
-        "kv_budget_gb": budget_gb,
-        "kv_longest_context": min(kvmemory.longest_context(mem["bytes_per_token"], mem["fixed_bytes"], budget),
-                                  config.max_position_embeddings),
-        "float_kv_longest_context": min(kvmemory.longest_context(flt["bytes_per_token"], flt["fixed_bytes"], budget),
-                                        config.max_position_embeddings),
-        "model_max_context": config.max_position_embeddings,
-    }
-
-
-def measure_speed(config, params, prefill_len: int = 512, prompt_len: int = 32, new_tokens: int = 128) -> dict:
-    """Warm prefill tokens/s (one sequence of prefill_len) and greedy decode tokens/s (median of runs)."""
-    import jax
-    import jax.numpy as jnp
-
-    from llmeq_jax import evaluate
-    from llmeq_jax.generate import generate
-    from llmeq_jax.models import forward
-
-    prefill_len = min(prefill_len, config.max_position_embeddings)
-    toks = jnp.ones((1, prefill_len), jnp.int32)
-    fwd = jax.jit(lambda p, t: forward(config, p, t))
-    t_prefill = evaluate.median_time(lambda: fwd(params, toks), runs=3)
-    prompt = jnp.ones((1, prompt_len), jnp.int32)
-    t_one = evaluate.median_time(lambda: generate(config, params, prompt, 1), runs=3)
-    t_all = evaluate.median_time(lambda: generate(config, params, prompt, new_tokens), runs=3)
-    decode_s = max(t_all - t_one, 1e-9)
-    return {"prefill_tok_s": prefill_len / t_prefill, "decode_tok_s": (new_tokens - 1) / decode_s}
-
-
-def layer_values(params, layer: str):
-    """The integer values (QArray) or float weights of the leaf at path ``layer``."""
-    import numpy as np
-
-    from llmeq_jax.core.qarray import QArray
-
-    node = params
-    for k in layer.split("/"):
-        node = node[k]
-    return np.asarray(node.values() if isinstance(node, QArray) else node)
-
-
-def first_kernel_path(params) -> str:
-    from llmeq_jax.core.rules import leaf_paths
-
-    paths = [p for p in leaf_paths(params) if p.endswith("/kernel") and "lm_head" not in p]
-    return paths[0] if paths else ""
 
 
 # --------------------------------------------------------------------------- commands
@@ -349,9 +142,9 @@ def cmd_quantize(args) -> int:
     check_writable_dir(out, args.overwrite)
     recipe = read_recipe(args.recipe)
     config, params, tokenizer, _ = open_model(args.model, verify=args.verify)
-    qparams, q_s, c_s, n = quantize_model(config, params, tokenizer, recipe, args.calib, args.calib_samples,
+    qparams, q_s, c_s, n = run_recipe(config, params, tokenizer, recipe, args.calib, args.calib_samples,
                                           not args.json, args.calib_seq_len)
-    kv = build_kv(config, qparams, tokenizer, kv_mapping(args.kv, recipe.to_dict()), args.calib)
+    kv = build_kv_quantizer(config, qparams, tokenizer, kv_mapping(args.kv, recipe.to_dict()), args.calib)
     if kv is not None:  # the key ranges are calibrated on the quantized model and travel in the recipe
         import dataclasses
 
@@ -360,7 +153,7 @@ def cmd_quantize(args) -> int:
                                      extra={"source": args.model, "quantize_s": q_s, "calib_s": c_s,
                                             "calib_samples": n})
     info = {"out": str(out), "recipe": recipe.name, "quantize_s": q_s, "calib_s": c_s, "calib_samples": n,
-            "param_bytes": _nbytes(qparams), "disk_bytes": checkpoint.disk_bytes(out)}
+            "param_bytes": param_bytes(qparams), "disk_bytes": checkpoint.disk_bytes(out)}
     _emit(args, info, f"saved {recipe.name} checkpoint to {out} ({info['disk_bytes'] / 1e6:.2f} MB on disk, "
                       f"quantized in {q_s:.1f} s)")
     return 0
@@ -374,13 +167,13 @@ def cmd_eval(args) -> int:
     config, params, tokenizer, recipe = open_model(args.model, verify=args.verify)
     load_s = time.perf_counter() - t0
     check_context(config, args.seq_len)
-    kv = build_kv(config, params, tokenizer, kv_mapping(args.kv, recipe), args.calib)
+    kv = build_kv_quantizer(config, params, tokenizer, kv_mapping(args.kv, recipe), args.calib)
     t0 = time.perf_counter()
-    res = eval_ppl(config, params, tokenizer, text, args.seq_len, args.windows, args.batch_size, not args.json, kv,
+    res = text_perplexity(config, params, tokenizer, text, args.seq_len, args.windows, args.batch_size, not args.json, kv,
                    recipe)
     name = (recipe or {}).get("name", "as-loaded") + ("" if kv is None else f" + kv{kv.spec.bits}")
     row = evaluate.Row(recipe=name, ppl=res["ppl"], nll=res["nll"],
-                       param_bytes=_nbytes(params), load_s=load_s, eval_s=time.perf_counter() - t0)
+                       param_bytes=param_bytes(params), load_s=load_s, eval_s=time.perf_counter() - t0)
     mem = kv_memory(config, args.seq_len, kv, args.kv_budget_gb)
     row.extra.update(mem)
     if Path(args.model).is_dir() and (Path(args.model) / checkpoint.MANIFEST).is_file():
@@ -408,9 +201,9 @@ def cmd_compare(args) -> int:
     out_dir = Path(args.out_dir)
     ckpts = [checkpoint_dir_for(out_dir, r.name) for r in recipes]
     if len(set(ckpts)) != len(ckpts):
-        raise CliError(f"--recipes: two recipes share a name ({[r.name for r in recipes]}); each needs its own")
+        raise UsageError(f"--recipes: two recipes share a name ({[r.name for r in recipes]}); each needs its own")
     if out_dir.exists() and not out_dir.is_dir():
-        raise CliError(f"--out-dir {str(out_dir)!r} exists and is not a directory")
+        raise UsageError(f"--out-dir {str(out_dir)!r} exists and is not a directory")
     t0 = time.perf_counter()
     config, params, tokenizer, _ = open_model(args.model, verify=args.verify)
     load_s = time.perf_counter() - t0
@@ -446,16 +239,16 @@ def _compare_into(args, text, recipes, ckpts, out_dir, config, params, tokenizer
     hist: dict[str, Any] = {}
     for recipe, ckpt in zip(recipes, ckpts):
         _log(args, f"== {recipe.name}")
-        qparams, q_s, c_s, n = quantize_model(config, params, tokenizer, recipe, args.calib, args.calib_samples,
+        qparams, q_s, c_s, n = run_recipe(config, params, tokenizer, recipe, args.calib, args.calib_samples,
                                               not args.json, args.calib_seq_len)
         checkpoint.save_model_checkpoint(ckpt, config, qparams, tokenizer, recipe=recipe, overwrite=True)
         disk = checkpoint.disk_bytes(ckpt)
         if not args.keep_checkpoints:
             shutil.rmtree(ckpt)
         t1 = time.perf_counter()
-        res = eval_ppl(config, qparams, tokenizer, text, args.seq_len, args.windows, args.batch_size, not args.json,
+        res = text_perplexity(config, qparams, tokenizer, text, args.seq_len, args.windows, args.batch_size, not args.json,
                        recipe=recipe)
-        row = evaluate.Row(recipe=recipe.name, ppl=res["ppl"], nll=res["nll"], param_bytes=_nbytes(qparams),
+        row = evaluate.Row(recipe=recipe.name, ppl=res["ppl"], nll=res["nll"], param_bytes=param_bytes(qparams),
                            disk_bytes=disk, load_s=load_s, calib_s=c_s, calib_samples=n, quantize_s=q_s,
                            eval_s=time.perf_counter() - t1)
         if args.speed:
@@ -490,17 +283,17 @@ def cmd_generate(args) -> int:
     if config.bos_token_id is not None and not args.no_bos:
         ids = [config.bos_token_id] + ids
     if not ids:
-        raise CliError("--prompt is empty and no BOS token is prepended (--no-bos or a model without one); "
+        raise UsageError("--prompt is empty and no BOS token is prepended (--no-bos or a model without one); "
                        "expected at least one token to continue from")
-    kv = build_kv(config, params, tokenizer, kv_mapping(args.kv, recipe), args.calib)
+    kv = build_kv_quantizer(config, params, tokenizer, kv_mapping(args.kv, recipe), args.calib)
     from llmeq_jax import online
 
     alphas = online.decays(params, recipe)
     if alphas and (kv is not None or not (args.temperature is None or args.temperature == 0)):
-        raise CliError("a recipe with online activation scales (act_ema) generates greedily with a float KV cache; "
+        raise UsageError("a recipe with online activation scales (act_ema) generates greedily with a float KV cache; "
                        "drop --kv / --temperature")
     if len(ids) + args.max_new_tokens > config.max_position_embeddings:
-        raise CliError(f"prompt ({len(ids)} tokens) + --max-new-tokens {args.max_new_tokens} exceeds the model's "
+        raise UsageError(f"prompt ({len(ids)} tokens) + --max-new-tokens {args.max_new_tokens} exceeds the model's "
                        f"context of {config.max_position_embeddings}")
     greedy = not args.temperature  # None (no --temperature) or 0: argmax, as --temperature 0 means elsewhere
     if alphas:  # the EMA state runs through prefill and every decode step
@@ -546,7 +339,7 @@ def cmd_convert(args) -> int:
     recipe = None
     if args.recipe:
         recipe = read_recipe(args.recipe)
-        params, *_ = quantize_model(config, params, tokenizer, recipe, args.calib, args.calib_samples, True,
+        params, *_ = run_recipe(config, params, tokenizer, recipe, args.calib, args.calib_samples, True,
                                     args.calib_seq_len)
     checkpoint.save_model_checkpoint(out, config, params, tokenizer, recipe=recipe, overwrite=args.overwrite,
                                      extra={"source": args.src})
@@ -599,15 +392,15 @@ def cmd_allocate(args) -> int:
 
     out = Path(args.out)
     if out.exists() and not args.overwrite:
-        raise CliError(f"--out {str(out)!r} already exists; pass --overwrite to replace it")
+        raise UsageError(f"--out {str(out)!r} already exists; pass --overwrite to replace it")
     if out.exists() and not out.is_file():
-        raise CliError(f"--out {str(out)!r} exists and is not a file")
+        raise UsageError(f"--out {str(out)!r} exists and is not a file")
     if not out.absolute().parent.is_dir():
-        raise CliError(f"--out {str(out)!r}: folder {str(out.absolute().parent)!r} does not exist")
+        raise UsageError(f"--out {str(out)!r}: folder {str(out.absolute().parent)!r} does not exist")
     candidates = alloc.parse_candidates(args.candidates)
     config, params, tokenizer, recipe = open_model(args.model, verify=args.verify)
     if recipe is not None:
-        raise CliError(f"MODEL {args.model!r} is an already quantized checkpoint; allocate from the float model")
+        raise UsageError(f"MODEL {args.model!r} is an already quantized checkpoint; allocate from the float model")
     check_context(config, args.calib_seq_len, "--calib-seq-len")
     text = find_data_file(args.calib, CALIB_TEXT, "calibration text")
     windows = calibrate.calibration_windows(tokenizer, text, args.calib_samples, args.calib_seq_len)
@@ -645,45 +438,39 @@ def cmd_qat(args) -> int:
     check_writable_dir(out, args.overwrite)
     recipe = read_recipe(args.recipe)
     try:
-        cfg = qat.QATConfig(steps=args.steps, lr=args.lr, batch_size=args.batch_size, save_every=args.save_every)
+        opts = qat.QATOptions(steps=args.steps, lr=args.lr, batch_size=args.batch_size, save_every=args.save_every)
     except ValueError as e:
-        raise CliError(str(e)) from None
+        raise UsageError(str(e)) from None
     text = find_data_file(args.text, CALIB_TEXT, "training text")
     config, params, tokenizer, loaded = open_model(args.model, verify=args.verify)
     if loaded is not None:
-        raise CliError(f"MODEL {args.model!r} is an already quantized checkpoint; QAT starts from the float model")
+        raise UsageError(f"MODEL {args.model!r} is an already quantized checkpoint; QAT starts from the float model")
     check_context(config, args.seq_len)
     windows = evaluate.make_windows(evaluate.tokenize_text(tokenizer, text.read_text()), args.seq_len, 0)
     state_dir = out.with_name(out.name + ".qat-state")
     t0 = time.perf_counter()
-    trained, losses = qat.train(config, params, recipe, windows, cfg, state_dir=state_dir, resume=args.resume,
+    trained, losses = qat.train(config, params, recipe, windows, opts, state_dir=state_dir, resume=args.resume,
                                 progress=not args.json)
     train_s = time.perf_counter() - t0
-    qparams, q_s, c_s, n = quantize_model(config, trained, tokenizer, recipe, args.calib, args.calib_samples,
+    qparams, q_s, c_s, n = run_recipe(config, trained, tokenizer, recipe, args.calib, args.calib_samples,
                                           not args.json, args.calib_seq_len)
     checkpoint.save_model_checkpoint(out, config, qparams, tokenizer, recipe=recipe, overwrite=args.overwrite,
-                                     extra={"source": args.model, "qat_steps": cfg.steps, "qat_lr": cfg.lr,
+                                     extra={"source": args.model, "qat_steps": opts.steps, "qat_lr": opts.lr,
                                             "qat_s": train_s, "quantize_s": q_s})
-    info = {"out": str(out), "recipe": recipe.name, "steps": cfg.steps, "first_loss": losses[0] if losses else None,
+    info = {"out": str(out), "recipe": recipe.name, "steps": opts.steps, "first_loss": losses[0] if losses else None,
             "last_loss": losses[-1] if losses else None, "qat_s": train_s, "state_dir": str(state_dir)}
-    _emit(args, info, f"saved QAT {recipe.name} checkpoint to {out} after {cfg.steps} steps "
+    _emit(args, info, f"saved QAT {recipe.name} checkpoint to {out} after {opts.steps} steps "
                       f"(loss {info['first_loss']:.4f} -> {info['last_loss']:.4f}, {train_s:.0f} s)")
     return 0
 
 
 def cmd_main(args) -> int:
     """The README's main job: compare the ready recipes on the default real model."""
-    args.recipes = [str(CONFIGS / f"{r}.yaml") for r in MAIN_RECIPES]
+    args.recipes = [str(recipe_path(r)) for r in MAIN_RECIPES]
     return cmd_compare(args)
 
 
 # --------------------------------------------------------------------------- plumbing
-
-
-def _nbytes(params) -> int:
-    from llmeq_jax.core.qarray import tree_nbytes
-
-    return tree_nbytes(params)
 
 
 def _log(args, msg: str) -> None:
@@ -743,7 +530,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("quantize", help="quantize MODEL with a recipe and save an Orbax checkpoint")
     p.add_argument("model", help=MODEL_HELP)
-    p.add_argument("--recipe", required=True, help="recipe YAML (path, or a name from configs/)")
+    p.add_argument("--recipe", required=True, help="recipe YAML (path, or a shipped recipe name, e.g. rtn-w8)")
     _add_calib_opts(p)
     _add_kv_opts(p)
     p.add_argument("--out", required=True, help="checkpoint directory to write")
@@ -771,7 +558,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "compare":
             p.add_argument("model", help=MODEL_HELP)
             p.add_argument("--recipes", nargs="+", required=True,
-                           help="recipe YAML files (or names in configs/); the Δ%% and size columns compare with "
+                           help="recipe YAML files (or shipped recipe names, e.g. rtn-w8); the Δ%% and size columns compare with "
                                 "the first (list fp32 first for the float baseline)")
         else:
             p.add_argument("model", nargs="?", default="smollm2-135m", help=MODEL_HELP + " (default smollm2-135m)")
@@ -850,7 +637,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("qat", help="quantization-aware training (fake quant, STE, optax) -> quantized checkpoint")
     p.add_argument("model")
-    p.add_argument("--recipe", required=True, help="recipe YAML (path, or a name from configs/)")
+    p.add_argument("--recipe", required=True, help="recipe YAML (path, or a shipped recipe name, e.g. rtn-w8)")
     p.add_argument("--text", help=f"training text (default: {CALIB_TEXT}; never the evaluation text)")
     p.add_argument("--steps", type=POSITIVE, default=100, help="optimizer steps, >= 1 (default 100)")
     p.add_argument("--lr", type=_finite_float(0.0, None, "a learning rate > 0", low_open=True), default=1e-5)
@@ -887,7 +674,7 @@ def one_line(e: BaseException) -> str:
     text = lines[0] if lines else ""
     if len(text) > 400:
         text = text[:400] + " ..."
-    if isinstance(e, CliError) or (text and type(e).__module__.startswith("llmeq_jax")):
+    if isinstance(e, UsageError) or (text and type(e).__module__.startswith("llmeq_jax")):
         return text
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
@@ -902,7 +689,7 @@ def _fail(command: str | None, e: BaseException) -> int:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
-    except CliError as e:
+    except UsageError as e:
         return _fail(None, e)
     except SystemExit as e:  # --help, --version
         return int(e.code or 0)

@@ -17,7 +17,8 @@ import argparse
 import time
 
 from llmeq_jax import calibrate, evaluate, methods, texts
-from llmeq_jax.cli import find_data_file, open_model, read_recipe
+from llmeq_jax.data import find_data_file
+from llmeq_jax.pipeline import open_model, read_recipe
 from llmeq_jax.models import forward
 
 

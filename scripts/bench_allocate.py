@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from llmeq_jax import calibrate, evaluate  # noqa: E402
-from llmeq_jax.cli import CALIB_TEXT, EVAL_TEXT, find_data_file  # noqa: E402
+from llmeq_jax.data import CALIB_TEXT, EVAL_TEXT, find_data_file  # noqa: E402
 from llmeq_jax.methods import allocate as A  # noqa: E402
 from llmeq_jax.methods import quantize_model  # noqa: E402
 from llmeq_jax.methods import sensitivity as S  # noqa: E402

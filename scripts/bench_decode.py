@@ -28,7 +28,7 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
 
-    from llmeq_jax import cli
+    from llmeq_jax import pipeline
     from llmeq_jax.core.rules import quantize_params
     from llmeq_jax.generate import generate
     from llmeq_jax.models import load_model
@@ -36,7 +36,7 @@ def main(argv=None) -> None:
     config, params, _ = load_model(args.model)
     variants = {"fp32": params}
     for name in args.recipes:
-        variants[name] = quantize_params(params, cli.read_recipe(name))
+        variants[name] = quantize_params(params, pipeline.read_recipe(name))
     prompt = jnp.ones((args.batch, args.prompt_len), jnp.int32)
 
     def seconds(p, n):

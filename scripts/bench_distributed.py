@@ -16,7 +16,7 @@ Two layouts per recipe show the collectives' share:
 ``collective share`` = (rows - columns) / rows: same weights, devices and arithmetic, the
 difference being the cross-device synchronisation (an estimate, not a profiler figure).
 
-GPTQ W4 g128 (``configs/gptq-w4-g128.yaml``, 16 x 512 calibration tokens of
+GPTQ W4 g128 (``llmeq_jax/configs/gptq-w4-g128.yaml``, 16 x 512 calibration tokens of
 wikitext2_valid.txt) runs with ``distributed.quantize_model_sharded`` on an ``(N, 1)`` mesh:
 calibration windows split over the data axis, Hessians combined shard by shard
 (``ordered_sums``: all_gather, bit-identical to one device), the GPTQ solve replicated.
@@ -72,7 +72,8 @@ def gptq_row(config, params, tokenizer) -> dict:
 
     from llmeq_jax import distributed as dist
     from llmeq_jax.calibrate import calibration_windows
-    from llmeq_jax.cli import CALIB_TEXT, find_data_file, read_recipe
+    from llmeq_jax.data import CALIB_TEXT, find_data_file
+    from llmeq_jax.pipeline import read_recipe
 
     recipe = read_recipe("gptq-w4-g128")
     windows = calibration_windows(tokenizer, find_data_file(None, CALIB_TEXT, "calibration text"), 16, 512)

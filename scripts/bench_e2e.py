@@ -62,7 +62,7 @@ def measure_ours(args, recipe_name: str) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from llmeq_jax import cli, evaluate
+    from llmeq_jax import evaluate, pipeline
     from llmeq_jax.generate import generate
     from llmeq_jax.models import forward, load_model
 
@@ -70,10 +70,10 @@ def measure_ours(args, recipe_name: str) -> dict:
     t0 = time.perf_counter()
     quantize_s = 0.0
     if recipe_name != "fp32":
-        params, quantize_s, _, _ = cli.quantize_model(config, params, tokenizer, cli.read_recipe(recipe_name),
+        params, quantize_s, _, _ = pipeline.run_recipe(config, params, tokenizer, pipeline.read_recipe(recipe_name),
                                                     args.calib, 16, progress=False)
     jax.block_until_ready(params)
-    out = {"quantize_s": quantize_s, "param_mb": cli._nbytes(params) / 1e6}
+    out = {"quantize_s": quantize_s, "param_mb": pipeline.param_bytes(params) / 1e6}
     rng = np.random.default_rng(0)
 
     def decode(batch: int) -> tuple[float, float]:

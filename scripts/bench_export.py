@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from llmeq_jax import checkpoint, cli
+from llmeq_jax import checkpoint, data, pipeline
 from llmeq_jax.core.qarray import QArray, is_qarray
 from llmeq_jax.core.rules import quantize_params
 from llmeq_jax.export import export_checkpoint
@@ -145,7 +145,7 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     source = resolve(args.model) if args.model in REGISTRY else Path(args.model)
     config, params, tokenizer = load_model(source)
-    text = cli.find_data_file(None, cli.EVAL_TEXT, "evaluation text").read_text()
+    text = data.find_data_file(None, data.EVAL_TEXT, "evaluation text").read_text()
     ids = tokenizer(text[:20000], add_special_tokens=False)["input_ids"][: args.tokens]
     toks = jnp.asarray([ids], jnp.int32)
     rows = []
@@ -153,7 +153,7 @@ def main():
     quantized = {}
     cases = [c for c in CASES if c[1] in args.formats and (args.recipes is None or c[0] in args.recipes)]
     for recipe_name, fmt in cases:
-        recipe = cli.read_recipe(recipe_name)
+        recipe = pipeline.read_recipe(recipe_name)
         if recipe_name not in quantized:
             qparams = quantize_params(params, recipe)
             ckpt = checkpoint.save_model_checkpoint(out / f"ckpt-{recipe_name}", config, qparams, tokenizer,

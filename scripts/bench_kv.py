@@ -27,7 +27,7 @@ from llmeq_jax import calibrate, evaluate
 from llmeq_jax.kv import grid as kvgrid
 from llmeq_jax.kv import memory as kvmemory
 from llmeq_jax.kv import spec as kvspec
-from llmeq_jax.cli import CALIB_TEXT, EVAL_TEXT, find_data_file
+from llmeq_jax.data import CALIB_TEXT, EVAL_TEXT, find_data_file
 from llmeq_jax.models import forward, init_cache, load_model
 
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from llmeq_jax import calibrate, evaluate
 from llmeq_jax.kv import spec as kvspec
-from llmeq_jax.cli import CALIB_TEXT, EVAL_TEXT, find_data_file
+from llmeq_jax.data import CALIB_TEXT, EVAL_TEXT, find_data_file
 from llmeq_jax.generate import generate
 from llmeq_jax.models import load_model
 from pallas_kernels import config as kernel_config

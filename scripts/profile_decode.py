@@ -57,13 +57,13 @@ def main(argv=None) -> None:
     ap.add_argument("--top", type=int, default=25)
     args = ap.parse_args(argv)
 
-    from llmeq_jax import cli
+    from llmeq_jax import pipeline
     from llmeq_jax.generate import generate
     from llmeq_jax.models import load_model
 
     config, params, tokenizer = load_model(args.model)
     if args.recipe != "fp32":
-        params = cli.quantize_model(config, params, tokenizer, cli.read_recipe(args.recipe), None, 16, False)[0]
+        params = pipeline.run_recipe(config, params, tokenizer, pipeline.read_recipe(args.recipe), None, 16, False)[0]
     prompt = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (args.batch, args.prompt_len)),
                          jnp.int32)
     jax.block_until_ready(generate(config, params, prompt, args.new_tokens))

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from llmeq_jax import cli
+from llmeq_jax import cli, pipeline
 from tests.shared_data import shared_data_path
 
 MODEL = str(shared_data_path("stories260K.gguf"))
@@ -32,10 +32,10 @@ def test_longest_context_is_capped_by_the_model():
     from llmeq_jax.models import load_model
 
     config, params, tokenizer = load_model(MODEL)
-    mem = cli.kv_memory(config, 64, None, 1.0)
+    mem = pipeline.kv_memory(config, 64, None, 1.0)
     assert mem["model_max_context"] == config.max_position_embeddings
     assert mem["kv_longest_context"] == mem["float_kv_longest_context"] == config.max_position_embeddings
-    tiny = cli.kv_memory(config, 64, None, 1e-5)  # ~10 KB: a few tokens, fewer than the model's limit
+    tiny = pipeline.kv_memory(config, 64, None, 1e-5)  # ~10 KB: a few tokens, fewer than the model's limit
     assert 0 < tiny["kv_longest_context"] < config.max_position_embeddings
 
 

@@ -12,7 +12,8 @@ import pytest
 
 from llmeq_jax import calibrate, evaluate, online, ops
 from llmeq_jax.core.quantize import Spec, quantize
-from llmeq_jax.core.rules import RecipeError, load_recipe, quantize_params, recipe_from_dict
+from llmeq_jax.core.rules import RecipeError, quantize_params, recipe_from_dict
+from llmeq_jax.pipeline import read_recipe
 from llmeq_jax.models.layers import Linear
 from tests.shared_data import shared_data_path
 
@@ -43,7 +44,7 @@ def stories():
     from llmeq_jax.models import load_model
 
     config, params, tok = load_model(str(shared_data_path("stories260K.gguf")))
-    recipe = load_recipe(REPO / "configs" / "rtn-w8a8-online.yaml")
+    recipe = read_recipe("rtn-w8a8-online")
     qp = quantize_params(params, recipe)
     ids = evaluate.tokenize_text(tok, shared_data_path("wikitext2_valid.txt").read_text()[:40000])
     return config, params, qp, recipe, evaluate.make_windows(ids, 64, 8)
@@ -99,5 +100,5 @@ def test_bad_online_rules_are_named(rule, match):
 
 
 def test_recipe_round_trip_keeps_the_decay():
-    r = load_recipe(REPO / "configs" / "rtn-w8a8-online.yaml")
+    r = read_recipe("rtn-w8a8-online")
     assert r.rules[-1].act_ema == 0.9 and recipe_from_dict(r.to_dict()).rules[-1].act_ema == 0.9

@@ -13,7 +13,7 @@ scale per vocabulary row, ``group`` = groups along hidden); see
 reported with an :class:`UnusedRuleWarning`, never silently ignored; a recipe
 whose rules match no kernel at all is an error.
 
-YAML form (``configs/*.yaml``)::
+YAML form (``llmeq_jax/configs/*.yaml``)::
 
     name: rtn-w4-g128
     method: rtn            # which algorithm produces the weights

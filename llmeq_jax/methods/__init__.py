@@ -6,8 +6,14 @@ One signature for every method, the driver's:
 ``rtn`` (round-to-nearest under the recipe's rules, :func:`llmeq_jax.core.rules.quantize_params`)
 needs no statistics (unless a rule asks for a static activation scale). The calibrated
 methods work one decoder block at a time, driven by :func:`llmeq_jax.calibrate.calibrate`
-with ``process_block``; each is a module of :data:`CALIBRATED` with the same four functions
-(``opts`` is the module's validated options, whatever type its ``parse_args`` returns):
+with ``process_block``; each is a module of :data:`CALIBRATED` with the same four functions.
+
+Options: each method module declares one frozen dataclass of its options, ``<Method>Options``
+(``GPTQOptions``, ``AWQOptions``, ``SmoothQuantOptions``, ``ZeroQuantOptions``, ``AutoRoundOptions``;
+``QATOptions`` for ``llmeq qat``), its fields made with :func:`llmeq_jax.methods.blockwise.option`
+(default, accepted types, check, hint). ``parse_args`` builds it from the recipe's ``method_args``
+through :func:`~llmeq_jax.methods.blockwise.options_from_args`: one RecipeError for unknown keys, one
+per bad value. ``opts`` below is that dataclass; ``config`` is always the model's ModelConfig.
 
   ``parse_args(method_args) -> opts``      validated options (clear errors)
   ``wants(opts) -> stats names``           what calibration collects per linear input

@@ -25,6 +25,7 @@ sequences; the step is one jitted function (``jax.jit``) per block shape.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -36,26 +37,29 @@ from llmeq_jax.core.qarray import int_range
 from llmeq_jax.core.quantize import Spec, tile_for
 from llmeq_jax.core.rules import RecipeError
 from llmeq_jax.methods import folding
-from llmeq_jax.methods.blockwise import block_kernel_paths, check_args, quant_rule
+from llmeq_jax.methods.blockwise import block_kernel_paths, option, options_from_args, quant_rule
 
-ARGS = {
-    "steps": (200, (int,), lambda v: v >= 0, "a non-negative integer (0 = plain RTN)"),
-    "lr": (None, (float, type(None)), lambda v: v is None or v > 0, "a positive number (default 1 / steps)"),
-    "batch": (1, (int,), lambda v: v >= 1, "a positive integer (sequences per step)"),
-    "min_clip": (0.5, (float,), lambda v: 0 < v <= 1, "a number in (0, 1]"),
-    "seed": (0, (int,), lambda v: v >= 0, "a non-negative integer"),
-}
+@dataclasses.dataclass(frozen=True)
+class AutoRoundOptions:
+    """AutoRound's ``method_args``."""
+
+    steps: int = option(200, (int,), lambda v: v >= 0, "a non-negative integer (0 = plain RTN)")
+    lr: float | None = option(None, (float, type(None)), lambda v: v is None or v > 0,
+                              "a positive number (default 1 / steps)")
+    batch: int = option(1, (int,), lambda v: v >= 1, "a positive integer (sequences per step)")
+    min_clip: float = option(0.5, (float,), lambda v: 0 < v <= 1, "a number in (0, 1]")
+    seed: int = option(0, (int,), lambda v: v >= 0, "a non-negative integer")
 
 
-def parse_args(method_args: dict) -> dict:
-    return check_args("autoround", method_args, ARGS)
+def parse_args(method_args: dict) -> AutoRoundOptions:
+    return options_from_args(AutoRoundOptions, "autoround", method_args)
 
 
-def sequential(args: dict) -> bool:
+def sequential(opts: AutoRoundOptions) -> bool:
     return True  # each block trains on the hidden states of the quantized blocks before it
 
 
-def wants(args: dict) -> tuple[str, ...]:
+def wants(opts: AutoRoundOptions) -> tuple[str, ...]:
     return ("count",)  # nothing per linear: the block's inputs are what it trains on
 
 
@@ -212,7 +216,8 @@ def _float_block(block, hidden, positions, *, config, layer):
     return apply_block(config, block, hidden, positions, layer=layer)
 
 
-def train_block(config, layer: int, block: dict, specs: dict, inputs: list, args: dict) -> tuple[dict, dict]:
+def train_block(config, layer: int, block: dict, specs: dict, inputs: list,
+                opts: AutoRoundOptions) -> tuple[dict, dict]:
     """Learn V, alpha, beta for the kernels ``specs`` names -> (learned params per kernel, info).
 
     ``inputs`` are ``(hidden, positions)`` batches; targets are the float block's
@@ -223,7 +228,7 @@ def train_block(config, layer: int, block: dict, specs: dict, inputs: list, args
     learned = {r: init_params(w, specs[r]) for r, w in kernels.items()}
     kw = dict(config=config, layer=_compile_layer(config, layer), specs=tuple(sorted(specs.items())))
     targets = [_float_block(block, h, p, config=config, layer=kw["layer"]) for h, p in inputs]
-    b = args["batch"]
+    b = opts.batch
     seqs = [(h[j : j + b], p[j : j + b], t[j : j + b]) for (h, p), t in zip(inputs, targets)
             for j in range(0, h.shape[0], b)]
 
@@ -231,16 +236,16 @@ def train_block(config, layer: int, block: dict, specs: dict, inputs: list, args
         return float(np.mean([float(_eval_loss(block, kernels, lrn, h, p, t, **kw))
                               for (h, p), t in zip(inputs, targets)]))
 
-    steps = args["steps"]
-    lr = float(args["lr"]) if args["lr"] is not None else 1.0 / max(steps, 1)
+    steps = opts.steps
+    lr = float(opts.lr) if opts.lr is not None else 1.0 / max(steps, 1)
     state = optimizer(lr, steps).init(learned)
     before = mean_loss(learned)
-    order = np.random.default_rng(args["seed"] + layer).permutation(len(seqs))
+    order = np.random.default_rng(opts.seed + layer).permutation(len(seqs))
     best, best_loss = learned, np.inf
     for i in range(steps):
         h, p, t = seqs[order[i % len(seqs)]]
         new, state, loss = _step(block, kernels, learned, state, h, p, t, lr=lr, steps=steps,
-                                 min_clip=float(args["min_clip"]), **kw)
+                                 min_clip=float(opts.min_clip), **kw)
         # ``loss`` is that of ``learned`` (before the update): keep the best parameters seen, as AutoRound does.
         if float(loss) < best_loss:
             best, best_loss = learned, float(loss)
@@ -263,7 +268,7 @@ def to_qarray(w: jax.Array, p: dict, spec: Spec):
                            spec, w.dtype)
 
 
-def block_processor(config, recipe, args: dict, info: dict):
+def block_processor(config, recipe, opts: AutoRoundOptions, info: dict):
     info.setdefault("autoround", {})
 
     def process(layer, block, block_stats, inputs):
@@ -275,7 +280,7 @@ def block_processor(config, recipe, args: dict, info: dict):
                 continue
             check_rule(f"layers_{layer}/{rel}", rule)
             specs[rel] = rule.weight
-        learned, res = train_block(config, layer, block, specs, inputs, args)
+        learned, res = train_block(config, layer, block, specs, inputs, opts)
         info["autoround"][layer] = res
         for rel, spec in specs.items():
             block = folding.set_leaf(block, rel, to_qarray(folding.get_leaf(block, rel), learned[rel], spec))

@@ -17,6 +17,7 @@ Kernels with no exact producer (gpt2's ``fc_out``) get the clip search only.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -26,18 +27,20 @@ import numpy as np
 from llmeq_jax.core.quantize import Spec, quantize, quantize_dequantize, scale_from_range, tile_for
 from llmeq_jax.core.rules import RecipeError
 from llmeq_jax.methods import folding
-from llmeq_jax.methods.blockwise import block_kernel_paths, check_args, quant_rule
+from llmeq_jax.methods.blockwise import block_kernel_paths, option, options_from_args, quant_rule
 
-ARGS = {
-    "n_grid": (20, (int,), lambda v: v >= 1, "a positive integer"),
-    "n_clip": (20, (int,), lambda v: v >= 1, "a positive integer"),
-    "min_clip": (0.5, (float,), lambda v: 0 < v <= 1, "a number in (0, 1]"),
-    "clip": (True, (bool,), lambda v: True, "true or false"),
-}
+@dataclasses.dataclass(frozen=True)
+class AWQOptions:
+    """AWQ's ``method_args``."""
+
+    n_grid: int = option(20, (int,), lambda v: v >= 1, "a positive integer")  # scale exponents tried
+    n_clip: int = option(20, (int,), lambda v: v >= 1, "a positive integer")  # clip ratios tried
+    min_clip: float = option(0.5, (float,), lambda v: 0 < v <= 1, "a number in (0, 1]")
+    clip: bool = option(True, (bool,), lambda v: True, "true or false")  # search a clip ratio per group
 
 
-def parse_args(method_args: dict) -> dict:
-    return check_args("awq", method_args, ARGS)
+def parse_args(method_args: dict) -> AWQOptions:
+    return options_from_args(AWQOptions, "awq", method_args)
 
 
 def check_rule(path: str, rule) -> None:
@@ -135,15 +138,15 @@ def quantize_clipped(x, w, rule, n_clip, min_clip, clip: bool):
     return quantize(w, spec, scale=scale, zero_point=zp, act_spec=rule.act)
 
 
-def sequential(args: dict) -> bool:
+def sequential(opts: AWQOptions) -> bool:
     return False  # scales and clips are searched on the float model's activations
 
 
-def wants(args: dict) -> tuple[str, ...]:
+def wants(opts: AWQOptions) -> tuple[str, ...]:
     return ("abs_sum", "count", "sample")
 
 
-def block_processor(config, recipe, args: dict, info: dict):
+def block_processor(config, recipe, opts: AWQOptions, info: dict):
     info.setdefault("exponent", {})
 
     def process(layer, block, block_stats, inputs):
@@ -160,7 +163,7 @@ def block_processor(config, recipe, args: dict, info: dict):
             st = block_stats[rels[0]]
             kernels = [folding.get_leaf(block, r) for r in rels]
             s, a, _ = search_scale(config, g, samples[rels[0]], st["abs_sum"] / st["count"], kernels,
-                                   [r.weight for r in rules], args["n_grid"])
+                                   [r.weight for r in rules], opts.n_grid)
             block = folding.fold(config, block, g, s)
             rows = folding.expand_scales(config, g, s)
             for r in rels:
@@ -172,8 +175,8 @@ def block_processor(config, recipe, args: dict, info: dict):
             if rule is None:
                 continue
             check_rule(f"layers_{layer}/{rel}", rule)
-            q = quantize_clipped(samples[rel], folding.get_leaf(block, rel), rule, args["n_clip"], args["min_clip"],
-                                 args["clip"])
+            q = quantize_clipped(samples[rel], folding.get_leaf(block, rel), rule, opts.n_clip, opts.min_clip,
+                                 opts.clip)
             block = folding.set_leaf(block, rel, q)
         return block
 

@@ -8,6 +8,8 @@ process_block=...)``); inside a block, kernel paths are relative
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -60,20 +62,30 @@ def fake_quant_act(x: jax.Array, rule: Rule, static_absmax: jax.Array | None = N
     return quantize_dequantize(x, Spec(8, "token"))
 
 
-def check_args(method: str, args: dict, allowed: dict[str, tuple]) -> dict:
-    """``method_args`` with defaults filled in. ``allowed`` maps name -> (default, accepted types, check, hint).
+def option(default, types: tuple, check, hint: str):
+    """A field of a method's options dataclass: its default, the accepted types, a value check and the hint
+    the error shows (``method_args.<name> must be <hint>``)."""
+    return dataclasses.field(default=default, metadata={"types": types, "check": check, "hint": hint})
 
-    Unknown keys, wrong types and out-of-range values are one clear error each.
+
+def options_from_args(cls, method: str, method_args: dict):
+    """A method's frozen options dataclass ``cls`` built from a recipe's ``method_args``.
+
+    The one convention of every calibrated method: its module declares ``<Method>Options`` (fields made
+    with :func:`option`) and ``parse_args(method_args) -> <Method>Options``. Unknown keys, wrong types and
+    out-of-range values are one clear RecipeError each; missing keys take the field's default.
     """
     from llmeq_jax.core.rules import RecipeError
 
-    unknown = set(args) - set(allowed)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(method_args) - set(fields)
     if unknown:
-        raise RecipeError(f"{method}: unknown method_args {sorted(unknown)}; allowed: {sorted(allowed)}")
-    out = {}
-    for k, (default, types, ok, hint) in allowed.items():
-        v = args.get(k, default)
+        raise RecipeError(f"{method}: unknown method_args {sorted(unknown)}; allowed: {sorted(fields)}")
+    values = {}
+    for name, f in fields.items():
+        v = method_args.get(name, f.default)
+        types, ok, hint = f.metadata["types"], f.metadata["check"], f.metadata["hint"]
         if isinstance(v, bool) and bool not in types or not isinstance(v, types) or not ok(v):
-            raise RecipeError(f"{method}: method_args.{k} must be {hint}, got {v!r}")
-        out[k] = v
-    return out
+            raise RecipeError(f"{method}: method_args.{name} must be {hint}, got {v!r}")
+        values[name] = v
+    return cls(**values)

@@ -35,6 +35,7 @@ import numpy as np
 from llmeq_jax.core.qarray import QArray, int_range
 from llmeq_jax.core.quantize import MSE_GRID, Spec, compute_scale, quantize, scale_from_range, tile_for
 from llmeq_jax.core.rules import RecipeError
+from llmeq_jax.methods.blockwise import block_kernel_paths, option, options_from_args, quant_rule
 
 
 class HessianWarning(UserWarning):
@@ -42,28 +43,20 @@ class HessianWarning(UserWarning):
 
 
 @dataclasses.dataclass(frozen=True)
-class GPTQConfig:
-    damp: float = 0.01  # fraction of the mean Hessian diagonal added to the diagonal
-    block_size: int = 128
-    act_order: bool = False
-    static_groups: bool = False
-    max_damp: float = 10.0  # give up (error) when even this much damping does not make H positive definite
+class GPTQOptions:
+    """GPTQ's ``method_args``."""
 
-    @classmethod
-    def from_args(cls, args: dict) -> "GPTQConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(args) - known
-        if unknown:
-            raise RecipeError(f"gptq: unknown method_args {sorted(unknown)}; allowed: {sorted(known)}")
-        cfg = cls(**args)
-        if not (isinstance(cfg.damp, (int, float)) and 0 < cfg.damp <= cfg.max_damp):
-            raise RecipeError(f"gptq: damp must be a number in (0, {cfg.max_damp}], got {cfg.damp!r}")
-        if not (isinstance(cfg.block_size, int) and cfg.block_size > 0):
-            raise RecipeError(f"gptq: block_size must be a positive integer, got {cfg.block_size!r}")
-        for flag in ("act_order", "static_groups"):
-            if not isinstance(getattr(cfg, flag), bool):
-                raise RecipeError(f"gptq: {flag} must be true or false, got {getattr(cfg, flag)!r}")
-        return cfg
+    damp: float = option(0.01, (int, float), lambda v: v > 0,
+                         "a number in (0, max_damp]")  # fraction of the mean Hessian diagonal added to the diagonal
+    block_size: int = option(128, (int,), lambda v: v > 0, "a positive integer")
+    act_order: bool = option(False, (bool,), lambda v: True, "true or false")
+    static_groups: bool = option(False, (bool,), lambda v: True, "true or false")
+    # give up (error) when even this much damping does not make H positive definite
+    max_damp: float = option(10.0, (int, float), lambda v: v > 0, "a positive number")
+
+    def __post_init__(self):
+        if not self.damp <= self.max_damp:
+            raise RecipeError(f"gptq: method_args.damp must be a number in (0, {self.max_damp}], got {self.damp!r}")
 
 
 def check_spec(path: str, spec: Spec) -> None:
@@ -211,7 +204,7 @@ def _block(w1, u1, scale, zp, group_start, *, bits, symmetric, group, fixed, mse
     return q1, err1, s_rows, (None if symmetric else z_rows)
 
 
-def gptq_quantize(w: jax.Array, hessian: jax.Array, spec: Spec, cfg: GPTQConfig = GPTQConfig(), *,
+def gptq_quantize(w: jax.Array, hessian: jax.Array, spec: Spec, opts: GPTQOptions = GPTQOptions(), *,
                   path: str = "kernel") -> tuple[np.ndarray, np.ndarray, np.ndarray | None, dict]:
     """GPTQ on one ``(in, out)`` kernel -> (int values [in, out], scale, zero_point, info).
 
@@ -229,19 +222,19 @@ def gptq_quantize(w: jax.Array, hessian: jax.Array, spec: Spec, cfg: GPTQConfig 
     tile = tile_for(spec, (k, n))
     grouped = spec.granularity == "group"
     g = tile[0] if grouped else k
-    static = (not grouped) or cfg.static_groups or cfg.act_order
+    static = (not grouped) or opts.static_groups or opts.act_order
     if static:
         # Scales from the original kernel, one per (row tile, out tile), expanded to one per row.
         scale, zp = compute_scale(jnp.asarray(w), spec, tile)
         scale, zp = np.asarray(scale), None if zp is None else np.asarray(zp, np.float32)
         row_scale = _per_row(scale, tile, (k, n))
         row_zp = None if zp is None else _per_row(zp, tile, (k, n))
-    perm = np.argsort(-np.diag(h), kind="stable") if cfg.act_order else np.arange(k)
-    upper, used = inverse_cholesky(h[np.ix_(perm, perm)], cfg.damp, path, cfg.max_damp, dead[perm])
+    perm = np.argsort(-np.diag(h), kind="stable") if opts.act_order else np.arange(k)
+    upper, used = inverse_cholesky(h[np.ix_(perm, perm)], opts.damp, path, opts.max_damp, dead[perm])
     upper = upper.astype(np.float32)
     wp = jnp.asarray(w[perm])
     # With groups and dynamic scales, a block must hold whole groups (its rows are updated in place).
-    bs = cfg.block_size if static else g * max(1, round(cfg.block_size / g))
+    bs = opts.block_size if static else g * max(1, round(opts.block_size / g))
     qs, ss, zs = [], [], []
     for i1 in range(0, k, bs):
         i2 = min(i1 + bs, k)
@@ -291,22 +284,21 @@ def to_qarray(q: np.ndarray, scale: np.ndarray, zp: np.ndarray | None, spec: Spe
 # --------------------------------------------------------------------------- as a calibrated method
 
 
-def parse_args(method_args: dict) -> GPTQConfig:
-    return GPTQConfig.from_args(method_args)
+def parse_args(method_args: dict) -> GPTQOptions:
+    return options_from_args(GPTQOptions, "gptq", method_args)
 
 
-def sequential(cfg: GPTQConfig) -> bool:
+def sequential(opts: GPTQOptions) -> bool:
     return True  # each block's Hessians come from the already quantized blocks before it
 
 
-def wants(cfg: GPTQConfig) -> tuple[str, ...]:
+def wants(opts: GPTQOptions) -> tuple[str, ...]:
     return ("hessian", "absmax")
 
 
-def block_processor(config, recipe, cfg: GPTQConfig, info: dict):
+def block_processor(config, recipe, opts: GPTQOptions, info: dict):
     """process_block for calibrate: GPTQ on every kernel its rule quantizes, Hessians from this block's inputs."""
     from llmeq_jax.core.rules import static_act_scale
-    from llmeq_jax.methods.blockwise import block_kernel_paths, quant_rule
     from llmeq_jax.methods.folding import get_leaf, set_leaf
 
     info.setdefault("damp", {})
@@ -319,10 +311,10 @@ def block_processor(config, recipe, cfg: GPTQConfig, info: dict):
                 continue
             full = f"layers_{layer}/{rel}"
             w = get_leaf(block, rel)
-            q, scale, zp, res = gptq_quantize(w, block_stats[rel]["hessian"], rule.weight, cfg, path=full)
+            q, scale, zp, res = gptq_quantize(w, block_stats[rel]["hessian"], rule.weight, opts, path=full)
             act_scale = static_act_scale(full, {full: block_stats[rel]}) if rule.act_static else None
             block = set_leaf(block, rel, to_qarray(q, scale, zp, rule.weight, w.dtype, rule.act, act_scale))
-            if res["damp"] != cfg.damp:
+            if res["damp"] != opts.damp:
                 info["damp"][full] = res["damp"]
         return block
 

@@ -38,7 +38,7 @@ STATE_FILE = "qat_state.pkl"
 
 
 @dataclasses.dataclass(frozen=True)
-class QATConfig:
+class QATOptions:
     steps: int = 100
     lr: float = 1e-5
     weight_decay: float = 0.0
@@ -88,10 +88,10 @@ def qat_loss(params: dict, tokens: jax.Array, *, config, recipe: Recipe) -> jax.
     return jnp.mean(token_nll(head(config, fake_quant_tree(top, recipe), h), tokens))
 
 
-def make_optimizer(cfg: QATConfig):
+def make_optimizer(opts: QATOptions):
     import optax
 
-    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), optax.adamw(cfg.lr, weight_decay=cfg.weight_decay))
+    return optax.chain(optax.clip_by_global_norm(opts.clip_norm), optax.adamw(opts.lr, weight_decay=opts.weight_decay))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "rules", "opt"), donate_argnames=("params", "opt_state"))
@@ -120,12 +120,12 @@ def load_state(state_dir: Path) -> dict | None:
         return pickle.load(f)
 
 
-def train(config, params: dict, recipe: Recipe, windows: np.ndarray, cfg: QATConfig, *,
+def train(config, params: dict, recipe: Recipe, windows: np.ndarray, opts: QATOptions, *,
           state_dir: str | Path | None = None, resume: bool = False, progress: bool = False) -> tuple[dict, list]:
-    """QAT for ``cfg.steps`` steps over ``windows`` (cycled in order) -> (trained float params, losses)."""
-    if len(windows) < cfg.batch_size:
-        raise ValueError(f"QAT has {len(windows)} training windows, fewer than one batch of {cfg.batch_size}")
-    opt = make_optimizer(cfg)
+    """QAT for ``opts.steps`` steps over ``windows`` (cycled in order) -> (trained float params, losses)."""
+    if len(windows) < opts.batch_size:
+        raise ValueError(f"QAT has {len(windows)} training windows, fewer than one batch of {opts.batch_size}")
+    opt = make_optimizer(opts)
     params = jax.tree_util.tree_map(jnp.array, params)  # own copies: the step donates its buffers
     opt_state, start, losses = opt.init(params), 0, []
     if resume and state_dir is not None:
@@ -134,22 +134,22 @@ def train(config, params: dict, recipe: Recipe, windows: np.ndarray, cfg: QATCon
             params = jax.tree_util.tree_map(jnp.asarray, saved["params"])
             opt_state = jax.tree_util.tree_map(jnp.asarray, saved["opt_state"])
             start, losses = int(saved["step"]), list(saved["losses"])
-    n_batches = len(windows) // cfg.batch_size
-    steps = range(start, cfg.steps)
+    n_batches = len(windows) // opts.batch_size
+    steps = range(start, opts.steps)
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=cfg.steps, initial=start, desc="qat", unit="step")
+        bar = tqdm(total=opts.steps, initial=start, desc="qat", unit="step")
     for step in steps:
         b = step % n_batches
-        toks = jnp.asarray(windows[b * cfg.batch_size:(b + 1) * cfg.batch_size])
+        toks = jnp.asarray(windows[b * opts.batch_size:(b + 1) * opts.batch_size])
         params, opt_state, loss = _step(params, opt_state, toks, config=config, rules=recipe.rules, opt=opt)
         losses.append(float(loss))
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{losses[-1]:.4f}")
-        if state_dir is not None and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps):
+        if state_dir is not None and ((step + 1) % opts.save_every == 0 or step + 1 == opts.steps):
             _save_state(Path(state_dir), {"params": params, "opt_state": opt_state, "step": step + 1,
                                           "losses": losses})
     if bar is not None:
@@ -157,4 +157,4 @@ def train(config, params: dict, recipe: Recipe, windows: np.ndarray, cfg: QATCon
     return params, losses
 
 
-__all__ = ["QATConfig", "fake_quant_tree", "load_state", "qat_loss", "train"]
+__all__ = ["QATOptions", "fake_quant_tree", "load_state", "qat_loss", "train"]

@@ -18,22 +18,28 @@ spec) gives the lowest output error on the calibration sample.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from llmeq_jax.core.quantize import quantize_dequantize
 from llmeq_jax.methods import folding
-from llmeq_jax.methods.blockwise import check_args, fake_quant_act, quant_rule, rtn_block
+from llmeq_jax.methods.blockwise import fake_quant_act, option, options_from_args, quant_rule, rtn_block
 
-ARGS = {
-    "alpha": (0.5, (float, int, str), lambda v: v == "auto" or (not isinstance(v, str) and 0 <= v <= 1),
-              "a number in [0, 1] or 'auto'"),
-    "alpha_grid": ([0.3, 0.4, 0.5, 0.6, 0.7, 0.8], (list, tuple),
-                   lambda v: len(v) > 0 and all(isinstance(a, (int, float)) and 0 <= a <= 1 for a in v),
-                   "a non-empty list of numbers in [0, 1]"),
-    "min_scale": (1e-5, (float,), lambda v: v > 0, "a positive number"),
-}
+@dataclasses.dataclass(frozen=True)
+class SmoothQuantOptions:
+    """SmoothQuant's ``method_args``."""
+
+    alpha: float | str = option(0.5, (float, int, str),
+                                lambda v: v == "auto" or (not isinstance(v, str) and 0 <= v <= 1),
+                                "a number in [0, 1] or 'auto'")  # migration strength; 'auto' searches alpha_grid
+    alpha_grid: tuple | list = option((0.3, 0.4, 0.5, 0.6, 0.7, 0.8), (list, tuple),
+                                      lambda v: len(v) > 0 and all(isinstance(a, (int, float)) and 0 <= a <= 1
+                                                                   for a in v),
+                                      "a non-empty list of numbers in [0, 1]")
+    min_scale: float = option(1e-5, (float,), lambda v: v > 0, "a positive number")
 
 
 def smoothing_factors(x_absmax: jax.Array, w_absmax: jax.Array, alpha: float, min_scale: float = 1e-5) -> jax.Array:
@@ -58,7 +64,7 @@ def smooth_block(config, block: dict, block_stats: dict, alpha: float | dict, mi
         keys = [f"{c}/kernel" for c in g.consumers]
         if not all(k in block_stats and "absmax" in block_stats[k] for k in keys):
             continue
-        a = alpha.get(g.producer, ARGS["alpha"][0]) if isinstance(alpha, dict) else alpha
+        a = alpha.get(g.producer, SmoothQuantOptions.alpha) if isinstance(alpha, dict) else alpha
         s = _factors(config, block, block_stats, g, a, min_scale)
         block = folding.fold(config, block, g, s)
         rows = folding.expand_scales(config, g, s)
@@ -109,32 +115,32 @@ def search_alpha(config, block, block_stats, layer, recipe, grid, min_scale=1e-5
     return best
 
 
-def sequential(args: dict) -> bool:
+def sequential(opts: SmoothQuantOptions) -> bool:
     return False  # statistics of the float model, as in the paper
 
 
-def wants(args: dict) -> tuple[str, ...]:
-    return ("absmax", "sample") if args["alpha"] == "auto" else ("absmax",)
+def wants(opts: SmoothQuantOptions) -> tuple[str, ...]:
+    return ("absmax", "sample") if opts.alpha == "auto" else ("absmax",)
 
 
-def block_processor(config, recipe, args: dict, info: dict):
+def block_processor(config, recipe, opts: SmoothQuantOptions, info: dict):
     """process_block for calibrate: smooth the block, then RTN under the recipe (static scales from smoothed stats)."""
     info.setdefault("alpha", {})
 
     def process(layer, block, block_stats, inputs):
         del inputs
-        if args["alpha"] == "auto":
-            alpha = search_alpha(config, block, block_stats, layer, recipe, args["alpha_grid"], args["min_scale"])
+        if opts.alpha == "auto":
+            alpha = search_alpha(config, block, block_stats, layer, recipe, opts.alpha_grid, opts.min_scale)
             info["alpha"][layer] = alpha
         else:
-            alpha = float(args["alpha"])
+            alpha = float(opts.alpha)
         groups = [g for g in folding.scale_groups(config)
                   if any(quant_rule(recipe, layer, f"{c}/kernel") is not None for c in g.consumers)]
-        block, smoothed, _ = smooth_block(config, block, block_stats, alpha, args["min_scale"], groups)
+        block, smoothed, _ = smooth_block(config, block, block_stats, alpha, opts.min_scale, groups)
         return rtn_block(block, layer, recipe, smoothed)
 
     return process
 
 
-def parse_args(method_args: dict) -> dict:
-    return check_args("smoothquant", method_args, ARGS)
+def parse_args(method_args: dict) -> SmoothQuantOptions:
+    return options_from_args(SmoothQuantOptions, "smoothquant", method_args)

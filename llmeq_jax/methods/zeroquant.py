@@ -17,6 +17,7 @@ is patched).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import flax.linen as nn
@@ -26,26 +27,28 @@ import optax
 
 from llmeq_jax.core.quantize import Spec, fake_quant
 from llmeq_jax.methods import folding
-from llmeq_jax.methods.blockwise import block_kernel_paths, check_args, quant_rule, rtn_block
+from llmeq_jax.methods.blockwise import block_kernel_paths, option, options_from_args, quant_rule, rtn_block
 
-ARGS = {
-    "lkd_steps": (0, (int,), lambda v: v >= 0, "a non-negative integer (0 = no distillation)"),
-    "lkd_lr": (1e-5, (float,), lambda v: v > 0, "a positive number"),
-    "lkd_batch": (1, (int,), lambda v: v >= 1, "a positive integer (sequences per step)"),
-}
+@dataclasses.dataclass(frozen=True)
+class ZeroQuantOptions:
+    """ZeroQuant's ``method_args``: layer-wise knowledge distillation (LKD) when ``lkd_steps > 0``."""
+
+    lkd_steps: int = option(0, (int,), lambda v: v >= 0, "a non-negative integer (0 = no distillation)")
+    lkd_lr: float = option(1e-5, (float,), lambda v: v > 0, "a positive number")
+    lkd_batch: int = option(1, (int,), lambda v: v >= 1, "a positive integer (sequences per step)")
 
 TOKEN_ACT = Spec(8, "token")
 
 
-def parse_args(method_args: dict) -> dict:
-    return check_args("zeroquant", method_args, ARGS)
+def parse_args(method_args: dict) -> ZeroQuantOptions:
+    return options_from_args(ZeroQuantOptions, "zeroquant", method_args)
 
 
-def sequential(args: dict) -> bool:
-    return args["lkd_steps"] > 0  # LKD trains each block on the quantized model's hidden states
+def sequential(opts: ZeroQuantOptions) -> bool:
+    return opts.lkd_steps > 0  # LKD trains each block on the quantized model's hidden states
 
 
-def wants(args: dict) -> tuple[str, ...]:
+def wants(opts: ZeroQuantOptions) -> tuple[str, ...]:
     return ("absmax",)
 
 
@@ -121,13 +124,13 @@ def distill_block(config, layer: int, block: dict, recipe, inputs: list, steps: 
     return block, {"mse_before": before, "mse_after": after}
 
 
-def block_processor(config, recipe, args: dict, info: dict):
+def block_processor(config, recipe, opts: ZeroQuantOptions, info: dict):
     info.setdefault("lkd", {})
 
     def process(layer, block, block_stats, inputs):
-        if args["lkd_steps"] > 0:
-            block, mses = distill_block(config, layer, block, recipe, inputs, args["lkd_steps"], args["lkd_lr"],
-                                        args["lkd_batch"])
+        if opts.lkd_steps > 0:
+            block, mses = distill_block(config, layer, block, recipe, inputs, opts.lkd_steps, opts.lkd_lr,
+                                        opts.lkd_batch)
             info["lkd"][layer] = mses
         return rtn_block(block, layer, recipe, block_stats)
 

@@ -1,4 +1,4 @@
-"""Checks that need 8 host devices. Run only through tests/test_distributed.py, which starts
+"""Checks that need 8 host devices. Run only through tests/distributed/test_eight_devices.py, which starts
 ``pytest`` on this file in a subprocess with ``--xla_force_host_platform_device_count=8``
 (the rest of the suite keeps its single device)."""
 

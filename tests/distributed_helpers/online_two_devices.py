@@ -8,13 +8,14 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from llmeq_jax import distributed as dist, evaluate, online
-from llmeq_jax.core.rules import load_recipe, quantize_params
+from llmeq_jax.core.rules import quantize_params
+from llmeq_jax.pipeline import read_recipe
 from llmeq_jax.models import forward, load_model
 from tests.shared_data import SHARED_DATA
 
 assert jax.device_count() == 2, jax.devices()
 config, params, tok = load_model(str(SHARED_DATA / "stories260K.gguf"))
-recipe = load_recipe("configs/rtn-w8a8-online.yaml")
+recipe = read_recipe("rtn-w8a8-online")
 qp = quantize_params(params, recipe)
 alphas = online.decays(qp, recipe)
 ids = evaluate.tokenize_text(tok, (SHARED_DATA / "wikitext2_valid.txt").read_text()[:40000])

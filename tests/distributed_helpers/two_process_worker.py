@@ -1,5 +1,5 @@
 """One of two processes (2 CPU devices each) started by scripts/launch_multihost.py from
-tests/test_distributed.py: calibrate and quantize the tiny llama on the 4-device mesh, then
+tests/distributed/test_two_processes.py: calibrate and quantize the tiny llama on the 4-device mesh, then
 write what this process holds to ``<out>/process_<id>.npz`` and save one Orbax checkpoint of the
 quantized tree from both processes to ``<out>/ckpt`` for the test to compare."""
 

@@ -107,7 +107,7 @@ def test_permute_inverts_loader():
     ({"bits": 4, "granularity": "group", "group_size": 32}, {Q.Q4_0}),
     ({"bits": 8, "granularity": "channel"}, {Q.Q8_0}),
     ({"bits": 4, "granularity": "group", "group_size": 32, "symmetric": False}, {Q.Q4_1}),
-    # scale_dtype float16 (configs/rtn-w4-g32-*.yaml): the grid is the file's, so the reload is exact.
+    # scale_dtype float16 (llmeq_jax/configs/rtn-w4-g32-*.yaml): the grid is the file's, so the reload is exact.
     ({"bits": 4, "granularity": "group", "group_size": 32, "scale_dtype": "float16"}, {Q.Q4_0}),
     ({"bits": 8, "granularity": "channel", "scale_dtype": "float16"}, {Q.Q8_0}),
     ({"bits": 4, "granularity": "group", "group_size": 32, "symmetric": False, "scale_dtype": "float16"}, {Q.Q4_1}),

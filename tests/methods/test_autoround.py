@@ -99,7 +99,7 @@ LOW_BIT = {"rtn-w4-g128": (4, 128), "gptq-w4-g128": (4, 128), "gptq-w3-g128": (3
 @pytest.mark.parametrize("name", sorted(LOW_BIT))
 def test_low_bit_recipes_load_asymmetric_and_their_sym_twins_symmetric(name):
     """2-4-bit recipes default to zero-point grids; the symmetric ones stay available as -sym."""
-    from llmeq_jax.cli import read_recipe
+    from llmeq_jax.pipeline import read_recipe
     from llmeq_jax.methods import METHODS
 
     recipe = read_recipe(name)

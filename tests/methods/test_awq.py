@@ -29,7 +29,7 @@ def _group_error(config, group, x, kernels, s):
 @pytest.mark.parametrize("producer", ["input_norm", "attn/v_proj", "mlp/up_proj"])
 def test_scale_search_lowers_block_error(producer):
     config, params = tiny_model("qwen2")
-    stats, _ = calibrate.calibrate(config, params, tiny_windows(config, n=8), wants=awq.wants({}))
+    stats, _ = calibrate.calibrate(config, params, tiny_windows(config, n=8), wants=awq.wants(awq.parse_args({})))
     g = next(g for g in folding.scale_groups(config) if g.producer == producer)
     st = stats[f"layers_0/{g.consumers[0]}/kernel"]
     x = np.asarray(st["sample"])

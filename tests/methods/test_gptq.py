@@ -10,7 +10,8 @@ import pytest
 
 from llmeq_jax.core.quantize import Spec, quantize
 from llmeq_jax.core.rules import RecipeError
-from llmeq_jax.methods.gptq import GPTQConfig, HessianWarning, gptq_quantize, inverse_cholesky, to_qarray
+from llmeq_jax.methods.gptq import GPTQOptions, HessianWarning, gptq_quantize, inverse_cholesky, to_qarray
+from llmeq_jax.methods.gptq import parse_args as gptq_parse_args
 
 
 def numpy_gptq(w, h, bits, group, damp=0.01, act_order=False, symmetric=True):
@@ -95,7 +96,7 @@ def test_matches_numpy_reference(bits, group, block, act_order, symmetric):
     _, w, h = _layer(rng)
     spec = Spec(bits, "group", group_size=group, symmetric=symmetric) if group else Spec(
         bits, "channel", symmetric=symmetric)
-    q, scale, zp, info = gptq_quantize(w, h, spec, GPTQConfig(block_size=block, act_order=act_order))
+    q, scale, zp, info = gptq_quantize(w, h, spec, GPTQOptions(block_size=block, act_order=act_order))
     ref = numpy_gptq(w, h, bits, group, act_order=act_order, symmetric=symmetric)
     _agree(q, ref)
     assert info["damp"] == 0.01
@@ -142,9 +143,9 @@ def test_bad_specs_and_args():
     with pytest.raises(RecipeError, match="input dim"):
         gptq_quantize(w, h, Spec(4, "group", group_size=2, axis=1))
     with pytest.raises(RecipeError, match="unknown method_args"):
-        GPTQConfig.from_args({"dampening": 0.1})
+        gptq_parse_args({"dampening": 0.1})
     with pytest.raises(RecipeError, match="damp"):
-        GPTQConfig.from_args({"damp": -1.0})
+        gptq_parse_args({"damp": -1.0})
 
 
 @pytest.mark.parametrize("symmetric", [True, False])
@@ -173,7 +174,7 @@ def test_asymmetric_mse_grid_beats_rtn_and_keeps_zero_points_in_range(act_order)
     rng = np.random.default_rng(11)
     x, w, h = _layer(rng)
     spec = Spec(4, "group", group_size=32, symmetric=False, clip="mse")
-    q, scale, zp, _ = gptq_quantize(w, h, spec, GPTQConfig(act_order=act_order))
+    q, scale, zp, _ = gptq_quantize(w, h, spec, GPTQOptions(act_order=act_order))
     assert zp is not None and np.all((zp >= -8) & (zp <= 7)) and np.all(zp == np.round(zp))
     assert q.min() >= -8 and q.max() <= 7
     qa = to_qarray(q, scale, zp, spec)

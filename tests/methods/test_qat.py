@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from llmeq_jax.core.quantize import quantize_dequantize
-from llmeq_jax.core.rules import load_recipe
+from llmeq_jax.pipeline import read_recipe
 from llmeq_jax.methods import qat
 from tests.shared_data import shared_data_path
 
@@ -23,7 +23,7 @@ def stories():
 
     config, params, tok = load_model(str(shared_data_path("stories260K.gguf")))
     ids = evaluate.tokenize_text(tok, "Once upon a time, there was a little girl named Lily. " * 40)
-    return config, params, evaluate.make_windows(ids, 32, 4), load_recipe(REPO / "configs" / "gptq-w3-g128.yaml")
+    return config, params, evaluate.make_windows(ids, 32, 4), read_recipe("gptq-w3-g128")
 
 
 def test_fake_quant_tree_is_the_rtn_grid(stories):
@@ -38,10 +38,10 @@ def test_fake_quant_tree_is_the_rtn_grid(stories):
 
 def test_training_lowers_the_loss_and_resume_is_exact(stories, tmp_path):
     config, params, wins, recipe = stories
-    cfg = qat.QATConfig(steps=4, lr=1e-3, batch_size=2, save_every=2)
+    cfg = qat.QATOptions(steps=4, lr=1e-3, batch_size=2, save_every=2)
     _, straight = qat.train(config, params, recipe, wins, cfg)
     assert straight[-1] < straight[0]
-    qat.train(config, params, recipe, wins, qat.QATConfig(steps=2, lr=1e-3, batch_size=2, save_every=2),
+    qat.train(config, params, recipe, wins, qat.QATOptions(steps=2, lr=1e-3, batch_size=2, save_every=2),
               state_dir=tmp_path)
     assert qat.load_state(tmp_path)["step"] == 2
     _, resumed = qat.train(config, params, recipe, wins, cfg, state_dir=tmp_path, resume=True)
@@ -68,4 +68,4 @@ def test_cli_qat_saves_a_quantized_checkpoint(tmp_path):
 
 def test_bad_qat_settings_are_named():
     with pytest.raises(ValueError, match="learning rate"):
-        qat.QATConfig(lr=float("nan"))
+        qat.QATOptions(lr=float("nan"))

@@ -1,4 +1,4 @@
-"""Every calibrated recipe in configs/ on the real stories260K model: finite perplexity, sensible order, CLI rows."""
+"""Every calibrated recipe in llmeq_jax/configs/ on the real stories260K model: finite perplexity, sensible order, CLI rows."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from llmeq_jax import calibrate, evaluate, methods
-from llmeq_jax.cli import read_recipe
+from llmeq_jax.pipeline import read_recipe
 from llmeq_jax.core.qarray import QArray, tree_nbytes
 from llmeq_jax.models import forward, load_model
 from tests.shared_data import shared_data_path
@@ -30,7 +30,8 @@ def results():
     out = {}
     for name in RECIPES:
         q, info = methods.quantize_model(config, params, read_recipe(name), windows)
-        ppl = evaluate.perplexity(lambda t: forward(config, q, t), ev, batch_size=4)["ppl"]
+        # params as an argument of the jitted step, not closure constants (XLA would constant-fold every weight)
+        ppl = evaluate.perplexity(lambda p, t: forward(config, p, t), ev, batch_size=4, params=q)["ppl"]
         out[name] = {"ppl": ppl, "bytes": tree_nbytes(q), "info": info, "params": q}
     return out
 
