@@ -409,7 +409,8 @@ def cmd_allocate(args) -> int:
     recipe, info = alloc.allocate(config, params, windows, candidates=candidates, budget_bits=args.budget_bits,
                                   budget_mb=args.budget_mb, group_size=args.group_size or None, solver=args.solver,
                                   sensitivity=args.sensitivity, method=args.method, name=name,
-                                  progress=not args.json)
+                                  symmetric=args.symmetric, edge_min_bits=args.edge_min_bits or None,
+                                  max_delta=args.max_delta or None, progress=not args.json)
     info["seconds"] = time.perf_counter() - t0
     group = f"g{args.group_size}" if args.group_size else "per-channel"
     header = [f"{name}: per-layer widths from `llmeq allocate {args.model}` ({args.sensitivity} sensitivity, "
@@ -625,6 +626,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--solver", default="greedy", choices=["greedy", "lagrange"])
     p.add_argument("--sensitivity", default="measured", choices=["measured", "proxy"])
     p.add_argument("--group-size", type=NON_NEGATIVE, default=128, help="group size along the input (0: per channel)")
+    p.add_argument("--symmetric", action="store_true",
+                   help="symmetric candidate grids (default: asymmetric, integer zero point per group)")
+    p.add_argument("--edge-min-bits", type=NON_NEGATIVE, default=4,
+                   help="first and last blocks' linears never below this width (default 4; 0: no floor)")
+    p.add_argument("--max-delta", type=_finite_float(0.0, None, "nats >= 0"), default=0.5,
+                   help="measured only: a width whose own loss increase exceeds this many nats is never "
+                        "picked for that linear (default 0.5; 0: off)")
     p.add_argument("--calib", help=f"calibration text (default: {CALIB_TEXT})")
     p.add_argument("--calib-samples", type=POSITIVE, default=4, help="calibration sequences (default 4)")
     p.add_argument("--calib-seq-len", type=SEQ_LEN, default=256, help="tokens per sequence (default 256)")

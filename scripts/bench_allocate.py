@@ -40,12 +40,15 @@ def ppl(config, params, wins) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model", nargs="?", default="smollm2-135m")
-    ap.add_argument("--budgets", default="2.5,3,4.25,6")
+    ap.add_argument("--budgets", default="2.5,3,u4,6",
+                    help="average stored bits, or uN: the bytes of uniform N-bit (u4: the size of uniform W4 g128)")
     ap.add_argument("--uniform", default="2,4,8")
     ap.add_argument("--candidates", default="2,3,4,8")
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--sensitivity", default="measured", choices=["measured", "proxy"])
-    ap.add_argument("--lagrange-budgets", default="3,4.25", help="budgets also solved by the Lagrangian rule")
+    ap.add_argument("--lagrange-budgets", default="3,u4", help="budgets also solved by the Lagrangian rule")
+    ap.add_argument("--edge-min-bits", type=int, default=4, help="first/last blocks' linears never below (0: off)")
+    ap.add_argument("--max-delta", type=float, default=0.5, help="measured: drop widths costing more nats (0: off)")
     ap.add_argument("--calib-samples", type=int, default=4)
     ap.add_argument("--calib-seq-len", type=int, default=256)
     ap.add_argument("--windows", type=int, default=16)
@@ -78,10 +81,13 @@ def main() -> None:
                                    progress=True)
         table = S.measured_table(deltas, table, cands[0])
         t_meas = time.perf_counter() - t0
+    solve_cost = A.restrict(cost, table, edges=A.edge_paths(list(shapes), config.num_layers),
+                            edge_min_bits=args.edge_min_bits or None,
+                            max_delta=(args.max_delta or None) if args.sensitivity == "measured" else None)
     results = {"model": args.model, "device": f"{jax.devices()[0].device_kind} ({platform.processor() or 'cpu'})",
                "protocol": evaluate.PROTOCOL, "windows": args.windows, "seq_len": args.seq_len,
                "calibration": f"{args.calib_samples} x {args.calib_seq_len} tokens of {CALIB_TEXT}",
-               "sensitivity": args.sensitivity, "proxy_s": t_proxy, "measured_s": t_meas, "rows": []}
+               "sensitivity": args.sensitivity, "candidates": "asymmetric RTN", "proxy_s": t_proxy, "measured_s": t_meas, "rows": []}
     print(f"sensitivity: proxy {t_proxy:.0f} s, measured {t_meas:.0f} s", flush=True)
 
     def record(row):
@@ -93,15 +99,18 @@ def main() -> None:
     recipes = []
     for b in [int(x) for x in args.uniform.split(",") if x]:
         choice = {p: b for p in shapes}
-        recipes.append(("uniform", f"rtn-w{b}-g{args.group_size}", choice))
+        recipes.append(("uniform", f"rtn-w{b}-g{args.group_size}-asym", choice))
     for solver, budgets in (("greedy", args.budgets), ("lagrange", args.lagrange_budgets)):
-        for budget in [float(x) for x in budgets.split(",") if x]:
-            budget_b = A.budget_bytes(shapes, budget, None)
-            if solver == "greedy":
-                choice = A.greedy(cost, table, budget_b)
+        for budget in [x for x in budgets.split(",") if x]:
+            if budget.startswith("u"):  # the bytes uniform N-bit stores
+                budget_b = sum(cost[p][int(budget[1:])] for p in shapes)
             else:
-                choice = A.lagrange(cost, S.lagrange_coefficients(table, weights), budget_b)[0]
-            recipes.append((f"allocated-{solver}", f"alloc-{solver}-{budget:g}", choice))
+                budget_b = A.budget_bytes(shapes, float(budget), None)
+            if solver == "greedy":
+                choice = A.greedy(solve_cost, table, budget_b)
+            else:
+                choice = A.lagrange(solve_cost, S.lagrange_coefficients(table, weights), budget_b)[0]
+            recipes.append((f"allocated-{solver}", f"alloc-{solver}-{budget}", choice))
     for kind, name, choice in recipes:
         recipe = A.allocation_recipe(choice, "rtn", group, name)
         qp, _ = quantize_model(config, params, recipe, None)

@@ -64,11 +64,16 @@ def block_kernels(params: Any) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def candidate_spec(bits: int, group_size: int | None) -> Spec:
-    """The spec a candidate width stands for: symmetric RTN grid, groups along the input dim (or per channel)."""
+def candidate_spec(bits: int, group_size: int | None, symmetric: bool = False) -> Spec:
+    """The spec a candidate width stands for: RTN grid, groups along the input dim (or per channel).
+
+    Asymmetric by default, like the ready 4-bit recipes: a symmetric 2-bit grid is the
+    ternary ``{-s, 0, s}`` (3 levels), the asymmetric one has 4 levels on the group's
+    ``[min, max]`` -- on SmolLM2 the difference between a usable narrow layer and a collapse.
+    """
     if group_size is None:
-        return Spec(bits, "channel")
-    return Spec(bits, "group", group_size=group_size)
+        return Spec(bits, "channel", symmetric=symmetric)
+    return Spec(bits, "group", group_size=group_size, symmetric=symmetric)
 
 
 def spec_bytes(shape: tuple[int, ...], spec: Spec) -> int:
@@ -78,7 +83,7 @@ def spec_bytes(shape: tuple[int, ...], spec: Spec) -> int:
 
 
 def cost_table(shapes: dict[str, tuple[int, ...]], candidates: Sequence[int],
-               group_size: int | None) -> dict[str, dict[int, int]]:
+               group_size: int | None, symmetric: bool = False) -> dict[str, dict[int, int]]:
     """``{path: {bits: bytes}}`` (shapes repeat across blocks: computed once per distinct shape)."""
     memo: dict[tuple, int] = {}
     out = {}
@@ -87,7 +92,7 @@ def cost_table(shapes: dict[str, tuple[int, ...]], candidates: Sequence[int],
         for b in candidates:
             key = (shape, b)
             if key not in memo:
-                memo[key] = spec_bytes(shape, candidate_spec(b, group_size))
+                memo[key] = spec_bytes(shape, candidate_spec(b, group_size, symmetric))
             row[b] = memo[key]
         out[path] = row
     return out
@@ -119,6 +124,38 @@ def budget_bytes(shapes: dict[str, tuple[int, ...]], budget_bits: float | None, 
     if not (math.isfinite(budget_mb) and budget_mb > 0):
         raise AllocationError(f"--budget-mb {budget_mb!r}: expected a finite number > 0")
     return int(math.floor(budget_mb * 1e6))
+
+
+# --------------------------------------------------------------------------- guards
+
+
+def edge_paths(paths: Sequence[str], num_layers: int) -> list[str]:
+    """The linears of the first and last decoder blocks (``layers_0``, ``layers_<L-1>``)."""
+    edges = {"layers_0", f"layers_{num_layers - 1}"}
+    return [p for p in paths if p.split("/", 1)[0] in edges]
+
+
+def restrict(cost: dict[str, dict[int, int]], table: dict[str, dict[int, float]], *, edges: Sequence[str] = (),
+             edge_min_bits: int | None = None, max_delta: float | None = None) -> dict[str, dict[int, int]]:
+    """The cost table with the widths no allocation may pick removed (the widest width always stays).
+
+    Two guards against a catastrophic layout, which a knapsack trading one layer's
+    collapse for several small gains would otherwise pick:
+
+    * ``edge_min_bits``: the first and last blocks' linears (the ones every token's
+      residual stream passes through first and last) never go below this width;
+    * ``max_delta``: a width whose own estimated loss increase (``table``, in nats
+      when measured) exceeds this is off the table for that linear.
+    """
+    edges = set(edges)
+    out = {}
+    for p, row in cost.items():
+        widest = max(row)
+        keep = {b: c for b, c in row.items()
+                if b == widest or ((edge_min_bits is None or p not in edges or b >= edge_min_bits)
+                                   and (max_delta is None or table[p][b] <= max_delta))}
+        out[p] = keep
+    return out
 
 
 # --------------------------------------------------------------------------- solvers
@@ -212,7 +249,8 @@ def lagrange(cost: dict[str, dict[int, int]], coef: dict[str, float], budget: in
 
 
 def allocation_recipe(choice: dict[str, int], method: str, group_size: int | None, name: str,
-                      method_args: dict | None = None, base_rules: Sequence[Rule] | None = None) -> Recipe:
+                      method_args: dict | None = None, base_rules: Sequence[Rule] | None = None,
+                      symmetric: bool = False) -> Recipe:
     """A recipe with one exact rule per allocated linear (``re.escape``d path), after ``base_rules``.
 
     The default base rules are the ready recipes' (the embedding table int8 per row, no
@@ -222,7 +260,7 @@ def allocation_recipe(choice: dict[str, int], method: str, group_size: int | Non
         base_rules = (Rule("embed/embedding", weight=Spec(8, "channel")), Rule(".*lm_head.*", skip=True))
     rules = list(base_rules)
     for path, bits in choice.items():
-        rules.append(Rule(re.escape(path), weight=candidate_spec(bits, group_size)))
+        rules.append(Rule(re.escape(path), weight=candidate_spec(bits, group_size, symmetric)))
     return Recipe(rules=tuple(rules), method=method, method_args=dict(method_args or {}), name=name)
 
 
@@ -253,9 +291,12 @@ SENSITIVITIES = ("measured", "proxy")
 def allocate(config, params: dict, windows: np.ndarray, *, candidates: Sequence[int], budget_bits: float | None = None,
              budget_mb: float | None = None, group_size: int | None = 128, solver: str = "greedy",
              sensitivity: str = "measured", method: str = "rtn", name: str = "allocated",
+             symmetric: bool = False, edge_min_bits: int | None = 4, max_delta: float | None = 0.5,
              progress: bool = False) -> tuple[Recipe, dict]:
     """Sensitivities on ``windows`` -> allocation under the budget -> (recipe, info).
 
+    ``edge_min_bits`` and ``max_delta`` are :func:`restrict`'s guards (``max_delta`` applies
+    to measured sensitivities only: the proxy's unit is not nats).
     ``info`` holds the budget, the bytes used, the average stored bits, the width histogram,
     the per-layer choice and sensitivity table, and the seconds each step took.
     """
@@ -270,9 +311,9 @@ def allocate(config, params: dict, windows: np.ndarray, *, candidates: Sequence[
     candidates = parse_candidates(candidates)
     shapes = block_kernels(params)
     budget = budget_bytes(shapes, budget_bits, budget_mb)
-    cost = cost_table(shapes, candidates, group_size)
+    cost = cost_table(shapes, candidates, group_size, symmetric)
     _check_floor(cost, budget)
-    spec_for = functools.partial(candidate_spec, group_size=group_size)
+    spec_for = functools.partial(candidate_spec, group_size=group_size, symmetric=symmetric)
     t0 = time.perf_counter()
     diags = sens.hessian_diagonals(config, params, windows, progress=progress)
     table = sens.proxy_table(params, diags, list(shapes), candidates, spec_for)
@@ -284,19 +325,22 @@ def allocate(config, params: dict, windows: np.ndarray, *, candidates: Sequence[
                                       progress=progress)
         table = sens.measured_table(deltas, table, candidates[0])
         t_measured = time.perf_counter() - t0
+    cost = restrict(cost, table, edges=edge_paths(list(shapes), config.num_layers), edge_min_bits=edge_min_bits,
+                    max_delta=max_delta if sensitivity == "measured" else None)
+    _check_floor(cost, budget)
     t0 = time.perf_counter()
     if solver == "greedy":
         choice, lam = greedy(cost, table, budget), None
     else:
         weights = {p: math.prod(s) for p, s in shapes.items()}
         choice, lam = lagrange(cost, sens.lagrange_coefficients(table, weights), budget)
-    recipe = allocation_recipe(choice, method, group_size, name)
+    recipe = allocation_recipe(choice, method, group_size, name, symmetric=symmetric)
     info = {"budget_bytes": budget, **summary(choice, cost, shapes), "solver": solver, "sensitivity": sensitivity,
-            "candidates": list(candidates), "group_size": group_size, "lambda": lam,
+            "candidates": list(candidates), "group_size": group_size, "symmetric": symmetric, "lambda": lam,
             "calib_windows": list(windows.shape), "proxy_s": t_proxy, "measured_s": t_measured,
             "solve_s": time.perf_counter() - t0, "choice": choice, "table": table}
     return recipe, info
 
 
 __all__ = ["AllocationError", "allocate", "SOLVERS", "allocation_recipe", "block_kernels", "budget_bytes", "candidate_spec",
-           "cost_table", "greedy", "lagrange", "parse_candidates", "recipe_yaml", "spec_bytes", "summary"]
+           "cost_table", "edge_paths", "greedy", "restrict", "lagrange", "parse_candidates", "recipe_yaml", "spec_bytes", "summary"]

@@ -1,7 +1,7 @@
 """How much each linear layer's quantization costs: the tables the bit allocator solves over.
 
 Two estimates of ``D[l][b]``, the calibration-loss increase when linear ``l`` alone
-is quantized (symmetric RTN) at ``b`` bits:
+is quantized (RTN on the candidate grid, asymmetric by default) at ``b`` bits:
 
 ``proxy``     ``E[l][b] = sum_jn H_jj (Q_b(W) - W)_jn^2`` with ``H = X^T X`` of the layer's
               calibration inputs: the Hessian diagonal of the layer's output error times

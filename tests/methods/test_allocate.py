@@ -24,14 +24,33 @@ def test_costs_are_the_bytes_a_qarray_stores():
     for b in (2, 3, 4, 8):
         spec = A.candidate_spec(b, 128)
         assert A.spec_bytes((300, 64), spec) == quantize(w, spec).nbytes
-    # 4-bit: 150 packed rows x 64 + 3 groups x 64 float32 scales; 3-bit lives in 4-bit slots
-    assert A.spec_bytes((300, 64), A.candidate_spec(4, 128)) == 150 * 64 + 3 * 64 * 4
+    # symmetric 4-bit: 150 packed rows x 64 + 3 groups x 64 float32 scales; 3-bit lives in 4-bit slots
+    assert A.spec_bytes((300, 64), A.candidate_spec(4, 128, symmetric=True)) == 150 * 64 + 3 * 64 * 4
     assert A.spec_bytes((300, 64), A.candidate_spec(3, 128)) == A.spec_bytes((300, 64), A.candidate_spec(4, 128))
+    # the default candidates are asymmetric (4 levels at 2 bits, not a ternary grid), and their zero points count
+    assert not A.candidate_spec(2, 128).symmetric
+    assert A.spec_bytes((300, 64), A.candidate_spec(4, 128)) > A.spec_bytes((300, 64), A.candidate_spec(4, 128, True))
+
+
+def test_guards_take_narrow_widths_off_the_edges_and_off_catastrophic_layers():
+    paths = ["layers_0/a/kernel", "layers_1/a/kernel", "layers_1/b/kernel", "layers_2/a/kernel"]
+    assert A.edge_paths(paths, 3) == ["layers_0/a/kernel", "layers_2/a/kernel"]
+    cost = {p: {2: 10, 4: 20, 8: 40} for p in paths}
+    table = {p: {2: 0.1, 4: 0.01, 8: 0.0} for p in paths}
+    table["layers_1/b/kernel"] = {2: 3.0, 4: 0.9, 8: 0.001}  # both narrow widths beyond the limit
+    out = A.restrict(cost, table, edges=A.edge_paths(paths, 3), edge_min_bits=4, max_delta=0.5)
+    assert sorted(out["layers_0/a/kernel"]) == [4, 8] and sorted(out["layers_2/a/kernel"]) == [4, 8]
+    assert sorted(out["layers_1/a/kernel"]) == [2, 4, 8]
+    assert sorted(out["layers_1/b/kernel"]) == [8]  # the widest stays even if it were over the limit
+    # and the solver then keeps those layers wide even under a budget that would rather crush them
+    choice = A.greedy(out, table, budget=10 + 20 + 20 + 40)
+    assert choice["layers_1/b/kernel"] == 8 and choice["layers_0/a/kernel"] >= 4 and choice["layers_2/a/kernel"] >= 4
+    assert A.restrict(cost, table) == cost  # no guards: nothing removed
 
 
 def _case():
     shapes = {"layers_0/a/kernel": (256, 64), "layers_0/b/kernel": (256, 64), "layers_1/c/kernel": (256, 128)}
-    cost = A.cost_table(shapes, (2, 4, 8), 128)
+    cost = A.cost_table(shapes, (2, 4, 8), 128, symmetric=True)  # budgets below are in symmetric bits
     # the high-rate model D = n * c * 4^-b, with layer a 1000x as sensitive
     c = {"layers_0/a/kernel": 1000.0, "layers_0/b/kernel": 1.0, "layers_1/c/kernel": 1.0}
     dist = {p: {b: math.prod(shapes[p]) * c[p] * 4.0 ** -b for b in (2, 4, 8)} for p in shapes}
@@ -56,7 +75,6 @@ def test_greedy_meets_the_budget_and_no_upgrade_fits():
 def test_both_solvers_give_the_sensitive_layer_more_bits():
     shapes, cost, dist, c = _case()
     budget = A.budget_bytes(shapes, 4.25, None)  # the size of uniform int4 g128
-    weights = {p: math.prod(s) for p, s in shapes.items()}
     for choice in (A.greedy(cost, dist, budget), A.lagrange(cost, c, budget)[0]):
         assert _used(choice, cost) <= budget
         assert choice["layers_0/a/kernel"] == 8 and choice["layers_1/c/kernel"] < 4, choice
@@ -134,14 +152,17 @@ def test_cli_allocate_writes_a_recipe_that_quantize_runs(tmp_path):
     out = tmp_path / "alloc.yaml"
     run = lambda *a: subprocess.run([sys.executable, "-m", "llmeq_jax.cli", *a], capture_output=True,  # noqa: E731
                                     text=True, cwd=REPO, timeout=900)
-    proc = run("allocate", model, "--budget-bits", "3.5", "--group-size", "32", "--sensitivity", "proxy",
+    proc = run("allocate", model, "--budget-bits", "4.5", "--group-size", "32", "--sensitivity", "proxy",
                "--calib-samples", "2", "--calib-seq-len", "64", "--out", str(out), "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     info = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert info["bytes"] <= info["budget_bytes"] and 2 <= info["avg_bits"] <= 3.5
+    assert info["bytes"] <= info["budget_bytes"] and 2 <= info["avg_bits"] <= 4.5
     recipe = load_recipe(out)
     widths = {r.pattern.replace("\\", ""): r.weight.bits for r in recipe.rules[2:]}
     assert len(widths) == 35 and set(widths.values()) <= {2, 3, 4, 8} and len(set(widths.values())) > 1
+    assert not any(r.weight.symmetric for r in recipe.rules[2:])  # asymmetric candidates by default
+    edges = ("layers_0/", "layers_4/")  # stories260K has 5 blocks; the default floor keeps their linears >= 4 bits
+    assert all(b >= 4 for p, b in widths.items() if p.startswith(edges))
     proc = run("quantize", model, "--recipe", str(out), "--out", str(tmp_path / "ckpt"), "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     from llmeq_jax import checkpoint
