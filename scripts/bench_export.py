@@ -193,7 +193,7 @@ def main():
               f"| {runtime} |")
     if decode_rows:
         print()
-        print(f"| recipe | ours decode tok/s | onnxruntime decode tok/s | onnxruntime / ours |")
+        print("| recipe | ours decode tok/s | onnxruntime decode tok/s | onnxruntime / ours |")
         print("|---|---:|---:|---:|")
         for name, ours, rt in decode_rows:
             print(f"| {name} | {ours:.1f} | {rt:.1f} | {rt / ours:.2f} |")

@@ -426,7 +426,6 @@ def build_model(config: ModelConfig, params: Any, *, kv: dict | None = None, met
     tab = table_init(g, table)
     h = embedding(g, "input_ids", tab)
     step = step_inputs(g, c, "input_ids", past[0][0])
-    outputs = []
     for i in range(c.num_layers):
         p = params[f"layers_{i}"]
         hint = f"layers_{i}"
