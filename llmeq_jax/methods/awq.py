@@ -33,6 +33,10 @@ ARGS = {
     "n_clip": (20, (int,), lambda v: v >= 1, "a positive integer"),
     "min_clip": (0.5, (float,), lambda v: 0 < v <= 1, "a number in (0, 1]"),
     "clip": (True, (bool,), lambda v: True, "true or false"),
+    # AWQ + GPTQ: after the scales are folded, quantize each kernel with GPTQ (act order, static
+    # groups from the scaled kernel) on the Hessian of the scaled inputs instead of the clip search.
+    "gptq": (False, (bool,), lambda v: True, "true or false"),
+    "damp": (0.01, (float,), lambda v: 0 < v <= 10, "a number in (0, 10]"),
 }
 
 
@@ -140,7 +144,21 @@ def sequential(args: dict) -> bool:
 
 
 def wants(args: dict) -> tuple[str, ...]:
-    return ("abs_sum", "count", "sample")
+    return ("abs_sum", "count", "sample", "hessian") if args.get("gptq") else ("abs_sum", "count", "sample")
+
+
+def scaled_hessian(hessian: jax.Array, rows: jax.Array) -> jax.Array:
+    """``H`` of the inputs ``X / rows`` (what the scaled kernel sees): ``diag(1/rows) H diag(1/rows)``."""
+    inv = 1.0 / rows
+    return hessian * inv[:, None] * inv[None, :]
+
+
+def quantize_gptq(hessian, w, rule, damp: float, path: str):
+    """QArray of ``w`` by GPTQ (act order, static groups) on ``hessian``."""
+    from llmeq_jax.methods import gptq
+    cfg = gptq.GPTQConfig(damp=damp, act_order=True, static_groups=True)
+    q, scale, zp, _ = gptq.gptq_quantize(w, hessian, rule.weight, cfg, path=path)
+    return gptq.to_qarray(q, scale, zp, rule.weight, w.dtype, rule.act)
 
 
 def block_processor(config, recipe, args: dict, info: dict):
@@ -150,6 +168,7 @@ def block_processor(config, recipe, args: dict, info: dict):
         del inputs
         samples = {rel: block_stats[rel]["sample"] for rel in block_stats}
         chosen = {}
+        hessians = {rel: block_stats[rel]["hessian"] for rel in block_stats} if args["gptq"] else {}
         for g in folding.scale_groups(config):
             rels = [f"{c}/kernel" for c in g.consumers]
             rules = [quant_rule(recipe, layer, r) for r in rels]
@@ -165,6 +184,8 @@ def block_processor(config, recipe, args: dict, info: dict):
             rows = folding.expand_scales(config, g, s)
             for r in rels:
                 samples[r] = samples[r] / rows
+                if r in hessians:
+                    hessians[r] = scaled_hessian(hessians[r], rows)
             chosen[g.producer] = a
         info["exponent"][layer] = chosen
         for rel in block_kernel_paths(block):
@@ -172,8 +193,11 @@ def block_processor(config, recipe, args: dict, info: dict):
             if rule is None:
                 continue
             check_rule(f"layers_{layer}/{rel}", rule)
-            q = quantize_clipped(samples[rel], folding.get_leaf(block, rel), rule, args["n_clip"], args["min_clip"],
-                                 args["clip"])
+            w = folding.get_leaf(block, rel)
+            if args["gptq"]:
+                q = quantize_gptq(hessians[rel], w, rule, args["damp"], f"layers_{layer}/{rel}")
+            else:
+                q = quantize_clipped(samples[rel], w, rule, args["n_clip"], args["min_clip"], args["clip"])
             block = folding.set_leaf(block, rel, q)
         return block
 
