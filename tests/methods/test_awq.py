@@ -89,3 +89,21 @@ def test_awq_refuses_what_it_cannot_do():
     with pytest.raises(RecipeError, match="damp must be a number"):
         quantize_model(config, params, Recipe(rules=(Rule(".*layers.*", weight=SPEC),), method="awq",
                                               method_args={"gptq": True, "damp": 0.0}), windows)
+
+
+def test_awq_gptq_on_stories260k_fits_the_calibration_windows_better_than_rtn():
+    """Real model: the composite's logits on its calibration windows are closer to the float ones than RTN's."""
+    from llmeq_jax.models import load_model
+    from tests.shared_data import shared_data_path
+
+    config, params, tok = load_model(str(shared_data_path("stories260K.gguf")))
+    windows = calibrate.calibration_windows(tok, shared_data_path("wikitext2_valid.txt"), 4, 64)
+    rules = (Rule(".*lm_head.*", skip=True), Rule("embed/embedding", skip=True),
+             Rule(".*/kernel", weight=Spec(4, "group", group_size=32, symmetric=False)))
+    rtn, _ = quantize_model(config, params, Recipe(rules=rules), windows)
+    q, info = quantize_model(config, params, Recipe(rules=rules, method="awq", method_args={"gptq": True}), windows)
+    tokens = jnp.asarray(windows)
+    ref = forward(config, params, tokens)
+    mse = lambda p: float(jnp.mean((forward(config, p, tokens) - ref) ** 2))
+    assert mse(q) < mse(rtn)
+    assert len(info["exponent"]) == config.num_layers
