@@ -107,3 +107,14 @@ def test_awq_gptq_on_stories260k_fits_the_calibration_windows_better_than_rtn():
     mse = lambda p: float(jnp.mean((forward(config, p, tokens) - ref) ** 2))
     assert mse(q) < mse(rtn)
     assert len(info["exponent"]) == config.num_layers
+
+
+def test_awq_gptq_recipe_loads_with_gptq_on_and_asymmetric_int4_groups():
+    from llmeq_jax.cli import read_recipe
+
+    recipe = read_recipe("awq-gptq-w4-g128")
+    args = awq.parse_args(dict(recipe.method_args))
+    spec = recipe.rule_for("layers_0/mlp/down_proj/kernel").weight
+    assert recipe.method == "awq" and args["gptq"] is True and args["damp"] == 0.01
+    assert (spec.bits, spec.group_size, spec.symmetric) == (4, 128, False)
+    assert awq.wants(args)[-1] == "hessian"
