@@ -37,6 +37,10 @@ class AWQOptions:
     n_clip: int = option(20, (int,), lambda v: v >= 1, "a positive integer")  # clip ratios tried
     min_clip: float = option(0.5, (float,), lambda v: 0 < v <= 1, "a number in (0, 1]")
     clip: bool = option(True, (bool,), lambda v: True, "true or false")  # search a clip ratio per group
+    # AWQ + GPTQ: after the scales are folded, quantize each kernel with GPTQ (act order, static
+    # groups from the scaled kernel) on the Hessian of the scaled inputs instead of the clip search.
+    gptq: bool = option(False, (bool,), lambda v: True, "true or false")
+    damp: float = option(0.01, (float,), lambda v: 0 < v <= 10, "a number in (0, 10]")
 
 
 def parse_args(method_args: dict) -> AWQOptions:
@@ -143,7 +147,21 @@ def sequential(opts: AWQOptions) -> bool:
 
 
 def wants(opts: AWQOptions) -> tuple[str, ...]:
-    return ("abs_sum", "count", "sample")
+    return ("abs_sum", "count", "sample", "hessian") if opts.gptq else ("abs_sum", "count", "sample")
+
+
+def scaled_hessian(hessian: jax.Array, rows: jax.Array) -> jax.Array:
+    """``H`` of the inputs ``X / rows`` (what the scaled kernel sees): ``diag(1/rows) H diag(1/rows)``."""
+    inv = 1.0 / rows
+    return hessian * inv[:, None] * inv[None, :]
+
+
+def quantize_gptq(hessian, w, rule, damp: float, path: str):
+    """QArray of ``w`` by GPTQ (act order, static groups) on ``hessian``."""
+    from llmeq_jax.methods import gptq
+    opts = gptq.GPTQOptions(damp=damp, act_order=True, static_groups=True)
+    q, scale, zp, _ = gptq.gptq_quantize(w, hessian, rule.weight, opts, path=path)
+    return gptq.to_qarray(q, scale, zp, rule.weight, w.dtype, rule.act)
 
 
 def block_processor(config, recipe, opts: AWQOptions, info: dict):
@@ -153,6 +171,7 @@ def block_processor(config, recipe, opts: AWQOptions, info: dict):
         del inputs
         samples = {rel: block_stats[rel]["sample"] for rel in block_stats}
         chosen = {}
+        hessians = {rel: block_stats[rel]["hessian"] for rel in block_stats} if opts.gptq else {}
         for g in folding.scale_groups(config):
             rels = [f"{c}/kernel" for c in g.consumers]
             rules = [quant_rule(recipe, layer, r) for r in rels]
@@ -168,6 +187,8 @@ def block_processor(config, recipe, opts: AWQOptions, info: dict):
             rows = folding.expand_scales(config, g, s)
             for r in rels:
                 samples[r] = samples[r] / rows
+                if r in hessians:
+                    hessians[r] = scaled_hessian(hessians[r], rows)
             chosen[g.producer] = a
         info["exponent"][layer] = chosen
         for rel in block_kernel_paths(block):
@@ -175,8 +196,11 @@ def block_processor(config, recipe, opts: AWQOptions, info: dict):
             if rule is None:
                 continue
             check_rule(f"layers_{layer}/{rel}", rule)
-            q = quantize_clipped(samples[rel], folding.get_leaf(block, rel), rule, opts.n_clip, opts.min_clip,
-                                 opts.clip)
+            w = folding.get_leaf(block, rel)
+            if opts.gptq:
+                q = quantize_gptq(hessians[rel], w, rule, opts.damp, f"layers_{layer}/{rel}")
+            else:
+                q = quantize_clipped(samples[rel], w, rule, opts.n_clip, opts.min_clip, opts.clip)
             block = folding.set_leaf(block, rel, q)
         return block
 

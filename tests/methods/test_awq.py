@@ -54,13 +54,21 @@ def test_clip_search_lowers_tile_error():
     assert err(clipped) < err(plain)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "gpt2"])
-def test_awq_model_beats_rtn(family):
+def test_scaled_hessian_is_the_hessian_of_the_scaled_inputs():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(64, 12)).astype(np.float32)
+    rows = rng.uniform(0.3, 3.0, size=12).astype(np.float32)
+    got = np.asarray(awq.scaled_hessian(jnp.asarray(x.T @ x), jnp.asarray(rows)))
+    np.testing.assert_allclose(got, (x / rows).T @ (x / rows), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family,gptq", [("qwen2", False), ("gpt2", False), ("qwen2", True), ("gpt2", True)])
+def test_awq_model_beats_rtn(family, gptq):
     config, params = tiny_model(family, seed=2)
     windows, tokens = tiny_windows(config, n=8), jnp.asarray(tiny_windows(config, n=4, seed=5))
     rules = (Rule(".*lm_head.*", skip=True), Rule(".*/kernel", weight=Spec(3, "group", group_size=16)))
     rtn, _ = quantize_model(config, params, Recipe(rules=rules), windows)
-    q, info = quantize_model(config, params, Recipe(rules=rules, method="awq"), windows)
+    q, info = quantize_model(config, params, Recipe(rules=rules, method="awq", method_args={"gptq": gptq}), windows)
     ref = forward(config, params, tokens)
     mse = lambda p: float(jnp.mean((forward(config, p, tokens) - ref) ** 2))
     assert mse(q) < mse(rtn)
@@ -78,3 +86,35 @@ def test_awq_refuses_what_it_cannot_do():
     with pytest.raises(RecipeError, match="n_grid must be a positive integer"):
         quantize_model(config, params, Recipe(rules=(Rule(".*layers.*", weight=SPEC),), method="awq",
                                               method_args={"n_grid": 0}), windows)
+    with pytest.raises(RecipeError, match="damp must be a number"):
+        quantize_model(config, params, Recipe(rules=(Rule(".*layers.*", weight=SPEC),), method="awq",
+                                              method_args={"gptq": True, "damp": 0.0}), windows)
+
+
+def test_awq_gptq_on_stories260k_fits_the_calibration_windows_better_than_rtn():
+    """Real model: the composite's logits on its calibration windows are closer to the float ones than RTN's."""
+    from llmeq_jax.models import load_model
+    from tests.shared_data import shared_data_path
+
+    config, params, tok = load_model(str(shared_data_path("stories260K.gguf")))
+    windows = calibrate.calibration_windows(tok, shared_data_path("wikitext2_valid.txt"), 4, 64)
+    rules = (Rule(".*lm_head.*", skip=True), Rule("embed/embedding", skip=True),
+             Rule(".*/kernel", weight=Spec(4, "group", group_size=32, symmetric=False)))
+    rtn, _ = quantize_model(config, params, Recipe(rules=rules), windows)
+    q, info = quantize_model(config, params, Recipe(rules=rules, method="awq", method_args={"gptq": True}), windows)
+    tokens = jnp.asarray(windows)
+    ref = forward(config, params, tokens)
+    mse = lambda p: float(jnp.mean((forward(config, p, tokens) - ref) ** 2))
+    assert mse(q) < mse(rtn)
+    assert len(info["exponent"]) == config.num_layers
+
+
+def test_awq_gptq_recipe_loads_with_gptq_on_and_asymmetric_int4_groups():
+    from llmeq_jax.pipeline import read_recipe
+
+    recipe = read_recipe("awq-gptq-w4-g128")
+    args = awq.parse_args(dict(recipe.method_args))
+    spec = recipe.rule_for("layers_0/mlp/down_proj/kernel").weight
+    assert recipe.method == "awq" and args.gptq is True and args.damp == 0.01
+    assert (spec.bits, spec.group_size, spec.symmetric) == (4, 128, False)
+    assert awq.wants(args)[-1] == "hessian"
