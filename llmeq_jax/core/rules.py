@@ -18,6 +18,7 @@ YAML form (``configs/*.yaml``)::
     name: rtn-w4-g128
     method: rtn            # which algorithm produces the weights
     method_args: {}        # its options
+    rotate: {kind: hadamard, seed: 0, online_down_proj: true}   # optional pre-step (methods/rotate.py)
     rules:                 # first match wins
       - pattern: ".*lm_head.*"
         skip: true
@@ -114,9 +115,16 @@ class Recipe:
     method_args: dict = dataclasses.field(default_factory=dict)
     name: str = "custom"
     kv: dict | None = None
+    # A pre-step on the float params before calibration/quantization (methods/rotate.py), e.g.
+    # {kind: hadamard, seed: 0, online_down_proj: true}; None: no rotation.
+    rotate: dict | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "rules", tuple(self.rules))
+        if self.rotate is not None:
+            from llmeq_jax.methods.rotate import parse_rotate
+
+            object.__setattr__(self, "rotate", parse_rotate(self.rotate, f"recipe {self.name!r}"))
 
     def rule_for(self, path: str) -> Rule | None:
         for rule in self.rules:
@@ -130,6 +138,8 @@ class Recipe:
         out["rules"] = [_rule_to_dict(r) for r in self.rules]
         if self.kv is not None:
             out["kv"] = dict(self.kv)
+        if self.rotate is not None:
+            out["rotate"] = dict(self.rotate)
         return out
 
 
@@ -305,7 +315,7 @@ def quantize_params(params: Any, recipe: Recipe, stats: dict | None = None, prog
 # --------------------------------------------------------------------------- YAML
 
 _RULE_KEYS = {"pattern", "weight", "act", "act_static", "skip", "act_ema"}
-_RECIPE_KEYS = {"name", "method", "method_args", "rules", "kv"}
+_RECIPE_KEYS = {"name", "method", "method_args", "rules", "kv", "rotate"}
 _SPEC_KEYS = {f.name for f in dataclasses.fields(Spec)}
 
 
@@ -392,7 +402,11 @@ def recipe_from_dict(data: Any, source: str = "recipe") -> Recipe:
     kv = data.get("kv")
     if kv is not None and not isinstance(kv, dict):
         raise RecipeError(f"{source}: 'kv' must be a mapping")
-    return Recipe(rules=tuple(rules), method=method, method_args=method_args, name=str(data.get("name", source)), kv=kv)
+    from llmeq_jax.methods.rotate import parse_rotate
+
+    rotate = parse_rotate(data.get("rotate"), source)
+    return Recipe(rules=tuple(rules), method=method, method_args=method_args, name=str(data.get("name", source)), kv=kv,
+                  rotate=rotate)
 
 
 def load_recipe(path: str | Path) -> Recipe:

@@ -150,7 +150,7 @@ def block_processor(config, recipe, args: dict, info: dict):
         del inputs
         samples = {rel: block_stats[rel]["sample"] for rel in block_stats}
         chosen = {}
-        for g in folding.scale_groups(config):
+        for g in folding.block_groups(config, block):
             rels = [f"{c}/kernel" for c in g.consumers]
             rules = [quant_rule(recipe, layer, r) for r in rels]
             if any(r is None for r in rules) or not all(r in block_stats for r in rels):
