@@ -153,3 +153,22 @@ def test_recipe_round_trips_rotate():
     rec = recipe_from_dict({"name": "r", "rules": _rules(), "rotate": {"seed": 2}})
     assert rec.rotate == {"kind": "hadamard", "seed": 2, "online_down_proj": True, "rotate_vo": False}
     assert recipe_from_dict(rec.to_dict()).rotate == rec.rotate
+
+
+def test_act_clip_scales_the_static_scale_and_is_checked():
+    from llmeq_jax.core.rules import static_act_scale
+
+    stats = {"p/kernel": {"absmax": jnp.asarray([1.0, 2.54])}}
+    assert float(static_act_scale("p/kernel", stats, 0.5)) == pytest.approx(0.5 * 2.54 / 127)
+    for bad, msg in ((0.0, r"\(0, 1\]"), (1.5, r"\(0, 1\]"), (True, r"\(0, 1\]")):
+        rules = _rules()
+        rules[-1]["act_clip"] = bad
+        with pytest.raises(RecipeError, match=msg):
+            recipe_from_dict({"name": "bad", "rules": rules})
+    rules = _rules(act_static=False)
+    rules[-1]["act_clip"] = 0.8
+    with pytest.raises(RecipeError, match="act_clip applies to static"):
+        recipe_from_dict({"name": "bad", "rules": rules})
+    rules = _rules()
+    rules[-1]["act_clip"] = 0.8
+    assert recipe_from_dict(recipe_from_dict({"name": "ok", "rules": rules}).to_dict()).rules[-1].act_clip == 0.8
