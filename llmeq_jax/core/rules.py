@@ -18,6 +18,7 @@ YAML form (``llmeq_jax/configs/*.yaml``)::
     name: rtn-w4-g128
     method: rtn            # which algorithm produces the weights
     method_args: {}        # its options
+    rotate: {kind: hadamard, seed: 0, online_down_proj: true}   # optional pre-step (methods/rotate.py)
     rules:                 # first match wins
       - pattern: ".*lm_head.*"
         skip: true
@@ -25,6 +26,7 @@ YAML form (``llmeq_jax/configs/*.yaml``)::
         weight: {bits: 4, granularity: group, group_size: 128}
         act: {bits: 8, granularity: token}   # optional: W8A8, dynamic per token
         act_static: false                     # true: per-tensor scale from calibration
+        act_clip: 1.0                         # static only: the calibrated absmax times this ratio
         act_ema: 0.9                          # or: per-tensor scale tracked online (llmeq_jax/online.py)
 """
 
@@ -67,6 +69,9 @@ class Rule:
     act_static: bool = False
     skip: bool = False
     act_ema: float | None = None  # online per-tensor activation scale: EMA decay in [0, 1) (llmeq_jax/online.py)
+    # Static scales only: the calibrated absmax is multiplied by this ratio in (0, 1] (clips the rare
+    # largest activations, e.g. of attention-sink tokens, for a finer grid on all others).
+    act_clip: float = 1.0
 
     def __post_init__(self):
         try:
@@ -92,6 +97,11 @@ class Rule:
                                   f"grid={self.weight.grid!r} (log2 weights run weight-only)")
         if self.act_static and (self.act is None or self.act.granularity != "tensor"):
             raise RecipeError(f"rule {self.pattern!r}: act_static needs act granularity 'tensor'")
+        if isinstance(self.act_clip, bool) or not isinstance(self.act_clip, (int, float)) \
+                or not 0 < self.act_clip <= 1:
+            raise RecipeError(f"rule {self.pattern!r}: act_clip must be a number in (0, 1], got {self.act_clip!r}")
+        if self.act_clip != 1.0 and not self.act_static:
+            raise RecipeError(f"rule {self.pattern!r}: act_clip applies to static activation scales (act_static: true)")
         if self.act_ema is not None:
             if self.act is None or self.act.granularity != "tensor" or self.act_static:
                 raise RecipeError(f"rule {self.pattern!r}: act_ema (online scales) needs act granularity 'tensor' "
@@ -114,9 +124,16 @@ class Recipe:
     method_args: dict = dataclasses.field(default_factory=dict)
     name: str = "custom"
     kv: dict | None = None
+    # A pre-step on the float params before calibration/quantization (methods/rotate.py), e.g.
+    # {kind: hadamard, seed: 0, online_down_proj: true}; None: no rotation.
+    rotate: dict | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "rules", tuple(self.rules))
+        if self.rotate is not None:
+            from llmeq_jax.methods.rotate import parse_rotate
+
+            object.__setattr__(self, "rotate", parse_rotate(self.rotate, f"recipe {self.name!r}"))
 
     def rule_for(self, path: str) -> Rule | None:
         for rule in self.rules:
@@ -130,6 +147,8 @@ class Recipe:
         out["rules"] = [_rule_to_dict(r) for r in self.rules]
         if self.kv is not None:
             out["kv"] = dict(self.kv)
+        if self.rotate is not None:
+            out["rotate"] = dict(self.rotate)
         return out
 
 
@@ -202,14 +221,14 @@ def check_finite(path: str, leaf: Any) -> None:
         raise ValueError(f"parameter {path!r} holds {n} NaN/Inf value(s); quantization needs finite weights")
 
 
-def static_act_scale(path: str, stats: dict | None) -> jax.Array:
-    """Per-tensor int8 activation scale from the calibrated absmax of ``path``'s input."""
+def static_act_scale(path: str, stats: dict | None, clip: float = 1.0) -> jax.Array:
+    """Per-tensor int8 activation scale from the calibrated absmax of ``path``'s input (times ``clip``)."""
     if stats is None or path not in stats or "absmax" not in stats[path]:
         raise RecipeError(
             f"static activation scale for {path!r} needs calibration statistics "
             "(stats[path]['absmax']); run calibration first or use dynamic per-token activations"
         )
-    amax = jnp.max(jnp.asarray(stats[path]["absmax"], jnp.float32))
+    amax = jnp.max(jnp.asarray(stats[path]["absmax"], jnp.float32)) * clip
     return jnp.reshape(jnp.maximum(amax, jnp.finfo(jnp.float32).tiny) / int_range(8)[1], ())
 
 
@@ -284,7 +303,7 @@ def quantize_leaf(path: str, w: jax.Array, rule: Rule, stats: dict | None = None
                           f"{rule.pattern!r}'s activation spec does not apply to it; its weights are quantized only",
                           UserWarning)
         return quantize_table(w, rule.weight)
-    act_scale = static_act_scale(path, stats) if rule.act_static else None
+    act_scale = static_act_scale(path, stats, rule.act_clip) if rule.act_static else None
     return _quantize_jit(jnp.asarray(w), act_scale, spec=rule.weight, act_spec=rule.act)
 
 
@@ -304,8 +323,8 @@ def quantize_params(params: Any, recipe: Recipe, stats: dict | None = None, prog
 
 # --------------------------------------------------------------------------- YAML
 
-_RULE_KEYS = {"pattern", "weight", "act", "act_static", "skip", "act_ema"}
-_RECIPE_KEYS = {"name", "method", "method_args", "rules", "kv"}
+_RULE_KEYS = {"pattern", "weight", "act", "act_static", "skip", "act_ema", "act_clip"}
+_RECIPE_KEYS = {"name", "method", "method_args", "rules", "kv", "rotate"}
 _SPEC_KEYS = {f.name for f in dataclasses.fields(Spec)}
 
 
@@ -340,6 +359,8 @@ def _rule_to_dict(rule: Rule) -> dict:
         out["act_static"] = True
     if rule.act_ema is not None:
         out["act_ema"] = rule.act_ema
+    if rule.act_clip != 1.0:
+        out["act_clip"] = rule.act_clip
     return out
 
 
@@ -379,6 +400,7 @@ def recipe_from_dict(data: Any, source: str = "recipe") -> Recipe:
                     act_static=bool(r.get("act_static", False)),
                     skip=bool(r.get("skip", False)),
                     act_ema=r.get("act_ema"),
+                    act_clip=r.get("act_clip", 1.0),
                 )
             )
         except RecipeError as e:
@@ -392,7 +414,11 @@ def recipe_from_dict(data: Any, source: str = "recipe") -> Recipe:
     kv = data.get("kv")
     if kv is not None and not isinstance(kv, dict):
         raise RecipeError(f"{source}: 'kv' must be a mapping")
-    return Recipe(rules=tuple(rules), method=method, method_args=method_args, name=str(data.get("name", source)), kv=kv)
+    from llmeq_jax.methods.rotate import parse_rotate
+
+    rotate = parse_rotate(data.get("rotate"), source)
+    return Recipe(rules=tuple(rules), method=method, method_args=method_args, name=str(data.get("name", source)), kv=kv,
+                  rotate=rotate)
 
 
 def load_recipe(path: str | Path) -> Recipe:

@@ -39,7 +39,7 @@ import numpy as np
 
 from llmeq_jax import calibrate
 from llmeq_jax.core.rules import Recipe, RecipeError, is_table, map_rules, quantize_leaf, quantize_params
-from llmeq_jax.methods import autoround, awq, gptq, smoothquant, zeroquant
+from llmeq_jax.methods import autoround, awq, gptq, rotate, smoothquant, zeroquant
 
 # The calibrated methods by recipe name (a static table: adding a method is adding a line).
 CALIBRATED: dict[str, ModuleType] = {"smoothquant": smoothquant, "awq": awq, "gptq": gptq, "zeroquant": zeroquant,
@@ -92,6 +92,11 @@ def quantize_model(config, params: dict, recipe: Recipe, windows: np.ndarray | N
     check_method(recipe.method)
     if needs_calibration(recipe) and windows is None:
         raise RecipeError(f"recipe {recipe.name!r} ({recipe.method}) needs calibration windows")
+    if recipe.rotate is not None:  # QuaRot pre-step: same function, outlier-free linear inputs
+        t1 = time.perf_counter()
+        params = jax.block_until_ready(rotate.rotate_params(config, params, recipe.rotate))
+        info["rotate"] = dict(recipe.rotate)
+        info["rotate_s"] = time.perf_counter() - t1
     if recipe.method == "rtn":
         stats = None
         info["calib_s"] = 0.0

@@ -172,7 +172,7 @@ def block_processor(config, recipe, opts: AWQOptions, info: dict):
         samples = {rel: block_stats[rel]["sample"] for rel in block_stats}
         chosen = {}
         hessians = {rel: block_stats[rel]["hessian"] for rel in block_stats} if opts.gptq else {}
-        for g in folding.scale_groups(config):
+        for g in folding.block_groups(config, block):
             rels = [f"{c}/kernel" for c in g.consumers]
             rules = [quant_rule(recipe, layer, r) for r in rels]
             if any(r is None for r in rules) or not all(r in block_stats for r in rels):

@@ -57,7 +57,7 @@ def fake_quant_act(x: jax.Array, rule: Rule, static_absmax: jax.Array | None = N
     if rule is None or rule.act is None:
         return x
     if rule.act_static:
-        scale = jnp.maximum(jnp.max(static_absmax), jnp.finfo(jnp.float32).tiny) / 127.0
+        scale = jnp.maximum(jnp.max(static_absmax) * rule.act_clip, jnp.finfo(jnp.float32).tiny) / 127.0
         return jnp.clip(jnp.round(x / scale), -127, 127) * scale
     return quantize_dequantize(x, Spec(8, "token"))
 

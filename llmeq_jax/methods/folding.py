@@ -62,6 +62,16 @@ def scale_groups(config) -> tuple[ScaleGroup, ...]:
     )
 
 
+def block_groups(config, block: dict) -> tuple[ScaleGroup, ...]:
+    """:func:`scale_groups` that are exact for this block: a rotated block (``mlp/down_rot``, methods/rotate.py)
+    rotates down_proj's input at run time, so a per-channel factor on up_proj's columns no longer reaches
+    down_proj's rows one to one; that fold is left out."""
+    groups = scale_groups(config)
+    if "down_rot" in block.get("mlp", {}):
+        groups = tuple(g for g in groups if g.consumers != ("mlp/down_proj",))
+    return groups
+
+
 def consumer_index(config, group: ScaleGroup) -> np.ndarray | None:
     """For the v -> o fold, the producer column each consumer input channel reads (None: one to one)."""
     if group.consumers != ("attn/o_proj",) or config.family == "gpt2":

@@ -312,7 +312,7 @@ def block_processor(config, recipe, opts: GPTQOptions, info: dict):
             full = f"layers_{layer}/{rel}"
             w = get_leaf(block, rel)
             q, scale, zp, res = gptq_quantize(w, block_stats[rel]["hessian"], rule.weight, opts, path=full)
-            act_scale = static_act_scale(full, {full: block_stats[rel]}) if rule.act_static else None
+            act_scale = static_act_scale(full, {full: block_stats[rel]}, rule.act_clip) if rule.act_static else None
             block = set_leaf(block, rel, to_qarray(q, scale, zp, rule.weight, w.dtype, rule.act, act_scale))
             if res["damp"] != opts.damp:
                 info["damp"][full] = res["damp"]

@@ -60,7 +60,7 @@ def smooth_block(config, block: dict, block_stats: dict, alpha: float | dict, mi
     """
     block_stats = {k: dict(v) for k, v in block_stats.items()}
     factors = {}
-    for g in groups if groups is not None else folding.scale_groups(config):
+    for g in groups if groups is not None else folding.block_groups(config, block):
         keys = [f"{c}/kernel" for c in g.consumers]
         if not all(k in block_stats and "absmax" in block_stats[k] for k in keys):
             continue
@@ -103,7 +103,7 @@ def _w8a8_error(config, block, block_stats, g, alpha, min_scale, rules):
 def search_alpha(config, block, block_stats, layer, recipe, grid, min_scale=1e-5) -> dict:
     """Per group, the alpha of ``grid`` with the lowest W8A8 output error on the calibration sample."""
     best = {}
-    for g in folding.scale_groups(config):
+    for g in folding.block_groups(config, block):
         keys = [f"{c}/kernel" for c in g.consumers]
         if not all(k in block_stats and "sample" in block_stats[k] for k in keys):
             continue
@@ -134,7 +134,7 @@ def block_processor(config, recipe, opts: SmoothQuantOptions, info: dict):
             info["alpha"][layer] = alpha
         else:
             alpha = float(opts.alpha)
-        groups = [g for g in folding.scale_groups(config)
+        groups = [g for g in folding.block_groups(config, block)
                   if any(quant_rule(recipe, layer, f"{c}/kernel") is not None for c in g.consumers)]
         block, smoothed, _ = smooth_block(config, block, block_stats, alpha, opts.min_scale, groups)
         return rtn_block(block, layer, recipe, smoothed)

@@ -92,6 +92,16 @@ class LayerNorm(nn.Module):
         return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
 
 
+def apply_kron(x: jax.Array, factors) -> jax.Array:
+    """``x @ kron(f_0, f_1, ...)`` over the last axis without forming the product (one small matmul per factor)."""
+    lead = x.shape[:-1]
+    y = x.reshape(*lead, *[int(f.shape[0]) for f in factors])
+    k = len(lead)
+    for i, f in enumerate(factors):
+        y = jnp.moveaxis(jnp.tensordot(y, jnp.asarray(f, y.dtype), axes=([k + i], [0])), -1, k + i)
+    return y.reshape(x.shape)
+
+
 # --------------------------------------------------------------------------- attention
 
 

@@ -7,6 +7,7 @@ Param tree of one block::
     attn/{q,k,v,o}_proj/kernel (+ bias for Qwen2 q/k/v), attn/{q,k}_norm/scale (Qwen3)
     post_attn_norm/scale
     mlp/{gate,up,down}_proj/kernel
+    mlp/down_rot/f_0, f_1, ...   optional: an online rotation of down_proj's input (methods/rotate.py)
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from llmeq_jax.core.rope import apply_rope, rope_inv_freq
 from llmeq_jax.kv import cache as kvcache
 from llmeq_jax.kv.attention import dot_product_attention
 from llmeq_jax.models.config import ModelConfig
-from llmeq_jax.models.layers import Linear, RMSNorm, parallel_linears
+from llmeq_jax.models.layers import Linear, RMSNorm, apply_kron, parallel_linears
 
 
 class LlamaAttention(nn.Module):
@@ -53,6 +54,17 @@ class LlamaAttention(nn.Module):
         return Linear(c.hidden_size, c.o_bias, name="o_proj")(out), cache
 
 
+class KronRotation(nn.Module):
+    """``x @ kron(f_0, f_1, ...)`` over the last axis, the factors read from the params (never initialized)."""
+
+    count: int
+
+    @nn.compact
+    def __call__(self, x):
+        factors = [self.get_variable("params", f"f_{i}") for i in range(self.count)]
+        return apply_kron(x, factors)
+
+
 class SwiGLU(nn.Module):
     config: ModelConfig
 
@@ -63,7 +75,13 @@ class SwiGLU(nn.Module):
             ("gate_proj", c.intermediate_size, False),
             ("up_proj", c.intermediate_size, False),
         ])
-        return Linear(c.hidden_size, name="down_proj")(jax.nn.silu(gate) * up)
+        h = jax.nn.silu(gate) * up
+        # An online rotation before down_proj exists only in a rotated model's params (QuaRot): down_proj's
+        # kernel then holds its inverse, and down_proj's Linear (so calibration too) sees the rotated input.
+        rot = self.variables.get("params", {}).get("down_rot")
+        if rot is not None:
+            h = KronRotation(len(rot), name="down_rot")(h)
+        return Linear(c.hidden_size, name="down_proj")(h)
 
 
 class LlamaBlock(nn.Module):

@@ -6,7 +6,7 @@ Param tree (top level)::
     pos_embed/embedding        (max_positions, hidden)   gpt2 only
     layers_{i}/...             one decoder block (see llama.py / gpt2.py)
     norm/scale (+ norm/bias for gpt2)
-    lm_head/kernel             (hidden, vocab), absent when embeddings are tied
+    lm_head/kernel             (hidden, vocab), absent when embeddings are tied (unless a rotation untied them)
 
 The pieces are separate functions (``embed``, ``apply_block``, ``head``) so that
 calibration can run the model one block at a time; ``forward`` and
@@ -81,7 +81,8 @@ def apply_block(
 def head(config: ModelConfig, params: Params, hidden: jax.Array) -> jax.Array:
     """Final norm and LM head: [B, T, hidden] -> float32 logits [B, T, vocab]."""
     h = _norm_module(config).apply({"params": params["norm"]}, hidden)
-    if config.tie_word_embeddings:
+    # A tied model whose tree has its own lm_head was untied (a rotated model, methods/rotate.py): use it.
+    if config.tie_word_embeddings and "lm_head" not in params:
         logits = ops.linear_nk(h, params["embed"]["embedding"])
     else:
         logits = Linear(config.vocab_size).apply({"params": params["lm_head"]}, h)
