@@ -117,7 +117,7 @@ def test_compare_error_leaves_no_empty_out_dir(tmp_path, capsys, monkeypatch):
     def fail(*a, **k):
         raise ZeroDivisionError("simulated failure inside the recipe loop")
 
-    monkeypatch.setattr(cli, "quantize_model", fail)
+    monkeypatch.setattr(cli, "run_recipe", fail)  # the name the CLI calls (imported from pipeline)
     out = tmp_path / "new" / "deeper"
     rc, _, err = run(capsys, "compare", MODEL, "--recipes", "rtn-w8", "--out-dir", out, *FAST_EVAL, "--no-speed")
     assert_one_line_error(rc, err, "ZeroDivisionError", "simulated failure")
