@@ -123,7 +123,6 @@ def text_perplexity(config, params, tokenizer, text_path: str | Path, seq_len: i
     With ``kv`` (a KVQuantizer) attention reads K/V through the quantized cache's prefill path.
     A ``recipe`` with online activation scales (``act_ema``) carries their EMA state from batch to batch."""
     from llmeq_jax import evaluate, online
-    from llmeq_jax.models import forward
 
     wins = text_windows(tokenizer, text_path, seq_len, windows)
     alphas = online.decays(params, recipe)
@@ -132,8 +131,21 @@ def text_perplexity(config, params, tokenizer, text_path: str | Path, seq_len: i
             raise UsageError("online activation scales (act_ema) and a quantized KV cache cannot be evaluated "
                              "together yet; drop --kv or use a recipe without act_ema")
         return online.perplexity(config, params, wins, alphas, batch_size=batch_size, progress=progress)
-    return evaluate.perplexity(lambda p, t: forward(config, p, t, kv=kv), wins, batch_size=batch_size, params=params,
-                               progress=progress)
+    return evaluate.perplexity(None, wins, batch_size=batch_size, params=params, progress=progress,
+                               nll_fn=sequence_nll(config, kv=kv))
+
+
+def sequence_nll(config, kv=None):
+    """``(params, tokens [B, T]) -> next-token NLL [B, T-1]`` of the model: the blocks once, then the
+    head a chunk of positions at a time (``evaluate.chunked_token_nll``; no [B, T, vocab] logits)."""
+    from llmeq_jax import evaluate
+    from llmeq_jax.models import head, hidden_states
+
+    def nll(params, tokens):
+        hidden = hidden_states(config, params, tokens, kv=kv)
+        return evaluate.chunked_token_nll(lambda h: head(config, params, h), hidden, tokens)
+
+    return nll
 
 
 def measure_speed(config, params, prefill_len: int = 512, prompt_len: int = 32, new_tokens: int = 128) -> dict:

@@ -94,8 +94,8 @@ def measure_ours(args, recipe_name: str) -> dict:
     t0 = time.perf_counter()
     ids = evaluate.tokenize_text(tokenizer, Path(args.text).read_text())
     windows = evaluate.make_windows(ids, 512, args.windows)
-    res = evaluate.perplexity(lambda p, t: forward(config, p, t), windows, batch_size=args.batch_size,
-                             params=params)
+    res = evaluate.perplexity(None, windows, batch_size=args.batch_size, params=params,
+                              nll_fn=pipeline.sequence_nll(config))
     out["ppl_run_s"] = time.perf_counter() - t0
     out["ppl"] = res["ppl"]
     return out

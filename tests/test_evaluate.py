@@ -88,3 +88,31 @@ def test_perplexity_with_params_as_an_argument_equals_the_closure():
     closed = ev.perplexity(_bigram_logits_fn(table), windows, batch_size=2)
     passed = ev.perplexity(lambda p, toks: p[toks], windows, batch_size=2, params=jnp.asarray(table))
     assert passed["ppl"] == pytest.approx(closed["ppl"], rel=1e-6)
+
+
+@pytest.mark.parametrize("seq_len,chunk", [(6, 2), (9, 4), (5, 128)])
+def test_chunked_nll_equals_the_full_logits_nll(seq_len, chunk):
+    """The head applied a chunk of positions at a time (padding the last chunk) gives the same
+    per-position NLL as full logits, for chunks that divide T-1, do not, and exceed it."""
+    rng = np.random.default_rng(2)
+    vocab, hidden = 13, 5
+    w = jnp.asarray(rng.normal(size=(hidden, vocab)).astype(np.float32)) * 3
+    head_fn = lambda h: h @ w  # noqa: E731
+    h = jnp.asarray(rng.normal(size=(2, seq_len, hidden)).astype(np.float32))
+    toks = jnp.asarray(rng.integers(0, vocab, size=(2, seq_len)).astype(np.int32))
+    full = ev.token_nll(head_fn(h), toks)
+    chunked = ev.chunked_token_nll(head_fn, h, toks, chunk=chunk)
+    assert chunked.shape == full.shape == (2, seq_len - 1)
+    np.testing.assert_allclose(np.asarray(chunked), np.asarray(full), rtol=1e-5, atol=1e-5)
+
+
+def test_perplexity_from_an_nll_fn_equals_the_logits_fn():
+    rng = np.random.default_rng(3)
+    table = rng.normal(size=(7, 7)).astype(np.float32)
+    windows = ev.make_windows(rng.integers(0, 7, size=30).astype(np.int32), 5, n_windows=0)
+    by_logits = ev.perplexity(lambda p, toks: p[toks], windows, batch_size=2, params=jnp.asarray(table))
+    by_nll = ev.perplexity(None, windows, batch_size=2, params=jnp.asarray(table),
+                           nll_fn=lambda p, toks: ev.chunked_token_nll(lambda h: h @ p, jax.nn.one_hot(toks, 7), toks, chunk=3))
+    assert by_nll["ppl"] == pytest.approx(by_logits["ppl"], rel=1e-6)
+    with pytest.raises(ValueError, match="exactly one"):
+        ev.perplexity(None, windows)

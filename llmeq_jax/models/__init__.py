@@ -19,6 +19,7 @@ from llmeq_jax.models.model import (
     forward,
     forward_step,
     head,
+    hidden_states,
     init_cache,
     init_params,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "forward",
     "forward_step",
     "head",
+    "hidden_states",
     "init_cache",
     "init_params",
     "load_model",

@@ -10,7 +10,7 @@ Param tree (top level)::
 
 The pieces are separate functions (``embed``, ``apply_block``, ``head``) so that
 calibration can run the model one block at a time; ``forward`` and
-``forward_step`` compose them.
+``forward_step`` compose them (``hidden_states`` is ``forward`` without the head).
 """
 
 from __future__ import annotations
@@ -99,6 +99,36 @@ def _run_blocks(config, params, h, positions, query_slots, valid, cache):
     return h, cache
 
 
+def hidden_states(
+    config: ModelConfig,
+    params: Params,
+    tokens: jax.Array,
+    attention_mask: jax.Array | None = None,
+    *,
+    kv: KVQuantizer | None = None,
+) -> jax.Array:
+    """The last block's output [B, T, hidden] (before the final norm): :func:`forward` without :func:`head`.
+
+    Arguments as :func:`forward`. Perplexity applies the head a chunk of positions at a time
+    (``evaluate.chunked_token_nll``) instead of holding [B, T, vocab] logits.
+    """
+    b, t = tokens.shape
+    mask = jnp.ones((b, t), jnp.int32) if attention_mask is None else attention_mask
+    if kv is not None:
+        cache = init_cache(config, b, t, kv=kv)
+        prompt = kv.spec.prompt_tokens if kv.spec.online_keys else t
+        if prompt >= t:
+            return _step_hidden(config, params, tokens, mask, cache)[0]
+        # Online key ranges come from the first write: a prompt, then the rest (as in generation).
+        first, cache = _step_hidden(config, params, tokens[:, :prompt], mask[:, :prompt], cache)
+        rest, _ = _step_hidden(config, params, tokens[:, prompt:], mask[:, prompt:], cache)
+        return jnp.concatenate([first, rest], axis=1)
+    positions = default_positions(mask)
+    h = embed(config, params, tokens, positions)
+    h, _ = _run_blocks(config, params, h, positions, jnp.arange(t), mask.astype(bool), None)
+    return h
+
+
 def forward(
     config: ModelConfig,
     params: Params,
@@ -113,21 +143,7 @@ def forward(
     through a fresh quantized cache of T slots, exactly as generation would see them
     (online key ranges: the first ``kv.spec.prompt_tokens`` tokens are the prompt).
     """
-    b, t = tokens.shape
-    mask = jnp.ones((b, t), jnp.int32) if attention_mask is None else attention_mask
-    if kv is not None:
-        cache = init_cache(config, b, t, kv=kv)
-        prompt = kv.spec.prompt_tokens if kv.spec.online_keys else t
-        if prompt >= t:
-            return forward_step(config, params, tokens, mask, cache)[0]
-        # Online key ranges come from the first write: a prompt, then the rest (as in generation).
-        first, cache = forward_step(config, params, tokens[:, :prompt], mask[:, :prompt], cache)
-        rest, _ = forward_step(config, params, tokens[:, prompt:], mask[:, prompt:], cache)
-        return jnp.concatenate([first, rest], axis=1)
-    positions = default_positions(mask)
-    h = embed(config, params, tokens, positions)
-    h, _ = _run_blocks(config, params, h, positions, jnp.arange(t), mask.astype(bool), None)
-    return head(config, params, h)
+    return head(config, params, hidden_states(config, params, tokens, attention_mask, kv=kv))
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, *, kv=None):
@@ -146,13 +162,19 @@ def forward_step(
 
     Returns float32 logits [B, T, vocab] and the cache with the new keys/values written.
     """
+    h, cache = _step_hidden(config, params, tokens, attention_mask, cache)
+    return head(config, params, h), cache
+
+
+def _step_hidden(config, params, tokens, attention_mask, cache):
+    """:func:`forward_step` without the head: (hidden [B, T, hidden], advanced cache)."""
     t = tokens.shape[1]
     positions = kvcache.new_positions(cache, attention_mask)
     query_slots = kvcache.slots(cache, t)
     cache = kvcache.append_mask(cache, attention_mask)
     h = embed(config, params, tokens, positions)
     h, cache = _run_blocks(config, params, h, positions, query_slots, cache.valid, cache)
-    return head(config, params, h), kvcache.advance(cache, attention_mask)
+    return h, kvcache.advance(cache, attention_mask)
 
 
 def init_params(config: ModelConfig, rng: jax.Array) -> Params:

@@ -84,3 +84,18 @@ def test_qk_unpermutation_is_needed(stories, monkeypatch):
     config, params, tokenizer = load_model(str(shared_data_path("stories260K.gguf")))
     ids = [config.bos_token_id] + tokenizer.encode(SENTENCE, add_special_tokens=False)
     assert _mean_nll(config, params, ids) > 0.5
+
+
+def test_sequence_nll_equals_the_logits_nll(stories):
+    """pipeline.sequence_nll (blocks once, head a chunk at a time) scores every position as the
+    full logits do, and the head is applied to the final-normed hidden states (a wrong head or
+    a skipped norm would move these by far more than 1e-5)."""
+    from llmeq_jax import evaluate
+    from llmeq_jax.pipeline import sequence_nll
+
+    config, params, tokenizer = stories
+    ids = tokenizer.encode(SENTENCE + " " + SENTENCE, add_special_tokens=False)[:64]
+    x = jnp.asarray([ids, ids[::-1]], jnp.int32)
+    full = evaluate.token_nll(forward(config, params, x), x)
+    chunked = jax.jit(sequence_nll(config))(params, x)
+    np.testing.assert_allclose(np.asarray(chunked), np.asarray(full), rtol=1e-5, atol=1e-5)
