@@ -47,6 +47,9 @@ _W8_TARGET = "llmeq_w8a8_matmul"
 _RM_A16_TARGET = "llmeq_rm_a16"
 _RM_A8_TARGET = "llmeq_rm_a8"
 _ATTN_TARGET = "llmeq_decode_attention"
+# Query positions from which the attention kernel runs its blocked prefill path (kFlashMinT in
+# native/cpu_kernels.cc); between NATIVE_MAX_ROWS["attention"] and this, XLA's attention is used.
+PREFILL_ATTENTION_MIN_POSITIONS = 16
 _ABI_VERSION = 2
 _DISABLED = contextvars.ContextVar("llmeq_native_disabled", default=False)
 

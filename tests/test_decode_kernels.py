@@ -268,6 +268,57 @@ def test_decode_attention_matches_xla_and_its_gradient(b, t, h, kv, s, d):
         np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-4, atol=1e-4)
 
 
+def _prefill_mask(kind, b, t, s, rng):
+    """[B, T, S] masks the model builds: causal over the last T of S slots, left padding (rows
+    that see nothing), a sliding window, and a random one (no structure to skip)."""
+    qi = np.arange(t)[:, None] + (s - t)
+    si = np.arange(s)[None, :]
+    m = np.broadcast_to(si <= qi, (b, t, s)).copy()
+    if kind == "padded":
+        m[0, :, :7] = False  # row 0: 7 padding slots; its first query positions see nothing
+        m[0, :7, :] = False
+    elif kind == "window":
+        m &= si > qi - 20
+    elif kind == "random":
+        m = rng.random((b, t, s)) < 0.5
+    return jnp.asarray(m)
+
+
+@pytest.mark.parametrize("b,t,h,kv,s,d,kind", [
+    (1, 512, 9, 3, 512, 64, "causal"),     # SmolLM2's perplexity window
+    (2, 37, 4, 2, 37, 12, "padded"),       # T not a multiple of the 16-position block, D not of 16
+    (1, 100, 8, 8, 130, 32, "window"),     # cache longer than T, no grouping, sliding window
+    (2, 16, 6, 2, 70, 8, "random"),        # the smallest T of the prefill path, scattered mask
+])
+def test_prefill_attention_matches_xla_and_its_gradient(b, t, h, kv, s, d, kind):
+    """The blocked online-softmax path (T >= PREFILL_ATTENTION_MIN_POSITIONS) equals XLA's
+    attention for every mask the models build, including rows that see no key (uniform)."""
+    rng = np.random.default_rng(t + s)
+    q, k, v = (jnp.asarray(rng.standard_normal(shape) * 2, jnp.float32)
+               for shape in ((b, t, h, d), (b, kv, s, d), (b, kv, s, d)))
+    mask = _prefill_mask(kind, b, t, s, rng)
+    assert t >= native.PREFILL_ATTENTION_MIN_POSITIONS and attention.native_attention_ok(q, k, v)
+    y = jax.jit(attention.dot_product_attention)(q, k, v, mask)
+    assert "llmeq_decode_attention" in jax.jit(attention.dot_product_attention).lower(q, k, v, mask).as_text()
+    ref = jax.jit(attention.attention_xla)(q, k, v, mask)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=2e-5, atol=2e-5)
+
+    def loss(f):
+        return lambda q, k, v: jnp.sum(f(q, k, v, mask) ** 2)
+
+    g = jax.jit(jax.grad(loss(attention.dot_product_attention), argnums=(0, 1, 2)))(q, k, v)
+    g_ref = jax.jit(jax.grad(loss(attention.attention_xla), argnums=(0, 1, 2)))(q, k, v)
+    for a, r in zip(g, g_ref):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-4, atol=1e-4)
+
+
+def test_attention_between_decode_and_prefill_sizes_stays_in_xla():
+    q = jnp.ones((1, 12, 4, 8))
+    k = jnp.ones((1, 2, 12, 8))
+    assert 12 > ops.NATIVE_MAX_ROWS["attention"] and 12 < native.PREFILL_ATTENTION_MIN_POSITIONS
+    assert not attention.native_attention_ok(q, k, k)
+
+
 def test_decode_attention_rejects_bad_shapes():
     q = jnp.ones((1, 1, 4, 8))
     k = jnp.ones((1, 2, 5, 8))

@@ -33,9 +33,12 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Ar
 
 
 def native_attention_ok(q, k, v) -> bool:
-    """Decode-sized float32 attention on CPU goes to the native kernel (one call instead of
-    XLA's two small dot fusions and softmax ops, whose launch overhead dominated a decode step)."""
-    if not 0 < q.shape[0] * q.shape[1] <= ops.NATIVE_MAX_ROWS["attention"]:
+    """Float32 attention on CPU goes to the native kernel: decode-sized (one call instead of XLA's
+    two small dot fusions and softmax ops, whose launch overhead dominated a decode step) and
+    prefill-sized (blocked, online softmax, masked-out key blocks skipped: XLA materialized and
+    copied the [T, S] scores)."""
+    b, t = q.shape[:2]
+    if not (0 < b * t <= ops.NATIVE_MAX_ROWS["attention"] or t >= native.PREFILL_ATTENTION_MIN_POSITIONS):
         return False
     if any(a.dtype != jnp.float32 for a in (q, k, v)) or jax.default_backend() != "cpu":
         return False
