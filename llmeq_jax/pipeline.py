@@ -122,7 +122,7 @@ def text_perplexity(config, params, tokenizer, text_path: str | Path, seq_len: i
 
     With ``kv`` (a KVQuantizer) attention reads K/V through the quantized cache's prefill path.
     A ``recipe`` with online activation scales (``act_ema``) carries their EMA state from batch to batch."""
-    from llmeq_jax import evaluate, online
+    from llmeq_jax import decode_layout, evaluate, online
 
     wins = text_windows(tokenizer, text_path, seq_len, windows)
     alphas = online.decays(params, recipe)
@@ -131,8 +131,8 @@ def text_perplexity(config, params, tokenizer, text_path: str | Path, seq_len: i
             raise UsageError("online activation scales (act_ema) and a quantized KV cache cannot be evaluated "
                              "together yet; drop --kv or use a recipe without act_ema")
         return online.perplexity(config, params, wins, alphas, batch_size=batch_size, progress=progress)
-    return evaluate.perplexity(None, wins, batch_size=batch_size, params=params, progress=progress,
-                               nll_fn=sequence_nll(config, kv=kv))
+    return evaluate.perplexity(None, wins, batch_size=batch_size, params=decode_layout.for_prefill(params),
+                               progress=progress, nll_fn=sequence_nll(config, kv=kv))
 
 
 def sequence_nll(config, kv=None):
@@ -153,14 +153,15 @@ def measure_speed(config, params, prefill_len: int = 512, prompt_len: int = 32, 
     import jax
     import jax.numpy as jnp
 
-    from llmeq_jax import evaluate
+    from llmeq_jax import decode_layout, evaluate
     from llmeq_jax.generate import generate
     from llmeq_jax.models import forward
 
     prefill_len = min(prefill_len, config.max_position_embeddings)
     toks = jnp.ones((1, prefill_len), jnp.int32)
     fwd = jax.jit(lambda p, t: forward(config, p, t))
-    t_prefill = evaluate.median_time(lambda: fwd(params, toks), runs=3)
+    prefill_params = decode_layout.for_prefill(params)
+    t_prefill = evaluate.median_time(lambda: fwd(prefill_params, toks), runs=3)
     prompt = jnp.ones((1, prompt_len), jnp.int32)
     t_one = evaluate.median_time(lambda: generate(config, params, prompt, 1), runs=3)
     t_all = evaluate.median_time(lambda: generate(config, params, prompt, new_tokens), runs=3)

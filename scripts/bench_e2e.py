@@ -62,7 +62,7 @@ def measure_ours(args, recipe_name: str) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from llmeq_jax import evaluate, pipeline
+    from llmeq_jax import decode_layout, evaluate, pipeline
     from llmeq_jax.generate import generate
     from llmeq_jax.models import forward, load_model
 
@@ -87,14 +87,15 @@ def measure_ours(args, recipe_name: str) -> dict:
     out["decode_b8"], _ = decode(8)
     fwd = jax.jit(lambda p, t: forward(config, p, t))
     long = jnp.asarray(rng.integers(0, config.vocab_size, (1, args.prefill_len)), jnp.int32)
-    first, warm = median_seconds(lambda: jax.block_until_ready(fwd(params, long)), args.repeats)
+    prefill_params = decode_layout.for_prefill(params)  # what llmeq eval / compare run
+    first, warm = median_seconds(lambda: jax.block_until_ready(fwd(prefill_params, long)), args.repeats)
     out["prefill"] = args.prefill_len / warm
     out["compile_s"] = compile_b1 + first - warm
 
     t0 = time.perf_counter()
     ids = evaluate.tokenize_text(tokenizer, Path(args.text).read_text())
     windows = evaluate.make_windows(ids, 512, args.windows)
-    res = evaluate.perplexity(None, windows, batch_size=args.batch_size, params=params,
+    res = evaluate.perplexity(None, windows, batch_size=args.batch_size, params=prefill_params,
                               nll_fn=pipeline.sequence_nll(config))
     out["ppl_run_s"] = time.perf_counter() - t0
     out["ppl"] = res["ppl"]

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from llmeq_jax import evaluate, pipeline
+from llmeq_jax import decode_layout, evaluate, pipeline
 from llmeq_jax.models import forward, load_model
 
 
@@ -39,6 +39,7 @@ def our_variant(config, params):
     """(prefill(tokens [1, T]), nll_sum(windows [B, 512])) for our model with these params."""
     fwd = jax.jit(lambda p, t: forward(config, p, t))
     nll = jax.jit(lambda p, t: jnp.sum(pipeline.sequence_nll(config)(p, t)))
+    params = decode_layout.for_prefill(params)  # what llmeq eval / compare run
     return (lambda t: jax.block_until_ready(fwd(params, jnp.asarray(t))),
             lambda w: float(nll(params, jnp.asarray(w))))
 
@@ -63,6 +64,13 @@ def torch_variant(config, params):
                                                        batch[:, 1:].reshape(-1), reduction="sum"))
 
     return prefill, nll
+
+
+def settle() -> None:
+    """A pause before each timed call: the previous variant's worker threads (torch's OpenMP
+    team, XLA's and our pools) spin-wait for a while after their last work, and would otherwise
+    take cores from the next variant's first milliseconds."""
+    time.sleep(0.3)
 
 
 def main(argv=None) -> None:
@@ -93,6 +101,7 @@ def main(argv=None) -> None:
         prefill(long)  # compile / warm up
     for _ in range(args.rounds):
         for name, (prefill, _) in variants.items():
+            settle()
             t0 = time.perf_counter()
             prefill(long)
             times[name].append(time.perf_counter() - t0)
@@ -106,6 +115,7 @@ def main(argv=None) -> None:
     for start in range(0, len(windows), args.batch_size):
         batch = windows[start: start + args.batch_size]
         for name, (_, nll_fn) in variants.items():
+            settle()
             t0 = time.perf_counter()
             nll[name] += nll_fn(batch)
             ppl_s[name] += time.perf_counter() - t0

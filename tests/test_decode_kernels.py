@@ -327,3 +327,33 @@ def test_decode_attention_rejects_bad_shapes():
     with pytest.raises(ValueError, match="float32"):
         native.decode_attention(q.astype(jnp.bfloat16), k, k, jnp.ones((1, 1, 5), bool), masked=-1e30,
                                 reference=attention.attention_xla)
+
+
+# --------------------------------------------------------------------------- prefill layout
+
+
+def test_prefill_layout_fuses_float_siblings_with_the_same_logits():
+    from llmeq_jax.models import forward
+
+    config = dataclasses.replace(CONFIG, qkv_bias=True)
+    params = init_params(config, jax.random.key(3))
+    fused = decode_layout.for_prefill(params)
+    block = fused["layers_0"]
+    assert set(block["attn"]) == {"qkv_proj", "o_proj"} and set(block["mlp"]) == {"gate_up_proj", "down_proj"}
+    assert block["attn"]["qkv_proj"]["kernel"].shape == (64, 64 + 2 * 32)
+    assert block["attn"]["qkv_proj"]["bias"].shape == (128,)
+    toks = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 24)), jnp.int32)
+    f = jax.jit(lambda p, t: forward(config, p, t))
+    np.testing.assert_allclose(np.asarray(f(fused, toks)), np.asarray(f(params, toks)), rtol=1e-6, atol=1e-6)
+
+
+def test_prefill_layout_leaves_quantized_and_wide_groups_apart(monkeypatch):
+    params = init_params(CONFIG, jax.random.key(4))
+    params["layers_0"]["mlp"]["up_proj"]["kernel"] = quantize(params["layers_0"]["mlp"]["up_proj"]["kernel"],
+                                                              Spec(bits=8, granularity="channel"))
+    fused = decode_layout.for_prefill(params)
+    assert {"gate_proj", "up_proj"} <= set(fused["layers_0"]["mlp"])  # one member is quantized
+    assert "gate_up_proj" in fused["layers_1"]["mlp"]
+    monkeypatch.setattr(decode_layout, "PREFILL_FUSE_MAX_OUT", 150)  # q+k+v = 128, gate+up = 192 outputs
+    narrow = decode_layout.for_prefill(params)
+    assert "gate_up_proj" not in narrow["layers_1"]["mlp"] and "qkv_proj" in narrow["layers_1"]["attn"]
