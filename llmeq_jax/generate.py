@@ -87,8 +87,11 @@ def decode_step(config: ModelConfig, params, token, cache, kernels=None):
     jax.jit,
     static_argnames=("config", "max_new_tokens", "greedy", "temperature", "top_k", "top_p", "kernels"),
 )
-def _decode_loop(config, params, first_logits, cache, key, *, max_new_tokens, greedy, temperature, top_k, top_p,
-                 kernels):
+def _decode_loop(config, params, first_logits, cache, key, steps, *, max_new_tokens, greedy, temperature, top_k,
+                 top_p, kernels):
+    """Tokens ``[B, max_new_tokens]``: the first sampled from ``first_logits``, then ``steps - 1`` decode
+    steps (``steps`` is traced, <= max_new_tokens, later slots stay 0): one compiled loop serves any
+    number of steps, which is how ``decode_seconds`` times the steps alone."""
     sample = functools.partial(sample_logits, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p)
     b = first_logits.shape[0]
     # Quantized kernels transposed once for the native row-major decode kernels (no-op without them).
@@ -104,7 +107,7 @@ def _decode_loop(config, params, first_logits, cache, key, *, max_new_tokens, gr
         key, sub = jax.random.split(key)
         return out.at[:, i].set(sample(logits[:, 0], sub)), cache, key
 
-    out, cache, _ = jax.lax.fori_loop(1, max_new_tokens, body, (out, cache, key))
+    out, cache, _ = jax.lax.fori_loop(1, steps, body, (out, cache, key))
     return out, cache
 
 
@@ -152,6 +155,7 @@ def generate(
         first_logits,
         cache,
         jax.random.key(seed),
+        jnp.int32(max_new_tokens),
         max_new_tokens=max_new_tokens,
         greedy=greedy,
         temperature=float(temperature),
@@ -162,4 +166,31 @@ def generate(
     return (out, cache) if return_cache else out
 
 
-__all__ = ["decode_step", "generate", "kernel_state", "prefill", "sample_logits"]
+def decode_seconds(config: ModelConfig, params, prompt_tokens, new_tokens: int, runs: int = 3) -> float:
+    """Warm seconds of ``new_tokens - 1`` greedy decode steps after ``prompt_tokens`` [B, T]: the median
+    over ``runs`` of time(loop of new_tokens - 1 steps) - time(loop of none), both on ONE compiled loop
+    and one prefilled cache (what ``generate(new_tokens)`` - ``generate(1)`` measures, with one
+    compilation instead of two and no prefill in the timed calls)."""
+    import statistics
+    import time
+
+    prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
+    b, t = prompt_tokens.shape
+    kernels = kernel_state()
+    cache = init_cache(config, b, t + new_tokens)
+    first_logits, cache = prefill(config, params, prompt_tokens, jnp.ones((b, t), jnp.int32), cache, kernels=kernels)
+    loop = functools.partial(_decode_loop, config, params, first_logits, cache, jax.random.key(0),
+                             max_new_tokens=new_tokens, greedy=True, temperature=1.0, top_k=0, top_p=1.0,
+                             kernels=kernels)
+
+    def timed(steps: int) -> float:
+        t0 = time.perf_counter()
+        jax.block_until_ready(loop(jnp.int32(steps)))
+        return time.perf_counter() - t0
+
+    timed(new_tokens)  # compile + warm up
+    diffs = [timed(new_tokens) - timed(1) for _ in range(runs)]
+    return max(statistics.median(diffs), 1e-9)
+
+
+__all__ = ["decode_seconds", "decode_step", "generate", "kernel_state", "prefill", "sample_logits"]

@@ -154,7 +154,7 @@ def measure_speed(config, params, prefill_len: int = 512, prompt_len: int = 32, 
     import jax.numpy as jnp
 
     from llmeq_jax import decode_layout, evaluate
-    from llmeq_jax.generate import generate
+    from llmeq_jax.generate import decode_seconds
     from llmeq_jax.models import forward
 
     prefill_len = min(prefill_len, config.max_position_embeddings)
@@ -162,10 +162,7 @@ def measure_speed(config, params, prefill_len: int = 512, prompt_len: int = 32, 
     fwd = jax.jit(lambda p, t: forward(config, p, t))
     prefill_params = decode_layout.for_prefill(params)
     t_prefill = evaluate.median_time(lambda: fwd(prefill_params, toks), runs=3)
-    prompt = jnp.ones((1, prompt_len), jnp.int32)
-    t_one = evaluate.median_time(lambda: generate(config, params, prompt, 1), runs=3)
-    t_all = evaluate.median_time(lambda: generate(config, params, prompt, new_tokens), runs=3)
-    decode_s = max(t_all - t_one, 1e-9)
+    decode_s = decode_seconds(config, params, jnp.ones((1, prompt_len), jnp.int32), new_tokens)
     return {"prefill_tok_s": prefill_len / t_prefill, "decode_tok_s": (new_tokens - 1) / decode_s}
 
 

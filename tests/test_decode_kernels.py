@@ -191,13 +191,13 @@ def test_generate_uses_the_native_decode_kernels_and_agrees_with_xla(qparams):
     prompt = jnp.array([[1, 5, 7, 9], [3, 4, 5, 6]])
     cache = gen.init_cache(CONFIG, 2, 4 + 8)
     logits, cache = gen.prefill(CONFIG, qparams, prompt, jnp.ones_like(prompt), cache, kernels=gen.kernel_state())
-    hlo = gen._decode_loop.lower(CONFIG, qparams, logits, cache, jax.random.key(0), max_new_tokens=8, greedy=True,
+    hlo = gen._decode_loop.lower(CONFIG, qparams, logits, cache, jax.random.key(0), 8, max_new_tokens=8, greedy=True,
                                  temperature=1.0, top_k=0, top_p=1.0, kernels=gen.kernel_state()).as_text()
     assert "llmeq_rm_a16" in hlo and "llmeq_decode_attention" in hlo
     native_out = gen.generate(CONFIG, qparams, prompt, 8)
     with native.disabled():
         assert "llmeq_" not in gen._decode_loop.lower(
-            CONFIG, qparams, logits, cache, jax.random.key(0), max_new_tokens=8, greedy=True, temperature=1.0, top_k=0,
+            CONFIG, qparams, logits, cache, jax.random.key(0), 8, max_new_tokens=8, greedy=True, temperature=1.0, top_k=0,
             top_p=1.0, kernels=gen.kernel_state()).as_text()
         xla_out = gen.generate(CONFIG, qparams, prompt, 8)
     np.testing.assert_array_equal(np.asarray(native_out), np.asarray(xla_out))

@@ -46,6 +46,23 @@ def test_decode_step_compiles_once(params):
     assert int(cache.length) == 7
 
 
+def test_decode_loop_runs_the_steps_asked_with_one_compile(params):
+    """The loop's step count is traced: fewer steps give a prefix of the full greedy output (later
+    slots 0) from the same compiled program, which decode_seconds times."""
+    prompt = jnp.array([[1, 5, 7, 9]])
+    full = gen.generate(CONFIG, params, prompt, 8)
+    cache = gen.init_cache(CONFIG, 1, 4 + 8)
+    logits, cache = gen.prefill(CONFIG, params, prompt, jnp.ones_like(prompt), cache, kernels=gen.kernel_state())
+    before = gen._decode_loop._cache_size()
+    for steps in (8, 3, 1):
+        out, _ = gen._decode_loop(CONFIG, params, logits, cache, jax.random.key(0), jnp.int32(steps), max_new_tokens=8,
+                                  greedy=True, temperature=1.0, top_k=0, top_p=1.0, kernels=gen.kernel_state())
+        np.testing.assert_array_equal(out[:, :steps], full[:, :steps])
+        assert not np.asarray(out[:, steps:]).any()
+    assert gen._decode_loop._cache_size() - before <= 1
+    assert gen.decode_seconds(CONFIG, params, prompt, 8, runs=1) > 0
+
+
 def test_sampling_is_seeded_and_varies(params):
     prompt = jnp.array([[1, 2, 3]])
     a = gen.generate(CONFIG, params, prompt, 12, greedy=False, temperature=2.0, seed=0)
