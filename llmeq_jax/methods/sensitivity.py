@@ -146,6 +146,101 @@ def measured_deltas(config, params: dict, windows: np.ndarray, paths: Sequence[s
     return out
 
 
+@functools.partial(jax.jit, static_argnames=("spec",))
+def qdq(w: jax.Array, *, spec) -> jax.Array:
+    """``quantize_dequantize`` compiled once per (shape, spec)."""
+    return quantize_dequantize(w, spec)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _final_logp(config, params, h):
+    from llmeq_jax.models.model import head
+
+    return jax.nn.log_softmax(head(config, params, h).astype(jnp.float32), axis=-1)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _tail_kl(config, params, stacked, first_block, h, ref_logp, start):
+    """Mean over tokens of ``KL(float || this)`` when ``first_block`` replaces block ``start``."""
+    from llmeq_jax.models.model import apply_block, head
+
+    positions = jnp.broadcast_to(jnp.arange(h.shape[1]), h.shape[:2])
+    h = apply_block(config, first_block, h, positions, layer=0)
+
+    def body(i, h):
+        bp = jax.tree_util.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), stacked)
+        return apply_block(config, bp, h, positions, layer=0)
+
+    h = jax.lax.fori_loop(start + 1, config.num_layers, body, h)
+    logp = jax.nn.log_softmax(head(config, params, h).astype(jnp.float32), axis=-1)
+    return jnp.mean(jnp.sum(jnp.exp(ref_logp) * (ref_logp - logp), axis=-1))
+
+
+def measured_kl(config, params: dict, windows: np.ndarray, paths: Sequence[str], specs: dict, *,
+                progress: bool = False) -> dict[str, dict]:
+    """``{path: {key: mean KL(float || only path quantized under specs[key])}}`` in nats per token.
+
+    The output distributions' KL divergence, not the change of the calibration NLL: it is
+    never negative and its noise is far below the NLL change's (a 4-bit layer moves the NLL
+    of a few hundred tokens by less than its sampling noise), while its expectation is the
+    expected loss increase to first order. The float model's block inputs and output
+    log-probabilities are computed once; each (linear, candidate) runs one compiled tail
+    (its block with the quantize-dequantized kernel, then every later block), quantized
+    inside a jit compiled once per (shape, spec).
+    """
+    if config.sliding_window is not None:
+        raise ValueError("measured sensitivities run every block through one compiled loop, which assumes "
+                         "identical layers; this model has sliding-window layers: use --sensitivity proxy")
+    tokens = jnp.asarray(windows)
+    hs = _block_inputs(config, params, tokens)
+    ref = _final_logp(config, params, hs[-1])
+    stacked = _stack_blocks(params, config.num_layers)
+    items = [(p, k) for p in paths for k in specs]
+    if progress:
+        from tqdm import tqdm
+
+        items = tqdm(items, desc="sensitivity", unit="run", leave=False)
+    out: dict[str, dict] = {p: {} for p in paths}
+    for p, k in items:
+        layer, _, rel = p.partition("/")
+        i = int(layer.split("_")[1])
+        block = params[layer]
+        block_q = _set(block, rel, qdq(_get(block, rel), spec=specs[k]))
+        out[p][k] = float(_tail_kl(config, params, stacked, block_q, hs[i], ref, i))
+    return out
+
+
+def combine_table(measured: dict[str, dict], proxy: dict[str, dict], bits_of: Callable[[Any], int]
+                  ) -> dict[str, dict]:
+    """Measured values where there are some; every other candidate carried from a measured anchor.
+
+    The anchor of an unmeasured candidate is the measured one of the same width if any (a
+    group-size variant), else the nearest narrower measured width, else the nearest wider:
+    ``D[c] = D[anchor] * E[c] / E[anchor]`` with the proxy ``E`` (within one layer, whose
+    downstream amplification is common to both, the second-order model says the loss change
+    scales with the weighted noise energy). Non-positive measurements are floored at 1e-9.
+    """
+    out = {}
+    for p, row in proxy.items():
+        meas = {k: max(v, 1e-9) for k, v in measured.get(p, {}).items()}
+        res = {}
+        for c, e in row.items():
+            if c in meas:
+                res[c] = meas[c]
+                continue
+            b = bits_of(c)
+            same = [k for k in meas if bits_of(k) == b]
+            lower = sorted((k for k in meas if bits_of(k) < b), key=bits_of)
+            higher = sorted((k for k in meas if bits_of(k) > b), key=bits_of)
+            a = same[0] if same else lower[-1] if lower else higher[0] if higher else None
+            if a is None:
+                res[c] = e
+            else:
+                res[c] = meas[a] * (e / row[a] if row[a] > 0 else 1.0)
+        out[p] = res
+    return out
+
+
 def measured_table(deltas: dict[str, float], proxy: dict[str, dict[int, float]], b0: int) -> dict[str, dict[int, float]]:
     """Measured changes at ``b0`` carried to every width by the proxy's ratio; non-positive ones floored.
 
@@ -170,5 +265,5 @@ def lagrange_coefficients(table: dict[str, dict[int, float]], weights: dict[str,
     return out
 
 
-__all__ = ["hessian_diagonals", "lagrange_coefficients", "measured_deltas", "measured_table", "proxy_table",
+__all__ = ["combine_table", "hessian_diagonals", "measured_kl", "qdq", "lagrange_coefficients", "measured_deltas", "measured_table", "proxy_table",
            "weighted_error"]
