@@ -54,6 +54,8 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--out", default="runs/allocate")
+    ap.add_argument("--measure", default="", help="candidates whose KL is measured (default: one per pickable "
+                                                  "width below the widest)")
     ap.add_argument("--reuse-table", action="store_true", help="take the sensitivity table saved in --out by an "
                                                                    "earlier run with the same candidates")
     ap.add_argument("--float-ppl", type=float, help="the float model's perplexity under the same protocol, if "
@@ -81,7 +83,9 @@ def main() -> None:
         t_proxy, t_meas = saved["proxy_s"], saved["measured_s"]
     else:
         table, t_proxy, t_meas = A.sensitivity_table(config, params, cal, shapes, cands, cost, spec_for,
-                                                     args.sensitivity, progress=True)
+                                                     args.sensitivity, progress=True,
+                                                     measure=[A._candidate_key(x) for x in args.measure.split(",")]
+                                                     if args.measure else None)
         cache.write_text(json.dumps({"table": {p: {str(k): v for k, v in row.items()} for p, row in table.items()},
                                      "proxy_s": t_proxy, "measured_s": t_meas}))
     solve_cost = A.restrict(cost, table, edges=A.edge_paths(list(shapes), config.num_layers),

@@ -344,8 +344,13 @@ SENSITIVITIES = ("measured", "proxy")
 
 
 def sensitivity_table(config, params: dict, windows: np.ndarray, shapes: dict, candidates: Sequence, cost: dict,
-                      spec_for, sensitivity: str = "measured", progress: bool = False) -> tuple[dict, float, float]:
-    """``({path: {candidate: D}}, proxy seconds, measured seconds)``: the table the solvers take."""
+                      spec_for, sensitivity: str = "measured", progress: bool = False, measure: Sequence | None = None
+                      ) -> tuple[dict, float, float]:
+    """``({path: {candidate: D}}, proxy seconds, measured seconds)``: the table the solvers take.
+
+    ``measure``: the candidates whose KL is measured (default :func:`measured_candidates`);
+    the others are carried from them by the proxy's ratio.
+    """
     import time
 
     from llmeq_jax.methods import sensitivity as sens
@@ -357,7 +362,10 @@ def sensitivity_table(config, params: dict, windows: np.ndarray, shapes: dict, c
     t_measured = 0.0
     if sensitivity == "measured":
         t0 = time.perf_counter()
-        measure = measured_candidates(cost, candidates)
+        measure = measured_candidates(cost, candidates) if measure is None else list(measure)
+        unknown = [k for k in measure if k not in candidates]
+        if unknown:
+            raise AllocationError(f"--measure {unknown} are not among the candidates {list(candidates)}")
         kl = sens.measured_kl(config, params, windows, list(shapes), {k: spec_for(k) for k in measure},
                               progress=progress)
         table = sens.combine_table(kl, table, candidate_bits)
@@ -369,7 +377,7 @@ def allocate(config, params: dict, windows: np.ndarray, *, candidates: Sequence[
              budget_mb: float | None = None, group_size: int | None = 128, solver: str = "greedy",
              sensitivity: str = "measured", method: str = "rtn", name: str = "allocated",
              symmetric: bool = False, edge_min_bits: int | None = 4, max_delta: float | None = 0.5,
-             progress: bool = False) -> tuple[Recipe, dict]:
+             measure: Sequence | None = None, progress: bool = False) -> tuple[Recipe, dict]:
     """Sensitivities on ``windows`` -> allocation under the budget -> (recipe, info).
 
     ``edge_min_bits`` and ``max_delta`` are :func:`restrict`'s guards (``max_delta`` applies
@@ -392,7 +400,7 @@ def allocate(config, params: dict, windows: np.ndarray, *, candidates: Sequence[
     _check_floor(cost, budget)
     spec_for = functools.partial(candidate_spec, group_size=group_size, symmetric=symmetric)
     table, t_proxy, t_measured = sensitivity_table(config, params, windows, shapes, candidates, cost, spec_for,
-                                                   sensitivity, progress)
+                                                   sensitivity, progress, measure)
     cost = restrict(cost, table, edges=edge_paths(list(shapes), config.num_layers), edge_min_bits=edge_min_bits,
                     max_delta=max_delta if sensitivity == "measured" else None)
     _check_floor(cost, budget)

@@ -152,17 +152,31 @@ def qdq(w: jax.Array, *, spec) -> jax.Array:
     return quantize_dequantize(w, spec)
 
 
+def _head_rows(config, params, ids) -> tuple[jax.Array, jax.Array | None]:
+    """The output head's rows for token ids ``ids``: ``([len(ids), hidden], bias or None)``."""
+    if config.tie_word_embeddings and "lm_head" not in params:
+        return jnp.asarray(params["embed"]["embedding"])[ids], None
+    lm = params["lm_head"]
+    b = lm.get("bias")
+    return jnp.asarray(lm["kernel"]).T[ids], (None if b is None else jnp.asarray(b)[ids])
+
+
 @functools.partial(jax.jit, static_argnames=("config",))
-def _final_logp(config, params, h):
-    from llmeq_jax.models.model import head
+def _subset_logp(config, params, rows, bias, h):
+    """Log-probabilities over the vocabulary rows ``rows`` only (renormalised over them)."""
+    from llmeq_jax.models.model import _norm_module
 
-    return jax.nn.log_softmax(head(config, params, h).astype(jnp.float32), axis=-1)
+    hn = _norm_module(config).apply({"params": params["norm"]}, h).astype(jnp.float32)
+    logits = jnp.einsum("btd,vd->btv", hn, rows.astype(jnp.float32))
+    if bias is not None:
+        logits = logits + bias.astype(jnp.float32)
+    return jax.nn.log_softmax(logits, axis=-1)
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
-def _tail_kl(config, params, stacked, first_block, h, ref_logp, start):
+def _tail_kl(config, params, stacked, rows, bias, first_block, h, ref_p, ref_logp, start):
     """Mean over tokens of ``KL(float || this)`` when ``first_block`` replaces block ``start``."""
-    from llmeq_jax.models.model import apply_block, head
+    from llmeq_jax.models.model import apply_block
 
     positions = jnp.broadcast_to(jnp.arange(h.shape[1]), h.shape[:2])
     h = apply_block(config, first_block, h, positions, layer=0)
@@ -172,12 +186,12 @@ def _tail_kl(config, params, stacked, first_block, h, ref_logp, start):
         return apply_block(config, bp, h, positions, layer=0)
 
     h = jax.lax.fori_loop(start + 1, config.num_layers, body, h)
-    logp = jax.nn.log_softmax(head(config, params, h).astype(jnp.float32), axis=-1)
-    return jnp.mean(jnp.sum(jnp.exp(ref_logp) * (ref_logp - logp), axis=-1))
+    logp = _subset_logp(config, params, rows, bias, h)
+    return jnp.mean(jnp.sum(ref_p * (ref_logp - logp), axis=-1))
 
 
 def measured_kl(config, params: dict, windows: np.ndarray, paths: Sequence[str], specs: dict, *,
-                progress: bool = False) -> dict[str, dict]:
+                top_k: int | None = 32, progress: bool = False) -> dict[str, dict]:
     """``{path: {key: mean KL(float || only path quantized under specs[key])}}`` in nats per token.
 
     The output distributions' KL divergence, not the change of the calibration NLL: it is
@@ -187,13 +201,26 @@ def measured_kl(config, params: dict, windows: np.ndarray, paths: Sequence[str],
     log-probabilities are computed once; each (linear, candidate) runs one compiled tail
     (its block with the quantize-dequantized kernel, then every later block), quantized
     inside a jit compiled once per (shape, spec).
+
+    ``top_k``: the distributions are restricted to (and renormalised over) the union of
+    every position's ``top_k`` most likely tokens under the float model -- SmolLM2's
+    49k-row output head costs as much as eight of its blocks, and the tokens outside that
+    set carry almost none of the probability. ``None``: the whole vocabulary (exact).
     """
     if config.sliding_window is not None:
         raise ValueError("measured sensitivities run every block through one compiled loop, which assumes "
                          "identical layers; this model has sliding-window layers: use --sensitivity proxy")
     tokens = jnp.asarray(windows)
     hs = _block_inputs(config, params, tokens)
-    ref = _final_logp(config, params, hs[-1])
+    if top_k is None or top_k >= config.vocab_size:
+        ids = np.arange(config.vocab_size)
+    else:
+        full = _subset_logp(config, params, *_head_rows(config, params, np.arange(config.vocab_size)), hs[-1])
+        ids = np.unique(np.asarray(jax.lax.top_k(full, top_k)[1]))
+        del full
+    rows, bias = _head_rows(config, params, ids)
+    ref_logp = _subset_logp(config, params, rows, bias, hs[-1])
+    ref_p = jnp.exp(ref_logp)
     stacked = _stack_blocks(params, config.num_layers)
     items = [(p, k) for p in paths for k in specs]
     if progress:
@@ -206,7 +233,7 @@ def measured_kl(config, params: dict, windows: np.ndarray, paths: Sequence[str],
         i = int(layer.split("_")[1])
         block = params[layer]
         block_q = _set(block, rel, qdq(_get(block, rel), spec=specs[k]))
-        out[p][k] = float(_tail_kl(config, params, stacked, block_q, hs[i], ref, i))
+        out[p][k] = float(_tail_kl(config, params, stacked, rows, bias, block_q, hs[i], ref_p, ref_logp, i))
     return out
 
 

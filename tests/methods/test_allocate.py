@@ -180,7 +180,8 @@ def test_measured_kl_equals_a_full_forward_with_that_layer_quantized(stories):
     config, params, wins = stories
     specs = {2: Spec(2, "group", group_size=32, symmetric=False), "4c": Spec(4, "channel", symmetric=False)}
     paths = ["layers_0/attn/q_proj/kernel", "layers_3/mlp/down_proj/kernel"]
-    kl = S.measured_kl(config, params, wins, paths, specs)
+    kl = S.measured_kl(config, params, wins, paths, specs, top_k=None)
+    approx = S.measured_kl(config, params, wins, paths, specs, top_k=8)  # the default's truncated vocabulary
     toks = jnp.asarray(wins)
     ref = jax.nn.log_softmax(forward(config, params, toks).astype(jnp.float32), axis=-1)
     for p in paths:
@@ -190,6 +191,7 @@ def test_measured_kl_equals_a_full_forward_with_that_layer_quantized(stories):
             direct = float(jnp.mean(jnp.sum(jnp.exp(ref) * (ref - logp), axis=-1)))
             assert np.isclose(kl[p][k], direct, rtol=1e-3, atol=1e-7), (p, k, kl[p][k], direct)
             assert kl[p][k] > 0
+            assert np.isclose(approx[p][k], kl[p][k], rtol=0.3), (p, k, approx[p][k], kl[p][k])
         assert kl[p][2] > kl[p]["4c"]  # 2 bits hurts more than 4
 
 
