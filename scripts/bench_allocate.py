@@ -79,7 +79,9 @@ def main() -> None:
     if args.reuse_table and cache.exists():
         saved = json.loads(cache.read_text())
         key = {str(k): k for k in cands}
-        table = {p: {key[k]: v for k, v in row.items()} for p, row in saved["table"].items()}
+        table = {p: {key[k]: v for k, v in row.items() if k in key} for p, row in saved["table"].items()}
+        if any(len(row) != len(cands) for row in table.values()):
+            raise SystemExit(f"{cache} lacks some of the candidates {list(cands)}")
         t_proxy, t_meas = saved["proxy_s"], saved["measured_s"]
     else:
         table, t_proxy, t_meas = A.sensitivity_table(config, params, cal, shapes, cands, cost, spec_for,

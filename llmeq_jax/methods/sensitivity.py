@@ -242,7 +242,7 @@ def combine_table(measured: dict[str, dict], proxy: dict[str, dict], bits_of: Ca
     """Measured values where there are some; every other candidate carried from a measured anchor.
 
     The anchor of an unmeasured candidate is the measured one of the same width if any (a
-    group-size variant), else the nearest narrower measured width, else the nearest wider:
+    group-size variant; of several, the one with the nearest proxy value), else the nearest narrower measured width, else the nearest wider:
     ``D[c] = D[anchor] * E[c] / E[anchor]`` with the proxy ``E`` (within one layer, whose
     downstream amplification is common to both, the second-order model says the loss change
     scales with the weighted noise energy). Non-positive measurements are floored at 1e-9.
@@ -259,6 +259,8 @@ def combine_table(measured: dict[str, dict], proxy: dict[str, dict], bits_of: Ca
             same = [k for k in meas if bits_of(k) == b]
             lower = sorted((k for k in meas if bits_of(k) < b), key=bits_of)
             higher = sorted((k for k in meas if bits_of(k) > b), key=bits_of)
+            # of several same-width anchors, the one whose proxy value is closest (log scale): g64 from g128
+            same.sort(key=lambda k: abs(math.log(max(row[k], 1e-300) / max(e, 1e-300))))
             a = same[0] if same else lower[-1] if lower else higher[0] if higher else None
             if a is None:
                 res[c] = e

@@ -130,6 +130,9 @@ def test_combine_table_carries_measurements_by_the_proxy_ratio():
     table = S.combine_table({"p": {2: 0.5, 4: 0.02}}, proxy, A.candidate_bits)["p"]
     assert table[2] == 0.5 and table[4] == 0.02
     assert np.isclose(table["4c"], 0.04) and np.isclose(table["4g64"], 0.01) and np.isclose(table[8], 0.02 * 0.01 / 4)
+    # two anchors of one width: a variant takes the one with the nearest proxy value
+    table = S.combine_table({"p": {2: 0.5, "4c": 0.06, 4: 0.02}}, proxy, A.candidate_bits)["p"]
+    assert table["4c"] == 0.06 and np.isclose(table["4g64"], 0.01)
 
 
 @pytest.mark.parametrize("text", ["2,x", "4", "4,4", "1,4", "4,9", "4g0,8", "4q,8"])
