@@ -230,3 +230,19 @@ def test_cli_allocate_writes_a_recipe_that_quantize_runs(tmp_path):
     # the same file again without --overwrite: one clear error, nothing replaced
     again = run("allocate", model, "--budget-bits", "3.5", "--out", str(out))
     assert again.returncode == 2 and "already exists" in again.stderr
+
+
+def test_cli_allocate_measured_with_group_size_variants(tmp_path):
+    model = str(shared_data_path("stories260K.gguf"))
+    out = tmp_path / "alloc.yaml"
+    proc = subprocess.run([sys.executable, "-m", "llmeq_jax.cli", "allocate", model, "--budget-bits", "4.5",
+                           "--group-size", "32", "--candidates", "2,4c,4,8c", "--measure", "2,4",
+                           "--calib-samples", "1", "--calib-seq-len", "64", "--out", str(out), "--json"],
+                          capture_output=True, text=True, cwd=REPO, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert info["bytes"] <= info["budget_bytes"] and info["sensitivity"] == "measured"
+    specs = [r.weight for r in load_recipe(out).rules[2:]]
+    assert len(specs) == 35 and all(s.bits in (2, 4, 8) and not s.symmetric for s in specs)
+    assert all((s.granularity == "channel") == (s.bits == 8 or s.group_size is None) for s in specs)
+    assert set(info["widths"]) <= {"2", "4c", "4", "8c"}
