@@ -17,7 +17,6 @@ import json
 import math
 import platform
 import sys
-import time
 from pathlib import Path
 
 import jax
