@@ -410,7 +410,9 @@ def cmd_allocate(args) -> int:
                                   budget_mb=args.budget_mb, group_size=args.group_size or None, solver=args.solver,
                                   sensitivity=args.sensitivity, method=args.method, name=name,
                                   symmetric=args.symmetric, edge_min_bits=args.edge_min_bits or None,
-                                  max_delta=args.max_delta or None, progress=not args.json)
+                                  max_delta=args.max_delta or None, progress=not args.json,
+                                  measure=[alloc._candidate_key(x) for x in args.measure.split(",")]
+                                  if args.measure else None)
     info["seconds"] = time.perf_counter() - t0
     group = f"g{args.group_size}" if args.group_size else "per-channel"
     header = [f"{name}: per-layer widths from `llmeq allocate {args.model}` ({args.sensitivity} sensitivity, "
@@ -621,7 +623,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="average stored bits per block-linear weight, scales counted (4.25 = int4 g128)")
     budget.add_argument("--budget-mb", type=_finite_float(0.0, None, "megabytes > 0", low_open=True),
                         help="bytes (1e6) of the block linears as stored")
-    p.add_argument("--candidates", default="2,3,4,8", help="widths to choose from (default 2,3,4,8)")
+    p.add_argument("--candidates", default="2,3,4,8",
+                   help="widths to choose from (default 2,3,4,8); B = B bits at --group-size, BgG = B bits in groups "
+                        "of G, Bc = B bits per output channel (e.g. 2,4c,4g256,4,4g64,8c)")
+    p.add_argument("--measure", default="",
+                   help="measured sensitivity: the candidates whose output KL is measured (default: one per "
+                        "pickable width below the widest); the others are carried by the proxy's ratio")
     p.add_argument("--method", default="rtn", choices=["rtn", "gptq"], help="the written recipe's method")
     p.add_argument("--solver", default="greedy", choices=["greedy", "lagrange"])
     p.add_argument("--sensitivity", default="measured", choices=["measured", "proxy"])

@@ -17,7 +17,6 @@ import json
 import math
 import platform
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -54,6 +53,10 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--out", default="runs/allocate")
+    ap.add_argument("--measure", default="", help="candidates whose KL is measured (default: one per pickable "
+                                                  "width below the widest)")
+    ap.add_argument("--reuse-table", action="store_true", help="take the sensitivity table saved in --out by an "
+                                                                   "earlier run with the same candidates")
     ap.add_argument("--float-ppl", type=float, help="the float model's perplexity under the same protocol, if "
                                                     "already measured (skips that evaluation)")
     args = ap.parse_args()
@@ -70,24 +73,29 @@ def main() -> None:
     cost = A.cost_table(shapes, cands, group)
     weights = {p: math.prod(s) for p, s in shapes.items()}
 
-    t0 = time.perf_counter()
-    diags = S.hessian_diagonals(config, params, cal, progress=True)
-    table = S.proxy_table(params, diags, list(shapes), cands, lambda b: A.candidate_spec(b, group))
-    t_proxy = time.perf_counter() - t0
-    t_meas = 0.0
-    if args.sensitivity == "measured":
-        t0 = time.perf_counter()
-        deltas = S.measured_deltas(config, params, cal, list(shapes), A.candidate_spec(cands[0], group),
-                                   progress=True)
-        table = S.measured_table(deltas, table, cands[0])
-        t_meas = time.perf_counter() - t0
+    spec_for = lambda b: A.candidate_spec(b, group)  # noqa: E731
+    cache = out / f"table-{args.sensitivity}.json"
+    if args.reuse_table and cache.exists():
+        saved = json.loads(cache.read_text())
+        key = {str(k): k for k in cands}
+        table = {p: {key[k]: v for k, v in row.items() if k in key} for p, row in saved["table"].items()}
+        if any(len(row) != len(cands) for row in table.values()):
+            raise SystemExit(f"{cache} lacks some of the candidates {list(cands)}")
+        t_proxy, t_meas = saved["proxy_s"], saved["measured_s"]
+    else:
+        table, t_proxy, t_meas = A.sensitivity_table(config, params, cal, shapes, cands, cost, spec_for,
+                                                     args.sensitivity, progress=True,
+                                                     measure=[A._candidate_key(x) for x in args.measure.split(",")]
+                                                     if args.measure else None)
+        cache.write_text(json.dumps({"table": {p: {str(k): v for k, v in row.items()} for p, row in table.items()},
+                                     "proxy_s": t_proxy, "measured_s": t_meas}))
     solve_cost = A.restrict(cost, table, edges=A.edge_paths(list(shapes), config.num_layers),
                             edge_min_bits=args.edge_min_bits or None,
                             max_delta=(args.max_delta or None) if args.sensitivity == "measured" else None)
     results = {"model": args.model, "device": f"{jax.devices()[0].device_kind} ({platform.processor() or 'cpu'})",
                "protocol": evaluate.PROTOCOL, "windows": args.windows, "seq_len": args.seq_len,
                "calibration": f"{args.calib_samples} x {args.calib_seq_len} tokens of {CALIB_TEXT}",
-               "sensitivity": args.sensitivity, "candidates": "asymmetric RTN", "proxy_s": t_proxy, "measured_s": t_meas, "rows": []}
+               "sensitivity": args.sensitivity, "candidates": f"{args.candidates} asymmetric RTN", "proxy_s": t_proxy, "measured_s": t_meas, "rows": []}
     print(f"sensitivity: proxy {t_proxy:.0f} s, measured {t_meas:.0f} s", flush=True)
 
     def record(row):
@@ -97,13 +105,15 @@ def main() -> None:
 
     record({"kind": "float", "avg_bits": 32.0, "ppl": args.float_ppl or ppl(config, params, wins)})
     recipes = []
-    for b in [int(x) for x in args.uniform.split(",") if x]:
+    for b in [A._candidate_key(x) for x in args.uniform.split(",") if x]:
         choice = {p: b for p in shapes}
-        recipes.append(("uniform", f"rtn-w{b}-g{args.group_size}-asym", choice))
+        g = f"g{args.group_size}" if isinstance(b, int) else ""
+        recipes.append(("uniform", f"rtn-w{b}{g}-asym", choice))
     for solver, budgets in (("greedy", args.budgets), ("lagrange", args.lagrange_budgets)):
         for budget in [x for x in budgets.split(",") if x]:
             if budget.startswith("u"):  # the bytes uniform N-bit stores
-                budget_b = sum(cost[p][int(budget[1:])] for p in shapes)
+                ub = A._candidate_key(budget[1:])
+                budget_b = sum(A.spec_bytes(shapes[p], A.candidate_spec(ub, group)) for p in shapes)
             else:
                 budget_b = A.budget_bytes(shapes, float(budget), None)
             if solver == "greedy":
@@ -111,12 +121,15 @@ def main() -> None:
             else:
                 choice = A.lagrange(solve_cost, S.lagrange_coefficients(table, weights), budget_b)[0]
             recipes.append((f"allocated-{solver}", f"alloc-{solver}-{budget}", choice))
+    keys = {b for _, _, choice in recipes for b in choice.values()}
+    allcost = A.cost_table(shapes, sorted(keys, key=A.candidate_order), group)
     for kind, name, choice in recipes:
         recipe = A.allocation_recipe(choice, "rtn", group, name)
         qp, _ = quantize_model(config, params, recipe, None)
-        s = A.summary(choice, cost, shapes)
-        record({"kind": kind, "name": name, "avg_bits": s["avg_bits"], "widths": s["widths"],
-                "ppl": ppl(config, qp, wins)})
+        s = A.summary(choice, allcost, shapes)
+        record({"kind": kind, "name": name, "avg_bits": s["avg_bits"], "widths": {str(k): v for k, v in s["widths"].items()},
+                "est_loss": sum(table[p][b] for p, b in choice.items()) if all(b in table[p] for p, b in choice.items()) else None,
+                "ppl": ppl(config, qp, wins), "choice": {p: str(b) for p, b in choice.items()}})
     plot(results, out / "ppl_vs_bits.png")
     (out / "table.md").write_text(table_md(results))
     print(table_md(results))

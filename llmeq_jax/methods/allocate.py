@@ -64,13 +64,24 @@ def block_kernels(params: Any) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def candidate_spec(bits: int, group_size: int | None, symmetric: bool = False) -> Spec:
-    """The spec a candidate width stands for: RTN grid, groups along the input dim (or per channel).
+def candidate_bits(key) -> int:
+    """The value width of a candidate key (``4``, ``"4g64"``, ``"4c"``)."""
+    return key if isinstance(key, int) else int(re.match(r"\d+", key).group())
 
+
+def candidate_spec(bits, group_size: int | None, symmetric: bool = False) -> Spec:
+    """The spec a candidate stands for: RTN grid, groups along the input dim (or per channel).
+
+    ``bits`` is a candidate key: an int (that width at ``group_size``), ``"BgG"`` (``B`` bits
+    in groups of ``G``) or ``"Bc"`` (``B`` bits, one scale per output channel) -- group-size
+    variants give the solver byte steps finer than whole widths.
     Asymmetric by default, like the ready 4-bit recipes: a symmetric 2-bit grid is the
     ternary ``{-s, 0, s}`` (3 levels), the asymmetric one has 4 levels on the group's
     ``[min, max]`` -- on SmolLM2 the difference between a usable narrow layer and a collapse.
     """
+    if not isinstance(bits, int):
+        m = re.fullmatch(r"(\d+)(?:g(\d+)|(c))", bits)
+        bits, group_size = int(m.group(1)), (None if m.group(3) else int(m.group(2)))
     if group_size is None:
         return Spec(bits, "channel", symmetric=symmetric)
     return Spec(bits, "group", group_size=group_size, symmetric=symmetric)
@@ -98,18 +109,41 @@ def cost_table(shapes: dict[str, tuple[int, ...]], candidates: Sequence[int],
     return out
 
 
-def parse_candidates(text: str | Sequence[int]) -> tuple[int, ...]:
-    """``"2,3,4,8"`` -> (2, 3, 4, 8); each a supported width, at least two, no repeats."""
-    try:
-        bits = tuple(int(t) for t in (text.split(",") if isinstance(text, str) else text))
-    except ValueError:
-        raise AllocationError(f"--candidates {text!r} is not a comma-separated list of integers (e.g. 2,3,4,8)") \
-            from None
-    bad = [b for b in bits if b not in SUPPORTED_BITS]
-    if bad or len(bits) < 2 or len(set(bits)) != len(bits):
-        raise AllocationError(f"--candidates {text!r}: expected at least two distinct widths from "
+def _candidate_key(token):
+    """``"4"`` -> 4; ``"4g64"`` / ``"4c"`` stay strings (normalised); anything else -> None."""
+    token = str(token).strip()
+    m = re.fullmatch(r"(\d+)(?:g(\d+)|(c))?", token)
+    if m is None or (m.group(2) is not None and int(m.group(2)) <= 0):
+        return None
+    if m.group(2) is None and m.group(3) is None:
+        return int(m.group(1))
+    return f"{int(m.group(1))}" + ("c" if m.group(3) else f"g{int(m.group(2))}")
+
+
+def candidate_order(key) -> tuple:
+    """Sort key: width, then coarser groups first (per channel, then larger groups)."""
+    if isinstance(key, int):
+        return (key, 1, 0)
+    spec = candidate_spec(key, None)
+    return (spec.bits, 0, 0) if spec.group_size is None else (spec.bits, 2, -spec.group_size)
+
+
+def parse_candidates(text) -> tuple:
+    """``"2,3,4,8"`` -> (2, 3, 4, 8); ``"2,4g256,4,4g64,8"`` adds group-size variants.
+
+    An int key means that width at ``--group-size``; ``"BgG"`` B bits in groups of G;
+    ``"Bc"`` B bits per output channel. Each width supported, at least two, no repeats.
+    """
+    tokens = text.split(",") if isinstance(text, str) else list(text)
+    keys = [_candidate_key(t) for t in tokens]
+    if any(k is None for k in keys):
+        raise AllocationError(f"--candidates {text!r} is not a comma-separated list of widths (e.g. 2,3,4,8 or "
+                              "2,4g256,4,4g64,8: B bits at --group-size, BgG in groups of G, Bc per channel)")
+    bad = [k for k in keys if candidate_bits(k) not in SUPPORTED_BITS]
+    if bad or len(keys) < 2 or len(set(keys)) != len(keys):
+        raise AllocationError(f"--candidates {text!r}: expected at least two distinct candidates, widths from "
                               f"{list(SUPPORTED_BITS)}")
-    return tuple(sorted(bits))
+    return tuple(sorted(keys, key=candidate_order))
 
 
 def budget_bytes(shapes: dict[str, tuple[int, ...]], budget_bits: float | None, budget_mb: float | None) -> int:
@@ -150,9 +184,9 @@ def restrict(cost: dict[str, dict[int, int]], table: dict[str, dict[int, float]]
     edges = set(edges)
     out = {}
     for p, row in cost.items():
-        widest = max(row)
+        widest = max(row, key=lambda b: (row[b], candidate_order(b)))
         keep = {b: c for b, c in row.items()
-                if b == widest or ((edge_min_bits is None or p not in edges or b >= edge_min_bits)
+                if b == widest or ((edge_min_bits is None or p not in edges or candidate_bits(b) >= edge_min_bits)
                                    and (max_delta is None or table[p][b] <= max_delta))}
         out[p] = keep
     return out
@@ -163,7 +197,7 @@ def restrict(cost: dict[str, dict[int, int]], table: dict[str, dict[int, float]]
 
 def _frontier(cost: dict[int, int], dist: dict[int, float]) -> list[int]:
     """Candidates not dominated by another (as cheap or cheaper and no worse), cheapest first."""
-    order = sorted(cost, key=lambda b: (cost[b], dist[b], -b))
+    order = sorted(cost, key=lambda b: (cost[b], dist[b], tuple(-x for x in candidate_order(b))))
     keep: list[int] = []
     for b in order:
         if not keep or dist[b] < dist[keep[-1]]:
@@ -219,9 +253,10 @@ def lagrange(cost: dict[str, dict[int, int]], coef: dict[str, float], budget: in
         for p, c in cost.items():
             target = 0.5 * (math.log2(max(coef[p], 1e-300)) - log_lam)
             # a width that stores no fewer bytes than a wider one (3-bit in 4-bit slots) is never worth it
-            cands = [x for x in sorted(c) if not any(y > x and c[y] <= c[x] for y in c)]
-            # nearest candidate; ties to the narrower one (cheaper), then cheapest among equal bytes
-            b = min(cands, key=lambda x: (abs(x - target), x))
+            cands = [x for x in sorted(c, key=candidate_order)
+                     if not any(candidate_bits(y) > candidate_bits(x) and c[y] <= c[x] for y in c)]
+            # nearest width; ties to the narrower one (cheaper), then cheapest among equal widths
+            b = min(cands, key=lambda x: (abs(candidate_bits(x) - target), candidate_bits(x), c[x]))
             out[p] = b
         return out
 
@@ -231,7 +266,7 @@ def lagrange(cost: dict[str, dict[int, int]], coef: dict[str, float], budget: in
     lo, hi = -400.0, 400.0  # log2(lambda): lo -> widest everywhere, hi -> narrowest
     best = assign(hi)
     if total(best) > budget:  # rounding can land above the floor: take the cheapest candidates
-        best = {p: min(c, key=lambda b: (c[b], b)) for p, c in cost.items()}
+        best = {p: min(c, key=lambda b: (c[b], candidate_order(b))) for p, c in cost.items()}
         return best, math.inf
     if total(assign(lo)) <= budget:
         return assign(lo), 2.0 ** lo
@@ -271,7 +306,8 @@ def summary(choice: dict[str, int], cost: dict[str, dict[int, int]], shapes: dic
     hist: dict[int, int] = {}
     for b in choice.values():
         hist[b] = hist.get(b, 0) + 1
-    return {"bytes": used, "avg_bits": 8 * used / weights, "widths": dict(sorted(hist.items())),
+    return {"bytes": used, "avg_bits": 8 * used / weights,
+            "widths": {k: hist[k] for k in sorted(hist, key=candidate_order)},
             "weights": weights}
 
 
@@ -283,16 +319,65 @@ def recipe_yaml(recipe: Recipe, header: Sequence[str]) -> str:
     return lines + yaml.safe_dump(recipe.to_dict(), sort_keys=False, width=120)
 
 
+def measured_candidates(cost: dict[str, dict], candidates: Sequence) -> list:
+    """The candidates whose loss change is measured; the others are carried by the proxy's ratio.
+
+    One per width (the plain ``--group-size`` one when present), only widths some layer
+    could pick (not costing as much as a wider width: 3-bit values in 4-bit slots are
+    never worth it) and not the widest (8-bit changes are lost in noise and never matter to
+    the solver). Group-size variants take their anchor's measurement times the proxy's ratio.
+    """
+    total = {k: sum(row[k] for row in cost.values()) for k in candidates}
+    widths = sorted({candidate_bits(k) for k in candidates})
+    out = []
+    for b in widths[:-1]:
+        keys = [k for k in candidates if candidate_bits(k) == b]
+        keys = [k for k in keys if not any(candidate_bits(y) > b and total[y] <= total[k] for y in candidates)]
+        if keys:
+            out.append(b if b in keys else keys[0])
+    return out or [candidates[0]]
+
+
 # --------------------------------------------------------------------------- driver
 
 SENSITIVITIES = ("measured", "proxy")
+
+
+def sensitivity_table(config, params: dict, windows: np.ndarray, shapes: dict, candidates: Sequence, cost: dict,
+                      spec_for, sensitivity: str = "measured", progress: bool = False, measure: Sequence | None = None
+                      ) -> tuple[dict, float, float]:
+    """``({path: {candidate: D}}, proxy seconds, measured seconds)``: the table the solvers take.
+
+    ``measure``: the candidates whose KL is measured (default :func:`measured_candidates`);
+    the others are carried from them by the proxy's ratio.
+    """
+    import time
+
+    from llmeq_jax.methods import sensitivity as sens
+
+    t0 = time.perf_counter()
+    diags = sens.hessian_diagonals(config, params, windows, progress=progress)
+    table = sens.proxy_table(params, diags, list(shapes), candidates, spec_for)
+    t_proxy = time.perf_counter() - t0
+    t_measured = 0.0
+    if sensitivity == "measured":
+        t0 = time.perf_counter()
+        measure = measured_candidates(cost, candidates) if measure is None else list(measure)
+        unknown = [k for k in measure if k not in candidates]
+        if unknown:
+            raise AllocationError(f"--measure {unknown} are not among the candidates {list(candidates)}")
+        kl = sens.measured_kl(config, params, windows, list(shapes), {k: spec_for(k) for k in measure},
+                              progress=progress)
+        table = sens.combine_table(kl, table, candidate_bits)
+        t_measured = time.perf_counter() - t0
+    return table, t_proxy, t_measured
 
 
 def allocate(config, params: dict, windows: np.ndarray, *, candidates: Sequence[int], budget_bits: float | None = None,
              budget_mb: float | None = None, group_size: int | None = 128, solver: str = "greedy",
              sensitivity: str = "measured", method: str = "rtn", name: str = "allocated",
              symmetric: bool = False, edge_min_bits: int | None = 4, max_delta: float | None = 0.5,
-             progress: bool = False) -> tuple[Recipe, dict]:
+             measure: Sequence | None = None, progress: bool = False) -> tuple[Recipe, dict]:
     """Sensitivities on ``windows`` -> allocation under the budget -> (recipe, info).
 
     ``edge_min_bits`` and ``max_delta`` are :func:`restrict`'s guards (``max_delta`` applies
@@ -314,17 +399,8 @@ def allocate(config, params: dict, windows: np.ndarray, *, candidates: Sequence[
     cost = cost_table(shapes, candidates, group_size, symmetric)
     _check_floor(cost, budget)
     spec_for = functools.partial(candidate_spec, group_size=group_size, symmetric=symmetric)
-    t0 = time.perf_counter()
-    diags = sens.hessian_diagonals(config, params, windows, progress=progress)
-    table = sens.proxy_table(params, diags, list(shapes), candidates, spec_for)
-    t_proxy = time.perf_counter() - t0
-    t_measured = 0.0
-    if sensitivity == "measured":
-        t0 = time.perf_counter()
-        deltas = sens.measured_deltas(config, params, windows, list(shapes), spec_for(candidates[0]),
-                                      progress=progress)
-        table = sens.measured_table(deltas, table, candidates[0])
-        t_measured = time.perf_counter() - t0
+    table, t_proxy, t_measured = sensitivity_table(config, params, windows, shapes, candidates, cost, spec_for,
+                                                   sensitivity, progress, measure)
     cost = restrict(cost, table, edges=edge_paths(list(shapes), config.num_layers), edge_min_bits=edge_min_bits,
                     max_delta=max_delta if sensitivity == "measured" else None)
     _check_floor(cost, budget)
@@ -343,4 +419,4 @@ def allocate(config, params: dict, windows: np.ndarray, *, candidates: Sequence[
 
 
 __all__ = ["AllocationError", "allocate", "SOLVERS", "allocation_recipe", "block_kernels", "budget_bytes", "candidate_spec",
-           "cost_table", "edge_paths", "greedy", "restrict", "lagrange", "parse_candidates", "recipe_yaml", "spec_bytes", "summary"]
+           "candidate_bits", "candidate_order", "cost_table", "edge_paths", "measured_candidates", "greedy", "restrict", "sensitivity_table", "lagrange", "parse_candidates", "recipe_yaml", "spec_bytes", "summary"]

@@ -146,6 +146,130 @@ def measured_deltas(config, params: dict, windows: np.ndarray, paths: Sequence[s
     return out
 
 
+@functools.partial(jax.jit, static_argnames=("spec",))
+def qdq(w: jax.Array, *, spec) -> jax.Array:
+    """``quantize_dequantize`` compiled once per (shape, spec)."""
+    return quantize_dequantize(w, spec)
+
+
+def _head_rows(config, params, ids) -> tuple[jax.Array, jax.Array | None]:
+    """The output head's rows for token ids ``ids``: ``([len(ids), hidden], bias or None)``."""
+    if config.tie_word_embeddings and "lm_head" not in params:
+        return jnp.asarray(params["embed"]["embedding"])[ids], None
+    lm = params["lm_head"]
+    b = lm.get("bias")
+    return jnp.asarray(lm["kernel"]).T[ids], (None if b is None else jnp.asarray(b)[ids])
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _subset_logp(config, params, rows, bias, h):
+    """Log-probabilities over the vocabulary rows ``rows`` only (renormalised over them)."""
+    from llmeq_jax.models.model import _norm_module
+
+    hn = _norm_module(config).apply({"params": params["norm"]}, h).astype(jnp.float32)
+    logits = jnp.einsum("btd,vd->btv", hn, rows.astype(jnp.float32))
+    if bias is not None:
+        logits = logits + bias.astype(jnp.float32)
+    return jax.nn.log_softmax(logits, axis=-1)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _tail_kl(config, params, stacked, rows, bias, first_block, h, ref_p, ref_logp, start):
+    """Mean over tokens of ``KL(float || this)`` when ``first_block`` replaces block ``start``."""
+    from llmeq_jax.models.model import apply_block
+
+    positions = jnp.broadcast_to(jnp.arange(h.shape[1]), h.shape[:2])
+    h = apply_block(config, first_block, h, positions, layer=0)
+
+    def body(i, h):
+        bp = jax.tree_util.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), stacked)
+        return apply_block(config, bp, h, positions, layer=0)
+
+    h = jax.lax.fori_loop(start + 1, config.num_layers, body, h)
+    logp = _subset_logp(config, params, rows, bias, h)
+    return jnp.mean(jnp.sum(ref_p * (ref_logp - logp), axis=-1))
+
+
+def measured_kl(config, params: dict, windows: np.ndarray, paths: Sequence[str], specs: dict, *,
+                top_k: int | None = 32, progress: bool = False) -> dict[str, dict]:
+    """``{path: {key: mean KL(float || only path quantized under specs[key])}}`` in nats per token.
+
+    The output distributions' KL divergence, not the change of the calibration NLL: it is
+    never negative and its noise is far below the NLL change's (a 4-bit layer moves the NLL
+    of a few hundred tokens by less than its sampling noise), while its expectation is the
+    expected loss increase to first order. The float model's block inputs and output
+    log-probabilities are computed once; each (linear, candidate) runs one compiled tail
+    (its block with the quantize-dequantized kernel, then every later block), quantized
+    inside a jit compiled once per (shape, spec).
+
+    ``top_k``: the distributions are restricted to (and renormalised over) the union of
+    every position's ``top_k`` most likely tokens under the float model -- SmolLM2's
+    49k-row output head costs as much as eight of its blocks, and the tokens outside that
+    set carry almost none of the probability. ``None``: the whole vocabulary (exact).
+    """
+    if config.sliding_window is not None:
+        raise ValueError("measured sensitivities run every block through one compiled loop, which assumes "
+                         "identical layers; this model has sliding-window layers: use --sensitivity proxy")
+    tokens = jnp.asarray(windows)
+    hs = _block_inputs(config, params, tokens)
+    if top_k is None or top_k >= config.vocab_size:
+        ids = np.arange(config.vocab_size)
+    else:
+        full = _subset_logp(config, params, *_head_rows(config, params, np.arange(config.vocab_size)), hs[-1])
+        ids = np.unique(np.asarray(jax.lax.top_k(full, top_k)[1]))
+        del full
+    rows, bias = _head_rows(config, params, ids)
+    ref_logp = _subset_logp(config, params, rows, bias, hs[-1])
+    ref_p = jnp.exp(ref_logp)
+    stacked = _stack_blocks(params, config.num_layers)
+    items = [(p, k) for p in paths for k in specs]
+    if progress:
+        from tqdm import tqdm
+
+        items = tqdm(items, desc="sensitivity", unit="run", leave=False)
+    out: dict[str, dict] = {p: {} for p in paths}
+    for p, k in items:
+        layer, _, rel = p.partition("/")
+        i = int(layer.split("_")[1])
+        block = params[layer]
+        block_q = _set(block, rel, qdq(_get(block, rel), spec=specs[k]))
+        out[p][k] = float(_tail_kl(config, params, stacked, rows, bias, block_q, hs[i], ref_p, ref_logp, i))
+    return out
+
+
+def combine_table(measured: dict[str, dict], proxy: dict[str, dict], bits_of: Callable[[Any], int]
+                  ) -> dict[str, dict]:
+    """Measured values where there are some; every other candidate carried from a measured anchor.
+
+    The anchor of an unmeasured candidate is the measured one of the same width if any (a
+    group-size variant; of several, the one with the nearest proxy value), else the nearest narrower measured width, else the nearest wider:
+    ``D[c] = D[anchor] * E[c] / E[anchor]`` with the proxy ``E`` (within one layer, whose
+    downstream amplification is common to both, the second-order model says the loss change
+    scales with the weighted noise energy). Non-positive measurements are floored at 1e-9.
+    """
+    out = {}
+    for p, row in proxy.items():
+        meas = {k: max(v, 1e-9) for k, v in measured.get(p, {}).items()}
+        res = {}
+        for c, e in row.items():
+            if c in meas:
+                res[c] = meas[c]
+                continue
+            b = bits_of(c)
+            same = [k for k in meas if bits_of(k) == b]
+            lower = sorted((k for k in meas if bits_of(k) < b), key=bits_of)
+            higher = sorted((k for k in meas if bits_of(k) > b), key=bits_of)
+            # of several same-width anchors, the one whose proxy value is closest (log scale): g64 from g128
+            same.sort(key=lambda k: abs(math.log(max(row[k], 1e-300) / max(e, 1e-300))))
+            a = same[0] if same else lower[-1] if lower else higher[0] if higher else None
+            if a is None:
+                res[c] = e
+            else:
+                res[c] = meas[a] * (e / row[a] if row[a] > 0 else 1.0)
+        out[p] = res
+    return out
+
+
 def measured_table(deltas: dict[str, float], proxy: dict[str, dict[int, float]], b0: int) -> dict[str, dict[int, float]]:
     """Measured changes at ``b0`` carried to every width by the proxy's ratio; non-positive ones floored.
 
@@ -170,5 +294,5 @@ def lagrange_coefficients(table: dict[str, dict[int, float]], weights: dict[str,
     return out
 
 
-__all__ = ["hessian_diagonals", "lagrange_coefficients", "measured_deltas", "measured_table", "proxy_table",
+__all__ = ["combine_table", "hessian_diagonals", "measured_kl", "qdq", "lagrange_coefficients", "measured_deltas", "measured_table", "proxy_table",
            "weighted_error"]

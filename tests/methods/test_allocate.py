@@ -107,7 +107,35 @@ def test_bad_budgets_are_named(kw, match):
         A.budget_bytes({"layers_0/a/kernel": (4, 4)}, **kw)
 
 
-@pytest.mark.parametrize("text", ["2,x", "4", "4,4", "1,4", "4,9"])
+def test_group_size_variants_are_candidates_with_their_own_bytes():
+    keys = A.parse_candidates("8,4g64,2,4,4c,4g256")
+    assert keys[0] == 2 and keys[-1] == 8 and set(keys) == {2, 4, "4g64", "4c", "4g256", 8}
+    assert A.candidate_spec("4g64", 128) == Spec(4, "group", group_size=64, symmetric=False)
+    assert A.candidate_spec("4c", 128) == Spec(4, "channel", symmetric=False)
+    assert A.candidate_bits("4g64") == 4 and A.candidate_bits(8) == 8
+    shapes = {"layers_0/a/kernel": (576, 64)}
+    cost = A.cost_table(shapes, keys, 128)["layers_0/a/kernel"]
+    assert cost["4c"] < cost["4g256"] < cost[4] < cost["4g64"] < cost[8]  # finer groups: more scales
+    # measured: one per width the solver could pick, not the widest (variants carried by the proxy's ratio)
+    full = A.cost_table(shapes, A.parse_candidates("2,3,4g64,4,8"), 128)
+    assert A.measured_candidates(full, A.parse_candidates("2,3,4g64,4,8")) == [2, 4]
+    # the edge guard reads a variant's width
+    out = A.restrict({"layers_0/a/kernel": cost}, {"layers_0/a/kernel": {k: 0.0 for k in keys}},
+                     edges=["layers_0/a/kernel"], edge_min_bits=4)
+    assert 2 not in out["layers_0/a/kernel"] and "4c" in out["layers_0/a/kernel"]
+
+
+def test_combine_table_carries_measurements_by_the_proxy_ratio():
+    proxy = {"p": {2: 100.0, "4c": 8.0, 4: 4.0, "4g64": 2.0, 8: 0.01}}
+    table = S.combine_table({"p": {2: 0.5, 4: 0.02}}, proxy, A.candidate_bits)["p"]
+    assert table[2] == 0.5 and table[4] == 0.02
+    assert np.isclose(table["4c"], 0.04) and np.isclose(table["4g64"], 0.01) and np.isclose(table[8], 0.02 * 0.01 / 4)
+    # two anchors of one width: a variant takes the one with the nearest proxy value
+    table = S.combine_table({"p": {2: 0.5, "4c": 0.06, 4: 0.02}}, proxy, A.candidate_bits)["p"]
+    assert table["4c"] == 0.06 and np.isclose(table["4g64"], 0.01)
+
+
+@pytest.mark.parametrize("text", ["2,x", "4", "4,4", "1,4", "4,9", "4g0,8", "4q,8"])
 def test_bad_candidates_are_named(text):
     with pytest.raises(A.AllocationError, match="--candidates"):
         A.parse_candidates(text)
@@ -147,6 +175,29 @@ def test_measured_delta_equals_a_full_forward_with_that_layer_quantized(stories)
         assert abs(direct) > 1e-3  # a real change (stories260K on wikitext can even gain from noise: no sign test)
 
 
+def test_measured_kl_equals_a_full_forward_with_that_layer_quantized(stories):
+    import jax
+
+    from llmeq_jax.models import forward
+
+    config, params, wins = stories
+    specs = {2: Spec(2, "group", group_size=32, symmetric=False), "4c": Spec(4, "channel", symmetric=False)}
+    paths = ["layers_0/attn/q_proj/kernel", "layers_3/mlp/down_proj/kernel"]
+    kl = S.measured_kl(config, params, wins, paths, specs, top_k=None)
+    approx = S.measured_kl(config, params, wins, paths, specs, top_k=8)  # the default's truncated vocabulary
+    toks = jnp.asarray(wins)
+    ref = jax.nn.log_softmax(forward(config, params, toks).astype(jnp.float32), axis=-1)
+    for p in paths:
+        for k, spec in specs.items():
+            q = S._set(params, p, quantize_dequantize(S._get(params, p), spec))
+            logp = jax.nn.log_softmax(forward(config, q, toks).astype(jnp.float32), axis=-1)
+            direct = float(jnp.mean(jnp.sum(jnp.exp(ref) * (ref - logp), axis=-1)))
+            assert np.isclose(kl[p][k], direct, rtol=1e-3, atol=1e-7), (p, k, kl[p][k], direct)
+            assert kl[p][k] > 0
+            assert np.isclose(approx[p][k], kl[p][k], rtol=0.3), (p, k, approx[p][k], kl[p][k])
+        assert kl[p][2] > kl[p]["4c"]  # 2 bits hurts more than 4
+
+
 def test_cli_allocate_writes_a_recipe_that_quantize_runs(tmp_path):
     model = str(shared_data_path("stories260K.gguf"))
     out = tmp_path / "alloc.yaml"
@@ -179,3 +230,19 @@ def test_cli_allocate_writes_a_recipe_that_quantize_runs(tmp_path):
     # the same file again without --overwrite: one clear error, nothing replaced
     again = run("allocate", model, "--budget-bits", "3.5", "--out", str(out))
     assert again.returncode == 2 and "already exists" in again.stderr
+
+
+def test_cli_allocate_measured_with_group_size_variants(tmp_path):
+    model = str(shared_data_path("stories260K.gguf"))
+    out = tmp_path / "alloc.yaml"
+    proc = subprocess.run([sys.executable, "-m", "llmeq_jax.cli", "allocate", model, "--budget-bits", "4.5",
+                           "--group-size", "32", "--candidates", "2,4c,4,8c", "--measure", "2,4",
+                           "--calib-samples", "1", "--calib-seq-len", "64", "--out", str(out), "--json"],
+                          capture_output=True, text=True, cwd=REPO, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert info["bytes"] <= info["budget_bytes"] and info["sensitivity"] == "measured"
+    specs = [r.weight for r in load_recipe(out).rules[2:]]
+    assert len(specs) == 35 and all(s.bits in (2, 4, 8) and not s.symmetric for s in specs)
+    assert all((s.granularity == "channel") == (s.bits == 8 or s.group_size is None) for s in specs)
+    assert set(info["widths"]) <= {"2", "4c", "4", "8c"}
