@@ -39,7 +39,7 @@ import numpy as np
 
 from llmeq_jax import calibrate
 from llmeq_jax.core.rules import Recipe, RecipeError, is_table, map_rules, quantize_leaf, quantize_params
-from llmeq_jax.methods import autoround, awq, gptq, rotate, smoothquant, zeroquant
+from llmeq_jax.methods import autoround, awq, folding, gptq, rotate, smoothquant, zeroquant
 
 # The calibrated methods by recipe name (a static table: adding a method is adding a line).
 CALIBRATED: dict[str, ModuleType] = {"smoothquant": smoothquant, "awq": awq, "gptq": gptq, "zeroquant": zeroquant,
@@ -56,8 +56,30 @@ def check_method(name: str) -> None:
 
 
 def needs_calibration(recipe: Recipe) -> bool:
-    """True when the recipe's method or a static activation scale needs calibration statistics."""
-    return recipe.method in CALIBRATED or any(r.act_static for r in recipe.rules)
+    """True when the recipe's method, a static activation scale or ``rotate.smooth_down`` needs calibration."""
+    return (recipe.method in CALIBRATED or any(r.act_static for r in recipe.rules)
+            or bool(recipe.rotate and recipe.rotate.get("smooth_down")))
+
+
+def smooth_down_proj(config, params: dict, windows: np.ndarray, alpha: float, calib=None, progress: bool = False):
+    """SmoothQuant's up_proj -> down_proj fold on the *float, unrotated* model (``rotate.smooth_down``).
+
+    Per block, ``s_j = max|h_j|^alpha / max|W_down_j|^(1-alpha)`` from the calibrated absmax of down_proj's
+    input ``h = silu(gate) * up`` (statistics of the float model, not sequential), folded into up_proj's
+    output columns and down_proj's rows: the same function. The rotation that follows then spreads a
+    smoothed ``h`` over all channels, so the few tokens whose ``h`` is huge in a few channels (SmolLM2's
+    massive activations) no longer set down_proj's per-tensor static scale alone.
+    """
+    calib = calib or calibrate.calibrate
+    group = folding.ScaleGroup("mlp/up_proj", "linear", ("mlp/down_proj",))
+
+    def process(layer, block, block_stats, inputs):
+        del layer, inputs
+        return smoothquant.smooth_block(config, block, block_stats, alpha, groups=[group])[0]
+
+    _, out = jax.block_until_ready(calib(config, params, windows, wants=("absmax",), process_block=process,
+                                         keep=(), progress=progress, sequential=False))
+    return out
 
 
 # --------------------------------------------------------------------------- the driver
@@ -94,6 +116,8 @@ def quantize_model(config, params: dict, recipe: Recipe, windows: np.ndarray | N
         raise RecipeError(f"recipe {recipe.name!r} ({recipe.method}) needs calibration windows")
     if recipe.rotate is not None:  # QuaRot pre-step: same function, outlier-free linear inputs
         t1 = time.perf_counter()
+        if recipe.rotate.get("smooth_down"):
+            params = smooth_down_proj(config, params, windows, recipe.rotate["smooth_down"], calib, progress)
         params = jax.block_until_ready(rotate.rotate_params(config, params, recipe.rotate))
         info["rotate"] = dict(recipe.rotate)
         info["rotate_s"] = time.perf_counter() - t1

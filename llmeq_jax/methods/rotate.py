@@ -59,7 +59,7 @@ import numpy as np
 from llmeq_jax.core.rules import RecipeError
 
 KINDS = ("hadamard", "random")
-_KEYS = {"kind": str, "seed": int, "online_down_proj": bool, "rotate_vo": bool}
+_KEYS = {"kind": str, "seed": int, "online_down_proj": bool, "rotate_vo": bool, "smooth_down": float}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +68,10 @@ class RotateSpec:
     seed: int = 0
     online_down_proj: bool = True
     rotate_vo: bool = False
+    # SmoothQuant on down_proj's input *before* the rotation (0: off): s_j = max|h_j|^a / max|W_j|^(1-a)
+    # from the float model's calibration absmax, folded into up_proj's columns and down_proj's rows; the
+    # online Hadamard then spreads the already smoothed activation (methods.smooth_down_proj).
+    smooth_down: float = 0.0
 
 
 def parse_rotate(data: Any, source: str = "recipe") -> dict | None:
@@ -83,6 +87,8 @@ def parse_rotate(data: Any, source: str = "recipe") -> dict | None:
     out = dataclasses.asdict(RotateSpec())
     for k, v in data.items():
         t = _KEYS[k]
+        if t is float and isinstance(v, int) and not isinstance(v, bool):
+            v = float(v)
         if not isinstance(v, t) or (t is int and isinstance(v, bool)):
             raise RecipeError(f"{where}.{k} must be {'true or false' if t is bool else t.__name__}, got {v!r}")
         out[k] = v
@@ -90,6 +96,10 @@ def parse_rotate(data: Any, source: str = "recipe") -> dict | None:
         raise RecipeError(f"{where}.kind must be one of {list(KINDS)}, got {out['kind']!r}")
     if out["seed"] < 0:
         raise RecipeError(f"{where}.seed must be >= 0, got {out['seed']}")
+    if not 0 <= out["smooth_down"] <= 1:
+        raise RecipeError(f"{where}.smooth_down must be in [0, 1] (0: off), got {out['smooth_down']}")
+    if out["smooth_down"] and not out["online_down_proj"]:
+        raise RecipeError(f"{where}.smooth_down needs online_down_proj: true")
     return out
 
 

@@ -131,6 +131,9 @@ def test_rotated_static_w8a8_on_stories260k():
     ({"sede": 1}, "unknown key"),
     ({"seed": "1"}, "seed must be int"),
     ({"online_down_proj": "yes"}, "true or false"),
+    ({"smooth_down": 1.5}, r"smooth_down must be in \[0, 1\]"),
+    ({"smooth_down": "0.5"}, "smooth_down must be float"),
+    ({"smooth_down": 0.5, "online_down_proj": False}, "needs online_down_proj"),
     ("hadamard", "expected a mapping"),
 ])
 def test_bad_rotate_config_is_one_clear_error(rot, msg):
@@ -150,7 +153,8 @@ def test_rotation_refuses_what_it_cannot_do():
 
 def test_recipe_round_trips_rotate():
     rec = recipe_from_dict({"name": "r", "rules": _rules(), "rotate": {"seed": 2}})
-    assert rec.rotate == {"kind": "hadamard", "seed": 2, "online_down_proj": True, "rotate_vo": False}
+    assert rec.rotate == {"kind": "hadamard", "seed": 2, "online_down_proj": True, "rotate_vo": False,
+                          "smooth_down": 0.0}
     assert recipe_from_dict(rec.to_dict()).rotate == rec.rotate
 
 
@@ -171,3 +175,71 @@ def test_act_clip_scales_the_static_scale_and_is_checked():
     rules = _rules()
     rules[-1]["act_clip"] = 0.8
     assert recipe_from_dict(recipe_from_dict({"name": "ok", "rules": rules}).to_dict()).rules[-1].act_clip == 0.8
+
+
+def test_smooth_down_keeps_the_function_and_shrinks_down_proj_input():
+    config, params = tiny_model("llama")
+    windows = tiny_windows(config, 4, 32)
+    sm = methods.smooth_down_proj(config, params, windows, 0.5)
+    toks = jnp.asarray(windows[:2])
+    np.testing.assert_allclose(forward(config, sm, toks), forward(config, params, toks), atol=2e-4, rtol=1e-4)
+    for name in ("q_proj", "o_proj"):  # only up_proj's columns and down_proj's rows change
+        np.testing.assert_array_equal(sm["layers_0"]["attn"][name]["kernel"], params["layers_0"]["attn"][name]["kernel"])
+    assert not np.allclose(sm["layers_0"]["mlp"]["up_proj"]["kernel"], params["layers_0"]["mlp"]["up_proj"]["kernel"])
+    before, _ = calibrate.calibrate(config, params, windows, wants=("absmax",))
+    after, _ = calibrate.calibrate(config, sm, windows, wants=("absmax",))
+    k = "layers_0/mlp/down_proj/kernel"
+    # max|h_j| / s_j with s_j = sqrt(max|h_j| / max|W_j|): the channels' spread shrinks
+    spread = lambda a: float(jnp.max(a) / jnp.median(a))  # noqa: E731
+    assert spread(after[k]["absmax"]) < spread(before[k]["absmax"])
+
+
+def test_smooth_down_recipe_composes_and_needs_calibration():
+    config, params = tiny_model("llama")
+    windows = tiny_windows(config, 4, 32)
+    rec = recipe_from_dict({"name": "t", "method": "rtn", "rules": _rules(),
+                            "rotate": {"kind": "hadamard", "seed": 0, "smooth_down": 0.5}})
+    assert methods.needs_calibration(rec)
+    q, info = methods.quantize_model(config, params, rec, windows)
+    assert info["rotate"]["smooth_down"] == 0.5
+    toks = jnp.asarray(windows[:2])
+    ref, out = forward(config, params, toks), forward(config, q, toks)
+    assert float(jnp.mean((out - ref) ** 2)) < 0.05 * float(jnp.mean(ref ** 2))
+    weight_only = recipe_from_dict({"name": "w", "method": "rtn", "rules": _rules(act_static=False),
+                                    "rotate": {"smooth_down": 0.5}})
+    assert methods.needs_calibration(weight_only)
+    with pytest.raises(RecipeError, match="needs calibration windows"):
+        methods.quantize_model(config, params, weight_only, None)
+
+
+@pytest.mark.parametrize("name,method,act", [
+    ("quarot-gptq-w4-g128", "gptq", None),
+    ("quarot-rtn-w4-g128", "rtn", None),
+    ("quarot-gptq-w4a8-dynamic", "gptq", ("token", False)),
+])
+def test_quarot_w4_recipes_load_and_run_on_stories260k(name, method, act):
+    from llmeq_jax.pipeline import read_recipe
+
+    recipe = read_recipe(name)
+    assert recipe.method == method and recipe.rotate["online_down_proj"] is True
+    rule = recipe.rule_for("layers_0/mlp/down_proj/kernel")
+    assert (rule.weight.bits, rule.weight.group_size, rule.weight.symmetric) == (4, 128, False)
+    assert (None if rule.act is None else (rule.act.granularity, rule.act_static)) == act
+    config, params, tok = load_model(str(shared_data_path("stories260K.gguf")))
+    windows = calibrate.calibration_windows(tok, shared_data_path("wikitext2_valid.txt"), 2, 64)
+    q, info = methods.quantize_model(config, params, recipe, windows if methods.needs_calibration(recipe) else None)
+    assert "down_rot" in q["layers_0"]["mlp"] and isinstance(q["layers_0"]["mlp"]["down_proj"]["kernel"], QArray)
+    toks = jnp.asarray(windows[:1])
+    ref, out = forward(config, params, toks), forward(config, q, toks)
+    assert bool(jnp.all(jnp.isfinite(out)))
+    assert float(jnp.mean((out - ref) ** 2)) < 0.2 * float(jnp.mean(ref ** 2))
+
+
+def test_quarot_w8a8_static_smooth_recipe_smooths_down_proj_before_rotating():
+    from llmeq_jax.pipeline import read_recipe
+
+    recipe = read_recipe("quarot-w8a8-static-smooth")
+    assert recipe.method == "rtn" and recipe.rotate["smooth_down"] == 0.5 and recipe.rotate["online_down_proj"]
+    rule = recipe.rule_for("layers_0/mlp/down_proj/kernel")
+    assert (rule.weight.bits, rule.act.bits, rule.act.granularity, rule.act_static) == (8, 8, "tensor", True)
+    assert methods.needs_calibration(recipe)
