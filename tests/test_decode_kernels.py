@@ -319,6 +319,16 @@ def test_attention_between_decode_and_prefill_sizes_stays_in_xla():
     assert not attention.native_attention_ok(q, k, k)
 
 
+def test_prefill_attention_stays_in_xla_without_simd():
+    """The scalar fallback of the kernel is for decode sizes only: a prefill without AVX2 runs XLA."""
+    q = jnp.ones((1, 32, 4, 8))
+    k = jnp.ones((1, 2, 32, 8))
+    assert attention.native_attention_ok(q, k, k)
+    with native.force_scalar():
+        assert not attention.native_attention_ok(q, k, k)
+        assert attention.native_attention_ok(q[:, :1], k, k)  # decode still native (scalar loop)
+
+
 def test_decode_attention_rejects_bad_shapes():
     q = jnp.ones((1, 1, 4, 8))
     k = jnp.ones((1, 2, 5, 8))

@@ -38,7 +38,10 @@ def native_attention_ok(q, k, v) -> bool:
     prefill-sized (blocked, online softmax, masked-out key blocks skipped: XLA materialized and
     copied the [T, S] scores)."""
     b, t = q.shape[:2]
-    if not (0 < b * t <= ops.NATIVE_MAX_ROWS["attention"] or t >= native.PREFILL_ATTENTION_MIN_POSITIONS):
+    decode = 0 < b * t <= ops.NATIVE_MAX_ROWS["attention"]
+    # The blocked prefill path is AVX2 code; without it the kernel's scalar loop would lose to XLA.
+    prefill = t >= native.PREFILL_ATTENTION_MIN_POSITIONS and native.simd()
+    if not (decode or prefill):
         return False
     if any(a.dtype != jnp.float32 for a in (q, k, v)) or jax.default_backend() != "cpu":
         return False
