@@ -62,7 +62,9 @@ native = Extension(
     "llmeq_jax._native_cpu",
     sources=["native/cpu_kernels.cc"],
     language="c++",
-    extra_compile_args=["-O3", "-g0", "-std=c++17", "-Wno-attributes", "-Wno-return-type"],
+    extra_compile_args=["-O3", "-g0", "-std=c++17", "-Wno-attributes", "-Wno-return-type",
+                        # GCC 12 flags its own AVX-512 headers (_mm512_undefined_ps) as maybe-uninitialized.
+                        "-Wno-maybe-uninitialized"],
 )
 
 setup(ext_modules=[native], cmdclass={"build_ext": OptionalNativeBuild})

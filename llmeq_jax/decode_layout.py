@@ -104,30 +104,40 @@ def _row_major_part(module) -> RowMajorKernel | None:
     return kernel if isinstance(kernel, RowMajorKernel) else None
 
 
-def _stackable(ws: list[QArray]) -> bool:
-    """Whether the (out, in) QArrays can be one kernel: same codes layout, per-row scales, no static act scale."""
+def _stackable(ws: list[QArray], axis: int = 0) -> bool:
+    """Whether the 2-D QArrays can be one, stacked along ``axis`` (their output dim): same codes
+    layout and input width, scales per output index, no static activation scale."""
     first = ws[0]
     same = all(
-        (w.bits, w.tile, w.dtype, w.pack_axis, w.act_spec, w.grid, w.shape[1], w.zero_point is None)
-        == (first.bits, first.tile, first.dtype, first.pack_axis, first.act_spec, first.grid, first.shape[1],
+        (w.bits, w.tile, w.dtype, w.pack_axis, w.act_spec, w.grid, w.shape[1 - axis], w.zero_point is None)
+        == (first.bits, first.tile, first.dtype, first.pack_axis, first.act_spec, first.grid, first.shape[1 - axis],
             first.zero_point is None)
         for w in ws
     )
-    # Per-tensor scales (tile[0] == rows) and static activation scales belong to one linear each.
-    return same and first.tile[0] == 1 and all(w.act_scale is None for w in ws)
+    # Per-tensor scales (tile[axis] == outputs) and static activation scales belong to one linear each;
+    # codes packed along the stacking axis would need every part to fill whole bytes.
+    packed_along = values_per_byte(first.bits) > 1 and first.pack_axis == axis
+    return same and first.tile[axis] == 1 and not packed_along and all(w.act_scale is None for w in ws)
+
+
+def stack_quantized(ws: list[QArray], axis: int = 0) -> QArray:
+    """One QArray holding ``ws`` one after another along ``axis`` (see :func:`_stackable`)."""
+    first = ws[0]
+    zero_point = None if first.zero_point is None else jnp.concatenate([w.zero_point for w in ws], axis=axis)
+    shape = list(first.shape)
+    shape[axis] = sum(w.shape[axis] for w in ws)
+    return dataclasses.replace(
+        first,
+        qvalue=jnp.concatenate([w.qvalue for w in ws], axis=axis),
+        scale=jnp.concatenate([w.scale for w in ws], axis=axis),
+        zero_point=zero_point,
+        shape=tuple(shape),
+    )
 
 
 def stack_rows(ws: list[QArray]) -> QArray:
     """One ``(sum out, in)`` QArray whose rows are those of ``ws`` in order (see :func:`_stackable`)."""
-    first = ws[0]
-    zero_point = None if first.zero_point is None else jnp.concatenate([w.zero_point for w in ws])
-    return dataclasses.replace(
-        first,
-        qvalue=jnp.concatenate([w.qvalue for w in ws]),
-        scale=jnp.concatenate([w.scale for w in ws]),
-        zero_point=zero_point,
-        shape=(sum(w.shape[0] for w in ws), first.shape[1]),
-    )
+    return stack_quantized(ws, axis=0)
 
 
 def _fuse_siblings(tree: dict) -> dict:
@@ -181,32 +191,47 @@ def for_decode(params, rows: int):
 PREFILL_FUSE_MAX_OUT = 4096
 
 
-def _float_kernel(module) -> jax.Array | None:
+def _prefill_kernel(module) -> jax.Array | QArray | None:
+    """The ``(in, out)`` kernel of a linear module for_prefill may fuse: float, or quantized on a uniform grid."""
     if not isinstance(module, dict) or set(module) - {"kernel", "bias"}:
         return None
     kernel = module.get("kernel")
+    if isinstance(kernel, QArray):
+        return kernel if len(kernel.shape) == 2 and kernel.grid == "uniform" else None
     return kernel if isinstance(kernel, jax.Array) and kernel.ndim == 2 else None
 
 
+def _fused_prefill_kernel(kernels: list) -> jax.Array | QArray | None:
+    """``kernels`` side by side as one ``(in, sum out)`` kernel, or None when they cannot be one."""
+    if sum(k.shape[1] for k in kernels) > PREFILL_FUSE_MAX_OUT:
+        return None
+    if all(isinstance(k, QArray) for k in kernels):
+        return stack_quantized(kernels, axis=1) if _stackable(kernels, axis=1) else None
+    if any(isinstance(k, QArray) for k in kernels) or len({(k.shape[0], k.dtype) for k in kernels}) != 1:
+        return None
+    return jnp.concatenate(kernels, axis=1)
+
+
 def for_prefill(params):
-    """``params`` with each :data:`FUSED_LINEARS` group of float ``(in, out)`` kernels (same input
-    width and dtype, biases on all or none, at most :data:`PREFILL_FUSE_MAX_OUT` outputs together)
-    concatenated into one kernel, which the model blocks then run as one product
-    (``models.layers.parallel_linears``). Outputs are unchanged (each column is the same dot
-    product). Quantized kernels stay as they are. Call once, outside the jit: it copies those kernels."""
+    """``params`` with each :data:`FUSED_LINEARS` group of ``(in, out)`` kernels (all float with the
+    same input width and dtype, or all quantized with the same codes layout and per-output scales;
+    biases on all or none; at most :data:`PREFILL_FUSE_MAX_OUT` outputs together) joined into one
+    kernel, which the model blocks then run as one product (``models.layers.parallel_linears``):
+    one activation quantization and one wider GEMM instead of two or three. Outputs are unchanged
+    (each column is the same dot product with the same scales). Call once, outside the jit: it
+    copies those kernels."""
     if not isinstance(params, dict):
         return params
     out = {k: for_prefill(v) for k, v in params.items()}
     for fused, names in FUSED_LINEARS.items():
-        kernels = [_float_kernel(out.get(n)) for n in names]
+        kernels = [_prefill_kernel(out.get(n)) for n in names]
         if any(k is None for k in kernels):
             continue
-        if len({(k.shape[0], k.dtype) for k in kernels}) != 1 or sum(k.shape[1] for k in kernels) > PREFILL_FUSE_MAX_OUT:
-            continue
+        kernel = _fused_prefill_kernel(kernels)
         biases = [out[n].get("bias") for n in names]
-        if any(b is None for b in biases) and not all(b is None for b in biases):
+        if kernel is None or (any(b is None for b in biases) and not all(b is None for b in biases)):
             continue
-        out[fused] = {"kernel": jnp.concatenate(kernels, axis=1)}
+        out[fused] = {"kernel": kernel}
         if biases[0] is not None:
             out[fused]["bias"] = jnp.concatenate(biases)
         for n in names:
@@ -214,5 +239,5 @@ def for_prefill(params):
     return out
 
 
-__all__ = ["FUSED_LINEARS", "PREFILL_FUSE_MAX_OUT", "RowMajorKernel", "for_decode", "for_prefill", "fuse_linears", "kernel_view", "stack_rows",
+__all__ = ["FUSED_LINEARS", "PREFILL_FUSE_MAX_OUT", "RowMajorKernel", "for_decode", "for_prefill", "fuse_linears", "kernel_view", "stack_quantized", "stack_rows",
            "transpose_kernel"]

@@ -50,7 +50,7 @@ _ATTN_TARGET = "llmeq_decode_attention"
 # Query positions from which the attention kernel runs its blocked prefill path (kFlashMinT in
 # native/cpu_kernels.cc); between NATIVE_MAX_ROWS["attention"] and this, XLA's attention is used.
 PREFILL_ATTENTION_MIN_POSITIONS = 16
-_ABI_VERSION = 2
+_ABI_VERSION = 3
 _DISABLED = contextvars.ContextVar("llmeq_native_disabled", default=False)
 
 
@@ -114,6 +114,24 @@ def unavailable_reason() -> str | None:
 def simd() -> bool:
     """The AVX2+FMA code runs on this CPU (else the portable scalar loops do)."""
     return available() and bool(_state.lib.llmeq_native_simd())
+
+
+def vnni() -> bool:
+    """The AVX-512 VNNI W8A8 GEMM runs on this CPU (vpdpbusd: 4x a float FMA's multiply-adds)."""
+    return available() and bool(_state.lib.llmeq_native_vnni())
+
+
+@contextlib.contextmanager
+def without_vnni():
+    """Run W8A8 GEMMs through the AVX2 code even on a VNNI CPU (tests of that path); process-wide."""
+    if not available():
+        yield
+        return
+    _state.lib.llmeq_native_allow_vnni(0)
+    try:
+        yield
+    finally:
+        _state.lib.llmeq_native_allow_vnni(1)
 
 
 @contextlib.contextmanager

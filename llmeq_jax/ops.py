@@ -52,6 +52,9 @@ BACKENDS = ("auto", "xla", "pallas")
 # 27.2 -> 48.3 (fp32 25.4). Beyond 8 rows (prefill, perplexity) XLA's GEMMs win
 # (scripts/bench_native.py --rows 512).
 NATIVE_MAX_ROWS = {"int8": 8, "int4": 8, "w8a8": 8, "nk": 8, "row_major": 8, "attention": 8}
+# ...except W8A8 on a CPU with AVX-512 VNNI: its native GEMM (vpdpbusd) beats XLA's float
+# and int8 dots at every row count (512 x 576 x 960: 1.7x fp32, XLA's int8 dot 0.8x;
+# scripts/bench_native.py --rows 512), so it takes any number of rows there.
 # Rows of a (out, in) matrix dequantized per scan step by linear_nk_xla at few rows:
 # 256 x 576 floats (0.6 MB) stay in L2; the 49k-row head never exists as floats.
 NK_CHUNK_ROWS = 256
@@ -114,8 +117,11 @@ def _native_kind(w: QArray, act: Spec | None) -> str:
 
 
 def _native_rows_ok(x: jax.Array, kind: str) -> bool:
+    from llmeq_jax import native
+
     rows = math.prod(x.shape[:-1])
-    return 0 < rows <= NATIVE_MAX_ROWS[kind] and jnp.issubdtype(x.dtype, jnp.floating)
+    limit = math.inf if kind == "w8a8" and native.vnni() else NATIVE_MAX_ROWS[kind]
+    return 0 < rows <= limit and jnp.issubdtype(x.dtype, jnp.floating)
 
 
 def _try_native(x, w, act):

@@ -62,10 +62,27 @@ bool cpu_has_avx2_fma() {
 #endif
 }
 
+// AVX-512 VNNI (vpdpbusd: 64 u8 x s8 products summed into 16 int32 per instruction, 4x the
+// MACs of a float FMA of the same width). libgcc's check includes the OS's zmm state.
+bool cpu_has_avx512_vnni() {
+#if LLMEQ_X86 && (defined(__GNUC__) || defined(__clang__))
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vnni") && cpu_has_avx2_fma();
+  return ok;
+#else
+  return false;
+#endif
+}
+
 // Set to 0 by llmeq_native_force_scalar() so tests can check the portable path here too.
 std::atomic<int> g_allow_simd{1};
 
 bool use_avx2() { return g_allow_simd.load(std::memory_order_relaxed) && cpu_has_avx2_fma(); }
+// Set to 0 by llmeq_native_allow_vnni(0) so tests can check the AVX2 code on an AVX-512 CPU too.
+std::atomic<int> g_allow_vnni{1};
+bool use_vnni() { return use_avx2() && g_allow_vnni.load(std::memory_order_relaxed) && cpu_has_avx512_vnni(); }
+// The AVX-512 float tiles of the prefill attention: on the same switch (every AVX-512 VNNI CPU has AVX-512F).
+bool use_avx512() { return use_vnni(); }
 
 // ----------------------------------------------------------------------------- threading
 
@@ -525,6 +542,8 @@ struct W8 {
   const int32_t* xsum;  // [M, G] (only with zp)
   const int32_t* xpair; // [M, P] GEMM only: (x[k], x[k+1]) int16 pairs, P pairs over all groups
   int64_t P;
+  const int8_t* xquad;  // [M, G * gq] VNNI GEMM only: x with each group zero-padded to gq values
+  int64_t gq;           // gs rounded up to a multiple of 4 (vpdpbusd sums 4 consecutive k)
 };
 
 // Pairs of contraction rows never straddle a group: group g starts at pair g * ppg.
@@ -698,15 +717,140 @@ AVX2 void w8_gemm_panel(const W8& p, int64_t c, int16_t* panel) {
     default: break;
   }
 }
+
+// ---- GEMM on AVX-512 VNNI: vpdpbusd sums four u8 x s8 products into each int32 lane.
+//
+// The weight is the unsigned operand: u = q + 128 = q ^ 0x80 (in [0, 255]), so
+//   sum_k u[k,n] x[k] = sum_k q[k,n] x[k] + 128 * xsum[m,g]
+// and the exact int32 sum of the AVX2 path is acc - 128 * xsum (|acc| <= gs * 255 * 127,
+// checked against int32 by the caller). x (int8, [-127, 127] from quantize_activations)
+// is the signed operand, four consecutive k broadcast to all lanes. After that the float
+// epilogue is w8_flush16's, so both GEMMs give the same y.
+//
+// B panel (16 columns): per group, per quad of k, 64 bytes = 16 columns x 4 k (k fastest).
+
+#define VNNI512 __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma")))
+
+constexpr int kVMR = 8;   // activation rows per micro tile
+constexpr int kVNU = 3;   // 16-column panels per micro tile (24 zmm accumulators)
+
+inline int64_t vnni_panel_bytes(const W8& p) { return p.G * p.gq * 16; }
+
+// `np` consecutive 16-column panels of u = q ^ 0x80 starting at column c (panel i at
+// dst + i * vnni_panel_bytes); k beyond a group's end (x is 0 there) as 0x80. Walks the
+// kernel row by row across all panels: a panel at a time would touch a new page per row
+// of a wide kernel (the 49k-column head).
+VNNI512 void w8v_pack_panels(const W8& p, int64_t c, int64_t np, uint8_t* dst) {
+  const __m128i flip = _mm_set1_epi8(static_cast<char>(0x80));
+  const int64_t pb = vnni_panel_bytes(p);
+  for (int64_t g = 0; g < p.G; ++g) {
+    int64_t k0 = g * p.gs, k1 = std::min(p.K, k0 + p.gs);
+    for (int64_t k = k0; k < k0 + p.gq; k += 4) {
+      uint8_t* d = dst + g * p.gq * 16 + (k - k0) * 16;
+      for (int64_t i = 0; i < np; ++i, d += pb) {
+        __m128i r[4];
+        for (int j = 0; j < 4; ++j)
+          r[j] = k + j < k1
+                     ? _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.q + (k + j) * p.N + c + 16 * i)), flip)
+                     : flip;
+        // 4 x 16 byte transpose: each column's 4 k values become contiguous.
+        __m128i a_lo = _mm_unpacklo_epi8(r[0], r[1]), a_hi = _mm_unpackhi_epi8(r[0], r[1]);
+        __m128i b_lo = _mm_unpacklo_epi8(r[2], r[3]), b_hi = _mm_unpackhi_epi8(r[2], r[3]);
+        _mm_store_si128(reinterpret_cast<__m128i*>(d), _mm_unpacklo_epi16(a_lo, b_lo));
+        _mm_store_si128(reinterpret_cast<__m128i*>(d + 16), _mm_unpackhi_epi16(a_lo, b_lo));
+        _mm_store_si128(reinterpret_cast<__m128i*>(d + 32), _mm_unpacklo_epi16(a_hi, b_hi));
+        _mm_store_si128(reinterpret_cast<__m128i*>(d + 48), _mm_unpackhi_epi16(a_hi, b_hi));
+      }
+    }
+  }
+}
+
+// Group-end epilogue for 16 columns: y += (acc - 128 xsum - xsum * zp) * s, as w8_flush16;
+// after the last group also times the row's activation scale (w8_micro's final pass, done
+// here in registers: the same two roundings without another trip through y).
+VNNI512 inline void w8v_flush16(const W8& p, int64_t m, int64_t g, int64_t c, __m512i acc) {
+  int32_t xs = p.xsum[m * p.G + g];
+  __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_set1_epi32(128 * xs)));
+  if (p.zp) f = _mm512_fnmadd_ps(_mm512_set1_ps(static_cast<float>(xs)), _mm512_loadu_ps(p.zp + g * p.N + c), f);
+  float* yp = p.y + m * p.N + c;
+  __m512 prev = g == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(yp);
+  __m512 y = _mm512_fmadd_ps(f, _mm512_loadu_ps(p.scale + g * p.N + c), prev);
+  if (g == p.G - 1) y = _mm512_mul_ps(y, _mm512_set1_ps(p.sx[m]));
+  _mm512_storeu_ps(yp, y);
+}
+
+template <int MR, int NU>
+VNNI512 void w8v_micro(const W8& p, int64_t m0, int64_t c, const uint8_t* panels) {
+  const int64_t pb = vnni_panel_bytes(p), kq = p.G * p.gq;
+  for (int64_t g = 0; g < p.G; ++g) {
+    __m512i acc[MR][NU];
+    for (int m = 0; m < MR; ++m)
+      for (int u = 0; u < NU; ++u) acc[m][u] = _mm512_setzero_si512();
+    const uint8_t* b = panels + g * p.gq * 16;
+    const int8_t* a = p.xquad + m0 * kq + g * p.gq;
+    for (int64_t j = 0; j < p.gq; j += 4, b += 64) {
+      __m512i w[NU];
+      for (int u = 0; u < NU; ++u) w[u] = _mm512_load_si512(reinterpret_cast<const void*>(b + u * pb));
+      for (int m = 0; m < MR; ++m) {
+        int32_t quad;
+        std::memcpy(&quad, a + m * kq + j, 4);
+        __m512i xa = _mm512_set1_epi32(quad);
+        for (int u = 0; u < NU; ++u) acc[m][u] = _mm512_dpbusd_epi32(acc[m][u], w[u], xa);
+      }
+    }
+    for (int m = 0; m < MR; ++m)
+      for (int u = 0; u < NU; ++u) w8v_flush16(p, m0 + m, g, c + 16 * u, acc[m][u]);
+  }
+}
+
+template <int NU>
+VNNI512 void w8v_tile(const W8& p, int64_t m, int64_t rows, int64_t c, const uint8_t* panels) {
+  switch (rows) {
+    case 8: w8v_micro<8, NU>(p, m, c, panels); break;
+    case 7: w8v_micro<7, NU>(p, m, c, panels); break;
+    case 6: w8v_micro<6, NU>(p, m, c, panels); break;
+    case 5: w8v_micro<5, NU>(p, m, c, panels); break;
+    case 4: w8v_micro<4, NU>(p, m, c, panels); break;
+    case 3: w8v_micro<3, NU>(p, m, c, panels); break;
+    case 2: w8v_micro<2, NU>(p, m, c, panels); break;
+    case 1: w8v_micro<1, NU>(p, m, c, panels); break;
+    default: break;
+  }
+}
+
+// Columns [n0, n1) of y: packs their whole panels into `panels`, then runs the tiles row
+// block by row block (a row block's stores stay on a few pages of y, however wide y is).
+VNNI512 void w8v_cols(const W8& p, int64_t n0, int64_t n1, uint8_t* panels) {
+  static_assert(kVMR == 8, "w8v_tile dispatches up to 8 rows");
+  const int64_t pb = vnni_panel_bytes(p), np = (n1 - n0) / 16;
+  w8v_pack_panels(p, n0, np, panels);
+  for (int64_t m = 0; m < p.M; m += kVMR) {
+    const int64_t rows = std::min<int64_t>(kVMR, p.M - m);
+    int64_t i = 0;
+    for (; i + kVNU <= np; i += kVNU) w8v_tile<kVNU>(p, m, rows, n0 + 16 * i, panels + i * pb);
+    for (; i < np; ++i) w8v_tile<1>(p, m, rows, n0 + 16 * i, panels + i * pb);
+  }
+  if (n0 + 16 * np < n1) w8_scalar(p, 0, p.M, n0 + 16 * np, n1);
+}
+
 #endif  // LLMEQ_X86
 
 // Rows at or below which W8A8 runs as a GEMV straight from the kernel (no packing).
 constexpr int64_t kW8GemvRows = 8;
 constexpr int64_t kW8GemmChunk = 32;  // columns per claimed chunk (two panels)
 
+// The VNNI GEMM's int32 sums of u8 (<= 255) x s8 (|x| <= 127... 128) products over one group.
+inline bool w8v_fits(const W8& p) { return p.gs <= (int64_t(1) << 31) / (255 * 128) - 1; }
+
+// Columns per claimed chunk: up to four micro tiles (fewer page walks while packing a wide
+// kernel), but at least ~8 chunks per call so two or more threads stay balanced.
+int64_t w8v_chunk(int64_t N) { return 16 * kVNU * std::clamp<int64_t>(N / (16 * kVNU * 8), 1, 4); }
+
 void w8_run(W8& p, ffi::ThreadPool* pool) {
   std::vector<int32_t> xsum, xpair;
-  if (p.zp) {
+  std::vector<int8_t> xquad;
+  bool vnni = use_vnni() && p.M > kW8GemvRows && w8v_fits(p);
+  if (p.zp || vnni) {
     xsum.assign(p.M * p.G, 0);
     for (int64_t m = 0; m < p.M; ++m)
       for (int64_t g = 0; g < p.G; ++g) {
@@ -717,8 +861,34 @@ void w8_run(W8& p, ffi::ThreadPool* pool) {
     p.xsum = xsum.data();
   }
   bool simd = use_avx2();
-  bool gemm = simd && p.M > kW8GemvRows;
+  bool gemm = simd && p.M > kW8GemvRows && !vnni;
 #if LLMEQ_X86
+  if (vnni) {
+    p.gq = cdiv(p.gs, 4) * 4;
+    if (p.gq == p.gs && p.G * p.gs == p.K) {
+      p.xquad = p.x;  // groups already whole quads: no copy
+    } else {
+      xquad.assign(p.M * p.G * p.gq, 0);
+      for (int64_t m = 0; m < p.M; ++m)
+        for (int64_t g = 0; g < p.G; ++g) {
+          int64_t k0 = g * p.gs, k1 = std::min(p.K, k0 + p.gs);
+          std::memcpy(xquad.data() + (m * p.G + g) * p.gq, p.x + m * p.K + k0, k1 - k0);
+        }
+      p.xquad = xquad.data();
+    }
+    const W8& c = p;
+    const int64_t chunk = w8v_chunk(p.N);
+    parallel_for(pool, cdiv(p.N, chunk), [&c, chunk](int64_t i) {
+      int64_t n0 = i * chunk, n1 = std::min(c.N, n0 + chunk);
+      // 64-byte aligned scratch for the chunk's panels, reused by this thread across calls.
+      thread_local std::vector<uint8_t> buf;
+      size_t need = (chunk / 16) * vnni_panel_bytes(c) + 64;
+      if (buf.size() < need) buf.resize(need);
+      uint8_t* panels = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+      w8v_cols(c, n0, n1, panels);
+    });
+    return;
+  }
   if (gemm) {
     int64_t ppg = pairs_per_group(p);
     p.P = ppg * p.G;
@@ -1392,7 +1562,7 @@ void at_group(const AT& p, int64_t b, int64_t kvh, bool simd) {
 // half of a full one, and no [T, S] score matrix is ever written out: XLA's
 // version materialized and copied it (~25 % of SmolLM2's 512-token forward).
 
-constexpr int64_t kFlashQ = 16;
+constexpr int64_t kFlashQ = 64;
 constexpr int64_t kFlashS = 64;
 constexpr int64_t kFlashMinT = 16;  // fewer query positions: at_group (decode)
 
@@ -1443,9 +1613,48 @@ AVX2 inline void flash_tile(const float* a, int64_t lda, const float* b, int64_t
   }
 }
 
+// AVX-512 version of flash_tile: RB rows x (16 * NB) columns, one zmm per 16 columns.
+#define AVX512 __attribute__((target("avx512f,avx2,fma")))
+template <int RB, int NB>
+AVX512 __attribute__((noinline)) void flash_tile512(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t K,
+                                                    float* c, int64_t ldc, bool accumulate) {
+  __m512 acc[RB][NB];
+  for (int i = 0; i < RB; ++i)
+    for (int u = 0; u < NB; ++u) acc[i][u] = accumulate ? _mm512_loadu_ps(c + i * ldc + 16 * u) : _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 bv[NB];
+    for (int u = 0; u < NB; ++u) bv[u] = _mm512_loadu_ps(b + k * ldb + 16 * u);
+    for (int i = 0; i < RB; ++i) {
+      const __m512 av = _mm512_set1_ps(a[i * lda + k]);
+      for (int u = 0; u < NB; ++u) acc[i][u] = _mm512_fmadd_ps(av, bv[u], acc[i][u]);
+    }
+  }
+  for (int i = 0; i < RB; ++i)
+    for (int u = 0; u < NB; ++u) _mm512_storeu_ps(c + i * ldc + 16 * u, acc[i][u]);
+}
+
+AVX512 __attribute__((noinline)) void flash_gemm512(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t R,
+                                                    int64_t K, int64_t N, float* c, int64_t ldc, bool accumulate) {
+  int64_t n0 = 0;
+  for (; n0 + 64 <= N; n0 += 64) {
+    int64_t r = 0;
+    for (; r + 6 <= R; r += 6) flash_tile512<6, 4>(a + r * lda, lda, b + n0, ldb, K, c + r * ldc + n0, ldc, accumulate);
+    for (; r < R; ++r) flash_tile512<1, 4>(a + r * lda, lda, b + n0, ldb, K, c + r * ldc + n0, ldc, accumulate);
+  }
+  for (; n0 < N; n0 += 16) {
+    int64_t r = 0;
+    for (; r + 8 <= R; r += 8) flash_tile512<8, 1>(a + r * lda, lda, b + n0, ldb, K, c + r * ldc + n0, ldc, accumulate);
+    for (; r < R; ++r) flash_tile512<1, 1>(a + r * lda, lda, b + n0, ldb, K, c + r * ldc + n0, ldc, accumulate);
+  }
+}
+
 // c[R][N] (+)= a[R][K] . b[K][N], N a multiple of 16, in 4-row tiles (and a remainder).
 AVX2 void flash_gemm(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t R, int64_t K, int64_t N,
                      float* c, int64_t ldc, bool accumulate) {
+  if (use_avx512()) {
+    flash_gemm512(a, lda, b, ldb, R, K, N, c, ldc, accumulate);
+    return;
+  }
   for (int64_t n0 = 0; n0 < N; n0 += 16) {
     int64_t r = 0;
     for (; r + 4 <= R; r += 4) flash_tile<4>(a + r * lda, lda, b + n0, ldb, K, c + r * ldc + n0, ldc, accumulate);
@@ -1647,5 +1856,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(llmeq_decode_attention, at_impl,
 extern "C" {
 __attribute__((visibility("default"))) int llmeq_native_simd() { return use_avx2() ? 1 : 0; }
 __attribute__((visibility("default"))) void llmeq_native_force_scalar(int on) { g_allow_simd.store(on ? 0 : 1); }
-__attribute__((visibility("default"))) int llmeq_native_abi_version() { return 2; }
+__attribute__((visibility("default"))) int llmeq_native_vnni() { return use_vnni() ? 1 : 0; }
+__attribute__((visibility("default"))) void llmeq_native_allow_vnni(int on) { g_allow_vnni.store(on ? 1 : 0); }
+__attribute__((visibility("default"))) int llmeq_native_abi_version() { return 3; }
 }

@@ -312,6 +312,22 @@ def test_prefill_attention_matches_xla_and_its_gradient(b, t, h, kv, s, d, kind)
         np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-4, atol=1e-4)
 
 
+def test_prefill_attention_avx512_tiles_equal_the_avx2_tiles():
+    """Where the CPU has AVX-512 the prefill attention's score and P.V tiles are 16 wide; every
+    output is the same sequence of FMAs over the head dim / keys, so the result is bit-identical."""
+    rng = np.random.default_rng(7)
+    b, t, h, kv, s, d = 1, 130, 6, 2, 130, 80  # D = 80: a 64-wide tile and a 16-wide one
+    q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32)
+               for shape in ((b, t, h, d), (b, kv, s, d), (b, kv, s, d)))
+    mask = _prefill_mask("causal", b, t, s, rng)
+    f = jax.jit(attention.dot_product_attention)
+    y = np.asarray(f(q, k, v, mask))
+    with native.without_vnni():
+        y_avx2 = np.asarray(f(q, k, v, mask))
+    np.testing.assert_array_equal(y, y_avx2)
+    np.testing.assert_allclose(y, np.asarray(attention.attention_xla(q, k, v, mask)), rtol=2e-5, atol=2e-5)
+
+
 def test_attention_between_decode_and_prefill_sizes_stays_in_xla():
     q = jnp.ones((1, 12, 4, 8))
     k = jnp.ones((1, 2, 12, 8))
@@ -367,3 +383,46 @@ def test_prefill_layout_leaves_quantized_and_wide_groups_apart(monkeypatch):
     monkeypatch.setattr(decode_layout, "PREFILL_FUSE_MAX_OUT", 150)  # q+k+v = 128, gate+up = 192 outputs
     narrow = decode_layout.for_prefill(params)
     assert "gate_up_proj" not in narrow["layers_1"]["mlp"] and "qkv_proj" in narrow["layers_1"]["attn"]
+
+
+@pytest.mark.parametrize("spec,act", [
+    (Spec(bits=8), Spec(bits=8, granularity="token")),                                  # W8A8
+    (Spec(bits=8), None),                                                               # int8 weight-only
+    (Spec(bits=4, granularity="group", group_size=32, symmetric=False), None),          # packed int4, zero points
+])
+def test_prefill_layout_fuses_quantized_siblings_with_the_same_outputs(spec, act):
+    """All-quantized q/k/v and gate/up with one codes layout become one (in, sum out) QArray;
+    every output column is the same product (W8A8: the same activation codes), so the logits
+    are bit-identical."""
+    from llmeq_jax.models import forward
+
+    params = init_params(CONFIG, jax.random.key(5))
+
+    def q(path, leaf):
+        name = jax.tree_util.keystr(path)
+        if "kernel" not in name or "layers_" not in name:
+            return leaf
+        w = quantize(leaf, spec)
+        return dataclasses.replace(w, act_spec=act) if act is not None else w
+
+    qparams = jax.tree_util.tree_map_with_path(q, params)
+    fused = decode_layout.for_prefill(qparams)
+    kernel = fused["layers_0"]["attn"]["qkv_proj"]["kernel"]
+    assert isinstance(kernel, QArray) and kernel.shape == (64, 128) and kernel.act_spec == act
+    assert "gate_up_proj" in fused["layers_0"]["mlp"]
+    toks = jnp.asarray(np.random.default_rng(1).integers(0, 64, (2, 24)), jnp.int32)
+    f = jax.jit(lambda p, t: forward(CONFIG, p, t))
+    np.testing.assert_array_equal(np.asarray(f(fused, toks)), np.asarray(f(qparams, toks)))
+
+
+def test_prefill_layout_keeps_quantized_siblings_of_different_layouts_apart():
+    params = init_params(CONFIG, jax.random.key(6))
+    mlp = params["layers_0"]["mlp"]
+    mlp["gate_proj"]["kernel"] = quantize(mlp["gate_proj"]["kernel"], Spec(bits=8))
+    mlp["up_proj"]["kernel"] = quantize(mlp["up_proj"]["kernel"], Spec(bits=8, symmetric=False))  # zero points
+    attn = params["layers_0"]["attn"]
+    for name in ("q_proj", "k_proj", "v_proj"):  # one scale per tensor: belongs to one linear
+        attn[name]["kernel"] = quantize(attn[name]["kernel"], Spec(bits=8, granularity="tensor"))
+    fused = decode_layout.for_prefill(params)
+    assert {"gate_proj", "up_proj"} <= set(fused["layers_0"]["mlp"])
+    assert {"q_proj", "k_proj", "v_proj"} <= set(fused["layers_0"]["attn"])

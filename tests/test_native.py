@@ -201,6 +201,56 @@ def test_w8a8_matches_xla(wname, aname, rows):
     _assert_close(y, ref, 8 * EPS * mag + 1e-30)
 
 
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()
+
+
+@needs_native
+@pytest.mark.skipif(not os.path.exists("/proc/cpuinfo"), reason="reads the CPU flags from /proc/cpuinfo (Linux)")
+def test_vnni_gemm_is_on_exactly_where_the_cpu_has_it():
+    flags = _cpu_flags()
+    expect = native.simd() and {"avx512f", "avx512bw", "avx512_vnni"} <= flags
+    assert native.vnni() == expect
+    with native.without_vnni():
+        assert not native.vnni()
+    assert native.vnni() == expect
+
+
+@needs_native
+@pytest.mark.parametrize("wname", ["int8-channel", "int8-channel-asym", "int8-g48-asym", "int8-tensor"])
+@pytest.mark.parametrize("rows,k,n", [(9, 100, 37), (130, 257, 96), (64, 100, 200)])
+def test_w8a8_vnni_and_avx2_gemms_agree_bit_for_bit(wname, rows, k, n):
+    """Many-row W8A8: the AVX-512 VNNI GEMM (where the CPU has it) and the AVX2 GEMM compute the
+    same int32 sums and the same float epilogue. Shapes: K neither a multiple of 4 nor of the group,
+    N with 16-column panels, a 48-column tile and a scalar tail; codes -128 and 127 present."""
+    act = Spec(bits=8, granularity="token")
+    w = dataclasses.replace(_weight(wname, "kn", k, n)[0], act_spec=act)
+    w = dataclasses.replace(w, qvalue=w.qvalue.at[0, 0].set(-128).at[1, 1].set(127))
+    x = jnp.asarray(_rand((rows, k), rows + n))
+    y = np.asarray(native.w8a8_kn(x, w, act))
+    with native.without_vnni():
+        y_avx2 = np.asarray(native.w8a8_kn(x, w, act))
+    np.testing.assert_array_equal(y, y_avx2)
+    xq, sx = ops.quantize_activations(x, act, None)
+    mag = (np.abs(np.asarray(xq, np.float64)) @ _abs_weight(w)) * np.asarray(sx, np.float64)
+    _assert_close(y, ops.w8a8_xla(x, w, act), 8 * EPS * mag + 1e-30)
+
+
+@needs_native
+def test_many_row_w8a8_goes_native_only_with_vnni():
+    """Prefill-sized W8A8 products take the native GEMM where it beats XLA (VNNI), else XLA's int8 dot."""
+    act = Spec(bits=8, granularity="token")
+    w = dataclasses.replace(_weight("int8-channel", "kn")[0], act_spec=act)
+    x = jnp.asarray(_rand((64, K), 5))
+    assert 64 > ops.NATIVE_MAX_ROWS["w8a8"]
+    hlo = jax.jit(lambda a: ops.linear(a, w)).lower(x).as_text()
+    assert ("llmeq_w8a8_matmul" in hlo) == native.vnni()
+
+
 # --------------------------------------------------------------------------- under transformations
 
 
