@@ -64,9 +64,7 @@ native = Extension(
     language="c++",
     extra_compile_args=["-O3", "-g0", "-std=c++17", "-Wno-attributes", "-Wno-return-type",
                         # GCC 12 flags its own AVX-512 headers (_mm512_undefined_ps) as maybe-uninitialized.
-                        "-Wno-maybe-uninitialized",
-                        # Keep register-blocked accumulator arrays (up to 24 zmm) in registers.
-                        "--param=sra-max-scalarization-size-Ospeed=2048"],
+                        "-Wno-maybe-uninitialized"],
 )
 
 setup(ext_modules=[native], cmdclass={"build_ext": OptionalNativeBuild})
