@@ -53,8 +53,8 @@ BACKENDS = ("auto", "xla", "pallas")
 # (scripts/bench_native.py --rows 512).
 NATIVE_MAX_ROWS = {"int8": 8, "int4": 8, "w8a8": 8, "nk": 8, "row_major": 8, "attention": 8}
 # ...except W8A8 on a CPU with AVX-512 VNNI: its native GEMM (vpdpbusd) beats XLA's float
-# and int8 dots at every row count (512 x 576 x 960: 1.7x fp32, XLA's int8 dot 0.8x;
-# scripts/bench_native.py --rows 512), so it takes any number of rows there.
+# and int8 dots at every row count (512 rows, SmolLM2's shapes, 2-core Xeon: 2.6-3.2x XLA's
+# fp32 dot, whose int8 dot ran 0.8-0.9x; docs/cpu-speed.md), so it takes any number of rows there.
 # Rows of a (out, in) matrix dequantized per scan step by linear_nk_xla at few rows:
 # 256 x 576 floats (0.6 MB) stay in L2; the 49k-row head never exists as floats.
 NK_CHUNK_ROWS = 256
