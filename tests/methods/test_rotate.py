@@ -242,7 +242,7 @@ def test_quarot_w8a8_static_smooth_recipe_smooths_down_proj_before_rotating():
     from llmeq_jax.pipeline import read_recipe
 
     recipe = read_recipe("quarot-w8a8-static-smooth")
-    assert recipe.method == "rtn" and recipe.rotate["smooth_down"] == 0.5 and recipe.rotate["online_down_proj"]
+    assert recipe.method == "rtn" and recipe.rotate["smooth_down"] == 0.6 and recipe.rotate["online_down_proj"]
     rule = recipe.rule_for("layers_0/mlp/down_proj/kernel")
     assert (rule.weight.bits, rule.act.bits, rule.act.granularity, rule.act_static) == (8, 8, "tensor", True)
     assert methods.needs_calibration(recipe)
