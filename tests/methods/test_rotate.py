@@ -212,18 +212,20 @@ def test_smooth_down_recipe_composes_and_needs_calibration():
         methods.quantize_model(config, params, weight_only, None)
 
 
-@pytest.mark.parametrize("name,method,act", [
-    ("quarot-gptq-w4-g128", "gptq", None),
-    ("quarot-rtn-w4-g128", "rtn", None),
-    ("quarot-gptq-w4a8-dynamic", "gptq", ("token", False)),
+@pytest.mark.parametrize("name,method,act,bits,group", [
+    ("quarot-gptq-w4-g128", "gptq", None, 4, 128),
+    ("quarot-rtn-w4-g128", "rtn", None, 4, 128),
+    ("quarot-gptq-w4a8-dynamic", "gptq", ("token", False), 4, 128),
+    ("quarot-gptq-w3-g128", "gptq", None, 3, 128),
+    ("quarot-gptq-w2-g64", "gptq", None, 2, 64),
 ])
-def test_quarot_w4_recipes_load_and_run_on_stories260k(name, method, act):
+def test_quarot_low_bit_recipes_load_and_run_on_stories260k(name, method, act, bits, group):
     from llmeq_jax.pipeline import read_recipe
 
     recipe = read_recipe(name)
     assert recipe.method == method and recipe.rotate["online_down_proj"] is True
     rule = recipe.rule_for("layers_0/mlp/down_proj/kernel")
-    assert (rule.weight.bits, rule.weight.group_size, rule.weight.symmetric) == (4, 128, False)
+    assert (rule.weight.bits, rule.weight.group_size, rule.weight.symmetric) == (bits, group, False)
     assert (None if rule.act is None else (rule.act.granularity, rule.act_static)) == act
     config, params, tok = load_model(str(shared_data_path("stories260K.gguf")))
     windows = calibrate.calibration_windows(tok, shared_data_path("wikitext2_valid.txt"), 2, 64)
@@ -232,14 +234,15 @@ def test_quarot_w4_recipes_load_and_run_on_stories260k(name, method, act):
     toks = jnp.asarray(windows[:1])
     ref, out = forward(config, params, toks), forward(config, q, toks)
     assert bool(jnp.all(jnp.isfinite(out)))
-    assert float(jnp.mean((out - ref) ** 2)) < 0.2 * float(jnp.mean(ref ** 2))
+    # 2-bit groups lose more of the function than 3-4 bits; still bounded (and finite)
+    assert float(jnp.mean((out - ref) ** 2)) < (0.5 if bits == 2 else 0.2) * float(jnp.mean(ref ** 2))
 
 
 def test_quarot_w8a8_static_smooth_recipe_smooths_down_proj_before_rotating():
     from llmeq_jax.pipeline import read_recipe
 
     recipe = read_recipe("quarot-w8a8-static-smooth")
-    assert recipe.method == "rtn" and recipe.rotate["smooth_down"] == 0.5 and recipe.rotate["online_down_proj"]
+    assert recipe.method == "rtn" and recipe.rotate["smooth_down"] == 0.6 and recipe.rotate["online_down_proj"]
     rule = recipe.rule_for("layers_0/mlp/down_proj/kernel")
     assert (rule.weight.bits, rule.act.bits, rule.act.granularity, rule.act_static) == (8, 8, "tensor", True)
     assert methods.needs_calibration(recipe)
