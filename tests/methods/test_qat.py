@@ -69,3 +69,20 @@ def test_cli_qat_saves_a_quantized_checkpoint(tmp_path):
 def test_bad_qat_settings_are_named():
     with pytest.raises(ValueError, match="learning rate"):
         qat.QATOptions(lr=float("nan"))
+
+
+def test_rtn_w3_g128_recipe_is_asymmetric_int3_groups_of_128(stories):
+    """The W3 baseline QAT is measured against (`rtn-w3-g128`): rtn-w4-g128 with 3-bit values."""
+    from llmeq_jax import methods
+    from llmeq_jax.core.qarray import QArray
+
+    config, params, _, _ = stories
+    recipe = read_recipe("rtn-w3-g128")
+    assert recipe.name == "rtn-w3-g128" and recipe.method == "rtn"
+    q, _ = methods.quantize_model(config, params, recipe, None)
+    k = q["layers_0"]["mlp"]["down_proj"]["kernel"]
+    assert isinstance(k, QArray) and k.bits == 3 and k.tile[0] == 128 and not k.symmetric
+    w = np.asarray(params["layers_0"]["mlp"]["down_proj"]["kernel"])
+    err3 = np.abs(np.asarray(k.dequantize()) - w).mean()
+    k4 = methods.quantize_model(config, params, read_recipe("rtn-w4-g128"), None)[0]["layers_0"]["mlp"]["down_proj"]["kernel"]
+    assert err3 > np.abs(np.asarray(k4.dequantize()) - w).mean() > 0
