@@ -15,10 +15,11 @@ row-major kernel (their rows stacked, :data:`FUSED_LINEARS`): one native call an
 one activation quantization instead of three or two. Each output row is still its
 own dot product, so the fused outputs equal the separate ones exactly.
 
-Prefill and perplexity (many rows) use XLA's dots on float kernels; there too one
+Prefill and perplexity (many rows) keep the ``(in, out)`` layout; there too one
 wider product beats two or three narrow ones (YNNPACK on SmolLM2's gate/up:
-[512, 576] x [576, 3072] ran 117 GFLOP/s, [576, 1536] 91). :func:`for_prefill`
-concatenates a group's float kernels along the outputs, once, outside the jit.
+[512, 576] x [576, 3072] ran 117 GFLOP/s, [576, 1536] 91), and a quantized group
+quantizes its activations once. :func:`for_prefill` joins a group's float kernels, or
+its quantized ones of one codes layout, along the outputs, once, outside the jit.
 """
 
 from __future__ import annotations

@@ -186,6 +186,10 @@ void wo_scalar(const WO& p, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
   }
 }
 
+// Few-row kn products stream the kernel (wo_kn_stream): at most these rows, and columns per chunk.
+constexpr int64_t kStreamMaxRows = 8;
+constexpr int64_t kStreamMaxCols = 512;
+
 #if LLMEQ_X86
 #define AVX2 __attribute__((target("avx2,fma")))
 
@@ -276,9 +280,6 @@ AVX2 void wo_kn_cols(const WO& p, int64_t c0, int64_t c1) {
 // folded into one pass over a per-group accumulator that stays in L1, so memory sees a
 // few long sequential streams (the column-blocked wo_kn_block touches one 64-byte line
 // per row, a strided pattern the prefetchers served at a fraction of the bandwidth).
-constexpr int64_t kStreamMaxRows = 8;
-constexpr int64_t kStreamMaxCols = 512;
-
 AVX2 void wo_kn_stream(const WO& p, int64_t c0, int64_t c1) {
   const int64_t W = c1 - c0, V = W / 8;  // whole vectors; the W % 8 tail is scalar
   const int64_t S = cdiv(W, 8) * 8;      // accumulator row stride: keeps every row 32-byte aligned
@@ -855,18 +856,18 @@ VNNI512 void w8v_cols(const W8& p, int64_t n0, int64_t n1, uint8_t* panels) {
   if (n0 + 16 * np < n1) w8_scalar(p, 0, p.M, n0 + 16 * np, n1);
 }
 
+// Columns per claimed chunk: up to four micro tiles (fewer page walks while packing a wide
+// kernel), but at least ~8 chunks per call so two or more threads stay balanced.
+int64_t w8v_chunk(int64_t N) { return 16 * kVNU * std::clamp<int64_t>(N / (16 * kVNU * 8), 1, 4); }
+
 #endif  // LLMEQ_X86
 
 // Rows at or below which W8A8 runs as a GEMV straight from the kernel (no packing).
 constexpr int64_t kW8GemvRows = 8;
 constexpr int64_t kW8GemmChunk = 32;  // columns per claimed chunk (two panels)
 
-// The VNNI GEMM's int32 sums of u8 (<= 255) x s8 (|x| <= 127... 128) products over one group.
+// The VNNI GEMM's int32 sums of u8 (<= 255) x s8 (|x| <= 128) products over one group stay in range.
 inline bool w8v_fits(const W8& p) { return p.gs <= (int64_t(1) << 31) / (255 * 128) - 1; }
-
-// Columns per claimed chunk: up to four micro tiles (fewer page walks while packing a wide
-// kernel), but at least ~8 chunks per call so two or more threads stay balanced.
-int64_t w8v_chunk(int64_t N) { return 16 * kVNU * std::clamp<int64_t>(N / (16 * kVNU * 8), 1, 4); }
 
 void w8_run(W8& p, ffi::ThreadPool* pool) {
   std::vector<int32_t> xsum, xpair;
