@@ -15,11 +15,14 @@ row-major kernel (their rows stacked, :data:`FUSED_LINEARS`): one native call an
 one activation quantization instead of three or two. Each output row is still its
 own dot product, so the fused outputs equal the separate ones exactly.
 
-Prefill and perplexity (many rows) keep the ``(in, out)`` layout; there too one
-wider product beats two or three narrow ones (YNNPACK on SmolLM2's gate/up:
+Prefill and perplexity (many rows) keep the ``(in, out)`` layout for quantized kernels; there
+too one wider product beats two or three narrow ones (YNNPACK on SmolLM2's gate/up:
 [512, 576] x [576, 3072] ran 117 GFLOP/s, [576, 1536] 91), and a quantized group
 quantizes its activations once. :func:`for_prefill` joins a group's float kernels, or
-its quantized ones of one codes layout, along the outputs, once, outside the jit.
+its quantized ones of one codes layout, along the outputs, once, outside the jit. Where the
+AVX-512 float GEMM runs (``native.avx512()``), it also packs every float kernel into 32-column
+panels (:class:`PanelKernel`), the layout that GEMM streams at the FMA ports' pace
+(``native.panel_matmul``).
 """
 
 from __future__ import annotations
@@ -44,6 +47,39 @@ class RowMajorKernel:
         """The kernel's logical ``(in, out)`` shape (what ``ops.linear`` checks)."""
         n, k = self.w.shape
         return k, n
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PanelKernel:
+    """A float ``(in, out)`` kernel packed into column panels: ``panels[c // 32, :, c % 32]`` is
+    column ``c`` (:func:`pack_panels`); the last panel is zero-padded past ``features``."""
+
+    panels: jax.Array
+    features: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The kernel's logical ``(in, out)`` shape (what ``ops.linear`` checks)."""
+        return self.panels.shape[1], self.features
+
+
+def pack_panels(w: jax.Array) -> PanelKernel:
+    """The :class:`PanelKernel` of a float ``(in, out)`` kernel (float32 panels)."""
+    from llmeq_jax.native import PANEL_COLS
+
+    if w.ndim != 2:
+        raise ValueError(f"pack_panels expects a 2-D (in, out) kernel, got shape {w.shape}")
+    k, n = w.shape
+    p = -(-n // PANEL_COLS)
+    padded = jnp.pad(w.astype(jnp.float32), ((0, 0), (0, p * PANEL_COLS - n)))
+    return PanelKernel(padded.reshape(k, p, PANEL_COLS).transpose(1, 0, 2), n)
+
+
+def unpack_panels(panels: jax.Array, features: int) -> jax.Array:
+    """The ``(in, out)`` float kernel packed in ``panels`` (the inverse of :func:`pack_panels`)."""
+    p, k, cols = panels.shape
+    return panels.transpose(1, 0, 2).reshape(k, p * cols)[:, :features]
 
 
 def _transposed(w: QArray, qvalue, bits: int, pack_axis: int) -> QArray:
@@ -186,6 +222,10 @@ def for_decode(params, rows: int):
     return fuse_linears(converted)
 
 
+# for_prefill packs float kernels into panels only while they hold at most this many bytes in all:
+# the packed copy lives beside the caller's params during an evaluation.
+PREFILL_PACK_MAX_BYTES = 2 << 30
+
 # for_prefill fuses a group only while its summed outputs stay at or under this: past it the
 # separate products are already wide enough to run at full speed, and the fused copy of a large
 # model's kernels would cost gigabytes.
@@ -213,17 +253,11 @@ def _fused_prefill_kernel(kernels: list) -> jax.Array | QArray | None:
     return jnp.concatenate(kernels, axis=1)
 
 
-def for_prefill(params):
-    """``params`` with each :data:`FUSED_LINEARS` group of ``(in, out)`` kernels (all float with the
-    same input width and dtype, or all quantized with the same codes layout and per-output scales;
-    biases on all or none; at most :data:`PREFILL_FUSE_MAX_OUT` outputs together) joined into one
-    kernel, which the model blocks then run as one product (``models.layers.parallel_linears``):
-    one activation quantization and one wider GEMM instead of two or three. Outputs are unchanged
-    (each column is the same dot product with the same scales). Call once, outside the jit: it
-    copies those kernels."""
+def _fuse_for_prefill(params):
+    """``params`` with each fusable :data:`FUSED_LINEARS` group joined (see :func:`for_prefill`)."""
     if not isinstance(params, dict):
         return params
-    out = {k: for_prefill(v) for k, v in params.items()}
+    out = {k: _fuse_for_prefill(v) for k, v in params.items()}
     for fused, names in FUSED_LINEARS.items():
         kernels = [_prefill_kernel(out.get(n)) for n in names]
         if any(k is None for k in kernels):
@@ -240,5 +274,46 @@ def for_prefill(params):
     return out
 
 
-__all__ = ["FUSED_LINEARS", "PREFILL_FUSE_MAX_OUT", "RowMajorKernel", "for_decode", "for_prefill", "fuse_linears", "kernel_view", "stack_quantized", "stack_rows",
-           "transpose_kernel"]
+def _float_kernels(params) -> list[jax.Array]:
+    leaves = jax.tree_util.tree_leaves_with_path(params, is_leaf=lambda a: isinstance(a, QArray))
+    return [a for path, a in leaves if _is_kernel(path) and isinstance(a, jax.Array) and a.ndim == 2
+            and a.dtype == jnp.float32]
+
+
+def pack_float_kernels(params):
+    """``params`` with every float32 ``(in, out)`` kernel packed as a :class:`PanelKernel`."""
+
+    def convert(path, leaf):
+        if _is_kernel(path) and isinstance(leaf, jax.Array) and leaf.ndim == 2 and leaf.dtype == jnp.float32:
+            return pack_panels(leaf)
+        return leaf
+
+    return jax.tree_util.tree_map_with_path(convert, params, is_leaf=lambda a: isinstance(a, QArray))
+
+
+def for_prefill(params):
+    """The prefill / perplexity layout of ``params``, made once, outside the jit (it copies kernels):
+
+    * each :data:`FUSED_LINEARS` group of ``(in, out)`` kernels (all float with the same input
+      width and dtype, or all quantized with the same codes layout and per-output scales; biases
+      on all or none; at most :data:`PREFILL_FUSE_MAX_OUT` outputs together) joined into one
+      kernel, which the model blocks then run as one product (``models.layers.parallel_linears``):
+      one activation quantization and one wider GEMM instead of two or three;
+    * where the native AVX-512 float GEMM runs (``native.avx512()``, native kernels on) and the
+      float32 kernels hold at most :data:`PREFILL_PACK_MAX_BYTES`, each packed as a
+      :class:`PanelKernel`, which ``ops.linear`` sends to ``native.panel_matmul``.
+
+    Outputs are unchanged up to float summation order (each column is the same dot product with
+    the same scales)."""
+    from llmeq_jax import native
+
+    fused = _fuse_for_prefill(params)
+    if not (native.enabled() and native.avx512()):
+        return fused
+    if sum(a.size * a.dtype.itemsize for a in _float_kernels(fused)) > PREFILL_PACK_MAX_BYTES:
+        return fused
+    return pack_float_kernels(fused)
+
+
+__all__ = ["FUSED_LINEARS", "PREFILL_FUSE_MAX_OUT", "PREFILL_PACK_MAX_BYTES", "PanelKernel", "RowMajorKernel", "for_decode", "for_prefill", "fuse_linears", "kernel_view", "pack_float_kernels", "pack_panels", "stack_quantized", "stack_rows",
+           "transpose_kernel", "unpack_panels"]

@@ -47,10 +47,13 @@ _W8_TARGET = "llmeq_w8a8_matmul"
 _RM_A16_TARGET = "llmeq_rm_a16"
 _RM_A8_TARGET = "llmeq_rm_a8"
 _ATTN_TARGET = "llmeq_decode_attention"
+_PANEL_TARGET = "llmeq_panel_matmul"
+# Columns per panel of a packed float kernel (kPanelCols in native/cpu_kernels.cc).
+PANEL_COLS = 32
 # Query positions from which the attention kernel runs its blocked prefill path (kFlashMinT in
 # native/cpu_kernels.cc); between NATIVE_MAX_ROWS["attention"] and this, XLA's attention is used.
 PREFILL_ATTENTION_MIN_POSITIONS = 16
-_ABI_VERSION = 3
+_ABI_VERSION = 4
 _DISABLED = contextvars.ContextVar("llmeq_native_disabled", default=False)
 
 
@@ -91,7 +94,7 @@ def _load() -> None:
         lib = ctypes.cdll.LoadLibrary(path)
         if lib.llmeq_native_abi_version() != _ABI_VERSION:
             raise OSError(f"ABI version {lib.llmeq_native_abi_version()} != {_ABI_VERSION}; rebuild the package")
-        for name in (_WO_TARGET, _W8_TARGET, _RM_A16_TARGET, _RM_A8_TARGET, _ATTN_TARGET):
+        for name in (_WO_TARGET, _W8_TARGET, _RM_A16_TARGET, _RM_A8_TARGET, _ATTN_TARGET, _PANEL_TARGET):
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
     except (OSError, AttributeError) as e:  # a stale or foreign build: XLA still works
         _state.reason = f"the native CPU library {path} could not be loaded: {e}"
@@ -119,6 +122,12 @@ def simd() -> bool:
 def vnni() -> bool:
     """The AVX-512 VNNI W8A8 GEMM runs on this CPU (vpdpbusd: 4x a float FMA's multiply-adds)."""
     return available() and bool(_state.lib.llmeq_native_vnni())
+
+
+def avx512() -> bool:
+    """The AVX-512 float tiles run on this CPU: packed-panel prefill GEMMs (:func:`panel_matmul`) and
+    the prefill attention's wide tiles. On the same switch as :func:`vnni`."""
+    return available() and bool(_state.lib.llmeq_native_avx512())
 
 
 @contextlib.contextmanager
@@ -462,6 +471,26 @@ def row_major_matmul(x: jax.Array, w: QArray, act=None) -> jax.Array:
     return f(x, w)
 
 
+def _panel_forward(x: jax.Array, panels: jax.Array, n: int) -> jax.Array:
+    _require(None, "panel_matmul")
+    x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    out = jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32)
+    y = jax.ffi.ffi_call(_PANEL_TARGET, out, vmap_method="sequential")(x2, panels)
+    return y.reshape(*x.shape[:-1], n).astype(x.dtype)
+
+
+def panel_matmul(x: jax.Array, panels: jax.Array, n: int) -> jax.Array:
+    """``x @ w`` for a float kernel packed as ``decode_layout.pack_panels`` does: ``panels`` is
+    ``[ceil(n / 32), K, 32]`` float32 (column ``c`` of ``w`` at ``panels[c // 32, :, c % 32]``)."""
+    if panels.ndim != 3 or panels.shape[2] != PANEL_COLS or panels.shape[0] != -(-n // PANEL_COLS):
+        raise ValueError(f"native.panel_matmul: panels must be [ceil({n}/32), K, 32], got {panels.shape}")
+    _check_x(x, panels.shape[1], "panel_matmul")
+    from llmeq_jax.decode_layout import unpack_panels
+
+    f = _with_xla_grad(lambda a, b: _panel_forward(a, b, n), lambda a, b: a @ unpack_panels(b, n).astype(a.dtype))
+    return f(x, panels)
+
+
 def _attention_forward(q, k, v, mask, masked: float):
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     call = jax.ffi.ffi_call(_ATTN_TARGET, out, vmap_method="sequential")
@@ -499,12 +528,15 @@ def _w8_int32_for_tests(xq2: jax.Array, q: jax.Array, group_size: int) -> jax.Ar
 
 
 __all__ = [
+    "PANEL_COLS",
     "available",
+    "avx512",
     "decode_attention",
     "disabled",
     "enabled",
     "force_scalar",
     "library_path",
+    "panel_matmul",
     "row_major_matmul",
     "simd",
     "supports_kn",

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from llmeq_jax import kernel_dispatch
 from llmeq_jax.core.qarray import QArray, int_range, values_per_byte
 from llmeq_jax.core.quantize import Spec
-from llmeq_jax.decode_layout import RowMajorKernel, kernel_view
+from llmeq_jax.decode_layout import PanelKernel, RowMajorKernel, kernel_view, unpack_panels
 
 # Up to this many rows of activations, weight-only avoids materialising the
 # dequantized kernel (chunked scan on CPU, multiply-reduce elsewhere).
@@ -86,6 +86,9 @@ def linear(
     _check_shapes(x, w)
     if isinstance(w, RowMajorKernel):
         y = _linear_row_major(x, w.w, act if act is not None else w.w.act_spec, backend)
+        return y if bias is None else y + bias.astype(y.dtype)
+    if isinstance(w, PanelKernel):
+        y = _linear_panels(x, w, backend)
         return y if bias is None else y + bias.astype(y.dtype)
     if not isinstance(w, QArray):
         y = jnp.matmul(x, w.astype(x.dtype))
@@ -140,6 +143,16 @@ def _try_native(x, w, act):
     if native.supports_kn(w) is not None or not native.enabled():
         return None
     return native.weight_only_kn(x, w)
+
+
+def _linear_panels(x, w: PanelKernel, backend):
+    """``x @ kernel`` for a float kernel packed in panels: the native AVX-512 GEMM, else XLA."""
+    if backend == "auto" and jax.default_backend() == "cpu" and x.dtype == jnp.float32 and math.prod(x.shape[:-1]) > 0:
+        from llmeq_jax import native
+
+        if native.enabled() and native.avx512():
+            return native.panel_matmul(x, w.panels, w.features)
+    return jnp.matmul(x, unpack_panels(w.panels, w.features).astype(x.dtype))
 
 
 def _linear_row_major(x, w: QArray, act, backend):

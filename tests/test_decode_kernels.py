@@ -10,6 +10,7 @@ index moves the result by orders more. W8A8 integer sums must be exact.
 from __future__ import annotations
 
 import dataclasses
+import os
 import functools
 
 import jax
@@ -426,3 +427,74 @@ def test_prefill_layout_keeps_quantized_siblings_of_different_layouts_apart():
     fused = decode_layout.for_prefill(params)
     assert {"gate_proj", "up_proj"} <= set(fused["layers_0"]["mlp"])
     assert {"q_proj", "k_proj", "v_proj"} <= set(fused["layers_0"]["attn"])
+
+
+# --------------------------------------------------------------------------- packed float panels
+
+
+@pytest.mark.parametrize("shape", [(512, 576, 960), (37, 100, 70), (1, 64, 32), (13, 2500, 33), (25, 7, 100)])
+def test_panel_matmul_matches_float64(shape):
+    """Partial last panels, row counts off the 12-row tile, K split in blocks past 2048."""
+    m, k, n = shape
+    x, w = _rand((m, k), 1), _rand((k, n), 2)
+    packed = decode_layout.pack_panels(jnp.asarray(w))
+    y = np.asarray(jax.jit(lambda a, p: ops.linear(a, p))(jnp.asarray(x), packed))
+    ref = x.astype(np.float64) @ w.astype(np.float64)
+    bound = 4 * k * EPS * (np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64))
+    assert y.shape == (m, n) and np.all(np.abs(y - ref) <= bound + 1e-30)
+
+
+def test_pack_panels_round_trip_pads_with_zeros():
+    w = jnp.asarray(_rand((40, 70), 3))
+    packed = decode_layout.pack_panels(w)
+    assert packed.panels.shape == (3, 40, 32) and packed.shape == (40, 70)
+    np.testing.assert_array_equal(np.asarray(decode_layout.unpack_panels(packed.panels, 70)), np.asarray(w))
+    assert not np.any(np.asarray(packed.panels)[2, :, 70 - 64:])
+
+
+def test_panel_linear_keeps_batch_dims_bias_and_the_xla_gradient():
+    x, w, b = jnp.asarray(_rand((2, 9, 48), 4)), jnp.asarray(_rand((48, 40), 5)), jnp.asarray(_rand((40,), 6))
+    packed = decode_layout.pack_panels(w)
+    y = jax.jit(lambda a, p: ops.linear(a, p, b))(x, packed)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(x @ w + b), rtol=1e-5, atol=1e-5)
+    g = jax.grad(lambda a, p: jnp.sum(ops.linear(a, p) ** 2), argnums=(0, 1))(x, packed)
+    g_ref = jax.grad(lambda a, ww: jnp.sum((a @ ww) ** 2), argnums=(0, 1))(x, w)
+    np.testing.assert_allclose(np.asarray(g[0]), np.asarray(g_ref[0]), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(decode_layout.unpack_panels(g[1].panels, 40)), np.asarray(g_ref[1]),
+                               rtol=1e-4, atol=1e-4)
+    with native.disabled():  # the XLA fallback reads the same panels
+        np.testing.assert_allclose(np.asarray(ops.linear(x, packed, b)), np.asarray(y), rtol=1e-5, atol=1e-5)
+
+
+def test_panel_matmul_rejects_panels_of_the_wrong_shape():
+    x = jnp.ones((3, 16), jnp.float32)
+    with pytest.raises(ValueError, match=r"panels must be \[ceil\(40/32\), K, 32\]"):
+        native.panel_matmul(x, jnp.ones((1, 16, 32), jnp.float32), 40)
+    with pytest.raises(ValueError, match="x has 16 features, the weight contracts 8"):
+        native.panel_matmul(x, jnp.ones((2, 8, 32), jnp.float32), 40)
+
+
+def test_avx512_detection_matches_the_cpu_flags():
+    flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else []
+    if native.avx512():
+        assert "avx512f" in flags
+    else:
+        assert not ({"avx512f", "avx512bw", "avx512_vnni", "avx2", "fma"} <= set(flags))
+
+
+def test_prefill_layout_packs_float_kernels_where_the_avx512_gemm_runs():
+    from llmeq_jax.models import forward
+
+    params = init_params(CONFIG, jax.random.key(7))
+    params["layers_1"]["mlp"]["down_proj"]["kernel"] = quantize(params["layers_1"]["mlp"]["down_proj"]["kernel"],
+                                                                Spec(bits=8))
+    packed = decode_layout.for_prefill(params)
+    with native.disabled():
+        plain = decode_layout.for_prefill(params)
+    assert isinstance(plain["layers_0"]["attn"]["qkv_proj"]["kernel"], jax.Array)
+    kernels = [packed["layers_0"]["attn"]["qkv_proj"]["kernel"], packed["layers_0"]["mlp"]["down_proj"]["kernel"]]
+    assert all(isinstance(k, decode_layout.PanelKernel) for k in kernels) == native.avx512()
+    assert isinstance(packed["layers_1"]["mlp"]["down_proj"]["kernel"], QArray)  # quantized stays as it was
+    toks = jnp.asarray(np.random.default_rng(2).integers(0, 64, (2, 24)), jnp.int32)
+    f = jax.jit(lambda p, t: forward(CONFIG, p, t))
+    np.testing.assert_allclose(np.asarray(f(packed, toks)), np.asarray(f(plain, toks)), rtol=1e-5, atol=1e-5)

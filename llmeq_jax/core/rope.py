@@ -30,15 +30,30 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: tuple | None) -> np.ndar
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
+def _tables(angles: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """``(cos, sin)`` of ``positions`` [B, T] times ``inv_freq``: [B, T, head_dim / 2] each."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    if jax.default_backend() != "cpu":
+        return _tables(angles)
+    # XLA CPU fuses cos / sin into the rotation and evaluates them again for every head (9x for
+    # SmolLM2's queries: 0.8 ms of a 20 ms prefill layer, vs 0.1 ms with the tables computed once).
+    # A conditional is a fusion boundary XLA keeps (optimization_barrier is dropped before fusion
+    # on CPU); both branches are the same, so its predicate does not matter.
+    return jax.lax.cond(positions.size > 0 and positions.reshape(-1)[0] >= 0, _tables, _tables, angles)
+
+
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, *, heads_axis: int = 2) -> jax.Array:
     """Rotate ``x`` by ``positions`` [B, T] (rotate-half layout, as in HF Llama).
 
     ``x`` is [B, T, H, D] (``heads_axis=2``, the models' layout) or [B, H, T, D]
     (``heads_axis=1``, the KV cache's layout).
     """
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, D/2]
-    angles = jnp.expand_dims(jnp.concatenate([angles, angles], axis=-1), heads_axis)  # [B, T, 1, D] / [B, 1, T, D]
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    cos, sin = (jnp.expand_dims(jnp.concatenate([a, a], axis=-1), heads_axis)  # [B, T, 1, D] / [B, 1, T, D]
+                for a in rope_tables(positions, inv_freq))
     xf = x.astype(jnp.float32)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
