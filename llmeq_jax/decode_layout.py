@@ -53,15 +53,28 @@ class RowMajorKernel:
 @dataclasses.dataclass(frozen=True)
 class PanelKernel:
     """A float ``(in, out)`` kernel packed into column panels: ``panels[c // 32, :, c % 32]`` is
-    column ``c`` (:func:`pack_panels`); the last panel is zero-padded past ``features``."""
+    column ``c`` (:func:`pack_panels`); the last panel is zero-padded past ``features``.
+
+    ``swiglu``: a SwiGLU MLP's joined gate/up kernel, ``(in, 2 * features)``, packed by
+    :func:`pack_swiglu_panels`; ``ops.swiglu`` runs it (``silu(x @ gate) * (x @ up)``, ``features``
+    outputs), ``ops.linear`` does not take it."""
 
     panels: jax.Array
     features: int = dataclasses.field(metadata=dict(static=True))
+    swiglu: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, int]:
-        """The kernel's logical ``(in, out)`` shape (what ``ops.linear`` checks)."""
-        return self.panels.shape[1], self.features
+        """The kernel's logical ``(in, out)`` shape (gate and up side by side for ``swiglu``)."""
+        return self.panels.shape[1], self.features * (2 if self.swiglu else 1)
+
+
+def _column_panels(w: jax.Array, width: int) -> jax.Array:
+    """``w`` (in, n) zero-padded to whole ``width``-column panels: [ceil(n / width), in, width] float32."""
+    k, n = w.shape
+    p = -(-n // width)
+    padded = jnp.pad(w.astype(jnp.float32), ((0, 0), (0, p * width - n)))
+    return padded.reshape(k, p, width).transpose(1, 0, 2)
 
 
 def pack_panels(w: jax.Array) -> PanelKernel:
@@ -70,16 +83,32 @@ def pack_panels(w: jax.Array) -> PanelKernel:
 
     if w.ndim != 2:
         raise ValueError(f"pack_panels expects a 2-D (in, out) kernel, got shape {w.shape}")
-    k, n = w.shape
-    p = -(-n // PANEL_COLS)
-    padded = jnp.pad(w.astype(jnp.float32), ((0, 0), (0, p * PANEL_COLS - n)))
-    return PanelKernel(padded.reshape(k, p, PANEL_COLS).transpose(1, 0, 2), n)
+    return PanelKernel(_column_panels(w, PANEL_COLS), w.shape[1])
 
 
-def unpack_panels(panels: jax.Array, features: int) -> jax.Array:
-    """The ``(in, out)`` float kernel packed in ``panels`` (the inverse of :func:`pack_panels`)."""
+def pack_swiglu_panels(gate_up: jax.Array) -> PanelKernel:
+    """The ``swiglu`` :class:`PanelKernel` of a joined ``(in, 2 I)`` gate/up kernel (gate first):
+    each panel holds 16 gate columns then the 16 matching up columns."""
+    from llmeq_jax.native import PANEL_COLS
+
+    if gate_up.ndim != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"pack_swiglu_panels expects an (in, 2 * intermediate) kernel, got shape {gate_up.shape}")
+    i = gate_up.shape[1] // 2
+    half = PANEL_COLS // 2
+    gate, up = _column_panels(gate_up[:, :i], half), _column_panels(gate_up[:, i:], half)
+    return PanelKernel(jnp.concatenate([gate, up], axis=-1), i, swiglu=True)
+
+
+def unpack_panels(panels: jax.Array, features: int, *, swiglu: bool = False) -> jax.Array:
+    """The ``(in, out)`` float kernel packed in ``panels`` (the inverse of :func:`pack_panels`, or of
+    :func:`pack_swiglu_panels`: ``(in, 2 * features)``, gate then up)."""
     p, k, cols = panels.shape
-    return panels.transpose(1, 0, 2).reshape(k, p * cols)[:, :features]
+    if not swiglu:
+        return panels.transpose(1, 0, 2).reshape(k, p * cols)[:, :features]
+    half = cols // 2
+    gate = panels[..., :half].transpose(1, 0, 2).reshape(k, p * half)[:, :features]
+    up = panels[..., half:].transpose(1, 0, 2).reshape(k, p * half)[:, :features]
+    return jnp.concatenate([gate, up], axis=1)
 
 
 def _transposed(w: QArray, qvalue, bits: int, pack_axis: int) -> QArray:
@@ -281,11 +310,14 @@ def _float_kernels(params) -> list[jax.Array]:
 
 
 def pack_float_kernels(params):
-    """``params`` with every float32 ``(in, out)`` kernel packed as a :class:`PanelKernel`."""
+    """``params`` with every float32 ``(in, out)`` kernel packed as a :class:`PanelKernel`; a joined
+    SwiGLU ``gate_up_proj`` kernel (the only user of that name, ``models.llama.SwiGLU``) as a
+    ``swiglu`` one."""
 
     def convert(path, leaf):
         if _is_kernel(path) and isinstance(leaf, jax.Array) and leaf.ndim == 2 and leaf.dtype == jnp.float32:
-            return pack_panels(leaf)
+            names = [getattr(k, "key", None) for k in path]
+            return pack_swiglu_panels(leaf) if "gate_up_proj" in names else pack_panels(leaf)
         return leaf
 
     return jax.tree_util.tree_map_with_path(convert, params, is_leaf=lambda a: isinstance(a, QArray))
@@ -301,7 +333,9 @@ def for_prefill(params):
       one activation quantization and one wider GEMM instead of two or three;
     * where the native AVX-512 float GEMM runs (``native.avx512()``, native kernels on) and the
       float32 kernels hold at most :data:`PREFILL_PACK_MAX_BYTES`, each packed as a
-      :class:`PanelKernel`, which ``ops.linear`` sends to ``native.panel_matmul``.
+      :class:`PanelKernel`, which ``ops.linear`` sends to ``native.panel_matmul``; a tied
+      model's float32 token table also gets a packed copy as the head's ``lm_head`` (the
+      lookup keeps reading the table).
 
     Outputs are unchanged up to float summation order (each column is the same dot product with
     the same scales)."""
@@ -310,10 +344,23 @@ def for_prefill(params):
     fused = _fuse_for_prefill(params)
     if not (native.enabled() and native.avx512()):
         return fused
-    if sum(a.size * a.dtype.itemsize for a in _float_kernels(fused)) > PREFILL_PACK_MAX_BYTES:
+    table = _tied_head_table(fused)
+    kernels = _float_kernels(fused) + ([] if table is None else [table])
+    if sum(a.size * a.dtype.itemsize for a in kernels) > PREFILL_PACK_MAX_BYTES:
         return fused
-    return pack_float_kernels(fused)
+    packed = pack_float_kernels(fused)
+    if table is not None:  # models.model.head runs an lm_head when the tree has one
+        packed = {**packed, "lm_head": {"kernel": pack_panels(table.T)}}
+    return packed
 
 
-__all__ = ["FUSED_LINEARS", "PREFILL_FUSE_MAX_OUT", "PREFILL_PACK_MAX_BYTES", "PanelKernel", "RowMajorKernel", "for_decode", "for_prefill", "fuse_linears", "kernel_view", "pack_float_kernels", "pack_panels", "stack_quantized", "stack_rows",
+def _tied_head_table(params) -> jax.Array | None:
+    """The float32 token table a tied model's head multiplies by (its tree has no ``lm_head``), else None."""
+    if not isinstance(params, dict) or "lm_head" in params:
+        return None
+    table = params.get("embed", {}).get("embedding") if isinstance(params.get("embed"), dict) else None
+    return table if isinstance(table, jax.Array) and table.ndim == 2 and table.dtype == jnp.float32 else None
+
+
+__all__ = ["FUSED_LINEARS", "PREFILL_FUSE_MAX_OUT", "PREFILL_PACK_MAX_BYTES", "PanelKernel", "RowMajorKernel", "for_decode", "for_prefill", "fuse_linears", "kernel_view", "pack_float_kernels", "pack_panels", "pack_swiglu_panels", "stack_quantized", "stack_rows",
            "transpose_kernel", "unpack_panels"]

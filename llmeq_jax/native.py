@@ -471,23 +471,33 @@ def row_major_matmul(x: jax.Array, w: QArray, act=None) -> jax.Array:
     return f(x, w)
 
 
-def _panel_forward(x: jax.Array, panels: jax.Array, n: int) -> jax.Array:
+def _panel_forward(x: jax.Array, panels: jax.Array, n: int, swiglu: bool) -> jax.Array:
     _require(None, "panel_matmul")
     x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     out = jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32)
-    y = jax.ffi.ffi_call(_PANEL_TARGET, out, vmap_method="sequential")(x2, panels)
+    y = jax.ffi.ffi_call(_PANEL_TARGET, out, vmap_method="sequential")(x2, panels, swiglu=int(swiglu))
     return y.reshape(*x.shape[:-1], n).astype(x.dtype)
 
 
-def panel_matmul(x: jax.Array, panels: jax.Array, n: int) -> jax.Array:
-    """``x @ w`` for a float kernel packed as ``decode_layout.pack_panels`` does: ``panels`` is
-    ``[ceil(n / 32), K, 32]`` float32 (column ``c`` of ``w`` at ``panels[c // 32, :, c % 32]``)."""
-    if panels.ndim != 3 or panels.shape[2] != PANEL_COLS or panels.shape[0] != -(-n // PANEL_COLS):
-        raise ValueError(f"native.panel_matmul: panels must be [ceil({n}/32), K, 32], got {panels.shape}")
-    _check_x(x, panels.shape[1], "panel_matmul")
+def _panel_reference(x: jax.Array, panels: jax.Array, n: int, swiglu: bool) -> jax.Array:
     from llmeq_jax.decode_layout import unpack_panels
 
-    f = _with_xla_grad(lambda a, b: _panel_forward(a, b, n), lambda a, b: a @ unpack_panels(b, n).astype(a.dtype))
+    y = x @ unpack_panels(panels, n, swiglu=swiglu).astype(x.dtype)
+    return jax.nn.silu(y[..., :n]) * y[..., n:] if swiglu else y
+
+
+def panel_matmul(x: jax.Array, panels: jax.Array, n: int, *, swiglu: bool = False) -> jax.Array:
+    """``x @ w`` for a float kernel packed as ``decode_layout.pack_panels`` does: ``panels`` is
+    ``[ceil(n / 32), K, 32]`` float32 (column ``c`` of ``w`` at ``panels[c // 32, :, c % 32]``).
+
+    ``swiglu``: ``panels`` is a SwiGLU gate/up kernel packed by ``decode_layout.pack_swiglu_panels``
+    (``[ceil(n / 16), K, 32]``, 16 gate then the 16 matching up columns per panel) and the result
+    is ``silu(x @ gate) * (x @ up)``, ``n`` columns."""
+    width = PANEL_COLS // 2 if swiglu else PANEL_COLS
+    if panels.ndim != 3 or panels.shape[2] != PANEL_COLS or panels.shape[0] != -(-n // width):
+        raise ValueError(f"native.panel_matmul: panels must be [ceil({n}/{width}), K, 32], got {panels.shape}")
+    _check_x(x, panels.shape[1], "panel_matmul")
+    f = _with_xla_grad(lambda a, b: _panel_forward(a, b, n, swiglu), lambda a, b: _panel_reference(a, b, n, swiglu))
     return f(x, panels)
 
 

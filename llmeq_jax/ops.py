@@ -147,12 +147,38 @@ def _try_native(x, w, act):
 
 def _linear_panels(x, w: PanelKernel, backend):
     """``x @ kernel`` for a float kernel packed in panels: the native AVX-512 GEMM, else XLA."""
-    if backend == "auto" and jax.default_backend() == "cpu" and x.dtype == jnp.float32 and math.prod(x.shape[:-1]) > 0:
+    if w.swiglu:
+        raise ValueError("linear: a swiglu-packed gate/up kernel (decode_layout.pack_swiglu_panels) runs through ops.swiglu")
+    if _panels_native(x, backend):
         from llmeq_jax import native
 
-        if native.enabled() and native.avx512():
-            return native.panel_matmul(x, w.panels, w.features)
+        return native.panel_matmul(x, w.panels, w.features)
     return jnp.matmul(x, unpack_panels(w.panels, w.features).astype(x.dtype))
+
+
+def _panels_native(x, backend) -> bool:
+    if backend != "auto" or jax.default_backend() != "cpu" or x.dtype != jnp.float32 or math.prod(x.shape[:-1]) == 0:
+        return False
+    from llmeq_jax import native
+
+    return native.enabled() and native.avx512()
+
+
+def swiglu(x: jax.Array, w: PanelKernel, *, backend: str = "auto") -> jax.Array:
+    """``silu(x @ gate) * (x @ up)`` for a SwiGLU gate/up kernel packed by
+    ``decode_layout.pack_swiglu_panels``: one native pass (the activation applied in the GEMM's
+    registers), else XLA."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {list(BACKENDS)}")
+    if not (isinstance(w, PanelKernel) and w.swiglu):
+        raise ValueError("swiglu: expects a kernel packed by decode_layout.pack_swiglu_panels")
+    _check_shapes(x, w)
+    if _panels_native(x, backend):
+        from llmeq_jax import native
+
+        return native.panel_matmul(x, w.panels, w.features, swiglu=True)
+    y = jnp.matmul(x, unpack_panels(w.panels, w.features, swiglu=True).astype(x.dtype))
+    return jax.nn.silu(y[..., : w.features]) * y[..., w.features :]
 
 
 def _linear_row_major(x, w: QArray, act, backend):

@@ -378,6 +378,13 @@ AVX2 inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+AVX2 inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
 // nk: R weight rows (outputs n0..n0+R) x MT activation rows. Each row is a contiguous
 // dot product: vector partial sums per group, scaled per group, one horizontal sum at
 // the end. R rows at once give R independent FMA chains (latency) and R streams.
@@ -1644,6 +1651,41 @@ AVX2 inline void flash_tile(const float* a, int64_t lda, const float* b, int64_t
 
 // AVX-512 version of flash_tile: RB rows x (16 * NB) columns, one zmm per 16 columns.
 #define AVX512 __attribute__((target("avx512f,avx2,fma")))
+
+// exp256's steps on 16 lanes: every lane's result is exp256's, bit for bit.
+AVX512 inline __m512 exp512(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.3365447504f);
+  x = _mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f));
+  const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_max_ps(x, lo);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~under), _mm512_mul_ps(y, _mm512_castsi512_ps(e)));
+}
+
+// row[j] = exp(row[j] - m) for j < n (a multiple of 16); returns their sum, added up in the
+// same order as the 8-lane loop of flash_task (so both give the same bits).
+AVX512 __attribute__((noinline)) float exp_row512(float* row, int64_t n, float m) {
+  const __m512 mv = _mm512_set1_ps(m);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; j += 16) {
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(row + j), mv));
+    _mm512_storeu_ps(row + j, e);
+    acc = _mm256_add_ps(acc, _mm512_castps512_ps256(e));
+    acc = _mm256_add_ps(acc, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
+  }
+  return hsum(acc);
+}
 template <int RB, int NB>
 AVX512 __attribute__((noinline)) void flash_tile512(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t K,
                                                     float* c, int64_t ldc, bool accumulate) {
@@ -1686,19 +1728,35 @@ AVX512 __attribute__((noinline)) void flash_gemm512(const float* a, int64_t lda,
 // weight loads and twelve broadcasts per k) runs at the FMA ports' pace. The whole K
 // runs in one pass while a panel stays in L2 (K <= kPanelMaxK); a longer K is split in
 // even blocks that accumulate into y.
+//
+// A SwiGLU MLP's gate/up kernel is packed with each panel holding 16 gate columns and the
+// 16 matching up columns, and the tile stores silu(gate) * up: the [M, 2I] product and the
+// elementwise pass over it (~0.3 ms of a 20 ms SmolLM2 layer) never exist.
 constexpr int64_t kPanelMaxK = 2048;
 
-// y[R, 32] (+)= x[R, 0:kc] @ panel[0:kc, 32]. While it runs it also prefetches `pf_k` rows of
-// the next panel (two lines each) into L2: in a model every panel comes from DRAM, and the
-// hardware prefetchers alone left +8 % on gate/up (cold weights) against the same call with
-// the weights in cache.
-template <int R>
-AVX512 __attribute__((noinline)) void panel_tile(const float* x, int64_t ldx, const float* panel, int64_t kc, float* y,
-                                                 int64_t ldy, bool accumulate, const float* pf, int64_t pf_k) {
+// silu(g) * u = g / (1 + exp(-g)) * u, 16 lanes (exp256, the attention's, by halves).
+AVX512 inline __m512 swiglu512(__m512 g, __m512 u) {
+  const __m512 neg = _mm512_sub_ps(_mm512_setzero_ps(), g);
+  const __m256 lo = exp256(_mm512_castps512_ps256(neg));
+  const __m256 hi = exp256(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(neg), 1)));
+  const __m512 e = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
+  return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), u);
+}
+
+// One 32-column panel's product for R rows over kc positions of K: acc = (in, when given, with
+// row stride ld_in) + x[R, 0:kc] @ panel[0:kc, 32]; stored as 32 columns, or with SWIGLU (the
+// panel's columns are 16 gate then the 16 matching up columns) as silu(gate) * up, 16 columns.
+// While it runs it also prefetches `pf_k` rows of the next panel (two lines each) into L2: in a
+// model every panel comes from DRAM, and the hardware prefetchers alone left +8 % on gate/up
+// (cold weights) against the same call with the weights in cache.
+template <int R, bool SWIGLU>
+AVX512 __attribute__((noinline)) void panel_tile(const float* x, int64_t ldx, const float* panel, int64_t kc,
+                                                 const float* in, int64_t ld_in, float* out, int64_t ld_out,
+                                                 const float* pf, int64_t pf_k) {
   __m512 c0[R], c1[R];
   for (int i = 0; i < R; ++i) {
-    c0[i] = accumulate ? _mm512_loadu_ps(y + i * ldy) : _mm512_setzero_ps();
-    c1[i] = accumulate ? _mm512_loadu_ps(y + i * ldy + 16) : _mm512_setzero_ps();
+    c0[i] = in ? _mm512_loadu_ps(in + i * ld_in) : _mm512_setzero_ps();
+    c1[i] = in ? _mm512_loadu_ps(in + i * ld_in + 16) : _mm512_setzero_ps();
   }
   for (int64_t k = 0; k < kc; ++k) {
     if (k < pf_k) {
@@ -1713,35 +1771,43 @@ AVX512 __attribute__((noinline)) void panel_tile(const float* x, int64_t ldx, co
     }
   }
   for (int i = 0; i < R; ++i) {
-    _mm512_storeu_ps(y + i * ldy, c0[i]);
-    _mm512_storeu_ps(y + i * ldy + 16, c1[i]);
+    if (SWIGLU) {
+      _mm512_storeu_ps(out + i * ld_out, swiglu512(c0[i], c1[i]));
+    } else {
+      _mm512_storeu_ps(out + i * ld_out, c0[i]);
+      _mm512_storeu_ps(out + i * ld_out + 16, c1[i]);
+    }
   }
 }
 
-// Rows [0, R) of one panel's product, K positions [k0, k0 + kc), into y (row stride ldy); the
-// tiles share the prefetch of `next` (the same K positions of the next panel, or nullptr).
-AVX512 void panel_rows(const float* x, int64_t K, int64_t R, const float* panel, int64_t k0, int64_t kc, float* y,
-                       int64_t ldy, bool accumulate, const float* next) {
+// Rows [0, R) of one panel's product over K positions [k0, k0 + kc) (see panel_tile; `in` and
+// `out` are row 0's, row strides ld_in / ld_out). The tiles share the prefetch of `next` (the
+// same K positions of the next panel, or nullptr).
+template <bool SWIGLU>
+AVX512 void panel_rows(const float* x, int64_t K, int64_t R, const float* panel, int64_t k0, int64_t kc,
+                       const float* in, int64_t ld_in, float* out, int64_t ld_out, const float* next) {
   const int64_t tiles = cdiv(R, kPanelTileRows), per_tile = cdiv(kc, tiles);
   auto pf = [&](int64_t t, const float** at) {
     const int64_t from = std::min(kc, t * per_tile);
     *at = next ? next + (k0 + from) * kPanelCols : nullptr;
     return next ? std::min(per_tile, kc - from) : int64_t(0);
   };
+  const float* w = panel + k0 * kPanelCols;
   const float* at;
   int64_t r = 0, t = 0;
   for (; r + kPanelTileRows <= R; r += kPanelTileRows, ++t) {
     const int64_t n = pf(t, &at);
-    panel_tile<kPanelTileRows>(x + r * K + k0, K, panel + k0 * kPanelCols, kc, y + r * ldy, ldy, accumulate, at, n);
+    panel_tile<kPanelTileRows, SWIGLU>(x + r * K + k0, K, w, kc, in ? in + r * ld_in : nullptr, ld_in,
+                                       out + r * ld_out, ld_out, at, n);
   }
   const int64_t n = pf(t, &at);
   const float* xr = x + r * K + k0;
-  const float* w = panel + k0 * kPanelCols;
-  float* yr = y + r * ldy;
+  const float* ir = in ? in + r * ld_in : nullptr;
+  float* orow = out + r * ld_out;
   switch (R - r) {
 #define LLMEQ_PANEL_REST(m) \
   case m:                   \
-    panel_tile<m>(xr, K, w, kc, yr, ldy, accumulate, at, n); \
+    panel_tile<m, SWIGLU>(xr, K, w, kc, ir, ld_in, orow, ld_out, at, n); \
     break;
     LLMEQ_PANEL_REST(1) LLMEQ_PANEL_REST(2) LLMEQ_PANEL_REST(3) LLMEQ_PANEL_REST(4) LLMEQ_PANEL_REST(5)
     LLMEQ_PANEL_REST(6) LLMEQ_PANEL_REST(7) LLMEQ_PANEL_REST(8) LLMEQ_PANEL_REST(9) LLMEQ_PANEL_REST(10)
@@ -1752,23 +1818,37 @@ AVX512 void panel_rows(const float* x, int64_t K, int64_t R, const float* panel,
   }
 }
 
-// One task: rows [r0, r1) x panel p of P. A partial last panel goes through a scratch tile.
+// One task: rows [r0, r1) x panel p of P; y has N columns, `width` (32, or 16 with SWIGLU) from
+// each panel. A K split in blocks accumulates in y (or, with SWIGLU, in a scratch tile whose
+// last block goes through the activation); a partial last panel goes through a scratch output.
+template <bool SWIGLU>
 AVX512 void panel_task(const float* x, const float* panels, float* y, int64_t K, int64_t N, int64_t P, int64_t r0,
                        int64_t r1, int64_t p) {
-  const int64_t R = r1 - r0, cols = std::min(kPanelCols, N - p * kPanelCols);
+  constexpr int64_t width = SWIGLU ? kPanelCols / 2 : kPanelCols;
+  const int64_t R = r1 - r0, cols = std::min(width, N - p * width);
   const int64_t blocks = cdiv(K, kPanelMaxK), kc = cdiv(K, blocks);
   const float* panel = panels + p * K * kPanelCols;
   const float* next = p + 1 < P ? panel + K * kPanelCols : nullptr;
   const float* xr = x + r0 * K;
-  thread_local std::vector<float> scratch;
-  const bool whole = cols == kPanelCols;
-  if (!whole) scratch.resize(R * kPanelCols);
-  float* out = whole ? y + r0 * N + p * kPanelCols : scratch.data();
-  const int64_t ld = whole ? N : kPanelCols;
-  for (int64_t k0 = 0; k0 < K; k0 += kc) panel_rows(xr, K, R, panel, k0, std::min(kc, K - k0), out, ld, k0 > 0, next);
+  thread_local std::vector<float> partial, scratch;
+  const bool whole = cols == width;
+  if (!whole) scratch.resize(R * width);
+  if (SWIGLU && blocks > 1) partial.resize(R * kPanelCols);
+  float* out = whole ? y + r0 * N + p * width : scratch.data();
+  const int64_t ld = whole ? N : width;
+  for (int64_t k0 = 0; k0 < K; k0 += kc) {
+    const int64_t n = std::min(kc, K - k0);
+    if (!SWIGLU) {
+      panel_rows<false>(xr, K, R, panel, k0, n, k0 > 0 ? out : nullptr, ld, out, ld, next);
+    } else if (k0 + n < K) {  // not the last block: the 32 raw sums
+      panel_rows<false>(xr, K, R, panel, k0, n, k0 > 0 ? partial.data() : nullptr, kPanelCols, partial.data(),
+                        kPanelCols, next);
+    } else {
+      panel_rows<true>(xr, K, R, panel, k0, n, k0 > 0 ? partial.data() : nullptr, kPanelCols, out, ld, next);
+    }
+  }
   if (!whole)
-    for (int64_t r = 0; r < R; ++r)
-      std::memcpy(y + (r0 + r) * N + p * kPanelCols, scratch.data() + r * kPanelCols, sizeof(float) * cols);
+    for (int64_t r = 0; r < R; ++r) std::memcpy(y + (r0 + r) * N + p * width, scratch.data() + r * width, sizeof(float) * cols);
 }
 
 // c[R][N] (+)= a[R][K] . b[K][N], N a multiple of 16, in 4-row tiles (and a remainder).
@@ -1795,6 +1875,7 @@ AVX2 void flash_task(const AT& p, int64_t b, int64_t kvh, int64_t t0, int64_t t1
       sc(R * kFlashS), mx(R, -std::numeric_limits<float>::infinity()), sum(R, 0.f);
   std::vector<int64_t> lo(nt), hi(nt);
   int64_t s_lo = p.S, s_hi = 0;
+  const bool wide = use_avx512() && kFlashS % 16 == 0;
   for (int64_t i = 0; i < nt; ++i) {
     const bool* mk = p.mask + (b * p.T + t0 + i) * p.S;
     int64_t a = 0, e = p.S;
@@ -1823,9 +1904,24 @@ AVX2 void flash_task(const AT& p, int64_t b, int64_t kvh, int64_t t0, int64_t t1
         const int64_t r = i * G + g;
         float* row = sc.data() + r * kFlashS;
         float m = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < kFlashS; ++j) {
-          if (j >= sb || !(whole || mk[j])) row[j] = -std::numeric_limits<float>::infinity();
-          m = std::max(m, row[j]);
+        if (sb == kFlashS) {  // vector max (a scalar loop here was a quarter of the kernel's time)
+          const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+          __m256 mx8 = ninf;
+          for (int64_t j = 0; j < kFlashS; j += 8) {
+            __m256 v = _mm256_loadu_ps(row + j);
+            if (!whole) {  // masked keys to -inf, from 8 mask bytes
+              const __m256i bits = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mk + j)));
+              v = _mm256_blendv_ps(ninf, v, _mm256_castsi256_ps(_mm256_cmpgt_epi32(bits, _mm256_setzero_si256())));
+              _mm256_storeu_ps(row + j, v);
+            }
+            mx8 = _mm256_max_ps(mx8, v);
+          }
+          m = hmax(mx8);
+        } else {
+          for (int64_t j = 0; j < kFlashS; ++j) {
+            if (j >= sb || !(whole || mk[j])) row[j] = -std::numeric_limits<float>::infinity();
+            m = std::max(m, row[j]);
+          }
         }
         if (m == -std::numeric_limits<float>::infinity()) {  // nothing visible in this block
           std::fill(row, row + kFlashS, 0.f);
@@ -1834,14 +1930,20 @@ AVX2 void flash_task(const AT& p, int64_t b, int64_t kvh, int64_t t0, int64_t t1
         const float m_new = std::max(mx[r], m);
         const float alpha = std::exp(mx[r] - m_new);  // 0 for the first visible block (mx = -inf)
         mx[r] = m_new;
-        const __m256 mv = _mm256_set1_ps(m_new);
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t j = 0; j < kFlashS; j += 8) {
-          const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(row + j), mv));
-          _mm256_storeu_ps(row + j, e);
-          acc = _mm256_add_ps(acc, e);
+        float block_sum;
+        if (wide) {
+          block_sum = exp_row512(row, kFlashS, m_new);
+        } else {
+          const __m256 mv = _mm256_set1_ps(m_new);
+          __m256 acc = _mm256_setzero_ps();
+          for (int64_t j = 0; j < kFlashS; j += 8) {
+            const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(row + j), mv));
+            _mm256_storeu_ps(row + j, e);
+            acc = _mm256_add_ps(acc, e);
+          }
+          block_sum = hsum(acc);
         }
-        sum[r] = sum[r] * alpha + hsum(acc);
+        sum[r] = sum[r] * alpha + block_sum;
         if (alpha != 1.f) {
           float* orow = o.data() + r * Dp;
           for (int64_t d = 0; d < Dp; ++d) orow[d] *= alpha;
@@ -1872,29 +1974,33 @@ AVX2 void flash_task(const AT& p, int64_t b, int64_t kvh, int64_t t0, int64_t t1
 // Portable loops for a CPU without AVX-512 (Python packs panels only where use_avx512(); this
 // keeps a stray call correct).
 void panel_task_scalar(const float* x, const float* panels, float* y, int64_t K, int64_t N, int64_t r0, int64_t r1,
-                       int64_t p) {
-  const int64_t cols = std::min(kPanelCols, N - p * kPanelCols);
+                       int64_t p, bool swiglu) {
+  const int64_t width = swiglu ? kPanelCols / 2 : kPanelCols, cols = std::min(width, N - p * width);
   const float* panel = panels + p * K * kPanelCols;
   for (int64_t r = r0; r < r1; ++r) {
     float acc[kPanelCols] = {};
     for (int64_t k = 0; k < K; ++k)
       for (int64_t j = 0; j < kPanelCols; ++j) acc[j] += x[r * K + k] * panel[k * kPanelCols + j];
-    std::memcpy(y + r * N + p * kPanelCols, acc, sizeof(float) * cols);
+    if (swiglu)
+      for (int64_t j = 0; j < width; ++j) acc[j] = acc[j] / (1.f + std::exp(-acc[j])) * acc[width + j];
+    std::memcpy(y + r * N + p * width, acc, sizeof(float) * cols);
   }
 }
 
-ffi::Error panel_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels, ffi::ResultBuffer<ffi::F32> y) {
+ffi::Error panel_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels,
+                      ffi::ResultBuffer<ffi::F32> y, int64_t swiglu) {
   auto xd = x.dimensions(), pd = panels.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || pd.size() != 3 || yd.size() != 2)
     return ffi::Error::InvalidArgument("llmeq_panel_matmul: x and y must be 2-D and panels 3-D");
-  const int64_t M = xd[0], K = xd[1], N = yd[1], P = pd[0];
-  if (pd[1] != K || pd[2] != kPanelCols || yd[0] != M || P != cdiv(N, kPanelCols))
-    return ffi::Error::InvalidArgument("llmeq_panel_matmul: panels must be [ceil(N/32), K, 32] for x [M, K], y [M, N]");
+  const int64_t M = xd[0], K = xd[1], N = yd[1], P = pd[0], width = swiglu ? kPanelCols / 2 : kPanelCols;
+  if (pd[1] != K || pd[2] != kPanelCols || yd[0] != M || P != cdiv(N, width))
+    return ffi::Error::InvalidArgument(
+        "llmeq_panel_matmul: panels must be [ceil(N/32), K, 32] (swiglu: [ceil(N/16), K, 32]) for x [M, K], y [M, N]");
   const float* xp = x.typed_data();
   const float* wp = panels.typed_data();
   float* yp = y->typed_data();
   if (M == 0 || N == 0) return ffi::Error::Success();
-  if (K == 0) {
+  if (K == 0) {  // silu(0) * 0 = 0 too
     std::memset(yp, 0, sizeof(float) * M * N);
     return ffi::Error::Success();
   }
@@ -1911,11 +2017,12 @@ ffi::Error panel_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
     if (r0 >= r1) return;
 #if LLMEQ_X86
     if (fast) {
-      panel_task(xp, wp, yp, K, N, P, r0, r1, p);
+      if (swiglu) panel_task<true>(xp, wp, yp, K, N, P, r0, r1, p);
+      else panel_task<false>(xp, wp, yp, K, N, P, r0, r1, p);
       return;
     }
 #endif
-    panel_task_scalar(xp, wp, yp, K, N, r0, r1, p);
+    panel_task_scalar(xp, wp, yp, K, N, r0, r1, p, swiglu != 0);
   };
   parallel_for(&pool, blocks * P, body);
   return ffi::Error::Success();
@@ -2023,7 +2130,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(llmeq_panel_matmul, panel_impl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("swiglu"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(llmeq_decode_attention, at_impl,
                               ffi::Ffi::Bind()

@@ -495,6 +495,67 @@ def test_prefill_layout_packs_float_kernels_where_the_avx512_gemm_runs():
     kernels = [packed["layers_0"]["attn"]["qkv_proj"]["kernel"], packed["layers_0"]["mlp"]["down_proj"]["kernel"]]
     assert all(isinstance(k, decode_layout.PanelKernel) for k in kernels) == native.avx512()
     assert isinstance(packed["layers_1"]["mlp"]["down_proj"]["kernel"], QArray)  # quantized stays as it was
+    assert isinstance(packed["lm_head"]["kernel"], decode_layout.PanelKernel) == native.avx512()
     toks = jnp.asarray(np.random.default_rng(2).integers(0, 64, (2, 24)), jnp.int32)
+    f = jax.jit(lambda p, t: forward(CONFIG, p, t))
+    np.testing.assert_allclose(np.asarray(f(packed, toks)), np.asarray(f(plain, toks)), rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_layout_gives_a_tied_head_a_packed_copy_of_the_table():
+    from llmeq_jax.models import forward
+
+    config = dataclasses.replace(CONFIG, tie_word_embeddings=True)
+    params = init_params(config, jax.random.key(8))
+    assert "lm_head" not in params
+    packed = decode_layout.for_prefill(params)
+    assert ("lm_head" in packed) == native.avx512()
+    assert packed["embed"]["embedding"] is params["embed"]["embedding"]  # the lookup still reads the table
+    toks = jnp.asarray(np.random.default_rng(3).integers(0, 64, (2, 24)), jnp.int32)
+    f = jax.jit(lambda p, t: forward(config, p, t))
+    np.testing.assert_allclose(np.asarray(f(packed, toks)), np.asarray(f(params, toks)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(512, 576, 1536), (25, 100, 40), (13, 2500, 24), (3, 16, 16)])
+def test_swiglu_panels_match_float64(shape):
+    """silu(x @ gate) * (x @ up) in one pass: partial last panels, K split in blocks past 2048."""
+    m, k, i = shape
+    x, w = _rand((m, k), 7) * 0.3, _rand((k, 2 * i), 8) * 0.3
+    packed = decode_layout.pack_swiglu_panels(jnp.asarray(w))
+    assert packed.swiglu and packed.shape == (k, 2 * i) and packed.panels.shape == (-(-i // 16), k, 32)
+    np.testing.assert_array_equal(np.asarray(decode_layout.unpack_panels(packed.panels, i, swiglu=True)), w)
+    y = np.asarray(jax.jit(lambda a, p: ops.swiglu(a, p))(jnp.asarray(x), packed))
+    z = x.astype(np.float64) @ w.astype(np.float64)
+    gate, up = z[:, :i], z[:, i:]
+    ref = gate / (1 + np.exp(-gate)) * up
+    np.testing.assert_allclose(y, ref, rtol=2e-5, atol=2e-5 * np.abs(ref).max())
+    with native.disabled():  # the XLA fallback reads the same panels
+        np.testing.assert_allclose(np.asarray(ops.swiglu(jnp.asarray(x), packed)), y, rtol=2e-5,
+                                   atol=2e-5 * np.abs(ref).max())
+
+
+def test_swiglu_kernel_gradient_and_misuse():
+    x, w = jnp.asarray(_rand((5, 32), 9)), jnp.asarray(_rand((32, 2 * 20), 10))
+    packed = decode_layout.pack_swiglu_panels(w)
+    g = jax.grad(lambda a: jnp.sum(ops.swiglu(a, packed) ** 2))(x)
+    g_ref = jax.grad(lambda a: jnp.sum((jax.nn.silu(a @ w[:, :20]) * (a @ w[:, 20:])) ** 2))(x)
+    np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="runs through ops.swiglu"):
+        ops.linear(x, packed)
+    with pytest.raises(ValueError, match="packed by decode_layout.pack_swiglu_panels"):
+        ops.swiglu(x, decode_layout.pack_panels(w))
+    with pytest.raises(ValueError, match=r"\(in, 2 \* intermediate\)"):
+        decode_layout.pack_swiglu_panels(w[:, :39])
+
+
+def test_prefill_layout_runs_the_mlp_activation_inside_the_gemm():
+    from llmeq_jax.models import forward
+
+    params = init_params(CONFIG, jax.random.key(9))
+    packed = decode_layout.for_prefill(params)
+    kernel = packed["layers_0"]["mlp"]["gate_up_proj"]["kernel"]
+    assert (isinstance(kernel, decode_layout.PanelKernel) and kernel.swiglu) == native.avx512()
+    with native.disabled():
+        plain = decode_layout.for_prefill(params)
+    toks = jnp.asarray(np.random.default_rng(4).integers(0, 64, (2, 24)), jnp.int32)
     f = jax.jit(lambda p, t: forward(CONFIG, p, t))
     np.testing.assert_allclose(np.asarray(f(packed, toks)), np.asarray(f(plain, toks)), rtol=1e-5, atol=1e-5)

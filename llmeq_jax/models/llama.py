@@ -15,7 +15,9 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 
+from llmeq_jax import ops
 from llmeq_jax.core.rope import apply_rope, rope_inv_freq
+from llmeq_jax.decode_layout import PanelKernel
 from llmeq_jax.kv import cache as kvcache
 from llmeq_jax.kv.attention import dot_product_attention
 from llmeq_jax.models.config import ModelConfig
@@ -71,11 +73,15 @@ class SwiGLU(nn.Module):
     @nn.compact
     def __call__(self, x):
         c = self.config
-        gate, up = parallel_linears(self, x, "gate_up_proj", [
-            ("gate_proj", c.intermediate_size, False),
-            ("up_proj", c.intermediate_size, False),
-        ])
-        h = jax.nn.silu(gate) * up
+        joined = self.variables.get("params", {}).get("gate_up_proj", {}).get("kernel")
+        if isinstance(joined, PanelKernel) and joined.swiglu:  # prefill layout: the activation inside the GEMM
+            h = ops.swiglu(x, joined)
+        else:
+            gate, up = parallel_linears(self, x, "gate_up_proj", [
+                ("gate_proj", c.intermediate_size, False),
+                ("up_proj", c.intermediate_size, False),
+            ])
+            h = jax.nn.silu(gate) * up
         # An online rotation before down_proj exists only in a rotated model's params (QuaRot): down_proj's
         # kernel then holds its inverse, and down_proj's Linear (so calibration too) sees the rotated input.
         rot = self.variables.get("params", {}).get("down_rot")
