@@ -1943,7 +1943,12 @@ AVX2 void flash_task(const AT& p, int64_t b, int64_t kvh, int64_t t0, int64_t t1
           }
           block_sum = hsum(acc);
         }
-        sum[r] = sum[r] * alpha + block_sum;
+        // Product and sum rounded separately, as this kernel always did: GCC contracts
+        // `sum * alpha + block_sum` to an FMA, which moved outputs by an ulp (and W8A8
+        // perplexity, whose activation codes flip on such ulps, by 0.15 %).
+        float kept = sum[r] * alpha;
+        asm("" : "+x"(kept));
+        sum[r] = kept + block_sum;
         if (alpha != 1.f) {
           float* orow = o.data() + r * Dp;
           for (int64_t d = 0; d < Dp; ++d) orow[d] *= alpha;
