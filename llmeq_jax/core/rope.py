@@ -30,6 +30,11 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: tuple | None) -> np.ndar
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
+# Positions per call from which the tables are computed apart from the rotation (prefill); a decode
+# step's few positions keep them fused (a conditional per layer costs more than it saves there).
+_TABLES_APART_FROM = 16
+
+
 def _tables(angles: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.cos(angles), jnp.sin(angles)
 
@@ -37,13 +42,13 @@ def _tables(angles: jax.Array) -> tuple[jax.Array, jax.Array]:
 def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
     """``(cos, sin)`` of ``positions`` [B, T] times ``inv_freq``: [B, T, head_dim / 2] each."""
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
-    if jax.default_backend() != "cpu":
+    if jax.default_backend() != "cpu" or positions.shape[-1] < _TABLES_APART_FROM:
         return _tables(angles)
     # XLA CPU fuses cos / sin into the rotation and evaluates them again for every head (9x for
     # SmolLM2's queries: 0.8 ms of a 20 ms prefill layer, vs 0.1 ms with the tables computed once).
     # A conditional is a fusion boundary XLA keeps (optimization_barrier is dropped before fusion
     # on CPU); both branches are the same, so its predicate does not matter.
-    return jax.lax.cond(positions.size > 0 and positions.reshape(-1)[0] >= 0, _tables, _tables, angles)
+    return jax.lax.cond(positions.reshape(-1)[0] >= 0, _tables, _tables, angles)
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, *, heads_axis: int = 2) -> jax.Array:
