@@ -54,7 +54,9 @@ BACKENDS = ("auto", "xla", "pallas")
 NATIVE_MAX_ROWS = {"int8": 8, "int4": 8, "w8a8": 8, "nk": 8, "row_major": 8, "attention": 8}
 # ...except W8A8 on a CPU with AVX-512 VNNI: its native GEMM (vpdpbusd) beats XLA's float
 # and int8 dots at every row count (512 rows, SmolLM2's shapes, 2-core Xeon: 2.6-3.2x XLA's
-# fp32 dot, whose int8 dot ran 0.8-0.9x; docs/cpu-speed.md), so it takes any number of rows there.
+# fp32 dot, whose int8 dot ran 0.8-0.9x; docs/cpu-speed.md), so it takes any number of rows there;
+# and weight-only int8 / int4 on AVX-512, whose many-row products run the float panel GEMM on
+# slices dequantized in cache (XLA dequantized the whole kernel to memory first).
 # Rows of a (out, in) matrix dequantized per scan step by linear_nk_xla at few rows:
 # 256 x 576 floats (0.6 MB) stay in L2; the 49k-row head never exists as floats.
 NK_CHUNK_ROWS = 256
@@ -123,7 +125,8 @@ def _native_rows_ok(x: jax.Array, kind: str) -> bool:
     from llmeq_jax import native
 
     rows = math.prod(x.shape[:-1])
-    limit = math.inf if kind == "w8a8" and native.vnni() else NATIVE_MAX_ROWS[kind]
+    many = (kind == "w8a8" and native.vnni()) or (kind in ("int8", "int4") and native.avx512())
+    limit = math.inf if many else NATIVE_MAX_ROWS[kind]
     return 0 < rows <= limit and jnp.issubdtype(x.dtype, jnp.floating)
 
 

@@ -121,6 +121,27 @@ def test_weight_only_matches_reference(name, rows, layout):
 
 
 @needs_native
+@pytest.mark.parametrize("name", sorted(WEIGHTS))
+def test_many_row_weight_only_matches_reference(name):
+    """Prefill-sized kn products (more than 64 rows): on AVX-512 they run the float panel GEMM on
+    slices dequantized in cache (groups across the K tail, partial last panel, int4 nibbles)."""
+    rows = {0: 65, 1: 100, 2: 300}[sorted(WEIGHTS).index(name) % 3]
+    w, wd, absw = _weight(name, "kn")
+    x = np.asarray(_rand((rows, K), rows))
+    y = native.weight_only_kn(jnp.asarray(x), w)
+    _assert_close(y, x.astype(np.float64) @ wd, _bound(x, absw, K))
+
+
+@needs_native
+def test_many_row_weight_only_goes_native_only_with_avx512():
+    w = _weight("int4-g32", "kn")[0]
+    x = jnp.asarray(_rand((100, K), 6))
+    assert 100 > ops.NATIVE_MAX_ROWS["int4"]
+    hlo = jax.jit(lambda a: ops.linear(a, w)).lower(x).as_text()
+    assert ("llmeq_wo_matmul" in hlo) == native.avx512()
+
+
+@needs_native
 @pytest.mark.parametrize("layout", ["kn", "nk"])
 def test_weight_only_agrees_with_the_xla_path(layout):
     w, _, absw = _weight("int4-g48-asym", layout)
