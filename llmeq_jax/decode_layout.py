@@ -331,7 +331,8 @@ def for_prefill(params):
       on all or none; at most :data:`PREFILL_FUSE_MAX_OUT` outputs together) joined into one
       kernel, which the model blocks then run as one product (``models.layers.parallel_linears``):
       one activation quantization and one wider GEMM instead of two or three;
-    * where the native AVX-512 float GEMM runs (``native.avx512()``, native kernels on) and the
+    * where the native AVX-512 float GEMM runs (``native.avx512()``, native kernels on, one
+      device: ``native.prefill_kernels_ok``) and the
       float32 kernels hold at most :data:`PREFILL_PACK_MAX_BYTES`, each packed as a
       :class:`PanelKernel`, which ``ops.linear`` sends to ``native.panel_matmul``; a tied
       model's float32 token table also gets a packed copy as the head's ``lm_head`` (the
@@ -342,7 +343,7 @@ def for_prefill(params):
     from llmeq_jax import native
 
     fused = _fuse_for_prefill(params)
-    if not (native.enabled() and native.avx512()):
+    if not (native.enabled() and native.avx512() and native.prefill_kernels_ok()):
         return fused
     table = _tied_head_table(fused)
     kernels = _float_kernels(fused) + ([] if table is None else [table])

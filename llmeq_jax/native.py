@@ -130,6 +130,13 @@ def avx512() -> bool:
     return available() and bool(_state.lib.llmeq_native_avx512())
 
 
+def prefill_kernels_ok() -> bool:
+    """Prefill-sized native products (the panel GEMMs, the VNNI GEMM past a few rows) may be traced:
+    only with one device. XLA's SPMD partitioner runs a custom call replicated, its inputs
+    gathered, and the program after it too (a data-sharded forward came back replicated)."""
+    return jax.device_count() == 1
+
+
 @contextlib.contextmanager
 def without_vnni():
     """Run W8A8 GEMMs through the AVX2 code even on a VNNI CPU (tests of that path); process-wide."""
@@ -547,6 +554,7 @@ __all__ = [
     "force_scalar",
     "library_path",
     "panel_matmul",
+    "prefill_kernels_ok",
     "row_major_matmul",
     "simd",
     "supports_kn",

@@ -55,8 +55,10 @@ NATIVE_MAX_ROWS = {"int8": 8, "int4": 8, "w8a8": 8, "nk": 8, "row_major": 8, "at
 # ...except W8A8 on a CPU with AVX-512 VNNI: its native GEMM (vpdpbusd) beats XLA's float
 # and int8 dots at every row count (512 rows, SmolLM2's shapes, 2-core Xeon: 2.6-3.2x XLA's
 # fp32 dot, whose int8 dot ran 0.8-0.9x; docs/cpu-speed.md), so it takes any number of rows there;
-# and weight-only int8 / int4 on AVX-512, whose many-row products run the float panel GEMM on
-# slices dequantized in cache (XLA dequantized the whole kernel to memory first).
+# And weight-only int8 / int4 on AVX-512 past NATIVE_PANEL_MIN_ROWS rows (kWoPanelMinRows in
+# native/cpu_kernels.cc): those run the float panel GEMM on slices dequantized in cache (XLA
+# dequantized the whole kernel to memory first); between the two limits XLA's GEMM stays.
+NATIVE_PANEL_MIN_ROWS = 64
 # Rows of a (out, in) matrix dequantized per scan step by linear_nk_xla at few rows:
 # 256 x 576 floats (0.6 MB) stay in L2; the 49k-row head never exists as floats.
 NK_CHUNK_ROWS = 256
@@ -125,9 +127,14 @@ def _native_rows_ok(x: jax.Array, kind: str) -> bool:
     from llmeq_jax import native
 
     rows = math.prod(x.shape[:-1])
-    many = (kind == "w8a8" and native.vnni()) or (kind in ("int8", "int4") and native.avx512())
-    limit = math.inf if many else NATIVE_MAX_ROWS[kind]
-    return 0 < rows <= limit and jnp.issubdtype(x.dtype, jnp.floating)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        return False
+    if 0 < rows <= NATIVE_MAX_ROWS[kind]:
+        return True
+    if not native.prefill_kernels_ok():
+        return False
+    return (kind == "w8a8" and native.vnni()) or (kind in ("int8", "int4") and native.avx512()
+                                                   and rows > NATIVE_PANEL_MIN_ROWS)
 
 
 def _try_native(x, w, act):
@@ -164,7 +171,7 @@ def _panels_native(x, backend) -> bool:
         return False
     from llmeq_jax import native
 
-    return native.enabled() and native.avx512()
+    return native.enabled() and native.avx512() and native.prefill_kernels_ok()
 
 
 def swiglu(x: jax.Array, w: PanelKernel, *, backend: str = "auto") -> jax.Array:

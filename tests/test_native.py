@@ -135,10 +135,10 @@ def test_many_row_weight_only_matches_reference(name):
 @needs_native
 def test_many_row_weight_only_goes_native_only_with_avx512():
     w = _weight("int4-g32", "kn")[0]
-    x = jnp.asarray(_rand((100, K), 6))
-    assert 100 > ops.NATIVE_MAX_ROWS["int4"]
-    hlo = jax.jit(lambda a: ops.linear(a, w)).lower(x).as_text()
-    assert ("llmeq_wo_matmul" in hlo) == native.avx512()
+    assert ops.NATIVE_MAX_ROWS["int4"] < 20 < ops.NATIVE_PANEL_MIN_ROWS < 100
+    for rows, native_ok in ((100, native.avx512()), (20, False)):
+        hlo = jax.jit(lambda a: ops.linear(a, w)).lower(jnp.asarray(_rand((rows, K), 6))).as_text()
+        assert ("llmeq_wo_matmul" in hlo) == native_ok
 
 
 @needs_native

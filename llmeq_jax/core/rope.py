@@ -42,12 +42,14 @@ def _tables(angles: jax.Array) -> tuple[jax.Array, jax.Array]:
 def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
     """``(cos, sin)`` of ``positions`` [B, T] times ``inv_freq``: [B, T, head_dim / 2] each."""
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
-    if jax.default_backend() != "cpu" or positions.shape[-1] < _TABLES_APART_FROM:
+    if jax.default_backend() != "cpu" or positions.shape[-1] < _TABLES_APART_FROM or jax.device_count() > 1:
         return _tables(angles)
     # XLA CPU fuses cos / sin into the rotation and evaluates them again for every head (9x for
     # SmolLM2's queries: 0.8 ms of a 20 ms prefill layer, vs 0.1 ms with the tables computed once).
     # A conditional is a fusion boundary XLA keeps (optimization_barrier is dropped before fusion
-    # on CPU); both branches are the same, so its predicate does not matter.
+    # on CPU); both branches are the same, so its predicate does not matter. Not with several
+    # devices: XLA's SPMD partitioner then replicated the conditional and everything after it
+    # (a data-sharded forward came back replicated).
     return jax.lax.cond(positions.reshape(-1)[0] >= 0, _tables, _tables, angles)
 
 

@@ -259,3 +259,23 @@ def test_checkpoint_saved_on_2x4_restores_on_8x1(tmp_path):
     want = np.asarray(forward(tiny.CONFIG, quantize_params(params, tiny.recipe(), stats), windows))
     got = dist.forward_on_mesh(tiny.CONFIG, restored, windows, mesh_b)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_kernels_stay_in_xla_with_several_devices():
+    """Prefill-sized native products are custom calls, which XLA's SPMD partitioner runs
+    replicated: with several devices the many-row paths, the packed panels and the RoPE
+    conditional stay off, so a data-sharded program stays sharded."""
+    from llmeq_jax import decode_layout, native, ops
+
+    assert jax.device_count() == 8 and not native.prefill_kernels_ok()
+    w = quantize(jnp.asarray(np.random.default_rng(0).standard_normal((64, 48)), jnp.float32), Spec(bits=8))
+    hlo = jax.jit(lambda a: ops.linear(a, w)).lower(jnp.ones((ops.NATIVE_PANEL_MIN_ROWS + 36, 64))).as_text()
+    assert "llmeq_" not in hlo
+    packed = decode_layout.for_prefill(tiny.params())
+    assert not any(isinstance(a, decode_layout.PanelKernel)
+                   for a in jax.tree_util.tree_leaves(packed, is_leaf=lambda a: isinstance(a, decode_layout.PanelKernel)))
+    from llmeq_jax.core.rope import apply_rope, rope_inv_freq
+
+    inv = rope_inv_freq(16, 10000.0, None)
+    rope_hlo = jax.jit(lambda x, p: apply_rope(x, p, inv)).lower(jnp.ones((1, 32, 2, 16)), jnp.arange(32)[None]).as_text()
+    assert "conditional" not in rope_hlo and "case" not in rope_hlo
