@@ -38,7 +38,7 @@ from llmeq_jax.core.rope import apply_rope, rope_inv_freq
 from llmeq_jax.kv import grid as kvgrid
 from llmeq_jax.kv.spec import KeyRanges, KVQuantizer, KVSpec, KVSpecError
 from llmeq_jax.models.layers import Linear
-from llmeq_jax.models.model import apply_block, embed, forward_step, init_cache
+from llmeq_jax.models.model import apply_block, embed, forward_step, init_cache, same_block_layer
 
 STATS = ("absmax", "min", "max", "abs_sum", "count", "hessian", "sample")
 # Rows of each linear input kept by the "sample" statistic: enough for a
@@ -47,6 +47,8 @@ SAMPLE_TOKENS = 512
 
 
 def _keep_sample(a, b):
+    if a.shape[0] >= SAMPLE_TOKENS:  # full already: nothing of b would be kept
+        return a
     return jnp.concatenate([a, b], axis=0)[:SAMPLE_TOKENS]
 
 
@@ -236,9 +238,10 @@ def calibrate(
     for i in layers:
         name = f"layers_{i}"
         bp = params[name]
+        kind = same_block_layer(config, i)  # one compile per kind of block, not per block
         block_stats, outs = None, []
         for h, pos in inputs:
-            out, found = runner.block_with_stats(config, bp, h, pos, layer=i, wants=wants)
+            out, found = runner.block_with_stats(config, bp, h, pos, layer=kind, wants=wants)
             outs.append((out, pos))
             block_stats = runner.fold(block_stats, found)
         if process_block is not None:
@@ -250,7 +253,7 @@ def calibrate(
             inputs = outs  # the block is unchanged: its outputs from the statistics pass are the next inputs
         else:
             del outs
-            inputs = [(runner.block(config, bp, h, pos, layer=i), pos) for h, pos in inputs]
+            inputs = [(runner.block(config, bp, h, pos, layer=kind), pos) for h, pos in inputs]
     return stats, new_params
 
 

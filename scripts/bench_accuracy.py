@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 from llmeq_jax import calibrate, evaluate, methods, texts
 from llmeq_jax.data import find_data_file
@@ -43,9 +44,11 @@ def main() -> None:
     ap.add_argument("--texts", nargs="+", default=["wikitext2-test", "pydoc-topics"], choices=list(TEXTS),
                     help="evaluation texts; 'tune' is the last quarter of wikitext2_valid.txt (for tuning choices: "
                          "it does not overlap the calibration windows, the first ones of the same file)")
+    ap.add_argument("--text-file", nargs="*", default=[], type=Path,
+                    help="more evaluation texts (plain text files), named by their file stem")
     a = ap.parse_args()
     config, params, tok, _ = open_model(a.model, verify=False)
-    corpora = {k: TEXTS[k]() for k in a.texts}
+    corpora = {k: TEXTS[k]() for k in a.texts} | {f.stem: f.read_text() for f in a.text_file}
     wins = {k: evaluate.make_windows(evaluate.tokenize_text(tok, t), a.seq_len, a.windows) for k, t in corpora.items()}
     calib = calibrate.calibration_windows(tok, find_data_file(None, "wikitext2_valid.txt", "calibration text"),
                                           a.calib_samples, a.seq_len)

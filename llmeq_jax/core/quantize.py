@@ -404,21 +404,42 @@ def quantize(
     x = jnp.asarray(x)
     check_finite(x, nan_policy)
     tile = tile_for(spec, x.shape)
-    if scale is None:
-        scale, zero_point = compute_scale(x, spec, tile)
-    elif spec.symmetric != (zero_point is None):
-        raise ValueError("a given zero_point must accompany an asymmetric spec (and only then)")
-    expected = scale_shape(x.shape, tile)
-    if tuple(scale.shape) != expected:
-        raise ValueError(f"scale has shape {tuple(scale.shape)}; expected {expected} for {spec.describe()} on {x.shape}")
-    q = quantize_values(x, scale, zero_point, spec.bits, tile, spec.grid)
+    if scale is not None:
+        if spec.symmetric != (zero_point is None):
+            raise ValueError("a given zero_point must accompany an asymmetric spec (and only then)")
+        expected = scale_shape(x.shape, tile)
+        if tuple(scale.shape) != expected:
+            raise ValueError(f"scale has shape {tuple(scale.shape)}; expected {expected} for {spec.describe()} "
+                             f"on {x.shape}")
     if pack_axis is None:
         pack_axis = (spec.axis if spec.axis is not None else spec.default_axis) if spec.granularity == "group" else 0
     pack_axis = pack_axis % max(x.ndim, 1)
-    if x.ndim == 0:
-        stored = q.astype(jnp.int8)
+    if scale is None:
+        # Not compiled with the rest (see _quantize_on_grid): a zero point on a tie would move by one.
+        scale, zero_point = compute_scale(x, spec, tile)
+    args = (x, scale, zero_point, act_scale)
+    kw = dict(spec=spec, tile=tile, pack_axis=pack_axis, act_spec=act_spec)
+    if isinstance(x, jax.core.Tracer):  # inside the caller's trace: the same ops as quantize_dequantize
+        return _quantize_on_grid(*args, exact_quotient=False, **kw)
+    return _quantize_on_grid_jit(*args, exact_quotient=True, **kw)
+
+
+def _quantize_on_grid(x, scale, zero_point, act_scale, *, spec, tile, pack_axis, act_spec,
+                      exact_quotient: bool) -> QArray:
+    """:func:`quantize` on a given grid, once its arguments are checked.
+
+    ``exact_quotient``: expand the scale to ``x``'s shape behind a barrier. Compiled, XLA turns a
+    division by a broadcast into a multiplication by its reciprocal, which moves a few codes by
+    one from the true quotient that the op-by-op path always gave stored weights.
+    """
+    if exact_quotient:
+        full = tuple(1 for _ in x.shape)
+        s_full = jax.lax.optimization_barrier(expand_to(scale, x.shape, tile))
+        zp_full = None if zero_point is None else expand_to(zero_point, x.shape, tile)
+        q = quantize_values(x, s_full, zp_full, spec.bits, full, spec.grid)
     else:
-        stored = pack(q, spec.bits, pack_axis)
+        q = quantize_values(x, scale, zero_point, spec.bits, tile, spec.grid)
+    stored = q.astype(jnp.int8) if x.ndim == 0 else pack(q, spec.bits, pack_axis)
     return QArray(
         qvalue=stored,
         scale=scale.astype(jnp.float32),
@@ -432,6 +453,12 @@ def quantize(
         act_spec=act_spec,
         grid=spec.grid,
     )
+
+
+# Called eagerly (a model's kernels one by one), each small op of the above would compile on its own
+# for every new shape; compiled as one function, once per (shape, spec).
+_quantize_on_grid_jit = jax.jit(_quantize_on_grid,
+                                static_argnames=("spec", "tile", "pack_axis", "act_spec", "exact_quotient"))
 
 
 def dequantize(q: QArray, dtype: Any = None) -> jax.Array:

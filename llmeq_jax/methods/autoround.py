@@ -38,6 +38,7 @@ from llmeq_jax.core.quantize import Spec, tile_for
 from llmeq_jax.core.rules import RecipeError
 from llmeq_jax.methods import folding
 from llmeq_jax.methods.blockwise import block_kernel_paths, option, options_from_args, quant_rule
+from llmeq_jax.models.model import same_block_layer
 
 @dataclasses.dataclass(frozen=True)
 class AutoRoundOptions:
@@ -189,11 +190,6 @@ def optimizer(lr: float, steps: int) -> optax.GradientTransformation:
                        optax.scale(-1.0))
 
 
-def _compile_layer(config, layer: int) -> int:
-    """The layer index the block's code depends on: only models whose layers differ need their own compile."""
-    return layer if config.sliding_window is not None else 0
-
-
 # Module-level jitted functions, keyed on (config, layer kind, specs): one compile serves every block of a
 # model (the block, its kernels and the learned parameters are arguments, never baked-in constants).
 @functools.partial(jax.jit, static_argnames=("config", "layer", "specs"))
@@ -226,7 +222,7 @@ def train_block(config, layer: int, block: dict, specs: dict, inputs: list,
     """
     kernels = {r: folding.get_leaf(block, r).astype(jnp.float32) for r in specs}
     learned = {r: init_params(w, specs[r]) for r, w in kernels.items()}
-    kw = dict(config=config, layer=_compile_layer(config, layer), specs=tuple(sorted(specs.items())))
+    kw = dict(config=config, layer=same_block_layer(config, layer), specs=tuple(sorted(specs.items())))
     targets = [_float_block(block, h, p, config=config, layer=kw["layer"]) for h, p in inputs]
     b = opts.batch
     seqs = [(h[j : j + b], p[j : j + b], t[j : j + b]) for (h, p), t in zip(inputs, targets)

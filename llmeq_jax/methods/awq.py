@@ -66,31 +66,48 @@ def check_spec(path: str, spec: Spec) -> None:
         raise RecipeError(f"awq: {path}: clip={spec.clip!r} is not supported (AWQ searches its own clip); remove it")
 
 
-@functools.partial(jax.jit, static_argnames=("spec",))
-def _scaled_error(x, w, rows, *, spec):
-    """||X W - (X/s) Q(s W)||^2 for one kernel ``w`` [in, out] and per-row factors ``rows``."""
-    q = quantize_dequantize(w * rows[:, None], spec)
-    return jnp.sum((x @ w - (x / rows) @ q) ** 2)
+@functools.partial(jax.jit, static_argnames=("specs",))
+def _scaled_errors(x, kernels, candidates, *, specs):
+    """Per candidate row factors ``r`` (rows of ``candidates``): ``sum_c ||X W_c - (X/r) Q(r W_c)||^2``.
+
+    One compiled call for the whole grid: the float outputs ``X W_c`` once, the candidates in a
+    ``lax.map`` (one at a time, so memory stays that of one candidate).
+    """
+    targets = [x @ w for w in kernels]
+
+    def error(rows):
+        xr = x / rows
+        return sum(jnp.sum((t - xr @ quantize_dequantize(w * rows[:, None], sp)) ** 2)
+                   for t, w, sp in zip(targets, kernels, specs))
+
+    return jax.lax.map(error, candidates)
 
 
 def search_scale(config, group, xs: jax.Array, x_mean: jax.Array, kernels: list[jax.Array], specs: list[Spec],
                  n_grid: int) -> tuple[jax.Array, float, list[float]]:
     """The factors (one per producer channel) minimising the group's output error, the chosen exponent, errors."""
     x_mean = folding.reduce_to_scales(config, group, jnp.asarray(x_mean, jnp.float32), "mean")
-    errs, cands = [], []
-    for a in np.arange(n_grid) / n_grid:
+    exponents = np.arange(n_grid) / n_grid
+    cands = []
+    for a in exponents:
         s = jnp.power(jnp.maximum(x_mean, 1e-8), a)
-        s = s / jnp.sqrt(jnp.max(s) * jnp.min(s))
-        rows = folding.expand_scales(config, group, s)
-        errs.append(float(sum(_scaled_error(xs, w, rows, spec=sp) for w, sp in zip(kernels, specs))))
-        cands.append((s, float(a)))
+        cands.append(s / jnp.sqrt(jnp.max(s) * jnp.min(s)))
+    rows = jnp.stack([folding.expand_scales(config, group, s) for s in cands])
+    errs = [float(e) for e in np.asarray(_scaled_errors(xs, tuple(kernels), rows, specs=tuple(specs)))]
     best = int(np.argmin(errs))
-    return cands[best][0], cands[best][1], errs
+    return cands[best], float(exponents[best]), errs
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "ratios"))
 def clip_scale(x: jax.Array, w: jax.Array, *, spec: Spec, ratios: tuple[float, ...]):
-    """Per tile, the grid (scale, zero point) of the clip ratio with the lowest ``||X_g (W_g - Q(W_g))||^2``."""
+    """Per tile, the grid (scale, zero point) of the clip ratio with the lowest ``||X_g (W_g - Q(W_g))||^2``.
+
+    The error of a group is ``d^T (X_g^T X_g) d`` per column (``d = W_g - Q(W_g)``): with the
+    group's Gram matrix formed once, each ratio costs ``g`` (not the sample's token count)
+    multiply-adds per weight.
+    """
+    from llmeq_jax.core.qarray import int_range
+
     k, n = w.shape
     tile = tile_for(spec, w.shape)
     g = tile[0]
@@ -98,26 +115,25 @@ def clip_scale(x: jax.Array, w: jax.Array, *, spec: Spec, ratios: tuple[float, .
     pad = n_groups * g - k
     wpad = jnp.pad(w, ((0, pad), (0, 0)))
     xpad = jnp.pad(x, ((0, 0), (0, pad))).reshape(x.shape[0], n_groups, g)
+    gram = jnp.einsum("tgi,tgj->gij", xpad, xpad)  # [G, g, g]
     wg = wpad.reshape(n_groups, g, n)
     lo_full = jnp.min(wg, axis=1)  # [G, n]
     hi_full = jnp.max(wg, axis=1)
     amax = jnp.maximum(-lo_full, hi_full)
+    qmin, qmax = int_range(spec.bits)
 
     def tile_err(ratio):
         if spec.symmetric:
             scale, zp = scale_from_range(None, amax * ratio, spec.bits, True)
         else:
             scale, zp = scale_from_range(lo_full * ratio, hi_full * ratio, spec.bits, False)
-        from llmeq_jax.core.qarray import int_range
-
-        qmin, qmax = int_range(spec.bits)
         q = jnp.round(wg / scale[:, None, :])
         if zp is None:
             deq = jnp.clip(q, -qmax, qmax) * scale[:, None, :]
         else:
             deq = (jnp.clip(q + zp[:, None, :], qmin, qmax) - zp[:, None, :]) * scale[:, None, :]
-        diff = jnp.einsum("tgi,gin->tgn", xpad, wg - deq)
-        return jnp.sum(diff * diff, axis=0), scale, zp  # [G, n]
+        d = wg - deq
+        return jnp.sum(d * jnp.einsum("gij,gjn->gin", gram, d), axis=1), scale, zp  # [G, n]
 
     best_err, best_s, best_z = tile_err(ratios[0])
     for r in ratios[1:]:

@@ -9,9 +9,11 @@ error over the rows not yet quantized through the upper Cholesky factor
     err_i = (w_i - q_i) / U_ii ;   w_j -= U_ij * err_i   for j > i
 
 Rows are processed in blocks of ``block_size``; within a block the update is
-applied row by row (a ``lax.fori_loop`` in one jitted call per block shape),
-and the rows after the block get the whole block's error at once ("lazy batch
-update"), which is the same arithmetic in a cache-friendly order.
+applied row by row, and the rows after the block get the whole block's error
+at once ("lazy batch update"), which is the same arithmetic in a
+cache-friendly order. The whole kernel is one jitted call (a ``fori_loop``
+over blocks around a ``fori_loop`` over rows): one compile per kernel shape,
+not one per block.
 
 Scales: per-channel / per-tensor from the full kernel before any update;
 groups (``group_size`` rows along the input dim, the last one may be shorter)
@@ -99,16 +101,9 @@ def inverse_cholesky(hessian: np.ndarray, damp: float, path: str, max_damp: floa
                          "the calibration activations are broken")
     tried = damp
     while True:
-        hd = h + np.eye(len(h)) * tried * mean_diag
-        try:
-            lower = np.linalg.cholesky(hd)
-            inv = np.linalg.inv(lower)
-            hinv = inv.T @ inv
-            upper = np.linalg.cholesky(hinv).T
-            if np.all(np.isfinite(upper)):
-                break
-        except np.linalg.LinAlgError:
-            pass
+        upper = _upper_factor_of_inverse(h + np.eye(len(h)) * tried * mean_diag)
+        if upper is not None:
+            break
         if tried * 10 > max_damp:
             raise ValueError(f"gptq: Hessian of {path} is not positive definite even with damping {tried:g} x mean "
                              f"diagonal; the layer's calibration inputs are degenerate")
@@ -117,6 +112,24 @@ def inverse_cholesky(hessian: np.ndarray, damp: float, path: str, max_damp: floa
         warnings.warn(f"gptq: Hessian of {path} is not positive definite with damp={damp:g}; "
                       f"damp={tried:g} (x mean diagonal) fixed it", HessianWarning, stacklevel=2)
     return upper, tried
+
+
+def _upper_factor_of_inverse(h: np.ndarray) -> np.ndarray | None:
+    """Upper triangular ``U`` with ``U^T U = h^-1`` (float64), or None when ``h`` is not positive definite.
+
+    With ``J`` the order reversal and ``J h J = L L^T`` (Cholesky), ``h^-1 = (J L^-1 J)^T (J L^-1 J)``
+    and ``J L^-1 J`` is upper triangular with a positive diagonal: one Cholesky and one triangular
+    inverse, instead of inverting ``h`` and factoring the inverse again.
+    """
+    from scipy.linalg import lapack
+
+    lower, info = lapack.dpotrf(h[::-1, ::-1], lower=1, clean=1)
+    if info != 0:
+        return None
+    inv, info = lapack.dtrtri(lower, lower=1)
+    if info != 0 or not np.all(np.isfinite(inv)):
+        return None
+    return np.ascontiguousarray(inv[::-1, ::-1])
 
 
 # --------------------------------------------------------------------------- the algorithm
@@ -157,7 +170,6 @@ def _group_grid(w1, in_group, bits: int, symmetric: bool, mse: bool):
     return pick(ss), (None if zs is None else pick(zs))
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "symmetric", "group", "fixed", "mse"))
 def _block(w1, u1, scale, zp, group_start, *, bits, symmetric, group, fixed, mse=False):
     """Quantize rows of one block. w1 [b, out], u1 [b, b] (upper factor, this block).
 
@@ -204,6 +216,45 @@ def _block(w1, u1, scale, zp, group_start, *, bits, symmetric, group, fixed, mse
     return q1, err1, s_rows, (None if symmetric else z_rows)
 
 
+@functools.partial(jax.jit, static_argnames=("bits", "symmetric", "group", "fixed", "mse", "block_size"))
+def _solve(w, upper, row_scale, row_zp, *, bits, symmetric, group, fixed, mse, block_size):
+    """All blocks of one kernel in one compiled loop -> (integer values, scale per row, zero point per row).
+
+    ``w`` [k, out] and ``upper`` [k, k] are in the visiting order. The rows are padded to whole
+    blocks with zero weights and an identity factor: a padded row quantizes to 0 with no error,
+    so it changes nothing (it also leaves every group's range as it was: 0 is always in range).
+    """
+    k, n = w.shape
+    bs = block_size
+    kp = -(-k // bs) * bs
+    pad = kp - k
+    w = jnp.pad(w, ((0, pad), (0, 0)))
+    u = jnp.pad(upper, ((0, pad), (0, pad))) + jnp.diag((jnp.arange(kp) >= k).astype(upper.dtype))
+    if fixed:
+        row_scale = jnp.pad(row_scale, ((0, pad), (0, 0)), constant_values=1.0)
+        row_zp = None if row_zp is None else jnp.pad(row_zp, ((0, pad), (0, 0)))
+    all_rows = jnp.arange(kp)
+
+    def one_block(j, carry):
+        w, q, s, z = carry
+        i1 = j * bs
+        take = lambda a: jax.lax.dynamic_slice_in_dim(a, i1, bs, axis=0)
+        u1 = jax.lax.dynamic_slice(u, (i1, i1), (bs, bs))
+        sb = take(row_scale) if fixed else None
+        zb = take(row_zp) if fixed and row_zp is not None else None
+        q1, err1, s1, z1 = _block(take(w), u1, sb, zb, i1, bits=bits, symmetric=symmetric, group=group,
+                                  fixed=fixed, mse=mse)
+        # Lazy batch update: the rows after this block get the whole block's error at once.
+        push = take(u).T @ err1  # [kp, out]
+        w = w - jnp.where((all_rows >= i1 + bs)[:, None], push, 0.0)
+        put = lambda a, v: jax.lax.dynamic_update_slice_in_dim(a, v, i1, axis=0)
+        return w, put(q, q1), put(s, s1), (z if z1 is None else put(z, z1))
+
+    zeros = jnp.zeros_like(w)
+    _, q, s, z = jax.lax.fori_loop(0, kp // bs, one_block, (w, zeros, zeros, zeros))
+    return q[:k], s[:k], z[:k]
+
+
 def gptq_quantize(w: jax.Array, hessian: jax.Array, spec: Spec, opts: GPTQOptions = GPTQOptions(), *,
                   path: str = "kernel") -> tuple[np.ndarray, np.ndarray, np.ndarray | None, dict]:
     """GPTQ on one ``(in, out)`` kernel -> (int values [in, out], scale, zero_point, info).
@@ -225,38 +276,28 @@ def gptq_quantize(w: jax.Array, hessian: jax.Array, spec: Spec, opts: GPTQOption
     static = (not grouped) or opts.static_groups or opts.act_order
     if static:
         # Scales from the original kernel, one per (row tile, out tile), expanded to one per row.
-        scale, zp = compute_scale(jnp.asarray(w), spec, tile)
+        scale, zp = _jit_compute_scale(jnp.asarray(w), spec, tile)
         scale, zp = np.asarray(scale), None if zp is None else np.asarray(zp, np.float32)
         row_scale = _per_row(scale, tile, (k, n))
         row_zp = None if zp is None else _per_row(zp, tile, (k, n))
     perm = np.argsort(-np.diag(h), kind="stable") if opts.act_order else np.arange(k)
     upper, used = inverse_cholesky(h[np.ix_(perm, perm)], opts.damp, path, opts.max_damp, dead[perm])
     upper = upper.astype(np.float32)
-    wp = jnp.asarray(w[perm])
-    # With groups and dynamic scales, a block must hold whole groups (its rows are updated in place).
+    # With groups and dynamic scales, a block must hold whole groups (its rows are updated in place);
+    # no block needs to be longer than the kernel (rounded up to whole groups).
     bs = opts.block_size if static else g * max(1, round(opts.block_size / g))
-    qs, ss, zs = [], [], []
-    for i1 in range(0, k, bs):
-        i2 = min(i1 + bs, k)
-        u1 = jnp.asarray(upper[i1:i2, i1:i2])
-        if static:
-            sb = jnp.asarray(row_scale[perm[i1:i2]])
-            zb = None if row_zp is None else jnp.asarray(row_zp[perm[i1:i2]])
-        else:
-            sb = zb = None
-        q1, err1, s_rows, z_rows = _block(wp[i1:i2], u1, sb, zb, i1, bits=spec.bits, symmetric=spec.symmetric,
-                                          group=g, fixed=static, mse=spec.clip == "mse")
-        if i2 < k:
-            wp = wp.at[i2:].add(-(jnp.asarray(upper[i1:i2, i2:]).T @ err1))
-        qs.append(q1)
-        ss.append(s_rows)
-        zs.append(z_rows)
+    bs = min(bs, k if static else -(-k // g) * g)
+    q, s_rows, z_rows = _solve(jnp.asarray(w[perm]), jnp.asarray(upper),
+                               jnp.asarray(row_scale[perm]) if static else None,
+                               jnp.asarray(row_zp[perm]) if static and row_zp is not None else None,
+                               bits=spec.bits, symmetric=spec.symmetric, group=g, fixed=static,
+                               mse=spec.clip == "mse", block_size=bs)
     inv = np.argsort(perm)
-    q = np.asarray(jnp.concatenate(qs))[inv]
+    q = np.asarray(q)[inv]
     if static:
         return q.astype(np.int8), scale, zp, {"damp": used}
-    s_rows = np.asarray(jnp.concatenate(ss))
-    z_rows = None if spec.symmetric else np.asarray(jnp.concatenate(zs))
+    s_rows = np.asarray(s_rows)
+    z_rows = None if spec.symmetric else np.asarray(z_rows)
     # Dynamic groups: one scale per group = the scale of its first row.
     starts = np.arange(0, k, g)
     scale = s_rows[starts].reshape(len(starts), n // tile[1], tile[1])[:, :, 0]
@@ -268,17 +309,26 @@ def _per_row(a: np.ndarray, tile, shape) -> np.ndarray:
     return np.repeat(np.repeat(a, tile[0], axis=0)[: shape[0]], tile[1], axis=1)[:, : shape[1]]
 
 
+# Jitted once per (shape, spec): called eagerly, every small op of these compiles on its own for each
+# new kernel shape, which cost more than GPTQ's solve on a 135M model.
+_jit_compute_scale = jax.jit(compute_scale, static_argnames=("spec", "tile"))
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "dtype", "act_spec"))
+def _codes_to_qarray(q, scale_rows, zp_rows, scale, zp, act_scale, *, spec, dtype, act_spec):
+    deq = q.astype(jnp.float32) if zp_rows is None else q.astype(jnp.float32) - zp_rows
+    return quantize((deq * scale_rows).astype(dtype), spec, scale=scale, zero_point=zp, act_spec=act_spec,
+                    act_scale=act_scale)
+
+
 def to_qarray(q: np.ndarray, scale: np.ndarray, zp: np.ndarray | None, spec: Spec, dtype=jnp.float32,
               act_spec: Spec | None = None, act_scale: jax.Array | None = None) -> QArray:
     """A QArray holding exactly the integer values ``q`` on the grid ``scale``/``zp``."""
     tile = tile_for(spec, q.shape)
-    s = _per_row(scale, tile, q.shape)
-    deq = q.astype(np.float32) if zp is None else q.astype(np.float32) - _per_row(zp, tile, q.shape)
-    deq = deq * s
-    out = quantize(jnp.asarray(deq, dtype), spec, scale=jnp.asarray(scale, jnp.float32),
-                   zero_point=None if zp is None else jnp.asarray(zp, jnp.float32), act_spec=act_spec,
-                   act_scale=act_scale)
-    return out
+    return _codes_to_qarray(jnp.asarray(q), jnp.asarray(_per_row(scale, tile, q.shape), jnp.float32),
+                            None if zp is None else jnp.asarray(_per_row(zp, tile, q.shape), jnp.float32),
+                            jnp.asarray(scale, jnp.float32), None if zp is None else jnp.asarray(zp, jnp.float32),
+                            act_scale, spec=spec, dtype=jnp.dtype(dtype), act_spec=act_spec)
 
 
 # --------------------------------------------------------------------------- as a calibrated method
@@ -296,6 +346,28 @@ def wants(opts: GPTQOptions) -> tuple[str, ...]:
     return ("hessian", "absmax")
 
 
+def shared_input_groups(rels: list[str], hessians: dict, specs: dict) -> list[list[str]]:
+    """``rels`` split into groups that GPTQ can solve as one kernel (their columns side by side).
+
+    GPTQ treats every output column alone, given the Hessian of the input: kernels that read the
+    same input (q/k/v, gate/up; their Hessians are equal) with the same per-column or per-group
+    spec give the same integers solved together as apart, with one factorization and one
+    compiled solve instead of two or three.
+    """
+    groups: list[list[str]] = []
+    for rel in rels:
+        for g in groups:
+            first = g[0]
+            if (specs[rel] == specs[first] and specs[rel].granularity != "tensor"
+                    and hessians[rel].shape == hessians[first].shape
+                    and np.array_equal(np.asarray(hessians[rel]), np.asarray(hessians[first]))):
+                g.append(rel)
+                break
+        else:
+            groups.append([rel])
+    return groups
+
+
 def block_processor(config, recipe, opts: GPTQOptions, info: dict):
     """process_block for calibrate: GPTQ on every kernel its rule quantizes, Hessians from this block's inputs."""
     from llmeq_jax.core.rules import static_act_scale
@@ -305,17 +377,25 @@ def block_processor(config, recipe, opts: GPTQOptions, info: dict):
 
     def process(layer, block, block_stats, inputs):
         del inputs
-        for rel in block_kernel_paths(block):
-            rule = quant_rule(recipe, layer, rel)
-            if rule is None:
-                continue
-            full = f"layers_{layer}/{rel}"
-            w = get_leaf(block, rel)
-            q, scale, zp, res = gptq_quantize(w, block_stats[rel]["hessian"], rule.weight, opts, path=full)
-            act_scale = static_act_scale(full, {full: block_stats[rel]}, rule.act_clip) if rule.act_static else None
-            block = set_leaf(block, rel, to_qarray(q, scale, zp, rule.weight, w.dtype, rule.act, act_scale))
-            if res["damp"] != opts.damp:
-                info["damp"][full] = res["damp"]
+        rules = {rel: quant_rule(recipe, layer, rel) for rel in block_kernel_paths(block)}
+        rules = {rel: r for rel, r in rules.items() if r is not None}
+        hessians = {rel: block_stats[rel]["hessian"] for rel in rules}
+        for group in shared_input_groups(list(rules), hessians, {rel: r.weight for rel, r in rules.items()}):
+            ws = [get_leaf(block, rel) for rel in group]
+            names = ", ".join(f"layers_{layer}/{rel}" for rel in group)
+            spec = rules[group[0]].weight
+            q, scale, zp, res = gptq_quantize(jnp.concatenate(ws, axis=1) if len(ws) > 1 else ws[0],
+                                              hessians[group[0]], spec, opts, path=names)
+            cuts = np.cumsum([w.shape[1] for w in ws])[:-1]
+            parts = zip(np.split(q, cuts, axis=1), np.split(scale, cuts, axis=1),
+                        [None] * len(ws) if zp is None else np.split(zp, cuts, axis=1))
+            for rel, w, (q_i, s_i, z_i) in zip(group, ws, parts):
+                rule, full = rules[rel], f"layers_{layer}/{rel}"
+                act_scale = (static_act_scale(full, {full: block_stats[rel]}, rule.act_clip)
+                             if rule.act_static else None)
+                block = set_leaf(block, rel, to_qarray(q_i, s_i, z_i, rule.weight, w.dtype, rule.act, act_scale))
+                if res["damp"] != opts.damp:
+                    info["damp"][full] = res["damp"]
         return block
 
     return process

@@ -57,6 +57,17 @@ def embed(config: ModelConfig, params: Params, tokens: jax.Array, positions: jax
     return h
 
 
+def same_block_layer(config: ModelConfig, layer: int) -> int:
+    """The first layer whose cache-free :func:`apply_block` computes the same function as ``layer``'s.
+
+    Without a cache a block's code depends on its index only through sliding-window
+    attention, so jitted block functions keyed on this layer compile once per kind of
+    layer (one for most models) instead of once per layer.
+    """
+    kind = config.is_sliding(layer)
+    return next(i for i in range(config.num_layers) if config.is_sliding(i) == kind)
+
+
 def apply_block(
     config: ModelConfig,
     block_params: Params,

@@ -436,3 +436,15 @@ def test_float16_scales_are_stored_exactly_and_the_codes_use_them(spec):
     assert not np.array_equal(np.asarray(compute_scale(x, plain)[0]), scale)  # the option changes something
     step = np.asarray(expand_to(q.scale, x.shape, q.tile))
     assert np.all(np.abs(np.asarray(q.dequantize()) - np.asarray(x)) <= step * (0.5 if spec.symmetric else 1.0) + 1e-9)
+
+
+@pytest.mark.parametrize("spec", [Spec(8, "channel"), Spec(8, "tensor"), Spec(4, "group", group_size=64, symmetric=False)])
+def test_compiled_quantize_gives_the_op_by_op_codes(spec):
+    """quantize() on a concrete array runs compiled, and must store exactly what the ops give one by one
+    (a division by a broadcast scale compiled as a reciprocal multiply moved some int8 codes by one)."""
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(1024, 768)).astype(np.float32))
+    fast = quantize(x, spec)
+    with jax.disable_jit():
+        slow = quantize(x, spec)
+    np.testing.assert_array_equal(np.asarray(fast.qvalue), np.asarray(slow.qvalue))
+    np.testing.assert_array_equal(np.asarray(fast.scale), np.asarray(slow.scale))

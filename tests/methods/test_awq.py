@@ -118,3 +118,33 @@ def test_awq_gptq_recipe_loads_with_gptq_on_and_asymmetric_int4_groups():
     assert recipe.method == "awq" and args.gptq is True and args.damp == 0.01
     assert (spec.bits, spec.group_size, spec.symmetric) == (4, 128, False)
     assert awq.wants(args)[-1] == "hessian"
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_clip_search_picks_the_ratio_a_direct_search_picks(symmetric):
+    """The clip search (errors through each group's Gram matrix) against a direct search on the tokens."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(200, 80)).astype(np.float32) * (1 + 5 * (rng.random(80) < 0.1)).astype(np.float32)
+    w = (rng.standard_t(3, size=(80, 12)) * 0.05).astype(np.float32)
+    spec = Spec(4, "group", group_size=32, symmetric=symmetric)
+    ratios = tuple(float(r) for r in np.linspace(1.0, 0.5, 11))
+    scale, zp = awq.clip_scale(jnp.asarray(x), jnp.asarray(w), spec=spec, ratios=ratios)
+    best = np.full((3, 12), np.inf)
+    want_s = np.zeros((3, 12))
+    for r in ratios:
+        for gi in range(3):
+            rows = slice(32 * gi, min(32 * gi + 32, 80))
+            wg = w[rows]
+            lo, hi = np.minimum(wg.min(0), 0) * r, np.maximum(wg.max(0), 0) * r
+            if symmetric:
+                s = np.maximum(-lo, hi) / 7
+                deq = np.clip(np.round(wg / s), -7, 7) * s
+            else:
+                s = (hi - lo) / 15
+                z = np.clip(np.round(-8 - lo / s), -8, 7)
+                deq = (np.clip(np.round(wg / s) + z, -8, 7) - z) * s
+            err = np.sum((x[:, rows].astype(np.float64) @ (wg - deq)) ** 2, axis=0)
+            better = err < best[gi]
+            best[gi] = np.where(better, err, best[gi])
+            want_s[gi] = np.where(better, s, want_s[gi])
+    np.testing.assert_allclose(np.asarray(scale), want_s, rtol=1e-5)

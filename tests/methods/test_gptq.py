@@ -182,3 +182,41 @@ def test_asymmetric_mse_grid_beats_rtn_and_keeps_zero_points_in_range(act_order)
     w_rtn = np.asarray(quantize(jnp.asarray(w), Spec(4, "group", group_size=32, symmetric=False)).dequantize())
     err_gptq = np.linalg.norm(x @ w - x @ np.asarray(qa.dequantize()))
     assert err_gptq < 0.9 * np.linalg.norm(x @ w - x @ w_rtn)
+
+
+def test_upper_factor_of_the_inverse_matches_the_textbook_formula():
+    from llmeq_jax.methods.gptq import _upper_factor_of_inverse
+
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(300, 40))
+    h = x.T @ x
+    u = _upper_factor_of_inverse(h)
+    ref = np.linalg.cholesky(np.linalg.inv(h)).T
+    np.testing.assert_allclose(u, ref, rtol=1e-9, atol=1e-12 * np.abs(ref).max())
+    assert np.array_equal(u, np.triu(u)) and np.all(np.diag(u) > 0)
+    assert _upper_factor_of_inverse(np.array([[1.0, 10.0], [10.0, 1.0]])) is None  # not positive definite
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_siblings_of_one_input_solve_together_as_apart(act_order):
+    """q/k/v (or gate/up) read one input: solved side by side they give the integers they give alone."""
+    from llmeq_jax.methods.gptq import shared_input_groups
+
+    rng = np.random.default_rng(4)
+    _, w, h = _layer(rng, n=40)
+    parts = [w[:, :24], w[:, 24:32], w[:, 32:]]
+    spec = Spec(4, "group", group_size=32, symmetric=False)
+    opts = GPTQOptions(act_order=act_order, block_size=32)
+    alone = [gptq_quantize(p, h, spec, opts) for p in parts]
+    together = gptq_quantize(np.concatenate(parts, axis=1), h, spec, opts)
+    cuts = [24, 32]
+    for i, (q, scale, zp, _) in enumerate(alone):
+        np.testing.assert_array_equal(np.split(together[0], cuts, axis=1)[i], q)
+        np.testing.assert_array_equal(np.split(together[1], cuts, axis=1)[i], scale)
+        np.testing.assert_array_equal(np.split(together[2], cuts, axis=1)[i], zp)
+    # Grouping: equal Hessians and specs go together; another input, another spec or a per-tensor scale do not.
+    h2 = h + np.eye(len(h), dtype=h.dtype)
+    hs = {"q": h, "k": h.copy(), "o": h2, "v": h.copy(), "t": h.copy()}
+    specs = {"q": spec, "k": spec, "o": spec, "v": Spec(4, "group", group_size=64, symmetric=False),
+             "t": Spec(8, "tensor")}
+    assert shared_input_groups(list(hs), hs, specs) == [["q", "k"], ["o"], ["v"], ["t"]]
