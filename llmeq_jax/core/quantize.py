@@ -284,8 +284,12 @@ def _dequant_values(q, scale, zero_point, shape, tile, grid="uniform", bits=8):
     return q * expand_to(scale, shape, tile)
 
 
-def _mse_scale(x, tile, bits, symmetric):
-    """Per tile, the clip ratio from MSE_GRID with the lowest squared error."""
+def _mse_scale(x, tile, bits, symmetric, weight=None):
+    """Per tile, the clip ratio from MSE_GRID with the lowest squared error.
+
+    ``weight`` (broadcastable to ``x``): the error of each element counts that many times, e.g.
+    GPTQ's Hessian diagonal per input row (how much the layer's output feels that row's error).
+    """
     lo, hi = _range(x, tile, symmetric)
     xf = x.astype(jnp.float32)
 
@@ -293,6 +297,8 @@ def _mse_scale(x, tile, bits, symmetric):
         scale, zp = scale_from_range(None if lo is None else lo * ratio, hi * ratio, bits, symmetric)
         q = quantize_values(xf, scale, zp, bits, tile)
         err = (_dequant_values(q, scale, zp, x.shape, tile) - xf) ** 2
+        if weight is not None:
+            err = err * weight
         return tile_reduce(err, tile, "sum"), scale, zp
 
     def step(best, ratio):
@@ -337,6 +343,13 @@ def storable_scale(scale: jax.Array, zero_point: jax.Array | None, spec: Spec):
 def compute_scale(x: jax.Array, spec: Spec, tile: tuple[int, ...] | None = None):
     """(scale, zero_point or None) of ``x`` under ``spec``; shapes = scale shape."""
     return storable_scale(*_compute_scale(x, spec, tile), spec)
+
+
+def weighted_mse_scale(x: jax.Array, spec: Spec, weight: jax.Array, tile: tuple[int, ...] | None = None):
+    """(scale, zero_point) of ``x`` under ``spec`` with ``clip: mse`` searched on an error weighted by
+    ``weight`` (broadcastable to ``x``) instead of the plain squared error."""
+    tile = tile_for(spec, x.shape) if tile is None else tile
+    return storable_scale(*_mse_scale(x, tile, spec.bits, spec.symmetric, weight), spec)
 
 
 def _compute_scale(x: jax.Array, spec: Spec, tile: tuple[int, ...] | None = None):

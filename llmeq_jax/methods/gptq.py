@@ -35,7 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from llmeq_jax.core.qarray import QArray, int_range
-from llmeq_jax.core.quantize import MSE_GRID, Spec, compute_scale, quantize, scale_from_range, tile_for
+from llmeq_jax.core.quantize import (MSE_GRID, Spec, compute_scale, quantize, scale_from_range, tile_for,
+                                     weighted_mse_scale)
 from llmeq_jax.core.rules import RecipeError
 from llmeq_jax.methods.blockwise import block_kernel_paths, option, options_from_args, quant_rule
 
@@ -53,6 +54,11 @@ class GPTQOptions:
     block_size: int = option(128, (int,), lambda v: v > 0, "a positive integer")
     act_order: bool = option(False, (bool,), lambda v: True, "true or false")
     static_groups: bool = option(False, (bool,), lambda v: True, "true or false")
+    # H <- (1 - shrink) H + shrink diag(H): less weight on the input correlations that 16 calibration
+    # windows estimate poorly (the feedback GPTQ fits to them); 0 = off
+    shrink: float = option(0.0, (int, float), lambda v: 0 <= v <= 1, "a number in [0, 1]")
+    # clip: mse with static groups: "hessian" weighs each row's error by H's diagonal, "none" does not
+    mse_weight: str = option("hessian", (str,), lambda v: v in ("none", "hessian"), '"none" or "hessian"')
     # give up (error) when even this much damping does not make H positive definite
     max_damp: float = option(10.0, (int, float), lambda v: v > 0, "a positive number")
 
@@ -268,6 +274,8 @@ def gptq_quantize(w: jax.Array, hessian: jax.Array, spec: Spec, opts: GPTQOption
     h = np.asarray(hessian, np.float64)
     if h.shape != (k, k):
         raise ValueError(f"gptq: {path}: Hessian shape {h.shape} does not match the kernel's input dim {k}")
+    if opts.shrink:
+        h = (1 - opts.shrink) * h + opts.shrink * np.diag(np.diag(h))
     dead = np.diag(h) == 0
     w[dead] = 0.0
     tile = tile_for(spec, (k, n))
@@ -276,7 +284,12 @@ def gptq_quantize(w: jax.Array, hessian: jax.Array, spec: Spec, opts: GPTQOption
     static = (not grouped) or opts.static_groups or opts.act_order
     if static:
         # Scales from the original kernel, one per (row tile, out tile), expanded to one per row.
-        scale, zp = _jit_compute_scale(jnp.asarray(w), spec, tile)
+        if spec.clip == "mse" and opts.mse_weight == "hessian":
+            # Rows weighted by how much the output feels them (H's diagonal): the clip no longer
+            # sacrifices the rows of the large input channels to lower everybody else's error.
+            scale, zp = _jit_weighted_mse_scale(jnp.asarray(w), spec, jnp.asarray(np.diag(h), jnp.float32)[:, None], tile)
+        else:
+            scale, zp = _jit_compute_scale(jnp.asarray(w), spec, tile)
         scale, zp = np.asarray(scale), None if zp is None else np.asarray(zp, np.float32)
         row_scale = _per_row(scale, tile, (k, n))
         row_zp = None if zp is None else _per_row(zp, tile, (k, n))
@@ -312,6 +325,7 @@ def _per_row(a: np.ndarray, tile, shape) -> np.ndarray:
 # Jitted once per (shape, spec): called eagerly, every small op of these compiles on its own for each
 # new kernel shape, which cost more than GPTQ's solve on a 135M model.
 _jit_compute_scale = jax.jit(compute_scale, static_argnames=("spec", "tile"))
+_jit_weighted_mse_scale = jax.jit(weighted_mse_scale, static_argnames=("spec", "tile"))
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "dtype", "act_spec"))

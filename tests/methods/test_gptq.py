@@ -220,3 +220,50 @@ def test_siblings_of_one_input_solve_together_as_apart(act_order):
     specs = {"q": spec, "k": spec, "o": spec, "v": Spec(4, "group", group_size=64, symmetric=False),
              "t": Spec(8, "tensor")}
     assert shared_input_groups(list(hs), hs, specs) == [["q", "k"], ["o"], ["v"], ["t"]]
+
+
+def test_hessian_weighted_mse_clip_keeps_the_rows_the_output_feels():
+    """clip: mse with mse_weight: hessian searches each group's clip on H_ii-weighted errors: a row with a
+    large input channel is no longer clipped to lower the other rows' error; uniform weights = plain MSE."""
+    from llmeq_jax.core.quantize import compute_scale, weighted_mse_scale
+
+    rng = np.random.default_rng(8)
+    w = rng.standard_t(df=3, size=(64, 16)).astype(np.float32)
+    w[5] = 4 * np.abs(w).max(axis=0)  # the largest weight of every column sits in row 5...
+    hdiag = np.ones(64, np.float32)
+    hdiag[5] = 1e4  # ...and row 5 carries a massive input channel
+    spec = Spec(4, "group", group_size=32, symmetric=False, clip="mse")
+    plain = compute_scale(jnp.asarray(w), spec)
+    same = weighted_mse_scale(jnp.asarray(w), spec, jnp.ones((64, 1), jnp.float32))
+    np.testing.assert_array_equal(np.asarray(plain[0]), np.asarray(same[0]))
+    weighted = weighted_mse_scale(jnp.asarray(w), spec, jnp.asarray(hdiag)[:, None])
+
+    def errors(s, z):
+        qa = to_qarray(np.asarray(quantize(jnp.asarray(w), Spec(4, "group", group_size=32, symmetric=False),
+                                           scale=s, zero_point=z).values()), np.asarray(s), np.asarray(z),
+                       Spec(4, "group", group_size=32, symmetric=False))
+        e = (np.asarray(qa.dequantize()) - w) ** 2
+        return e[5].sum(), (e * hdiag[:, None]).sum()
+
+    row5_plain, obj_plain = errors(*plain)
+    row5_weighted, obj_weighted = errors(*weighted)
+    assert row5_weighted < row5_plain and obj_weighted < obj_plain
+    with pytest.raises(RecipeError, match="mse_weight"):
+        gptq_parse_args({"mse_weight": "diag"})
+
+
+def test_shrink_moves_the_hessian_toward_its_diagonal():
+    """shrink: 1 leaves only H's diagonal: no error feedback between rows, i.e. round-to-nearest on the
+    static grid; 0 is plain GPTQ; in between the result differs from both."""
+    rng = np.random.default_rng(9)
+    _, w, h = _layer(rng)
+    spec = Spec(4, "group", group_size=32, symmetric=False)
+    rtn = np.asarray(quantize(jnp.asarray(w), spec).values())
+    full = gptq_quantize(w, h, spec, GPTQOptions(act_order=True, shrink=1.0))[0]
+    np.testing.assert_array_equal(full, rtn)
+    plain = gptq_quantize(w, h, spec, GPTQOptions(act_order=True))[0]
+    np.testing.assert_array_equal(gptq_quantize(w, h, spec, GPTQOptions(act_order=True, shrink=0.0))[0], plain)
+    some = gptq_quantize(w, h, spec, GPTQOptions(act_order=True, shrink=0.1))[0]
+    assert np.any(some != plain) and np.any(some != rtn)
+    with pytest.raises(RecipeError, match="shrink"):
+        gptq_parse_args({"shrink": 1.5})
