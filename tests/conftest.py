@@ -3,11 +3,26 @@
 Tests marked ``gpu`` (tests/pallas_kernels/test_gpu_kernels.py: kernels compiled for a real
 GPU) are deselected when JAX's default backend is not a GPU, so a CPU run neither runs
 them nor counts them as skipped; pytest's summary reports them as "deselected".
+
+Compiled programs are released after each test module: every XLA:CPU executable holds about a
+dozen memory mappings until its jit cache lets it go, and the whole suite in one process compiled
+enough of them to pass Linux's default limit of 65530 mappings (vm.max_map_count), at which point
+the next compilation died with a segmentation fault inside XLA.
 """
 
 from __future__ import annotations
 
+import gc
+
 import jax
+import pytest
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 def pytest_collection_modifyitems(config, items):
