@@ -20,11 +20,11 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from llmeq_jax.data import CALIB_TEXT, EVAL_TEXT, find_data_file
+from llmeq_jax.data import CALIB_TEXT, EVAL_TEXT, HELD_OUT_TEXT, extra_eval_text, find_data_file, windows_of
 from llmeq_jax.errors import UsageError
 from llmeq_jax.pipeline import (MAIN_RECIPES, build_kv_quantizer, first_kernel_path, kv_mapping, kv_memory,
                                 layer_values, measure_speed, open_model, param_bytes, read_recipe, recipe_path,
-                                run_recipe, text_perplexity)
+                                run_recipe, text_perplexity, windows_perplexity)
 
 MODEL_HELP = "registry name (e.g. smollm2-135m), Hugging Face directory, .gguf file or llmeq checkpoint directory"
 
@@ -197,6 +197,9 @@ def cmd_eval(args) -> int:
 
 def cmd_compare(args) -> int:
     text = find_data_file(args.text, EVAL_TEXT, "evaluation text")
+    extra_texts = dict(extra_eval_text(t) for t in args.extra_text)
+    if len(extra_texts) != len(args.extra_text):
+        raise UsageError(f"--extra-text: two texts share a name ({args.extra_text}); each needs its own file name")
     recipes = [read_recipe(r) for r in args.recipes]
     out_dir = Path(args.out_dir)
     ckpts = [checkpoint_dir_for(out_dir, r.name) for r in recipes]
@@ -211,7 +214,8 @@ def cmd_compare(args) -> int:
     created = _missing_dirs(out_dir)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-        return _compare_into(args, text, recipes, ckpts, out_dir, config, params, tokenizer, load_s)
+        extra_windows = {name: windows_of(tokenizer, t, args.seq_len, args.windows) for name, t in extra_texts.items()}
+        return _compare_into(args, text, extra_windows, recipes, ckpts, out_dir, config, params, tokenizer, load_s)
     except BaseException:
         for d in created:  # deepest first: leave no empty directory of ours behind
             if d.is_dir() and not any(d.iterdir()):
@@ -229,12 +233,13 @@ def _missing_dirs(path: Path) -> list[Path]:
     return missing
 
 
-def _compare_into(args, text, recipes, ckpts, out_dir, config, params, tokenizer, load_s) -> int:
+def _compare_into(args, text, extra_windows, recipes, ckpts, out_dir, config, params, tokenizer, load_s) -> int:
     import shutil
 
     from llmeq_jax import checkpoint, evaluate, plots
 
-    report = evaluate.Report(model=args.model, text=str(text), seq_len=args.seq_len, n_windows=args.windows)
+    report = evaluate.Report(model=args.model, text=str(text), seq_len=args.seq_len, n_windows=args.windows,
+                             extra_texts=list(extra_windows))
     layer = first_kernel_path(params)
     hist: dict[str, Any] = {}
     for recipe, ckpt in zip(recipes, ckpts):
@@ -251,6 +256,9 @@ def _compare_into(args, text, recipes, ckpts, out_dir, config, params, tokenizer
         row = evaluate.Row(recipe=recipe.name, ppl=res["ppl"], nll=res["nll"], param_bytes=param_bytes(qparams),
                            disk_bytes=disk, load_s=load_s, calib_s=c_s, calib_samples=n, quantize_s=q_s,
                            eval_s=time.perf_counter() - t1)
+        for name, wins in extra_windows.items():
+            more = windows_perplexity(config, qparams, wins, args.batch_size, not args.json, recipe=recipe)
+            row.extra.setdefault("texts", {})[name] = {"ppl": more["ppl"], "nll": more["nll"], "tokens": more["tokens"]}
         if args.speed:
             row.__dict__.update(measure_speed(config, qparams))
         report.rows.append(row)
@@ -567,6 +575,10 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("model", nargs="?", default="smollm2-135m", help=MODEL_HELP + " (default smollm2-135m)")
         _add_eval_opts(p, windows_default=64 if name == "compare" else 16)
         _add_calib_opts(p)
+        p.add_argument("--extra-text", nargs="+", default=[], metavar="TEXT",
+                       help="more evaluation texts, a perplexity column each (same windows and seq-len): files, "
+                            f"or {HELD_OUT_TEXT!r}, a held-out text of another domain built from this Python's "
+                            "documentation (no file needed)")
         p.add_argument("--out-dir", default=f"runs/{name}", help="where report.json/.md and the plots go")
         p.add_argument("--no-speed", dest="speed", action="store_false", help="skip the tokens/s measurements")
         p.add_argument("--keep-checkpoints", action="store_true",

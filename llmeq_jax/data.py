@@ -15,6 +15,8 @@ from llmeq_jax.errors import UsageError
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EVAL_TEXT = "wikitext2_test.txt"
 CALIB_TEXT = "wikitext2_valid.txt"
+# A second domain for evaluation, built from this Python's documentation (llmeq_jax.texts): no file needed.
+HELD_OUT_TEXT = "pydoc-topics"
 
 
 def data_dirs() -> list[Path]:
@@ -43,7 +45,24 @@ def find_data_file(given: str | None, default_name: str, what: str) -> Path:
 
 def text_windows(tokenizer, path: str | Path, seq_len: int, n_windows: int):
     """The text at ``path`` tokenized and cut into ``n_windows`` windows of ``seq_len`` tokens (0 = all)."""
+    return windows_of(tokenizer, Path(path).read_text(), seq_len, n_windows)
+
+
+def windows_of(tokenizer, text: str, seq_len: int, n_windows: int):
+    """``text`` tokenized and cut into ``n_windows`` windows of ``seq_len`` tokens (0 = all)."""
     from llmeq_jax import evaluate
 
-    ids = evaluate.tokenize_text(tokenizer, Path(path).read_text())
-    return evaluate.make_windows(ids, seq_len, n_windows)
+    return evaluate.make_windows(evaluate.tokenize_text(tokenizer, text), seq_len, n_windows)
+
+
+def extra_eval_text(given: str) -> tuple[str, str]:
+    """``(label, text)`` of a further evaluation text: the file ``given``, or, when no such file exists,
+    the held-out text built into the package under the name ``HELD_OUT_TEXT`` (:mod:`llmeq_jax.texts`)."""
+    p = Path(given)
+    if p.is_file():
+        return p.stem, p.read_text()
+    if given == HELD_OUT_TEXT:
+        from llmeq_jax.texts import pydoc_topics_text
+
+        return HELD_OUT_TEXT, pydoc_topics_text()
+    raise UsageError(f"--extra-text {given!r} is neither a file nor the built-in held-out text {HELD_OUT_TEXT!r}")

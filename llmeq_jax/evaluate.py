@@ -221,6 +221,8 @@ class Report:
     seq_len: int
     n_windows: int
     rows: list[Row] = dataclasses.field(default_factory=list)
+    # names of further evaluation texts: each row's extra["texts"][name] holds ppl / nll / tokens there
+    extra_texts: list[str] = dataclasses.field(default_factory=list)
     protocol: str = PROTOCOL
     machine: dict = dataclasses.field(default_factory=machine)
     versions: dict = dataclasses.field(default_factory=versions)
@@ -243,10 +245,13 @@ class Report:
         first); a one-row report (``llmeq eval``) has nothing to compare with and leaves them out."""
         base = self.baseline()
         relative = len(self.rows) > 1
-        cols = ["recipe", "ppl", *([f"Δ% vs {base.recipe}"] if relative else []), "param MB",
+        more = [(f"ppl {t}", *([f"Δ% {t}"] if relative else [])) for t in self.extra_texts]
+        cols = ["recipe", "ppl", *([f"Δ% vs {base.recipe}"] if relative else []), *(c for m in more for c in m),
+                "param MB",
                 *([f"size vs {base.recipe}"] if relative else []), "quantize s", "prefill tok/s", "decode tok/s"]
         lines = [
-            f"Model `{self.model}`, text `{self.text}`, seq_len {self.seq_len}, windows {self.n_windows}, "
+            f"Model `{self.model}`, text `{self.text}`"
+            f"{''.join(f', `{t}`' for t in self.extra_texts)}, seq_len {self.seq_len}, windows {self.n_windows}, "
             f"device {self.machine.get('device')} ({self.machine.get('jax_backend')}).",
             "",
             "| " + " | ".join(cols) + " |",
@@ -256,6 +261,9 @@ class Report:
             cells = [r.recipe, _fmt(r.ppl, ".3f")]
             if relative:
                 cells.append(_pct(r.ppl, base.ppl))
+            for t in self.extra_texts:
+                ppl, base_ppl = _text_ppl(r, t), _text_ppl(base, t)
+                cells += [_fmt(ppl, ".3f"), *([_pct(ppl, base_ppl)] if relative else [])]
             cells.append(_fmt(_mb(r.param_bytes), ".2f"))
             if relative:
                 cells.append(_ratio(r.param_bytes, base.param_bytes))
@@ -264,6 +272,10 @@ class Report:
         lines += ["", f"Protocol: {self.protocol}."]
         lines += [f"- {n}" for n in self.notes]
         return "\n".join(lines)
+
+
+def _text_ppl(row: Row, text: str) -> float | None:
+    return row.extra.get("texts", {}).get(text, {}).get("ppl")
 
 
 def _fmt(v: Any, spec: str) -> str:

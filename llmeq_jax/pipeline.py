@@ -122,9 +122,15 @@ def text_perplexity(config, params, tokenizer, text_path: str | Path, seq_len: i
 
     With ``kv`` (a KVQuantizer) attention reads K/V through the quantized cache's prefill path.
     A ``recipe`` with online activation scales (``act_ema``) carries their EMA state from batch to batch."""
+    wins = text_windows(tokenizer, text_path, seq_len, windows)
+    return windows_perplexity(config, params, wins, batch_size, progress, kv=kv, recipe=recipe)
+
+
+def windows_perplexity(config, params, wins, batch_size: int = 4, progress: bool = False, kv=None,
+                       recipe=None) -> dict:
+    """Perplexity report of token windows ``wins`` [N, T] (see :func:`text_perplexity`)."""
     from llmeq_jax import decode_layout, evaluate, online
 
-    wins = text_windows(tokenizer, text_path, seq_len, windows)
     alphas = online.decays(params, recipe)
     if alphas:
         if kv is not None:

@@ -62,8 +62,10 @@ def test_quantize_inspect_eval_generate(w8_checkpoint):
 
 def test_compare_writes_report_and_plots(tmp_path):
     out = tmp_path / "cmp"
+    again = tmp_path / "again.txt"  # the evaluation text once more, as an extra text: the same perplexity
+    again.write_text(open(TEXT).read())
     proc = llmeq("compare", MODEL, "--recipes", "fp32", "rtn-w4-g128", "--text", TEXT, "--seq-len", "128",
-                 "--windows", "2", "--out-dir", str(out), "--json")
+                 "--windows", "2", "--out-dir", str(out), "--json", "--extra-text", "pydoc-topics", str(again))
     rep = json.loads(proc.stdout)
     assert [r["recipe"] for r in rep["rows"]] == ["fp32", "rtn-w4-g128"]
     fp, w4 = rep["rows"]
@@ -72,6 +74,15 @@ def test_compare_writes_report_and_plots(tmp_path):
     assert w4["decode_tok_s"] > 0 and w4["prefill_tok_s"] > 0
     for name in ("report.json", "report.md", "ppl_vs_size.png", "time_breakdown.png", "weight_hist.png"):
         assert (out / name).stat().st_size > 0, name
+    # Extra texts: a column each; the repeated text gives the main text's perplexity, the held-out one another.
+    assert rep["extra_texts"] == ["pydoc-topics", "again"]
+    for row in rep["rows"]:
+        texts = row["extra"]["texts"]
+        assert texts["again"]["ppl"] == pytest.approx(row["ppl"], rel=1e-6)
+        assert math.isfinite(texts["pydoc-topics"]["ppl"]) and texts["pydoc-topics"]["ppl"] != row["ppl"]
+        assert texts["pydoc-topics"]["tokens"] == 2 * 127
+    header = (out / "report.md").read_text()
+    assert "| ppl pydoc-topics | Δ% pydoc-topics | ppl again | Δ% again |" in header
 
 
 @pytest.mark.parametrize(
@@ -80,6 +91,8 @@ def test_compare_writes_report_and_plots(tmp_path):
         (["eval", "/nonexistent/model.gguf", "--text", TEXT], "/nonexistent/model.gguf"),
         (["eval", MODEL, "--text", "/nonexistent.txt"], "evaluation text file '/nonexistent.txt' does not exist"),
         (["quantize", MODEL, "--recipe", "/nonexistent.yaml", "--out", "x"], "recipe file"),
+        (["compare", MODEL, "--recipes", "fp32", "--extra-text", "nope.txt", "--out-dir", "x"],
+         "--extra-text 'nope.txt' is neither a file nor the built-in held-out text 'pydoc-topics'"),
     ],
 )
 def test_bad_input_one_clear_error(args, msg, tmp_path):
