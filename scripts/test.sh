@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The README's test command: builds .venv (if needed), installs the project with
 # its [dev] extra at pinned versions, then runs the whole test suite.
-# Takes about 22-36 minutes on 2 CPU cores (most of it pytest); each phase prints
+# Takes about 17-36 minutes on 2 CPU cores (most of it pytest); each phase prints
 # its own time. Tests marked `gpu` are deselected by tests/conftest.py where JAX
 # has no GPU (pytest reports them as "deselected", not skipped).
 set -euo pipefail
