@@ -50,6 +50,13 @@ class AutoRoundOptions:
     batch: int = option(1, (int,), lambda v: v >= 1, "a positive integer (sequences per step)")
     min_clip: float = option(0.5, (float,), lambda v: 0 < v <= 1, "a number in (0, 1]")
     seed: int = option(0, (int,), lambda v: v >= 0, "a non-negative integer")
+    # Targets: the float *model*'s block outputs (the float block on the float model's hidden states,
+    # carried block to block) instead of the float block's outputs on the quantized stream's inputs:
+    # each block then also learns to undo the error the quantized blocks before it left.
+    float_targets: bool = option(False, (bool,), lambda v: True, "true or false")
+    # "mse": mean squared error of the block's outputs; "per_token": each token's error relative to
+    # the RMS of its target (block_loss)
+    loss: str = option("mse", (str,), lambda v: v in ("mse", "per_token"), '"mse" or "per_token"')
 
 
 def parse_args(method_args: dict) -> AutoRoundOptions:
@@ -178,10 +185,21 @@ def _student_out(config, layer, block, kernels, learned, specs, hidden, position
     return apply_block(config, block, hidden, positions, layer=layer)
 
 
-def block_loss(config, layer, block, kernels, learned, specs, hidden, positions, target) -> jax.Array:
-    """MSE between the block with fake-quantized kernels and the float block's output ``target``."""
+def block_loss(config, layer, block, kernels, learned, specs, hidden, positions, target,
+               per_token: bool = False) -> jax.Array:
+    """MSE between the block with fake-quantized kernels and the float block's output ``target``.
+
+    ``per_token``: each token's error relative to its target's RMS. The next block reads the
+    residual stream through an RMS norm, so what matters is the error against the token's own
+    scale; the plain MSE is ruled by the few tokens whose massive activations are hundreds of
+    times larger than the rest (the attention-sink token of every window).
+    """
     out = _student_out(config, layer, block, kernels, learned, specs, hidden, positions)
-    return jnp.mean((out.astype(jnp.float32) - target.astype(jnp.float32)) ** 2)
+    err = out.astype(jnp.float32) - target.astype(jnp.float32)
+    if per_token:
+        t = target.astype(jnp.float32)
+        err = err * jax.lax.rsqrt(jnp.mean(t * t, axis=-1, keepdims=True) + 1e-12)
+    return jnp.mean(err**2)
 
 
 def optimizer(lr: float, steps: int) -> optax.GradientTransformation:
@@ -192,15 +210,17 @@ def optimizer(lr: float, steps: int) -> optax.GradientTransformation:
 
 # Module-level jitted functions, keyed on (config, layer kind, specs): one compile serves every block of a
 # model (the block, its kernels and the learned parameters are arguments, never baked-in constants).
-@functools.partial(jax.jit, static_argnames=("config", "layer", "specs"))
-def _eval_loss(block, kernels, learned, hidden, positions, target, *, config, layer, specs):
-    return block_loss(config, layer, block, kernels, learned, dict(specs), hidden, positions, target)
+@functools.partial(jax.jit, static_argnames=("config", "layer", "specs", "per_token"))
+def _eval_loss(block, kernels, learned, hidden, positions, target, *, config, layer, specs, per_token):
+    return block_loss(config, layer, block, kernels, learned, dict(specs), hidden, positions, target, per_token)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "layer", "specs", "lr", "steps", "min_clip"))
-def _step(block, kernels, learned, state, hidden, positions, target, *, config, layer, specs, lr, steps, min_clip):
+@functools.partial(jax.jit, static_argnames=("config", "layer", "specs", "lr", "steps", "min_clip", "per_token"))
+def _step(block, kernels, learned, state, hidden, positions, target, *, config, layer, specs, lr, steps, min_clip,
+          per_token):
     loss, grads = jax.value_and_grad(
-        lambda l: block_loss(config, layer, block, kernels, l, dict(specs), hidden, positions, target))(learned)
+        lambda l: block_loss(config, layer, block, kernels, l, dict(specs), hidden, positions, target,
+                             per_token))(learned)
     updates, state = optimizer(lr, steps).update(grads, state, learned)
     return project(optax.apply_updates(learned, updates), min_clip), state, loss
 
@@ -212,18 +232,26 @@ def _float_block(block, hidden, positions, *, config, layer):
     return apply_block(config, block, hidden, positions, layer=layer)
 
 
+def float_outputs(config, layer: int, block: dict, inputs: list) -> list:
+    """The float block's outputs on ``(hidden, positions)`` batches ``inputs``."""
+    kind = same_block_layer(config, layer)
+    return [_float_block(block, h, p, config=config, layer=kind) for h, p in inputs]
+
+
 def train_block(config, layer: int, block: dict, specs: dict, inputs: list,
-                opts: AutoRoundOptions) -> tuple[dict, dict]:
+                opts: AutoRoundOptions, targets: list | None = None) -> tuple[dict, dict]:
     """Learn V, alpha, beta for the kernels ``specs`` names -> (learned params per kernel, info).
 
-    ``inputs`` are ``(hidden, positions)`` batches; targets are the float block's
-    outputs on them. ``info`` holds the mean loss over all inputs before (RTN)
-    and after training.
+    ``inputs`` are ``(hidden, positions)`` batches; ``targets`` what the block should output on
+    them (default: the float block's outputs on them). ``info`` holds the mean loss over all
+    inputs before (RTN) and after training.
     """
     kernels = {r: folding.get_leaf(block, r).astype(jnp.float32) for r in specs}
     learned = {r: init_params(w, specs[r]) for r, w in kernels.items()}
-    kw = dict(config=config, layer=same_block_layer(config, layer), specs=tuple(sorted(specs.items())))
-    targets = [_float_block(block, h, p, config=config, layer=kw["layer"]) for h, p in inputs]
+    kw = dict(config=config, layer=same_block_layer(config, layer), specs=tuple(sorted(specs.items())),
+              per_token=opts.loss == "per_token")
+    if targets is None:
+        targets = float_outputs(config, layer, block, inputs)
     b = opts.batch
     seqs = [(h[j : j + b], p[j : j + b], t[j : j + b]) for (h, p), t in zip(inputs, targets)
             for j in range(0, h.shape[0], b)]
@@ -266,6 +294,9 @@ def to_qarray(w: jax.Array, p: dict, spec: Spec):
 
 def block_processor(config, recipe, opts: AutoRoundOptions, info: dict):
     info.setdefault("autoround", {})
+    # float_targets: the float model's hidden states entering the next block. Block 0 starts from
+    # the quantized stream's inputs (the two differ there only by the embedding table's own rounding).
+    float_stream: list = []
 
     def process(layer, block, block_stats, inputs):
         del block_stats
@@ -276,7 +307,11 @@ def block_processor(config, recipe, opts: AutoRoundOptions, info: dict):
                 continue
             check_rule(f"layers_{layer}/{rel}", rule)
             specs[rel] = rule.weight
-        learned, res = train_block(config, layer, block, specs, inputs, opts)
+        targets = None
+        if opts.float_targets:
+            targets = float_outputs(config, layer, block, float_stream or inputs)
+            float_stream[:] = [(t, p) for t, (_, p) in zip(targets, inputs)]
+        learned, res = train_block(config, layer, block, specs, inputs, opts, targets)
         info["autoround"][layer] = res
         for rel, spec in specs.items():
             block = folding.set_leaf(block, rel, to_qarray(folding.get_leaf(block, rel), learned[rel], spec))

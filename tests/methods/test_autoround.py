@@ -112,3 +112,58 @@ def test_low_bit_recipes_load_asymmetric_and_their_sym_twins_symmetric(name):
         twin = read_recipe(f"{name}-sym")
         tspec = twin.rule_for("layers_0/mlp/down_proj/kernel").weight
         assert twin.name == f"{name}-sym" and tspec.symmetric and tspec.bits == spec.bits
+
+
+def test_float_targets_are_the_float_models_block_outputs(monkeypatch):
+    """float_targets: block i trains toward the float model's output of block i (the float blocks
+    chained on the float stream), not the float block i on the quantized stream's inputs."""
+    from llmeq_jax.core.rules import Recipe
+    from llmeq_jax.methods import quantize_model
+    from tests.methods.tiny_models import tiny_model, tiny_windows
+
+    config, params = tiny_model("qwen2", seed=3)
+    windows = tiny_windows(config, n=4, t=16)
+    rules = (Rule(".*lm_head.*", skip=True), Rule(".*/kernel", weight=Spec(3, "group", group_size=16, symmetric=False)))
+    seen = {}
+    train = ar.train_block
+
+    def spy(config, layer, block, specs, inputs, opts, targets=None):
+        seen[(opts.float_targets, layer)] = (inputs, targets)
+        return train(config, layer, block, specs, inputs, opts, targets)
+
+    monkeypatch.setattr(ar, "train_block", spy)
+    for flag in (False, True):
+        quantize_model(config, params, Recipe(rules=rules, method="autoround",
+                                              method_args={"steps": 2, "float_targets": flag}), windows)
+    assert seen[(False, 1)][1] is None  # the default: the float block on the quantized stream's inputs
+    inputs0, _ = seen[(True, 0)]
+    float_h1 = ar.float_outputs(config, 0, params["layers_0"], inputs0)
+    want = ar.float_outputs(config, 1, params["layers_1"], [(h, p) for h, (_, p) in zip(float_h1, inputs0)])
+    inputs1, got = seen[(True, 1)]
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+    on_quantized = ar.float_outputs(config, 1, params["layers_1"], inputs1)
+    assert not np.allclose(np.asarray(on_quantized[0]), np.asarray(want[0]), atol=1e-4)  # the two objectives differ
+
+
+def test_per_token_loss_is_each_tokens_error_relative_to_its_target_rms(stories_block):
+    """loss: per_token divides each token's error by its target's RMS (so a token with massive
+    activations weighs as much as any other); the default is the plain MSE."""
+    config, block, inputs = stories_block
+    from llmeq_jax.methods.blockwise import block_kernel_paths
+
+    spec = Spec(4, "group", group_size=32, symmetric=False)
+    specs = {r: spec for r in block_kernel_paths(block)}
+    kernels = {r: get_leaf(block, r).astype(jnp.float32) for r in specs}
+    learned = {r: ar.init_params(w, spec) for r, w in kernels.items()}
+    hidden, positions = inputs[0]
+    target = ar.float_outputs(config, 0, block, [inputs[0]])[0]
+    out = ar._student_out(config, 0, block, kernels, learned, specs, hidden, positions)
+    err = np.asarray(out - target, np.float64)
+    rms = np.sqrt(np.mean(np.asarray(target, np.float64) ** 2, axis=-1, keepdims=True))
+    got = float(ar.block_loss(config, 0, block, kernels, learned, specs, hidden, positions, target, per_token=True))
+    assert got == pytest.approx(np.mean((err / rms) ** 2), rel=1e-4)
+    assert float(ar.block_loss(config, 0, block, kernels, learned, specs, hidden, positions, target)) == \
+        pytest.approx(np.mean(err**2), rel=1e-4)
+    with pytest.raises(RecipeError, match="loss"):
+        ar.parse_args({"loss": "l1"})
