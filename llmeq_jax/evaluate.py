@@ -245,9 +245,8 @@ class Report:
         first); a one-row report (``llmeq eval``) has nothing to compare with and leaves them out."""
         base = self.baseline()
         relative = len(self.rows) > 1
-        more = [(f"ppl {t}", *([f"Δ% {t}"] if relative else [])) for t in self.extra_texts]
-        cols = ["recipe", "ppl", *([f"Δ% vs {base.recipe}"] if relative else []), *(c for m in more for c in m),
-                "param MB",
+        extra_cols = [c for t in self.extra_texts for c in (f"ppl {t}", *([f"Δ% {t}"] if relative else []))]
+        cols = ["recipe", "ppl", *([f"Δ% vs {base.recipe}"] if relative else []), *extra_cols, "param MB",
                 *([f"size vs {base.recipe}"] if relative else []), "quantize s", "prefill tok/s", "decode tok/s"]
         lines = [
             f"Model `{self.model}`, text `{self.text}`"

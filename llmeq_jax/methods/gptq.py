@@ -287,7 +287,8 @@ def gptq_quantize(w: jax.Array, hessian: jax.Array, spec: Spec, opts: GPTQOption
         if spec.clip == "mse" and opts.mse_weight == "hessian":
             # Rows weighted by how much the output feels them (H's diagonal): the clip no longer
             # sacrifices the rows of the large input channels to lower everybody else's error.
-            scale, zp = _jit_weighted_mse_scale(jnp.asarray(w), spec, jnp.asarray(np.diag(h), jnp.float32)[:, None], tile)
+            row_weight = jnp.asarray(np.diag(h), jnp.float32)[:, None]
+            scale, zp = _jit_weighted_mse_scale(jnp.asarray(w), spec, row_weight, tile)
         else:
             scale, zp = _jit_compute_scale(jnp.asarray(w), spec, tile)
         scale, zp = np.asarray(scale), None if zp is None else np.asarray(zp, np.float32)
