@@ -50,7 +50,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from llmeq_jax.core.qarray import QArray, check_bits, is_qarray, scale_shape, values_per_byte
+from llmeq_jax.core.qarray import QArray, check_bits, is_qarray, packed_length, scale_shape
 from llmeq_jax.core.quantize import GRIDS, Spec
 from llmeq_jax.core.rules import path_str
 
@@ -442,10 +442,13 @@ def _check_qarray_leaf(p: str, leaf: dict) -> None:
     packed = list(shape)
     if packed:
         axis = int(st["pack_axis"]) % len(packed)
-        packed[axis] = math.ceil(packed[axis] / values_per_byte(st["bits"]))
+        packed[axis] = packed_length(packed[axis], st["bits"])
     if children["qvalue"]["shape"] != packed:
         raise CheckpointError(f"leaf {p!r}: qvalue shape {children['qvalue']['shape']} does not match "
-                              f"{st['bits']}-bit values of shape {list(shape)} (expected {packed})")
+                              f"{st['bits']}-bit values of shape {list(shape)} (expected {packed})"
+                              + ("; 3-bit values are packed eight per three bytes now, this checkpoint holds them "
+                                 "in 4-bit slots (written by an older llmeq_jax): quantize the model again"
+                                 if st["bits"] == 3 else ""))
 
 
 def validate_manifest(manifest: dict) -> None:

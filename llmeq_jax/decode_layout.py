@@ -32,7 +32,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from llmeq_jax.core.qarray import QArray, pack, values_per_byte
+from llmeq_jax.core.qarray import QArray, is_packed, pack
 
 
 @jax.tree_util.register_dataclass
@@ -128,17 +128,31 @@ def _transposed(w: QArray, qvalue, bits: int, pack_axis: int) -> QArray:
     )
 
 
+def widen_int3(w: QArray) -> QArray:
+    """A 3-bit QArray as the same values in int4 slots (two per byte along the same axis), else ``w``.
+
+    The native kernels read int8 or int4 two per byte; a 3-bit value is an int4 value, so the
+    widened QArray dequantizes to exactly the same array, at a third more bytes than eight values
+    in three bytes. Checkpoints and the quantized tree keep the 3-bit packing.
+    """
+    if w.bits != 3:
+        return w
+    return dataclasses.replace(w, qvalue=pack(w.values(), 4, w.pack_axis), bits=4)
+
+
 def transpose_kernel(w: QArray) -> QArray:
     """The ``(out, in)`` QArray of an ``(in, out)`` one: same codes, scales and zero points.
 
     Sub-byte values are re-packed along ``in`` (``pack_axis=1``), the layout the
-    row-major kernels and ``ops.linear_nk`` read.
+    row-major kernels and ``ops.linear_nk`` read; 3-bit values into int4 slots
+    (:func:`widen_int3`), which those kernels read.
     """
     if len(w.shape) != 2:
         raise ValueError(f"transpose_kernel expects a 2-D kernel, got shape {w.shape}")
     values = w.values().T
-    qvalue = pack(values, w.bits, axis=1) if values_per_byte(w.bits) > 1 else values
-    return _transposed(w, qvalue, w.bits, pack_axis=1)
+    bits = 4 if w.bits == 3 else w.bits
+    qvalue = pack(values, bits, axis=1) if is_packed(bits) else values
+    return _transposed(w, qvalue, bits, pack_axis=1)
 
 
 def kernel_view(w: QArray) -> QArray:
@@ -146,7 +160,7 @@ def kernel_view(w: QArray) -> QArray:
 
     For the XLA fallbacks: dequantizing it gives exactly ``dequantize(w).T``.
     """
-    bits = w.bits if values_per_byte(w.bits) == 1 else 8  # int8 storage of the same values
+    bits = 8 if is_packed(w.bits) else w.bits  # int8 storage of the same values
     return _transposed(w, w.values().T, bits, pack_axis=0)
 
 
@@ -182,7 +196,7 @@ def _stackable(ws: list[QArray], axis: int = 0) -> bool:
     )
     # Per-tensor scales (tile[axis] == outputs) and static activation scales belong to one linear each;
     # codes packed along the stacking axis would need every part to fill whole bytes.
-    packed_along = values_per_byte(first.bits) > 1 and first.pack_axis == axis
+    packed_along = is_packed(first.bits) and first.pack_axis == axis
     return same and first.tile[axis] == 1 and not packed_along and all(w.act_scale is None for w in ws)
 
 
@@ -242,7 +256,7 @@ def for_decode(params, rows: int):
     def convert(path, leaf):
         if not (isinstance(leaf, QArray) and _is_kernel(path) and len(leaf.shape) == 2) or leaf.grid != "uniform":
             return leaf
-        if values_per_byte(leaf.bits) > 1 and leaf.pack_axis != 0:
+        if is_packed(leaf.bits) and leaf.pack_axis != 0:
             return leaf
         w = transpose_kernel(leaf)
         return RowMajorKernel(w) if native.supports_row_major(w, leaf.act_spec) is None else leaf
@@ -342,6 +356,9 @@ def for_prefill(params):
     the same scales)."""
     from llmeq_jax import native
 
+    if native.enabled():  # the native weight-only kernels read int4 slots, not eight values in three bytes
+        params = jax.tree_util.tree_map(lambda a: widen_int3(a) if isinstance(a, QArray) else a, params,
+                                        is_leaf=lambda a: isinstance(a, QArray))
     fused = _fuse_for_prefill(params)
     if not (native.enabled() and native.avx512() and native.prefill_kernels_ok()):
         return fused
@@ -364,4 +381,4 @@ def _tied_head_table(params) -> jax.Array | None:
 
 
 __all__ = ["FUSED_LINEARS", "PREFILL_FUSE_MAX_OUT", "PREFILL_PACK_MAX_BYTES", "PanelKernel", "RowMajorKernel", "for_decode", "for_prefill", "fuse_linears", "kernel_view", "pack_float_kernels", "pack_panels", "pack_swiglu_panels", "stack_quantized", "stack_rows",
-           "transpose_kernel", "unpack_panels"]
+           "transpose_kernel", "unpack_panels", "widen_int3"]

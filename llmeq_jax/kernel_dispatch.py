@@ -21,7 +21,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from llmeq_jax.core.qarray import QArray, values_per_byte
+from llmeq_jax.core.qarray import QArray, is_packed
 from pallas_kernels import config, w8a8, weight_only
 
 
@@ -51,9 +51,8 @@ def plan(x_shape, x_dtype, w: QArray, act) -> tuple[str | None, str]:
     group, _, _, why = _layout(w)
     if why:
         return None, why
-    per_byte = values_per_byte(w.bits)
     if act is not None:
-        if per_byte != 1:
+        if is_packed(w.bits):
             return None, f"W8A8 needs int8-stored weights, got int{w.bits}"
         if act.bits != 8 or not act.symmetric:
             return None, f"activations {act.describe()} (the kernel quantizes to symmetric int8)"
@@ -61,11 +60,11 @@ def plan(x_shape, x_dtype, w: QArray, act) -> tuple[str | None, str]:
             return None, f"dynamic {act.granularity} activation scales (the kernel does per-token or a static scale)"
         ok, why = w8a8.can_use(rows, x_dtype, w.qvalue.dtype, k, group)
         return ("w8a8", "") if ok else (None, why)
-    if per_byte == 2 and w.pack_axis != 0:
+    if w.bits in (2, 3):
+        return None, f"int{w.bits} weights (the kernel reads int8, or int4 two per byte)"
+    if w.bits == 4 and w.pack_axis != 0:
         return None, f"int{w.bits} values packed along axis {w.pack_axis} (the kernel reads them packed along K)"
-    if per_byte == 4:
-        return None, f"int{w.bits} weights packed four per byte"
-    ok, why = weight_only.can_use(rows, x_dtype, 8 if per_byte == 1 else 4, k, group)
+    ok, why = weight_only.can_use(rows, x_dtype, 4 if is_packed(w.bits) else 8, k, group)
     return ("weight_only", "") if ok else (None, why)
 
 
@@ -91,6 +90,6 @@ def linear(x, w: QArray, act=None, require: bool = False):
     if kind == "w8a8":
         y = w8a8.w8a8_matmul(x2, w.qvalue, scale, w_zero_point=zp, act_scale=w.act_scale, group=group)
     else:
-        bits = 8 if values_per_byte(w.bits) == 1 else 4
+        bits = 4 if is_packed(w.bits) else 8
         y = weight_only.weight_only_matmul(x2, w.qvalue, scale, bits=bits, w_zero_point=zp, group=group)
     return y.reshape(*x.shape[:-1], n)

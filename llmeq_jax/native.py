@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from llmeq_jax.core.qarray import QArray, values_per_byte
+from llmeq_jax.core.qarray import QArray, is_packed
 
 _WO_TARGET = "llmeq_wo_matmul"
 _W8_TARGET = "llmeq_w8a8_matmul"
@@ -202,13 +202,21 @@ def enabled() -> bool:
 # --------------------------------------------------------------------------- what a kernel takes
 
 
-def _bits_ok(w: QArray, pack_dim: int) -> str | None:
-    per_byte = values_per_byte(w.bits)
-    if per_byte == 4:
+def _sub_byte_reason(w: QArray) -> str | None:
+    """Why the native kernels cannot read ``w``'s packed values (they read int8, or int4 two per byte)."""
+    if w.bits == 2:
         return "2-bit weights have no native kernel"
-    if per_byte == 2 and w.pack_axis % 2 != pack_dim:
+    if w.bits == 3:
+        return "3-bit values (eight per three bytes) have no native kernel (decode_layout.widen_int3 makes them int4)"
+    return None
+
+
+def _bits_ok(w: QArray, pack_dim: int) -> str | None:
+    if (why := _sub_byte_reason(w)) is not None:
+        return why
+    if w.bits == 4 and w.pack_axis % 2 != pack_dim:
         return f"int{w.bits} values must be packed along the contraction dim (pack_axis={pack_dim})"
-    if per_byte == 2 and w.tile[pack_dim] % 2 and w.tile[pack_dim] < w.shape[pack_dim]:
+    if w.bits == 4 and w.tile[pack_dim] % 2 and w.tile[pack_dim] < w.shape[pack_dim]:
         return "int4 groups along the contraction dim must have an even size"
     return None
 
@@ -235,7 +243,7 @@ def supports_w8a8(w: QArray) -> str | None:
     """None when :func:`w8a8_kn` takes ``w``, else the reason."""
     if not isinstance(w, QArray) or len(w.shape) != 2:
         return "needs a 2-D QArray"
-    if values_per_byte(w.bits) != 1:
+    if is_packed(w.bits):
         return f"W8A8 needs unpacked weights of 5-8 bits, got int{w.bits}"
     if w.tile[1] not in (1, w.shape[1]):
         return "scales grouped along the output dim"
@@ -253,10 +261,9 @@ def supports_row_major(w: QArray, act=None) -> str | None:
     if w.grid != "uniform":
         return f"{w.grid} grids have no integer kernel"
     n, k = w.shape
-    per_byte = values_per_byte(w.bits)
-    if per_byte == 4:
-        return "2-bit weights have no native kernel"
-    if per_byte == 2 and w.pack_axis % 2 != 1:
+    if (why := _sub_byte_reason(w)) is not None:
+        return why
+    if w.bits == 4 and w.pack_axis % 2 != 1:
         return f"int{w.bits} values must be packed along the contraction dim (pack_axis=1)"
     if k % 32:
         return f"the contraction dim ({k}) must be a multiple of 32"
@@ -268,7 +275,7 @@ def supports_row_major(w: QArray, act=None) -> str | None:
     if act is not None:
         if act.bits > 8:
             return f"activations of {act.bits} bits"
-        if per_byte != 1:
+        if is_packed(w.bits):
             return f"W8A8 needs unpacked weights of 5-8 bits, got int{w.bits}"
     return None
 

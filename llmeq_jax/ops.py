@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from llmeq_jax import kernel_dispatch
-from llmeq_jax.core.qarray import QArray, int_range, values_per_byte
+from llmeq_jax.core.qarray import QArray, int_range, is_packed, packed_length, packing, unpack
 from llmeq_jax.core.quantize import Spec
 from llmeq_jax.decode_layout import PanelKernel, RowMajorKernel, kernel_view, unpack_panels
 
@@ -120,7 +120,7 @@ def _try_pallas(x, w, act, backend):
 def _native_kind(w: QArray, act: Spec | None) -> str:
     if act is not None:
         return "w8a8"
-    return "int4" if values_per_byte(w.bits) == 2 else "int8"
+    return "int4" if is_packed(w.bits) else "int8"
 
 
 def _native_rows_ok(x: jax.Array, kind: str) -> bool:
@@ -283,8 +283,9 @@ def _nk_chunked(x: jax.Array, w: QArray) -> jax.Array:
     steps = math.ceil(n / chunk)
     pad = steps * chunk - n
     per_row = w.scale.shape[0] != 1
-    # Stored rows per chunk: fewer when sub-byte values are packed along the rows.
-    q_rows = chunk // values_per_byte(w.bits) if w.pack_axis % 2 == 0 else chunk
+    # Stored rows per chunk: fewer when sub-byte values are packed along the rows (NK_CHUNK_ROWS is
+    # a whole number of packed chunks for every width).
+    q_rows = packed_length(chunk, w.bits) if w.pack_axis % 2 == 0 else chunk
     q, scale, zp = w.qvalue, w.scale, w.zero_point
     if pad:  # padded rows give outputs that are cut off below
         q = jnp.pad(q, ((0, steps * q_rows - q.shape[0]), (0, 0)))
@@ -370,23 +371,17 @@ def _chunk_rows(w: QArray) -> int | None:
     A step must lie inside one scale group (so it needs one scale row) and hold
     whole packed bytes (sub-byte values must be packed along the rows).
     """
-    if values_per_byte(w.bits) > 1 and w.pack_axis != 0:
+    if is_packed(w.bits) and w.pack_axis != 0:
         return None
     groups, g = contraction_groups(w)
     chunk = CHUNK_ROWS if groups == 1 else math.gcd(CHUNK_ROWS, g)
-    return chunk if chunk >= 16 else None
+    return chunk if chunk >= 16 and chunk % packing(w.bits)[0] == 0 else None
 
 
 def _unpack_rows(packed: jax.Array, bits: int) -> jax.Array:
-    """Values of a row-packed (rows / per_byte, N) block as (rows, N) int32, without a transpose."""
-    per_byte = values_per_byte(bits)
-    if per_byte == 1:
-        return packed.astype(jnp.int32)
-    width = 8 // per_byte
-    shifts = (jnp.arange(per_byte, dtype=jnp.int32) * width)[None, :, None]
-    u = (packed.astype(jnp.int32)[:, None, :] >> shifts) & ((1 << width) - 1)
-    u = jnp.where(u >= (1 << (width - 1)), u - (1 << width), u)  # sign-extend
-    return u.reshape(-1, packed.shape[-1])
+    """Values of a row-packed block of whole chunks, (rows, N) int32, without a transpose."""
+    per_chunk, nbytes = packing(bits)
+    return unpack(packed, bits, 0, packed.shape[0] // nbytes * per_chunk).astype(jnp.int32)
 
 
 def _weight_only_chunked(x: jax.Array, w: QArray) -> jax.Array:
@@ -401,14 +396,14 @@ def _weight_only_chunked(x: jax.Array, w: QArray) -> jax.Array:
     chunk = _chunk_rows(w)
     groups, g = contraction_groups(w)
     steps = math.ceil(k / chunk) if groups == 1 else groups * (g // chunk)
-    per_byte = values_per_byte(w.bits)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k).astype(jnp.float32)
     x2 = jnp.pad(x2, ((0, 0), (0, steps * chunk - k)))
     xs = jnp.moveaxis(x2.reshape(-1, steps, chunk), 1, 0)  # (steps, M, chunk)
     q = w.qvalue
-    q = jnp.pad(q, ((0, steps * chunk // per_byte - q.shape[0]), (0, 0)))
-    qs = q.reshape(steps, chunk // per_byte, n)
+    q_rows = packed_length(chunk, w.bits)  # stored rows per step (chunk is whole packed chunks)
+    q = jnp.pad(q, ((0, steps * q_rows - q.shape[0]), (0, 0)))
+    qs = q.reshape(steps, q_rows, n)
     scale = w.scale.astype(jnp.float32)  # (groups or 1, 1 or n)
     zp = None if w.zero_point is None else w.zero_point.astype(jnp.float32)
 
@@ -458,7 +453,7 @@ def take_rows(table: jax.Array | QArray, ids: jax.Array, dtype: Any = None) -> j
         return rows if dtype is None else rows.astype(dtype)
     if len(table.shape) != 2:
         raise ValueError(f"take_rows expects a (rows, features) table, got shape {table.shape}")
-    if values_per_byte(table.bits) > 1 and table.pack_axis != 1:
+    if is_packed(table.bits) and table.pack_axis != 1:
         raise ValueError(f"take_rows needs sub-byte values packed along the features (pack_axis=1), "
                          f"got pack_axis={table.pack_axis}")
     if table.tile[0] not in (1, table.shape[0]):

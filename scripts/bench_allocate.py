@@ -1,10 +1,11 @@
-"""Perplexity vs average stored bits: allocated (llmeq allocate) vs uniform RTN recipes -> table + PNG.
+"""Perplexity vs average stored bits: allocated (llmeq allocate) vs uniform recipes -> table + PNG.
 
     python scripts/bench_allocate.py smollm2-135m --budgets 2.5,3,4.25,6 --lagrange-budgets 3,4.25 \
         --uniform 2,4,8 --windows 16 --out runs/allocate
 
 The sensitivity table is computed once (it does not depend on the budget), then each
-budget is solved and its recipe quantized (RTN) and evaluated under DESIGN §6's protocol
+budget is solved and its recipe quantized (``--method``: rtn, or gptq with the ready
+``gptq-w4-g128`` settings on ``--method-calib`` windows of 512 tokens) and evaluated under DESIGN §6's protocol
 (wikitext2_test.txt, windows of 512, the first --windows; calibration on
 wikitext2_valid.txt). Results are appended to ``results.json`` as they come, so an
 interrupted run keeps what it measured.
@@ -48,6 +49,8 @@ def main() -> None:
     ap.add_argument("--lagrange-budgets", default="3,u4", help="budgets also solved by the Lagrangian rule")
     ap.add_argument("--edge-min-bits", type=int, default=4, help="first/last blocks' linears never below (0: off)")
     ap.add_argument("--max-delta", type=float, default=0.5, help="measured: drop widths costing more nats (0: off)")
+    ap.add_argument("--method", default="rtn", help="how every recipe (allocated and uniform) is quantized")
+    ap.add_argument("--method-calib", type=int, default=16, help="calibration windows of 512 tokens for --method")
     ap.add_argument("--calib-samples", type=int, default=4)
     ap.add_argument("--calib-seq-len", type=int, default=256)
     ap.add_argument("--windows", type=int, default=16)
@@ -67,6 +70,9 @@ def main() -> None:
                                         args.calib_seq_len)
     ids = evaluate.tokenize_text(tok, find_data_file(None, EVAL_TEXT, "evaluation").read_text())
     wins = evaluate.make_windows(ids, args.seq_len, args.windows)
+    method_args, clip = A.method_settings(args.method)
+    method_cal = calibrate.calibration_windows(tok, find_data_file(None, CALIB_TEXT, "calibration"),
+                                               args.method_calib, 512) if args.method != "rtn" else None
     cands = A.parse_candidates(args.candidates)
     group = args.group_size or None
     shapes = A.block_kernels(params)
@@ -95,7 +101,7 @@ def main() -> None:
     results = {"model": args.model, "device": f"{jax.devices()[0].device_kind} ({platform.processor() or 'cpu'})",
                "protocol": evaluate.PROTOCOL, "windows": args.windows, "seq_len": args.seq_len,
                "calibration": f"{args.calib_samples} x {args.calib_seq_len} tokens of {CALIB_TEXT}",
-               "sensitivity": args.sensitivity, "candidates": f"{args.candidates} asymmetric RTN", "proxy_s": t_proxy, "measured_s": t_meas, "rows": []}
+               "sensitivity": args.sensitivity, "candidates": f"{args.candidates} asymmetric", "method": args.method, "proxy_s": t_proxy, "measured_s": t_meas, "rows": []}
     print(f"sensitivity: proxy {t_proxy:.0f} s, measured {t_meas:.0f} s", flush=True)
 
     def record(row):
@@ -108,7 +114,7 @@ def main() -> None:
     for b in [A._candidate_key(x) for x in args.uniform.split(",") if x]:
         choice = {p: b for p in shapes}
         g = f"g{args.group_size}" if isinstance(b, int) else ""
-        recipes.append(("uniform", f"rtn-w{b}{g}-asym", choice))
+        recipes.append(("uniform", f"{args.method}-w{b}{g}-asym", choice))
     for solver, budgets in (("greedy", args.budgets), ("lagrange", args.lagrange_budgets)):
         for budget in [x for x in budgets.split(",") if x]:
             if budget.startswith("u"):  # the bytes uniform N-bit stores
@@ -124,8 +130,8 @@ def main() -> None:
     keys = {b for _, _, choice in recipes for b in choice.values()}
     allcost = A.cost_table(shapes, sorted(keys, key=A.candidate_order), group)
     for kind, name, choice in recipes:
-        recipe = A.allocation_recipe(choice, "rtn", group, name)
-        qp, _ = quantize_model(config, params, recipe, None)
+        recipe = A.allocation_recipe(choice, args.method, group, name, method_args, clip=clip)
+        qp, _ = quantize_model(config, params, recipe, method_cal)
         s = A.summary(choice, allcost, shapes)
         record({"kind": kind, "name": name, "avg_bits": s["avg_bits"], "widths": {str(k): v for k, v in s["widths"].items()},
                 "est_loss": sum(table[p][b] for p, b in choice.items()) if all(b in table[p] for p, b in choice.items()) else None,
@@ -163,7 +169,7 @@ def plot(results: dict, path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("stored bits per block-linear weight (scales counted)")
     ax.set_ylabel(f"perplexity ({results['windows']} x {results['seq_len']} tokens, wikitext2 test)")
-    ax.set_title(f"{results['model']}: allocated vs uniform RTN")
+    ax.set_title(f"{results['model']}: allocated vs uniform {results.get('method', 'rtn')}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

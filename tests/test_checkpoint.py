@@ -52,6 +52,7 @@ def _tree_equal(a, b):
         (Spec(4, "group", group_size=128), None, False),
         (Spec(4, "group", group_size=100, symmetric=False), None, False),
         (Spec(2, "group", group_size=64), None, False),
+        (Spec(3, "group", group_size=64, symmetric=False), None, False),
         (Spec(8), Spec(8, "token"), False),
         (Spec(8), Spec(8, "tensor"), True),
     ],
@@ -199,6 +200,16 @@ def test_edited_manifest_is_caught_by_its_hash_and_by_validation(tmp_path, edit,
     edit(manifest)
     (out / ck.MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(ck.CheckpointError, match=match):  # checked even without the hashes
+        ck.restore(out, verify_hashes=False)
+
+
+def test_a_3_bit_checkpoint_in_4_bit_slots_is_refused_with_the_reason(tmp_path):
+    """Older llmeq_jax stored 3-bit values two per byte, as int4: such a leaf is a clear error, not garbage."""
+    out = ck.save(tmp_path / "c", quantize_params(_params(64, 32), _recipe(Spec(4, "group", group_size=32))))
+    manifest = json.loads((out / ck.MANIFEST).read_text())
+    manifest["layout"]["layers_0/q_proj/kernel"]["static"]["bits"] = 3  # what an old 3-bit leaf looks like
+    (out / ck.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ck.CheckpointError, match="eight per three bytes.*4-bit slots.*quantize the model again"):
         ck.restore(out, verify_hashes=False)
 
 

@@ -59,11 +59,12 @@ def test_ops_linear_pallas_equals_xla(pair):
 
 
 def test_required_kernel_that_cannot_apply_says_why():
-    q = _q((Spec(bits=2, granularity="channel"), None))
     with config.interpret(True):
-        with pytest.raises(dispatch.KernelUnavailable, match="packed four per byte"):
-            ops.linear(jnp.ones((1, 200)), q, backend="pallas")
-        assert dispatch.linear(jnp.ones((1, 200)), q, None) is None  # auto: fall back
+        for bits in (2, 3):  # four per byte / eight per three bytes: the kernel reads int8 or int4 only
+            q = _q((Spec(bits=bits, granularity="channel"), None))
+            with pytest.raises(dispatch.KernelUnavailable, match=f"int{bits} weights"):
+                ops.linear(jnp.ones((1, 200)), q, backend="pallas")
+            assert dispatch.linear(jnp.ones((1, 200)), q, None) is None  # auto: fall back
         dyn_tensor = Spec(bits=8, granularity="tensor")
         assert "dynamic tensor" in dispatch.plan((1, 200), jnp.float32, _q(W8A8), dyn_tensor)[1]
 

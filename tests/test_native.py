@@ -19,6 +19,7 @@ import pytest
 
 from llmeq_jax import native, ops
 from llmeq_jax.core.qarray import expand_to
+from llmeq_jax.decode_layout import widen_int3
 from llmeq_jax.core.quantize import Spec, quantize
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="native kernels are CPU kernels")
@@ -96,11 +97,26 @@ def _weight(name, layout, k=K, n=N):
     spec = WEIGHTS[name]
     if spec.granularity == "group" and spec.group_size > k:
         spec = Spec(bits=spec.bits, symmetric=spec.symmetric)
+    # 3-bit values (eight per three bytes) reach the kernels in int4 slots (decode_layout.widen_int3,
+    # as for_decode / for_prefill give them); the reference is the 3-bit QArray itself.
     if layout == "kn":
         w = _quantize(jnp.asarray(wf), spec)
-        return w, np.asarray(w.dequantize(), np.float64), _abs_weight(w)
+        return widen_int3(w), np.asarray(w.dequantize(), np.float64), _abs_weight(w)
     w = _quantize(jnp.asarray(wf.T), _nk_spec(spec), pack_axis=1)
-    return w, np.asarray(w.dequantize(), np.float64).T, _abs_weight(w).T
+    return widen_int3(w), np.asarray(w.dequantize(), np.float64).T, _abs_weight(w).T
+
+
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+def test_packed_int3_is_refused_and_its_widened_form_taken(layout):
+    w, wd, _ = _weight("int3-g32", layout)
+    spec = WEIGHTS["int3-g32"]
+    raw = (_quantize(jnp.asarray(_rand((K, N), 0)), spec) if layout == "kn"
+           else _quantize(jnp.asarray(_rand((K, N), 0).T), _nk_spec(spec), pack_axis=1))
+    supports = native.supports_kn if layout == "kn" else native.supports_nk
+    assert "3-bit" in supports(raw)
+    assert supports(w) is None and w.bits == 4
+    np.testing.assert_array_equal(np.asarray(w.dequantize(), np.float64), np.asarray(raw.dequantize(), np.float64))
+    assert (w.qvalue.nbytes, raw.qvalue.nbytes) == (math.ceil(K / 2) * N, math.ceil(K / 8) * 3 * N)
 
 
 # Each weight meets a spread of row counts (all of ROWS over the parametrization), not every pair:

@@ -3,8 +3,10 @@
 Layout (DESIGN §2):
 
 * ``qvalue`` -- signed integers in ``[-2^(b-1), 2^(b-1) - 1]``. For ``bits <= 4``
-  they are packed two (3-4 bit) or four (2 bit) per byte along ``pack_axis``,
-  so a 4-bit tensor really occupies half the bytes of an int8 one.
+  they are packed along ``pack_axis``: four 2-bit values per byte, eight 3-bit
+  values per three bytes, two 4-bit values per byte (:func:`packing`), so a
+  4-bit tensor really occupies half the bytes of an int8 one and a 3-bit one
+  three eighths.
 * ``scale`` -- float, same rank as the logical array. Along each dim ``d`` the
   scale has ``ceil(shape[d] / tile[d])`` entries: ``tile[d] == shape[d]`` means
   one scale for the whole dim, ``1`` one per element, anything else a group.
@@ -41,63 +43,83 @@ def int_range(bits: int) -> tuple[int, int]:
     return -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
 
 
-def values_per_byte(bits: int) -> int:
-    """How many values share one stored byte: 4 for 2-bit, 2 for 3/4-bit, else 1."""
-    if bits <= 2:
-        return 4
-    if bits <= 4:
-        return 2
-    return 1
+def packing(bits: int) -> tuple[int, int]:
+    """``(values, bytes)`` of one packed chunk along the pack axis.
+
+    Four 2-bit or two 4-bit values share a byte; eight 3-bit values share three bytes
+    (24 bits, none wasted: in 4-bit slots a quarter of a 3-bit tensor's bytes would be
+    padding); 5-8-bit values take one int8 each.
+    """
+    return {2: (4, 1), 3: (8, 3), 4: (2, 1)}.get(int(bits), (1, 1))
 
 
-def container_bits(bits: int) -> int:
-    """Bits each value occupies in storage (3-bit values live in 4-bit slots)."""
-    return 8 // values_per_byte(bits)
+def is_packed(bits: int) -> bool:
+    """Whether ``bits``-bit values share bytes (2-4 bits), i.e. ``qvalue`` is not one int8 per value."""
+    return packing(bits)[0] > 1
+
+
+def packed_length(n: int, bits: int) -> int:
+    """Stored bytes along the pack axis for ``n`` values (the last chunk zero-padded)."""
+    values, nbytes = packing(bits)
+    return math.ceil(n / values) * nbytes
 
 
 # --------------------------------------------------------------------------- packing
 
 
-def pack(values: jax.Array, bits: int, axis: int) -> jax.Array:
-    """Pack signed ``bits``-bit integers along ``axis`` into uint8 bytes.
+def _split_axis(a: jax.Array, axis: int, inner: int) -> jax.Array:
+    """``a`` with ``axis`` split into ``(a.shape[axis] // inner, inner)`` in place (no transpose)."""
+    return a.reshape(*a.shape[:axis], -1, inner, *a.shape[axis + 1 :])
 
-    Values are stored in two's complement within their slot; the axis is padded
-    with zeros up to a multiple of the values per byte.
+
+def _merge_axis(a: jax.Array, axis: int) -> jax.Array:
+    """Inverse of :func:`_split_axis`: dims ``axis`` and ``axis + 1`` merged."""
+    return a.reshape(*a.shape[:axis], -1, *a.shape[axis + 2 :])
+
+
+def pack(values: jax.Array, bits: int, axis: int) -> jax.Array:
+    """Pack signed ``bits``-bit integers along ``axis`` into uint8 bytes (:func:`packing`).
+
+    Each chunk of values is one little-endian word: value ``i`` of the chunk in bits
+    ``[i * bits, (i + 1) * bits)``, two's complement; the word's bytes follow each other
+    along the axis. The axis is zero-padded to whole chunks.
     """
-    per_byte = values_per_byte(bits)
-    if per_byte == 1:
+    per_chunk, nbytes = packing(bits)
+    if per_chunk == 1:
         return values.astype(jnp.int8)
     axis = axis % values.ndim
-    width = container_bits(bits)
     n = values.shape[axis]
-    pad = (-n) % per_byte
+    pad = (-n) % per_chunk
     if pad:
         widths = [(0, 0)] * values.ndim
         widths[axis] = (0, pad)
         values = jnp.pad(values, widths)
-    mask = (1 << width) - 1
-    u = values.astype(jnp.int32) & mask
-    # Split the axis into (bytes, per_byte) in place: no transpose of the array.
-    u = u.reshape(*u.shape[:axis], -1, per_byte, *u.shape[axis + 1 :])
-    shifts = (jnp.arange(per_byte, dtype=jnp.int32) * width).reshape((per_byte,) + (1,) * (values.ndim - axis - 1))
-    return jnp.sum(u << shifts, axis=axis + 1).astype(jnp.uint8)
+    trailing = (1,) * (values.ndim - axis - 1)
+    u = _split_axis(values.astype(jnp.int32) & ((1 << bits) - 1), axis, per_chunk)
+    shifts = (jnp.arange(per_chunk, dtype=jnp.int32) * bits).reshape((per_chunk,) + trailing)
+    word = jnp.sum(u << shifts, axis=axis + 1)  # at most 24 bits: fits int32
+    if nbytes == 1:
+        return word.astype(jnp.uint8)
+    byte_shifts = (jnp.arange(nbytes, dtype=jnp.int32) * 8).reshape((nbytes,) + trailing)
+    return _merge_axis((jnp.expand_dims(word, axis + 1) >> byte_shifts) & 0xFF, axis).astype(jnp.uint8)
 
 
 def unpack(packed: jax.Array, bits: int, axis: int, size: int) -> jax.Array:
     """Inverse of :func:`pack`: int8 values, ``size`` of them along ``axis``."""
-    per_byte = values_per_byte(bits)
-    if per_byte == 1:
+    per_chunk, nbytes = packing(bits)
+    if per_chunk == 1:
         return packed.astype(jnp.int8)
     axis = axis % packed.ndim
-    width = container_bits(bits)
     trailing = (1,) * (packed.ndim - axis - 1)
-    shifts = (jnp.arange(per_byte, dtype=jnp.int32) * width).reshape((per_byte,) + trailing)
-    # (..., bytes, ...) -> (..., bytes, per_byte, ...): slots next to their byte, no transpose.
-    u = (jnp.expand_dims(packed.astype(jnp.int32), axis + 1) >> shifts) & ((1 << width) - 1)
-    # Sign-extend from `width` bits.
-    s = jnp.where(u >= (1 << (width - 1)), u - (1 << width), u)
-    s = s.reshape(*packed.shape[:axis], -1, *packed.shape[axis + 1 :])
-    return jax.lax.slice_in_dim(s, 0, size, axis=axis).astype(jnp.int8)
+    word = packed.astype(jnp.int32)
+    if nbytes > 1:
+        byte_shifts = (jnp.arange(nbytes, dtype=jnp.int32) * 8).reshape((nbytes,) + trailing)
+        word = jnp.sum(_split_axis(word, axis, nbytes) << byte_shifts, axis=axis + 1)
+    shifts = (jnp.arange(per_chunk, dtype=jnp.int32) * bits).reshape((per_chunk,) + trailing)
+    # (..., chunks, ...) -> (..., chunks, per_chunk, ...): values next to their chunk, no transpose.
+    u = (jnp.expand_dims(word, axis + 1) >> shifts) & ((1 << bits) - 1)
+    s = jnp.where(u >= (1 << (bits - 1)), u - (1 << bits), u)  # sign-extend from `bits` bits
+    return jax.lax.slice_in_dim(_merge_axis(s, axis), 0, size, axis=axis).astype(jnp.int8)
 
 
 # --------------------------------------------------------------------------- tiles
@@ -175,7 +197,7 @@ class QArray:
 
     def values(self) -> jax.Array:
         """The integer values, unpacked to int8 with the logical shape."""
-        if values_per_byte(self.bits) == 1:
+        if not is_packed(self.bits):
             return self.qvalue
         return unpack(self.qvalue, self.bits, self.pack_axis, self.shape[self.pack_axis])
 

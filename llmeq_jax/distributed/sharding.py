@@ -11,7 +11,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from llmeq_jax.core.qarray import QArray, is_qarray, values_per_byte
+from llmeq_jax.core.qarray import QArray, is_qarray, packing
 from llmeq_jax.core.rules import path_str
 from llmeq_jax.distributed.mesh import MODEL, DistributedError, axis_size, global_array, pspec_entries, to_host
 
@@ -46,9 +46,10 @@ def qarray_partitions(
         if n % k:
             raise DistributedError(f"dim {d} of size {n} cannot be split into {k} shards ({e})")
         local = n // k
-        if d == pack_axis and local % values_per_byte(bits):
+        per_chunk, nbytes = packing(bits)
+        if d == pack_axis and local % per_chunk:
             raise DistributedError(
-                f"dim {d} holds packed int{bits} values ({values_per_byte(bits)} per byte); "
+                f"dim {d} holds packed int{bits} values ({per_chunk} in {nbytes} byte{'s' if nbytes > 1 else ''}); "
                 f"shards of {local} do not split on whole bytes"
             )
         vals.append(e)

@@ -4,8 +4,9 @@ Three steps, each a small pure function:
 
 1. **Cost** of every candidate width per linear: the bytes its QArray really
    stores (packed values + float32 scales + zero points), from ``jax.eval_shape``
-   of :func:`~llmeq_jax.core.quantize.quantize` -- so 3-bit values, which live
-   in 4-bit slots, cost what 4-bit ones cost, and the allocator sees it.
+   of :func:`~llmeq_jax.core.quantize.quantize` -- so 3-bit values (eight per three
+   bytes) cost 3/4 of 4-bit ones, while 5-7-bit values, which take int8 slots, cost
+   what 8-bit ones cost, and the allocator sees it.
 2. **Sensitivity** ``D[l][b]``: the calibration-loss increase when linear ``l``
    alone is quantized at ``b`` bits (:mod:`llmeq_jax.methods.sensitivity`):
    ``measured`` (real forward passes) or ``proxy`` (Hessian diagonal x weight
@@ -29,6 +30,7 @@ uniform int4 with groups of 128 and float32 scales.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import re
@@ -252,7 +254,7 @@ def lagrange(cost: dict[str, dict[int, int]], coef: dict[str, float], budget: in
         out = {}
         for p, c in cost.items():
             target = 0.5 * (math.log2(max(coef[p], 1e-300)) - log_lam)
-            # a width that stores no fewer bytes than a wider one (3-bit in 4-bit slots) is never worth it
+            # a width that stores no fewer bytes than a wider one (5-7 bits in int8 slots) is never worth it
             cands = [x for x in sorted(c, key=candidate_order)
                      if not any(candidate_bits(y) > candidate_bits(x) and c[y] <= c[x] for y in c)]
             # nearest width; ties to the narrower one (cheaper), then cheapest among equal widths
@@ -283,19 +285,37 @@ def lagrange(cost: dict[str, dict[int, int]], coef: dict[str, float], budget: in
 # --------------------------------------------------------------------------- recipe
 
 
+def method_settings(method: str) -> tuple[dict, Any]:
+    """``(method_args, clip)`` of the shipped ``{method}-w4-g128`` recipe (e.g. GPTQ's act order, damping,
+    shrinkage and Hessian-weighted clip search), so an allocated recipe quantizes each width the way the
+    ready recipes do; ``({}, None)`` for a method without one (rtn)."""
+    from importlib import resources
+
+    from llmeq_jax.core.rules import load_recipe
+
+    ready = resources.files("llmeq_jax") / "configs" / f"{method}-w4-g128.yaml"
+    if not ready.is_file():
+        return {}, None
+    with resources.as_file(ready) as f:
+        recipe = load_recipe(f)
+    kernel = recipe.rule_for("layers_0/mlp/down_proj/kernel")
+    return dict(recipe.method_args), (kernel.weight.clip if kernel.weight is not None else None)
+
+
 def allocation_recipe(choice: dict[str, int], method: str, group_size: int | None, name: str,
                       method_args: dict | None = None, base_rules: Sequence[Rule] | None = None,
-                      symmetric: bool = False) -> Recipe:
+                      symmetric: bool = False, clip: Any = None) -> Recipe:
     """A recipe with one exact rule per allocated linear (``re.escape``d path), after ``base_rules``.
 
     The default base rules are the ready recipes' (the embedding table int8 per row, no
-    untied lm_head quantization).
+    untied lm_head quantization). ``clip`` goes into every allocated linear's spec.
     """
     if base_rules is None:
         base_rules = (Rule("embed/embedding", weight=Spec(8, "channel")), Rule(".*lm_head.*", skip=True))
     rules = list(base_rules)
     for path, bits in choice.items():
-        rules.append(Rule(re.escape(path), weight=candidate_spec(bits, group_size, symmetric)))
+        spec = dataclasses.replace(candidate_spec(bits, group_size, symmetric), clip=clip)
+        rules.append(Rule(re.escape(path), weight=spec))
     return Recipe(rules=tuple(rules), method=method, method_args=dict(method_args or {}), name=name)
 
 
@@ -323,7 +343,7 @@ def measured_candidates(cost: dict[str, dict], candidates: Sequence) -> list:
     """The candidates whose loss change is measured; the others are carried by the proxy's ratio.
 
     One per width (the plain ``--group-size`` one when present), only widths some layer
-    could pick (not costing as much as a wider width: 3-bit values in 4-bit slots are
+    could pick (not costing as much as a wider width: 5-7-bit values in int8 slots are
     never worth it) and not the widest (8-bit changes are lost in noise and never matter to
     the solver). Group-size variants take their anchor's measurement times the proxy's ratio.
     """
@@ -410,7 +430,8 @@ def allocate(config, params: dict, windows: np.ndarray, *, candidates: Sequence[
     else:
         weights = {p: math.prod(s) for p, s in shapes.items()}
         choice, lam = lagrange(cost, sens.lagrange_coefficients(table, weights), budget)
-    recipe = allocation_recipe(choice, method, group_size, name, symmetric=symmetric)
+    method_args, clip = method_settings(method)
+    recipe = allocation_recipe(choice, method, group_size, name, method_args, symmetric=symmetric, clip=clip)
     info = {"budget_bytes": budget, **summary(choice, cost, shapes), "solver": solver, "sensitivity": sensitivity,
             "candidates": list(candidates), "group_size": group_size, "symmetric": symmetric, "lambda": lam,
             "calib_windows": list(windows.shape), "proxy_s": t_proxy, "measured_s": t_measured,

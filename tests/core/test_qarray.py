@@ -14,13 +14,13 @@ from llmeq_jax.core.qarray import (
     SUPPORTED_BITS,
     QArray,
     check_bits,
-    container_bits,
     expand_to,
     int_range,
     pack,
     tree_nbytes,
     unpack,
-    values_per_byte,
+    packed_length,
+    packing,
 )
 from llmeq_jax.core.quantize import Spec, quantize
 
@@ -52,9 +52,9 @@ def test_pack_unpack_round_trips(case):
     values, bits, axis = case
     packed = jpack(jnp.asarray(values), bits, axis)
     n = values.shape[axis]
-    expected_bytes_along_axis = math.ceil(n / values_per_byte(bits))
-    assert packed.shape[axis] == expected_bytes_along_axis
-    assert packed.dtype == (jnp.int8 if values_per_byte(bits) == 1 else jnp.uint8)
+    per_chunk, nbytes = packing(bits)
+    assert packed.shape[axis] == math.ceil(n / per_chunk) * nbytes == packed_length(n, bits)
+    assert packed.dtype == (jnp.int8 if per_chunk == 1 else jnp.uint8)
     back = junpack(packed, bits, axis, n)
     np.testing.assert_array_equal(np.asarray(back), values)
 
@@ -66,15 +66,20 @@ def test_pack_layout_is_low_bits_first_twos_complement():
     # 2-bit: [1, -2, 0, -1] -> 01, 10, 00, 11 from the low bits up -> 0b11_00_10_01.
     packed = pack(jnp.array([1, -2, 0, -1], jnp.int8), 2, 0)
     assert packed.tolist() == [0b11001001]
-    # A length that is not a multiple of the values per byte is zero-padded.
+    # 3-bit: eight values in one 24-bit little-endian word, three bytes; a length that is not a
+    # multiple of eight is zero-padded: [3, -4, 1] -> 011, 100, 001 -> 0b001_100_011 = 0x063.
     packed = pack(jnp.array([3, -4, 1], jnp.int8), 3, 0)
-    assert packed.tolist() == [(0xC << 4) | 0x3, 0x1]
+    assert packed.tolist() == [0x63, 0x00, 0x00]
+    values = np.array([-1, 0, 1, 2, 3, -4, -3, -2], np.int8)
+    word = sum((int(v) & 7) << (3 * i) for i, v in enumerate(values))
+    assert pack(jnp.asarray(values), 3, 0).tolist() == [word & 0xFF, (word >> 8) & 0xFF, word >> 16]
 
 
-@pytest.mark.parametrize("bits,per_byte,width", [(2, 4, 2), (3, 2, 4), (4, 2, 4), (5, 1, 8), (8, 1, 8)])
-def test_values_per_byte_and_container(bits, per_byte, width):
-    assert values_per_byte(bits) == per_byte
-    assert container_bits(bits) == width
+@pytest.mark.parametrize("bits,per_chunk,nbytes", [(2, 4, 1), (3, 8, 3), (4, 2, 1), (5, 1, 1), (8, 1, 1)])
+def test_packing_chunks(bits, per_chunk, nbytes):
+    assert packing(bits) == (per_chunk, nbytes)
+    # Stored bits per value: exactly `bits` for 2-4 (whole chunks), 8 for wider values.
+    assert packed_length(8 * per_chunk, bits) * 8 == 8 * per_chunk * (bits if per_chunk > 1 else 8)
 
 
 @pytest.mark.parametrize("bits", [0, 1, 9, 16, 4.0, "4", None, True])
@@ -95,9 +100,11 @@ def _rand(shape, seed=0):
 @pytest.mark.parametrize("k,n", [(64, 48), (576, 172), (37, 5)])
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 def test_nbytes_of_packed_values(k, n, bits):
-    """Per-channel weights: value bytes are 1/2 (3-4 bit) or 1/4 (2 bit) of int8, rounded up per column."""
+    """Per-channel weights: value bytes are 1/2 (4 bit), 3/8 (3 bit) or 1/4 (2 bit) of int8, rounded up
+    to whole chunks per column."""
     q = qz(_rand((k, n)), Spec(bits=bits, granularity="channel"))
-    value_bytes = math.ceil(k / values_per_byte(bits)) * n
+    per_chunk, nbytes = {2: (4, 1), 3: (8, 3), 4: (2, 1), 8: (1, 1)}[bits]
+    value_bytes = math.ceil(k / per_chunk) * nbytes * n
     assert q.qvalue.size * q.qvalue.dtype.itemsize == value_bytes
     assert q.nbytes == value_bytes + n * 4  # one float32 scale per output channel
     assert tree_nbytes({"w": q}) == q.nbytes
@@ -105,14 +112,14 @@ def test_nbytes_of_packed_values(k, n, bits):
 
 
 @pytest.mark.parametrize("k,n,g", [(576, 40, 128), (172, 24, 64), (100, 8, 7), (300, 16, 128)])
-@pytest.mark.parametrize("bits,symmetric", [(4, True), (4, False), (2, True), (8, False)])
+@pytest.mark.parametrize("bits,symmetric", [(4, True), (4, False), (3, False), (2, True), (8, False)])
 def test_nbytes_with_group_size_that_does_not_divide(k, n, g, bits, symmetric):
     assert k % g != 0
     q = qz(_rand((k, n)), Spec(bits=bits, granularity="group", group_size=g, symmetric=symmetric))
     groups = math.ceil(k / g)
     assert q.scale.shape == (groups, n)
     assert q.tile == (g, 1)
-    value_bytes = math.ceil(k / values_per_byte(bits)) * n
+    value_bytes = packed_length(k, bits) * n
     meta_bytes = groups * n * (4 + (0 if symmetric else 1))
     assert q.nbytes == value_bytes + meta_bytes
     assert q.dequantize().shape == (k, n)

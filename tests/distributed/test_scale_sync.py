@@ -41,6 +41,11 @@ def test_qarray_partitions_keep_values_and_scales_consistent():
         P("data", "model"), P(None, "model"))
     with pytest.raises(dist.DistributedError, match="whole bytes"):
         dist.qarray_partitions((6, 64), (1, 64), 4, 0, P("data", None), AbstractMesh((6, 1), ("data", "model")))
+    # 3-bit: eight values in three bytes, so 4-row shards cut a chunk and 8-row ones do not
+    with pytest.raises(dist.DistributedError, match="8 in 3 bytes.*shards of 4"):
+        dist.qarray_partitions((8, 64), (8, 1), 3, 0, P("data", None), AbstractMesh((2, 1), ("data", "model")))
+    assert dist.qarray_partitions((16, 64), (8, 1), 3, 0, P("data", None), AbstractMesh((2, 1), ("data", "model")))[0] \
+        == P("data", None)
     with pytest.raises(dist.DistributedError, match="cannot be split"):
         dist.qarray_partitions((95, 64), (1, 64), 8, 0, P("data", None), MESH_2x4)
 

@@ -24,9 +24,11 @@ def test_costs_are_the_bytes_a_qarray_stores():
     for b in (2, 3, 4, 8):
         spec = A.candidate_spec(b, 128)
         assert A.spec_bytes((300, 64), spec) == quantize(w, spec).nbytes
-    # symmetric 4-bit: 150 packed rows x 64 + 3 groups x 64 float32 scales; 3-bit lives in 4-bit slots
+    # symmetric 4-bit: 150 packed rows x 64 + 3 groups x 64 float32 scales; symmetric 3-bit: 38 chunks of
+    # eight values in three bytes; 5-bit values take int8 slots
     assert A.spec_bytes((300, 64), A.candidate_spec(4, 128, symmetric=True)) == 150 * 64 + 3 * 64 * 4
-    assert A.spec_bytes((300, 64), A.candidate_spec(3, 128)) == A.spec_bytes((300, 64), A.candidate_spec(4, 128))
+    assert A.spec_bytes((300, 64), A.candidate_spec(3, 128, symmetric=True)) == 38 * 3 * 64 + 3 * 64 * 4
+    assert A.spec_bytes((300, 64), A.candidate_spec(5, 128)) == A.spec_bytes((300, 64), A.candidate_spec(8, 128))
     # the default candidates are asymmetric (4 levels at 2 bits, not a ternary grid), and their zero points count
     assert not A.candidate_spec(2, 128).symmetric
     assert A.spec_bytes((300, 64), A.candidate_spec(4, 128)) > A.spec_bytes((300, 64), A.candidate_spec(4, 128, True))
@@ -93,8 +95,12 @@ def test_lagrange_coefficients_recover_the_model():
 def test_lagrange_never_picks_a_width_that_costs_as_much_as_a_wider_one():
     shapes = {"layers_0/a/kernel": (256, 64)}
     cost = A.cost_table(shapes, (2, 3, 4), 128)
-    choice, _ = A.lagrange(cost, {"layers_0/a/kernel": 4.0 ** 3}, cost["layers_0/a/kernel"][4])
-    assert choice["layers_0/a/kernel"] == 4  # b* = 3 exactly, but 3-bit costs 4-bit's bytes
+    choice, _ = A.lagrange(cost, {"layers_0/a/kernel": 4.0 ** 3}, cost["layers_0/a/kernel"][3])
+    assert choice["layers_0/a/kernel"] == 3  # b* = 3 exactly, and packed 3-bit is cheaper than 4-bit
+    cost = A.cost_table(shapes, (4, 5, 8), 128)
+    for coef in (4.0 ** 5, 4.0 ** 5.4, 4.0 ** 4.6):  # b* near 5: 5-bit costs 8-bit's bytes
+        choice, _ = A.lagrange(cost, {"layers_0/a/kernel": coef}, cost["layers_0/a/kernel"][8])
+        assert choice["layers_0/a/kernel"] in (4, 8)
 
 
 @pytest.mark.parametrize("kw,match", [
@@ -117,8 +123,9 @@ def test_group_size_variants_are_candidates_with_their_own_bytes():
     cost = A.cost_table(shapes, keys, 128)["layers_0/a/kernel"]
     assert cost["4c"] < cost["4g256"] < cost[4] < cost["4g64"] < cost[8]  # finer groups: more scales
     # measured: one per width the solver could pick, not the widest (variants carried by the proxy's ratio)
-    full = A.cost_table(shapes, A.parse_candidates("2,3,4g64,4,8"), 128)
-    assert A.measured_candidates(full, A.parse_candidates("2,3,4g64,4,8")) == [2, 4]
+    # (5-bit values take int8 slots: never worth measuring)
+    full = A.cost_table(shapes, A.parse_candidates("2,3,4g64,4,5,8"), 128)
+    assert A.measured_candidates(full, A.parse_candidates("2,3,4g64,4,5,8")) == [2, 3, 4]
     # the edge guard reads a variant's width
     out = A.restrict({"layers_0/a/kernel": cost}, {"layers_0/a/kernel": {k: 0.0 for k in keys}},
                      edges=["layers_0/a/kernel"], edge_min_bits=4)
