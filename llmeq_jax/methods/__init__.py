@@ -141,12 +141,15 @@ def quantize_model(config, params: dict, recipe: Recipe, windows: np.ndarray | N
     opts = mod.parse_args(dict(recipe.method_args))
     chosen = _check_recipe(params, recipe)
     outside = [p for p in chosen if not p.startswith("layers_")]
-    # The embedding table is round-to-nearest under every method (no block sees its input).
-    beyond_blocks = [p for p in outside if not is_table(p)]
+    # The embedding table, and a linear outside the blocks that a rule of its own names (an untied
+    # lm_head), are round-to-nearest under every method (no block sees their input). A rule that
+    # also reaches block kernels asked for the method there: refused under a block-only method.
+    beyond_blocks = [p for p in outside if not is_table(p) and _rule_reaches_blocks(recipe, p, chosen)]
     if beyond_blocks and recipe.method in BLOCK_ONLY:
         raise RecipeError(
             f"{recipe.method} works on the linear layers inside decoder blocks, but recipe {recipe.name!r} also "
-            f"quantizes {beyond_blocks}; add a skip rule for them first (e.g. pattern '.*lm_head.*', skip: true)"
+            f"quantizes {beyond_blocks} with a rule of the block kernels; add a skip rule for them first (e.g. "
+            f"pattern '.*lm_head.*', skip: true), or a rule of their own (round-to-nearest)"
         )
     process = mod.block_processor(config, recipe, opts, info)
     method_s = [0.0]
@@ -164,7 +167,7 @@ def quantize_model(config, params: dict, recipe: Recipe, windows: np.ndarray | N
     # block steps: their time is the driver's wall time less the method's.
     info["calib_s"] = time.perf_counter() - t1 - method_s[0]
     info["calib_samples"] = int(len(windows))
-    for path in outside:  # the embedding table, or an untied lm_head under SmoothQuant/ZeroQuant: plain RTN
+    for path in outside:  # the embedding table, an untied lm_head with its own rule (or under SmoothQuant/ZeroQuant): RTN
         rule = recipe.rule_for(path)
         if rule.act_static:
             raise RecipeError(f"{recipe.method}: {path} is outside the decoder blocks, so calibration has no "
@@ -172,6 +175,12 @@ def quantize_model(config, params: dict, recipe: Recipe, windows: np.ndarray | N
         out = _set_path(out, path, quantize_leaf(path, _get_path(out, path), rule))
     info["seconds"] = time.perf_counter() - t0
     return out, info
+
+
+def _rule_reaches_blocks(recipe: Recipe, path: str, chosen: list[str]) -> bool:
+    """Whether the rule that quantizes ``path`` is also the rule of a quantized kernel inside the blocks."""
+    rule = recipe.rule_for(path)
+    return any(recipe.rule_for(p) is rule for p in chosen if p.startswith("layers_"))
 
 
 def _get_path(tree, path):

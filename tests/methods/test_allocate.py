@@ -253,3 +253,16 @@ def test_cli_allocate_measured_with_group_size_variants(tmp_path):
     assert len(specs) == 35 and all(s.bits in (2, 4, 8) and not s.symmetric for s in specs)
     assert all((s.granularity == "channel") == (s.bits == 8 or s.group_size is None) for s in specs)
     assert set(info["widths"]) <= {"2", "4c", "4", "8c"}
+
+
+def test_allocated_recipes_quantize_like_the_ready_recipe_of_their_method():
+    from llmeq_jax.pipeline import read_recipe
+
+    ready = read_recipe("gptq-w4-g128")
+    args, clip = A.method_settings("gptq")
+    assert args == dict(ready.method_args) and args["act_order"] and clip == "mse"
+    assert A.method_settings("rtn") == ({}, None) and A.method_settings("no-such-method") == ({}, None)
+    recipe = A.allocation_recipe({"layers_0/mlp/down_proj/kernel": 3}, "gptq", 128, "r", args, clip=clip)
+    rule = recipe.rule_for("layers_0/mlp/down_proj/kernel")
+    assert rule.weight == Spec(3, "group", group_size=128, symmetric=False, clip="mse")
+    assert dict(recipe.method_args) == args

@@ -38,3 +38,27 @@ def test_unknown_method_is_one_clear_error():
     recipe = Recipe(rules=(Rule(".*/kernel", weight=Spec(8, "channel")),), method="qwix", name="t")
     with pytest.raises(RecipeError, match="unknown method 'qwix'; available: .*'gptq'"):
         quantize_model(config, params, recipe, None)
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_a_head_rule_of_its_own_is_round_to_nearest_under_block_only_methods(method):
+    """Block-only methods see no input of an untied lm_head: a rule naming only the head quantizes it
+    with plain RTN (as the token table), while a catch-all rule reaching it stays an error."""
+    import numpy as np
+
+    from llmeq_jax.core.quantize import quantize
+    from llmeq_jax.core.rules import RecipeError
+
+    config, params = tiny_model("llama")
+    head_spec, block_spec = Spec(8, "channel"), Spec(4, "group", group_size=16, symmetric=False)
+    windows = tiny_windows(config, n=2, t=16)
+    recipe = Recipe(rules=(Rule("lm_head/kernel", weight=head_spec), Rule(".*/kernel", weight=block_spec)),
+                    method=method, name="t")
+    q, _ = quantize_model(config, params, recipe, windows)
+    expected = quantize(params["lm_head"]["kernel"], head_spec)
+    np.testing.assert_array_equal(np.asarray(q["lm_head"]["kernel"].qvalue), np.asarray(expected.qvalue))
+    np.testing.assert_array_equal(np.asarray(q["lm_head"]["kernel"].scale), np.asarray(expected.scale))
+    assert q["layers_0"]["mlp"]["down_proj"]["kernel"].bits == 4
+    with pytest.raises(RecipeError, match=r"lm_head/kernel.*rule of the block kernels.*skip rule"):
+        quantize_model(config, params, Recipe(rules=(Rule(".*/kernel", weight=block_spec),), method=method, name="t"),
+                       windows)
