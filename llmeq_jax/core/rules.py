@@ -127,6 +127,9 @@ class Recipe:
     # A pre-step on the float params before calibration/quantization (methods/rotate.py), e.g.
     # {kind: hadamard, seed: 0, online_down_proj: true}; None: no rotation.
     rotate: dict | None = None
+    # A post-step on the quantized params: fine-tune scales (and latent weights) against the float
+    # model on the calibration windows (methods/distill.py), e.g. {steps: 100, learn: scales}; None: none.
+    finetune: dict | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "rules", tuple(self.rules))
@@ -134,6 +137,10 @@ class Recipe:
             from llmeq_jax.methods.rotate import parse_rotate
 
             object.__setattr__(self, "rotate", parse_rotate(self.rotate, f"recipe {self.name!r}"))
+        if self.finetune is not None:
+            from llmeq_jax.methods.distill import parse_finetune
+
+            object.__setattr__(self, "finetune", parse_finetune(self.finetune, f"recipe {self.name!r}"))
 
     def rule_for(self, path: str) -> Rule | None:
         for rule in self.rules:
@@ -149,6 +156,8 @@ class Recipe:
             out["kv"] = dict(self.kv)
         if self.rotate is not None:
             out["rotate"] = dict(self.rotate)
+        if self.finetune is not None:
+            out["finetune"] = dict(self.finetune)
         return out
 
 
@@ -324,7 +333,7 @@ def quantize_params(params: Any, recipe: Recipe, stats: dict | None = None, prog
 # --------------------------------------------------------------------------- YAML
 
 _RULE_KEYS = {"pattern", "weight", "act", "act_static", "skip", "act_ema", "act_clip"}
-_RECIPE_KEYS = {"name", "method", "method_args", "rules", "kv", "rotate"}
+_RECIPE_KEYS = {"name", "method", "method_args", "rules", "kv", "rotate", "finetune"}
 _SPEC_KEYS = {f.name for f in dataclasses.fields(Spec)}
 
 
@@ -417,8 +426,11 @@ def recipe_from_dict(data: Any, source: str = "recipe") -> Recipe:
     from llmeq_jax.methods.rotate import parse_rotate
 
     rotate = parse_rotate(data.get("rotate"), source)
+    from llmeq_jax.methods.distill import parse_finetune
+
+    finetune = parse_finetune(data.get("finetune"), source)
     return Recipe(rules=tuple(rules), method=method, method_args=method_args, name=str(data.get("name", source)), kv=kv,
-                  rotate=rotate)
+                  rotate=rotate, finetune=finetune)
 
 
 def load_recipe(path: str | Path) -> Recipe:

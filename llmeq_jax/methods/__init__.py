@@ -39,7 +39,7 @@ import numpy as np
 
 from llmeq_jax import calibrate
 from llmeq_jax.core.rules import Recipe, RecipeError, is_table, map_rules, quantize_leaf, quantize_params
-from llmeq_jax.methods import autoround, awq, folding, gptq, rotate, smoothquant, zeroquant
+from llmeq_jax.methods import autoround, awq, distill, folding, gptq, rotate, smoothquant, zeroquant
 
 # The calibrated methods by recipe name (a static table: adding a method is adding a line).
 CALIBRATED: dict[str, ModuleType] = {"smoothquant": smoothquant, "awq": awq, "gptq": gptq, "zeroquant": zeroquant,
@@ -58,7 +58,7 @@ def check_method(name: str) -> None:
 def needs_calibration(recipe: Recipe) -> bool:
     """True when the recipe's method, a static activation scale or ``rotate.smooth_down`` needs calibration."""
     return (recipe.method in CALIBRATED or any(r.act_static for r in recipe.rules)
-            or bool(recipe.rotate and recipe.rotate.get("smooth_down")))
+            or bool(recipe.rotate and recipe.rotate.get("smooth_down")) or recipe.finetune is not None)
 
 
 def smooth_down_proj(config, params: dict, windows: np.ndarray, alpha: float, calib=None, progress: bool = False):
@@ -108,12 +108,32 @@ def quantize_model(config, params: dict, recipe: Recipe, windows: np.ndarray | N
     ``calibrate_fn`` replaces ``calibrate.calibrate`` (same signature), e.g. the
     data-parallel one of :func:`llmeq_jax.distributed.quantize_model_sharded`.
     """
-    calib = calibrate_fn or calibrate.calibrate
-    t0 = time.perf_counter()
-    info: dict[str, Any] = {"method": recipe.method, "calib_samples": 0}
     check_method(recipe.method)
     if needs_calibration(recipe) and windows is None:
         raise RecipeError(f"recipe {recipe.name!r} ({recipe.method}) needs calibration windows")
+    out, info = _apply_method(config, params, recipe, windows, progress, calibrate_fn or calibrate.calibrate)
+    if recipe.finetune is not None:
+        out, info["finetune"] = _finetune(config, out, params, recipe, windows, progress)
+        info["seconds"] += info["finetune"]["seconds"]
+    return out, info
+
+
+def _finetune(config, qparams: dict, float_params: dict, recipe: Recipe, windows: np.ndarray, progress: bool):
+    """The recipe's ``finetune`` step: the quantized model's scales (and latent weights) trained against the
+    float model (the teacher: the params before any rotation, the same function) on the calibration windows."""
+    t0 = time.perf_counter()
+    opts = distill.DistillOptions(**recipe.finetune)
+    qparams, losses, n = distill.train(config, qparams, float_params, distill.training_windows(windows, opts.seq_len),
+                                       opts, progress=progress)
+    qparams = jax.block_until_ready(qparams)
+    return qparams, {"kernels": n, "first_loss": losses[0], "last_loss": losses[-1],
+                     "seconds": time.perf_counter() - t0}
+
+
+def _apply_method(config, params: dict, recipe: Recipe, windows: np.ndarray | None, progress: bool, calib):
+    """:func:`quantize_model` up to the method's quantized params (no fine-tuning step)."""
+    t0 = time.perf_counter()
+    info: dict[str, Any] = {"method": recipe.method, "calib_samples": 0}
     if recipe.rotate is not None:  # QuaRot pre-step: same function, outlier-free linear inputs
         t1 = time.perf_counter()
         if recipe.rotate.get("smooth_down"):

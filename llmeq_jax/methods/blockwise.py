@@ -68,7 +68,7 @@ def option(default, types: tuple, check, hint: str):
     return dataclasses.field(default=default, metadata={"types": types, "check": check, "hint": hint})
 
 
-def options_from_args(cls, method: str, method_args: dict):
+def options_from_args(cls, method: str, method_args: dict, section: str = "method_args"):
     """A method's frozen options dataclass ``cls`` built from a recipe's ``method_args``.
 
     The one convention of every calibrated method: its module declares ``<Method>Options`` (fields made
@@ -80,12 +80,12 @@ def options_from_args(cls, method: str, method_args: dict):
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = set(method_args) - set(fields)
     if unknown:
-        raise RecipeError(f"{method}: unknown method_args {sorted(unknown)}; allowed: {sorted(fields)}")
+        raise RecipeError(f"{method}: unknown {section} {sorted(unknown)}; allowed: {sorted(fields)}")
     values = {}
     for name, f in fields.items():
         v = method_args.get(name, f.default)
         types, ok, hint = f.metadata["types"], f.metadata["check"], f.metadata["hint"]
         if isinstance(v, bool) and bool not in types or not isinstance(v, types) or not ok(v):
-            raise RecipeError(f"{method}: method_args.{name} must be {hint}, got {v!r}")
+            raise RecipeError(f"{method}: {section}.{name} must be {hint}, got {v!r}")
         values[name] = v
     return cls(**values)
