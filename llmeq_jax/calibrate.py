@@ -82,6 +82,21 @@ def calibration_windows(tokenizer: Any, text_path: str | Path, n_samples: int, s
     return ids[: n_samples * seq_len].reshape(n_samples, seq_len)
 
 
+def fresh_windows(tokenizer: Any, text_path: str | Path, n_samples: int, seq_len: int) -> np.ndarray:
+    """Up to ``n_samples`` non-overlapping windows of ``seq_len`` tokens from the start of the text (fewer when
+    the text is shorter; at least one)."""
+    from llmeq_jax.evaluate import tokenize_text
+
+    path = Path(text_path)
+    if not path.is_file():
+        raise CalibrationError(f"training text {str(path)!r} does not exist")
+    ids = tokenize_text(tokenizer, path.read_text())
+    n = min(n_samples, len(ids) // seq_len)
+    if n < 1:
+        raise CalibrationError(f"training text {path.name} has {len(ids)} tokens, fewer than one window of {seq_len}")
+    return ids[: n * seq_len].reshape(n, seq_len)
+
+
 # --------------------------------------------------------------------------- statistics of one input
 
 

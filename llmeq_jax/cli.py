@@ -448,6 +448,9 @@ def cmd_qat(args) -> int:
     out = Path(args.out)
     check_writable_dir(out, args.overwrite)
     recipe = read_recipe(args.recipe)
+    if args.learn_scales and args.resume:
+        raise UsageError("--resume continues QAT of float weights; --learn-scales runs keep no training state yet "
+                         "(drop --resume, or --learn-scales)")
     try:
         opts = qat.QATOptions(steps=args.steps, lr=args.lr, batch_size=args.batch_size, save_every=args.save_every)
     except ValueError as e:
@@ -459,17 +462,30 @@ def cmd_qat(args) -> int:
     check_context(config, args.seq_len)
     windows = evaluate.make_windows(evaluate.tokenize_text(tokenizer, text.read_text()), args.seq_len, 0)
     state_dir = out.with_name(out.name + ".qat-state")
-    t0 = time.perf_counter()
-    trained, losses = qat.train(config, params, recipe, windows, opts, state_dir=state_dir, resume=args.resume,
-                                progress=not args.json)
-    train_s = time.perf_counter() - t0
-    qparams, q_s, c_s, n = run_recipe(config, trained, tokenizer, recipe, args.calib, args.calib_samples,
+    if args.learn_scales:  # LSQ: quantize first, then train the scales and latent weights of that grid
+        from llmeq_jax.methods import distill
+
+        qparams, q_s, c_s, n = run_recipe(config, params, tokenizer, recipe, args.calib, args.calib_samples,
+                                          not args.json, args.calib_seq_len)
+        t0 = time.perf_counter()
+        dopts = distill.DistillOptions(steps=args.steps, learn="both", loss=args.loss, scale_lr=args.scale_lr,
+                                       weight_lr=args.lr, batch_size=args.batch_size)
+        qparams, losses, _ = distill.train(config, qparams, params, windows, dopts, progress=not args.json)
+        train_s = time.perf_counter() - t0
+    else:
+        t0 = time.perf_counter()
+        trained, losses = qat.train(config, params, recipe, windows, opts, state_dir=state_dir, resume=args.resume,
+                                    progress=not args.json, distill=args.loss == "kl")
+        train_s = time.perf_counter() - t0
+        qparams, q_s, c_s, n = run_recipe(config, trained, tokenizer, recipe, args.calib, args.calib_samples,
                                           not args.json, args.calib_seq_len)
     checkpoint.save_model_checkpoint(out, config, qparams, tokenizer, recipe=recipe, overwrite=args.overwrite,
                                      extra={"source": args.model, "qat_steps": opts.steps, "qat_lr": opts.lr,
+                                            "qat_loss": args.loss, "qat_learn_scales": args.learn_scales,
                                             "qat_s": train_s, "quantize_s": q_s})
     info = {"out": str(out), "recipe": recipe.name, "steps": opts.steps, "first_loss": losses[0] if losses else None,
-            "last_loss": losses[-1] if losses else None, "qat_s": train_s, "state_dir": str(state_dir)}
+            "last_loss": losses[-1] if losses else None, "qat_s": train_s, "loss": args.loss,
+            "learn_scales": args.learn_scales, "state_dir": None if args.learn_scales else str(state_dir)}
     _emit(args, info, f"saved QAT {recipe.name} checkpoint to {out} after {opts.steps} steps "
                       f"(loss {info['first_loss']:.4f} -> {info['last_loss']:.4f}, {train_s:.0f} s)")
     return 0
@@ -672,6 +688,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=SEQ_LEN, default=256, help="tokens per training window (default 256)")
     p.add_argument("--save-every", type=POSITIVE, default=50, help="write the training state every N steps")
     p.add_argument("--resume", action="store_true", help="continue from OUT.qat-state/ if a saved state is there")
+    p.add_argument("--loss", choices=("nll", "kl"), default="nll",
+                   help="nll: next-token loss of the text; kl: divergence from the float model's predictions "
+                        "(distillation: less fit to the training text's domain)")
+    p.add_argument("--learn-scales", action="store_true",
+                   help="LSQ: quantize with the recipe first, then train its scales (--scale-lr) and latent "
+                        "weights (--lr) through the fixed grid")
+    p.add_argument("--scale-lr", type=_finite_float(0.0, None, "a learning rate > 0", low_open=True), default=1e-3,
+                   help="Adam step of the log scale multipliers with --learn-scales (default 1e-3)")
     _add_calib_opts(p)
     p.add_argument("--out", required=True, help="checkpoint directory to write")
     p.add_argument("--overwrite", action="store_true",

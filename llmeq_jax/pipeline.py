@@ -97,7 +97,7 @@ def run_recipe(config, params, tokenizer, recipe, calib: str | None, calib_sampl
 
     from llmeq_jax import methods
 
-    windows, calib_s = None, 0.0
+    windows, train_windows, calib_s = None, None, 0.0
     if methods.needs_calibration(recipe):
         from llmeq_jax import calibrate
 
@@ -105,12 +105,28 @@ def run_recipe(config, params, tokenizer, recipe, calib: str | None, calib_sampl
         text = find_data_file(calib, CALIB_TEXT, "calibration text")
         windows = calibrate.calibration_windows(tokenizer, text, calib_samples,
                                                 min(calib_seq_len, config.max_position_embeddings))
+        train_windows = finetune_windows(config, tokenizer, recipe, text)
         calib_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    qparams, info = methods.quantize_model(config, params, recipe, windows, progress)
+    qparams, info = methods.quantize_model(config, params, recipe, windows, progress, finetune_windows=train_windows)
     jax.block_until_ready(qparams)
     passes_s = info.get("calib_s", 0.0)
     return Quantized(qparams, time.perf_counter() - t0 - passes_s, calib_s + passes_s, info["calib_samples"])
+
+
+def finetune_windows(config, tokenizer, recipe, text: str | Path):
+    """The training windows of the recipe's ``finetune`` step: one fresh window of the calibration text per step
+    and sequence (steps x batch_size; fewer, cycled, when the text is short), or None without that step.
+
+    Fresh text rather than the calibration windows over and over: 100 steps cycling 16 windows over-fit
+    them (SmolLM2 gptq-w4-g128, WikiText-2 test +6.35 % -> +9.20 %, docs/accuracy.md)."""
+    from llmeq_jax import calibrate
+
+    if recipe.finetune is None:
+        return None
+    ft = recipe.finetune
+    return calibrate.fresh_windows(tokenizer, text, ft["steps"] * ft["batch_size"],
+                                   min(ft["seq_len"], config.max_position_embeddings))
 
 
 # --------------------------------------------------------------------------- evaluate

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from llmeq_jax import calibrate, evaluate, methods, texts
 from llmeq_jax.data import find_data_file
-from llmeq_jax.pipeline import open_model, read_recipe
+from llmeq_jax.pipeline import finetune_windows, open_model, read_recipe
 from llmeq_jax.models import forward
 
 
@@ -50,14 +50,15 @@ def main() -> None:
     config, params, tok, _ = open_model(a.model, verify=False)
     corpora = {k: TEXTS[k]() for k in a.texts} | {f.stem: f.read_text() for f in a.text_file}
     wins = {k: evaluate.make_windows(evaluate.tokenize_text(tok, t), a.seq_len, a.windows) for k, t in corpora.items()}
-    calib = calibrate.calibration_windows(tok, find_data_file(None, "wikitext2_valid.txt", "calibration text"),
-                                          a.calib_samples, a.seq_len)
+    valid = find_data_file(None, "wikitext2_valid.txt", "calibration text")
+    calib = calibrate.calibration_windows(tok, valid, a.calib_samples, a.seq_len)
     base = {}
     print(f"| recipe | {' | '.join(f'{k} ppl | Δ%' for k in wins)} | quantize s |", flush=True)
     for name in a.recipes:
         recipe = read_recipe(name)
         t0 = time.perf_counter()
-        q, info = methods.quantize_model(config, params, recipe, calib if methods.needs_calibration(recipe) else None)
+        q, info = methods.quantize_model(config, params, recipe, calib if methods.needs_calibration(recipe) else None,
+                                         finetune_windows=finetune_windows(config, tok, recipe, valid))
         q_s = time.perf_counter() - t0
         cells = []
         for k, w in wins.items():

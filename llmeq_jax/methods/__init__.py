@@ -98,13 +98,15 @@ def _check_recipe(params: Any, recipe: Recipe) -> list[str]:
 
 
 def quantize_model(config, params: dict, recipe: Recipe, windows: np.ndarray | None, progress: bool = False,
-                   calibrate_fn=None) -> tuple[dict, dict]:
+                   calibrate_fn=None, finetune_windows: np.ndarray | None = None) -> tuple[dict, dict]:
     """Quantize a model under ``recipe`` -> (params, info).
 
     ``windows`` ``[N, T]`` are the calibration token windows (needed by
     calibrated methods and static activation scales; ignored otherwise).
     ``info`` holds the method, the calibration size, the wall time and what
     the method chose (alphas, exponents, damping, LKD losses).
+    ``finetune_windows``: the training windows of the recipe's ``finetune`` step (default: the
+    calibration windows cut to its ``seq_len``; more, fresh text over-fits less).
     ``calibrate_fn`` replaces ``calibrate.calibrate`` (same signature), e.g. the
     data-parallel one of :func:`llmeq_jax.distributed.quantize_model_sharded`.
     """
@@ -113,18 +115,19 @@ def quantize_model(config, params: dict, recipe: Recipe, windows: np.ndarray | N
         raise RecipeError(f"recipe {recipe.name!r} ({recipe.method}) needs calibration windows")
     out, info = _apply_method(config, params, recipe, windows, progress, calibrate_fn or calibrate.calibrate)
     if recipe.finetune is not None:
-        out, info["finetune"] = _finetune(config, out, params, recipe, windows, progress)
+        if finetune_windows is None:
+            finetune_windows = distill.training_windows(windows, recipe.finetune["seq_len"])
+        out, info["finetune"] = _finetune(config, out, params, recipe, finetune_windows, progress)
         info["seconds"] += info["finetune"]["seconds"]
     return out, info
 
 
 def _finetune(config, qparams: dict, float_params: dict, recipe: Recipe, windows: np.ndarray, progress: bool):
     """The recipe's ``finetune`` step: the quantized model's scales (and latent weights) trained against the
-    float model (the teacher: the params before any rotation, the same function) on the calibration windows."""
+    float model (the teacher: the params before any rotation, the same function) on ``windows``."""
     t0 = time.perf_counter()
     opts = distill.DistillOptions(**recipe.finetune)
-    qparams, losses, n = distill.train(config, qparams, float_params, distill.training_windows(windows, opts.seq_len),
-                                       opts, progress=progress)
+    qparams, losses, n = distill.train(config, qparams, float_params, windows, opts, progress=progress)
     qparams = jax.block_until_ready(qparams)
     return qparams, {"kernels": n, "first_loss": losses[0], "last_loss": losses[-1],
                      "seconds": time.perf_counter() - t0}

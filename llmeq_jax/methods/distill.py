@@ -52,7 +52,8 @@ class DistillOptions:
     scale_lr: float = option(1e-3, (float,), lambda v: 0 < v < float("inf"), "a positive number")
     weight_lr: float = option(1e-5, (float,), lambda v: 0 < v < float("inf"), "a positive number")
     batch_size: int = option(2, (int,), lambda v: v >= 1, "a positive integer")
-    # Training windows: the calibration windows cut into pieces of this many tokens (when it divides them).
+    # Tokens per training window. `llmeq` trains on steps x batch_size fresh windows of the calibration
+    # text (methods.quantize_model without them: the calibration windows cut to this length).
     seq_len: int = option(256, (int,), lambda v: v >= 2, "an integer >= 2")
     clip_norm: float = option(1.0, (float,), lambda v: 0 < v < float("inf"), "a positive number")
 

@@ -11,7 +11,10 @@ activations and fake-quantized weights are recomputed in the backward pass
 instead of stored, so memory holds one block's activations at a time.
 
 After ``steps`` steps the trained float tree goes through the recipe's method
-(RTN or a calibrated one) like any float model.
+(RTN or a calibrated one) like any float model. The loss is the next-token NLL of the
+training text, or (``distill=True``) the KL divergence to the float model's predictions.
+Learned scales (LSQ) start from a quantized model instead: :mod:`llmeq_jax.methods.distill`
+(``llmeq qat --learn-scales``).
 
 Training state (params, optimizer state, step, data position) is written every
 ``save_every`` steps to ``state_dir/qat_state.pkl`` (atomic rename) and picked up
@@ -72,10 +75,15 @@ def fake_quant_tree(tree: Any, recipe: Recipe, prefix: str = "") -> Any:
     return jax.tree_util.tree_map_with_path(visit, tree)
 
 
-def qat_loss(params: dict, tokens: jax.Array, *, config, recipe: Recipe) -> jax.Array:
-    """Mean next-token NLL of the fake-quantized model; blocks rematerialized one at a time."""
+def qat_loss(params: dict, tokens: jax.Array, *, config, recipe: Recipe, teacher: dict | None = None) -> jax.Array:
+    """Mean next-token NLL of the fake-quantized model; blocks rematerialized one at a time.
+
+    With ``teacher`` (float params): the mean KL divergence from the teacher's next-token
+    distribution instead (distillation: the model is asked to stay the float model, not to fit the text).
+    """
     from llmeq_jax.evaluate import token_nll
-    from llmeq_jax.models.model import apply_block, embed, head
+    from llmeq_jax.methods.distill import kl_to_teacher
+    from llmeq_jax.models.model import apply_block, embed, forward, head
 
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     h = embed(config, params, tokens, positions)
@@ -85,7 +93,10 @@ def qat_loss(params: dict, tokens: jax.Array, *, config, recipe: Recipe) -> jax.
 
         h = jax.checkpoint(block)(params[f"layers_{i}"], h)
     top = {k: v for k, v in params.items() if not k.startswith("layers_")}
-    return jnp.mean(token_nll(head(config, fake_quant_tree(top, recipe), h), tokens))
+    logits = head(config, fake_quant_tree(top, recipe), h)
+    if teacher is not None:
+        return kl_to_teacher(logits, jax.lax.stop_gradient(forward(config, teacher, tokens)))
+    return jnp.mean(token_nll(logits, tokens))
 
 
 def make_optimizer(opts: QATOptions):
@@ -95,11 +106,12 @@ def make_optimizer(opts: QATOptions):
 
 
 @functools.partial(jax.jit, static_argnames=("config", "rules", "opt"), donate_argnames=("params", "opt_state"))
-def _step(params, opt_state, tokens, *, config, rules, opt):
+def _step(params, opt_state, tokens, teacher, *, config, rules, opt):
     import optax
 
     recipe = Recipe(rules=rules)  # the rules (hashable) key the compile cache; method_args do not matter here
-    loss, grads = jax.value_and_grad(functools.partial(qat_loss, config=config, recipe=recipe))(params, tokens)
+    loss, grads = jax.value_and_grad(functools.partial(qat_loss, config=config, recipe=recipe,
+                                                       teacher=teacher))(params, tokens)
     updates, opt_state = opt.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
@@ -121,12 +133,16 @@ def load_state(state_dir: Path) -> dict | None:
 
 
 def train(config, params: dict, recipe: Recipe, windows: np.ndarray, opts: QATOptions, *,
-          state_dir: str | Path | None = None, resume: bool = False, progress: bool = False) -> tuple[dict, list]:
-    """QAT for ``opts.steps`` steps over ``windows`` (cycled in order) -> (trained float params, losses)."""
+          state_dir: str | Path | None = None, resume: bool = False, progress: bool = False,
+          distill: bool = False) -> tuple[dict, list]:
+    """QAT for ``opts.steps`` steps over ``windows`` (cycled in order) -> (trained float params, losses).
+
+    ``distill``: the loss is the KL divergence to the starting (float) model instead of the NLL."""
     if len(windows) < opts.batch_size:
         raise ValueError(f"QAT has {len(windows)} training windows, fewer than one batch of {opts.batch_size}")
     opt = make_optimizer(opts)
     params = jax.tree_util.tree_map(jnp.array, params)  # own copies: the step donates its buffers
+    teacher = jax.tree_util.tree_map(jnp.array, params) if distill else None
     opt_state, start, losses = opt.init(params), 0, []
     if resume and state_dir is not None:
         saved = load_state(Path(state_dir))
@@ -144,7 +160,7 @@ def train(config, params: dict, recipe: Recipe, windows: np.ndarray, opts: QATOp
     for step in steps:
         b = step % n_batches
         toks = jnp.asarray(windows[b * opts.batch_size:(b + 1) * opts.batch_size])
-        params, opt_state, loss = _step(params, opt_state, toks, config=config, rules=recipe.rules, opt=opt)
+        params, opt_state, loss = _step(params, opt_state, toks, teacher, config=config, rules=recipe.rules, opt=opt)
         losses.append(float(loss))
         if bar is not None:
             bar.update(1)

@@ -139,3 +139,19 @@ def test_nothing_to_learn_is_an_error(stories):
 
 def test_options_dataclass_fields_are_the_yaml_keys():
     assert {f.name for f in dataclasses.fields(distill.DistillOptions)} == set(distill.parse_finetune({}))
+
+
+def test_pipeline_trains_on_fresh_windows_of_the_calibration_text(stories, tmp_path):
+    from llmeq_jax import evaluate
+    from llmeq_jax.models import load_model
+    from llmeq_jax.pipeline import finetune_windows
+
+    config, _, tok = load_model(str(shared_data_path("stories260K.gguf")))
+    text = tmp_path / "calib.txt"
+    text.write_text(" ".join(f"word{i}" for i in range(3000)))
+    recipe = recipe_from_dict({"rules": RULES, "finetune": {"steps": 5, "batch_size": 2, "seq_len": 64}})
+    wins = finetune_windows(config, tok, recipe, text)
+    ids = evaluate.tokenize_text(tok, text.read_text())
+    assert wins.shape == (10, 64) and len(np.unique(wins, axis=0)) == 10
+    np.testing.assert_array_equal(wins.reshape(-1), ids[:640])
+    assert finetune_windows(config, tok, recipe_from_dict({"rules": RULES}), text) is None

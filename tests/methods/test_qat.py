@@ -86,3 +86,39 @@ def test_rtn_w3_g128_recipe_is_asymmetric_int3_groups_of_128(stories):
     err3 = np.abs(np.asarray(k.dequantize()) - w).mean()
     k4 = methods.quantize_model(config, params, read_recipe("rtn-w4-g128"), None)[0]["layers_0"]["mlp"]["down_proj"]["kernel"]
     assert err3 > np.abs(np.asarray(k4.dequantize()) - w).mean() > 0
+
+
+def test_distilled_qat_starts_at_zero_kl_and_the_teacher_stays(stories):
+    config, params, wins, recipe = stories
+    fp32 = read_recipe("fp32")
+    cfg = qat.QATOptions(steps=2, lr=1e-3, batch_size=2, save_every=2)
+    _, losses = qat.train(config, params, fp32, wins, cfg, distill=True)
+    assert abs(losses[0]) < 1e-5 and losses[1] > 1e-7  # the float model is its own teacher, then moves away
+    _, w3 = qat.train(config, params, recipe, wins, qat.QATOptions(steps=3, lr=1e-4, batch_size=2), distill=True)
+    assert w3[0] > 1e-3 and w3[2] < w3[0]  # steps 0 and 2 see the same batch
+
+
+@pytest.mark.parametrize("loss", ["kl", "nll"])
+def test_cli_qat_learn_scales_saves_the_method_grid(tmp_path, loss):
+    from llmeq_jax.checkpoint import load_model_checkpoint
+
+    text = tmp_path / "train.txt"
+    text.write_text("Once upon a time, there was a little girl named Lily. She loved to play outside. " * 30)
+    proc = subprocess.run([sys.executable, "-m", "llmeq_jax.cli", "qat", str(shared_data_path("stories260K.gguf")),
+                           "--recipe", "rtn-w4-g128", "--text", str(text), "--steps", "2", "--seq-len", "32",
+                           "--batch-size", "2", "--learn-scales", "--loss", loss, "--out", str(tmp_path / "ck"),
+                           "--json"], capture_output=True, text=True, cwd=REPO, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert info["learn_scales"] and info["loss"] == loss and info["state_dir"] is None
+    _, qp, _, rec = load_model_checkpoint(tmp_path / "ck")
+    q = qp["layers_0"]["attn"]["q_proj"]["kernel"]
+    assert q.bits == 4 and q.zero_point is not None and rec["name"] == "rtn-w4-g128"
+
+
+def test_cli_qat_learn_scales_refuses_resume(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "llmeq_jax.cli", "qat", str(shared_data_path("stories260K.gguf")),
+                           "--recipe", "rtn-w4-g128", "--learn-scales", "--resume", "--out", str(tmp_path / "ck")],
+                          capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert proc.returncode == 2 and "--resume" in proc.stderr and "--learn-scales" in proc.stderr
+    assert not (tmp_path / "ck").exists()
