@@ -56,7 +56,8 @@ def check_method(name: str) -> None:
 
 
 def needs_calibration(recipe: Recipe) -> bool:
-    """True when the recipe's method, a static activation scale or ``rotate.smooth_down`` needs calibration."""
+    """True when the recipe's method, a static activation scale, ``rotate.smooth_down`` or ``finetune`` needs
+    calibration text."""
     return (recipe.method in CALIBRATED or any(r.act_static for r in recipe.rules)
             or bool(recipe.rotate and recipe.rotate.get("smooth_down")) or recipe.finetune is not None)
 
