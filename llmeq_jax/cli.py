@@ -406,6 +406,7 @@ def cmd_allocate(args) -> int:
     if not out.absolute().parent.is_dir():
         raise UsageError(f"--out {str(out)!r}: folder {str(out.absolute().parent)!r} does not exist")
     candidates = alloc.parse_candidates(args.candidates)
+    base = read_recipe(args.base) if args.base else None
     config, params, tokenizer, recipe = open_model(args.model, verify=args.verify)
     if recipe is not None:
         raise UsageError(f"MODEL {args.model!r} is an already quantized checkpoint; allocate from the float model")
@@ -420,11 +421,11 @@ def cmd_allocate(args) -> int:
                                   symmetric=args.symmetric, edge_min_bits=args.edge_min_bits or None,
                                   max_delta=args.max_delta or None, progress=not args.json,
                                   measure=[alloc._candidate_key(x) for x in args.measure.split(",")]
-                                  if args.measure else None)
+                                  if args.measure else None, base=base)
     info["seconds"] = time.perf_counter() - t0
     group = f"g{args.group_size}" if args.group_size else "per-channel"
     header = [f"{name}: per-layer widths from `llmeq allocate {args.model}` ({args.sensitivity} sensitivity, "
-              f"{args.solver} solver)",
+              f"{args.solver} solver" + (f", built on {base.name}" if base is not None else "") + ")",
               f"budget {info['budget_bytes']} bytes of block linears; used {info['bytes']} "
               f"({info['avg_bits']:.3f} stored bits/weight, scales counted); widths {info['widths']} ({group})",
               f"calibration: {args.calib_samples} x {args.calib_seq_len} tokens of {text.name}; "
@@ -657,7 +658,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--measure", default="",
                    help="measured sensitivity: the candidates whose output KL is measured (default: one per "
                         "pickable width below the widest); the others are carried by the proxy's ratio")
-    p.add_argument("--method", default="rtn", choices=["rtn", "gptq"], help="the written recipe's method")
+    base = p.add_mutually_exclusive_group()
+    base.add_argument("--method", default="rtn", choices=["rtn", "gptq"],
+                      help="the written recipe's method, with the settings of the ready {method}-w4-g128 recipe")
+    base.add_argument("--base", metavar="RECIPE",
+                      help="build on a ready recipe (name or YAML): its method and settings, rotation, fine-tuning "
+                           "step and embedding/head rules, with per-linear widths (e.g. quarot-gptq-w3-g128-distill; "
+                           "a rotated recipe's sensitivities are measured on the rotated model)")
     p.add_argument("--solver", default="greedy", choices=["greedy", "lagrange"])
     p.add_argument("--sensitivity", default="measured", choices=["measured", "proxy"])
     p.add_argument("--group-size", type=NON_NEGATIVE, default=128, help="group size along the input (0: per channel)")

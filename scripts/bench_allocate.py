@@ -5,7 +5,8 @@
 
 The sensitivity table is computed once (it does not depend on the budget), then each
 budget is solved and its recipe quantized (``--method``: rtn, or gptq with the ready
-``gptq-w4-g128`` settings on ``--method-calib`` windows of 512 tokens) and evaluated under DESIGN §6's protocol
+``gptq-w4-g128`` settings on ``--method-calib`` windows of 512 tokens; or ``--base RECIPE``: that ready
+recipe's method, rotation and fine-tuning step, as ``llmeq allocate --base``) and evaluated under DESIGN §6's protocol
 (wikitext2_test.txt, windows of 512, the first --windows; calibration on
 wikitext2_valid.txt). Results are appended to ``results.json`` as they come, so an
 interrupted run keeps what it measured.
@@ -31,6 +32,7 @@ from llmeq_jax.methods import allocate as A  # noqa: E402
 from llmeq_jax.methods import quantize_model  # noqa: E402
 from llmeq_jax.methods import sensitivity as S  # noqa: E402
 from llmeq_jax.models import forward, load_model  # noqa: E402
+from llmeq_jax.pipeline import finetune_windows, read_recipe  # noqa: E402
 
 
 def ppl(config, params, wins) -> float:
@@ -50,6 +52,8 @@ def main() -> None:
     ap.add_argument("--edge-min-bits", type=int, default=4, help="first/last blocks' linears never below (0: off)")
     ap.add_argument("--max-delta", type=float, default=0.5, help="measured: drop widths costing more nats (0: off)")
     ap.add_argument("--method", default="rtn", help="how every recipe (allocated and uniform) is quantized")
+    ap.add_argument("--base", help="a ready recipe every recipe is built on (replaces --method: its method, "
+                                   "rotation and fine-tuning step; llmeq allocate --base)")
     ap.add_argument("--method-calib", type=int, default=16, help="calibration windows of 512 tokens for --method")
     ap.add_argument("--calib-samples", type=int, default=4)
     ap.add_argument("--calib-seq-len", type=int, default=256)
@@ -70,12 +74,17 @@ def main() -> None:
                                         args.calib_seq_len)
     ids = evaluate.tokenize_text(tok, find_data_file(None, EVAL_TEXT, "evaluation").read_text())
     wins = evaluate.make_windows(ids, args.seq_len, args.windows)
-    method_args, clip = A.method_settings(args.method)
-    method_cal = calibrate.calibration_windows(tok, find_data_file(None, CALIB_TEXT, "calibration"),
-                                               args.method_calib, 512) if args.method != "rtn" else None
+    if args.base:
+        settings = A.base_settings(read_recipe(args.base))
+    else:
+        method_args, clip = A.method_settings(args.method)
+        settings = {"method": args.method, "method_args": method_args, "clip": clip}
+    valid = find_data_file(None, CALIB_TEXT, "calibration")
+    method_cal = calibrate.calibration_windows(tok, valid, args.method_calib, 512)
+    sparams = A.sensitivity_params(config, params, settings.get("rotate"))  # what the method quantizes
     cands = A.parse_candidates(args.candidates)
     group = args.group_size or None
-    shapes = A.block_kernels(params)
+    shapes = A.block_kernels(sparams)
     cost = A.cost_table(shapes, cands, group)
     weights = {p: math.prod(s) for p, s in shapes.items()}
 
@@ -89,7 +98,7 @@ def main() -> None:
             raise SystemExit(f"{cache} lacks some of the candidates {list(cands)}")
         t_proxy, t_meas = saved["proxy_s"], saved["measured_s"]
     else:
-        table, t_proxy, t_meas = A.sensitivity_table(config, params, cal, shapes, cands, cost, spec_for,
+        table, t_proxy, t_meas = A.sensitivity_table(config, sparams, cal, shapes, cands, cost, spec_for,
                                                      args.sensitivity, progress=True,
                                                      measure=[A._candidate_key(x) for x in args.measure.split(",")]
                                                      if args.measure else None)
@@ -101,7 +110,7 @@ def main() -> None:
     results = {"model": args.model, "device": f"{jax.devices()[0].device_kind} ({platform.processor() or 'cpu'})",
                "protocol": evaluate.PROTOCOL, "windows": args.windows, "seq_len": args.seq_len,
                "calibration": f"{args.calib_samples} x {args.calib_seq_len} tokens of {CALIB_TEXT}",
-               "sensitivity": args.sensitivity, "candidates": f"{args.candidates} asymmetric", "method": args.method, "proxy_s": t_proxy, "measured_s": t_meas, "rows": []}
+               "sensitivity": args.sensitivity, "candidates": f"{args.candidates} asymmetric", "method": args.base or args.method, "proxy_s": t_proxy, "measured_s": t_meas, "rows": []}
     print(f"sensitivity: proxy {t_proxy:.0f} s, measured {t_meas:.0f} s", flush=True)
 
     def record(row):
@@ -114,7 +123,7 @@ def main() -> None:
     for b in [A._candidate_key(x) for x in args.uniform.split(",") if x]:
         choice = {p: b for p in shapes}
         g = f"g{args.group_size}" if isinstance(b, int) else ""
-        recipes.append(("uniform", f"{args.method}-w{b}{g}-asym", choice))
+        recipes.append(("uniform", f"{args.base or args.method}-w{b}{g}-asym", choice))
     for solver, budgets in (("greedy", args.budgets), ("lagrange", args.lagrange_budgets)):
         for budget in [x for x in budgets.split(",") if x]:
             if budget.startswith("u"):  # the bytes uniform N-bit stores
@@ -130,8 +139,9 @@ def main() -> None:
     keys = {b for _, _, choice in recipes for b in choice.values()}
     allcost = A.cost_table(shapes, sorted(keys, key=A.candidate_order), group)
     for kind, name, choice in recipes:
-        recipe = A.allocation_recipe(choice, args.method, group, name, method_args, clip=clip)
-        qp, _ = quantize_model(config, params, recipe, method_cal)
+        recipe = A.allocation_recipe(choice, group_size=group, name=name, **settings)
+        qp, _ = quantize_model(config, params, recipe, method_cal,
+                               finetune_windows=finetune_windows(config, tok, recipe, valid))
         s = A.summary(choice, allcost, shapes)
         record({"kind": kind, "name": name, "avg_bits": s["avg_bits"], "widths": {str(k): v for k, v in s["widths"].items()},
                 "est_loss": sum(table[p][b] for p, b in choice.items()) if all(b in table[p] for p, b in choice.items()) else None,

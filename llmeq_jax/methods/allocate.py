@@ -302,13 +302,35 @@ def method_settings(method: str) -> tuple[dict, Any]:
     return dict(recipe.method_args), (kernel.weight.clip if kernel.weight is not None else None)
 
 
+# The quantizable leaves outside the decoder blocks, which an allocation leaves to its base recipe's rules.
+OUTSIDE_BLOCKS = ("embed/embedding", "lm_head/kernel")
+
+
+def base_settings(base: Recipe) -> dict:
+    """What an allocation built on a ready recipe takes from it -> ``allocation_recipe`` keyword arguments.
+
+    Its method and ``method_args``, its ``rotate`` pre-step and ``finetune`` post-step, the ``clip`` of its
+    block-linear rule, and the rules it applies to the embedding table and the head (as exact-path rules,
+    so they cannot catch a block linear): e.g. ``--base quarot-gptq-w3-g128-distill`` gives an allocation
+    that is rotated, quantized by GPTQ and fine-tuned exactly like that recipe, only with per-linear widths.
+    """
+    kernel = base.rule_for("layers_0/mlp/down_proj/kernel")
+    rules = [dataclasses.replace(rule, pattern=re.escape(path))
+             for path in OUTSIDE_BLOCKS if (rule := base.rule_for(path)) is not None]
+    return {"method": base.method, "method_args": dict(base.method_args), "base_rules": tuple(rules),
+            "clip": kernel.weight.clip if kernel is not None and kernel.weight is not None else None,
+            "rotate": base.rotate, "finetune": base.finetune}
+
+
 def allocation_recipe(choice: dict[str, int], method: str, group_size: int | None, name: str,
                       method_args: dict | None = None, base_rules: Sequence[Rule] | None = None,
-                      symmetric: bool = False, clip: Any = None) -> Recipe:
+                      symmetric: bool = False, clip: Any = None, rotate: dict | None = None,
+                      finetune: dict | None = None) -> Recipe:
     """A recipe with one exact rule per allocated linear (``re.escape``d path), after ``base_rules``.
 
     The default base rules are the ready recipes' (the embedding table int8 per row, no
-    untied lm_head quantization). ``clip`` goes into every allocated linear's spec.
+    untied lm_head quantization). ``clip`` goes into every allocated linear's spec;
+    ``rotate`` and ``finetune`` are the recipe's pre- and post-step (:func:`base_settings`).
     """
     if base_rules is None:
         base_rules = (Rule("embed/embedding", weight=Spec(8, "channel")), Rule(".*lm_head.*", skip=True))
@@ -316,7 +338,8 @@ def allocation_recipe(choice: dict[str, int], method: str, group_size: int | Non
     for path, bits in choice.items():
         spec = dataclasses.replace(candidate_spec(bits, group_size, symmetric), clip=clip)
         rules.append(Rule(re.escape(path), weight=spec))
-    return Recipe(rules=tuple(rules), method=method, method_args=dict(method_args or {}), name=name)
+    return Recipe(rules=tuple(rules), method=method, method_args=dict(method_args or {}), name=name,
+                  rotate=rotate, finetune=finetune)
 
 
 def summary(choice: dict[str, int], cost: dict[str, dict[int, int]], shapes: dict[str, tuple[int, ...]]) -> dict:
@@ -360,6 +383,16 @@ def measured_candidates(cost: dict[str, dict], candidates: Sequence) -> list:
 
 # --------------------------------------------------------------------------- driver
 
+
+def sensitivity_params(config, params: dict, rotate_spec: dict | None) -> dict:
+    """The float params the sensitivities are measured on: rotated under the base recipe's ``rotate``
+    pre-step when it has one (the same function, but the weights its method quantizes differ)."""
+    if rotate_spec is None:
+        return params
+    from llmeq_jax.methods import rotate
+
+    return rotate.rotate_params(config, params, rotate_spec)
+
 SENSITIVITIES = ("measured", "proxy")
 
 
@@ -397,8 +430,13 @@ def allocate(config, params: dict, windows: np.ndarray, *, candidates: Sequence[
              budget_mb: float | None = None, group_size: int | None = 128, solver: str = "greedy",
              sensitivity: str = "measured", method: str = "rtn", name: str = "allocated",
              symmetric: bool = False, edge_min_bits: int | None = 4, max_delta: float | None = 0.5,
-             measure: Sequence | None = None, progress: bool = False) -> tuple[Recipe, dict]:
+             measure: Sequence | None = None, base: Recipe | None = None, progress: bool = False
+             ) -> tuple[Recipe, dict]:
     """Sensitivities on ``windows`` -> allocation under the budget -> (recipe, info).
+
+    ``base``: a ready recipe the allocation is built on (:func:`base_settings`; replaces ``method``).
+    With a ``rotate`` pre-step the sensitivities are measured on the rotated model, the one its
+    method quantizes.
 
     ``edge_min_bits`` and ``max_delta`` are :func:`restrict`'s guards (``max_delta`` applies
     to measured sensitivities only: the proxy's unit is not nats).
@@ -414,6 +452,13 @@ def allocate(config, params: dict, windows: np.ndarray, *, candidates: Sequence[
     if sensitivity not in SENSITIVITIES:
         raise AllocationError(f"--sensitivity {sensitivity!r} is not one of {list(SENSITIVITIES)}")
     candidates = parse_candidates(candidates)
+    if base is not None:
+        settings = base_settings(base)
+        method = settings["method"]
+    else:
+        method_args, clip = method_settings(method)
+        settings = {"method": method, "method_args": method_args, "clip": clip}
+    params = sensitivity_params(config, params, settings.get("rotate"))
     shapes = block_kernels(params)
     budget = budget_bytes(shapes, budget_bits, budget_mb)
     cost = cost_table(shapes, candidates, group_size, symmetric)
@@ -430,14 +475,13 @@ def allocate(config, params: dict, windows: np.ndarray, *, candidates: Sequence[
     else:
         weights = {p: math.prod(s) for p, s in shapes.items()}
         choice, lam = lagrange(cost, sens.lagrange_coefficients(table, weights), budget)
-    method_args, clip = method_settings(method)
-    recipe = allocation_recipe(choice, method, group_size, name, method_args, symmetric=symmetric, clip=clip)
-    info = {"budget_bytes": budget, **summary(choice, cost, shapes), "solver": solver, "sensitivity": sensitivity,
+    recipe = allocation_recipe(choice, group_size=group_size, name=name, symmetric=symmetric, **settings)
+    info = {"base": base.name if base is not None else None, "budget_bytes": budget, **summary(choice, cost, shapes), "solver": solver, "sensitivity": sensitivity,
             "candidates": list(candidates), "group_size": group_size, "symmetric": symmetric, "lambda": lam,
             "calib_windows": list(windows.shape), "proxy_s": t_proxy, "measured_s": t_measured,
             "solve_s": time.perf_counter() - t0, "choice": choice, "table": table}
     return recipe, info
 
 
-__all__ = ["AllocationError", "allocate", "SOLVERS", "allocation_recipe", "block_kernels", "budget_bytes", "candidate_spec",
+__all__ = ["AllocationError", "allocate", "SOLVERS", "allocation_recipe", "base_settings", "sensitivity_params", "block_kernels", "budget_bytes", "candidate_spec",
            "candidate_bits", "candidate_order", "cost_table", "edge_paths", "measured_candidates", "greedy", "restrict", "sensitivity_table", "lagrange", "parse_candidates", "recipe_yaml", "spec_bytes", "summary"]

@@ -266,3 +266,38 @@ def test_allocated_recipes_quantize_like_the_ready_recipe_of_their_method():
     rule = recipe.rule_for("layers_0/mlp/down_proj/kernel")
     assert rule.weight == Spec(3, "group", group_size=128, symmetric=False, clip="mse")
     assert dict(recipe.method_args) == args
+
+
+def test_an_allocation_built_on_a_ready_recipe_keeps_its_steps_and_measures_the_rotated_model(stories):
+    import dataclasses
+
+    from llmeq_jax.methods import quantize_model, rotate
+    from llmeq_jax.pipeline import read_recipe
+
+    config, params, wins = stories
+    base = read_recipe("quarot-gptq-w3-g128-distill")
+    recipe, info = A.allocate(config, params, wins, candidates=(2, 3, 4), budget_bits=3.4, group_size=32,
+                              base=base, edge_min_bits=None, max_delta=None, method="rtn")
+    assert info["base"] == base.name and info["bytes"] <= info["budget_bytes"]
+    assert recipe.method == "gptq" and dict(recipe.method_args) == dict(base.method_args)
+    assert recipe.rotate == base.rotate and recipe.finetune == base.finetune
+    for path in A.OUTSIDE_BLOCKS:  # the table and the head keep the base's rules
+        assert recipe.rule_for(path).weight == base.rule_for(path).weight
+    assert recipe.rule_for("layers_2/attn/o_proj/kernel").weight.clip == "mse"  # the base's clip search
+    # the sensitivities are the rotated model's (what GPTQ quantizes), not the plain one's
+    path = "layers_2/attn/o_proj/kernel"
+    spec = {2: A.candidate_spec(2, 32)}
+    rotated = S.measured_kl(config, rotate.rotate_params(config, params, base.rotate), wins, [path], spec)
+    plain = S.measured_kl(config, params, wins, [path], spec)
+    assert np.isclose(info["table"][path][2], rotated[path][2], rtol=1e-5)
+    assert not np.isclose(rotated[path][2], plain[path][2], rtol=1e-2)
+    # and the written recipe runs the base's pipeline: rotation, GPTQ, fine-tuning
+    short = dataclasses.replace(recipe, finetune={**recipe.finetune, "steps": 2, "seq_len": 32})
+    q, qinfo = quantize_model(config, params, short, wins)
+    # every allocated linear and the head the rotation unties are fine-tuned
+    assert qinfo["rotate"] == base.rotate and qinfo["finetune"]["kernels"] == len(info["choice"]) + 1
+    for p, bits in info["choice"].items():
+        node = q
+        for k in p.split("/"):
+            node = node[k]
+        assert node.bits == A.candidate_bits(bits)
