@@ -12,8 +12,9 @@ Numerics
               zero_point = round(qmin - lo / scale) is an integer, so 0.0 is
               exactly representable; q = clip(round(x / scale) + zero_point).
   clipping:   a fixed ratio (0, 1] of the range, a percentile of |x| per tile,
-              or "mse": the ratio from a grid that minimises the squared error
-              per tile.
+              "mse": the ratio from a grid that minimises the squared error
+              per tile, or "rms": mean +- gamma standard deviations per tile
+              (gamma the Gaussian-optimal value for the width).
   scale_dtype: "float16" rounds each scale to a float16 value *before* the
               integers are computed (and recomputes asymmetric zero points on
               it), so a format that stores float16 scales (GGUF's Q4_0/Q4_1/
@@ -35,6 +36,8 @@ Bad input
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from typing import Any, Literal
 
 import jax
@@ -67,7 +70,10 @@ class Spec:
                   group and per index of every other dim.
       ``token``   one scale per token: reduce over ``axis`` (default -1, the
                   features of an activation ``(..., tokens, features)``).
-    clip: None, a ratio in (0, 1], ``"pNN.N"`` (percentile of |x|) or ``"mse"``.
+    clip: None, a ratio in (0, 1], ``"pNN.N"`` (percentile of |x|), ``"mse"`` (searched per tile)
+      or ``"rms"`` / ``"rmsG"``: the range cut to mean +- gamma standard deviations of the tile
+      (second moments; gamma the Gaussian-optimal one for the width, :func:`gaussian_clip_gamma`,
+      or ``G``), a smooth function of the weights that QAT's recomputed scales can follow.
     grid: ``uniform`` (integers times the scale) or ``log2`` (sign and power-of-two
       exponent relative to the tile's absmax, see :mod:`llmeq_jax.core.log2grid`;
       symmetric only, stored and packed like uniform codes of the same bits).
@@ -97,8 +103,8 @@ class Spec:
         if self.grid == "log2" and self.bits > 7:  # 8-bit codes would need magnitudes down to 2^-126
             raise ValueError(f"grid='log2' takes 2 to 7 bits (a {self.bits}-bit code's smallest magnitude 2^{2 - 2 ** (self.bits - 1)} "
                              "leaves float32's normal range); use a uniform grid for 8 bits")
-        if self.grid == "log2" and self.clip == "mse":
-            raise ValueError("clip='mse' searches uniform grids; with grid='log2' use None, a ratio or 'pNN'")
+        if self.grid == "log2" and isinstance(self.clip, str) and self.clip.startswith(("mse", "rms")):
+            raise ValueError(f"clip={self.clip!r} is made for uniform grids; with grid='log2' use None, a ratio or 'pNN'")
         if self.granularity not in GRANULARITIES:
             raise ValueError(f"granularity={self.granularity!r} is not one of {list(GRANULARITIES)}")
         if self.granularity == "group":
@@ -121,24 +127,53 @@ class Spec:
                 + (f" {self.scale_dtype} scales" if self.scale_dtype else ""))
 
 
+CLIP_CHOICES = "a ratio in (0, 1], 'pNN' (percentile), 'mse', 'rms' or 'rmsG' (G > 0: G standard deviations)"
+
+
 def _parse_clip(clip: float | str | None) -> tuple[str, float]:
-    """-> (kind, value) with kind in none | ratio | percentile | mse."""
+    """-> (kind, value) with kind in none | ratio | percentile | mse | rms (value 0: the Gaussian-optimal gamma)."""
     if clip is None:
         return "none", 1.0
     if isinstance(clip, str):
         if clip == "mse":
             return "mse", 1.0
-        if clip.startswith("p"):
-            try:
-                p = float(clip[1:])
-            except ValueError:
-                p = -1.0
-            if 0.0 < p <= 100.0:
-                return "percentile", p
-        raise ValueError(f"clip={clip!r} is not understood; expected a ratio in (0, 1], 'pNN' (percentile) or 'mse'")
+        for prefix, kind, ok in (("rms", "rms", lambda v: 0.0 < v < math.inf), ("p", "percentile", lambda v: 0.0 < v <= 100.0)):
+            if clip.startswith(prefix):
+                if clip == "rms":
+                    return "rms", 0.0
+                try:
+                    v = float(clip[len(prefix):])
+                except ValueError:
+                    v = -1.0
+                if ok(v):
+                    return kind, v
+        raise ValueError(f"clip={clip!r} is not understood; expected {CLIP_CHOICES}")
     if isinstance(clip, (int, float)) and not isinstance(clip, bool) and 0.0 < float(clip) <= 1.0:
         return "ratio", float(clip)
-    raise ValueError(f"clip={clip!r} is not understood; expected a ratio in (0, 1], 'pNN' (percentile) or 'mse'")
+    raise ValueError(f"clip={clip!r} is not understood; expected {CLIP_CHOICES}")
+
+
+@functools.lru_cache(maxsize=None)
+def gaussian_clip_gamma(bits: int, symmetric: bool) -> float:
+    """The clipping half-range, in standard deviations, that minimises the expected squared error of this
+    grid on a Gaussian (``clip: rms``; the "second-moment scaling" of ACIQ, Banner et al. 2019).
+
+    Computed, not tabulated: the exact error of rounding to the grid (2^b - 1 levels symmetric, 2^b
+    asymmetric, over [-gamma, gamma]) integrated against the normal density, minimised over gamma
+    coarse-to-fine. E.g. about 2.0 at 3 bits and 2.5 at 4 (symmetric)."""
+    x = np.linspace(-9.0, 9.0, 36001)
+    density = np.exp(-0.5 * x * x)
+    density /= density.sum()
+    qmin, qmax = int_range(bits)
+    levels = 2 * qmax if symmetric else qmax - qmin
+
+    def error(gamma: float) -> float:
+        step = 2.0 * gamma / levels
+        q = np.clip(np.round((x + gamma) / step), 0, levels) * step - gamma
+        return float(np.sum((q - x) ** 2 * density))
+
+    best = min(np.arange(0.5, 6.0, 0.05), key=error)
+    return float(min(np.arange(best - 0.05, best + 0.05, 0.001), key=error))
 
 
 def tile_for(spec: Spec, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -368,10 +403,23 @@ def _compute_scale(x: jax.Array, spec: Spec, tile: tuple[int, ...] | None = None
             raise ValueError("percentile clipping is defined on |x|; use it with symmetric=True")
         return scale_from_range(None, _tile_percentile(x, tile, value), spec.bits, True)
     lo, hi = _range(x, tile, spec.symmetric)
+    if kind == "rms":
+        return _rms_clipped(x, tile, lo, hi, value or gaussian_clip_gamma(spec.bits, spec.symmetric), spec)
     if kind == "ratio":
         lo = None if lo is None else lo * value
         hi = hi * value
     return scale_from_range(lo, hi, spec.bits, spec.symmetric)
+
+
+def _rms_clipped(x, tile, lo, hi, gamma: float, spec: Spec):
+    """(scale, zero_point) of the tile range cut to mean +- gamma * std (symmetric: |x| <= gamma * rms)."""
+    n = tile_reduce(jnp.ones_like(x, jnp.float32), tile, "sum")
+    second = tile_reduce(jnp.square(x.astype(jnp.float32)), tile, "sum") / n
+    if spec.symmetric:
+        return scale_from_range(None, jnp.minimum(hi, gamma * jnp.sqrt(second)), spec.bits, True)
+    mean = tile_reduce(x, tile, "sum") / n
+    std = jnp.sqrt(jnp.maximum(second - mean * mean, 0.0))
+    return scale_from_range(jnp.maximum(lo, mean - gamma * std), jnp.minimum(hi, mean + gamma * std), spec.bits, False)
 
 
 # --------------------------------------------------------------------------- quantize

@@ -39,7 +39,7 @@ deq = jax.jit(lambda q: q.dequantize())
 # group sizes below mostly do NOT divide them.
 SHAPES = [(13,), (9, 7), (20, 6), (33, 4), (3, 10, 5)]
 GROUP_SIZES = [2, 3, 5, 7, 16]
-CLIPS = [None, None, 0.5, 0.9, "p90", "mse"]
+CLIPS = [None, None, 0.5, 0.9, "p90", "mse", "rms", "rms1.5"]
 
 finite_f32 = st.floats(-1e3, 1e3, width=32, allow_nan=False, allow_infinity=False).map(
     # Magnitudes below 1e-6 become exact zeros: keeps scales out of the denormal
@@ -257,6 +257,50 @@ def test_mse_clip_never_worse_and_helps_with_outliers(symmetric, spec_kw):
     assert err_mse.sum() < err_base.sum()  # the outliers make a smaller clip ratio pay off
 
 
+def test_gaussian_clip_gamma_is_the_optimum_on_gaussian_data():
+    from llmeq_jax.core.quantize import gaussian_clip_gamma
+
+    # the known optima: the ternary threshold ~1.22 sigma, ~2.0 at 3 bits, ~2.5 at 4 (Banner et al.'s ACIQ)
+    assert abs(gaussian_clip_gamma(2, True) - 1.224) < 0.01
+    assert 1.9 < gaussian_clip_gamma(3, True) < 2.1 and 2.4 < gaussian_clip_gamma(4, True) < 2.6
+    assert gaussian_clip_gamma(3, True) < gaussian_clip_gamma(4, True) < gaussian_clip_gamma(8, True)
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((20000, 1)).astype(np.float32))
+    for bits in (3, 4):
+        g = gaussian_clip_gamma(bits, True)
+        err = {d: float(jnp.mean((qdq(x, Spec(bits=bits, clip=f"rms{g + d}")) - x) ** 2)) for d in (-0.3, 0.0, 0.3)}
+        assert err[0.0] < err[-0.3] and err[0.0] < err[0.3], (bits, err)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_rms_clip_is_gamma_standard_deviations_of_each_tile(symmetric):
+    from llmeq_jax.core.quantize import gaussian_clip_gamma
+
+    rng = np.random.default_rng(6)
+    x = (rng.standard_normal((256, 4)) * [1.0, 2.0, 0.5, 3.0] + [0.0, 0.3, -0.2, 1.0]).astype(np.float32)
+    spec = Spec(bits=3, granularity="group", group_size=128, symmetric=symmetric, clip="rms")
+    q = qz(jnp.asarray(x), spec)
+    g = gaussian_clip_gamma(3, symmetric)
+    tiles = x.reshape(2, 128, 4)
+    qmin, qmax = int_range(3)
+    if symmetric:
+        want = g * np.sqrt(np.mean(tiles ** 2, axis=1)) / qmax
+    else:
+        lo = np.minimum(np.maximum(tiles.min(1), tiles.mean(1) - g * tiles.std(1)), 0)
+        hi = np.maximum(np.minimum(tiles.max(1), tiles.mean(1) + g * tiles.std(1)), 0)
+        want = (hi - lo) / (qmax - qmin)
+    np.testing.assert_allclose(np.asarray(q.scale), want, rtol=1e-4)
+    # on Gaussian groups it beats the full range (absmax / min-max) at 3 bits
+    full = dataclasses.replace(spec, clip=None)
+    assert float(jnp.mean((qdq(jnp.asarray(x), spec) - x) ** 2)) < 0.9 * float(jnp.mean((qdq(jnp.asarray(x), full) - x) ** 2))
+
+
+def test_fake_quant_with_rms_scales_is_the_quantizer_forward():
+    x = jnp.asarray(np.random.default_rng(7).standard_normal((64, 8)).astype(np.float32))
+    spec = Spec(bits=3, granularity="group", group_size=32, symmetric=False, clip="rms")
+    # the same grid (up to the last bit of a scale: eager vs jitted reductions round differently)
+    np.testing.assert_allclose(np.asarray(fake_quant(x, spec)), np.asarray(qdq(x, spec)), rtol=1e-6, atol=1e-6)
+
+
 # --------------------------------------------------------------------------- jit / vmap
 
 
@@ -340,6 +384,10 @@ def test_fake_quant_gradient_is_masked_where_clipped():
         (dict(clip="p0"), "is not understood"),
         (dict(clip="pxx"), "is not understood"),
         (dict(clip="max"), "is not understood"),
+        (dict(clip="rms0"), "is not understood"),
+        (dict(clip="rms-2"), "is not understood"),
+        (dict(clip="rmsx"), "is not understood"),
+        (dict(bits=4, grid="log2", clip="rms"), "made for uniform grids"),
         (dict(scale_dtype="bfloat16"), "scale_dtype='bfloat16' is not one of"),
         (dict(bits=8, symmetric=False, scale_dtype="float16"), "only asymmetric grids of up to 4 bits"),
     ],
