@@ -393,6 +393,7 @@ def sensitivity_params(config, params: dict, rotate_spec: dict | None) -> dict:
 
     return rotate.rotate_params(config, params, rotate_spec)
 
+
 SENSITIVITIES = ("measured", "proxy")
 
 
@@ -476,12 +477,14 @@ def allocate(config, params: dict, windows: np.ndarray, *, candidates: Sequence[
         weights = {p: math.prod(s) for p, s in shapes.items()}
         choice, lam = lagrange(cost, sens.lagrange_coefficients(table, weights), budget)
     recipe = allocation_recipe(choice, group_size=group_size, name=name, symmetric=symmetric, **settings)
-    info = {"base": base.name if base is not None else None, "budget_bytes": budget, **summary(choice, cost, shapes), "solver": solver, "sensitivity": sensitivity,
+    info = {"base": base.name if base is not None else None, "budget_bytes": budget,
+            **summary(choice, cost, shapes), "solver": solver, "sensitivity": sensitivity,
             "candidates": list(candidates), "group_size": group_size, "symmetric": symmetric, "lambda": lam,
             "calib_windows": list(windows.shape), "proxy_s": t_proxy, "measured_s": t_measured,
             "solve_s": time.perf_counter() - t0, "choice": choice, "table": table}
     return recipe, info
 
 
-__all__ = ["AllocationError", "allocate", "SOLVERS", "allocation_recipe", "base_settings", "sensitivity_params", "block_kernels", "budget_bytes", "candidate_spec",
+__all__ = ["AllocationError", "allocate", "SOLVERS", "allocation_recipe", "base_settings", "sensitivity_params",
+           "block_kernels", "budget_bytes", "candidate_spec",
            "candidate_bits", "candidate_order", "cost_table", "edge_paths", "measured_candidates", "greedy", "restrict", "sensitivity_table", "lagrange", "parse_candidates", "recipe_yaml", "spec_bytes", "summary"]
