@@ -74,11 +74,7 @@ def main() -> None:
                                         args.calib_seq_len)
     ids = evaluate.tokenize_text(tok, find_data_file(None, EVAL_TEXT, "evaluation").read_text())
     wins = evaluate.make_windows(ids, args.seq_len, args.windows)
-    if args.base:
-        settings = A.base_settings(read_recipe(args.base))
-    else:
-        method_args, clip = A.method_settings(args.method)
-        settings = {"method": args.method, "method_args": method_args, "clip": clip}
+    settings = A.recipe_settings(args.method, read_recipe(args.base) if args.base else None)
     valid = find_data_file(None, CALIB_TEXT, "calibration")
     method_cal = calibrate.calibration_windows(tok, valid, args.method_calib, 512)
     sparams = A.sensitivity_params(config, params, settings.get("rotate"))  # what the method quantizes

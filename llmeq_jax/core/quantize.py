@@ -135,12 +135,10 @@ def _parse_clip(clip: float | str | None) -> tuple[str, float]:
     if clip is None:
         return "none", 1.0
     if isinstance(clip, str):
-        if clip == "mse":
-            return "mse", 1.0
+        if clip in ("mse", "rms"):
+            return clip, 1.0 if clip == "mse" else 0.0
         for prefix, kind, ok in (("rms", "rms", lambda v: 0.0 < v < math.inf), ("p", "percentile", lambda v: 0.0 < v <= 100.0)):
             if clip.startswith(prefix):
-                if clip == "rms":
-                    return "rms", 0.0
                 try:
                     v = float(clip[len(prefix):])
                 except ValueError:

@@ -322,6 +322,15 @@ def base_settings(base: Recipe) -> dict:
             "rotate": base.rotate, "finetune": base.finetune}
 
 
+def recipe_settings(method: str, base: Recipe | None = None) -> dict:
+    """``allocation_recipe`` keyword arguments: :func:`base_settings` of ``base`` when given, else ``method``
+    with the settings of its ready recipe (:func:`method_settings`)."""
+    if base is not None:
+        return base_settings(base)
+    method_args, clip = method_settings(method)
+    return {"method": method, "method_args": method_args, "clip": clip}
+
+
 def allocation_recipe(choice: dict[str, int], method: str, group_size: int | None, name: str,
                       method_args: dict | None = None, base_rules: Sequence[Rule] | None = None,
                       symmetric: bool = False, clip: Any = None, rotate: dict | None = None,
@@ -453,12 +462,7 @@ def allocate(config, params: dict, windows: np.ndarray, *, candidates: Sequence[
     if sensitivity not in SENSITIVITIES:
         raise AllocationError(f"--sensitivity {sensitivity!r} is not one of {list(SENSITIVITIES)}")
     candidates = parse_candidates(candidates)
-    if base is not None:
-        settings = base_settings(base)
-        method = settings["method"]
-    else:
-        method_args, clip = method_settings(method)
-        settings = {"method": method, "method_args": method_args, "clip": clip}
+    settings = recipe_settings(method, base)
     params = sensitivity_params(config, params, settings.get("rotate"))
     shapes = block_kernels(params)
     budget = budget_bytes(shapes, budget_bits, budget_mb)
@@ -485,6 +489,7 @@ def allocate(config, params: dict, windows: np.ndarray, *, candidates: Sequence[
     return recipe, info
 
 
-__all__ = ["AllocationError", "allocate", "SOLVERS", "allocation_recipe", "base_settings", "sensitivity_params",
+__all__ = ["AllocationError", "allocate", "SOLVERS", "allocation_recipe", "base_settings", "recipe_settings",
+           "sensitivity_params",
            "block_kernels", "budget_bytes", "candidate_spec",
            "candidate_bits", "candidate_order", "cost_table", "edge_paths", "measured_candidates", "greedy", "restrict", "sensitivity_table", "lagrange", "parse_candidates", "recipe_yaml", "spec_bytes", "summary"]
