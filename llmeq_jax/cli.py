@@ -170,7 +170,7 @@ def cmd_eval(args) -> int:
     kv = build_kv_quantizer(config, params, tokenizer, kv_mapping(args.kv, recipe), args.calib)
     t0 = time.perf_counter()
     res = text_perplexity(config, params, tokenizer, text, args.seq_len, args.windows, args.batch_size, not args.json, kv,
-                   recipe)
+                          recipe, scan_layers=args.scan_layers)
     name = (recipe or {}).get("name", "as-loaded") + ("" if kv is None else f" + kv{kv.spec.bits}")
     row = evaluate.Row(recipe=name, ppl=res["ppl"], nll=res["nll"],
                        param_bytes=param_bytes(params), load_s=load_s, eval_s=time.perf_counter() - t0)
@@ -179,7 +179,7 @@ def cmd_eval(args) -> int:
     if Path(args.model).is_dir() and (Path(args.model) / checkpoint.MANIFEST).is_file():
         row.disk_bytes = checkpoint.disk_bytes(args.model)
     if args.speed:
-        row.__dict__.update(measure_speed(config, params))
+        row.__dict__.update(measure_speed(config, params, scan_layers=args.scan_layers))
     report = evaluate.Report(model=args.model, text=str(text), seq_len=args.seq_len, n_windows=res["windows"],
                              rows=[row], peak_host_mb=evaluate.peak_host_memory_mb())
     report.rows[0].extra["tokens"] = res["tokens"]
@@ -252,15 +252,16 @@ def _compare_into(args, text, extra_windows, recipes, ckpts, out_dir, config, pa
             shutil.rmtree(ckpt)
         t1 = time.perf_counter()
         res = text_perplexity(config, qparams, tokenizer, text, args.seq_len, args.windows, args.batch_size, not args.json,
-                       recipe=recipe)
+                              recipe=recipe, scan_layers=args.scan_layers)
         row = evaluate.Row(recipe=recipe.name, ppl=res["ppl"], nll=res["nll"], param_bytes=param_bytes(qparams),
                            disk_bytes=disk, load_s=load_s, calib_s=c_s, calib_samples=n, quantize_s=q_s,
                            eval_s=time.perf_counter() - t1)
         for name, wins in extra_windows.items():
-            more = windows_perplexity(config, qparams, wins, args.batch_size, not args.json, recipe=recipe)
+            more = windows_perplexity(config, qparams, wins, args.batch_size, not args.json, recipe=recipe,
+                                      scan_layers=args.scan_layers)
             row.extra.setdefault("texts", {})[name] = {"ppl": more["ppl"], "nll": more["nll"], "tokens": more["tokens"]}
         if args.speed:
-            row.__dict__.update(measure_speed(config, qparams))
+            row.__dict__.update(measure_speed(config, qparams, scan_layers=args.scan_layers))
         report.rows.append(row)
         if layer:
             hist[recipe.name] = layer_values(qparams, layer)
@@ -304,9 +305,16 @@ def cmd_generate(args) -> int:
         raise UsageError(f"prompt ({len(ids)} tokens) + --max-new-tokens {args.max_new_tokens} exceeds the model's "
                        f"context of {config.max_position_embeddings}")
     greedy = not args.temperature  # None (no --temperature) or 0: argmax, as --temperature 0 means elsewhere
+    if alphas and args.scan_layers:
+        raise UsageError("a recipe with online activation scales (act_ema) generates with unrolled blocks; "
+                         "drop --scan-layers")
     if alphas:  # the EMA state runs through prefill and every decode step
         out, _ = online.generate(config, params, jnp.asarray([ids], jnp.int32), args.max_new_tokens, alphas)
     else:
+        if args.scan_layers:
+            from llmeq_jax.models import stacked
+
+            params = stacked.stack_blocks_or_warn(config, params)
         out = generate(config, params, jnp.asarray([ids], jnp.int32), args.max_new_tokens,
                        greedy=greedy, temperature=args.temperature if not greedy else 1.0,
                        top_k=args.top_k, top_p=args.top_p, seed=args.seed, kv=kv)
@@ -517,6 +525,14 @@ def _add_eval_opts(p, windows_default: int = 64):
     p.add_argument("--windows", type=NON_NEGATIVE, default=windows_default,
                    help=f"windows to evaluate, 0 = all (default {windows_default})")
     p.add_argument("--batch-size", type=POSITIVE, default=4, help="windows per forward pass, >= 1 (default 4)")
+    _add_scan_opt(p)
+
+
+def _add_scan_opt(p):
+    p.add_argument("--scan-layers", action="store_true",
+                   help="run the decoder blocks as one lax.scan over stacked layer params: compiles one block "
+                        "instead of every layer (big models, GPUs); on CPU decode runs slower (docs/models.md); "
+                        "a model whose blocks differ (mixed bit widths) runs unrolled with a warning")
 
 
 def _add_calib_opts(p):
@@ -616,6 +632,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=TOP_P, default=1.0, help="nucleus sampling mass in (0, 1] (1.0 = off)")
     p.add_argument("--seed", type=_seed, default=0, help=f"sampling seed in [0, {SEED_MAX}] (default 0)")
     p.add_argument("--no-bos", action="store_true", help="do not prepend the BOS token (then --prompt must not be empty)")
+    _add_scan_opt(p)
     _add_verify_opt(p)
     _add_kv_opts(p)
     p.add_argument("--calib", help=f"calibration text for KV key ranges (default: {CALIB_TEXT})")

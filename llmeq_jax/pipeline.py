@@ -133,28 +133,40 @@ def finetune_windows(config, tokenizer, recipe, text: str | Path):
 
 
 def text_perplexity(config, params, tokenizer, text_path: str | Path, seq_len: int = 512, windows: int = 64,
-                    batch_size: int = 4, progress: bool = False, kv=None, recipe=None) -> dict:
+                    batch_size: int = 4, progress: bool = False, kv=None, recipe=None, scan_layers: bool = False) -> dict:
     """Perplexity report (``ppl``, ``nll``, ``tokens``, ``windows``) of the text at ``text_path``.
 
     With ``kv`` (a KVQuantizer) attention reads K/V through the quantized cache's prefill path.
-    A ``recipe`` with online activation scales (``act_ema``) carries their EMA state from batch to batch."""
+    A ``recipe`` with online activation scales (``act_ema``) carries their EMA state from batch to batch.
+    ``scan_layers``: run the decoder blocks as one scan (``models.stacked``: compiles once per block)."""
     wins = text_windows(tokenizer, text_path, seq_len, windows)
-    return windows_perplexity(config, params, wins, batch_size, progress, kv=kv, recipe=recipe)
+    return windows_perplexity(config, params, wins, batch_size, progress, kv=kv, recipe=recipe, scan_layers=scan_layers)
 
 
 def windows_perplexity(config, params, wins, batch_size: int = 4, progress: bool = False, kv=None,
-                       recipe=None) -> dict:
+                       recipe=None, scan_layers: bool = False) -> dict:
     """Perplexity report of token windows ``wins`` [N, T] (see :func:`text_perplexity`)."""
-    from llmeq_jax import decode_layout, evaluate, online
+    from llmeq_jax import evaluate, online
 
     alphas = online.decays(params, recipe)
     if alphas:
-        if kv is not None:
-            raise UsageError("online activation scales (act_ema) and a quantized KV cache cannot be evaluated "
-                             "together yet; drop --kv or use a recipe without act_ema")
+        if kv is not None or scan_layers:
+            raise UsageError("online activation scales (act_ema) are evaluated with a float KV cache and unrolled "
+                             "blocks; drop --kv / --scan-layers or use a recipe without act_ema")
         return online.perplexity(config, params, wins, alphas, batch_size=batch_size, progress=progress)
-    return evaluate.perplexity(None, wins, batch_size=batch_size, params=decode_layout.for_prefill(params),
+    return evaluate.perplexity(None, wins, batch_size=batch_size, params=run_layout(config, params, scan_layers),
                                progress=progress, nll_fn=sequence_nll(config, kv=kv))
+
+
+def run_layout(config, params, scan_layers: bool = False):
+    """The params as a full-sequence forward runs them: the prefill layout (``decode_layout.for_prefill``),
+    then, with ``scan_layers``, the blocks stacked for one scan where they can share it
+    (``models.stacked.stack_blocks_or_warn``)."""
+    from llmeq_jax import decode_layout
+    from llmeq_jax.models import stacked
+
+    laid_out = decode_layout.for_prefill(params)
+    return stacked.stack_blocks_or_warn(config, laid_out) if scan_layers else laid_out
 
 
 def sequence_nll(config, kv=None):
@@ -170,21 +182,24 @@ def sequence_nll(config, kv=None):
     return nll
 
 
-def measure_speed(config, params, prefill_len: int = 512, prompt_len: int = 32, new_tokens: int = 128) -> dict:
-    """Warm prefill tokens/s (one sequence of prefill_len) and greedy decode tokens/s (median of runs)."""
+def measure_speed(config, params, prefill_len: int = 512, prompt_len: int = 32, new_tokens: int = 128,
+                  scan_layers: bool = False) -> dict:
+    """Warm prefill tokens/s (one sequence of prefill_len) and greedy decode tokens/s (median of runs);
+    ``scan_layers``: with the blocks stacked (``models.stacked``)."""
     import jax
     import jax.numpy as jnp
 
-    from llmeq_jax import decode_layout, evaluate
+    from llmeq_jax import evaluate
     from llmeq_jax.generate import decode_seconds
-    from llmeq_jax.models import forward
+    from llmeq_jax.models import forward, stacked
 
     prefill_len = min(prefill_len, config.max_position_embeddings)
     toks = jnp.ones((1, prefill_len), jnp.int32)
     fwd = jax.jit(lambda p, t: forward(config, p, t))
-    prefill_params = decode_layout.for_prefill(params)
+    prefill_params = run_layout(config, params, scan_layers)
     t_prefill = evaluate.median_time(lambda: fwd(prefill_params, toks), runs=3)
-    decode_s = decode_seconds(config, params, jnp.ones((1, prompt_len), jnp.int32), new_tokens)
+    decode_params = stacked.stack_blocks_or_warn(config, params) if scan_layers else params
+    decode_s = decode_seconds(config, decode_params, jnp.ones((1, prompt_len), jnp.int32), new_tokens)
     return {"prefill_tok_s": prefill_len / t_prefill, "decode_tok_s": (new_tokens - 1) / decode_s}
 
 

@@ -5,6 +5,7 @@ Param tree (top level)::
     embed/embedding            (vocab, hidden)
     pos_embed/embedding        (max_positions, hidden)   gpt2 only
     layers_{i}/...             one decoder block (see llama.py / gpt2.py)
+    blocks/...                 instead of layers_{i}: all blocks stacked, run as one scan (stacked.py)
     norm/scale (+ norm/bias for gpt2)
     lm_head/kernel             (hidden, vocab), absent when embeddings are tied (unless a rotation untied them)
 
@@ -25,6 +26,7 @@ from llmeq_jax import ops
 from llmeq_jax.core.rope import rope_inv_freq
 from llmeq_jax.kv import cache as kvcache
 from llmeq_jax.kv.spec import KVQuantizer
+from llmeq_jax.models import stacked
 from llmeq_jax.models.config import ModelConfig
 from llmeq_jax.models.gpt2 import GPT2Block
 from llmeq_jax.models.layers import Embed, LayerNorm, Linear, RMSNorm, attention_mask
@@ -101,6 +103,15 @@ def head(config: ModelConfig, params: Params, hidden: jax.Array) -> jax.Array:
 
 
 def _run_blocks(config, params, h, positions, query_slots, valid, cache):
+    if stacked.is_stacked(params):  # one scan body for all blocks (models/stacked.py: all of one kind)
+        window = config.sliding_window if config.is_sliding(0) else None
+        mask = attention_mask(query_slots, valid, window)
+
+        def run_block(block_params, layer, carry):
+            h, cache = carry
+            return _block_module(config, layer).apply({"params": block_params}, h, positions, mask, cache)
+
+        return stacked.scan_blocks(run_block, params[stacked.BLOCKS], (h, cache), config.num_layers)
     masks = {}
     for i in range(config.num_layers):
         window = config.sliding_window if config.is_sliding(i) else None

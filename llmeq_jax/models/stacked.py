@@ -1,0 +1,129 @@
+"""Stacked decoder blocks: one ``lax.scan`` over the layers instead of one traced copy per layer.
+
+A model's tree holds one subtree per block (``layers_0``, ``layers_1``, ...), and ``forward``
+traces each, so the compiled program -- and XLA's compile time -- grows with depth (a 32-layer
+Llama compiles 32 copies of the same block). :func:`stack_blocks` returns the tree with those
+subtrees replaced by one, ``blocks``, whose every leaf has a leading layer axis; the model
+functions (``models.model``) then run the blocks as one ``lax.scan`` whose body is traced once.
+
+Only blocks that are the same function of their params can share a scan body: every block must
+have the same tree (same leaves, QArray widths, tiles and layouts) and shapes, and the same kind
+of attention (sliding-window or not). A mixed-precision allocation, a model with some
+sliding-window layers or a half-converted tree are refused by name (:func:`stacking_reason`).
+
+Stacking copies the block weights once (the caller drops the unstacked tree); run-time layouts
+that copy kernels (``decode_layout.for_prefill``) are applied before it. Inside the scan the
+layer index is traced, so the KV cache is indexed dynamically.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from llmeq_jax.core.qarray import QArray
+
+BLOCKS = "blocks"
+
+Params = dict[str, Any]
+
+
+def is_stacked(params) -> bool:
+    """Whether ``params`` holds its decoder blocks stacked (:func:`stack_blocks`)."""
+    return isinstance(params, dict) and BLOCKS in params
+
+
+def block_names(config) -> list[str]:
+    return [f"layers_{i}" for i in range(config.num_layers)]
+
+
+def _signature(tree) -> tuple:
+    """Tree structure (incl. QArray metadata) and each leaf's shape and dtype."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return treedef, tuple((tuple(a.shape), jnp.dtype(a.dtype)) for a in leaves)
+
+
+def _first_difference(first, other) -> str:
+    """What differs between two block subtrees, in words (the first leaf path that does)."""
+    paths_a = dict(jax.tree_util.tree_leaves_with_path(first, is_leaf=lambda a: isinstance(a, QArray)))
+    paths_b = dict(jax.tree_util.tree_leaves_with_path(other, is_leaf=lambda a: isinstance(a, QArray)))
+    name = lambda p: "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in p)  # noqa: E731
+    if set(paths_a) != set(paths_b):
+        extra = sorted(name(p) for p in set(paths_a) ^ set(paths_b))
+        return f"different params ({', '.join(extra[:3])})"
+    for path, a in paths_a.items():
+        b = paths_b[path]
+        if _signature(a) != _signature(b):
+            describe = lambda x: (f"QArray int{x.bits} tile {x.tile}" if isinstance(x, QArray)  # noqa: E731
+                                  else f"{type(x).__name__} {tuple(x.shape)} {x.dtype}")
+            return f"{name(path)} is {describe(a)} in one and {describe(b)} in the other"
+    return "different tree structure"
+
+
+def stacking_reason(config, params) -> str | None:
+    """None when :func:`stack_blocks` can stack ``params``' decoder blocks, else why not."""
+    if is_stacked(params):
+        return "the blocks are stacked already"
+    names = block_names(config)
+    missing = [n for n in names if n not in params]
+    if missing:
+        return f"the tree has no {missing[0]} (expected {names[0]} .. {names[-1]})"
+    kinds = {config.is_sliding(i) for i in range(config.num_layers)}
+    if len(kinds) > 1:
+        return "some layers use sliding-window attention and some do not (one scan body runs one kind)"
+    first = _signature(params[names[0]])
+    for n in names[1:]:
+        if _signature(params[n]) != first:
+            return f"{n} differs from {names[0]}: {_first_difference(params[names[0]], params[n])}"
+    return None
+
+
+def stack_blocks(config, params: Params) -> Params:
+    """``params`` with ``layers_0 .. layers_{L-1}`` replaced by ``blocks`` (each leaf [L, ...]).
+
+    Raises ValueError naming the first block that cannot share the others' scan body."""
+    reason = stacking_reason(config, params)
+    if reason is not None:
+        raise ValueError(f"stack_blocks: cannot stack the decoder blocks: {reason}")
+    names = block_names(config)
+    blocks = jax.tree.map(lambda *xs: jnp.stack(xs), *[params[n] for n in names])
+    rest = {k: v for k, v in params.items() if k not in names}
+    return {**rest, BLOCKS: blocks}
+
+
+def stack_blocks_or_warn(config, params: Params) -> Params:
+    """:func:`stack_blocks` where the blocks can share one scan body; else ``params`` unchanged and one
+    warning saying why (the blocks then run unrolled: same results, a longer compile)."""
+    if is_stacked(params):
+        return params
+    reason = stacking_reason(config, params)
+    if reason is None:
+        return stack_blocks(config, params)
+    warnings.warn(f"scan over layers: running the blocks unrolled instead: {reason}", stacklevel=2)
+    return params
+
+
+def unstack_blocks(config, params: Params) -> Params:
+    """Inverse of :func:`stack_blocks` (e.g. before saving or quantizing block by block)."""
+    if not is_stacked(params):
+        return params
+    blocks = params[BLOCKS]
+    rest = {k: v for k, v in params.items() if k != BLOCKS}
+    for i, n in enumerate(block_names(config)):
+        rest[n] = jax.tree.map(lambda a: a[i], blocks)
+    return rest
+
+
+def scan_blocks(run_block, blocks, carry, num_layers: int):
+    """``carry`` through ``run_block(block_params, layer, carry) -> carry`` for every stacked block,
+    as one ``lax.scan`` (the layer index traced)."""
+
+    def body(c, xs):
+        block_params, layer = xs
+        return run_block(block_params, layer, c), None
+
+    carry, _ = jax.lax.scan(body, carry, (blocks, jnp.arange(num_layers, dtype=jnp.int32)))
+    return carry

@@ -1,0 +1,158 @@
+"""Stacked decoder blocks (models/stacked.py): one lax.scan computes what the unrolled blocks compute,
+compiles one block whatever the depth, and refuses trees whose blocks cannot share a scan body."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from llmeq_jax import decode_layout, pipeline
+from llmeq_jax.generate import generate
+from llmeq_jax.kv import spec as kvspec
+from llmeq_jax.models import ModelConfig, forward, init_params, load_model, stacked
+from tests.shared_data import shared_data_path
+
+LLAMA = ModelConfig("llama", 64, 32, 4, 4, 2, 8, 48, 1e-5, 64, False)
+GPT2 = ModelConfig("gpt2", 64, 32, 3, 4, 4, 8, 64, 1e-5, 64, False)
+TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 16)), jnp.int32)
+
+
+@pytest.fixture(scope="module")
+def stories():
+    return load_model(str(shared_data_path("stories260K.gguf")))
+
+
+@pytest.fixture(scope="module")
+def stories_w4(stories):
+    config, params, tokenizer = stories
+    return pipeline.run_recipe(config, params, tokenizer, pipeline.read_recipe("rtn-w4-g128"), None, 1, False).params
+
+
+def _close(a, b):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * float(jnp.abs(a).max()))
+
+
+@pytest.mark.parametrize("config", [LLAMA, GPT2], ids=["llama", "gpt2"])
+def test_stacked_forward_equals_unrolled(config):
+    params = jax.tree.map(lambda a: a * 5, init_params(config, jax.random.key(0)))
+    packed = stacked.stack_blocks(config, params)
+    assert set(packed) == {k for k in params if not k.startswith("layers_")} | {stacked.BLOCKS}
+    assert all(a.shape[0] == config.num_layers for a in jax.tree.leaves(packed[stacked.BLOCKS]))
+    _close(forward(config, params, TOKENS), jax.jit(lambda p, t: forward(config, p, t))(packed, TOKENS))
+
+
+def test_quantized_model_in_prefill_layout_stacks(stories, stories_w4):
+    config, _, _ = stories
+    tokens = TOKENS % config.vocab_size
+    unrolled = forward(config, decode_layout.for_prefill(stories_w4), tokens)
+    scanned = forward(config, pipeline.run_layout(config, stories_w4, scan_layers=True), tokens)
+    _close(unrolled, scanned)
+    with pytest.raises(ValueError, match="for_prefill: the blocks are stacked already"):
+        decode_layout.for_prefill(stacked.stack_blocks(config, stories_w4))
+
+
+@pytest.mark.parametrize("kv_bits", [None, 4], ids=["float-cache", "int4-cache"])
+def test_generate_with_stacked_blocks_gives_the_same_tokens(stories, stories_w4, kv_bits):
+    """The cache is indexed by the traced layer inside the scan; the decode layout (row-major native
+    kernels) is built for every stacked block."""
+    config, _, _ = stories
+    kv = None if kv_bits is None else kvspec.KVQuantizer(None, kvspec.KVSpec(bits=4, key_granularity="token", window=4))
+    prompt = TOKENS[:, :6] % config.vocab_size
+    want = generate(config, stories_w4, prompt, 12, kv=kv)
+    got = generate(config, stacked.stack_blocks(config, stories_w4), prompt, 12, kv=kv)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def _program_size(config, params) -> int:
+    tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
+    shapes = jax.eval_shape(lambda: params)
+    return len(jax.jit(lambda p, t: forward(config, p, t)).lower(shapes, tokens).as_text())
+
+
+def test_scanned_program_does_not_grow_with_depth():
+    sizes = {}
+    for layers in (2, 8):
+        config = dataclasses.replace(LLAMA, num_layers=layers)
+        params = init_params(config, jax.random.key(0))
+        sizes[layers] = (_program_size(config, params), _program_size(config, stacked.stack_blocks(config, params)))
+    assert sizes[8][0] > 2.5 * sizes[2][0]  # unrolled: one copy of the block per layer
+    assert sizes[8][1] < 1.05 * sizes[2][1]  # scanned: one body
+
+
+def test_blocks_that_differ_are_refused_by_name():
+    params = init_params(LLAMA, jax.random.key(0))
+    odd = {**params, "layers_2": jax.tree.map(lambda a: a, params["layers_2"])}
+    odd["layers_2"]["attn"]["q_proj"]["kernel"] = odd["layers_2"]["attn"]["q_proj"]["kernel"].astype(jnp.bfloat16)
+    reason = stacked.stacking_reason(LLAMA, odd)
+    assert "layers_2" in reason and "attn/q_proj/kernel" in reason and "bfloat16" in reason
+    with pytest.raises(ValueError, match="cannot stack the decoder blocks: layers_2 differs"):
+        stacked.stack_blocks(LLAMA, odd)
+    with pytest.warns(UserWarning, match="running the blocks unrolled instead: layers_2"):
+        assert stacked.stack_blocks_or_warn(LLAMA, odd) is odd
+
+    sliding = dataclasses.replace(LLAMA, sliding_window=4, sliding_layers=(True, False, True, False))
+    assert "sliding-window" in stacked.stacking_reason(sliding, params)
+    assert "no layers_3" in stacked.stacking_reason(LLAMA, {k: v for k, v in params.items() if k != "layers_3"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stacked.stack_blocks_or_warn(LLAMA, params)  # stackable: no warning
+
+
+def test_unstack_inverts_stack(stories_w4, stories):
+    config = stories[0]
+    back = stacked.unstack_blocks(config, stacked.stack_blocks(config, stories_w4))
+    assert jax.tree.structure(back) == jax.tree.structure(stories_w4)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(stories_w4)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_cli_eval_with_scan_layers_matches_unrolled(tmp_path):
+    from tests.test_cli import TEXT, llmeq
+
+    model = str(shared_data_path("stories260K.gguf"))
+    runs = [json.loads(llmeq("eval", model, "--text", TEXT, "--seq-len", "64", "--windows", "2", "--json", *flag).stdout)
+            for flag in ([], ["--scan-layers"])]
+    np.testing.assert_allclose(runs[1]["rows"][0]["ppl"], runs[0]["rows"][0]["ppl"], rtol=1e-5)
+
+
+def test_stacked_blocks_run_the_pallas_kernels(stories, stories_w4):
+    """Inside the scan the kernels get each layer's slice: interpret mode gives the unrolled logits, and the
+    traced program holds the kernels once (in the scan body) instead of once per layer."""
+    from pallas_kernels import config as kernel_config
+
+    config = stories[0]
+    tokens = TOKENS[:1, :4] % config.vocab_size
+    packed = stacked.stack_blocks(config, stories_w4)
+    with kernel_config.interpret(True):
+        _close(forward(config, stories_w4, tokens), jax.jit(lambda p, t: forward(config, p, t))(packed, tokens))
+        calls = {name: str(jax.make_jaxpr(lambda p, t: forward(config, p, t))(p, tokens)).count("pallas_call")
+                 for name, p in (("unrolled", stories_w4), ("stacked", packed))}
+    assert calls["stacked"] > 0 and calls["unrolled"] == config.num_layers * calls["stacked"]
+
+
+def test_bf16_model_generates_with_a_bf16_cache_stacked_or_not():
+    """The cache follows the model's dtype by default and attention returns the queries' dtype, so a bf16
+    residual stream stays bf16 (a scan's carry must keep one type)."""
+    params = jax.tree.map(lambda a: (a * 5).astype(jnp.bfloat16), init_params(LLAMA, jax.random.key(2)))
+    prompt = TOKENS[:, :5]
+    want, cache = generate(LLAMA, params, prompt, 6, return_cache=True)
+    assert cache.k.dtype == jnp.bfloat16
+    got = generate(LLAMA, stacked.stack_blocks(LLAMA, params), prompt, 6)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    _, f32_cache = generate(LLAMA, params, prompt, 2, cache_dtype=jnp.float32, return_cache=True)
+    assert f32_cache.k.dtype == jnp.float32
+
+
+def test_published_shapes():
+    from llmeq_jax.models import shapes
+
+    config = shapes.shape_config("llama-3-8b", num_layers=2)
+    assert (config.hidden_size, config.num_kv_heads, config.num_layers, config.vocab_size) == (4096, 8, 2, 128256)
+    with pytest.raises(ValueError, match="unknown model shapes 'llama-9b'; known: llama-2-7b"):
+        shapes.shape_config("llama-9b")
