@@ -50,6 +50,12 @@ def sample_logits(
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
+def activation_dtype(params):
+    """The float dtype the model computes in: its final norm's (float32, or bfloat16 for a bf16 model;
+    quantized kernels keep the activations in this dtype)."""
+    return params["norm"]["scale"].dtype
+
+
 def kernel_state() -> tuple[bool, bool, bool]:
     """The kernel switches a trace depends on (Pallas interpret mode, Pallas kernels disabled,
     native CPU kernels enabled).
@@ -123,13 +129,14 @@ def generate(
     top_k: int = 0,
     top_p: float = 1.0,
     seed: int = 0,
-    cache_dtype=jnp.float32,
+    cache_dtype=None,
     kv=None,
     return_cache: bool = False,
 ):
     """New tokens [B, max_new_tokens] after left-padded ``prompt_tokens`` [B, T] (mask: 1 = real token).
 
     ``kv``: a :class:`llmeq_jax.kv.spec.KVQuantizer` for a quantized KV cache (None: float cache).
+    ``cache_dtype``: the float cache's dtype (default :func:`activation_dtype`: bf16 for a bf16 model).
     ``return_cache``: return ``(tokens, cache)``, e.g. to carry online key ranges to the
     next request with :func:`llmeq_jax.kv.cache.track_key_ranges`.
 
@@ -146,7 +153,7 @@ def generate(
     mask = jnp.ones((b, t), jnp.int32) if attention_mask is None else jnp.asarray(attention_mask, jnp.int32)
     if mask.shape != prompt_tokens.shape:
         raise ValueError(f"attention_mask shape {mask.shape} differs from prompt_tokens shape {prompt_tokens.shape}")
-    cache = init_cache(config, b, t + max_new_tokens, cache_dtype, kv=kv)
+    cache = init_cache(config, b, t + max_new_tokens, cache_dtype or activation_dtype(params), kv=kv)
     kernels = kernel_state()
     first_logits, cache = prefill(config, params, prompt_tokens, mask, cache, kernels=kernels)
     out, cache = _decode_loop(

@@ -126,10 +126,14 @@ def attend(cache, layer: int, q: jax.Array, k: jax.Array, v: jax.Array, mask: ja
     q [B, T, H, D]; mask [B, T, max_len] (causal, valid, sliding window).
     """
     if isinstance(cache, QuantKVCache):
-        return _q_attend(cache, layer, q, k, v, mask, k_raw)
-    cache = update(cache, layer, k, v)
-    keys, values = read(cache, layer)
-    return dot_product_attention(q, keys, values, mask), cache
+        out, cache = _q_attend(cache, layer, q, k, v, mask, k_raw)
+    else:
+        cache = update(cache, layer, k, v)
+        keys, values = read(cache, layer)
+        out = dot_product_attention(q, keys, values, mask)
+    # In the queries' dtype whatever the cache holds: a bf16 model's residual stream stays bf16 (and a
+    # scanned stack of blocks keeps one carry type) under a float32 cache too.
+    return out.astype(q.dtype), cache
 
 
 def advance(cache: KVCache, attention_mask: jax.Array) -> KVCache:
