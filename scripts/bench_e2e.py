@@ -1,21 +1,37 @@
 """End-to-end speed of quantized models, side by side in one run (the README's speed table).
 
-For each variant — our model under each recipe, and (when torch is installed)
-transformers fp32 and torch ``quantize_dynamic`` int8 holding the same weights —
-in a subprocess of its own (so its peak RSS is its own), this measures:
+For each variant — our model under each recipe, and (when torch is installed) transformers
+holding the same weights — in a subprocess of its own (so its peak memory is its own), this
+measures:
 
-* decode tokens/s at batch 1 and 8: greedy, ``--new-tokens`` after a ``--prompt-len``
-  prompt; the decode part only: time(generate N) - time(generate 1), warm, median;
+* decode tokens/s at each ``--batches`` size: greedy, ``--new-tokens`` after a
+  ``--prompt-len`` prompt; the decode part only: time(generate N) - time(generate 1), warm,
+  median;
 * prefill tokens/s: one ``--prefill-len`` sequence through a full forward, warm, median;
 * perplexity-run wall seconds: ``--windows`` windows of 512 tokens of the test text,
   tokenizing, compiling and evaluating (what a user waits for), and the perplexity;
 * compile seconds: the first decode and prefill calls minus warm ones;
-* peak RSS (MiB) of the variant's process (load + quantize + all of the above).
+* peak RSS (MiB) of the variant's process, and on a GPU its peak device memory.
 
-Ratios are against our fp32 row of the same run. Prints a Markdown table and writes JSON.
+Two modes:
+
+* a real model (``--model``, default smollm2-135m) on this machine: variants ``fp32``, each
+  recipe, transformers fp32 and torch ``quantize_dynamic`` int8;
+* random weights of published shapes (``--shapes llama-2-7b``, ``models.shapes``; nothing
+  to download), e.g. on a GPU: ``--dtype bfloat16`` makes ``bf16`` the baseline, recipes
+  quantize the bf16 weights (round-to-nearest recipes only: there is no text to calibrate
+  on), no perplexity; with torch on CUDA, transformers bf16 with a static KV cache
+  (random weights of the same shapes) runs beside.
+
+``--scan-layers`` adds each of our variants with its blocks stacked under one ``lax.scan``
+(``models.stacked``; rows ``<variant>+scan``). Ratios are against the baseline row (``fp32``
+or ``bf16``) of the same run. Prints a Markdown table and writes JSON.
 
     PYTHONPATH=. python scripts/bench_e2e.py                       # smollm2-135m, default recipes
     PYTHONPATH=. python scripts/bench_e2e.py --recipes fp32 rtn-w8 --windows 4 --no-torch
+    PYTHONPATH=. python scripts/bench_e2e.py --recipes rtn-w8 --scan-layers --no-torch   # + stacked blocks
+    PYTHONPATH=. python scripts/bench_e2e.py --shapes llama-2-7b --dtype bfloat16 --recipes rtn-w8 rtn-w4-g128 \\
+        --batches 1 16 --prefill-len 2048 --scan-layers                                # a GPU
 """
 
 from __future__ import annotations
@@ -33,8 +49,11 @@ import time
 from pathlib import Path
 
 DEFAULT_RECIPES = ("fp32", "rtn-w8", "rtn-w4-g128", "rtn-w8a8")
-TORCH_VARIANTS = ("transformers-fp32", "torch-dynamic-int8")
-COLUMNS = ("decode_b1", "decode_b8", "prefill")
+FLOAT_VARIANTS = {"fp32": "float32", "bf16": "bfloat16"}
+TORCH_CPU_VARIANTS = ("transformers-fp32", "torch-dynamic-int8")
+TORCH_GPU_VARIANTS = ("transformers-bf16-static",)
+TORCH_VARIANTS = TORCH_CPU_VARIANTS + TORCH_GPU_VARIANTS
+SCAN_SUFFIX = "+scan"  # a variant name ending in it: the blocks stacked under one lax.scan (models/stacked.py)
 
 
 def median_seconds(fn, repeats: int) -> tuple[float, float]:
@@ -54,26 +73,62 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def baseline(args) -> str:
+    """The float variant the ratios divide by: ``fp32`` or ``bf16`` (``--dtype``)."""
+    return "bf16" if args.dtype == "bfloat16" else "fp32"
+
+
 # --------------------------------------------------------------------------- one variant, in its own process
 
 
-def measure_ours(args, recipe_name: str) -> dict:
+def our_model(args, recipe_name: str):
+    """(config, params, tokenizer or None, quantize seconds) of our model under ``recipe_name``."""
+    import jax
+    import jax.numpy as jnp
+
+    from llmeq_jax import methods, pipeline
+    from llmeq_jax.models import load_model, shapes
+
+    dtype = jnp.dtype(FLOAT_VARIANTS.get(recipe_name, args.dtype))
+    if args.shapes:
+        config = shapes.shape_config(args.shapes, args.layers)
+        params, tokenizer = shapes.random_params(config, dtype), None
+    else:
+        config, params, tokenizer = load_model(args.model, dtype)
+    if recipe_name in FLOAT_VARIANTS:
+        return config, params, tokenizer, 0.0
+    recipe = pipeline.read_recipe(recipe_name)
+    if tokenizer is None and methods.needs_calibration(recipe):
+        raise SystemExit(f"{recipe_name}: needs calibration text, which random-weight shapes have none of; "
+                         "use round-to-nearest recipes with --shapes")
+    t0 = time.perf_counter()
+    params = pipeline.run_recipe(config, params, tokenizer, recipe, args.calib, 16, progress=False).params
+    jax.block_until_ready(params)
+    return config, params, tokenizer, time.perf_counter() - t0
+
+
+def device_peak_mib() -> float | None:
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats["peak_bytes_in_use"] / 2**20 if "peak_bytes_in_use" in stats else None
+
+
+def measure_ours(args, variant: str) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from llmeq_jax import decode_layout, evaluate, pipeline
+    from llmeq_jax import evaluate, pipeline
     from llmeq_jax.generate import generate
-    from llmeq_jax.models import forward, load_model
+    from llmeq_jax.models import forward, stacked
 
-    config, params, tokenizer = load_model(args.model)
-    t0 = time.perf_counter()
-    quantize_s = 0.0
-    if recipe_name != "fp32":
-        params, quantize_s, _, _ = pipeline.run_recipe(config, params, tokenizer, pipeline.read_recipe(recipe_name),
-                                                    args.calib, 16, progress=False)
-    jax.block_until_ready(params)
+    recipe_name, scan = variant.removesuffix(SCAN_SUFFIX), variant.endswith(SCAN_SUFFIX)
+    config, params, tokenizer, quantize_s = our_model(args, recipe_name)
     out = {"quantize_s": quantize_s, "param_mb": pipeline.param_bytes(params) / 1e6}
+    prefill_params = pipeline.run_layout(config, params, scan)  # what llmeq eval / compare run
+    if scan:
+        params = stacked.stack_blocks(config, params)
     rng = np.random.default_rng(0)
 
     def decode(batch: int) -> tuple[float, float]:
@@ -83,23 +138,48 @@ def measure_ours(args, recipe_name: str) -> dict:
             lambda: jax.block_until_ready(generate(config, params, prompt, args.new_tokens)), args.repeats)
         return batch * (args.new_tokens - 1) / max(full - one, 1e-9), first_one + first_all - one - full
 
-    out["decode_b1"], compile_b1 = decode(1)
-    out["decode_b8"], _ = decode(8)
+    compile_s = 0.0
+    for i, batch in enumerate(args.batches):
+        out[f"decode_b{batch}"], compiled = decode(batch)
+        compile_s += compiled if i == 0 else 0.0
     fwd = jax.jit(lambda p, t: forward(config, p, t))
     long = jnp.asarray(rng.integers(0, config.vocab_size, (1, args.prefill_len)), jnp.int32)
-    prefill_params = decode_layout.for_prefill(params)  # what llmeq eval / compare run
     first, warm = median_seconds(lambda: jax.block_until_ready(fwd(prefill_params, long)), args.repeats)
     out["prefill"] = args.prefill_len / warm
-    out["compile_s"] = compile_b1 + first - warm
+    out["compile_s"] = compile_s + first - warm
 
-    t0 = time.perf_counter()
-    ids = evaluate.tokenize_text(tokenizer, Path(args.text).read_text())
-    windows = evaluate.make_windows(ids, 512, args.windows)
-    res = evaluate.perplexity(None, windows, batch_size=args.batch_size, params=prefill_params,
-                              nll_fn=pipeline.sequence_nll(config))
-    out["ppl_run_s"] = time.perf_counter() - t0
-    out["ppl"] = res["ppl"]
+    if args.windows and tokenizer is not None:
+        t0 = time.perf_counter()
+        ids = evaluate.tokenize_text(tokenizer, Path(args.text).read_text())
+        windows = evaluate.make_windows(ids, 512, args.windows)
+        res = evaluate.perplexity(None, windows, batch_size=args.batch_size, params=prefill_params,
+                                  nll_fn=pipeline.sequence_nll(config))
+        out["ppl_run_s"] = time.perf_counter() - t0
+        out["ppl"] = res["ppl"]
+    out["device_peak_mib"] = device_peak_mib()
     return out
+
+
+def torch_model(args, variant: str):
+    """(config, transformers model, tokenizer or None) for a torch variant."""
+    import torch
+    import transformers
+
+    from llmeq_jax.models import load_model, shapes
+    from llmeq_jax.models.to_transformers import hf_llama_config, transformers_llama
+
+    if variant == "transformers-bf16-static":  # random weights of the shapes, built on the GPU in bf16
+        config = shapes.shape_config(args.shapes, args.layers) if args.shapes else load_model(args.model)[0]
+        with torch.device("cuda"):
+            model = transformers.LlamaForCausalLM(hf_llama_config(config)).to(torch.bfloat16).eval()
+        model.generation_config.cache_implementation = "static"
+        return config, model, None
+    torch.set_num_threads(os.cpu_count() or 1)
+    config, params, tokenizer = load_model(args.model)
+    model = transformers_llama(config, params)
+    if variant == "torch-dynamic-int8":
+        model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+    return config, model, tokenizer
 
 
 def measure_torch(args, variant: str) -> dict:
@@ -107,47 +187,53 @@ def measure_torch(args, variant: str) -> dict:
     import torch
 
     from llmeq_jax import evaluate
-    from llmeq_jax.models import load_model
-    from llmeq_jax.models.to_transformers import transformers_llama
 
-    torch.set_num_threads(os.cpu_count() or 1)
-    config, params, tokenizer = load_model(args.model)
-    model = transformers_llama(config, params)
-    del params
     t0 = time.perf_counter()
-    if variant == "torch-dynamic-int8":
-        model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
-    out = {"quantize_s": time.perf_counter() - t0, "param_mb": None}
+    config, model, tokenizer = torch_model(args, variant)
+    out = {"quantize_s": time.perf_counter() - t0 if variant == "torch-dynamic-int8" else 0.0, "param_mb": None}
+    device = next(model.parameters()).device
     rng = np.random.default_rng(0)
 
-    def gen(prompt, n):
-        return model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    def sync(x):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return x
 
-    def decode(batch: int) -> float:
-        prompt = torch.from_numpy(rng.integers(0, config.vocab_size, (batch, args.prompt_len)))
-        _, one = median_seconds(lambda: gen(prompt, 1), args.repeats)
-        _, full = median_seconds(lambda: gen(prompt, args.new_tokens), args.repeats)
-        return batch * (args.new_tokens - 1) / max(full - one, 1e-9)
+    def gen(prompt, n):
+        return sync(model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0))
+
+    def tokens(shape):
+        return torch.from_numpy(rng.integers(0, config.vocab_size, shape)).to(device)
+
+    def decode(batch: int) -> tuple[float, float]:
+        prompt = tokens((batch, args.prompt_len))
+        first_one, one = median_seconds(lambda: gen(prompt, 1), args.repeats)
+        first_all, full = median_seconds(lambda: gen(prompt, args.new_tokens), args.repeats)
+        return batch * (args.new_tokens - 1) / max(full - one, 1e-9), first_one + first_all - one - full
 
     with torch.inference_mode():
-        out["decode_b1"] = decode(1)
-        out["decode_b8"] = decode(8)
-        long = torch.from_numpy(rng.integers(0, config.vocab_size, (1, args.prefill_len)))
-        _, warm = median_seconds(lambda: model(long).logits, args.repeats)
+        compile_s = 0.0
+        for i, batch in enumerate(args.batches):
+            out[f"decode_b{batch}"], compiled = decode(batch)
+            compile_s += compiled if i == 0 else 0.0
+        long = tokens((1, args.prefill_len))
+        first, warm = median_seconds(lambda: sync(model(long).logits), args.repeats)
         out["prefill"] = args.prefill_len / warm
-        out["compile_s"] = 0.0
-        t0 = time.perf_counter()
-        ids = evaluate.tokenize_text(tokenizer, Path(args.text).read_text())
-        windows = evaluate.make_windows(ids, 512, args.windows)
-        total = 0.0
-        for start in range(0, len(windows), args.batch_size):
-            batch = torch.from_numpy(windows[start : start + args.batch_size].astype(np.int64))
-            logits = model(batch).logits[:, :-1].float()
-            nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1),
-                                                    reduction="sum")
-            total += float(nll)
-        out["ppl_run_s"] = time.perf_counter() - t0
-        out["ppl"] = float(np.exp(total / (len(windows) * (windows.shape[1] - 1))))
+        out["compile_s"] = compile_s + first - warm  # the static cache's warm-up (no torch.compile here)
+        if args.windows and tokenizer is not None:
+            t0 = time.perf_counter()
+            ids = evaluate.tokenize_text(tokenizer, Path(args.text).read_text())
+            windows = evaluate.make_windows(ids, 512, args.windows)
+            total = 0.0
+            for start in range(0, len(windows), args.batch_size):
+                batch = torch.from_numpy(windows[start : start + args.batch_size].astype(np.int64)).to(device)
+                logits = model(batch).logits[:, :-1].float()
+                nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                        batch[:, 1:].reshape(-1), reduction="sum")
+                total += float(nll)
+            out["ppl_run_s"] = time.perf_counter() - t0
+            out["ppl"] = float(np.exp(total / (len(windows) * (windows.shape[1] - 1))))
+    out["device_peak_mib"] = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None
     return out
 
 
@@ -162,54 +248,67 @@ def run_one(args) -> None:
 
 
 def child_command(args, variant: str, result: Path) -> list[str]:
-    cmd = [sys.executable, __file__, "--one", variant, "--result", str(result), "--model", args.model,
-           "--text", args.text, "--windows", str(args.windows), "--batch-size", str(args.batch_size),
-           "--repeats", str(args.repeats), "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
-           "--prefill-len", str(args.prefill_len)]
-    return cmd + (["--calib", args.calib] if args.calib else [])
+    return [sys.executable, __file__, *args.argv, "--one", variant, "--result", str(result)]
 
 
-def torch_available() -> bool:
+def torch_variants(args) -> list[str]:
+    """The torch rows this machine can run: transformers bf16 with a static cache on CUDA (needs
+    Llama shapes), else transformers fp32 and quantize_dynamic int8 of the real model on the CPU."""
     import importlib.util
 
-    return importlib.util.find_spec("torch") is not None
+    if not args.torch or importlib.util.find_spec("torch") is None:
+        return []
+    import torch
+
+    if torch.cuda.is_available():
+        return list(TORCH_GPU_VARIANTS)
+    return [] if args.shapes else list(TORCH_CPU_VARIANTS)
 
 
 def machine_line() -> str:
     import jax
 
+    device = jax.devices()[0]
     return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}; "
-            f"jax {jax.__version__} ({jax.default_backend()})")
+            f"jax {jax.__version__} ({jax.default_backend()}: {device.device_kind})")
 
 
-def table(rows: dict[str, dict]) -> str:
-    base = rows.get("fp32", {})
+def table(rows: dict[str, dict], base_name: str, batches: list[int]) -> str:
+    base = rows.get(base_name, {})
 
     def ratio(row, key):
         return f"{row[key] / base[key]:.2f}x" if base.get(key) and row.get(key) else "–"
 
-    lines = ["| variant | decode b1 tok/s | vs fp32 | decode b8 tok/s | vs fp32 | prefill tok/s | vs fp32 | ppl | "
-             "ppl run s | compile s | peak RSS MiB |", "|" + "---|" * 11]
+    def num(value, fmt):
+        return "–" if value is None else format(value, fmt)
+
+    keys = [f"decode_b{b}" for b in batches] + ["prefill"]
+    head = [h for b in batches for h in (f"decode b{b} tok/s", f"vs {base_name}")]
+    head += ["prefill tok/s", f"vs {base_name}", "ppl", "ppl run s", "compile s", "peak RSS MiB", "device peak MiB"]
+    lines = ["| variant | " + " | ".join(head) + " |", "|" + "---|" * (len(head) + 1)]
     for name, r in rows.items():
         if "error" in r:
-            lines.append(f"| {name} | failed: {r['error']} |" + " |" * 10)
+            lines.append(f"| {name} | failed: {r['error']} |" + " |" * (len(head) - 1))
             continue
-        lines.append(
-            f"| {name} | {r['decode_b1']:.1f} | {ratio(r, 'decode_b1')} | {r['decode_b8']:.1f} | "
-            f"{ratio(r, 'decode_b8')} | {r['prefill']:.0f} | {ratio(r, 'prefill')} | {r['ppl']:.3f} | "
-            f"{r['ppl_run_s']:.1f} | {r['compile_s']:.1f} | {r['peak_rss_mib']:.0f} |")
+        cells = [c for k in keys for c in (f"{r[k]:.1f}" if k != "prefill" else f"{r[k]:.0f}", ratio(r, k))]
+        cells += [num(r.get("ppl"), ".3f"), num(r.get("ppl_run_s"), ".1f"), f"{r['compile_s']:.1f}",
+                  f"{r['peak_rss_mib']:.0f}", num(r.get("device_peak_mib"), ".0f")]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
+def variants_of(args) -> list[str]:
+    base = baseline(args)
+    ours = [base] + [r for r in args.recipes if r != base]
+    if args.scan_layers:  # each of ours, then the same with stacked blocks
+        ours = [name for v in ours for name in (v, v + SCAN_SUFFIX)]
+    return ours + torch_variants(args)
+
+
 def run_all(args) -> None:
-    variants = list(args.recipes)
-    if "fp32" not in variants:
-        variants.insert(0, "fp32")
-    if args.torch and torch_available():
-        variants += list(TORCH_VARIANTS)
     rows: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for v in variants:
+        for v in variants_of(args):
             result = Path(tmp) / f"{v}.json"
             print(f"[bench_e2e] {v} ...", file=sys.stderr, flush=True)
             proc = subprocess.run(child_command(args, v, result), capture_output=True, text=True)
@@ -219,38 +318,59 @@ def run_all(args) -> None:
                 print(f"[bench_e2e] {v} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
                 continue
             rows[v] = json.loads(result.read_text())
-    report = {"model": args.model, "machine": machine_line(), "text": args.text, "windows": args.windows,
+    model = f"random weights of {args.shapes} shapes" + (f" ({args.layers} layers)" if args.layers else "") \
+        if args.shapes else args.model
+    ppl = (f"; ppl run: {args.windows} windows of 512, batch {args.batch_size}, wall incl. tokenize + compile"
+           if args.windows and not args.shapes else "")
+    report = {"model": model, "machine": machine_line(), "text": args.text, "windows": args.windows,
+              "dtype": args.dtype,
               "protocol": (f"decode: greedy, {args.new_tokens} new tokens after a {args.prompt_len}-token prompt, "
-                           f"time(N) - time(1), median of {args.repeats} warm runs; prefill: {args.prefill_len} tokens, "
-                           f"batch 1; ppl run: {args.windows} windows of 512, batch {args.batch_size}, wall incl. "
-                           "tokenize + compile"),
+                           f"time(N) - time(1), median of {args.repeats} warm runs, batches {args.batches}; prefill: "
+                           f"{args.prefill_len} tokens, batch 1{ppl}"),
               "rows": rows}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
-    print(f"Model {args.model}; {report['machine']}.\n{report['protocol']}.\n")
-    print(table(rows))
+    print(f"Model {model} ({args.dtype}); {report['machine']}.\n{report['protocol']}.\n")
+    print(table(rows, baseline(args), args.batches))
     print(f"\nJSON: {out}")
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--shapes", help="random weights of these published shapes instead of --model "
+                                     "(llmeq_jax.models.shapes: llama-2-7b, llama-3-8b, smollm2-135m)")
+    ap.add_argument("--layers", type=int, help="with --shapes: this many layers instead of the model's own")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="the float weights' dtype (and the baseline row: fp32 or bf16)")
     ap.add_argument("--recipes", nargs="+", default=list(DEFAULT_RECIPES))
     ap.add_argument("--text", default=str(Path(__file__).resolve().parents[2] / "shared/data/wikitext2_test.txt"))
     ap.add_argument("--calib", default=None, help="calibration text for recipes that need one")
-    ap.add_argument("--windows", type=int, default=16, help="perplexity windows of 512 tokens")
+    ap.add_argument("--windows", type=int, default=16, help="perplexity windows of 512 tokens (0: none)")
     ap.add_argument("--batch-size", type=int, default=4, help="perplexity batch")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="decode batch sizes")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prefill-len", type=int, default=512)
     ap.add_argument("--torch", action=argparse.BooleanOptionalAction, default=True,
-                    help="also measure transformers fp32 and torch quantize_dynamic int8 (needs torch)")
+                    help="also measure transformers (and torch quantize_dynamic int8 on a CPU); needs torch")
+    ap.add_argument("--scan-layers", action="store_true",
+                    help=f"also each of our variants with its blocks stacked under one scan (rows '<variant>{SCAN_SUFFIX}')")
     ap.add_argument("--out", default="runs/bench_e2e.json")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    if args.shapes:
+        from llmeq_jax.models import shapes
+
+        if args.shapes not in shapes.PUBLISHED:
+            ap.error(f"--shapes: unknown {args.shapes!r}; known: {', '.join(shapes.PUBLISHED)}")
+    elif args.layers:
+        ap.error("--layers goes with --shapes (a real model keeps its own depth)")
+    return args
 
 
 def main(argv=None) -> None:

@@ -12,7 +12,8 @@ import numpy as np
 from llmeq_jax.models.config import ModelConfig
 
 
-def _hf_config(config: ModelConfig):
+def hf_llama_config(config: ModelConfig):
+    """``transformers.LlamaConfig`` of our config (plain Llama models only)."""
     import transformers
 
     if config.family != "llama" or config.qkv_bias or config.o_bias or config.qk_norm:
@@ -42,7 +43,7 @@ def transformers_llama(config: ModelConfig, params):
 
     from llmeq_jax.ops import dequantize_tree_leaf
 
-    model = transformers.LlamaForCausalLM(_hf_config(config)).float().eval()
+    model = transformers.LlamaForCausalLM(hf_llama_config(config)).float().eval()
 
     def t(a, transpose=False):
         a = np.asarray(dequantize_tree_leaf(a), np.float32)
@@ -68,4 +69,4 @@ def transformers_llama(config: ModelConfig, params):
     return model
 
 
-__all__ = ["transformers_llama"]
+__all__ = ["hf_llama_config", "transformers_llama"]
