@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from llmeq_jax import decode_layout, generate, methods, pipeline
-from llmeq_jax.models import forward, init_cache, init_params, shapes, stacked
+from llmeq_jax.models import forward, init_cache, shapes, stacked
 
 
 def model_config(name: str):
@@ -40,18 +40,17 @@ def model_config(name: str):
         raise SystemExit(f"--shapes: {e}") from None
 
 
-def abstract_params(config, recipe: str, layers: int):
-    """ShapeDtypeStructs of the model's params under ``recipe`` ('fp32', 'bf16' or a recipe name),
-    with ``layers`` blocks: one real block quantized, its shapes repeated."""
+def abstract_params(config, recipe: str, layers: int, dtype=jnp.float32):
+    """ShapeDtypeStructs of the model's params under ``recipe`` ('fp32', 'bf16' or a recipe name
+    quantizing ``dtype`` weights), with ``layers`` blocks: one real block quantized, its shapes repeated."""
     one = dataclasses.replace(config, num_layers=1)
-    params = init_params(one, jax.random.key(0))
-    if recipe == "bf16":
-        params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
-    elif recipe != "fp32":
+    float_dtype = {"fp32": jnp.float32, "bf16": jnp.bfloat16}.get(recipe, dtype)
+    params = shapes.random_params(one, float_dtype)
+    if recipe not in ("fp32", "bf16"):
         params, _ = methods.quantize_model(one, params, pipeline.read_recipe(recipe), None)
-    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
-    block = shapes.pop("layers_0")
-    return {**shapes, **{f"layers_{i}": block for i in range(layers)}}
+    specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
+    block = specs.pop("layers_0")
+    return {**specs, **{f"layers_{i}": block for i in range(layers)}}
 
 
 def compile_seconds(fn, *args, **static) -> float:
@@ -90,6 +89,8 @@ def main(argv=None) -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="the weights' dtype before a recipe quantizes them (activations follow it)")
     ap.add_argument("--out", default="runs/bench_compile.json")
     args = ap.parse_args(argv)
 
@@ -99,7 +100,7 @@ def main(argv=None) -> None:
         for recipe in args.recipes:
             for layers in args.layers or [config.num_layers]:
                 cfg = dataclasses.replace(config, num_layers=layers)
-                params = abstract_params(cfg, recipe, layers)
+                params = abstract_params(cfg, recipe, layers, jnp.dtype(args.dtype))
                 for layout in ("unrolled", "scan"):
                     r = {"shape": shape, "recipe": recipe, "layers": layers, "layout": layout,
                          **measure(cfg, params, layout, args)}

@@ -305,8 +305,23 @@ def variants_of(args) -> list[str]:
     return ours + torch_variants(args)
 
 
+def report_of(args, rows: dict[str, dict]) -> dict:
+    model = f"random weights of {args.shapes} shapes" + (f" ({args.layers} layers)" if args.layers else "") \
+        if args.shapes else args.model
+    ppl = (f"; ppl run: {args.windows} windows of 512, batch {args.batch_size}, wall incl. tokenize + compile"
+           if args.windows and not args.shapes else "")
+    return {"model": model, "machine": machine_line(), "text": args.text, "windows": args.windows,
+            "dtype": args.dtype,
+            "protocol": (f"decode: greedy, {args.new_tokens} new tokens after a {args.prompt_len}-token prompt, "
+                         f"time(N) - time(1), median of {args.repeats} warm runs, batches {args.batches}; prefill: "
+                         f"{args.prefill_len} tokens, batch 1{ppl}"),
+            "rows": rows}
+
+
 def run_all(args) -> None:
     rows: dict[str, dict] = {}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         for v in variants_of(args):
             result = Path(tmp) / f"{v}.json"
@@ -316,22 +331,12 @@ def run_all(args) -> None:
                 last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
                 rows[v] = {"error": last}
                 print(f"[bench_e2e] {v} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
-                continue
-            rows[v] = json.loads(result.read_text())
-    model = f"random weights of {args.shapes} shapes" + (f" ({args.layers} layers)" if args.layers else "") \
-        if args.shapes else args.model
-    ppl = (f"; ppl run: {args.windows} windows of 512, batch {args.batch_size}, wall incl. tokenize + compile"
-           if args.windows and not args.shapes else "")
-    report = {"model": model, "machine": machine_line(), "text": args.text, "windows": args.windows,
-              "dtype": args.dtype,
-              "protocol": (f"decode: greedy, {args.new_tokens} new tokens after a {args.prompt_len}-token prompt, "
-                           f"time(N) - time(1), median of {args.repeats} warm runs, batches {args.batches}; prefill: "
-                           f"{args.prefill_len} tokens, batch 1{ppl}"),
-              "rows": rows}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
-    print(f"Model {model} ({args.dtype}); {report['machine']}.\n{report['protocol']}.\n")
+            else:
+                rows[v] = json.loads(result.read_text())
+            # After every variant: a run stopped by a time limit keeps the rows it finished.
+            out.write_text(json.dumps(report_of(args, rows), indent=1))
+    report = report_of(args, rows)
+    print(f"Model {report['model']} ({args.dtype}); {report['machine']}.\n{report['protocol']}.\n")
     print(table(rows, baseline(args), args.batches))
     print(f"\nJSON: {out}")
 

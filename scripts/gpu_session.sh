@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One prepared run for a lent GPU machine (issue #15), sized to fit one device call of 10 minutes:
+# kernel correctness, compile seconds unrolled vs scanned, end-to-end decode/prefill on Llama-2-7B
+# shapes (random weights, bf16 baseline, transformers bf16 static cache beside), kernel speed.
+# Each step has its own time limit and writes under $OUT (default runs/gpu), so a slow step
+# cannot eat the others' time. The machine reaches no registry: carry `git archive HEAD` of this
+# project and run from its root, e.g. through the device tool:
+#     bash scripts/gpu_session.sh
+# Not run on a GPU yet: written on a CPU-only machine.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-runs/gpu}"
+py="${PYTHON:-python}"                   # the interpreter with jax (CUDA), torch and transformers
+shapes="${SHAPES:-llama-2-7b}"            # SHAPES / LAYERS: other published shapes or fewer layers (a quick check)
+layers=(${LAYERS:+--layers "$LAYERS"})
+mkdir -p "$out"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+start=$SECONDS
+step() {  # step NAME SECONDS CMD...: run CMD with a time limit, its output in $out/NAME.log
+  local name=$1 limit=$2
+  shift 2
+  echo "== [$(( SECONDS - start ))s] $name (limit ${limit}s)"
+  timeout "$limit" "$@" > "$out/$name.log" 2>&1
+  echo "   exit $? ; tail:"
+  tail -n 25 "$out/$name.log"
+}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/device.txt" 2>&1
+"$py" -c "import jax; print(jax.__version__, jax.devices())" >> "$out/device.txt" 2>&1
+cat "$out/device.txt"
+step gpu_tests 120 "$py" -m pytest -q -m gpu tests/pallas_kernels/test_gpu_kernels.py
+step compile 90 "$py" scripts/bench_compile.py --shapes "$shapes" "${layers[@]}" --recipes bf16 rtn-w4-g128 \
+    --dtype bfloat16 --prefill-len 2048 --out "$out/compile.json"
+step e2e 300 "$py" scripts/bench_e2e.py --shapes "$shapes" "${layers[@]}" --dtype bfloat16 --recipes rtn-w8 rtn-w4-g128 \
+    --batches 1 16 --prefill-len 2048 --new-tokens 64 --repeats 2 --scan-layers --out "$out/e2e.json"
+step kernels 60 "$py" scripts/bench_kernels.py --reps 20
+echo "== [$(( SECONDS - start ))s] done; results in $out"
