@@ -244,28 +244,19 @@ def fuse_linears(params):
     return _fuse_siblings({k: fuse_linears(v) for k, v in params.items()})
 
 
-_BLOCKS = "blocks"  # models.stacked.BLOCKS (not imported: models imports this module)
-
-
-def _stacked(params) -> bool:
-    return isinstance(params, dict) and _BLOCKS in params
-
-
-def _without_blocks(params):
-    return {k: v for k, v in params.items() if k != _BLOCKS}
-
-
 def for_decode(params, rows: int):
     """``params`` with every quantized kernel a row-major native kernel takes wrapped as a
     :class:`RowMajorKernel` (siblings fused, :func:`fuse_linears`); unchanged where native kernels are off or ``rows`` (activation
     rows per step) is beyond ``ops.NATIVE_MAX_ROWS["row_major"]``. Call inside the jit."""
     from llmeq_jax import native, ops
+    from llmeq_jax.models import stacked  # not at import time: the models import this module
 
     if not 0 < rows <= ops.NATIVE_MAX_ROWS["row_major"] or not native.enabled():
         return params
-    if _stacked(params):  # the same conversion for every stacked block (vmapped over the layer axis)
-        blocks = jax.vmap(lambda block: for_decode(block, rows))(params[_BLOCKS])
-        return {**for_decode(_without_blocks(params), rows), _BLOCKS: blocks}
+    if stacked.is_stacked(params):  # the same conversion for every stacked block (vmapped over the layer axis)
+        blocks = jax.vmap(lambda block: for_decode(block, rows))(params[stacked.BLOCKS])
+        rest = {k: v for k, v in params.items() if k != stacked.BLOCKS}
+        return {**for_decode(rest, rows), stacked.BLOCKS: blocks}
 
     def convert(path, leaf):
         if not (isinstance(leaf, QArray) and _is_kernel(path) and len(leaf.shape) == 2) or leaf.grid != "uniform":
@@ -369,8 +360,9 @@ def for_prefill(params):
     Outputs are unchanged up to float summation order (each column is the same dot product with
     the same scales)."""
     from llmeq_jax import native
+    from llmeq_jax.models import stacked  # not at import time: the models import this module
 
-    if _stacked(params):
+    if stacked.is_stacked(params):
         raise ValueError("for_prefill: the blocks are stacked already; apply for_prefill before "
                          "models.stacked.stack_blocks")
     if native.enabled():  # the native weight-only kernels read int4 slots, not eight values in three bytes

@@ -88,6 +88,10 @@ def stack_blocks(config, params: Params) -> Params:
     reason = stacking_reason(config, params)
     if reason is not None:
         raise ValueError(f"stack_blocks: cannot stack the decoder blocks: {reason}")
+    return _stacked_tree(config, params)
+
+
+def _stacked_tree(config, params: Params) -> Params:
     names = block_names(config)
     blocks = jax.tree.map(lambda *xs: jnp.stack(xs), *[params[n] for n in names])
     rest = {k: v for k, v in params.items() if k not in names}
@@ -101,7 +105,7 @@ def stack_blocks_or_warn(config, params: Params) -> Params:
         return params
     reason = stacking_reason(config, params)
     if reason is None:
-        return stack_blocks(config, params)
+        return _stacked_tree(config, params)
     warnings.warn(f"scan over layers: running the blocks unrolled instead: {reason}", stacklevel=2)
     return params
 
