@@ -128,6 +128,8 @@ def _finetune(config, qparams: dict, float_params: dict, recipe: Recipe, windows
     float model (the teacher: the params before any rotation, the same function) on ``windows``."""
     t0 = time.perf_counter()
     opts = distill.DistillOptions(**recipe.finetune)
+    windows = distill.training_data(opts, windows, lambda n: distill.sampled_windows(
+        config, float_params, n, opts.seq_len, seed=opts.sample_seed, progress=progress))
     qparams, losses, n = distill.train(config, qparams, float_params, windows, opts, progress=progress)
     qparams = jax.block_until_ready(qparams)
     return qparams, {"kernels": n, "first_loss": losses[0], "last_loss": losses[-1],

@@ -40,6 +40,9 @@ from llmeq_jax.methods.blockwise import option, options_from_args
 
 LEARN = ("scales", "both")
 LOSSES = ("kl", "nll")
+# What the fine-tuning trains on: windows of the calibration text, sequences sampled from the float
+# model, or the two alternating (see `training_data`).
+DATA = ("calibration", "sampled", "mixed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +59,9 @@ class DistillOptions:
     # text (methods.quantize_model without them: the calibration windows cut to this length).
     seq_len: int = option(256, (int,), lambda v: v >= 2, "an integer >= 2")
     clip_norm: float = option(1.0, (float,), lambda v: 0 < v < float("inf"), "a positive number")
+    data: str = option("calibration", (str,), lambda v: v in DATA, f"one of {list(DATA)}")
+    # Seed of the sampled sequences (data: sampled / mixed): the same recipe gives the same model.
+    sample_seed: int = option(0, (int,), lambda v: v >= 0, "an integer >= 0")
 
 
 def parse_finetune(data: Any, source: str = "recipe") -> dict | None:
@@ -77,6 +83,61 @@ def training_windows(windows: np.ndarray, seq_len: int) -> np.ndarray:
     """Calibration windows [N, T] cut into [N * T / seq_len, seq_len] (unchanged when seq_len does not divide T)."""
     n, t = windows.shape
     return windows.reshape(n * t // seq_len, seq_len) if t % seq_len == 0 else windows
+
+
+def prompt_token(config) -> int:
+    """The token sampled training sequences start from: BOS, else the first EOS (a document boundary)."""
+    if config.bos_token_id is not None:
+        return int(config.bos_token_id)
+    if config.eos_token_id is not None:
+        return config.eos_ids[0]
+    raise ValueError("finetune data 'sampled'/'mixed' starts each sequence at the model's BOS or EOS token, and "
+                     "its config names neither (bos_token_id / eos_token_id)")
+
+
+def sampled_windows(config, params, count: int, seq_len: int, *, seed: int = 0, batch_size: int = 16,
+                    progress: bool = False) -> np.ndarray:
+    """``count`` sequences [count, seq_len] sampled from the float model at temperature 1 after one
+    :func:`prompt_token`: text from the model's own distribution, whatever the calibration text's domain
+    (the data-free distillation of LLM-QAT, Liu et al., 2023). Deterministic for a ``seed``."""
+    from llmeq_jax.generate import generate
+
+    start = prompt_token(config)
+    out = []
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=count, desc="sample fine-tuning text", unit="seq")
+    for i in range(0, count, batch_size):
+        prompt = np.full((min(batch_size, count - i), 1), start, np.int32)
+        new = generate(config, params, prompt, seq_len - 1, greedy=False, temperature=1.0, seed=seed + i)
+        out.append(np.concatenate([prompt, np.asarray(new, np.int32)], axis=1))
+        if bar is not None:
+            bar.update(len(prompt))
+    if bar is not None:
+        bar.close()
+    return np.concatenate(out)
+
+
+def training_data(opts: DistillOptions, calibration: np.ndarray, sample) -> np.ndarray:
+    """The windows :func:`train` cycles through for ``opts.data``: ``calibration`` itself, ``sample(n)``
+    (n sampled windows, ``steps x batch_size`` of them), or the two alternating window by window
+    (calibration first), ``steps x batch_size`` in all. Sampled text keeps the fine-tuning from fitting
+    the calibration text's domain; mixing keeps part of what that domain gives."""
+    n = opts.steps * opts.batch_size
+    if opts.data == "calibration":
+        return calibration
+    if opts.data == "sampled":
+        return sample(n)
+    if calibration.shape[1] != opts.seq_len:
+        raise ValueError(f"finetune data 'mixed' needs calibration windows of seq_len {opts.seq_len} tokens, "
+                         f"got {calibration.shape[1]}")
+    sampled = sample(n // 2)
+    calib = calibration[np.arange(n - n // 2) % len(calibration)]
+    out = np.empty((n, opts.seq_len), calibration.dtype)
+    out[0::2], out[1::2] = calib, sampled
+    return out
 
 
 def learnable(path: str, leaf: Any) -> bool:
@@ -239,4 +300,4 @@ def train(config, qparams: dict, teacher_params: dict, windows: np.ndarray, opts
 
 
 __all__ = ["DistillOptions", "fake_quant_learned", "finalize", "init_trainable", "kl_to_teacher", "learnable",
-           "student_logits", "train"]
+           "prompt_token", "sampled_windows", "student_logits", "train", "training_data"]

@@ -155,3 +155,68 @@ def test_pipeline_trains_on_fresh_windows_of_the_calibration_text(stories, tmp_p
     assert wins.shape == (10, 64) and len(np.unique(wins, axis=0)) == 10
     np.testing.assert_array_equal(wins.reshape(-1), ids[:640])
     assert finetune_windows(config, tok, recipe_from_dict({"rules": RULES}), text) is None
+
+
+def test_sampled_windows_start_at_bos_and_follow_the_seed(stories):
+    config, params, _ = stories
+    assert distill.prompt_token(config) == config.bos_token_id
+    a = distill.sampled_windows(config, params, 5, 16, seed=3, batch_size=2)
+    assert a.shape == (5, 16) and a.dtype == np.int32
+    assert (a[:, 0] == config.bos_token_id).all() and (a >= 0).all() and (a < config.vocab_size).all()
+    np.testing.assert_array_equal(a, distill.sampled_windows(config, params, 5, 16, seed=3, batch_size=2))
+    assert not np.array_equal(a, distill.sampled_windows(config, params, 5, 16, seed=4, batch_size=2))
+    assert len(np.unique(a[:, 1:], axis=0)) == 5  # temperature 1: the sequences differ
+
+
+def test_prompt_token_falls_back_to_eos_and_refuses_neither(stories):
+    config = stories[0]
+    assert distill.prompt_token(dataclasses.replace(config, bos_token_id=None, eos_token_id=(7, 9))) == 7
+    with pytest.raises(ValueError, match="BOS or EOS"):
+        distill.prompt_token(dataclasses.replace(config, bos_token_id=None, eos_token_id=None))
+
+
+@pytest.mark.parametrize("data", distill.DATA)
+def test_training_data_by_option(data):
+    calib = np.arange(6 * 4).reshape(6, 4)
+    asked = []
+
+    def sample(n):
+        asked.append(n)
+        return -np.arange(1, n * 4 + 1).reshape(n, 4)
+
+    opts = distill.DistillOptions(steps=5, batch_size=1, seq_len=4, data=data)
+    out = distill.training_data(opts, calib, sample)
+    if data == "calibration":
+        assert out is calib and asked == []
+    elif data == "sampled":
+        assert asked == [5] and (out < 0).all()
+    else:  # calibration and sampled windows alternate, steps x batch_size in all
+        assert asked == [2] and out.shape == (5, 4)
+        np.testing.assert_array_equal(out[0::2], calib[:3])
+        np.testing.assert_array_equal(out[1::2], sample(2))
+
+
+def test_mixed_data_needs_windows_of_seq_len():
+    opts = distill.DistillOptions(steps=2, seq_len=8, data="mixed")
+    with pytest.raises(ValueError, match="seq_len 8"):
+        distill.training_data(opts, np.zeros((4, 16), np.int32), lambda n: np.zeros((n, 8), np.int32))
+
+
+def test_recipe_finetune_on_sampled_text(stories):
+    config, params, wins = stories
+    recipe = recipe_from_dict({"rules": RULES, "finetune": {"steps": 4, "batch_size": 2, "seq_len": 32,
+                                                            "data": "sampled", "scale_lr": 0.01}})
+    assert recipe.finetune["data"] == "sampled" and recipe_from_dict(recipe.to_dict()).finetune == recipe.finetune
+    plain, _ = methods.quantize_model(config, params, recipe_from_dict({"rules": RULES}), None)
+    # the calibration windows are not what it trains on: garbage there changes nothing
+    tuned, info = methods.quantize_model(config, params, recipe, wins)
+    same, _ = methods.quantize_model(config, params, recipe, np.zeros_like(wins))
+    path = "layers_0/mlp/down_proj/kernel"
+    assert not np.array_equal(np.asarray(_kernel(tuned, path).scale), np.asarray(_kernel(plain, path).scale))
+    np.testing.assert_array_equal(np.asarray(_kernel(tuned, path).scale), np.asarray(_kernel(same, path).scale))
+    assert np.isfinite(info["finetune"]["last_loss"])
+
+
+def test_bad_finetune_data_is_one_clear_error():
+    with pytest.raises(RecipeError, match=r"finetune.data must be one of \['calibration', 'sampled', 'mixed'\]"):
+        recipe_from_dict({"rules": RULES, "finetune": {"data": "web"}})
