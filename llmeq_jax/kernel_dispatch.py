@@ -12,6 +12,10 @@ saying why no kernel applies.
 Which kernel:
   act spec given  -> W8A8 (int8-stored weights; dynamic per-token or static per-tensor activations)
   no act spec     -> weight-only: int8-stored values (5..8 bits) or nibble-packed (3..4 bits)
+
+A measured table (:mod:`llmeq_jax.dispatch_table`, written by ``scripts/bench_kernels.py
+--write-table``) overrules that where it measured XLA faster for the product on this device;
+``require=True`` always takes the kernel.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from llmeq_jax import dispatch_table
 from llmeq_jax.core.qarray import QArray, is_packed
 from pallas_kernels import config, w8a8, weight_only
 
@@ -68,6 +73,14 @@ def plan(x_shape, x_dtype, w: QArray, act) -> tuple[str | None, str]:
     return ("weight_only", "") if ok else (None, why)
 
 
+def table_key(kind: str, rows: int, x_dtype, w: QArray, group: int | None) -> dispatch_table.Key:
+    """The :mod:`dispatch_table` key of a product ``plan`` gave to kernel ``kind``, on the default device."""
+    k, n = w.shape
+    bits = 8 if kind == "w8a8" else (4 if is_packed(w.bits) else 8)
+    return dispatch_table.Key(jax.devices()[0].device_kind, kind, bits, group, k, n,
+                              dispatch_table.row_bucket(rows), jnp.dtype(x_dtype).name)
+
+
 def linear(x, w: QArray, act=None, require: bool = False):
     """``x @ w`` by a Pallas kernel, or None when none applies (an error if ``require``)."""
     if not config.kernels_available():
@@ -87,6 +100,8 @@ def linear(x, w: QArray, act=None, require: bool = False):
     k, n = w.shape
     x2 = x.reshape(-1, k)
     group, scale, zp, _ = _layout(w)
+    if not require and dispatch_table.choice(table_key(kind, x2.shape[0], x.dtype, w, group)) == "xla":
+        return None  # measured on this device: XLA's path is the faster one for this product
     if kind == "w8a8":
         y = w8a8.w8a8_matmul(x2, w.qvalue, scale, w_zero_point=zp, act_scale=w.act_scale, group=group)
     else:

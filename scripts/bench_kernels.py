@@ -13,13 +13,20 @@ Each timed call reads its own copy of the weights (enough copies to exceed
 3x the 50 MB L2 cache), and many calls run in one executable, so neither the
 cache nor host dispatch flatters the small decode shapes.
 
-    PYTHONPATH=. python scripts/bench_kernels.py [--reps 20] [--sweep]
+    PYTHONPATH=. python scripts/bench_kernels.py [--reps 20] [--sweep] [--write-table dispatch.json]
+
+``--write-table PATH`` also times XLA's path of each quantized product and writes the
+measured dispatch table (``llmeq_jax/dispatch_table.py``): with ``LLMEQ_DISPATCH_TABLE=PATH``
+a product goes to the kernel only where it was measured faster than XLA on this device.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -85,7 +92,30 @@ def _copies(a, n):
     return [a + jnp.zeros((), a.dtype) if i else a for i in range(n)]
 
 
-def gpu_bench(reps, sweep=False):
+def table_key(kind: str, k: int, n: int, m: int):
+    """The dispatch-table key of one timed product on this device (activations bf16)."""
+    from llmeq_jax import dispatch_table
+
+    kernel, bits, group = {"w8a8": ("w8a8", 8, None), "w8": ("weight_only", 8, None),
+                           "w4g128": ("weight_only", 4, GROUP)}[kind]
+    return dispatch_table.Key(jax.devices()[0].device_kind, kernel, bits, group, k, n, dispatch_table.row_bucket(m),
+                              "bfloat16")
+
+
+def write_table(path, measured):
+    """Write the measured (key, times) pairs as a dispatch table (llmeq_jax/dispatch_table.py)."""
+    from llmeq_jax import dispatch_table
+
+    data = dispatch_table.to_json(jax.devices()[0].device_kind, measured, jax=jax.__version__)
+    Path(path).write_text(json.dumps(data, indent=1))
+    slower = [e for e in data["entries"] if min(e["pallas_s"], e["xla_s"]) > e["bf16_s"]]
+    print(f"dispatch table: {len(data['entries'])} products -> {path}; both quantized paths slower than bf16 in "
+          f"{len(slower)}: " + ", ".join(f"{e['kernel']}/{e['bits']} {e['k']}x{e['n']} M={e['rows']}" for e in slower))
+
+
+def gpu_bench(reps, sweep=False, table=None):
+    """Print the kernel timings; with a list ``table``, also time XLA's path and append (key, times) to it."""
+    from llmeq_jax import ops
     from llmeq_jax.core.quantize import Spec, quantize
     from pallas_kernels.kv_cache import store_decode_attention
     from pallas_kernels.w8a8 import w8a8_matmul
@@ -107,14 +137,26 @@ def gpu_bench(reps, sweep=False):
             "w8": (lambda x, w, s: weight_only_matmul(x, w, s, bits=8), list(zip(w8, s8))),
             "w4g128": (lambda x, w, s: weight_only_matmul(x, w, s, bits=4, group=GROUP), list(zip(w4, s4))),
         }
+        # XLA's path for the same QArrays (what ops.linear runs without a kernel), for the dispatch table
+        qa8 = dataclasses.replace(q8, act_spec=Spec(bits=8, granularity="token"))
+        xla_of = {
+            "w8a8": lambda x, w, s: ops.linear(x, dataclasses.replace(qa8, qvalue=w, scale=s), backend="xla"),
+            "w8": lambda x, w, s: ops.linear(x, dataclasses.replace(q8, qvalue=w, scale=s), backend="xla"),
+            "w4g128": lambda x, w, s: ops.linear(x, dataclasses.replace(q4, qvalue=w, scale=s), backend="xla"),
+        }
         for m in DECODE_M + PREFILL_M:
             xs = _copies(jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16), r)
             base = None
             for kind, (fn, ws) in kinds.items():
                 t = timed(fn, [(x, *wargs) for x, wargs in zip(xs, ws)], reps=reps)
                 base = base or t
-                print(f"{f'{k}x{n}':>12} {m:>5} {kind:>7} {t * 1e3:>8.4f} {2 * m * k * n / t / 1e12:>8.1f} "
-                      f"{bytes_moved(m, k, n, kind) / t / 1e9:>7.0f} {base / t:>7.2f}x", flush=True)
+                line = (f"{f'{k}x{n}':>12} {m:>5} {kind:>7} {t * 1e3:>8.4f} {2 * m * k * n / t / 1e12:>8.1f} "
+                        f"{bytes_moved(m, k, n, kind) / t / 1e9:>7.0f} {base / t:>7.2f}x")
+                if table is not None and kind in xla_of:
+                    t_xla = timed(xla_of[kind], [(x, *wargs) for x, wargs in zip(xs, ws)], reps=reps)
+                    table.append((table_key(kind, k, n, m), {"pallas_s": t, "xla_s": t_xla, "bf16_s": base}))
+                    line += f"  (XLA {t_xla * 1e3:.4f} ms, {base / t_xla:.2f}x)"
+                print(line, flush=True)
             if sweep and (k, n) == (4096, 11008) and m in SWEEP:
                 kind = "w8a8" if m >= 1024 else "w4g128"
                 for cfg in SWEEP[m]:
@@ -178,12 +220,18 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--sweep", action="store_true", help="also time a few other block sizes")
+    parser.add_argument("--write-table", metavar="PATH",
+                        help="also time XLA's path of each quantized product and write the dispatch table "
+                             "(use it with LLMEQ_DISPATCH_TABLE=PATH; llmeq_jax/dispatch_table.py)")
     args = parser.parse_args()
     if jax.default_backend() != "gpu":
         print(f"no GPU found (JAX backend: {jax.default_backend()}); printing the roofline estimate instead")
         roofline_table()
         return
-    gpu_bench(args.reps, args.sweep)
+    table = [] if args.write_table else None
+    gpu_bench(args.reps, args.sweep, table)
+    if table is not None:
+        write_table(args.write_table, table)
 
 
 if __name__ == "__main__":

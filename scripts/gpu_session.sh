@@ -30,7 +30,7 @@ cat "$out/device.txt"
 step gpu_tests 120 "$py" -m pytest -q -m gpu tests/pallas_kernels/test_gpu_kernels.py
 step compile 90 "$py" scripts/bench_compile.py --shapes "$shapes" "${layers[@]}" --recipes bf16 rtn-w4-g128 \
     --dtype bfloat16 --prefill-len 2048 --out "$out/compile.json"
-step e2e 300 "$py" scripts/bench_e2e.py --shapes "$shapes" "${layers[@]}" --dtype bfloat16 --recipes rtn-w8 rtn-w4-g128 \
+step e2e 270 "$py" scripts/bench_e2e.py --shapes "$shapes" "${layers[@]}" --dtype bfloat16 --recipes rtn-w8 rtn-w4-g128 \
     --batches 1 16 --prefill-len 2048 --new-tokens 64 --repeats 2 --scan-layers --out "$out/e2e.json"
-step kernels 60 "$py" scripts/bench_kernels.py --reps 20
+step kernels 90 "$py" scripts/bench_kernels.py --reps 20 --write-table "$out/dispatch.json"
 echo "== [$(( SECONDS - start ))s] done; results in $out"

@@ -1,0 +1,193 @@
+"""A measured choice between a Pallas kernel and XLA for each quantized product on a device.
+
+The static rule of :mod:`llmeq_jax.kernel_dispatch` hands every product a kernel can take to that
+kernel. On a GPU that is not always the faster path: a kernel tuned for decode can lose to XLA's
+dequantize-and-dot at prefill sizes, and the other way round. ``scripts/bench_kernels.py
+--write-table PATH`` times, on the device it runs on, each kernel kind at each weight shape and
+row count three ways -- the Pallas kernel, XLA's path for the same QArray, and a bf16 dot of float
+weights -- and writes them as one JSON table. Activated (``LLMEQ_DISPATCH_TABLE=PATH`` or
+``with dispatch_table.use(PATH):``), it overrules the static rule where it has a measurement:
+the kernel takes a product only where it was measured faster than XLA on this device, kernel,
+width, group, (K, N), activation dtype and row bucket. Where it has none the static rule stays.
+
+Rows are bucketed to the next power of two (M = 3 reads the M = 4 entry; the benchmark measures
+powers of two). A table measured on another device kind is ignored, with one warning: kernel
+speed ratios do not carry from one GPU to another.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Iterable
+
+FORMAT = 1
+ENV = "LLMEQ_DISPATCH_TABLE"
+KERNELS = ("weight_only", "w8a8")
+PATHS = ("pallas", "xla")
+
+
+class DispatchTableError(ValueError):
+    """A dispatch table file that cannot be read, with what is wrong in it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Key:
+    """What one measurement is of: the product's kernel, widths, shape and row bucket on a device."""
+
+    device: str
+    kernel: str  # one of KERNELS
+    bits: int  # stored weight width the kernel reads (8, or 4 for nibble-packed)
+    group: int | None  # input-dim group size of the scales; None: one scale per output column
+    k: int
+    n: int
+    rows: int  # row_bucket(M)
+    dtype: str  # activation dtype, e.g. "bfloat16"
+
+
+def row_bucket(m: int) -> int:
+    """The power of two at or above ``m`` (>= 1): the row count a product of ``m`` rows is looked up at."""
+    return 1 << max(0, int(m) - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+    """Measurements of one device: ``{Key: {"pallas_s", "xla_s", "bf16_s"}}``."""
+
+    device: str
+    entries: dict
+    source: str = ""
+
+    def choice(self, key: Key) -> str | None:
+        """"pallas" or "xla", whichever was measured faster for ``key``; None without a measurement."""
+        e = self.entries.get(key)
+        if e is None:
+            return None
+        return "pallas" if e["pallas_s"] <= e["xla_s"] else "xla"
+
+
+def _entry_key(device: str, raw: dict, where: str) -> tuple[Key, dict]:
+    fields = {"kernel": str, "bits": int, "k": int, "n": int, "rows": int, "dtype": str}
+    times = ("pallas_s", "xla_s", "bf16_s")
+    missing = [f for f in (*fields, "group", *times) if f not in raw]
+    if missing:
+        raise DispatchTableError(f"{where}: missing {missing}")
+    for f, t in fields.items():
+        if not isinstance(raw[f], t) or isinstance(raw[f], bool):
+            raise DispatchTableError(f"{where}: {f} must be a {t.__name__}, got {raw[f]!r}")
+    if raw["kernel"] not in KERNELS:
+        raise DispatchTableError(f"{where}: kernel must be one of {list(KERNELS)}, got {raw['kernel']!r}")
+    if raw["group"] is not None and (not isinstance(raw["group"], int) or raw["group"] < 1):
+        raise DispatchTableError(f"{where}: group must be a positive integer or null, got {raw['group']!r}")
+    if raw["rows"] != row_bucket(raw["rows"]):
+        raise DispatchTableError(f"{where}: rows must be a power of two (a row bucket), got {raw['rows']}")
+    for t in times:
+        v = raw[t]
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0 or v == float("inf"):
+            raise DispatchTableError(f"{where}: {t} must be a positive number of seconds, got {v!r}")
+    key = Key(device, raw["kernel"], raw["bits"], raw["group"], raw["k"], raw["n"], raw["rows"], raw["dtype"])
+    return key, {t: float(raw[t]) for t in times}
+
+
+def from_json(data: dict, source: str = "") -> Table:
+    """A :class:`Table` from the JSON object ``write`` produces; one clear error for anything else."""
+    where = source or "dispatch table"
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise DispatchTableError(f"{where}: expected a JSON object with \"format\": {FORMAT} "
+                                 f"(written by scripts/bench_kernels.py --write-table)")
+    device, entries = data.get("device"), data.get("entries")
+    if not isinstance(device, str) or not device:
+        raise DispatchTableError(f"{where}: \"device\" must name the device kind the table was measured on")
+    if not isinstance(entries, list):
+        raise DispatchTableError(f"{where}: \"entries\" must be a list")
+    table = {}
+    for i, raw in enumerate(entries):
+        if not isinstance(raw, dict):
+            raise DispatchTableError(f"{where}: entries[{i}] must be an object, got {raw!r}")
+        key, times = _entry_key(device, raw, f"{where}: entries[{i}]")
+        table[key] = times
+    return Table(device, table, source)
+
+
+def to_json(device: str, measured: Iterable[tuple[Key, dict]], **meta) -> dict:
+    """The JSON object of a table: ``measured`` is (key, {"pallas_s", "xla_s", "bf16_s"}) pairs."""
+    entries = []
+    for key, times in measured:
+        if key.device != device:
+            raise ValueError(f"a measurement of device {key.device!r} in a table of {device!r}")
+        row = {f: getattr(key, f) for f in ("kernel", "bits", "group", "k", "n", "rows", "dtype")}
+        entries.append(row | {t: float(times[t]) for t in ("pallas_s", "xla_s", "bf16_s")})
+    return {"format": FORMAT, "device": device, **meta, "entries": entries}
+
+
+def load(path: str | Path) -> Table:
+    """The table in the JSON file ``path``."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DispatchTableError(f"dispatch table {str(path)!r} does not exist") from None
+    except json.JSONDecodeError as e:
+        raise DispatchTableError(f"dispatch table {str(path)!r} is not JSON: {e}") from None
+    return from_json(data, str(path))
+
+
+_ACTIVE: contextvars.ContextVar[Table | None] = contextvars.ContextVar("llmeq_dispatch_table", default=None)
+
+
+@contextlib.contextmanager
+def use(table: Table | str | Path):
+    """Dispatch by ``table`` (or the table file at that path) inside this block."""
+    token = _ACTIVE.set(table if isinstance(table, Table) else load(table))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+@functools.lru_cache(maxsize=4)
+def _from_env(path: str, mtime: float) -> Table:
+    return load(path)
+
+
+def active() -> Table | None:
+    """The table of the innermost :func:`use` block, else the one ``$LLMEQ_DISPATCH_TABLE`` names, else None."""
+    table = _ACTIVE.get()
+    if table is not None:
+        return table
+    path = os.environ.get(ENV)
+    if not path:
+        return None
+    try:
+        mtime = os.path.getmtime(path)
+    except OSError:
+        raise DispatchTableError(f"${ENV} names {path!r}, which does not exist") from None
+    return _from_env(path, mtime)
+
+
+@functools.lru_cache(maxsize=16)
+def _warn_other_device(source: str, measured: str, here: str) -> None:
+    warnings.warn(f"dispatch table {source or '(in memory)'} was measured on {measured!r}, not on this "
+                  f"device ({here!r}); it is ignored and the static kernel rule applies", stacklevel=3)
+
+
+def choice(key: Key) -> str | None:
+    """The measured path for ``key`` under the active table ("pallas" / "xla"), or None (no table, another
+    device, or no measurement of this product)."""
+    table = active()
+    if table is None:
+        return None
+    if table.device != key.device:
+        _warn_other_device(table.source, table.device, key.device)
+        return None
+    return table.choice(key)
+
+
+__all__ = ["DispatchTableError", "ENV", "Key", "Table", "active", "choice", "from_json", "load", "row_bucket",
+           "to_json", "use"]

@@ -1,0 +1,129 @@
+"""The measured dispatch table (llmeq_jax/dispatch_table.py) and how kernel_dispatch follows it (interpret mode)."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from llmeq_jax import dispatch_table as dt
+from llmeq_jax import kernel_dispatch, ops
+from llmeq_jax.core.quantize import Spec, quantize
+from pallas_kernels import config
+
+DEVICE = jax.devices()[0].device_kind
+W4 = Spec(bits=4, granularity="group", group_size=128)
+TIMES = {"pallas_s": 2e-5, "xla_s": 1e-5, "bf16_s": 3e-5}
+
+
+def _key(rows=4, **kw):
+    base = dict(device=DEVICE, kernel="weight_only", bits=4, group=128, k=256, n=64, rows=rows, dtype="float32")
+    return dt.Key(**(base | kw))
+
+
+def _table(times, *keys):
+    return dt.from_json(dt.to_json(DEVICE, [(k, times) for k in keys] or [(_key(), times)], jax="test"))
+
+
+@pytest.mark.parametrize("m, bucket", [(0, 1), (1, 1), (2, 2), (3, 4), (16, 16), (17, 32), (4096, 4096)])
+def test_row_bucket(m, bucket):
+    assert dt.row_bucket(m) == bucket
+
+
+def test_json_round_trip_and_choice(tmp_path):
+    slow_kernel, fast_kernel = _key(rows=1), _key(rows=512, kernel="w8a8", bits=8, group=None)
+    data = dt.to_json(DEVICE, [(slow_kernel, TIMES), (fast_kernel, TIMES | {"pallas_s": 5e-6})], jax="x")
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(data))
+    table = dt.load(path)
+    assert table.device == DEVICE and set(table.entries) == {slow_kernel, fast_kernel}
+    assert table.choice(slow_kernel) == "xla" and table.choice(fast_kernel) == "pallas"
+    assert table.choice(_key(rows=2)) is None
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d.update(format=2), "format"),
+    (lambda d: d.pop("device"), "device"),
+    (lambda d: d["entries"][0].pop("xla_s"), r"missing \['xla_s'\]"),
+    (lambda d: d["entries"][0].update(kernel="fp8"), "kernel must be one of"),
+    (lambda d: d["entries"][0].update(rows=3), "power of two"),
+    (lambda d: d["entries"][0].update(bits="4"), "bits must be a int"),
+    (lambda d: d["entries"][0].update(group=0), "group must be"),
+    (lambda d: d["entries"][0].update(pallas_s=-1.0), "pallas_s must be a positive"),
+    (lambda d: d.update(entries={}), "entries"),
+])
+def test_bad_table_is_one_clear_error(edit, message):
+    data = dt.to_json(DEVICE, [(_key(), TIMES)])
+    edit(data)
+    with pytest.raises(dt.DispatchTableError, match=message):
+        dt.from_json(data, "t.json")
+
+
+def test_missing_or_broken_file(tmp_path):
+    with pytest.raises(dt.DispatchTableError, match="does not exist"):
+        dt.load(tmp_path / "none.json")
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(dt.DispatchTableError, match="not JSON"):
+        dt.load(tmp_path / "bad.json")
+
+
+def _product(rows=4):
+    w = quantize(jax.random.normal(jax.random.key(0), (256, 64)) * 0.1, W4)
+    return jax.random.normal(jax.random.key(1), (rows, 256)), w
+
+
+def _uses_kernel(x, w):
+    return "pallas_call" in str(jax.make_jaxpr(lambda x: ops.linear(x, w))(x))
+
+
+def test_the_table_sends_a_product_to_the_measured_faster_path():
+    x, w = _product(rows=3)  # looked up at the 4-row bucket
+    with config.interpret(True):
+        assert _uses_kernel(x, w)  # static rule: the kernel takes it
+        with dt.use(_table(TIMES)):  # measured: XLA faster
+            assert kernel_dispatch.linear(x, w) is None and not _uses_kernel(x, w)
+            np.testing.assert_allclose(ops.linear(x, w), ops.linear(x, w, backend="xla"), atol=1e-5)
+            assert kernel_dispatch.linear(x, w, require=True) is not None  # backend="pallas" still gets it
+            x8 = jnp.ones((8, 256))  # another bucket: not measured, static rule
+            assert _uses_kernel(x8, w)
+        with dt.use(_table(TIMES | {"pallas_s": 5e-6})):
+            assert _uses_kernel(x, w)
+
+
+def test_a_table_of_another_device_is_ignored_with_a_warning():
+    x, w = _product()
+    other = dt.from_json(dt.to_json("Other GPU", [(_key(device="Other GPU"), TIMES)]), "other.json")
+    with config.interpret(True), dt.use(other), pytest.warns(UserWarning, match="measured on 'Other GPU'"):
+        assert _uses_kernel(x, w)
+
+
+def test_the_environment_variable_activates_a_table(tmp_path, monkeypatch):
+    x, w = _product()
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(dt.to_json(DEVICE, [(_key(), TIMES)])))
+    monkeypatch.setenv(dt.ENV, str(path))
+    assert dt.active().entries == dt.load(path).entries
+    with config.interpret(True):
+        assert not _uses_kernel(x, w)
+    monkeypatch.setenv(dt.ENV, str(tmp_path / "gone.json"))
+    with pytest.raises(dt.DispatchTableError, match="does not exist"):
+        dt.active()
+
+
+def test_bench_kernels_writes_a_table_dispatch_reads(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bench_kernels", Path(__file__).parents[1] / "scripts/bench_kernels.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    fast, slow = bench.table_key("w4g128", 4096, 4096, 3), bench.table_key("w8a8", 4096, 11008, 2048)
+    assert (fast.kernel, fast.bits, fast.group, fast.rows, fast.dtype) == ("weight_only", 4, 128, 4, "bfloat16")
+    assert (slow.kernel, slow.bits, slow.group) == ("w8a8", 8, None)
+    path = tmp_path / "dispatch.json"
+    bench.write_table(path, [(fast, {"pallas_s": 1.0, "xla_s": 2.0, "bf16_s": 3.0}),
+                             (slow, {"pallas_s": 5.0, "xla_s": 4.0, "bf16_s": 3.0})])
+    assert "slower than bf16 in 1: w8a8/8 4096x11008 M=2048" in capsys.readouterr().out
+    table = dt.load(path)
+    assert table.choice(fast) == "pallas" and table.choice(slow) == "xla"
