@@ -130,6 +130,9 @@ class Recipe:
     # A post-step on the quantized params: fine-tune scales (and latent weights) against the float
     # model on the calibration windows (methods/distill.py), e.g. {steps: 100, learn: scales}; None: none.
     finetune: dict | None = None
+    # More calibration data: sequences sampled from the float model added to the calibration windows
+    # (methods/sampled_text.py), e.g. {sampled: 48, seed: 0}; None: the calibration windows only.
+    calibration: dict | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "rules", tuple(self.rules))
@@ -141,6 +144,10 @@ class Recipe:
             from llmeq_jax.methods.distill import parse_finetune
 
             object.__setattr__(self, "finetune", parse_finetune(self.finetune, f"recipe {self.name!r}"))
+        if self.calibration is not None:
+            from llmeq_jax.methods.sampled_text import parse_calibration
+
+            object.__setattr__(self, "calibration", parse_calibration(self.calibration, f"recipe {self.name!r}"))
 
     def rule_for(self, path: str) -> Rule | None:
         for rule in self.rules:
@@ -158,6 +165,8 @@ class Recipe:
             out["rotate"] = dict(self.rotate)
         if self.finetune is not None:
             out["finetune"] = dict(self.finetune)
+        if self.calibration is not None:
+            out["calibration"] = dict(self.calibration)
         return out
 
 
@@ -333,7 +342,7 @@ def quantize_params(params: Any, recipe: Recipe, stats: dict | None = None, prog
 # --------------------------------------------------------------------------- YAML
 
 _RULE_KEYS = {"pattern", "weight", "act", "act_static", "skip", "act_ema", "act_clip"}
-_RECIPE_KEYS = {"name", "method", "method_args", "rules", "kv", "rotate", "finetune"}
+_RECIPE_KEYS = {"name", "method", "method_args", "rules", "kv", "rotate", "finetune", "calibration"}
 _SPEC_KEYS = {f.name for f in dataclasses.fields(Spec)}
 
 
@@ -429,8 +438,11 @@ def recipe_from_dict(data: Any, source: str = "recipe") -> Recipe:
     from llmeq_jax.methods.distill import parse_finetune
 
     finetune = parse_finetune(data.get("finetune"), source)
+    from llmeq_jax.methods.sampled_text import parse_calibration
+
+    calibration = parse_calibration(data.get("calibration"), source)
     return Recipe(rules=tuple(rules), method=method, method_args=method_args, name=str(data.get("name", source)), kv=kv,
-                  rotate=rotate, finetune=finetune)
+                  rotate=rotate, finetune=finetune, calibration=calibration)
 
 
 def load_recipe(path: str | Path) -> Recipe:

@@ -39,7 +39,7 @@ import numpy as np
 
 from llmeq_jax import calibrate
 from llmeq_jax.core.rules import Recipe, RecipeError, is_table, map_rules, quantize_leaf, quantize_params
-from llmeq_jax.methods import autoround, awq, distill, folding, gptq, rotate, smoothquant, zeroquant
+from llmeq_jax.methods import autoround, awq, distill, folding, gptq, rotate, sampled_text, smoothquant, zeroquant
 
 # The calibrated methods by recipe name (a static table: adding a method is adding a line).
 CALIBRATED: dict[str, ModuleType] = {"smoothquant": smoothquant, "awq": awq, "gptq": gptq, "zeroquant": zeroquant,
@@ -114,6 +114,8 @@ def quantize_model(config, params: dict, recipe: Recipe, windows: np.ndarray | N
     check_method(recipe.method)
     if needs_calibration(recipe) and windows is None:
         raise RecipeError(f"recipe {recipe.name!r} ({recipe.method}) needs calibration windows")
+    if windows is not None:  # the recipe's sampled sequences join the calibration windows
+        windows = sampled_text.with_sampled(config, params, windows, recipe.calibration, progress)
     out, info = _apply_method(config, params, recipe, windows, progress, calibrate_fn or calibrate.calibrate)
     if recipe.finetune is not None:
         if finetune_windows is None:
@@ -128,7 +130,7 @@ def _finetune(config, qparams: dict, float_params: dict, recipe: Recipe, windows
     float model (the teacher: the params before any rotation, the same function) on ``windows``."""
     t0 = time.perf_counter()
     opts = distill.DistillOptions(**recipe.finetune)
-    windows = distill.training_data(opts, windows, lambda n: distill.sampled_windows(
+    windows = distill.training_data(opts, windows, lambda n: sampled_text.sampled_windows(
         config, float_params, n, opts.seq_len, seed=opts.sample_seed, progress=progress))
     qparams, losses, n = distill.train(config, qparams, float_params, windows, opts, progress=progress)
     qparams = jax.block_until_ready(qparams)

@@ -85,41 +85,6 @@ def training_windows(windows: np.ndarray, seq_len: int) -> np.ndarray:
     return windows.reshape(n * t // seq_len, seq_len) if t % seq_len == 0 else windows
 
 
-def prompt_token(config) -> int:
-    """The token sampled training sequences start from: BOS, else the first EOS (a document boundary)."""
-    if config.bos_token_id is not None:
-        return int(config.bos_token_id)
-    if config.eos_token_id is not None:
-        return config.eos_ids[0]
-    raise ValueError("finetune data 'sampled'/'mixed' starts each sequence at the model's BOS or EOS token, and "
-                     "its config names neither (bos_token_id / eos_token_id)")
-
-
-def sampled_windows(config, params, count: int, seq_len: int, *, seed: int = 0, batch_size: int = 16,
-                    progress: bool = False) -> np.ndarray:
-    """``count`` sequences [count, seq_len] sampled from the float model at temperature 1 after one
-    :func:`prompt_token`: text from the model's own distribution, whatever the calibration text's domain
-    (the data-free distillation of LLM-QAT, Liu et al., 2023). Deterministic for a ``seed``."""
-    from llmeq_jax.generate import generate
-
-    start = prompt_token(config)
-    out = []
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=count, desc="sample fine-tuning text", unit="seq")
-    for i in range(0, count, batch_size):
-        prompt = np.full((min(batch_size, count - i), 1), start, np.int32)
-        new = generate(config, params, prompt, seq_len - 1, greedy=False, temperature=1.0, seed=seed + i)
-        out.append(np.concatenate([prompt, np.asarray(new, np.int32)], axis=1))
-        if bar is not None:
-            bar.update(len(prompt))
-    if bar is not None:
-        bar.close()
-    return np.concatenate(out)
-
-
 def training_data(opts: DistillOptions, calibration: np.ndarray, sample) -> np.ndarray:
     """The windows :func:`train` cycles through for ``opts.data``: ``calibration`` itself, ``sample(n)``
     (n sampled windows, ``steps x batch_size`` of them), or the two alternating window by window
@@ -300,4 +265,4 @@ def train(config, qparams: dict, teacher_params: dict, windows: np.ndarray, opts
 
 
 __all__ = ["DistillOptions", "fake_quant_learned", "finalize", "init_trainable", "kl_to_teacher", "learnable",
-           "prompt_token", "sampled_windows", "student_logits", "train", "training_data"]
+           "student_logits", "train", "training_data"]

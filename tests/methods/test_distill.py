@@ -157,24 +157,6 @@ def test_pipeline_trains_on_fresh_windows_of_the_calibration_text(stories, tmp_p
     assert finetune_windows(config, tok, recipe_from_dict({"rules": RULES}), text) is None
 
 
-def test_sampled_windows_start_at_bos_and_follow_the_seed(stories):
-    config, params, _ = stories
-    assert distill.prompt_token(config) == config.bos_token_id
-    a = distill.sampled_windows(config, params, 5, 16, seed=3, batch_size=2)
-    assert a.shape == (5, 16) and a.dtype == np.int32
-    assert (a[:, 0] == config.bos_token_id).all() and (a >= 0).all() and (a < config.vocab_size).all()
-    np.testing.assert_array_equal(a, distill.sampled_windows(config, params, 5, 16, seed=3, batch_size=2))
-    assert not np.array_equal(a, distill.sampled_windows(config, params, 5, 16, seed=4, batch_size=2))
-    assert len(np.unique(a[:, 1:], axis=0)) == 5  # temperature 1: the sequences differ
-
-
-def test_prompt_token_falls_back_to_eos_and_refuses_neither(stories):
-    config = stories[0]
-    assert distill.prompt_token(dataclasses.replace(config, bos_token_id=None, eos_token_id=(7, 9))) == 7
-    with pytest.raises(ValueError, match="BOS or EOS"):
-        distill.prompt_token(dataclasses.replace(config, bos_token_id=None, eos_token_id=None))
-
-
 @pytest.mark.parametrize("data", distill.DATA)
 def test_training_data_by_option(data):
     calib = np.arange(6 * 4).reshape(6, 4)
