@@ -309,8 +309,8 @@ OUTSIDE_BLOCKS = ("embed/embedding", "lm_head/kernel")
 def base_settings(base: Recipe) -> dict:
     """What an allocation built on a ready recipe takes from it -> ``allocation_recipe`` keyword arguments.
 
-    Its method and ``method_args``, its ``rotate`` pre-step and ``finetune`` post-step, the ``clip`` of its
-    block-linear rule, and the rules it applies to the embedding table and the head (as exact-path rules,
+    Its method and ``method_args``, its ``rotate`` pre-step, sampled ``calibration`` and ``finetune``
+    post-step, the ``clip`` of its block-linear rule, and the rules it applies to the embedding table and the head (as exact-path rules,
     so they cannot catch a block linear): e.g. ``--base quarot-gptq-w3-g128-distill`` gives an allocation
     that is rotated, quantized by GPTQ and fine-tuned exactly like that recipe, only with per-linear widths.
     """
@@ -319,7 +319,7 @@ def base_settings(base: Recipe) -> dict:
              for path in OUTSIDE_BLOCKS if (rule := base.rule_for(path)) is not None]
     return {"method": base.method, "method_args": dict(base.method_args), "base_rules": tuple(rules),
             "clip": kernel.weight.clip if kernel is not None and kernel.weight is not None else None,
-            "rotate": base.rotate, "finetune": base.finetune}
+            "rotate": base.rotate, "finetune": base.finetune, "calibration": base.calibration}
 
 
 def recipe_settings(method: str, base: Recipe | None = None) -> dict:
@@ -334,12 +334,13 @@ def recipe_settings(method: str, base: Recipe | None = None) -> dict:
 def allocation_recipe(choice: dict[str, int], method: str, group_size: int | None, name: str,
                       method_args: dict | None = None, base_rules: Sequence[Rule] | None = None,
                       symmetric: bool = False, clip: Any = None, rotate: dict | None = None,
-                      finetune: dict | None = None) -> Recipe:
+                      finetune: dict | None = None, calibration: dict | None = None) -> Recipe:
     """A recipe with one exact rule per allocated linear (``re.escape``d path), after ``base_rules``.
 
     The default base rules are the ready recipes' (the embedding table int8 per row, no
     untied lm_head quantization). ``clip`` goes into every allocated linear's spec;
-    ``rotate`` and ``finetune`` are the recipe's pre- and post-step (:func:`base_settings`).
+    ``rotate`` and ``finetune`` are the recipe's pre- and post-step, ``calibration`` its sampled
+    calibration sequences (:func:`base_settings`).
     """
     if base_rules is None:
         base_rules = (Rule("embed/embedding", weight=Spec(8, "channel")), Rule(".*lm_head.*", skip=True))
@@ -348,7 +349,7 @@ def allocation_recipe(choice: dict[str, int], method: str, group_size: int | Non
         spec = dataclasses.replace(candidate_spec(bits, group_size, symmetric), clip=clip)
         rules.append(Rule(re.escape(path), weight=spec))
     return Recipe(rules=tuple(rules), method=method, method_args=dict(method_args or {}), name=name,
-                  rotate=rotate, finetune=finetune)
+                  rotate=rotate, finetune=finetune, calibration=calibration)
 
 
 def summary(choice: dict[str, int], cost: dict[str, dict[int, int]], shapes: dict[str, tuple[int, ...]]) -> dict:

@@ -281,6 +281,7 @@ def test_an_allocation_built_on_a_ready_recipe_keeps_its_steps_and_measures_the_
     assert info["base"] == base.name and info["bytes"] <= info["budget_bytes"]
     assert recipe.method == "gptq" and dict(recipe.method_args) == dict(base.method_args)
     assert recipe.rotate == base.rotate and recipe.finetune == base.finetune
+    assert recipe.calibration == base.calibration == {"sampled": 48, "seed": 0}
     for path in A.OUTSIDE_BLOCKS:  # the table and the head keep the base's rules
         assert recipe.rule_for(path).weight == base.rule_for(path).weight
     assert recipe.rule_for("layers_2/attn/o_proj/kernel").weight.clip == "mse"  # the base's clip search
@@ -292,7 +293,8 @@ def test_an_allocation_built_on_a_ready_recipe_keeps_its_steps_and_measures_the_
     assert np.isclose(info["table"][path][2], rotated[path][2], rtol=1e-5)
     assert not np.isclose(rotated[path][2], plain[path][2], rtol=1e-2)
     # and the written recipe runs the base's pipeline: rotation, GPTQ, fine-tuning
-    short = dataclasses.replace(recipe, finetune={**recipe.finetune, "steps": 2, "seq_len": 32})
+    short = dataclasses.replace(recipe, finetune={**recipe.finetune, "steps": 2, "seq_len": 32},
+                                calibration={"sampled": 2, "seed": 0})
     q, qinfo = quantize_model(config, params, short, wins)
     # every allocated linear and the head the rotation unties are fine-tuned
     assert qinfo["rotate"] == base.rotate and qinfo["finetune"]["kernels"] == len(info["choice"]) + 1
