@@ -19,3 +19,15 @@ def shared_data_path(name: str) -> Path:
             pytrace=False,
         )
     return path
+
+
+LILY = "Once upon a time, there was a little girl named Lily. She liked to run. "
+
+
+def stories_with_windows(seq_len: int, n_windows: int = 4, text: str = LILY * 40):
+    """(config, params, windows [n_windows, seq_len]) of stories260K.gguf and a short story text."""
+    from llmeq_jax import evaluate
+    from llmeq_jax.models import load_model
+
+    config, params, tok = load_model(str(shared_data_path("stories260K.gguf")))
+    return config, params, evaluate.make_windows(evaluate.tokenize_text(tok, text), seq_len, n_windows)

@@ -11,7 +11,7 @@ from llmeq_jax import methods
 from llmeq_jax.core.quantize import Spec, quantize
 from llmeq_jax.core.rules import RecipeError, recipe_from_dict
 from llmeq_jax.methods import distill
-from tests.shared_data import shared_data_path
+from tests.shared_data import shared_data_path, stories_with_windows
 
 RULES = [{"pattern": ".*/kernel", "weight": {"bits": 4, "granularity": "group", "group_size": 32,
                                              "symmetric": False}}]
@@ -19,12 +19,7 @@ RULES = [{"pattern": ".*/kernel", "weight": {"bits": 4, "granularity": "group", 
 
 @pytest.fixture(scope="module")
 def stories():
-    from llmeq_jax import evaluate
-    from llmeq_jax.models import load_model
-
-    config, params, tok = load_model(str(shared_data_path("stories260K.gguf")))
-    ids = evaluate.tokenize_text(tok, "Once upon a time, there was a little girl named Lily. She liked to run. " * 40)
-    return config, params, evaluate.make_windows(ids, 64, 4)
+    return stories_with_windows(64)
 
 
 def _kernel(tree, path):

@@ -8,7 +8,7 @@ import pytest
 from llmeq_jax import methods
 from llmeq_jax.core.rules import RecipeError, recipe_from_dict
 from llmeq_jax.methods import sampled_text as st
-from tests.shared_data import shared_data_path
+from tests.shared_data import stories_with_windows
 
 GPTQ_RULES = [{"pattern": ".*lm_head.*", "skip": True}, {"pattern": ".*/kernel", "weight": {"bits": 3, "granularity": "group", "group_size": 32,
                                                   "symmetric": False}}]
@@ -16,12 +16,7 @@ GPTQ_RULES = [{"pattern": ".*lm_head.*", "skip": True}, {"pattern": ".*/kernel",
 
 @pytest.fixture(scope="module")
 def stories():
-    from llmeq_jax import evaluate
-    from llmeq_jax.models import load_model
-
-    config, params, tok = load_model(str(shared_data_path("stories260K.gguf")))
-    ids = evaluate.tokenize_text(tok, "Once upon a time, there was a little girl named Lily. She liked to run. " * 40)
-    return config, params, evaluate.make_windows(ids, 32, 4)
+    return stories_with_windows(32)
 
 
 def test_sampled_windows_start_at_bos_and_follow_the_seed(stories):
