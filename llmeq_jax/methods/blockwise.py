@@ -9,6 +9,7 @@ process_block=...)``); inside a block, kernel paths are relative
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -89,3 +90,16 @@ def options_from_args(cls, method: str, method_args: dict, section: str = "metho
             raise RecipeError(f"{method}: {section}.{name} must be {hint}, got {v!r}")
         values[name] = v
     return cls(**values)
+
+
+def parse_section(cls, data: Any, source: str, section: str) -> dict | None:
+    """A recipe's optional ``section:`` mapping validated by ``cls`` -> a plain dict with every option
+    (None stays None; anything but a mapping is one RecipeError naming the keys)."""
+    if data is None:
+        return None
+    if not isinstance(data, dict):
+        from llmeq_jax.core.rules import RecipeError
+
+        keys = sorted(f.name for f in dataclasses.fields(cls))
+        raise RecipeError(f"{source}: {section} must be a mapping with keys among {keys}, got {data!r}")
+    return dataclasses.asdict(options_from_args(cls, source, data, section=section))

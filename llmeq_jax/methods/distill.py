@@ -36,7 +36,7 @@ import numpy as np
 
 from llmeq_jax.core.qarray import QArray, expand_to, int_range, is_qarray, pack
 from llmeq_jax.core.rules import is_table, path_str
-from llmeq_jax.methods.blockwise import option, options_from_args
+from llmeq_jax.methods.blockwise import option, parse_section
 
 LEARN = ("scales", "both")
 LOSSES = ("kl", "nll")
@@ -66,17 +66,10 @@ class DistillOptions:
 
 def parse_finetune(data: Any, source: str = "recipe") -> dict | None:
     """Validate a recipe's ``finetune:`` mapping -> a plain dict with every option (None stays None)."""
-    if data is None:
-        return None
-    if not isinstance(data, dict):
-        from llmeq_jax.core.rules import RecipeError
-
-        keys = sorted(f.name for f in dataclasses.fields(DistillOptions))
-        raise RecipeError(f"{source}: finetune must be a mapping with keys among {keys}, got {data!r}")
-    # YAML reads 1 as an int; a learning rate or norm written so is still a number
-    data = {k: float(v) if isinstance(v, int) and not isinstance(v, bool) and k.endswith(("_lr", "_norm")) else v
-            for k, v in data.items()}
-    return dataclasses.asdict(options_from_args(DistillOptions, source, data, section="finetune"))
+    if isinstance(data, dict):  # YAML reads 1 as an int; a learning rate or norm written so is still a number
+        data = {k: float(v) if isinstance(v, int) and not isinstance(v, bool) and k.endswith(("_lr", "_norm"))
+                else v for k, v in data.items()}
+    return parse_section(DistillOptions, data, source, "finetune")
 
 
 def training_windows(windows: np.ndarray, seq_len: int) -> np.ndarray:

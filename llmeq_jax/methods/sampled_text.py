@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from llmeq_jax.methods.blockwise import option, options_from_args
+from llmeq_jax.methods.blockwise import option, parse_section
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,14 +32,7 @@ class CalibrationOptions:
 
 def parse_calibration(data: Any, source: str = "recipe") -> dict | None:
     """Validate a recipe's ``calibration:`` mapping -> a plain dict with every option (None stays None)."""
-    if data is None:
-        return None
-    if not isinstance(data, dict):
-        from llmeq_jax.core.rules import RecipeError
-
-        keys = sorted(f.name for f in dataclasses.fields(CalibrationOptions))
-        raise RecipeError(f"{source}: calibration must be a mapping with keys among {keys}, got {data!r}")
-    return dataclasses.asdict(options_from_args(CalibrationOptions, source, data, section="calibration"))
+    return parse_section(CalibrationOptions, data, source, "calibration")
 
 
 def prompt_token(config) -> int:
