@@ -121,9 +121,12 @@ def test_quantized_decode_equals_prefill_path(stories, spec):
     decoded = jnp.concatenate(outs, axis=1)
     np.testing.assert_array_equal(np.argmax(decoded, -1), np.argmax(prefill_path, -1))
     # Codes can flip where a value sits on a rounding boundary (ulp-level differences between
-    # the chunked and the full matmuls), so logits agree closely, not bit for bit: one flipped
-    # int8 key code moves later logits by up to ~1e-2 on this model.
-    np.testing.assert_allclose(decoded, prefill_path, atol=1.5e-2)
+    # the chunked and the full matmuls, which differ from CPU to CPU), so logits agree closely, not
+    # bit for bit: one flipped int8 key code moves later logits by up to ~1e-2 on this model, one
+    # flipped int2 code (a step 40x coarser) up to ~3e-2 at a few positions (seen on an AMD EPYC).
+    # A wrong scale, slot or mask moves them by O(1) everywhere.
+    diff = np.abs(np.asarray(decoded) - np.asarray(prefill_path))
+    assert diff.max() < 0.1 and np.mean(diff > 1.5e-2) < 1e-3, (diff.max(), np.mean(diff > 1.5e-2))
     # ... and the quantization really changed something (else the test would prove nothing).
     float_logits = forward(config, params, tokens)
     assert float(jnp.max(jnp.abs(float_logits - prefill_path))) > 1e-2
