@@ -114,9 +114,11 @@ def quantize_model(config, params: dict, recipe: Recipe, windows: np.ndarray | N
     check_method(recipe.method)
     if needs_calibration(recipe) and windows is None:
         raise RecipeError(f"recipe {recipe.name!r} ({recipe.method}) needs calibration windows")
-    if windows is not None:  # the recipe's sampled sequences join the calibration windows
-        windows = sampled_text.with_sampled(config, params, windows, recipe.calibration, progress)
-    out, info = _apply_method(config, params, recipe, windows, progress, calibrate_fn or calibrate.calibrate)
+    # The recipe's sampled sequences join the calibration windows of the method (not the fine-tuning's:
+    # its `data` option says what it trains on)
+    calib = None if windows is None else sampled_text.with_sampled(config, params, windows, recipe.calibration,
+                                                                   progress)
+    out, info = _apply_method(config, params, recipe, calib, progress, calibrate_fn or calibrate.calibrate)
     if recipe.finetune is not None:
         if finetune_windows is None:
             finetune_windows = distill.training_windows(windows, recipe.finetune["seq_len"])
