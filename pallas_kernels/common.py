@@ -80,10 +80,12 @@ def interleave_pairs(even: jax.Array, odd: jax.Array) -> jax.Array:
     return jnp.stack([even, odd], axis=-1).reshape(*lead, 2 * n)
 
 
-def span(start, size: int, limit: int):
-    """(pl.ds(start, size), in-bounds mask of length ``size``) for one dim."""
-    idx = start + jax.lax.broadcasted_iota(jnp.int32, (size,), 0)
-    return pl.ds(start, size), idx < limit
+def span(start, size: int, limit: int, stride: int = 1):
+    """(pl.ds(start, size, stride), in-bounds mask of length ``size``) for one dim.
+
+    Strided spans lower for Triton but not in interpret mode (jax 0.10.2)."""
+    idx = start + stride * jax.lax.broadcasted_iota(jnp.int32, (size,), 0)
+    return (pl.ds(start, size) if stride == 1 else pl.ds(start, size, stride)), idx < limit
 
 
 def load_tile(ref, rows, cols, other=0):

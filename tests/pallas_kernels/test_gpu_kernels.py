@@ -22,6 +22,7 @@ import pytest
 from llmeq_jax import ops
 from llmeq_jax.core.quantize import Spec, quantize
 from pallas_kernels import config
+from pallas_kernels.blocks import Blocks
 from pallas_kernels.kv_cache import store_decode_attention, store_decode_attention_reference
 from pallas_kernels.w8a8 import w8a8_matmul, w8a8_reference
 from pallas_kernels.weight_only import weight_only_matmul, weight_only_reference
@@ -139,6 +140,31 @@ for _shape in WO_SHAPES:
         return f"weight-only int{bits} M={m} K={k} N={n} group={group} {sym} {jnp.dtype(dtype).name}", *compare(
             y, r, 1e-5 if dtype == F32 else 8e-3
         ), None
+
+
+WO_DEQUANT = [  # (M, K, N, group, symmetric, dtype, dequant, strided x, blocks): int4's decode options
+    (1, 4096, 11008, 128, False, BF16, "magic", False, None),
+    (1, 4096, 11008, 128, False, BF16, "fold", True, None),
+    (16, 11008, 4096, 128, True, BF16, "fold", False, (16, 128, 256, 4, 4)),
+    (3, 300, 90, 32, False, F16, "fold", True, (16, 64, 64, 4, 3)),  # ragged
+    (512, 4096, 4096, 128, False, BF16, "magic", True, None),
+]
+
+for _shape in WO_DEQUANT:
+
+    @case
+    def _weight_only_dequant(shape=_shape):
+        m, k, n, group, symmetric, dtype, dequant, strided, blocks = shape
+        q = quantize(jax.random.normal(jax.random.key(5), (k, n)),
+                     Spec(bits=4, granularity="group", group_size=group, symmetric=symmetric))
+        x = jax.random.normal(jax.random.key(6), (m, k)).astype(dtype)
+        kw = dict(bits=4, w_zero_point=q.zero_point, group=group)
+        opts = dict(dequant=dequant, strided_x=strided, blocks=blocks and Blocks(*blocks))
+        y = jax.jit(lambda x, w, s: weight_only_matmul(x, w, s, interpret=INTERPRET, **opts, **kw))(x, q.qvalue, q.scale)
+        r = reference(weight_only_reference, x, q.qvalue, q.scale, **kw)
+        sym = "sym" if symmetric else "asym"
+        return (f"weight-only int4 {dequant}{' strided-x' if strided else ''} M={m} K={k} N={n} group={group} {sym} "
+                f"{jnp.dtype(dtype).name} blocks={blocks}", *compare(y, r, 8e-3), None)
 
 
 # --------------------------------------------------------------------------- KV cache

@@ -6,7 +6,14 @@ import pytest
 from llmeq_jax import ops
 from llmeq_jax.core.quantize import Spec, quantize
 from pallas_kernels.blocks import Blocks
-from pallas_kernels.weight_only import can_use, weight_only_matmul, weight_only_reference
+from pallas_kernels.weight_only import (
+    can_use,
+    dequant_int4,
+    int4_offset,
+    unpack_int4_rows,
+    weight_only_matmul,
+    weight_only_reference,
+)
 
 # (M, K, N, bits, group, symmetric, dtype)
 CASES = [
@@ -53,6 +60,38 @@ def test_k_splits_match_one_pass(bits, group):
         np.testing.assert_allclose(y, r, rtol=1e-6, atol=1e-6 * float(jnp.max(jnp.abs(r))))
 
 
+@pytest.mark.parametrize("dequant", ["magic", "fold"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_bit_pattern_dequant_matches_convert(dequant, dtype, symmetric):
+    """Magic-number dequantization (and its folded offset) computes what int->float conversion does,
+    over every nibble value, with and without zero points, and K steps spanning two groups."""
+    k, n, group = 256, 48, 32
+    q = _qweight(k, n, 4, group, symmetric)
+    assert set(np.unique(np.asarray(unpack_int4_rows(q.qvalue, k)))) >= set(range(-7, 8))
+    x = jax.random.normal(jax.random.key(6), (5, k)).astype(dtype)
+    kw = dict(bits=4, w_zero_point=q.zero_point, group=group, interpret=True)
+    ref = np.asarray(weight_only_reference(x, q.qvalue, q.scale, bits=4, w_zero_point=q.zero_point, group=group),
+                     np.float32)
+    for blocks in (None, Blocks(16, 16, 2 * group)):
+        y = np.asarray(weight_only_matmul(x, q.qvalue, q.scale, dequant=dequant, blocks=blocks, **kw), np.float32)
+        np.testing.assert_allclose(y, ref, rtol=1e-2, atol=1e-2 * float(np.max(np.abs(ref))))
+
+
+def test_dequant_int4_values_are_exact():
+    codes = jnp.arange(256, dtype=jnp.int32).astype(jnp.uint8).reshape(16, 16)
+    want_low, want_high = (np.asarray(a) for a in dequant_int4(codes, jnp.float32, "convert"))
+    assert sorted(set(want_low.ravel())) == list(range(-8, 8))
+    for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
+        low, high = dequant_int4(codes, dtype, "magic")
+        np.testing.assert_array_equal(np.asarray(low, np.float32), want_low)
+        np.testing.assert_array_equal(np.asarray(high, np.float32), want_high)
+        if dtype != jnp.float32:
+            low, high = dequant_int4(codes, dtype, "fold")
+            np.testing.assert_array_equal(np.asarray(low, np.float32) - int4_offset(dtype), want_low)
+            np.testing.assert_array_equal(np.asarray(high, np.float32) - int4_offset(dtype), want_high)
+
+
 def test_integer_path_is_exact():
     """Unit scales, integer activations: exactly the integer product of the unpacked int4 values."""
     rng = np.random.default_rng(0)
@@ -83,8 +122,28 @@ def test_bad_input_is_rejected_clearly():
     x = jnp.ones((2, 64))
     with pytest.raises(ValueError, match="must be uint8 with 32 rows"):
         weight_only_matmul(x, jnp.zeros((64, 8), jnp.int8), jnp.ones((1, 8)), bits=4, interpret=True)
+    with pytest.raises(ValueError, match="'fold' needs bfloat16"):
+        weight_only_matmul(x, jnp.zeros((32, 8), jnp.uint8), jnp.ones((1, 8)), bits=4, dequant="fold", interpret=True)
+    with pytest.raises(ValueError, match="multiple of the group"):
+        weight_only_matmul(x, jnp.zeros((32, 8), jnp.uint8), jnp.ones((2, 8)), bits=4, group=32,
+                           blocks=Blocks(16, 16, 48), interpret=True)
     with pytest.raises(ValueError, match="bits=3"):
         weight_only_matmul(x, jnp.zeros((64, 8), jnp.int8), jnp.ones((1, 8)), bits=3, interpret=True)
     assert can_use((2, 64), jnp.bfloat16, 4, 64, 128) == (True, "")
     assert not can_use((2, 64), jnp.bfloat16, 2, 64, None)[0]
     assert not can_use((2, 64), jnp.bfloat16, 4, 64, 16)[0]
+
+
+@pytest.mark.parametrize("dequant", ["magic", "fold"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("zp,strided", [(False, False), (True, False), (True, True)])
+def test_bit_pattern_dequant_lowers_for_cuda(cuda_lowering, dequant, dtype, zp, strided):
+    m, k, n, group = 4, 4096, 11008, 128
+    sds = jax.ShapeDtypeStruct
+    z = sds((k // group, n), jnp.int8) if zp else None
+
+    def f(x, w, s, z):
+        return weight_only_matmul(x, w, s, bits=4, w_zero_point=z, group=group, dequant=dequant,
+                                  strided_x=strided, blocks=Blocks(16, 128, 2 * group))
+
+    cuda_lowering(f, sds((m, k), dtype), sds((k // 2, n), jnp.uint8), sds((k // group, n), jnp.float32), z)
