@@ -10,6 +10,10 @@ weights -- and writes them as one JSON table. Activated (``LLMEQ_DISPATCH_TABLE=
 the kernel takes a product only where it was measured faster than XLA on this device, kernel,
 width, group, (K, N), activation dtype and row bucket. Where it has none the static rule stays.
 
+Tables measured by this project ship in ``llmeq_jax/dispatch_tables/`` (one JSON file per device
+kind, e.g. ``NVIDIA_H200.json``) and apply by themselves on that device when no table is active;
+``LLMEQ_DISPATCH_TABLE=none`` turns them off (the static rule everywhere).
+
 Rows are bucketed to the next power of two (M = 3 reads the M = 4 entry; the benchmark measures
 powers of two). A table measured on another device kind is ignored, with one warning: kernel
 speed ratios do not carry from one GPU to another.
@@ -156,13 +160,29 @@ def _from_env(path: str, mtime: float) -> Table:
     return load(path)
 
 
+OFF = "none"  # $LLMEQ_DISPATCH_TABLE=none: no table at all, not even a shipped one
+SHIPPED = Path(__file__).parent / "dispatch_tables"
+
+
+def shipped_path(device: str) -> Path:
+    """Where the table this project measured on ``device`` ships (it may not exist)."""
+    return SHIPPED / ("".join(c if c.isalnum() else "_" for c in device) + ".json")
+
+
+@functools.lru_cache(maxsize=8)
+def shipped(device: str) -> Table | None:
+    """The shipped table of ``device``, or None when none was measured there."""
+    path = shipped_path(device)
+    return load(path) if path.exists() else None
+
+
 def active() -> Table | None:
     """The table of the innermost :func:`use` block, else the one ``$LLMEQ_DISPATCH_TABLE`` names, else None."""
     table = _ACTIVE.get()
     if table is not None:
         return table
     path = os.environ.get(ENV)
-    if not path:
+    if not path or path == OFF:
         return None
     try:
         mtime = os.path.getmtime(path)
@@ -178,16 +198,17 @@ def _warn_other_device(source: str, measured: str, here: str) -> None:
 
 
 def choice(key: Key) -> str | None:
-    """The measured path for ``key`` under the active table ("pallas" / "xla"), or None (no table, another
-    device, or no measurement of this product)."""
+    """The measured path for ``key`` under the active table, else the table shipped for its device
+    ("pallas" / "xla"), or None (no table, another device, or no measurement of this product)."""
     table = active()
     if table is None:
-        return None
+        own = None if os.environ.get(ENV) == OFF else shipped(key.device)
+        return own.choice(key) if own is not None else None
     if table.device != key.device:
         _warn_other_device(table.source, table.device, key.device)
         return None
     return table.choice(key)
 
 
-__all__ = ["DispatchTableError", "ENV", "Key", "Table", "active", "choice", "from_json", "load", "row_bucket",
-           "to_json", "use"]
+__all__ = ["DispatchTableError", "ENV", "OFF", "Key", "Table", "active", "choice", "from_json", "load", "row_bucket",
+           "shipped", "shipped_path", "to_json", "use"]

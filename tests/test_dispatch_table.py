@@ -1,5 +1,6 @@
 """The measured dispatch table (llmeq_jax/dispatch_table.py) and how kernel_dispatch follows it (interpret mode)."""
 
+import dataclasses
 import json
 
 import jax
@@ -127,3 +128,23 @@ def test_bench_kernels_writes_a_table_dispatch_reads(tmp_path, capsys):
     assert "slower than bf16 in 1: w8a8/8 4096x11008 M=2048" in capsys.readouterr().out
     table = dt.load(path)
     assert table.choice(fast) == "pallas" and table.choice(slow) == "xla"
+
+
+def test_a_shipped_table_applies_on_its_device_unless_turned_off(monkeypatch):
+    """llmeq_jax/dispatch_tables/<device>.json is read by itself on that device; an active table wins;
+    LLMEQ_DISPATCH_TABLE=none turns it off."""
+    monkeypatch.delenv(dt.ENV, raising=False)
+    h200 = dt.shipped("NVIDIA H200")
+    assert h200 is not None and h200.device == "NVIDIA H200" and len(h200.entries) >= 18
+    assert dt.shipped_path("NVIDIA H200").name == "NVIDIA_H200.json"
+    assert dt.shipped("No Such GPU") is None
+    prefill = dt.Key("NVIDIA H200", "weight_only", 4, 128, 4096, 4096, 2048, "bfloat16")
+    decode = dataclasses.replace(prefill, rows=1)
+    # what the H200 measured: XLA's dequantize + dot beats the int4 kernel at prefill, not at decode
+    assert h200.choice(prefill) == "xla" and h200.choice(decode) == "pallas"
+    assert dt.choice(prefill) == "xla" and dt.choice(decode) == "pallas"
+    assert dt.choice(dataclasses.replace(prefill, device="No Such GPU")) is None
+    with dt.use(dt.from_json(dt.to_json("NVIDIA H200", [(prefill, TIMES | {"pallas_s": 1e-9})]))):
+        assert dt.choice(prefill) == "pallas"
+    monkeypatch.setenv(dt.ENV, dt.OFF)
+    assert dt.active() is None and dt.choice(prefill) is None
