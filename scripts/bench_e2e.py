@@ -300,7 +300,9 @@ def table(rows: dict[str, dict], base_name: str, batches: list[int]) -> str:
 def variants_of(args) -> list[str]:
     base = baseline(args)
     ours = [base] + [r for r in args.recipes if r != base]
-    if args.scan_layers:  # each of ours, then the same with stacked blocks
+    if args.scan_only:  # only the stacked-blocks layout (a 32-layer model compiles one block)
+        ours = [v + SCAN_SUFFIX for v in ours]
+    elif args.scan_layers:  # each of ours, then the same with stacked blocks
         ours = [name for v in ours for name in (v, v + SCAN_SUFFIX)]
     return ours + torch_variants(args)
 
@@ -337,7 +339,7 @@ def run_all(args) -> None:
             out.write_text(json.dumps(report_of(args, rows), indent=1))
     report = report_of(args, rows)
     print(f"Model {report['model']} ({args.dtype}); {report['machine']}.\n{report['protocol']}.\n")
-    print(table(rows, baseline(args), args.batches))
+    print(table(rows, baseline(args) + (SCAN_SUFFIX if args.scan_only else ""), args.batches))
     print(f"\nJSON: {out}")
 
 
@@ -363,6 +365,8 @@ def parse_args(argv=None):
                     help="also measure transformers (and torch quantize_dynamic int8 on a CPU); needs torch")
     ap.add_argument("--scan-layers", action="store_true",
                     help=f"also each of our variants with its blocks stacked under one scan (rows '<variant>{SCAN_SUFFIX}')")
+    ap.add_argument("--scan-only", action="store_true",
+                    help="only our variants with stacked blocks (ratios against the baseline's '+scan' row)")
     ap.add_argument("--out", default="runs/bench_e2e.json")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)

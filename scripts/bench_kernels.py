@@ -113,8 +113,9 @@ def write_table(path, measured):
           f"{len(slower)}: " + ", ".join(f"{e['kernel']}/{e['bits']} {e['k']}x{e['n']} M={e['rows']}" for e in slower))
 
 
-def gpu_bench(reps, sweep=False, table=None):
-    """Print the kernel timings; with a list ``table``, also time XLA's path and append (key, times) to it."""
+def gpu_bench(reps, sweep=False, table=None, table_path=None):
+    """Print the kernel timings; with a list ``table``, also time XLA's path and append (key, times) to it
+    (and write the table to ``table_path`` after each weight shape)."""
     from llmeq_jax import ops
     from llmeq_jax.core.quantize import Spec, quantize
     from pallas_kernels.kv_cache import store_decode_attention
@@ -169,6 +170,8 @@ def gpu_bench(reps, sweep=False, table=None):
                         print(f"   sweep {kind} M={m} {cfg}: failed: {type(e).__name__}: {str(e)[:200]}")
             del xs
         del wb, w8, s8, w4, s4, kinds
+        if table is not None and table_path:  # after every weight shape: a run cut short keeps what it measured
+            write_table(table_path, table)
 
     b, h, g, t, d = KV_SHAPE
     # The quantized cache's store: per-channel key grid, float16 per-token value scale and min.
@@ -229,9 +232,7 @@ def main():
         roofline_table()
         return
     table = [] if args.write_table else None
-    gpu_bench(args.reps, args.sweep, table)
-    if table is not None:
-        write_table(args.write_table, table)
+    gpu_bench(args.reps, args.sweep, table, args.write_table)
 
 
 if __name__ == "__main__":
