@@ -35,15 +35,19 @@ class KernelUnavailable(ValueError):
 
 
 def _layout(w: QArray) -> tuple[int | None, jnp.ndarray, jnp.ndarray | None, str]:
-    """(group or None, scale (G, N), zero point (G, N) or None, why-not) of an (in, out) kernel."""
+    """(group or None, scale (G, N), zero point (G, N) or None, why-not) of an (in, out) kernel.
+
+    A stack of kernels (arrays with leading layer axes, ``llmeq_jax.layer_slice``) keeps them:
+    scale and zero point come back [L, G, N]."""
     k, n = w.shape
     if w.tile[1] not in (1, n):
         return None, None, None, f"scales grouped along the output dim (tile {w.tile})"
-    per_k = w.scale.shape[0]
+    lead = w.scale.shape[:-2]
+    per_k = w.scale.shape[-2]
     group = None if per_k == 1 else w.tile[0]
     groups = 1 if group is None else math.ceil(k / group)
-    scale = jnp.broadcast_to(w.scale.astype(jnp.float32), (groups, n))
-    zp = None if w.zero_point is None else jnp.broadcast_to(w.zero_point, (groups, n))
+    scale = jnp.broadcast_to(w.scale.astype(jnp.float32), (*lead, groups, n))
+    zp = None if w.zero_point is None else jnp.broadcast_to(w.zero_point, (*lead, groups, n))
     return group, scale, zp, ""
 
 
@@ -81,8 +85,18 @@ def table_key(kind: str, rows: int, x_dtype, w: QArray, group: int | None) -> di
                               dispatch_table.row_bucket(rows), jnp.dtype(x_dtype).name)
 
 
-def linear(x, w: QArray, act=None, require: bool = False):
-    """``x @ w`` by a Pallas kernel, or None when none applies (an error if ``require``)."""
+def _act_scale(w: QArray, layer):
+    """The static activation scale of ``w`` (of its layer ``layer`` in a stack), or None (dynamic)."""
+    if w.act_scale is None or layer is None:
+        return w.act_scale
+    return jax.lax.dynamic_index_in_dim(w.act_scale, layer, 0, keepdims=False)
+
+
+def linear(x, w: QArray, act=None, require: bool = False, layer=None):
+    """``x @ w`` by a Pallas kernel, or None when none applies (an error if ``require``).
+
+    With ``layer``, ``w`` is a stack of kernels (``llmeq_jax.layer_slice.LayerSlice``) and the
+    product is with its layer ``layer``, read in place."""
     if not config.kernels_available():
         if require and config.is_disabled():
             raise KernelUnavailable("backend='pallas' inside pallas_kernels.config.disabled(): kernels are off")
@@ -103,8 +117,9 @@ def linear(x, w: QArray, act=None, require: bool = False):
     if not require and dispatch_table.choice(table_key(kind, x2.shape[0], x.dtype, w, group)) == "xla":
         return None  # measured on this device: XLA's path is the faster one for this product
     if kind == "w8a8":
-        y = w8a8.w8a8_matmul(x2, w.qvalue, scale, w_zero_point=zp, act_scale=w.act_scale, group=group)
+        y = w8a8.w8a8_matmul(x2, w.qvalue, scale, w_zero_point=zp, act_scale=_act_scale(w, layer), group=group,
+                             layer=layer)
     else:
         bits = 4 if is_packed(w.bits) else 8
-        y = weight_only.weight_only_matmul(x2, w.qvalue, scale, bits=bits, w_zero_point=zp, group=group)
+        y = weight_only.weight_only_matmul(x2, w.qvalue, scale, bits=bits, w_zero_point=zp, group=group, layer=layer)
     return y.reshape(*x.shape[:-1], n)

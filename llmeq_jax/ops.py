@@ -37,6 +37,7 @@ from llmeq_jax import kernel_dispatch
 from llmeq_jax.core.qarray import QArray, int_range, is_packed, packed_length, packing, unpack
 from llmeq_jax.core.quantize import Spec
 from llmeq_jax.decode_layout import PanelKernel, RowMajorKernel, kernel_view, unpack_panels
+from llmeq_jax.layer_slice import LayerSlice
 
 # Up to this many rows of activations, weight-only avoids materialising the
 # dequantized kernel (chunked scan on CPU, multiply-reduce elsewhere).
@@ -94,6 +95,9 @@ def linear(
     if isinstance(w, PanelKernel):
         y = _linear_panels(x, w, backend)
         return y if bias is None else y + bias.astype(y.dtype)
+    if isinstance(w, LayerSlice):
+        y = _linear_layer_slice(x, w, act, backend)
+        return y if bias is None else y + bias.astype(y.dtype)
     if not isinstance(w, QArray):
         y = jnp.matmul(x, w.astype(x.dtype))
     elif w.grid != "uniform":  # log2 codes: no integer kernel applies, dequantize inside the jit
@@ -110,6 +114,16 @@ def linear(
     if bias is not None:
         y = y + bias.astype(y.dtype)
     return y
+
+
+def _linear_layer_slice(x, w: LayerSlice, act, backend):
+    """One layer of a stacked kernel: a Pallas kernel that can reads it in place from the stack;
+    every other path takes the layer's slice (a copy, for a custom call)."""
+    if backend != "xla" and w.stack.grid == "uniform":
+        y = kernel_dispatch.linear(x, w.stack, act if act is not None else w.stack.act_spec, layer=w.layer)
+        if y is not None:
+            return y
+    return linear(x, w.value(), act=act, backend=backend)
 
 
 def _try_pallas(x, w, act, backend):

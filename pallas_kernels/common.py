@@ -88,10 +88,12 @@ def span(start, size: int, limit: int, stride: int = 1):
     return (pl.ds(start, size) if stride == 1 else pl.ds(start, size, stride)), idx < limit
 
 
-def load_tile(ref, rows, cols, other=0):
-    """Masked 2-D tile load; ``rows``/``cols`` are :func:`span` results."""
+def load_tile(ref, rows, cols, other=0, layer=None):
+    """Masked 2-D tile load; ``rows``/``cols`` are :func:`span` results. With ``layer`` (a traced
+    scalar), ``ref`` holds a stack of such arrays and the tile comes from ``ref[layer]``."""
     (rs, rm), (cs, cm) = rows, cols
-    return plgpu.load(ref.at[rs, cs], mask=rm[:, None] & cm[None, :], other=other)
+    view = ref.at[rs, cs] if layer is None else ref.at[layer, rs, cs]
+    return plgpu.load(view, mask=rm[:, None] & cm[None, :], other=other)
 
 
 def store_tile(ref, rows, cols, value):

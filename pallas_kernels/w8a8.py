@@ -63,9 +63,11 @@ def quantize_rows(x, act_scale=None):
     return jnp.clip(jnp.round(xf / sx), -QMAX, QMAX).astype(jnp.int8), sx
 
 
-def _kernel(*refs, m, n, k, blocks, group, has_zp, has_bias, split_blocks, split, w_kmajor):
-    xq_ref, sx_ref, w_ref, ws_ref = refs[:4]
-    rest = list(refs[4:])
+def _kernel(*refs, m, n, k, blocks, group, has_zp, has_bias, split_blocks, split, w_kmajor, stacked):
+    rest = list(refs)
+    layer = rest.pop(0)[0] if stacked else None  # weights, scales, zero points: one layer of a stack
+    xq_ref, sx_ref, w_ref, ws_ref = rest[:4]
+    rest = rest[4:]
     zp_ref = rest.pop(0) if has_zp else None
     b_ref = rest.pop(0) if has_bias else None
     (o_ref,) = rest
@@ -75,25 +77,25 @@ def _kernel(*refs, m, n, k, blocks, group, has_zp, has_bias, split_blocks, split
     first = pl.program_id(2) * split_blocks
     last = jnp.minimum(first + split_blocks, cdiv(k, bk))
 
-    def row_of(ref, g):  # one (1, bn) row of a per-group array
-        return load_tile(ref, span(g, 1, ref.shape[0]), cols, 0).astype(jnp.float32)
+    def row_of(ref, g, lay=None):  # one (1, bn) row of a per-group array
+        return load_tile(ref, span(g, 1, ref.shape[-2]), cols, 0, lay).astype(jnp.float32)
 
     def body(kb, carry):
         acc, xsum = carry
         xt = load_tile(xq_ref, rows, span(kb * bk, bk, k), 0)
         if w_kmajor:  # w_ref is (N, K): contract the last dims (the int8 tensor-core path on Hopper wants this)
-            wt = load_tile(w_ref, cols, span(kb * bk, bk, k), 0)
+            wt = load_tile(w_ref, cols, span(kb * bk, bk, k), 0, layer)
             part = jax.lax.dot_general(xt, wt, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
         else:
-            wt = load_tile(w_ref, span(kb * bk, bk, k), cols, 0)
+            wt = load_tile(w_ref, span(kb * bk, bk, k), cols, 0, layer)
             part = dot(xt, wt, preferred=jnp.int32)
         tsum = jnp.sum(xt.astype(jnp.int32), axis=1, keepdims=True) if has_zp else xsum
         if group is None:  # one scale for all of K: keep exact int32 accumulation
             return acc + part, (xsum + tsum) if has_zp else xsum
         partf = part.astype(jnp.float32)
         if has_zp:
-            partf = partf - tsum.astype(jnp.float32) * row_of(zp_ref, kb)
-        return acc + partf * row_of(ws_ref, kb), xsum
+            partf = partf - tsum.astype(jnp.float32) * row_of(zp_ref, kb, layer)
+        return acc + partf * row_of(ws_ref, kb, layer), xsum
 
     acc_dtype = jnp.int32 if group is None else jnp.float32
     init = (jnp.zeros((bm, bn), acc_dtype), jnp.zeros((bm, 1), jnp.int32))
@@ -101,8 +103,8 @@ def _kernel(*refs, m, n, k, blocks, group, has_zp, has_bias, split_blocks, split
     if group is None:
         accf = acc.astype(jnp.float32)
         if has_zp:
-            accf = accf - xsum.astype(jnp.float32) * row_of(zp_ref, 0)
-        acc = accf * row_of(ws_ref, 0)
+            accf = accf - xsum.astype(jnp.float32) * row_of(zp_ref, 0, layer)
+        acc = accf * row_of(ws_ref, 0, layer)
     y = acc * load_tile(sx_ref, rows, span(0, 1, 1), 1.0)
     if split:  # a float32 partial sum; bias and the cast come after the splits are added
         (rs, rm), (cs, cm) = rows, cols
@@ -113,7 +115,16 @@ def _kernel(*refs, m, n, k, blocks, group, has_zp, has_bias, split_blocks, split
     store_tile(o_ref, rows, cols, y.astype(o_ref.dtype))
 
 
-def _check(x, wq, w_scale, w_zero_point, group):
+def _check(x, wq, w_scale, w_zero_point, group, layer=None):
+    if layer is not None:  # a stack of weights [L, ...]: check one layer's shapes
+        lead = wq.shape[:1]
+        if wq.ndim != 3 or w_scale.shape[:1] != lead or (w_zero_point is not None and w_zero_point.shape[:1] != lead):
+            raise ValueError(f"w8a8_matmul: with layer=, wq, w_scale (and the zero point) must be stacks [L, ...] of "
+                             f"one length; got {wq.shape}, {w_scale.shape}")
+        if jnp.shape(layer) != () or not jnp.issubdtype(jnp.asarray(layer).dtype, jnp.integer):
+            raise ValueError(f"w8a8_matmul: layer must be an integer scalar, got {jnp.shape(layer)}")
+        one = lambda a: None if a is None else jax.ShapeDtypeStruct(a.shape[1:], a.dtype)  # noqa: E731
+        return _check(x, one(wq), one(w_scale), one(w_zero_point), group)
     if x.ndim != 2 or wq.ndim != 2 or x.shape[1] != wq.shape[0]:
         raise ValueError(f"w8a8_matmul expects x (M, K) and wq (K, N); got {x.shape} and {wq.shape}")
     if jnp.dtype(x.dtype) not in FLOAT_DTYPES:
@@ -142,27 +153,35 @@ def w8a8_matmul(
     blocks: Blocks | None = None,
     k_splits: int | None = None,
     transpose_w: bool | None = None,
+    layer=None,
     interpret: bool | None = None,
 ):
     """Quantize activations + int8 GEMM with fused rescale (see module docstring for the contract).
 
     ``transpose_w`` (default: M >= TRANSPOSE_MIN_M) feeds the kernel ``wq.T``, made by XLA
     for each call (K*N bytes read and written), so that the int8 weight tile is K-major.
+    With ``layer`` (an int32 scalar), ``wq``, ``w_scale`` and the zero point are stacks [L, ...]
+    and the kernel reads that layer in place (the transposed path slices it: it copies anyway).
     """
-    _check(x, wq, w_scale, w_zero_point, group)
+    _check(x, wq, w_scale, w_zero_point, group, layer)
     m, k = x.shape
-    n = wq.shape[1]
+    n = wq.shape[-1]
     blocks = blocks or matmul_blocks(m, n, k, group, int8=True)
     if group is not None and blocks.bk != group:
         raise ValueError(f"w8a8_matmul: with per-group scales the K block must equal the group ({group}), got {blocks.bk}")
     xq, sx = quantize_rows(x, act_scale)
     w_kmajor = m >= TRANSPOSE_MIN_M if transpose_w is None else bool(transpose_w)
+    if w_kmajor and layer is not None:
+        one = lambda a: None if a is None else jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)  # noqa: E731
+        wq, w_scale, w_zero_point, layer = one(wq), one(w_scale), one(w_zero_point), None
     args = [xq, sx, wq.T if w_kmajor else wq, w_scale.astype(jnp.float32)]
     if w_zero_point is not None:
         args.append(w_zero_point.astype(jnp.int8))
+    if layer is not None:
+        args.insert(0, jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)))
     return launch_matmul(_kernel, args, m=m, n=n, k=k, blocks=blocks, bias=bias, k_splits=k_splits, out_dtype=x.dtype,
                          interpret=config.resolve_interpret(interpret), name="w8a8_matmul", group=group,
-                         has_zp=w_zero_point is not None, w_kmajor=w_kmajor)
+                         has_zp=w_zero_point is not None, w_kmajor=w_kmajor, stacked=layer is not None)
 
 
 def w8a8_reference(x, wq, w_scale, *, w_zero_point=None, bias=None, act_scale=None, group=None):

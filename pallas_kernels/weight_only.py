@@ -91,9 +91,11 @@ def dequant_int4(packed, cdt, mode: str):
 
 
 def _kernel(*refs, m, n, k, bits, blocks, group, has_zp, has_bias, split_blocks, split, precision, dequant,
-            strided_x):
-    x_ref, w_ref, ws_ref = refs[:3]
-    rest = list(refs[3:])
+            strided_x, stacked):
+    rest = list(refs)
+    layer = rest.pop(0)[0] if stacked else None  # weights, scales, zero points: one layer of a stack
+    x_ref, w_ref, ws_ref = rest[:3]
+    rest = rest[3:]
     zp_ref = rest.pop(0) if has_zp else None
     b_ref = rest.pop(0) if has_bias else None
     (o_ref,) = rest
@@ -109,19 +111,19 @@ def _kernel(*refs, m, n, k, bits, blocks, group, has_zp, has_bias, split_blocks,
     first = pl.program_id(2) * split_blocks
     last = jnp.minimum(first + split_blocks, cdiv(k, bk))
 
-    def row_of(ref, g):
-        return load_tile(ref, span(g, 1, ref.shape[0]), cols, 0).astype(jnp.float32)
+    def row_of(ref, g, lay=None):
+        return load_tile(ref, span(g, 1, ref.shape[-2]), cols, 0, lay).astype(jnp.float32)
 
     def group_part(k0, g):
         """x[:, k0:k0+sub] @ (q - zp)[k0:k0+sub] for scale group g, float32 (M, N)."""
         if bits == 8:
             xt = load_tile(x_ref, rows, span(k0, sub, k), 0)
-            wt = load_tile(w_ref, span(k0, sub, k), cols, 0).astype(jnp.int32)
+            wt = load_tile(w_ref, span(k0, sub, k), cols, 0, layer).astype(jnp.int32)
             part = dot(xt, wt.astype(cdt), precision=prec)
             x_sum = jnp.sum(xt.astype(jnp.float32), axis=1, keepdims=True)
         else:
             half = sub // 2
-            packed = load_tile(w_ref, span(k0 // 2, half, w_ref.shape[0]), cols, 0)
+            packed = load_tile(w_ref, span(k0 // 2, half, w_ref.shape[-2]), cols, 0, layer)
             low, high = dequant_int4(packed, cdt, dequant)
             if strided_x:  # even and odd K columns straight from memory: no shuffle in registers
                 x_even = load_tile(x_ref, rows, span(k0, half, k, stride=2), 0)
@@ -132,7 +134,7 @@ def _kernel(*refs, m, n, k, bits, blocks, group, has_zp, has_bias, split_blocks,
             x_sum = jnp.sum(x_even.astype(jnp.float32) + x_odd.astype(jnp.float32), axis=1, keepdims=True)
         # zero points (and the folded offset) come off through the row sums of x: exact algebra
         if has_zp or fold:
-            shift = (row_of(zp_ref, g) if has_zp else 0.0) + (int4_offset(cdt) if fold else 0.0)
+            shift = (row_of(zp_ref, g, layer) if has_zp else 0.0) + (int4_offset(cdt) if fold else 0.0)
             part = part - x_sum * shift
         return part
 
@@ -140,12 +142,12 @@ def _kernel(*refs, m, n, k, bits, blocks, group, has_zp, has_bias, split_blocks,
         for j in range(steps):  # static: the groups of one K step
             g = kb * steps + j
             part = group_part(g * sub, g if group is not None else 0)
-            acc = acc + (part * row_of(ws_ref, g) if group is not None else part)
+            acc = acc + (part * row_of(ws_ref, g, layer) if group is not None else part)
         return acc
 
     acc = jax.lax.fori_loop(first, last, body, jnp.zeros((bm, bn), jnp.float32))
     if group is None:
-        acc = acc * row_of(ws_ref, 0)
+        acc = acc * row_of(ws_ref, 0, layer)
     if split:  # a float32 partial sum; bias and the cast come after the splits are added
         (rs, rm), (cs, cm) = rows, cols
         plgpu.store(o_ref.at[pl.program_id(2), rs, cs], acc, mask=rm[:, None] & cm[None, :])
@@ -155,9 +157,18 @@ def _kernel(*refs, m, n, k, bits, blocks, group, has_zp, has_bias, split_blocks,
     store_tile(o_ref, rows, cols, acc.astype(o_ref.dtype))
 
 
-def _check(x, wq, w_scale, w_zero_point, bits, group):
+def _check(x, wq, w_scale, w_zero_point, bits, group, layer=None):
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"weight_only_matmul: bits={bits} is not supported; expected one of {SUPPORTED_BITS}")
+    if layer is not None:  # a stack of weights [L, ...]: check one layer's shapes
+        lead = wq.shape[:1]
+        if wq.ndim != 3 or w_scale.shape[:1] != lead or (w_zero_point is not None and w_zero_point.shape[:1] != lead):
+            raise ValueError(f"weight_only_matmul: with layer=, wq, w_scale (and the zero point) must be stacks "
+                             f"[L, ...] of one length; got {wq.shape}, {w_scale.shape}")
+        if jnp.shape(layer) != () or not jnp.issubdtype(jnp.asarray(layer).dtype, jnp.integer):
+            raise ValueError(f"weight_only_matmul: layer must be an integer scalar, got {jnp.shape(layer)}")
+        one = lambda a: None if a is None else jax.ShapeDtypeStruct(a.shape[1:], a.dtype)  # noqa: E731
+        return _check(x, one(wq), one(w_scale), one(w_zero_point), bits, group)
     if x.ndim != 2 or wq.ndim != 2:
         raise ValueError(f"weight_only_matmul expects 2-D x and wq; got {x.shape} and {wq.shape}")
     if jnp.dtype(x.dtype) not in FLOAT_DTYPES:
@@ -191,6 +202,7 @@ def weight_only_matmul(
     k_splits: int | None = None,
     dequant: str | None = None,
     strided_x: bool | None = None,
+    layer=None,
     interpret: bool | None = None,
 ):
     """``x @ dequantize(w)`` with the weight dequantized tile by tile in registers.
@@ -201,11 +213,13 @@ def weight_only_matmul(
     more whole groups. ``dequant`` picks how int4 codes become floats (:func:`dequant_int4`;
     default :func:`default_dequant`). ``strided_x`` loads int4's even and odd K columns of x
     with strided loads instead of splitting one tile in registers (compiled kernels only:
-    interpret mode has no strided loads).
+    interpret mode has no strided loads). With ``layer`` (an int32 scalar, traced or not), ``wq``,
+    ``w_scale`` and the zero point are stacks [L, ...] of that shape and the kernel reads layer
+    ``layer`` of them in place: inside a scan over stacked blocks no layer's weights are copied out.
     """
-    _check(x, wq, w_scale, w_zero_point, bits, group)
+    _check(x, wq, w_scale, w_zero_point, bits, group, layer)
     m, k = x.shape
-    n = wq.shape[1]
+    n = wq.shape[-1]
     # int4 splits the K tile in halves that feed dots: each half needs >= 16.
     blocks = blocks or matmul_blocks(m, n, k, group, min_bk=32 if bits == 4 else 16)
     if group is not None and blocks.bk % group:
@@ -219,10 +233,12 @@ def weight_only_matmul(
     args = [x, wq, w_scale.astype(jnp.float32)]
     if w_zero_point is not None:
         args.append(w_zero_point.astype(jnp.int8))
+    if layer is not None:
+        args.insert(0, jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)))
     return launch_matmul(_kernel, args, m=m, n=n, k=k, blocks=blocks, bias=bias, k_splits=k_splits, out_dtype=x.dtype,
                          interpret=interpret, name=f"weight_only_int{bits}_matmul", bits=bits, group=group,
                          has_zp=w_zero_point is not None, precision=f32_dot_precision(interpret), dequant=dequant,
-                         strided_x=bool(strided_x) and not interpret)
+                         strided_x=bool(strided_x) and not interpret, stacked=layer is not None)
 
 
 def default_dequant(x_dtype) -> str:

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from llmeq_jax.core.qarray import QArray
+from llmeq_jax.layer_slice import LayerSlice
 
 BLOCKS = "blocks"
 
@@ -121,13 +122,35 @@ def unstack_blocks(config, params: Params) -> Params:
     return rest
 
 
+def in_place_kernels() -> bool:
+    """Whether the scan hands quantized kernels to ``ops.linear`` as :class:`LayerSlice` views (read in
+    place by the Pallas kernels: on a GPU, or in interpret mode) rather than as copied-out slices."""
+    from pallas_kernels import config  # not at import time: pallas_kernels is optional for a model tree
+
+    return config.kernels_available()
+
+
+def block_at(blocks, layer, in_place: bool):
+    """Block ``layer`` of the stacked ``blocks``: every array sliced, except 2-D uniform-grid QArray
+    kernels, which stay stacked behind a :class:`LayerSlice` when ``in_place``."""
+
+    def one(leaf):
+        if in_place and isinstance(leaf, QArray) and len(leaf.shape) == 2 and leaf.grid == "uniform":
+            return LayerSlice(leaf, layer)
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False), leaf)
+
+    # every node but the param dicts is taken whole (QArrays, and run-time layouts such as RowMajorKernel)
+    return jax.tree.map(one, blocks, is_leaf=lambda a: not isinstance(a, (dict, list, tuple)))
+
+
 def scan_blocks(run_block, blocks, carry, num_layers: int):
     """``carry`` through ``run_block(block_params, layer, carry) -> carry`` for every stacked block,
-    as one ``lax.scan`` (the layer index traced)."""
+    as one ``lax.scan`` (the layer index traced). The stack is closed over, not scanned over: each
+    step takes its block with :func:`block_at`, so kernels that can read a layer in place do."""
+    in_place = in_place_kernels()
 
-    def body(c, xs):
-        block_params, layer = xs
-        return run_block(block_params, layer, c), None
+    def body(c, layer):
+        return run_block(block_at(blocks, layer, in_place), layer, c), None
 
-    carry, _ = jax.lax.scan(body, carry, (blocks, jnp.arange(num_layers, dtype=jnp.int32)))
+    carry, _ = jax.lax.scan(body, carry, jnp.arange(num_layers, dtype=jnp.int32))
     return carry

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from llmeq_jax import decode_layout, pipeline
+from llmeq_jax.core.qarray import QArray
 from llmeq_jax.generate import generate
 from llmeq_jax.kv import spec as kvspec
 from llmeq_jax.models import ModelConfig, forward, init_params, load_model, stacked
@@ -136,6 +137,26 @@ def test_stacked_blocks_run_the_pallas_kernels(stories, stories_w4):
     assert calls["stacked"] > 0 and calls["unrolled"] == config.num_layers * calls["stacked"]
 
 
+def _weight_slices(config, params, tokens, dtype="u8") -> int:
+    """Dynamic slices of ``dtype`` arrays (packed int4: u8; int8: i8) in the traced forward."""
+    text = str(jax.make_jaxpr(lambda p, t: forward(config, p, t))(params, tokens))
+    return sum(1 for line in text.splitlines() if "dynamic_slice" in line and f"{dtype}[" in line)
+
+
+def test_stacked_blocks_hand_the_kernels_the_stack_not_a_copy(stories, stories_w4):
+    """Where a Pallas kernel runs, the scan gives it the stacked weights and the layer index (LayerSlice):
+    no packed weight is sliced out (XLA would copy it for the custom call); without kernels it is."""
+    from pallas_kernels import config as kernel_config
+
+    config = stories[0]
+    tokens = TOKENS[:1, :4] % config.vocab_size
+    packed = stacked.stack_blocks(config, stories_w4)
+    with kernel_config.interpret(True):
+        assert _weight_slices(config, packed, tokens) == 0
+    with kernel_config.disabled():
+        assert _weight_slices(config, packed, tokens) > 0
+
+
 def test_bf16_model_generates_with_a_bf16_cache_stacked_or_not():
     """The cache follows the model's dtype by default and attention returns the queries' dtype, so a bf16
     residual stream stays bf16 (a scan's carry must keep one type)."""
@@ -156,3 +177,24 @@ def test_published_shapes():
     assert (config.hidden_size, config.num_kv_heads, config.num_layers, config.vocab_size) == (4096, 8, 2, 128256)
     with pytest.raises(ValueError, match="unknown model shapes 'llama-9b'; known: llama-2-7b"):
         shapes.shape_config("llama-9b")
+
+
+def test_stacked_w8a8_static_reads_layers_in_place(stories):
+    """W8A8 with static activation scales: the kernel reads each layer's int8 weights from the stack (and
+    the layer's activation scale), with the unrolled model's logits."""
+    from pallas_kernels import config as kernel_config
+
+    from llmeq_jax import calibrate, methods
+
+    config, params, tokenizer = stories
+    windows = calibrate.calibration_windows(tokenizer, shared_data_path("wikitext2_valid.txt"), 2, 64)
+    w8a8, _ = methods.quantize_model(config, params, pipeline.read_recipe("rtn-w8a8-static"), windows)
+    kernels = [a for a in jax.tree.leaves(w8a8, is_leaf=lambda a: isinstance(a, QArray)) if isinstance(a, QArray)]
+    assert any(q.act_scale is not None for q in kernels)  # static scales: the stack carries them per layer
+    tokens = TOKENS[:1, :4] % config.vocab_size
+    packed = stacked.stack_blocks(config, w8a8)
+    with kernel_config.interpret(True):
+        _close(forward(config, w8a8, tokens), jax.jit(lambda p, t: forward(config, p, t))(packed, tokens))
+        assert _weight_slices(config, packed, tokens, "i8") == 0
+    with kernel_config.disabled():
+        assert _weight_slices(config, packed, tokens, "i8") > 0

@@ -167,6 +167,30 @@ for _shape in WO_DEQUANT:
                 f"{jnp.dtype(dtype).name} blocks={blocks}", *compare(y, r, 8e-3), None)
 
 
+@case
+def _stacked_layer():
+    """One layer of stacked weights read in place (the scan over stacked blocks): int4 weight-only and
+    W8A8, against the same kernels on that layer's own arrays."""
+    layers, k, n = 4, 4096, 11008
+    qs = [quantize(jax.random.normal(jax.random.key(20 + i), (k, n)),
+                   Spec(bits=4, granularity="group", group_size=128, symmetric=False)) for i in range(layers)]
+    stack = jax.tree.map(lambda *a: jnp.stack(a), *qs)
+    x = jax.random.normal(jax.random.key(8), (2, k)).astype(BF16)
+    kw = dict(bits=4, group=128, interpret=INTERPRET)
+    y = jax.jit(lambda x, s, l: weight_only_matmul(x, s.qvalue, s.scale, w_zero_point=s.zero_point, layer=l, **kw))(
+        x, stack, jnp.int32(2))
+    r = jax.jit(lambda x, q: weight_only_matmul(x, q.qvalue, q.scale, w_zero_point=q.zero_point, **kw))(x, qs[2])
+    w8 = jax.random.randint(jax.random.key(9), (layers, k, n), -127, 128).astype(jnp.int8)
+    s8 = jax.random.uniform(jax.random.key(10), (layers, 1, n), minval=1e-3, maxval=1e-2)
+    y8 = jax.jit(lambda x, w, s, l: w8a8_matmul(x, w, s, layer=l, interpret=INTERPRET))(x, w8, s8, jnp.int32(3))
+    r8 = jax.jit(lambda x, w, s: w8a8_matmul(x, w, s, interpret=INTERPRET))(x, w8[3], s8[3])
+    err4, tol4 = compare(y, r, 1e-6)
+    err8, tol8 = compare(y8, r8, 1e-6)
+    # error over tolerance, the worse of the two (NaN never passes)
+    return ("stacked layer 2 of 4 (int4 g128 asym) and layer 3 of 4 (W8A8), bf16 M=2, error / tolerance",
+            float(np.max([err4 / tol4, err8 / tol8])), 1.0, None)
+
+
 # --------------------------------------------------------------------------- KV cache
 
 STORE_CASES = [  # (B, H_kv, G, T, D, bits, pre-RoPE keys, dtype) of kv.cache.QuantKVCache's store

@@ -126,3 +126,20 @@ def test_bad_input_is_rejected_clearly():
     assert can_use((2, 64), jnp.float32, jnp.int8, 64, None) == (True, "")
     assert not can_use((2, 64), jnp.int32, jnp.int8, 64, None)[0]
     assert not can_use((2, 64), jnp.float32, jnp.int8, 64, 48)[0]
+
+
+@pytest.mark.parametrize("group,zp,transpose", [(None, False, False), (32, True, False), (None, True, True)])
+def test_a_layer_of_a_stack_is_read_in_place(group, zp, transpose):
+    """layer=l on stacked weights [L, ...] gives what the kernel gives on layer l alone (a traced index
+    too); the K-major path slices the layer (it transposes a copy anyway)."""
+    m, k, n, layers = 3, 96, 40, 3
+    ops_ = [_operands(m, k, n, group, zp, True, seed=s) for s in range(layers)]
+    x, b = ops_[0][0], ops_[0][4]
+    wq, s, z = (None if ops_[0][i] is None else jnp.stack([o[i] for o in ops_]) for i in (1, 2, 3))
+    kw = dict(bias=b, group=group, transpose_w=transpose, interpret=True)
+    at = jax.jit(lambda x, wq, s, z, layer: w8a8_matmul(x, wq, s, w_zero_point=z, layer=layer, **kw))
+    for layer in range(layers):
+        want = w8a8_matmul(x, ops_[layer][1], ops_[layer][2], w_zero_point=ops_[layer][3], **kw)
+        np.testing.assert_array_equal(np.asarray(at(x, wq, s, z, jnp.int32(layer))), np.asarray(want))
+    with pytest.raises(ValueError, match="must be stacks"):
+        w8a8_matmul(x, ops_[0][1], ops_[0][2], layer=0, **kw)

@@ -147,3 +147,39 @@ def test_bit_pattern_dequant_lowers_for_cuda(cuda_lowering, dequant, dtype, zp, 
                                   strided_x=strided, blocks=Blocks(16, 128, 2 * group))
 
     cuda_lowering(f, sds((m, k), dtype), sds((k // 2, n), jnp.uint8), sds((k // group, n), jnp.float32), z)
+
+
+@pytest.mark.parametrize("bits,group,symmetric", [(4, 32, False), (8, None, True), (4, None, True)])
+def test_a_layer_of_a_stack_is_read_in_place(bits, group, symmetric):
+    """layer=l on stacked weights [L, ...] computes what the kernel computes on layer l alone,
+    for a traced layer index too (inside a jit, as in a scan over stacked blocks)."""
+    k, n, layers = 96, 40, 3
+    qs = [quantize(jax.random.normal(jax.random.key(10 + i), (k, n)),
+                   Spec(bits=bits, granularity="group" if group else "channel", group_size=group,
+                        symmetric=symmetric)) for i in range(layers)]
+    stack = jax.tree.map(lambda *a: jnp.stack(a), *qs)
+    x = jax.random.normal(jax.random.key(7), (3, k))
+    bias = jnp.arange(n, dtype=jnp.float32)
+    kw = dict(bits=bits, group=group, bias=bias, interpret=True)
+
+    @jax.jit
+    def at_layer(x, stack, layer):
+        return weight_only_matmul(x, stack.qvalue, stack.scale, w_zero_point=stack.zero_point, layer=layer, **kw)
+
+    for layer in range(layers):
+        q = qs[layer]
+        want = weight_only_matmul(x, q.qvalue, q.scale, w_zero_point=q.zero_point, **kw)
+        np.testing.assert_array_equal(np.asarray(at_layer(x, stack, jnp.int32(layer))), np.asarray(want))
+    with pytest.raises(ValueError, match="must be stacks"):
+        weight_only_matmul(x, qs[0].qvalue, qs[0].scale, w_zero_point=qs[0].zero_point, layer=0, **kw)
+
+
+def test_a_layer_of_a_stack_lowers_for_cuda(cuda_lowering):
+    sds = jax.ShapeDtypeStruct
+    k, n, layers, group = 4096, 11008, 4, 128
+
+    def f(x, w, s, z, layer):
+        return weight_only_matmul(x, w, s, bits=4, w_zero_point=z, group=group, layer=layer)
+
+    cuda_lowering(f, sds((1, k), jnp.bfloat16), sds((layers, k // 2, n), jnp.uint8),
+                  sds((layers, k // group, n), jnp.float32), sds((layers, k // group, n), jnp.int8), sds((), jnp.int32))

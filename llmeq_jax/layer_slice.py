@@ -1,0 +1,38 @@
+"""One layer of a stacked quantized kernel, for the kernels that read it in place.
+
+Inside the ``lax.scan`` over stacked decoder blocks (``models/stacked.py``) each block's
+weights are a dynamic slice of arrays with a leading layer axis. XLA hands a custom call
+(a Pallas kernel) whole buffers, so it copies each slice out first: a decode step then
+reads every quantized weight three times (slice read, copy write, kernel read) instead of
+once. A :class:`LayerSlice` keeps the stack and the traced layer index instead;
+``ops.linear`` passes both to a kernel that indexes the layer itself
+(``pallas_kernels.weight_only``'s ``layer=``), and takes the slice (:meth:`LayerSlice.value`)
+for every other path, which is what the scan did before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from llmeq_jax.core.qarray import QArray
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerSlice:
+    """Layer ``layer`` of ``stack``: a QArray whose arrays carry a leading layer axis (its static
+    metadata -- shape, bits, tile -- is one layer's, as ``jnp.stack`` over QArrays leaves it)."""
+
+    stack: QArray
+    layer: jax.Array  # int32 scalar, traced inside the scan
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """One layer's logical shape (what ``ops.linear`` checks)."""
+        return self.stack.shape
+
+    def value(self) -> QArray:
+        """The layer as a QArray of its own (a dynamic slice of every array)."""
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, self.layer, 0, keepdims=False), self.stack)
