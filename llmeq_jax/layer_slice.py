@@ -6,8 +6,9 @@ weights are a dynamic slice of arrays with a leading layer axis. XLA hands a cus
 reads every quantized weight three times (slice read, copy write, kernel read) instead of
 once. A :class:`LayerSlice` keeps the stack and the traced layer index instead;
 ``ops.linear`` passes both to a kernel that indexes the layer itself
-(``pallas_kernels.weight_only``'s ``layer=``), and takes the slice (:meth:`LayerSlice.value`)
-for every other path, which is what the scan did before.
+(``pallas_kernels.weight_only``'s and ``w8a8``'s ``layer=``, the native row-major CPU kernels'
+``native.row_major_matmul(..., layer=)``), and takes the slice (:meth:`LayerSlice.value`) for
+every other path, which is what the scan did before.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ class LayerSlice:
     """Layer ``layer`` of ``stack``: a QArray whose arrays carry a leading layer axis (its static
     metadata -- shape, bits, tile -- is one layer's, as ``jnp.stack`` over QArrays leaves it)."""
 
-    stack: QArray
+    stack: QArray  # or a decode_layout.RowMajorKernel holding such a stack
     layer: jax.Array  # int32 scalar, traced inside the scan
 
     @property

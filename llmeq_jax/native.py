@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import ctypes
 import glob
 import math
@@ -41,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from llmeq_jax.core.qarray import QArray, is_packed
+from llmeq_jax.layer_slice import LayerSlice
 
 _WO_TARGET = "llmeq_wo_matmul"
 _W8_TARGET = "llmeq_w8a8_matmul"
@@ -53,7 +55,7 @@ PANEL_COLS = 32
 # Query positions from which the attention kernel runs its blocked prefill path (kFlashMinT in
 # native/cpu_kernels.cc); between NATIVE_MAX_ROWS["attention"] and this, XLA's attention is used.
 PREFILL_ATTENTION_MIN_POSITIONS = 16
-_ABI_VERSION = 4
+_ABI_VERSION = 5
 _DISABLED = contextvars.ContextVar("llmeq_native_disabled", default=False)
 
 
@@ -325,18 +327,24 @@ def _w8_call(xq2, q, scale, zp, sx, *, group_size: int, has_zp: bool):
     return call(xq2, q, scale, zp, sx, group_size=np.int64(group_size), has_zp=np.int64(has_zp))
 
 
-def _rm_a16_call(x2, q, scale, zp, *, bits: int, group_size: int, has_zp: bool):
+def _layer_arg(layer) -> jax.Array:
+    """The row-major kernels' layer operand: which layer of a stacked q / scale to read (0 unstacked)."""
+    return jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
+
+
+def _rm_a16_call(x2, q, scale, zp, *, bits: int, group_size: int, has_zp: bool, layer=None):
     _require(None, "row-major call")
-    out = jax.ShapeDtypeStruct((x2.shape[0], q.shape[0]), jnp.float32)
+    out = jax.ShapeDtypeStruct((x2.shape[0], q.shape[-2]), jnp.float32)
     call = jax.ffi.ffi_call(_RM_A16_TARGET, out, vmap_method="sequential")
-    return call(x2, q, scale, zp, bits=np.int64(bits), group_size=np.int64(group_size), has_zp=np.int64(has_zp))
+    return call(x2, q, scale, zp, _layer_arg(layer), bits=np.int64(bits), group_size=np.int64(group_size),
+                has_zp=np.int64(has_zp))
 
 
-def _rm_a8_call(xq2, q, scale, zp, sx, *, group_size: int, has_zp: bool):
+def _rm_a8_call(xq2, q, scale, zp, sx, *, group_size: int, has_zp: bool, layer=None):
     _require(None, "row-major W8A8 call")
-    out = jax.ShapeDtypeStruct((xq2.shape[0], q.shape[0]), jnp.float32)
+    out = jax.ShapeDtypeStruct((xq2.shape[0], q.shape[-2]), jnp.float32)
     call = jax.ffi.ffi_call(_RM_A8_TARGET, out, vmap_method="sequential")
-    return call(xq2, q, scale, zp, sx, group_size=np.int64(group_size), has_zp=np.int64(has_zp))
+    return call(xq2, q, scale, zp, sx, _layer_arg(layer), group_size=np.int64(group_size), has_zp=np.int64(has_zp))
 
 
 # --------------------------------------------------------------------------- QArray products
@@ -383,21 +391,29 @@ def _w8_forward(x: jax.Array, w: QArray, act) -> jax.Array:
     return y.reshape(*x.shape[:-1], n).astype(x.dtype)
 
 
-def _rm_forward(x: jax.Array, w: QArray, act) -> jax.Array:
+def _rm_forward(x: jax.Array, w: QArray, act, layer=None) -> jax.Array:
     n, k = w.shape
     g = w.tile[1]
     groups = math.ceil(k / g)
-    scale, zp = _as_grid(w.scale, n, groups), _zp_arg(w, n, groups)
+    if layer is None:
+        scale, zp, act_scale = _as_grid(w.scale, n, groups), _zp_arg(w, n, groups), w.act_scale
+    else:  # a stack: codes and scales read in place by the kernel; zero points and act scale (small) sliced
+        lead = w.qvalue.shape[:1]
+        scale = jnp.broadcast_to(w.scale.astype(jnp.float32), (*lead, n, groups))
+        one = lambda a: None if a is None else jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)  # noqa: E731
+        zp = _zp_arg(dataclasses.replace(w, zero_point=one(w.zero_point)), n, groups)
+        act_scale = one(w.act_scale)
     if act is None:
         x2 = x.reshape(-1, k).astype(jnp.float32)
-        y = _rm_a16_call(x2, w.qvalue, scale, zp, bits=w.bits, group_size=g, has_zp=w.zero_point is not None)
+        y = _rm_a16_call(x2, w.qvalue, scale, zp, bits=w.bits, group_size=g, has_zp=w.zero_point is not None,
+                         layer=layer)
     else:
         from llmeq_jax.ops import quantize_activations  # same activation numerics as the XLA path
 
-        xq, sx = quantize_activations(x, act, w.act_scale)
+        xq, sx = quantize_activations(x, act, act_scale)
         sx_rows = jnp.broadcast_to(jnp.asarray(sx, jnp.float32), (*xq.shape[:-1], 1))
         y = _rm_a8_call(xq.reshape(-1, k), w.qvalue.astype(jnp.int8), scale, zp, sx_rows.reshape(-1),
-                        group_size=g, has_zp=w.zero_point is not None)
+                        group_size=g, has_zp=w.zero_point is not None, layer=layer)
     return y.reshape(*x.shape[:-1], n).astype(x.dtype)
 
 
@@ -470,7 +486,7 @@ def w8a8_kn(x: jax.Array, w: QArray, act) -> jax.Array:
     return f(x, w)
 
 
-def row_major_matmul(x: jax.Array, w: QArray, act=None) -> jax.Array:
+def row_major_matmul(x: jax.Array, w: QArray, act=None, layer=None) -> jax.Array:
     """``x @ dequantize(w).T`` for an ``(out, in)`` QArray by the row-major integer kernels.
 
     Weight-only (``act`` None): x is quantized on the fly to int16 per row and per
@@ -478,9 +494,20 @@ def row_major_matmul(x: jax.Array, w: QArray, act=None) -> jax.Array:
     of at most 2^-16 of the group's absmax -- and multiplied with the int8 / int4 codes
     in exact int32. With ``act`` (W8A8): activations quantized as in
     :func:`llmeq_jax.ops.quantize_activations`, exact int32 products.
+
+    With ``layer`` (an int32 scalar, traced inside a scan), ``w`` is a stack of such QArrays
+    (arrays with a leading layer axis, ``llmeq_jax.layer_slice``) and the product is with
+    layer ``layer``, whose codes and scales the kernel reads in place.
     """
     _require(supports_row_major(w, act), "row_major_matmul")
     _check_x(x, w.shape[1], "row_major_matmul")
+    if layer is not None:
+        if w.qvalue.ndim != 3:
+            raise ValueError(f"native.row_major_matmul: with layer=, w must be a stack [L, ...], got codes "
+                             f"{w.qvalue.shape}")
+        f = _with_xla_grad(lambda a, b, l: _rm_forward(a, b, act, l),
+                           lambda a, b, l: _xla_row_major(a, LayerSlice(b, l).value(), act))
+        return f(x, w, layer)
     f = _with_xla_grad(lambda a, b: _rm_forward(a, b, act), lambda a, b: _xla_row_major(a, b, act))
     return f(x, w)
 

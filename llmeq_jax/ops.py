@@ -117,9 +117,17 @@ def linear(
 
 
 def _linear_layer_slice(x, w: LayerSlice, act, backend):
-    """One layer of a stacked kernel: a Pallas kernel that can reads it in place from the stack;
-    every other path takes the layer's slice (a copy, for a custom call)."""
-    if backend != "xla" and w.stack.grid == "uniform":
+    """One layer of a stacked kernel: a Pallas kernel, or the native row-major kernel, that can reads
+    it in place from the stack; every other path takes the layer's slice (a copy, for a custom call)."""
+    if isinstance(w.stack, RowMajorKernel):
+        q = w.stack.w
+        act = act if act is not None else q.act_spec
+        if backend == "auto" and jax.default_backend() == "cpu" and _native_rows_ok(x, "row_major"):
+            from llmeq_jax import native
+
+            if native.enabled() and native.supports_row_major(q, act) is None:
+                return native.row_major_matmul(x, q, act, layer=w.layer)
+    elif backend != "xla" and w.stack.grid == "uniform":
         y = kernel_dispatch.linear(x, w.stack, act if act is not None else w.stack.act_spec, layer=w.layer)
         if y is not None:
             return y

@@ -1013,6 +1013,7 @@ void w8_run(W8& p, ffi::ThreadPool* pool) {
 
 struct RM {
   int mode;                 // 0, 1, 2 as above
+  int64_t L;                // layers in a stacked q / scale (1: a single weight)
   int64_t M, N, K, Kb;      // Kb: stored bytes per weight row (K, or K / 2 for int4)
   int64_t G;                // weight scale groups along K (1: per channel)
   int64_t F, FG;            // flush group size (values) and count
@@ -1430,16 +1431,21 @@ ffi::Error rm_setup(RM& p, const char* name, int64_t M, int64_t K, ffi::Span<con
                     ffi::Span<const int64_t> sd, ffi::Span<const int64_t> zd, bool has_zp, int64_t group_size,
                     int64_t max_flush) {
   auto bad = [name](const char* why) { return ffi::Error::InvalidArgument(std::string(name) + ": " + why); };
-  if (qd.size() != 2 || sd.size() != 2) return bad("q and scale must be 2-D");
+  // q and scale may be stacks [L, ...] of the 2-D arrays (the scan over stacked blocks): the caller
+  // picks one layer by offsetting the pointers (rm_pick_layer).
+  if (qd.size() != sd.size() || (qd.size() != 2 && qd.size() != 3)) return bad("q and scale must be 2-D, or both 3-D stacks");
+  const size_t o = qd.size() - 2;
+  p.L = o ? qd[0] : 1;
+  if (o && sd[0] != p.L) return bad("q and scale must stack the same number of layers");
   p.M = M;
   p.K = K;
-  p.N = qd[0];
+  p.N = qd[o];
   p.Kb = p.mode == 1 ? K / 2 : K;
   if (K % 32) return bad("K must be a multiple of 32");
-  if (qd[1] != p.Kb) return bad("q must be (N, K) int8 or (N, K/2) packed int4");
+  if (qd[o + 1] != p.Kb) return bad("q must be (N, K) int8 or (N, K/2) packed int4");
   if (group_size <= 0) return bad("bad group size");
   p.G = cdiv(K, group_size);
-  if (sd[0] != p.N || sd[1] != p.G) return bad("scale must be (N, ceil(K / group_size))");
+  if (sd[o] != p.N || sd[o + 1] != p.G) return bad("scale must be (N, ceil(K / group_size))");
   if (has_zp && (zd.size() != 2 || zd[0] != p.N || zd[1] != p.G)) return bad("zero point must have the scale's shape");
   if (p.G > 1) {
     if (group_size % 32) return bad("groups must be multiples of 32 values");
@@ -1452,8 +1458,19 @@ ffi::Error rm_setup(RM& p, const char* name, int64_t M, int64_t K, ffi::Span<con
   return ffi::Error::Success();
 }
 
+// Point q and scale at layer `layer` of a stack (rm_setup checked the shapes); an error outside it.
+ffi::Error rm_pick_layer(RM& p, const char* name, ffi::Buffer<ffi::S32> layer) {
+  if (layer.element_count() != 1) return ffi::Error::InvalidArgument(std::string(name) + ": layer must be one int32");
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= p.L) return ffi::Error::InvalidArgument(std::string(name) + ": layer index outside the stack");
+  p.q += l * p.N * p.Kb;
+  p.scale += l * p.N * p.G;
+  return ffi::Error::Success();
+}
+
 ffi::Error rm_a16_impl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> zp,
-                       ffi::ResultBuffer<ffi::F32> y, int64_t bits, int64_t group_size, int64_t has_zp) {
+                       ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y, int64_t bits, int64_t group_size,
+                       int64_t has_zp) {
   auto xd = x.dimensions();
   if (xd.size() != 2 || y->dimensions().size() != 2) return ffi::Error::InvalidArgument("llmeq_rm_a16: x and y must be 2-D");
   if (bits < 3 || bits > 8) return ffi::Error::InvalidArgument("llmeq_rm_a16: bits must be in 3..8");
@@ -1466,6 +1483,8 @@ ffi::Error rm_a16_impl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::Buffer<ff
   if (y->dimensions()[0] != p.M || y->dimensions()[1] != p.N) return ffi::Error::InvalidArgument("llmeq_rm_a16: y must be (M, N)");
   p.q = static_cast<const uint8_t*>(q.untyped_data());
   p.scale = scale.typed_data();
+  err = rm_pick_layer(p, "llmeq_rm_a16", layer);
+  if (!err.success()) return err;
   p.zp = has_zp ? zp.typed_data() : nullptr;
   p.y = y->typed_data();
   if (p.M == 0 || p.N == 0) return ffi::Error::Success();
@@ -1482,8 +1501,8 @@ ffi::Error rm_a16_impl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::Buffer<ff
 }
 
 ffi::Error rm_a8_impl(ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi::F32> scale,
-                      ffi::Buffer<ffi::F32> zp, ffi::Buffer<ffi::F32> sx, ffi::ResultBuffer<ffi::F32> y,
-                      int64_t group_size, int64_t has_zp) {
+                      ffi::Buffer<ffi::F32> zp, ffi::Buffer<ffi::F32> sx, ffi::Buffer<ffi::S32> layer,
+                      ffi::ResultBuffer<ffi::F32> y, int64_t group_size, int64_t has_zp) {
   auto xd = x.dimensions();
   if (xd.size() != 2 || y->dimensions().size() != 2) return ffi::Error::InvalidArgument("llmeq_rm_a8: x and y must be 2-D");
   RM p{};
@@ -1496,6 +1515,8 @@ ffi::Error rm_a8_impl(ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> q, ffi::Buffe
     return ffi::Error::InvalidArgument("llmeq_rm_a8: activation scale must have one entry per row");
   p.q = reinterpret_cast<const uint8_t*>(q.typed_data());
   p.scale = scale.typed_data();
+  err = rm_pick_layer(p, "llmeq_rm_a8", layer);
+  if (!err.success()) return err;
   p.zp = has_zp ? zp.typed_data() : nullptr;
   p.y = y->typed_data();
   p.x8 = x.typed_data();
@@ -2190,6 +2211,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(llmeq_rm_a16, rm_a16_impl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("bits")
                                   .Attr<int64_t>("group_size")
@@ -2202,6 +2224,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(llmeq_rm_a8, rm_a8_impl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("group_size")
                                   .Attr<int64_t>("has_zp"));
@@ -2230,5 +2253,5 @@ __attribute__((visibility("default"))) void llmeq_native_force_scalar(int on) { 
 __attribute__((visibility("default"))) int llmeq_native_vnni() { return use_vnni() ? 1 : 0; }
 __attribute__((visibility("default"))) int llmeq_native_avx512() { return use_avx512() ? 1 : 0; }
 __attribute__((visibility("default"))) void llmeq_native_allow_vnni(int on) { g_allow_vnni.store(on ? 1 : 0); }
-__attribute__((visibility("default"))) int llmeq_native_abi_version() { return 4; }
+__attribute__((visibility("default"))) int llmeq_native_abi_version() { return 5; }
 }

@@ -132,6 +132,25 @@ def test_w8a8_row_major_matches_the_xla_path(spec):
     np.testing.assert_allclose(y, ref, rtol=2e-6, atol=2e-6 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("name,act", [("int4-g64-asym", None), ("int8-channel-asym", None), ("int3-g32", None),
+                                      ("int8-g32-asym", Spec(bits=8, granularity="token"))])
+def test_a_layer_of_a_stack_is_read_in_place(name, act):
+    """layer=l on a stack of row-major kernels (the scan over stacked blocks) gives exactly what the
+    kernel gives on layer l's own arrays, for a traced index; an index outside the stack is an error."""
+    layers = [decode_layout.transpose_kernel(
+        jax.jit(quantize, static_argnums=1)(jnp.asarray(_rand((K, N), 20 + i)), WEIGHTS[name])) for i in range(3)]
+    stack = jax.tree.map(lambda *a: jnp.stack(a), *layers)
+    x = jnp.asarray(_rand((2, K), 9))
+    at = jax.jit(lambda a, b, l: native.row_major_matmul(a, b, act, layer=l))
+    for i, one in enumerate(layers):
+        np.testing.assert_array_equal(np.asarray(at(x, stack, jnp.int32(i))),
+                                      np.asarray(native.row_major_matmul(x, one, act)))
+    with pytest.raises(Exception, match="layer index outside the stack"):
+        np.asarray(at(x, stack, jnp.int32(3)))
+    with pytest.raises(ValueError, match="must be a stack"):
+        native.row_major_matmul(x, layers[0], act, layer=0)
+
+
 def test_transpose_kernel_and_kernel_view_keep_every_value():
     for name in ("int8-g32-asym", "int4-g64-asym", "int3-g32"):
         w = _kernel(name, k=96, n=37)

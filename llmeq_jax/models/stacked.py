@@ -123,19 +123,23 @@ def unstack_blocks(config, params: Params) -> Params:
 
 
 def in_place_kernels() -> bool:
-    """Whether the scan hands quantized kernels to ``ops.linear`` as :class:`LayerSlice` views (read in
-    place by the Pallas kernels: on a GPU, or in interpret mode) rather than as copied-out slices."""
+    """Whether the scan hands quantized QArray kernels to ``ops.linear`` as :class:`LayerSlice` views
+    (read in place by the Pallas kernels: on a GPU, or in interpret mode) rather than as copied-out
+    slices. Row-major kernels (the native CPU decode layout) always go as views."""
     from pallas_kernels import config  # not at import time: pallas_kernels is optional for a model tree
 
     return config.kernels_available()
 
 
 def block_at(blocks, layer, in_place: bool):
-    """Block ``layer`` of the stacked ``blocks``: every array sliced, except 2-D uniform-grid QArray
-    kernels, which stay stacked behind a :class:`LayerSlice` when ``in_place``."""
+    """Block ``layer`` of the stacked ``blocks``: every array sliced, except the kernels a kernel can
+    read in place, which stay stacked behind a :class:`LayerSlice`: row-major kernels (native CPU
+    decode), and 2-D uniform-grid QArrays when ``in_place`` (Pallas)."""
+    from llmeq_jax.decode_layout import RowMajorKernel
 
     def one(leaf):
-        if in_place and isinstance(leaf, QArray) and len(leaf.shape) == 2 and leaf.grid == "uniform":
+        if isinstance(leaf, RowMajorKernel) or (
+                in_place and isinstance(leaf, QArray) and len(leaf.shape) == 2 and leaf.grid == "uniform"):
             return LayerSlice(leaf, layer)
         return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False), leaf)
 

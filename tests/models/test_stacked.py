@@ -198,3 +198,24 @@ def test_stacked_w8a8_static_reads_layers_in_place(stories):
         assert _weight_slices(config, packed, tokens, "i8") == 0
     with kernel_config.disabled():
         assert _weight_slices(config, packed, tokens, "i8") > 0
+
+
+def test_stacked_decode_layout_reads_layers_in_place_on_cpu(stories, stories_w4):
+    """The native row-major decode kernels take each layer from the stacked codes (no dynamic slice of
+    packed weights in a decode step); with native kernels off the scan slices them, as before."""
+    from llmeq_jax import native
+
+    if not native.available():
+        pytest.fail(f"the native CPU library is needed here: {native.unavailable_reason()}")
+    config = stories[0]
+    token = TOKENS[:1, :1] % config.vocab_size
+    packed = stacked.stack_blocks(config, stories_w4)
+    step = decode_layout.for_decode(packed, rows=1)
+    # what the row-major kernel cannot take stays a QArray and is sliced (stories260K: down_proj, K = 172)
+    left = [a for a in jax.tree.leaves(step[stacked.BLOCKS], is_leaf=lambda a: not isinstance(a, dict))
+            if isinstance(a, QArray)]
+    assert len(left) == 1 and _weight_slices(config, step, token) == len(left)
+    _close(forward(config, decode_layout.for_decode(stories_w4, rows=1), token),
+           jax.jit(lambda p, t: forward(config, p, t))(step, token))
+    with native.disabled():
+        assert _weight_slices(config, decode_layout.for_decode(packed, rows=1), token) > len(left)
