@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from llmeq_jax import dispatch_table
 from llmeq_jax.core.qarray import QArray, is_packed
+from llmeq_jax.layer_slice import take_layer
 from pallas_kernels import config, w8a8, weight_only
 
 
@@ -87,9 +88,7 @@ def table_key(kind: str, rows: int, x_dtype, w: QArray, group: int | None) -> di
 
 def _act_scale(w: QArray, layer):
     """The static activation scale of ``w`` (of its layer ``layer`` in a stack), or None (dynamic)."""
-    if w.act_scale is None or layer is None:
-        return w.act_scale
-    return jax.lax.dynamic_index_in_dim(w.act_scale, layer, 0, keepdims=False)
+    return w.act_scale if layer is None else take_layer(w.act_scale, layer)
 
 
 def linear(x, w: QArray, act=None, require: bool = False, layer=None):

@@ -20,6 +20,11 @@ import jax
 from llmeq_jax.core.qarray import QArray
 
 
+def take_layer(a, layer):
+    """Layer ``layer`` of the stacked array ``a`` (None stays None)."""
+    return None if a is None else jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LayerSlice:
@@ -36,4 +41,4 @@ class LayerSlice:
 
     def value(self) -> QArray:
         """The layer as a QArray of its own (a dynamic slice of every array)."""
-        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, self.layer, 0, keepdims=False), self.stack)
+        return jax.tree.map(lambda a: take_layer(a, self.layer), self.stack)

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from llmeq_jax.core.qarray import QArray, is_packed
-from llmeq_jax.layer_slice import LayerSlice
+from llmeq_jax.layer_slice import LayerSlice, take_layer
 
 _WO_TARGET = "llmeq_wo_matmul"
 _W8_TARGET = "llmeq_w8a8_matmul"
@@ -400,9 +400,8 @@ def _rm_forward(x: jax.Array, w: QArray, act, layer=None) -> jax.Array:
     else:  # a stack: codes and scales read in place by the kernel; zero points and act scale (small) sliced
         lead = w.qvalue.shape[:1]
         scale = jnp.broadcast_to(w.scale.astype(jnp.float32), (*lead, n, groups))
-        one = lambda a: None if a is None else jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)  # noqa: E731
-        zp = _zp_arg(dataclasses.replace(w, zero_point=one(w.zero_point)), n, groups)
-        act_scale = one(w.act_scale)
+        zp = _zp_arg(dataclasses.replace(w, zero_point=take_layer(w.zero_point, layer)), n, groups)
+        act_scale = take_layer(w.act_scale, layer)
     if act is None:
         x2 = x.reshape(-1, k).astype(jnp.float32)
         y = _rm_a16_call(x2, w.qvalue, scale, zp, bits=w.bits, group_size=g, has_zp=w.zero_point is not None,

@@ -80,6 +80,19 @@ def interleave_pairs(even: jax.Array, odd: jax.Array) -> jax.Array:
     return jnp.stack([even, odd], axis=-1).reshape(*lead, 2 * n)
 
 
+def one_layer(name: str, wq, w_scale, w_zero_point, layer):
+    """Check the ``layer=`` form of a matmul kernel -- ``wq``, ``w_scale`` (and the zero point) stacks
+    [L, ...] of one length, ``layer`` an integer scalar -- and return one layer's (wq, w_scale,
+    w_zero_point) as shapes, for the kernel's usual checks."""
+    lead = wq.shape[:1]
+    if wq.ndim != 3 or w_scale.shape[:1] != lead or (w_zero_point is not None and w_zero_point.shape[:1] != lead):
+        raise ValueError(f"{name}: with layer=, wq, w_scale (and the zero point) must be stacks [L, ...] of one "
+                         f"length; got {wq.shape}, {w_scale.shape}")
+    if jnp.shape(layer) != () or not jnp.issubdtype(jnp.asarray(layer).dtype, jnp.integer):
+        raise ValueError(f"{name}: layer must be an integer scalar, got {jnp.shape(layer)}")
+    return tuple(None if a is None else jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in (wq, w_scale, w_zero_point))
+
+
 def span(start, size: int, limit: int, stride: int = 1):
     """(pl.ds(start, size, stride), in-bounds mask of length ``size``) for one dim.
 

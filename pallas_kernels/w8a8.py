@@ -42,6 +42,7 @@ from pallas_kernels.common import (
     dot,
     is_pow2,
     launch_matmul,
+    one_layer,
     load_tile,
     span,
     store_tile,
@@ -117,14 +118,7 @@ def _kernel(*refs, m, n, k, blocks, group, has_zp, has_bias, split_blocks, split
 
 def _check(x, wq, w_scale, w_zero_point, group, layer=None):
     if layer is not None:  # a stack of weights [L, ...]: check one layer's shapes
-        lead = wq.shape[:1]
-        if wq.ndim != 3 or w_scale.shape[:1] != lead or (w_zero_point is not None and w_zero_point.shape[:1] != lead):
-            raise ValueError(f"w8a8_matmul: with layer=, wq, w_scale (and the zero point) must be stacks [L, ...] of "
-                             f"one length; got {wq.shape}, {w_scale.shape}")
-        if jnp.shape(layer) != () or not jnp.issubdtype(jnp.asarray(layer).dtype, jnp.integer):
-            raise ValueError(f"w8a8_matmul: layer must be an integer scalar, got {jnp.shape(layer)}")
-        one = lambda a: None if a is None else jax.ShapeDtypeStruct(a.shape[1:], a.dtype)  # noqa: E731
-        return _check(x, one(wq), one(w_scale), one(w_zero_point), group)
+        return _check(x, *one_layer("w8a8_matmul", wq, w_scale, w_zero_point, layer), group)
     if x.ndim != 2 or wq.ndim != 2 or x.shape[1] != wq.shape[0]:
         raise ValueError(f"w8a8_matmul expects x (M, K) and wq (K, N); got {x.shape} and {wq.shape}")
     if jnp.dtype(x.dtype) not in FLOAT_DTYPES:

@@ -40,6 +40,7 @@ from pallas_kernels.common import (
     high_nibble,
     is_pow2,
     launch_matmul,
+    one_layer,
     load_tile,
     low_nibble,
     span,
@@ -161,14 +162,7 @@ def _check(x, wq, w_scale, w_zero_point, bits, group, layer=None):
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"weight_only_matmul: bits={bits} is not supported; expected one of {SUPPORTED_BITS}")
     if layer is not None:  # a stack of weights [L, ...]: check one layer's shapes
-        lead = wq.shape[:1]
-        if wq.ndim != 3 or w_scale.shape[:1] != lead or (w_zero_point is not None and w_zero_point.shape[:1] != lead):
-            raise ValueError(f"weight_only_matmul: with layer=, wq, w_scale (and the zero point) must be stacks "
-                             f"[L, ...] of one length; got {wq.shape}, {w_scale.shape}")
-        if jnp.shape(layer) != () or not jnp.issubdtype(jnp.asarray(layer).dtype, jnp.integer):
-            raise ValueError(f"weight_only_matmul: layer must be an integer scalar, got {jnp.shape(layer)}")
-        one = lambda a: None if a is None else jax.ShapeDtypeStruct(a.shape[1:], a.dtype)  # noqa: E731
-        return _check(x, one(wq), one(w_scale), one(w_zero_point), bits, group)
+        return _check(x, *one_layer("weight_only_matmul", wq, w_scale, w_zero_point, layer), bits, group)
     if x.ndim != 2 or wq.ndim != 2:
         raise ValueError(f"weight_only_matmul expects 2-D x and wq; got {x.shape} and {wq.shape}")
     if jnp.dtype(x.dtype) not in FLOAT_DTYPES:

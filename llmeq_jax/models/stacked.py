@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from llmeq_jax.core.qarray import QArray
-from llmeq_jax.layer_slice import LayerSlice
+from llmeq_jax.layer_slice import LayerSlice, take_layer
 
 BLOCKS = "blocks"
 
@@ -141,7 +141,7 @@ def block_at(blocks, layer, in_place: bool):
         if isinstance(leaf, RowMajorKernel) or (
                 in_place and isinstance(leaf, QArray) and len(leaf.shape) == 2 and leaf.grid == "uniform"):
             return LayerSlice(leaf, layer)
-        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False), leaf)
+        return jax.tree.map(lambda a: take_layer(a, layer), leaf)
 
     # every node but the param dicts is taken whole (QArrays, and run-time layouts such as RowMajorKernel)
     return jax.tree.map(one, blocks, is_leaf=lambda a: not isinstance(a, (dict, list, tuple)))
