@@ -27,12 +27,17 @@ step() {  # step NAME SECONDS CMD...: run CMD with a time limit, its output in $
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/device.txt" 2>&1
 "$py" -c "import jax; print(jax.__version__, jax.devices())" >> "$out/device.txt" 2>&1
 cat "$out/device.txt"
-step gpu_tests 100 "$py" -m pytest -q -m gpu tests/pallas_kernels/test_gpu_kernels.py
+step gpu_tests 90 "$py" -m pytest -q -m gpu tests/pallas_kernels/test_gpu_kernels.py
 # bf16 decode of Llama-2-7B shapes ran at 90 tok/s scanned on an H200 (a third of the weights' bandwidth):
 # unrolled vs scanned on 4 layers says whether the scan's weight slicing costs it (docs/kernels.md).
-step layout 120 "$py" scripts/bench_e2e.py --shapes "$shapes" --layers 4 --dtype bfloat16 --recipes rtn-w4-g128 \
+# Quantized kernels read their layer in place inside the scan since (llmeq_jax/layer_slice.py); bf16's XLA dot
+# may still copy its slice: the second run asks XLA for dynamic-slice fusion.
+step layout 110 "$py" scripts/bench_e2e.py --shapes "$shapes" --layers 4 --dtype bfloat16 --recipes rtn-w4-g128 \
     --batches 1 --prefill-len 512 --new-tokens 32 --repeats 2 --scan-layers --no-torch --out "$out/layout.json"
-step e2e 270 "$py" scripts/bench_e2e.py --shapes "$shapes" "${layers[@]}" --dtype bfloat16 --recipes rtn-w4-g128 rtn-w8 \
+XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_dynamic_slice_fusion=true" step layout_dsf 60 "$py" scripts/bench_e2e.py \
+    --shapes "$shapes" --layers 4 --dtype bfloat16 --recipes bf16 --batches 1 --prefill-len 512 --new-tokens 32 \
+    --repeats 2 --scan-layers --no-torch --out "$out/layout_dsf.json"
+step e2e 230 "$py" scripts/bench_e2e.py --shapes "$shapes" "${layers[@]}" --dtype bfloat16 --recipes rtn-w4-g128 rtn-w8 \
     --batches 1 16 --prefill-len 2048 --new-tokens 32 --repeats 2 --scan-only --out "$out/e2e.json"
 step kernels 90 "$py" scripts/bench_kernels.py --reps 10 --write-table "$out/dispatch.json"
 echo "== [$(( SECONDS - start ))s] done; results in $out"
