@@ -117,17 +117,11 @@ def linear(
 
 
 def _linear_layer_slice(x, w: LayerSlice, act, backend):
-    """One layer of a stacked kernel: a Pallas kernel, or the native row-major kernel, that can reads
-    it in place from the stack; every other path takes the layer's slice (a copy, for a custom call)."""
+    """One layer of a stacked kernel, read in place from the stack where a Pallas kernel or the native
+    row-major kernel applies; every other path takes the layer's slice (a copy, for a custom call)."""
     if isinstance(w.stack, RowMajorKernel):
-        q = w.stack.w
-        act = act if act is not None else q.act_spec
-        if backend == "auto" and jax.default_backend() == "cpu" and _native_rows_ok(x, "row_major"):
-            from llmeq_jax import native
-
-            if native.enabled() and native.supports_row_major(q, act) is None:
-                return native.row_major_matmul(x, q, act, layer=w.layer)
-    elif backend != "xla" and w.stack.grid == "uniform":
+        return _linear_row_major(x, w.stack.w, act if act is not None else w.stack.w.act_spec, backend, w.layer)
+    if backend != "xla" and w.stack.grid == "uniform":
         y = kernel_dispatch.linear(x, w.stack, act if act is not None else w.stack.act_spec, layer=w.layer)
         if y is not None:
             return y
@@ -213,13 +207,18 @@ def swiglu(x: jax.Array, w: PanelKernel, *, backend: str = "auto") -> jax.Array:
     return jax.nn.silu(y[..., : w.features]) * y[..., w.features :]
 
 
-def _linear_row_major(x, w: QArray, act, backend):
-    """``x @ kernel`` for a kernel stored row-major (``w`` is ``(out, in)``): native, else XLA."""
+def _linear_row_major(x, w: QArray, act, backend, layer=None):
+    """``x @ kernel`` for a kernel stored row-major (``w`` is ``(out, in)``): native, else XLA.
+
+    With ``layer``, ``w`` is a stack of such kernels: the native kernel reads that layer in place,
+    XLA takes its slice."""
     if backend == "auto" and jax.default_backend() == "cpu" and _native_rows_ok(x, "row_major"):
         from llmeq_jax import native
 
         if native.enabled() and native.supports_row_major(w, act) is None:
-            return native.row_major_matmul(x, w, act)
+            return native.row_major_matmul(x, w, act, layer=layer)
+    if layer is not None:
+        w = LayerSlice(w, layer).value()
     return w8a8_nk_xla(x, w, act) if act is not None else linear_nk_xla(x, w)
 
 

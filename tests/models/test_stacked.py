@@ -215,7 +215,9 @@ def test_stacked_decode_layout_reads_layers_in_place_on_cpu(stories, stories_w4)
     left = [a for a in jax.tree.leaves(step[stacked.BLOCKS], is_leaf=lambda a: not isinstance(a, dict))
             if isinstance(a, QArray)]
     assert len(left) == 1 and _weight_slices(config, step, token) == len(left)
-    _close(forward(config, decode_layout.for_decode(stories_w4, rows=1), token),
-           jax.jit(lambda p, t: forward(config, p, t))(step, token))
+    unrolled = decode_layout.for_decode(stories_w4, rows=1)
+    _close(forward(config, unrolled, token), jax.jit(lambda p, t: forward(config, p, t))(step, token))
     with native.disabled():
         assert _weight_slices(config, decode_layout.for_decode(packed, rows=1), token) > len(left)
+        # the same row-major layouts through XLA (each layer's slice of the stack)
+        _close(forward(config, unrolled, token), forward(config, step, token))
