@@ -147,8 +147,12 @@ def _code_lanes(c, bits):
 # (|v| <= 255) are exact in bf16, and the float side is split into three bf16 parts
 # whose sum is the float32 value (8 + 8 + 8 significant bits), one dot per part.
 # (TF32x3 was as exact but 3-8x slower here: it also splits the integer side, every block.)
-def _bf16_parts(a):
+# A bf16/f16 query's attention needs no more than bf16 operands (what a bf16 model's own attention
+# multiplies): one part, a third of the dots.
+def _bf16_parts(a, parts: int = 3):
     hi = a.astype(jnp.bfloat16)
+    if parts == 1:
+        return (hi,)
     r = a - hi.astype(jnp.float32)
     mid = r.astype(jnp.bfloat16)
     return hi, mid, (r - mid.astype(jnp.float32)).astype(jnp.bfloat16)
@@ -164,7 +168,7 @@ _NT = ((1,), (1,))  # a (m, k) . c (n, k)^T
 _NN = ((1,), (0,))  # a (m, k) . c (k, n)
 
 
-def _decode_kernel(*refs, lay: _Layout, g, bg, bt, d, sm_scale, split_blocks, precision):
+def _decode_kernel(*refs, lay: _Layout, g, bg, bt, d, sm_scale, split_blocks, precision, parts):
     """One (batch, kv head, split of the tokens): unnormalised partial attention + its max and sum."""
     refs = list(refs)
     q_ref, k_ref, v_ref, ks_ref, ko_ref, vs_ref = refs[:6]
@@ -194,7 +198,7 @@ def _decode_kernel(*refs, lay: _Layout, g, bg, bt, d, sm_scale, split_blocks, pr
         freq = _lanes(freq_ref[...].reshape(1, dh), bits)  # the same frequencies for both halves
     else:
         # Fold the key grid into the query: q . (c * s + o) = (q * s) . c + q . o
-        q_folded = [_bf16_parts(q[0][j] * k_scale[0][j]) for j in lanes]
+        q_folded = [_bf16_parts(q[0][j] * k_scale[0][j], parts) for j in lanes]
         q_const = sum(jnp.sum(q[0][j] * k_off[0][j], axis=1, keepdims=True) for j in lanes)  # (bg, 1)
 
     def scores(toks, tok_mask):
@@ -229,7 +233,7 @@ def _decode_kernel(*refs, lay: _Layout, g, bg, bt, d, sm_scale, split_blocks, pr
         v_scale = plgpu.load(vs_ref.at[b, h, toks, :], mask=tok_mask[:, None], other=0.0)
         v_scale = v_scale.astype(jnp.float32).reshape(1, bt)
         # p . (c * s_v + o_v) = (p * s_v) . c + sum(p * o_v): fold the per-token value grid into the weights.
-        pv = _bf16_parts(p * v_scale)
+        pv = _bf16_parts(p * v_scale, parts)
         v_codes = _code_lanes(plgpu.load(v_ref.at[b, h, toks, :], mask=tok_mask[:, None], other=0), bits)
         upd = [_parts_dot(pv, c, _NN) for c in v_codes]
         upd = interleave_pairs(*upd) if bits == 4 else upd[0]
@@ -274,7 +278,7 @@ def _decode(q, k_codes, v_codes, k_scale, k_off, v_scale, extra, length, lay: _L
     kernel = functools.partial(
         _decode_kernel, lay=lay, g=g, bg=max(MIN_DOT, next_pow2(g)), bt=bt, d=d,
         sm_scale=float(sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)), split_blocks=split_blocks,
-        precision=f32_dot_precision(interpret),
+        precision=f32_dot_precision(interpret), parts=1 if jnp.dtype(q.dtype) != jnp.float32 else 3,
     )
     part = jax.ShapeDtypeStruct((bsz, h, splits, g, d), jnp.float32)
     stat = jax.ShapeDtypeStruct((bsz, h, splits, g, 1), jnp.float32)

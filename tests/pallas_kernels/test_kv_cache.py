@@ -57,6 +57,24 @@ def test_store_decode_matches_reference(bits, rope):
     assert float(jnp.max(jnp.abs(everything - ref_out))) > 1e-2
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_bf16_query_uses_bf16_operands_within_bf16_error(bits):
+    """A bf16 query's scores and weights go to the dots as one bf16 part (a float32 query's as three):
+    within bf16's error of the float32 reference, and not the float32 path's result to the bit."""
+    b, h, g, t, d = 1, 2, 3, 70, 64
+    store = _store(b, h, t, d, bits)
+    q = jax.random.normal(jax.random.key(9), (b, h * g, d)).astype(jnp.bfloat16)
+    length = jnp.array([t])
+    ref_out, ref_lse = store_decode_attention_reference(q.astype(jnp.float32), *store, length, bits=bits)
+    out, lse = store_decode_attention(q, *store, length, bits=bits, block_t=16, interpret=True)
+    scale = float(jnp.max(jnp.abs(ref_out)))
+    np.testing.assert_allclose(out, ref_out, atol=1e-2 * scale)
+    np.testing.assert_allclose(lse, ref_lse, atol=1e-2, rtol=1e-3)
+    exact, _ = store_decode_attention(q.astype(jnp.float32), *store, length, bits=bits, block_t=16, interpret=True)
+    np.testing.assert_allclose(exact, ref_out, rtol=1e-5, atol=1e-5 * scale)
+    assert float(jnp.max(jnp.abs(out - exact))) > 1e-6 * scale  # the bf16 operands are what ran
+
+
 def test_store_decode_ignores_slots_past_length():
     b, h, t, d, bits = 1, 1, 48, 32, 8
     kc, vc, *grids = _store(b, h, t, d, bits)
