@@ -165,15 +165,17 @@ def sum_splits(y: jax.Array, splits: int, bias, dtype) -> jax.Array:
 
 
 def launch_matmul(kernel, args: list, *, m: int, n: int, k: int, blocks, bias, k_splits: int | None, out_dtype,
-                  interpret: bool, name: str, **static):
+                  interpret: bool, name: str, layer=None, **static):
     """Run a tiled ``(M, N)`` matmul kernel over the grid ``(M / bm, N / bn, K splits)``: the launch
     shared by the W8A8 and weight-only kernels.
 
     The K loop is split over programs when the (M, N) grid is too small to fill the GPU
     (:func:`splits_for`, or ``k_splits``); split programs write float32 partials that
     :func:`sum_splits` adds. ``bias`` is fused into the kernel (appended as the last operand)
-    only without splits, else added after the sum. ``kernel`` gets ``m, n, k, blocks, has_bias,
-    split_blocks, split`` and ``static`` as keyword arguments.
+    only without splits, else added after the sum. With ``layer`` (an integer scalar, the weights
+    being stacks [L, ...]) a (1,) int32 operand holding it goes first, and ``stacked=True``.
+    ``kernel`` gets ``m, n, k, blocks, has_bias, split_blocks, split, stacked`` and ``static`` as
+    keyword arguments.
     """
     grid_mn = (cdiv(m, blocks.bm), cdiv(n, blocks.bn))
     k_blocks = cdiv(k, blocks.bk)
@@ -181,8 +183,10 @@ def launch_matmul(kernel, args: list, *, m: int, n: int, k: int, blocks, bias, k
     fused_bias = bias is not None and splits == 1
     if fused_bias:
         args = [*args, bias.astype(jnp.float32).reshape(1, n)]
+    if layer is not None:
+        args = [jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), *args]
     body = functools.partial(kernel, m=m, n=n, k=k, blocks=blocks, has_bias=fused_bias, split_blocks=split_blocks,
-                             split=splits > 1, **static)
+                             split=splits > 1, stacked=layer is not None, **static)
     out_shape = (splits, m, n) if splits > 1 else (m, n)
     y = pl.pallas_call(
         body,

@@ -42,8 +42,8 @@ from pallas_kernels.common import (
     dot,
     is_pow2,
     launch_matmul,
-    one_layer,
     load_tile,
+    one_layer,
     span,
     store_tile,
 )
@@ -171,11 +171,9 @@ def w8a8_matmul(
     args = [xq, sx, wq.T if w_kmajor else wq, w_scale.astype(jnp.float32)]
     if w_zero_point is not None:
         args.append(w_zero_point.astype(jnp.int8))
-    if layer is not None:
-        args.insert(0, jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)))
     return launch_matmul(_kernel, args, m=m, n=n, k=k, blocks=blocks, bias=bias, k_splits=k_splits, out_dtype=x.dtype,
                          interpret=config.resolve_interpret(interpret), name="w8a8_matmul", group=group,
-                         has_zp=w_zero_point is not None, w_kmajor=w_kmajor, stacked=layer is not None)
+                         has_zp=w_zero_point is not None, w_kmajor=w_kmajor, layer=layer)
 
 
 def w8a8_reference(x, wq, w_scale, *, w_zero_point=None, bias=None, act_scale=None, group=None):

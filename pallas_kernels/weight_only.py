@@ -40,9 +40,9 @@ from pallas_kernels.common import (
     high_nibble,
     is_pow2,
     launch_matmul,
-    one_layer,
     load_tile,
     low_nibble,
+    one_layer,
     span,
     split_pairs,
     store_tile,
@@ -121,7 +121,7 @@ def _kernel(*refs, m, n, k, bits, blocks, group, has_zp, has_bias, split_blocks,
             xt = load_tile(x_ref, rows, span(k0, sub, k), 0)
             wt = load_tile(w_ref, span(k0, sub, k), cols, 0, layer).astype(jnp.int32)
             part = dot(xt, wt.astype(cdt), precision=prec)
-            x_sum = jnp.sum(xt.astype(jnp.float32), axis=1, keepdims=True)
+            x_parts = (xt,)
         else:
             half = sub // 2
             packed = load_tile(w_ref, span(k0 // 2, half, w_ref.shape[-2]), cols, 0, layer)
@@ -132,9 +132,10 @@ def _kernel(*refs, m, n, k, bits, blocks, group, has_zp, has_bias, split_blocks,
             else:
                 x_even, x_odd = split_pairs(load_tile(x_ref, rows, span(k0, sub, k), 0))
             part = dot(x_even, low, precision=prec) + dot(x_odd, high, precision=prec)
-            x_sum = jnp.sum(x_even.astype(jnp.float32) + x_odd.astype(jnp.float32), axis=1, keepdims=True)
+            x_parts = (x_even, x_odd)
         # zero points (and the folded offset) come off through the row sums of x: exact algebra
         if has_zp or fold:
+            x_sum = sum(jnp.sum(a.astype(jnp.float32), axis=1, keepdims=True) for a in x_parts)
             shift = (row_of(zp_ref, g, layer) if has_zp else 0.0) + (int4_offset(cdt) if fold else 0.0)
             part = part - x_sum * shift
         return part
@@ -227,12 +228,10 @@ def weight_only_matmul(
     args = [x, wq, w_scale.astype(jnp.float32)]
     if w_zero_point is not None:
         args.append(w_zero_point.astype(jnp.int8))
-    if layer is not None:
-        args.insert(0, jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)))
     return launch_matmul(_kernel, args, m=m, n=n, k=k, blocks=blocks, bias=bias, k_splits=k_splits, out_dtype=x.dtype,
                          interpret=interpret, name=f"weight_only_int{bits}_matmul", bits=bits, group=group,
                          has_zp=w_zero_point is not None, precision=f32_dot_precision(interpret), dequant=dequant,
-                         strided_x=bool(strided_x) and not interpret, stacked=layer is not None)
+                         strided_x=bool(strided_x) and not interpret, layer=layer)
 
 
 def default_dequant(x_dtype) -> str:
