@@ -33,7 +33,7 @@ from typing import Iterable
 
 FORMAT = 1
 ENV = "LLMEQ_DISPATCH_TABLE"
-KERNELS = ("weight_only", "w8a8")
+KERNELS = ("weight_only", "w8a8", "fp8_w8a8")
 PATHS = ("pallas", "xla")
 
 

@@ -10,8 +10,10 @@ XLA -- or, with ``require=True`` (``backend="pallas"``), raises one clear error
 saying why no kernel applies.
 
 Which kernel:
-  act spec given  -> W8A8 (int8-stored weights; dynamic per-token or static per-tensor activations)
-  no act spec     -> weight-only: int8-stored values (5..8 bits) or nibble-packed (3..4 bits)
+  act spec given  -> W8A8 (int8-stored weights; dynamic per-token or static per-tensor activations),
+                     FP8 W8A8 for fp8 (E4M3) weights and activations on sm_89+ ("fp8_w8a8")
+  no act spec     -> weight-only: int8-stored values (5..8 bits) or nibble-packed (3..4 bits);
+                     fp8 weights without fp8 activations have no kernel (XLA dequantizes them)
 
 A measured table (:mod:`llmeq_jax.dispatch_table`, written by ``scripts/bench_kernels.py
 --write-table``) overrules that where it measured XLA faster for the product on this device;
@@ -53,9 +55,13 @@ def _layout(w: QArray) -> tuple[int | None, jnp.ndarray, jnp.ndarray | None, str
 
 
 def plan(x_shape, x_dtype, w: QArray, act) -> tuple[str | None, str]:
-    """("w8a8" | "weight_only", "") when a kernel takes ``x @ w``, else (None, why)."""
+    """("w8a8" | "fp8_w8a8" | "weight_only", "") when a kernel takes ``x @ w``, else (None, why)."""
     if len(w.shape) != 2:
         return None, f"kernel of rank {len(w.shape)}"
+    if w.grid == "log2":
+        return None, "log2 codes (no kernel decodes them)"
+    if w.grid == "fp8" and (act is None or act.grid != "fp8"):
+        return None, "fp8 weights without fp8 activations (XLA dequantizes them)"
     k, n = w.shape
     rows = (math.prod(x_shape[:-1]), k)
     group, _, _, why = _layout(w)
@@ -64,12 +70,15 @@ def plan(x_shape, x_dtype, w: QArray, act) -> tuple[str | None, str]:
     if act is not None:
         if is_packed(w.bits):
             return None, f"W8A8 needs int8-stored weights, got int{w.bits}"
-        if act.bits != 8 or not act.symmetric:
-            return None, f"activations {act.describe()} (the kernel quantizes to symmetric int8)"
+        if act.bits != 8 or not act.symmetric or act.grid != w.grid:
+            return None, f"activations {act.describe()} with {w.grid} weights (the kernel quantizes to symmetric int8 " \
+                         "for integer weights, to E4M3 for fp8 weights)"
         if w.act_scale is None and act.granularity != "token":
             return None, f"dynamic {act.granularity} activation scales (the kernel does per-token or a static scale)"
+        if w.grid == "fp8" and not w8a8.fp8_supported():
+            return None, f"FP8 dots need sm_89+ (Ada, Hopper); this device is {jax.devices()[0].device_kind}"
         ok, why = w8a8.can_use(rows, x_dtype, w.qvalue.dtype, k, group)
-        return ("w8a8", "") if ok else (None, why)
+        return (("fp8_w8a8" if w.grid == "fp8" else "w8a8"), "") if ok else (None, why)
     if w.bits in (2, 3):
         return None, f"int{w.bits} weights (the kernel reads int8, or int4 two per byte)"
     if w.bits == 4 and w.pack_axis != 0:
@@ -81,7 +90,7 @@ def plan(x_shape, x_dtype, w: QArray, act) -> tuple[str | None, str]:
 def table_key(kind: str, rows: int, x_dtype, w: QArray, group: int | None) -> dispatch_table.Key:
     """The :mod:`dispatch_table` key of a product ``plan`` gave to kernel ``kind``, on the default device."""
     k, n = w.shape
-    bits = 8 if kind == "w8a8" else (4 if is_packed(w.bits) else 8)
+    bits = 4 if kind == "weight_only" and is_packed(w.bits) else 8
     return dispatch_table.Key(jax.devices()[0].device_kind, kind, bits, group, k, n,
                               dispatch_table.row_bucket(rows), jnp.dtype(x_dtype).name)
 
@@ -115,9 +124,9 @@ def linear(x, w: QArray, act=None, require: bool = False, layer=None):
     group, scale, zp, _ = _layout(w)
     if not require and dispatch_table.choice(table_key(kind, x2.shape[0], x.dtype, w, group)) == "xla":
         return None  # measured on this device: XLA's path is the faster one for this product
-    if kind == "w8a8":
+    if kind in ("w8a8", "fp8_w8a8"):
         y = w8a8.w8a8_matmul(x2, w.qvalue, scale, w_zero_point=zp, act_scale=_act_scale(w, layer), group=group,
-                             layer=layer)
+                             layer=layer, fp8=kind == "fp8_w8a8")
     else:
         bits = 4 if is_packed(w.bits) else 8
         y = weight_only.weight_only_matmul(x2, w.qvalue, scale, bits=bits, w_zero_point=zp, group=group, layer=layer)

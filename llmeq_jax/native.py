@@ -204,6 +204,11 @@ def enabled() -> bool:
 # --------------------------------------------------------------------------- what a kernel takes
 
 
+def _grid_reason(w: QArray) -> str | None:
+    """Why the native kernels cannot read ``w``'s codes: they multiply uniform integers (not log2 or fp8 codes)."""
+    return None if w.grid == "uniform" else f"{w.grid} grids have no integer kernel"
+
+
 def _sub_byte_reason(w: QArray) -> str | None:
     """Why the native kernels cannot read ``w``'s packed values (they read int8, or int4 two per byte)."""
     if w.bits == 2:
@@ -229,7 +234,7 @@ def supports_kn(w: QArray) -> str | None:
         return "needs a 2-D QArray"
     if w.tile[1] not in (1, w.shape[1]):
         return "scales grouped along the output dim"
-    return _bits_ok(w, 0)
+    return _grid_reason(w) or _bits_ok(w, 0)
 
 
 def supports_nk(w: QArray) -> str | None:
@@ -238,7 +243,7 @@ def supports_nk(w: QArray) -> str | None:
         return "needs a 2-D QArray"
     if w.tile[0] not in (1, w.shape[0]):
         return "scales grouped along the output (row) dim"
-    return _bits_ok(w, 1)
+    return _grid_reason(w) or _bits_ok(w, 1)
 
 
 def supports_w8a8(w: QArray) -> str | None:
@@ -249,7 +254,7 @@ def supports_w8a8(w: QArray) -> str | None:
         return f"W8A8 needs unpacked weights of 5-8 bits, got int{w.bits}"
     if w.tile[1] not in (1, w.shape[1]):
         return "scales grouped along the output dim"
-    return None
+    return _grid_reason(w)
 
 
 # Longest weight group the row-major kernels sum in int32 (weight-only / W8A8).
@@ -260,8 +265,8 @@ def supports_row_major(w: QArray, act=None) -> str | None:
     """None when :func:`row_major_matmul` takes the ``(out, in)`` QArray ``w`` (with activation spec ``act``)."""
     if not isinstance(w, QArray) or len(w.shape) != 2:
         return "needs a 2-D QArray"
-    if w.grid != "uniform":
-        return f"{w.grid} grids have no integer kernel"
+    if (why := _grid_reason(w)) is not None:
+        return why
     n, k = w.shape
     if (why := _sub_byte_reason(w)) is not None:
         return why

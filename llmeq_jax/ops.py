@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from llmeq_jax import kernel_dispatch
+from llmeq_jax.core import fp8grid
 from llmeq_jax.core.qarray import QArray, int_range, is_packed, packed_length, packing, unpack
 from llmeq_jax.core.quantize import Spec
 from llmeq_jax.decode_layout import PanelKernel, RowMajorKernel, kernel_view, unpack_panels
@@ -100,9 +101,9 @@ def linear(
         return y if bias is None else y + bias.astype(y.dtype)
     if not isinstance(w, QArray):
         y = jnp.matmul(x, w.astype(x.dtype))
-    elif w.grid != "uniform":  # log2 codes: no integer kernel applies, dequantize inside the jit
+    elif w.grid == "log2":  # log2 codes: no integer kernel applies, dequantize inside the jit
         y = jnp.matmul(x, w.dequantize(x.dtype))
-    else:
+    else:  # uniform integer codes, or fp8 (E4M3) ones: FP8 dots with fp8 activations, else dequantized
         act = act if act is not None else w.act_spec
         y = None
         if backend != "xla":
@@ -121,7 +122,7 @@ def _linear_layer_slice(x, w: LayerSlice, act, backend):
     row-major kernel applies; every other path takes the layer's slice (a copy, for a custom call)."""
     if isinstance(w.stack, RowMajorKernel):
         return _linear_row_major(x, w.stack.w, act if act is not None else w.stack.w.act_spec, backend, w.layer)
-    if backend != "xla" and w.stack.grid == "uniform":
+    if backend != "xla" and w.stack.grid != "log2":
         y = kernel_dispatch.linear(x, w.stack, act if act is not None else w.stack.act_spec, layer=w.layer)
         if y is not None:
             return y
@@ -378,6 +379,8 @@ def _per_group(a: jax.Array, w: QArray, groups: int) -> jax.Array:
 
 def weight_only_xla(x: jax.Array, w: QArray) -> jax.Array:
     """``x @ dequantize(w)`` in XLA, choosing the formulation by the number of rows."""
+    if w.grid != "uniform":  # the integer formulations below read uniform codes
+        return jnp.matmul(x, w.dequantize(x.dtype))
     rows = math.prod(x.shape[:-1])
     if rows <= SMALL_M and _out_scale_ok(w):
         if jax.default_backend() == "cpu" and _chunk_rows(w) is not None:
@@ -503,8 +506,8 @@ def take_rows(table: jax.Array | QArray, ids: jax.Array, dtype: Any = None) -> j
 
 
 def quantize_activations(x: jax.Array, act: Spec, act_scale: jax.Array | None):
-    """int8 activations and their per-token (..., 1) or per-tensor () scale."""
-    qmax = int_range(act.bits)[1]
+    """int8 activations (fp8 act spec: ``float8_e4m3fn``) and their per-token (..., 1) or per-tensor () scale."""
+    qmax = fp8grid.MAX if act.grid == "fp8" else int_range(act.bits)[1]
     xf = x.astype(jnp.float32)
     if act_scale is not None:
         scale = act_scale.astype(jnp.float32)
@@ -513,23 +516,33 @@ def quantize_activations(x: jax.Array, act: Spec, act_scale: jax.Array | None):
         scale = jnp.maximum(amax, jnp.finfo(jnp.float32).tiny) / qmax
     else:  # dynamic per-tensor
         scale = jnp.maximum(jnp.max(jnp.abs(xf)), jnp.finfo(jnp.float32).tiny) / qmax
+    if act.grid == "fp8":
+        return fp8grid.to_fp8(xf / scale), scale
     xq = jnp.clip(jnp.round(xf / scale), -qmax, qmax).astype(jnp.int8)
     return xq, scale
 
 
 def w8a8_xla(x: jax.Array, w: QArray, act: Spec) -> jax.Array:
-    """Quantize activations, int8 x int8 -> int32 dots per weight group, rescale."""
+    """Quantize activations, int8 x int8 -> int32 dots per weight group, rescale.
+
+    fp8 weights with an fp8 act spec: E4M3 x E4M3 -> float32 dots instead (XLA runs them on FP8 tensor
+    cores where the GPU has them and widens the operands elsewhere)."""
     if w.bits > 8:
         raise ValueError(f"W8A8 needs weights of at most 8 bits, got int{w.bits}")
+    if (w.grid == "fp8") != (act.grid == "fp8") or w.grid == "log2":
+        raise ValueError(f"W8A8: {act.describe()} activations cannot meet {w!r} in one dot; integer activations go "
+                         "with uniform integer weights, fp8 activations with fp8 weights")
     if not _out_scale_ok(w):
         return jnp.matmul(x, w.dequantize(x.dtype))
     xq, sx = quantize_activations(x, act, w.act_scale)
     groups, g = contraction_groups(w)
-    q = w.values()
+    fp8 = w.grid == "fp8"
+    exact = jnp.float32 if fp8 else jnp.int32  # what the dots accumulate in
+    q = fp8grid.as_fp8(w.qvalue) if fp8 else w.values()
     scale = _per_group(w.scale, w, groups)  # (G, N)
     if groups == 1:
         acc = jax.lax.dot_general(
-            xq, q, (((xq.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.int32
+            xq, q, (((xq.ndim - 1,), (0,)), ((), ())), preferred_element_type=exact
         )[..., None, :]  # (..., 1, N)
     else:
         xg = _grouped(xq, groups, g)  # (..., G, g)
@@ -537,7 +550,7 @@ def w8a8_xla(x: jax.Array, w: QArray, act: Spec) -> jax.Array:
         lead = xg.ndim - 2
         xg_t = jnp.moveaxis(xg, -2, 0)  # (G, ..., g)
         acc = jax.lax.dot_general(
-            xg_t, qg, (((xg_t.ndim - 1,), (1,)), ((0,), (0,))), preferred_element_type=jnp.int32
+            xg_t, qg, (((xg_t.ndim - 1,), (1,)), ((0,), (0,))), preferred_element_type=exact
         )  # (G, ..., N)
         acc = jnp.moveaxis(acc, 0, lead)  # (..., G, N)
     accf = acc.astype(jnp.float32)

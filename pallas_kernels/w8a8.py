@@ -1,4 +1,5 @@
-"""W8A8 matmul: quantize activations per token, int8 x int8 -> int32 GEMM with a fused rescale.
+"""W8A8 matmul: quantize activations per token, int8 x int8 -> int32 GEMM with a fused rescale
+(or FP8: E4M3 x E4M3 -> float32, on GPUs with FP8 tensor cores).
 
 Contract (``(in, out)`` weights, as everywhere in llmeq_jax):
   x        (M, K)  float32 / bfloat16 / float16
@@ -24,6 +25,11 @@ that took M=2048 x 4096 x 11008 from 0.72 ms to 0.25 ms, the per-call transpose
 included. A first version quantized x inside the GEMM; measured on an
 H100 it ran at ~85 TOP/s (0.11x bf16), the per-tile quantize on the CUDA cores
 being redone for every N tile -- see the README.
+
+FP8 (``fp8=True``): the same kernel with E4M3 operands (``llmeq_jax.core.fp8grid``): the
+weight codes are E4M3 bit patterns in int8 (bit-cast in the kernel, no copy), x is scaled
+per token onto 448 and cast (saturating, ties to even), the dots accumulate in float32,
+and there are no zero points. E4M3 dots need sm_89+ (Ada, Hopper): :func:`fp8_supported`.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from llmeq_jax.core import fp8grid
 from pallas_kernels import config
 from pallas_kernels.blocks import Blocks, matmul_blocks
 from pallas_kernels.common import (
@@ -54,17 +61,36 @@ QMAX = 127
 TRANSPOSE_MIN_M = 1024
 
 
-def quantize_rows(x, act_scale=None):
-    """(x_q int8 (M, K), scale_x float32 (M, 1)): per-token absmax, or the static per-tensor scale."""
+def quantize_rows(x, act_scale=None, fp8: bool = False):
+    """(x_q int8 (M, K), scale_x float32 (M, 1)): per-token absmax, or the static per-tensor scale.
+
+    ``fp8``: x_q holds E4M3 bit patterns (the absmax maps onto 448 instead of 127)."""
     xf = x.astype(jnp.float32)
+    top = fp8grid.MAX if fp8 else QMAX
     if act_scale is None:
-        sx = jnp.maximum(jnp.max(jnp.abs(xf), axis=1, keepdims=True), TINY) / QMAX
+        sx = jnp.maximum(jnp.max(jnp.abs(xf), axis=1, keepdims=True), TINY) / top
     else:
         sx = jnp.broadcast_to(jnp.asarray(act_scale, jnp.float32).reshape(1, 1), (x.shape[0], 1))
+    if fp8:
+        return fp8grid.encode(xf / sx), sx
     return jnp.clip(jnp.round(xf / sx), -QMAX, QMAX).astype(jnp.int8), sx
 
 
-def _kernel(*refs, m, n, k, blocks, group, has_zp, has_bias, split_blocks, split, w_kmajor, stacked):
+def fp8_supported(device=None) -> bool:
+    """Whether E4M3 dots lower on ``device`` (default: the first device): sm_89+ on CUDA; always in
+    interpret mode, where XLA widens them."""
+    if config.interpret_enabled():
+        return True
+    device = device or jax.devices()[0]
+    cc = getattr(device, "compute_capability", None)
+    try:
+        major, minor = (int(v) for v in str(cc).split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= (8, 9)
+
+
+def _kernel(*refs, m, n, k, blocks, group, has_zp, has_bias, split_blocks, split, w_kmajor, stacked, fp8):
     rest = list(refs)
     layer = rest.pop(0)[0] if stacked else None  # weights, scales, zero points: one layer of a stack
     xq_ref, sx_ref, w_ref, ws_ref = rest[:4]
@@ -81,24 +107,29 @@ def _kernel(*refs, m, n, k, blocks, group, has_zp, has_bias, split_blocks, split
     def row_of(ref, g, lay=None):  # one (1, bn) row of a per-group array
         return load_tile(ref, span(g, 1, ref.shape[-2]), cols, 0, lay).astype(jnp.float32)
 
+    exact = jnp.float32 if fp8 else jnp.int32  # what one K block's dot accumulates in
+
+    def operand(t):  # int8 codes as the dot's operand: E4M3 bit patterns are bit-cast (0 stays +0.0)
+        return jax.lax.bitcast_convert_type(t, fp8grid.DTYPE) if fp8 else t
+
     def body(kb, carry):
         acc, xsum = carry
-        xt = load_tile(xq_ref, rows, span(kb * bk, bk, k), 0)
-        if w_kmajor:  # w_ref is (N, K): contract the last dims (the int8 tensor-core path on Hopper wants this)
-            wt = load_tile(w_ref, cols, span(kb * bk, bk, k), 0, layer)
-            part = jax.lax.dot_general(xt, wt, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
+        xt = operand(load_tile(xq_ref, rows, span(kb * bk, bk, k), 0))
+        if w_kmajor:  # w_ref is (N, K): contract the last dims (int8/fp8 tensor cores on Hopper want this)
+            wt = operand(load_tile(w_ref, cols, span(kb * bk, bk, k), 0, layer))
+            part = jax.lax.dot_general(xt, wt, (((1,), (1,)), ((), ())), preferred_element_type=exact)
         else:
-            wt = load_tile(w_ref, span(kb * bk, bk, k), cols, 0, layer)
-            part = dot(xt, wt, preferred=jnp.int32)
+            wt = operand(load_tile(w_ref, span(kb * bk, bk, k), cols, 0, layer))
+            part = dot(xt, wt, preferred=exact)
         tsum = jnp.sum(xt.astype(jnp.int32), axis=1, keepdims=True) if has_zp else xsum
-        if group is None:  # one scale for all of K: keep exact int32 accumulation
+        if group is None:  # one scale for all of K: keep exact int32 (fp8: float32) accumulation
             return acc + part, (xsum + tsum) if has_zp else xsum
         partf = part.astype(jnp.float32)
         if has_zp:
             partf = partf - tsum.astype(jnp.float32) * row_of(zp_ref, kb, layer)
         return acc + partf * row_of(ws_ref, kb, layer), xsum
 
-    acc_dtype = jnp.int32 if group is None else jnp.float32
+    acc_dtype = exact if group is None else jnp.float32
     init = (jnp.zeros((bm, bn), acc_dtype), jnp.zeros((bm, 1), jnp.int32))
     acc, xsum = jax.lax.fori_loop(first, last, body, init)
     if group is None:
@@ -116,15 +147,17 @@ def _kernel(*refs, m, n, k, blocks, group, has_zp, has_bias, split_blocks, split
     store_tile(o_ref, rows, cols, y.astype(o_ref.dtype))
 
 
-def _check(x, wq, w_scale, w_zero_point, group, layer=None):
+def _check(x, wq, w_scale, w_zero_point, group, layer=None, fp8=False):
     if layer is not None:  # a stack of weights [L, ...]: check one layer's shapes
-        return _check(x, *one_layer("w8a8_matmul", wq, w_scale, w_zero_point, layer), group)
+        return _check(x, *one_layer("w8a8_matmul", wq, w_scale, w_zero_point, layer), group, fp8=fp8)
+    if fp8 and w_zero_point is not None:
+        raise ValueError("w8a8_matmul: fp8 weights are symmetric (E4M3 codes have no zero point)")
     if x.ndim != 2 or wq.ndim != 2 or x.shape[1] != wq.shape[0]:
         raise ValueError(f"w8a8_matmul expects x (M, K) and wq (K, N); got {x.shape} and {wq.shape}")
     if jnp.dtype(x.dtype) not in FLOAT_DTYPES:
         raise ValueError(f"w8a8_matmul: x must be float32/bfloat16/float16, got {x.dtype}")
     if wq.dtype != jnp.int8:
-        raise ValueError(f"w8a8_matmul: wq must be int8, got {wq.dtype}")
+        raise ValueError(f"w8a8_matmul: wq must be int8 (fp8: E4M3 bit patterns in int8), got {wq.dtype}")
     k, n = wq.shape
     groups = 1 if group is None else cdiv(k, group)
     if w_scale.shape != (groups, n):
@@ -148,22 +181,25 @@ def w8a8_matmul(
     k_splits: int | None = None,
     transpose_w: bool | None = None,
     layer=None,
+    fp8: bool = False,
     interpret: bool | None = None,
 ):
     """Quantize activations + int8 GEMM with fused rescale (see module docstring for the contract).
+
+    ``fp8``: ``wq`` holds E4M3 bit patterns; x is quantized to E4M3 and the dots are FP8 x FP8.
 
     ``transpose_w`` (default: M >= TRANSPOSE_MIN_M) feeds the kernel ``wq.T``, made by XLA
     for each call (K*N bytes read and written), so that the int8 weight tile is K-major.
     With ``layer`` (an int32 scalar), ``wq``, ``w_scale`` and the zero point are stacks [L, ...]
     and the kernel reads that layer in place (the transposed path slices it: it copies anyway).
     """
-    _check(x, wq, w_scale, w_zero_point, group, layer)
+    _check(x, wq, w_scale, w_zero_point, group, layer, fp8)
     m, k = x.shape
     n = wq.shape[-1]
     blocks = blocks or matmul_blocks(m, n, k, group, int8=True)
     if group is not None and blocks.bk != group:
         raise ValueError(f"w8a8_matmul: with per-group scales the K block must equal the group ({group}), got {blocks.bk}")
-    xq, sx = quantize_rows(x, act_scale)
+    xq, sx = quantize_rows(x, act_scale, fp8)
     w_kmajor = m >= TRANSPOSE_MIN_M if transpose_w is None else bool(transpose_w)
     if w_kmajor and layer is not None:
         one = lambda a: None if a is None else jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)  # noqa: E731
@@ -173,7 +209,7 @@ def w8a8_matmul(
         args.append(w_zero_point.astype(jnp.int8))
     return launch_matmul(_kernel, args, m=m, n=n, k=k, blocks=blocks, bias=bias, k_splits=k_splits, out_dtype=x.dtype,
                          interpret=config.resolve_interpret(interpret), name="w8a8_matmul", group=group,
-                         has_zp=w_zero_point is not None, w_kmajor=w_kmajor, layer=layer)
+                         has_zp=w_zero_point is not None, w_kmajor=w_kmajor, layer=layer, fp8=fp8)
 
 
 def w8a8_reference(x, wq, w_scale, *, w_zero_point=None, bias=None, act_scale=None, group=None):

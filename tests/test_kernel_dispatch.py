@@ -83,3 +83,22 @@ def test_two_layer_model_logits_match(pair):
         pallas_logits = jax.jit(lambda p, x: _mlp(p, x, "pallas"))(params, x)
     xla_logits = jax.jit(lambda p, x: _mlp(p, x, "xla"))(params, x)
     np.testing.assert_allclose(pallas_logits, xla_logits, rtol=1e-4, atol=1e-4 * float(jnp.max(jnp.abs(xla_logits))))
+
+
+def test_fp8_products_go_to_the_fp8_kernel_only_with_fp8_activations_on_sm89_plus():
+    w = jnp.asarray(np.random.default_rng(0).standard_normal((64, 32)), jnp.float32)
+    fp8, act = Spec(8, "channel", grid="fp8"), Spec(8, "token", grid="fp8")
+    with config.interpret(True):
+        assert dispatch.plan((2, 64), jnp.float32, quantize(w, fp8, act_spec=act), act) == ("fp8_w8a8", "")
+        kind, why = dispatch.plan((2, 64), jnp.float32, quantize(w, fp8), None)
+        assert kind is None and "without fp8 activations" in why
+        with pytest.raises(dispatch.KernelUnavailable, match="without fp8 activations"):
+            ops.linear(jnp.ones((2, 64)), quantize(w, fp8), backend="pallas")
+    from pallas_kernels import w8a8
+
+    class Device:  # what jax reports for a CUDA device: its compute capability as "major.minor"
+        def __init__(self, cc):
+            self.compute_capability = cc
+
+    assert w8a8.fp8_supported(Device("9.0")) and w8a8.fp8_supported(Device("8.9"))
+    assert not w8a8.fp8_supported(Device("8.0")) and not w8a8.fp8_supported(Device(None))

@@ -171,7 +171,8 @@ class QArray:
     dtype: Any = dataclasses.field(default=jnp.float32, metadata=dict(static=True))
     pack_axis: int = dataclasses.field(default=0, metadata=dict(static=True))
     act_spec: Any = dataclasses.field(default=None, metadata=dict(static=True))
-    # "uniform" or "log2" (sign + exponent codes, core/log2grid.py); only dequantize differs.
+    # "uniform", "log2" (sign + exponent codes, core/log2grid.py) or "fp8" (E4M3 bit patterns,
+    # core/fp8grid.py); only dequantize differs.
     grid: str = dataclasses.field(default="uniform", metadata=dict(static=True))
 
     # -- logical view -----------------------------------------------------
@@ -208,6 +209,11 @@ class QArray:
 
             rel = log2grid.decode(self.values(), self.bits)
             return (rel * expand_to(self.scale.astype(jnp.float32), self.shape, self.tile)).astype(dtype)
+        if self.grid == "fp8":
+            from llmeq_jax.core import fp8grid
+
+            rel = fp8grid.decode(self.qvalue)
+            return (rel * expand_to(self.scale.astype(jnp.float32), self.shape, self.tile)).astype(dtype)
         q = self.values().astype(jnp.float32)
         if self.zero_point is not None:
             q = q - expand_to(self.zero_point.astype(jnp.float32), self.shape, self.tile)
@@ -223,10 +229,11 @@ class QArray:
         zp = "asymmetric" if self.zero_point is not None else "symmetric"
         act = ""
         if self.act_spec is not None:
-            act = f", act=int{self.act_spec.bits}/{'static' if self.act_scale is not None else 'dynamic'}"
-        kind = "log2-" if self.grid == "log2" else "int"
+            a = "fp8" if self.act_spec.grid == "fp8" else f"int{self.act_spec.bits}"
+            act = f", act={a}/{'static' if self.act_scale is not None else 'dynamic'}"
+        kind = {"log2": f"log2-{self.bits}", "fp8": "fp8-e4m3"}.get(self.grid, f"int{self.bits}")
         return (
-            f"QArray({kind}{self.bits} {zp}, shape={self.shape}, {self.granularity}, "
+            f"QArray({kind} {zp}, shape={self.shape}, {self.granularity}, "
             f"scale={tuple(self.scale.shape)}, dtype={jnp.dtype(self.dtype).name}, "
             f"nbytes={self.nbytes}{act})"
         )

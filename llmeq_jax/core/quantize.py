@@ -44,15 +44,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from llmeq_jax.core import log2grid
+from llmeq_jax.core import fp8grid, log2grid
 from llmeq_jax.core.qarray import QArray, check_bits, expand_to, int_range, pack, scale_shape
 
 Granularity = Literal["tensor", "channel", "group", "token"]
 GRANULARITIES = ("tensor", "channel", "group", "token")
 SCALE_DTYPES = (None, "float16")
 NAN_POLICIES = ("raise", "propagate")
-# Value grids: evenly spaced integers, or sign + power-of-two exponent (core/log2grid.py).
-GRIDS = ("uniform", "log2")
+# Value grids: evenly spaced integers, sign + power-of-two exponent (core/log2grid.py), or
+# 8-bit floats (E4M3, core/fp8grid.py).
+GRIDS = ("uniform", "log2", "fp8")
 # Clip ratios tried by the MSE search (coarse enough to stay fast, fine near 1).
 MSE_GRID = tuple(float(r) for r in np.linspace(0.5, 1.0, 21))
 
@@ -76,7 +77,9 @@ class Spec:
       or ``G``), a smooth function of the weights that QAT's recomputed scales can follow.
     grid: ``uniform`` (integers times the scale) or ``log2`` (sign and power-of-two
       exponent relative to the tile's absmax, see :mod:`llmeq_jax.core.log2grid`;
-      symmetric only, stored and packed like uniform codes of the same bits).
+      symmetric only, stored and packed like uniform codes of the same bits) or ``fp8``
+      (E4M3 floats, the tile's absmax mapped onto 448, see :mod:`llmeq_jax.core.fp8grid`; 8 bits,
+      symmetric; with an ``fp8`` activation spec a linear runs FP8 x FP8 dots).
     """
 
     bits: int = 8
@@ -103,8 +106,12 @@ class Spec:
         if self.grid == "log2" and self.bits > 7:  # 8-bit codes would need magnitudes down to 2^-126
             raise ValueError(f"grid='log2' takes 2 to 7 bits (a {self.bits}-bit code's smallest magnitude 2^{2 - 2 ** (self.bits - 1)} "
                              "leaves float32's normal range); use a uniform grid for 8 bits")
-        if self.grid == "log2" and isinstance(self.clip, str) and self.clip.startswith(("mse", "rms")):
-            raise ValueError(f"clip={self.clip!r} is made for uniform grids; with grid='log2' use None, a ratio or 'pNN'")
+        if self.grid == "fp8" and (self.bits != 8 or not self.symmetric):
+            raise ValueError(f"grid='fp8' is the 8-bit E4M3 float format (sign, exponent, mantissa): it needs bits=8 "
+                             f"and symmetric=True, got bits={self.bits}, symmetric={self.symmetric}")
+        if self.grid != "uniform" and isinstance(self.clip, str) and self.clip.startswith(("mse", "rms")):
+            raise ValueError(f"clip={self.clip!r} is made for uniform grids; with grid={self.grid!r} use None, a ratio "
+                             "or 'pNN'")
         if self.granularity not in GRANULARITIES:
             raise ValueError(f"granularity={self.granularity!r} is not one of {list(GRANULARITIES)}")
         if self.granularity == "group":
@@ -122,6 +129,8 @@ class Spec:
         g = {"tensor": "per-tensor", "channel": "per-channel", "token": "per-token"}.get(
             self.granularity, f"g{self.group_size}"
         )
+        if self.grid == "fp8":
+            return f"fp8-e4m3 {g}" + (f" clip={self.clip}" if self.clip else "")
         kind = "log2-" if self.grid == "log2" else "int"
         return (f"{kind}{self.bits} {g} {'sym' if self.symmetric else 'asym'}" + (f" clip={self.clip}" if self.clip else "")
                 + (f" {self.scale_dtype} scales" if self.scale_dtype else ""))
@@ -301,6 +310,8 @@ def quantize_values(x: jax.Array, scale, zero_point, bits: int, tile, grid: str 
     s = expand_to(scale, x.shape, tile)
     if grid == "log2":
         return log2grid.encode(x.astype(jnp.float32) / s, bits)
+    if grid == "fp8":
+        return fp8grid.encode(x.astype(jnp.float32) / s)
     q = jnp.round(x.astype(jnp.float32) / s)
     if zero_point is None:
         return jnp.clip(q, -qmax, qmax).astype(jnp.int8)
@@ -311,6 +322,8 @@ def quantize_values(x: jax.Array, scale, zero_point, bits: int, tile, grid: str 
 def _dequant_values(q, scale, zero_point, shape, tile, grid="uniform", bits=8):
     if grid == "log2":
         return log2grid.decode(q, bits) * expand_to(scale, shape, tile)
+    if grid == "fp8":
+        return fp8grid.decode(q) * expand_to(scale, shape, tile)
     q = q.astype(jnp.float32)
     if zero_point is not None:
         q = q - expand_to(zero_point, shape, tile)
@@ -394,6 +407,9 @@ def _compute_scale(x: jax.Array, spec: Spec, tile: tuple[int, ...] | None = None
     if spec.grid == "log2":  # scale = the (clipped) absmax: the top magnitude is 1
         amax = _tile_percentile(x, tile, value) if kind == "percentile" else tile_reduce(x, tile, "absmax") * value
         return log2grid.scale_from_absmax(amax), None
+    if spec.grid == "fp8":  # scale = the (clipped) absmax / 448: the largest value is the top float
+        amax = _tile_percentile(x, tile, value) if kind == "percentile" else tile_reduce(x, tile, "absmax") * value
+        return fp8grid.scale_from_absmax(amax), None
     if kind == "mse":
         return _mse_scale(x, tile, spec.bits, spec.symmetric)
     if kind == "percentile":
@@ -541,6 +557,8 @@ def _clip_bounds(scale, zero_point, bits, shape, tile, grid="uniform"):
     s = expand_to(scale, shape, tile)
     if grid == "log2":  # magnitudes up to 1 x scale
         return -s, s
+    if grid == "fp8":  # floats up to 448 x scale
+        return -fp8grid.MAX * s, fp8grid.MAX * s
     if zero_point is None:
         return -qmax * s, qmax * s
     zp = expand_to(zero_point, shape, tile)

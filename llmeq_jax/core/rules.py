@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 import yaml
 
+from llmeq_jax.core import fp8grid
 from llmeq_jax.core.qarray import QArray, is_qarray, int_range
 from llmeq_jax.core.quantize import Spec, quantize
 
@@ -88,13 +89,16 @@ class Rule:
                     f"rule {self.pattern!r}: activation granularity must be 'token' or 'tensor', "
                     f"got {self.act.granularity!r}"
                 )
-            if self.act.bits != 8 or not self.act.symmetric:
-                raise RecipeError(f"rule {self.pattern!r}: activations are quantized to symmetric int8 only")
+            if self.act.bits != 8 or not self.act.symmetric or self.act.grid not in ("uniform", "fp8"):
+                raise RecipeError(f"rule {self.pattern!r}: activations are quantized to symmetric int8 or fp8 (E4M3) "
+                                  f"only, got {self.act.describe()}")
             if self.weight is not None and self.weight.bits > 8:
                 raise RecipeError(f"rule {self.pattern!r}: W8A8 needs weights of at most 8 bits")
-            if self.weight is not None and self.weight.grid != "uniform":
-                raise RecipeError(f"rule {self.pattern!r}: integer W8A8 needs a uniform weight grid, got "
-                                  f"grid={self.weight.grid!r} (log2 weights run weight-only)")
+            if self.weight is not None and self.weight.grid != self.act.grid:
+                want = "an fp8 weight grid (grid: fp8)" if self.act.grid == "fp8" else "a uniform weight grid"
+                raise RecipeError(f"rule {self.pattern!r}: {self.act.describe()} activations need {want}, got "
+                                  f"weight grid={self.weight.grid!r} (log2 weights run weight-only; int8 and fp8 "
+                                  "operands do not meet in one dot)")
         if self.act_static and (self.act is None or self.act.granularity != "tensor"):
             raise RecipeError(f"rule {self.pattern!r}: act_static needs act granularity 'tensor'")
         if isinstance(self.act_clip, bool) or not isinstance(self.act_clip, (int, float)) \
@@ -103,6 +107,9 @@ class Rule:
         if self.act_clip != 1.0 and not self.act_static:
             raise RecipeError(f"rule {self.pattern!r}: act_clip applies to static activation scales (act_static: true)")
         if self.act_ema is not None:
+            if self.act is not None and self.act.grid == "fp8":
+                raise RecipeError(f"rule {self.pattern!r}: act_ema (online scales) tracks int8 ranges; fp8 activations "
+                                  "take dynamic per-token scales or a static one (act_static: true)")
             if self.act is None or self.act.granularity != "tensor" or self.act_static:
                 raise RecipeError(f"rule {self.pattern!r}: act_ema (online scales) needs act granularity 'tensor' "
                                   "and no act_static (a scale is either calibrated or tracked)")
@@ -239,15 +246,17 @@ def check_finite(path: str, leaf: Any) -> None:
         raise ValueError(f"parameter {path!r} holds {n} NaN/Inf value(s); quantization needs finite weights")
 
 
-def static_act_scale(path: str, stats: dict | None, clip: float = 1.0) -> jax.Array:
-    """Per-tensor int8 activation scale from the calibrated absmax of ``path``'s input (times ``clip``)."""
+def static_act_scale(path: str, stats: dict | None, clip: float = 1.0, act: Spec | None = None) -> jax.Array:
+    """Per-tensor activation scale from the calibrated absmax of ``path``'s input (times ``clip``): onto
+    int8's 127, or onto 448 for an fp8 ``act`` spec."""
     if stats is None or path not in stats or "absmax" not in stats[path]:
         raise RecipeError(
             f"static activation scale for {path!r} needs calibration statistics "
             "(stats[path]['absmax']); run calibration first or use dynamic per-token activations"
         )
     amax = jnp.max(jnp.asarray(stats[path]["absmax"], jnp.float32)) * clip
-    return jnp.reshape(jnp.maximum(amax, jnp.finfo(jnp.float32).tiny) / int_range(8)[1], ())
+    top = fp8grid.MAX if act is not None and act.grid == "fp8" else int_range(8)[1]
+    return jnp.reshape(jnp.maximum(amax, jnp.finfo(jnp.float32).tiny) / top, ())
 
 
 def map_rules(
@@ -321,7 +330,7 @@ def quantize_leaf(path: str, w: jax.Array, rule: Rule, stats: dict | None = None
                           f"{rule.pattern!r}'s activation spec does not apply to it; its weights are quantized only",
                           UserWarning)
         return quantize_table(w, rule.weight)
-    act_scale = static_act_scale(path, stats, rule.act_clip) if rule.act_static else None
+    act_scale = static_act_scale(path, stats, rule.act_clip, rule.act) if rule.act_static else None
     return _quantize_jit(jnp.asarray(w), act_scale, spec=rule.weight, act_spec=rule.act)
 
 

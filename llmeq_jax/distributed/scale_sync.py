@@ -238,7 +238,7 @@ def quantize_params_sharded(
     tree of global arrays: it can be saved from every process (``checkpoint.save``).
     """
     def one(path, w, rule):
-        act_scale = static_act_scale(path, stats, rule.act_clip) if rule.act_static else None
+        act_scale = static_act_scale(path, stats, rule.act_clip, rule.act) if rule.act_static else None
         if act_scale is not None:
             act_scale = global_array(np.asarray(act_scale), NamedSharding(mesh, P()))
         q = quantize_sharded(

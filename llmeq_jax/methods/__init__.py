@@ -163,10 +163,10 @@ def _apply_method(config, params: dict, recipe: Recipe, windows: np.ndarray | No
         info["seconds"] = time.perf_counter() - t0
         return out, info
 
-    log2 = [r.pattern for r in recipe.rules if r.weight is not None and r.weight.grid != "uniform"]
-    if log2:  # their solvers round to uniform integer grids (GPTQ error feedback, AWQ/SmoothQuant searches)
+    other = [r.pattern for r in recipe.rules if r.weight is not None and r.weight.grid != "uniform"]
+    if other:  # their solvers round to uniform integer grids (GPTQ error feedback, AWQ/SmoothQuant searches)
         raise RecipeError(f"recipe {recipe.name!r}: method {recipe.method!r} works on uniform grids, but rules "
-                          f"{log2} ask for another grid; use method rtn for log2 grids")
+                          f"{other} ask for another grid; use method rtn for log2 and fp8 grids")
     mod = CALIBRATED[recipe.method]
     opts = mod.parse_args(dict(recipe.method_args))
     chosen = _check_recipe(params, recipe)

@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from llmeq_jax.core import fp8grid
 from llmeq_jax.core.qarray import QArray, is_qarray
 from llmeq_jax.core.quantize import Spec, quantize_dequantize
 from llmeq_jax.core.rules import Recipe, Rule, is_quantizable, path_str, quantize_leaf
@@ -58,9 +59,13 @@ def fake_quant_act(x: jax.Array, rule: Rule, static_absmax: jax.Array | None = N
     if rule is None or rule.act is None:
         return x
     if rule.act_static:
-        scale = jnp.maximum(jnp.max(static_absmax) * rule.act_clip, jnp.finfo(jnp.float32).tiny) / 127.0
+        scale = jnp.maximum(jnp.max(static_absmax) * rule.act_clip, jnp.finfo(jnp.float32).tiny)
+        if rule.act.grid == "fp8":
+            scale = scale / fp8grid.MAX
+            return fp8grid.to_fp8(x / scale).astype(jnp.float32) * scale
+        scale = scale / 127.0
         return jnp.clip(jnp.round(x / scale), -127, 127) * scale
-    return quantize_dequantize(x, Spec(8, "token"))
+    return quantize_dequantize(x, Spec(8, "token", grid=rule.act.grid))
 
 
 def option(default, types: tuple, check, hint: str):

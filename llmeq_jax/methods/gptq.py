@@ -406,7 +406,7 @@ def block_processor(config, recipe, opts: GPTQOptions, info: dict):
                         [None] * len(ws) if zp is None else np.split(zp, cuts, axis=1))
             for rel, w, (q_i, s_i, z_i) in zip(group, ws, parts):
                 rule, full = rules[rel], f"layers_{layer}/{rel}"
-                act_scale = (static_act_scale(full, {full: block_stats[rel]}, rule.act_clip)
+                act_scale = (static_act_scale(full, {full: block_stats[rel]}, rule.act_clip, rule.act)
                              if rule.act_static else None)
                 block = set_leaf(block, rel, to_qarray(q_i, s_i, z_i, rule.weight, w.dtype, rule.act, act_scale))
                 if res["damp"] != opts.damp:

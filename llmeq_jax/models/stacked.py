@@ -139,7 +139,7 @@ def block_at(blocks, layer, in_place: bool):
 
     def one(leaf):
         if isinstance(leaf, RowMajorKernel) or (
-                in_place and isinstance(leaf, QArray) and len(leaf.shape) == 2 and leaf.grid == "uniform"):
+                in_place and isinstance(leaf, QArray) and len(leaf.shape) == 2 and leaf.grid != "log2"):
             return LayerSlice(leaf, layer)
         return jax.tree.map(lambda a: take_layer(a, layer), leaf)
 

@@ -143,3 +143,69 @@ def test_a_layer_of_a_stack_is_read_in_place(group, zp, transpose):
         np.testing.assert_array_equal(np.asarray(at(x, wq, s, z, jnp.int32(layer))), np.asarray(want))
     with pytest.raises(ValueError, match="must be stacks"):
         w8a8_matmul(x, ops_[0][1], ops_[0][2], layer=0, **kw)
+
+
+# --------------------------------------------------------------------------- FP8 (E4M3)
+
+
+def _fp8_operands(m, k, n, group, seed=0):
+    from llmeq_jax.core import fp8grid
+
+    ks = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(ks[0], (m, k)) * 2
+    wq = fp8grid.encode(jax.random.normal(ks[1], (k, n)) * 100)  # E4M3 bit patterns, spread over the range
+    groups = 1 if group is None else -(-k // group)
+    s = jax.random.uniform(ks[2], (groups, n), minval=1e-3, maxval=1e-2)
+    return x, wq, s
+
+
+def _fp8_reference(x, wq, s, group, act_scale=None):
+    """The definition: y = sum_g (sum_k fp8(x / sx) fp8 codes) * s_g * sx, in float32."""
+    from llmeq_jax.core import fp8grid
+
+    sx = (jnp.max(jnp.abs(x), axis=1, keepdims=True) / fp8grid.MAX if act_scale is None
+          else jnp.asarray(act_scale, jnp.float32))
+    xv = fp8grid.decode(fp8grid.encode(x / sx))
+    wv = fp8grid.decode(wq)
+    g = x.shape[1] if group is None else group
+    y = sum((xv[:, k0:k0 + g] @ wv[k0:k0 + g]) * s[i] for i, k0 in enumerate(range(0, x.shape[1], g)))
+    return y * sx
+
+
+@pytest.mark.parametrize("m,k,n,group,static,transpose", [
+    (1, 96, 80, None, False, False), (37, 130, 90, None, True, False), (5, 100, 48, 32, False, True),
+    (20, 192, 40, 64, False, False)])
+def test_fp8_kernel_matches_its_definition(m, k, n, group, static, transpose):
+    x, wq, s = _fp8_operands(m, k, n, group)
+    a = jnp.float32(0.05) if static else None
+    y = w8a8_matmul(x, wq, s, act_scale=a, group=group, fp8=True, transpose_w=transpose, interpret=True)
+    r = _fp8_reference(x, wq, s, group, a)
+    assert y.shape == (m, n) and y.dtype == x.dtype
+    np.testing.assert_allclose(y, r, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(r))))
+
+
+def test_fp8_kernel_is_what_ops_linear_runs_in_xla():
+    from pallas_kernels import config
+
+    w = jax.random.normal(jax.random.key(4), (160, 48))
+    x = jax.random.normal(jax.random.key(5), (3, 160)).astype(jnp.bfloat16)
+    for spec in (Spec(8, "channel", grid="fp8"), Spec(8, "group", group_size=32, grid="fp8")):
+        q = quantize(w, spec, act_spec=Spec(8, "token", grid="fp8"))
+        with config.interpret(True):
+            y = ops.linear(x, q, backend="pallas")
+        np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(ops.linear(x, q, backend="xla"), np.float32),
+                                   rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("m", [1, 4096])
+def test_fp8_kernel_lowers_for_cuda(cuda_lowering, m):
+    sds = jax.ShapeDtypeStruct
+    args = [sds((m, 4096), jnp.bfloat16), sds((4096, 11008), jnp.int8), sds((1, 11008), jnp.float32)]
+    text = cuda_lowering(lambda x, wq, s: w8a8_matmul(x, wq, s, fp8=True), *args)
+    assert "w8a8_matmul" in text
+
+
+def test_fp8_kernel_refuses_zero_points():
+    x, wq, s = _fp8_operands(2, 64, 16, None)
+    with pytest.raises(ValueError, match="no zero point"):
+        w8a8_matmul(x, wq, s, w_zero_point=jnp.zeros_like(s, jnp.int8), fp8=True, interpret=True)
