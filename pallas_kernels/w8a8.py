@@ -212,21 +212,27 @@ def w8a8_matmul(
                          has_zp=w_zero_point is not None, w_kmajor=w_kmajor, layer=layer, fp8=fp8)
 
 
-def w8a8_reference(x, wq, w_scale, *, w_zero_point=None, bias=None, act_scale=None, group=None):
-    """Pure-jnp W8A8 with the kernel's math (jnp.round, int32 dots per group)."""
-    _check(x, wq, w_scale, w_zero_point, group)
+def w8a8_reference(x, wq, w_scale, *, w_zero_point=None, bias=None, act_scale=None, group=None, fp8=False):
+    """Pure-jnp W8A8 with the kernel's math (jnp.round, int32 dots per group; ``fp8``: the E4M3 values
+    widened to float32, float32 dots at full precision)."""
+    _check(x, wq, w_scale, w_zero_point, group, fp8=fp8)
     k, n = wq.shape
     xf = x.astype(jnp.float32)
+    top = fp8grid.MAX if fp8 else QMAX
     if act_scale is None:
-        sx = jnp.maximum(jnp.max(jnp.abs(xf), axis=1, keepdims=True), TINY) / QMAX
+        sx = jnp.maximum(jnp.max(jnp.abs(xf), axis=1, keepdims=True), TINY) / top
     else:
         sx = jnp.asarray(act_scale, jnp.float32)
-    xq = jnp.clip(jnp.round(xf / sx), -QMAX, QMAX).astype(jnp.int8)
+    if fp8:
+        xq, wq = fp8grid.decode(fp8grid.encode(xf / sx)), fp8grid.decode(wq)
+    else:
+        xq = jnp.clip(jnp.round(xf / sx), -QMAX, QMAX).astype(jnp.int8)
     g = k if group is None else group
     y = jnp.zeros((x.shape[0], n), jnp.float32)
     for gi, k0 in enumerate(range(0, k, g)):
         xs, ws = xq[:, k0 : k0 + g], wq[k0 : k0 + g]
-        acc = jax.lax.dot(xs, ws, preferred_element_type=jnp.int32).astype(jnp.float32)
+        acc = jax.lax.dot(xs, ws, precision=jax.lax.Precision.HIGHEST,
+                          preferred_element_type=jnp.float32 if fp8 else jnp.int32).astype(jnp.float32)
         if w_zero_point is not None:
             acc = acc - jnp.sum(xs.astype(jnp.int32), axis=1, keepdims=True).astype(jnp.float32) * w_zero_point[gi]
         y = y + acc * w_scale[gi]

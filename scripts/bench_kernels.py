@@ -4,7 +4,9 @@ On a GPU: warm device time per call of each kernel and of ``x @ w`` in bf16 for 
 (M = 1..16) and prefill (M = 512..4096) shapes on 4096x4096, 4096x11008 and
 11008x4096 weights, printed as TFLOP/s, GB/s and speed-up over bf16; plus int8
 decode attention vs bf16 at 32K context. Targets (H100): W8A8 >= 1.5x at
-M >= 2048, int4 weight-only >= 2.5x at M <= 16, KV int8 decode >= 1.6x at 32K.
+M >= 2048, FP8 W8A8 >= 1.6x, int4 weight-only >= 2.5x at M <= 16, KV int8 decode >= 1.6x at 32K.
+Where torch with CUDA is importable, FP8 rows also print PyTorch's ``torch._scaled_mm`` (E4M3, row-wise
+scales) on the same shapes, timed with CUDA events (M >= 16: its operands need multiples of 16).
 
 On a CPU: says no GPU was found and prints the roofline estimate (bytes moved,
 integer/float ops) for the same shapes.
@@ -14,6 +16,7 @@ Each timed call reads its own copy of the weights (enough copies to exceed
 cache nor host dispatch flatters the small decode shapes.
 
     PYTHONPATH=. python scripts/bench_kernels.py [--reps 20] [--sweep] [--write-table dispatch.json]
+        [--kinds bf16,fp8,w8a8] [--weights 4096x11008] [--no-attention]
 
 ``--write-table PATH`` also times XLA's path of each quantized product and writes the
 measured dispatch table (``llmeq_jax/dispatch_table.py``): with ``LLMEQ_DISPATCH_TABLE=PATH``
@@ -41,7 +44,8 @@ KV_SHAPE = (1, 8, 4, 32768, 128)  # decode attention: batch, kv heads, q heads p
 def bytes_moved(m, k, n, kind):
     """Minimum HBM traffic: activations in (bf16), weight (+ scales), output (bf16)."""
     act, out = 2 * m * k, 2 * m * n
-    weight = {"bf16": 2 * k * n, "w8a8": k * n + 4 * n, "w8": k * n + 4 * n, "w4g128": k * n // 2 + 4 * n * -(-k // GROUP)}[kind]
+    weight = {"bf16": 2 * k * n, "w8a8": k * n + 4 * n, "fp8": k * n + 4 * n, "w8": k * n + 4 * n,
+              "w4g128": k * n // 2 + 4 * n * -(-k // GROUP)}[kind]
     return act + weight + out
 
 
@@ -50,7 +54,7 @@ def roofline_table():
     for k, n in WEIGHTS:
         for m in DECODE_M + PREFILL_M:
             base = bytes_moved(m, k, n, "bf16")
-            for kind in ("bf16", "w8a8", "w8", "w4g128"):
+            for kind in ("bf16", "w8a8", "fp8", "w8", "w4g128"):
                 b = bytes_moved(m, k, n, kind)
                 print(f"{f'{k}x{n}':>12} {m:>5} {kind:>7} {b / 1e6:>9.1f} {2 * m * k * n / 1e9:>8.2f} {b / base:>10.2f}")
     t, h, d = 32768, 8, 128
@@ -96,7 +100,7 @@ def table_key(kind: str, k: int, n: int, m: int):
     """The dispatch-table key of one timed product on this device (activations bf16)."""
     from llmeq_jax import dispatch_table
 
-    kernel, bits, group = {"w8a8": ("w8a8", 8, None), "w8": ("weight_only", 8, None),
+    kernel, bits, group = {"w8a8": ("w8a8", 8, None), "fp8": ("fp8_w8a8", 8, None), "w8": ("weight_only", 8, None),
                            "w4g128": ("weight_only", 4, GROUP)}[kind]
     return dispatch_table.Key(jax.devices()[0].device_kind, kernel, bits, group, k, n, dispatch_table.row_bucket(m),
                               "bfloat16")
@@ -113,35 +117,84 @@ def write_table(path, measured):
           f"{len(slower)}: " + ", ".join(f"{e['kernel']}/{e['bits']} {e['k']}x{e['n']} M={e['rows']}" for e in slower))
 
 
-def gpu_bench(reps, sweep=False, table=None, table_path=None):
+KINDS = ("bf16", "w8a8", "fp8", "w8", "w4g128")
+
+
+def torch_scaled_mm():
+    """``f(x_bf16, w_bf16) -> timer`` for PyTorch's FP8 GEMM (``torch._scaled_mm``, E4M3, per-row and
+    per-column scales), or None without torch on CUDA. The timer returns seconds per call (CUDA events)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available() or not hasattr(torch, "_scaled_mm"):
+        return None
+
+    def prepare(m, k, n):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        sx = x.abs().amax(dim=1, keepdim=True).float() / 448.0
+        sw = w.abs().amax(dim=1, keepdim=True).float() / 448.0
+        xq = (x / sx).to(torch.float8_e4m3fn)
+        wq = (w / sw).to(torch.float8_e4m3fn)
+
+        def run():  # (M, K) row-major x (K, N) column-major, as _scaled_mm wants
+            return torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=sw.t(), out_dtype=torch.bfloat16)
+
+        def bf16():
+            return x @ w.t()
+
+        return run, bf16
+
+    def timer(fn, reps):
+        for _ in range(3):
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3 / reps
+
+    return prepare, timer
+
+
+def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS, weights=WEIGHTS, attention=True):
     """Print the kernel timings; with a list ``table``, also time XLA's path and append (key, times) to it
     (and write the table to ``table_path`` after each weight shape)."""
     from llmeq_jax import ops
     from llmeq_jax.core.quantize import Spec, quantize
-    from pallas_kernels.kv_cache import store_decode_attention
     from pallas_kernels.w8a8 import w8a8_matmul
     from pallas_kernels.weight_only import weight_only_matmul
 
     SWEEP = _sweep()
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
     print(f"{'weight':>12} {'M':>5} {'kind':>7} {'ms':>8} {'TFLOP/s':>8} {'GB/s':>7} {'vs bf16':>8}")
-    for k, n in WEIGHTS:
+    torch_fp8 = torch_scaled_mm() if "fp8" in kinds_wanted else None
+    for k, n in weights:
         w = jax.random.normal(jax.random.key(0), (k, n), jnp.float32) * 0.02
         q8 = quantize(w, Spec(bits=8, granularity="channel"))
+        qf = quantize(w, Spec(bits=8, granularity="channel", grid="fp8"))
         q4 = quantize(w, Spec(bits=4, granularity="group", group_size=GROUP))
         r = copies_for(q4.qvalue.nbytes)
-        wb, w8, s8, w4, s4 = (_copies(a, r) for a in (w.astype(jnp.bfloat16), q8.qvalue, q8.scale, q4.qvalue, q4.scale))
+        wb, w8, s8, wf, sf, w4, s4 = (_copies(a, r) for a in (w.astype(jnp.bfloat16), q8.qvalue, q8.scale, qf.qvalue,
+                                                              qf.scale, q4.qvalue, q4.scale))
         del w
         kinds = {
             "bf16": (lambda x, w: x @ w, list(zip(wb))),
             "w8a8": (lambda x, w, s: w8a8_matmul(x, w, s), list(zip(w8, s8))),
+            "fp8": (lambda x, w, s: w8a8_matmul(x, w, s, fp8=True), list(zip(wf, sf))),
             "w8": (lambda x, w, s: weight_only_matmul(x, w, s, bits=8), list(zip(w8, s8))),
             "w4g128": (lambda x, w, s: weight_only_matmul(x, w, s, bits=4, group=GROUP), list(zip(w4, s4))),
         }
+        kinds = {kind: v for kind, v in kinds.items() if kind in kinds_wanted or kind == "bf16"}
         # XLA's path for the same QArrays (what ops.linear runs without a kernel), for the dispatch table
         qa8 = dataclasses.replace(q8, act_spec=Spec(bits=8, granularity="token"))
+        qaf = dataclasses.replace(qf, act_spec=Spec(bits=8, granularity="token", grid="fp8"))
         xla_of = {
             "w8a8": lambda x, w, s: ops.linear(x, dataclasses.replace(qa8, qvalue=w, scale=s), backend="xla"),
+            "fp8": lambda x, w, s: ops.linear(x, dataclasses.replace(qaf, qvalue=w, scale=s), backend="xla"),
             "w8": lambda x, w, s: ops.linear(x, dataclasses.replace(q8, qvalue=w, scale=s), backend="xla"),
             "w4g128": lambda x, w, s: ops.linear(x, dataclasses.replace(q4, qvalue=w, scale=s), backend="xla"),
         }
@@ -157,6 +210,10 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None):
                     t_xla = timed(xla_of[kind], [(x, *wargs) for x, wargs in zip(xs, ws)], reps=reps)
                     table.append((table_key(kind, k, n, m), {"pallas_s": t, "xla_s": t_xla, "bf16_s": base}))
                     line += f"  (XLA {t_xla * 1e3:.4f} ms, {base / t_xla:.2f}x)"
+                if kind == "fp8" and torch_fp8 is not None and m >= 16:
+                    prepare, timer = torch_fp8
+                    t_mm, t_bf = (timer(f, reps * 10) for f in prepare(m, k, n))
+                    line += f"  (torch _scaled_mm {t_mm * 1e3:.4f} ms = {t_bf / t_mm:.2f}x torch bf16)"
                 print(line, flush=True)
             if sweep and (k, n) == (4096, 11008) and m in SWEEP:
                 kind = "w8a8" if m >= 1024 else "w4g128"
@@ -169,9 +226,16 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None):
                     except Exception as e:  # a config Triton rejects (e.g. too much shared memory)
                         print(f"   sweep {kind} M={m} {cfg}: failed: {type(e).__name__}: {str(e)[:200]}")
             del xs
-        del wb, w8, s8, w4, s4, kinds
+        del wb, w8, s8, wf, sf, w4, s4, kinds
         if table is not None and table_path:  # after every weight shape: a run cut short keeps what it measured
             write_table(table_path, table)
+    if attention:
+        attention_bench(reps, sweep)
+
+
+def attention_bench(reps, sweep=False):
+    """int8 / int4 decode attention (Pallas) against bf16 XLA attention at KV_SHAPE."""
+    from pallas_kernels.kv_cache import store_decode_attention
 
     b, h, g, t, d = KV_SHAPE
     # The quantized cache's store: per-channel key grid, float16 per-token value scale and min.
@@ -226,13 +290,26 @@ def main():
     parser.add_argument("--write-table", metavar="PATH",
                         help="also time XLA's path of each quantized product and write the dispatch table "
                              "(use it with LLMEQ_DISPATCH_TABLE=PATH; llmeq_jax/dispatch_table.py)")
+    parser.add_argument("--kinds", default=",".join(KINDS), help=f"kernels to time, of {','.join(KINDS)} "
+                                                                 "(bf16 is always timed: the baseline)")
+    parser.add_argument("--weights", default=",".join(f"{k}x{n}" for k, n in WEIGHTS),
+                        help="weight shapes KxN, comma-separated")
+    parser.add_argument("--no-attention", action="store_true", help="skip the decode-attention rows")
     args = parser.parse_args()
+    kinds = tuple(args.kinds.split(","))
+    if set(kinds) - set(KINDS):
+        parser.error(f"--kinds: unknown {sorted(set(kinds) - set(KINDS))}; expected some of {list(KINDS)}")
+    try:
+        weights = tuple(tuple(int(v) for v in s.split("x")) for s in args.weights.split(","))
+        assert all(len(w) == 2 for w in weights)
+    except (ValueError, AssertionError):
+        parser.error(f"--weights {args.weights!r}: expected shapes KxN, e.g. 4096x11008,11008x4096")
     if jax.default_backend() != "gpu":
         print(f"no GPU found (JAX backend: {jax.default_backend()}); printing the roofline estimate instead")
         roofline_table()
         return
     table = [] if args.write_table else None
-    gpu_bench(args.reps, args.sweep, table, args.write_table)
+    gpu_bench(args.reps, args.sweep, table, args.write_table, kinds, weights, not args.no_attention)
 
 
 if __name__ == "__main__":

@@ -16,9 +16,11 @@ layers=(${LAYERS:+--layers "$LAYERS"})
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 start=$SECONDS
+steps="${STEPS:-gpu_tests fp8 layout layout_dsf e2e kernels}"  # STEPS: a subset, to split the run over calls
 step() {  # step NAME SECONDS CMD...: run CMD with a time limit, its output in $out/NAME.log
   local name=$1 limit=$2
   shift 2
+  [[ " $steps " == *" $name "* ]] || return 0
   echo "== [$(( SECONDS - start ))s] $name (limit ${limit}s)"
   timeout "$limit" "$@" > "$out/$name.log" 2>&1
   echo "   exit $? ; tail:"
@@ -28,6 +30,10 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/dev
 "$py" -c "import jax; print(jax.__version__, jax.devices())" >> "$out/device.txt" 2>&1
 cat "$out/device.txt"
 step gpu_tests 90 "$py" -m pytest -q -m gpu tests/pallas_kernels/test_gpu_kernels.py
+# FP8 W8A8 (E4M3, new since the H200 run): the Pallas kernel and XLA's FP8 dot against bf16, and PyTorch's
+# _scaled_mm beside them, on one weight shape (issue #15's target: >= 1.6x bf16).
+step fp8 75 "$py" scripts/bench_kernels.py --reps 10 --kinds bf16,fp8,w8a8 --weights 4096x11008 --no-attention \
+    --write-table "$out/dispatch_fp8.json"
 # bf16 decode of Llama-2-7B shapes ran at 90 tok/s scanned on an H200 (a third of the weights' bandwidth):
 # unrolled vs scanned on 4 layers says whether the scan's weight slicing costs it (docs/kernels.md).
 # Quantized kernels read their layer in place inside the scan since (llmeq_jax/layer_slice.py); bf16's XLA dot
@@ -37,7 +43,7 @@ step layout 110 "$py" scripts/bench_e2e.py --shapes "$shapes" --layers 4 --dtype
 XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_dynamic_slice_fusion=true" step layout_dsf 60 "$py" scripts/bench_e2e.py \
     --shapes "$shapes" --layers 4 --dtype bfloat16 --recipes bf16 --batches 1 --prefill-len 512 --new-tokens 32 \
     --repeats 2 --scan-layers --no-torch --out "$out/layout_dsf.json"
-step e2e 230 "$py" scripts/bench_e2e.py --shapes "$shapes" "${layers[@]}" --dtype bfloat16 --recipes rtn-w4-g128 rtn-w8 \
+step e2e 230 "$py" scripts/bench_e2e.py --shapes "$shapes" "${layers[@]}" --dtype bfloat16 --recipes rtn-w4-g128 rtn-w8 fp8-w8a8 \
     --batches 1 16 --prefill-len 2048 --new-tokens 32 --repeats 2 --scan-only --out "$out/e2e.json"
 step kernels 90 "$py" scripts/bench_kernels.py --reps 10 --write-table "$out/dispatch.json"
 echo "== [$(( SECONDS - start ))s] done; results in $out"

@@ -153,7 +153,7 @@ def test_calibrated_methods_refuse_fp8_rules():
 def test_fp8_recipes_on_a_real_model_stay_near_float_and_scan_like_unrolled():
     """stories260K: both FP8 recipes within 3 % of the float perplexity (int8 W8A8's neighbourhood); the
     stacked (scanned) model computes the unrolled one's logits; greedy generation runs end to end."""
-    from llmeq_jax import calibrate, evaluate, pipeline
+    from llmeq_jax import evaluate, pipeline
     from llmeq_jax.generate import generate
     from llmeq_jax.models import forward
     from llmeq_jax.models import stacked

@@ -109,6 +109,32 @@ def _w8a8_integer_exact():
     return "w8a8 integer path exact (9x77x40)", *compare(y, (xi @ wi).astype(np.float32), 0.0), None
 
 
+FP8_SHAPES = [  # (M, K, N, group, static act scale, dtype): FP8 (E4M3) W8A8, sm_89+
+    (1, 96, 80, None, False, F32),
+    (37, 130, 90, 32, True, F32),
+    (1, 4096, 11008, None, False, BF16),  # decode row
+    (2048, 4096, 4096, None, False, BF16),  # prefill (K-major weight tiles)
+    (1030, 1000, 700, 128, False, BF16),  # ragged, groups, K-major
+]
+
+for _shape in FP8_SHAPES:
+
+    @case
+    def _fp8(shape=_shape):
+        from llmeq_jax.core import fp8grid
+
+        m, k, n, group, static, dtype = shape
+        ks = jax.random.split(jax.random.key(7), 3)
+        x = (jax.random.normal(ks[0], (m, k)) * 2).astype(dtype)
+        wq = fp8grid.encode(jax.random.normal(ks[1], (k, n)) * 100)
+        s = jax.random.uniform(ks[2], (1 if group is None else -(-k // group), n), minval=1e-3, maxval=1e-2)
+        kw = dict(act_scale=jnp.float32(0.02) if static else None, group=group)
+        y = jax.jit(lambda x, wq, s: w8a8_matmul(x, wq, s, fp8=True, interpret=INTERPRET, **kw))(x, wq, s)
+        r = w8a8_reference(x, wq, s, fp8=True, **kw)
+        return (f"fp8 w8a8 M={m} K={k} N={n} group={group}{' static' if static else ''} {jnp.dtype(dtype).name}",
+                *compare(y, r, 1e-5 if dtype == F32 else REL[dtype]), None)
+
+
 # --------------------------------------------------------------------------- weight-only
 
 WO_SHAPES = [  # (M, K, N, bits, group, symmetric, dtype)
@@ -279,6 +305,7 @@ MLP_RECIPES = {
     "w8a8": (Spec(bits=8, granularity="channel"), Spec(bits=8, granularity="token")),
     "w4g128": (Spec(bits=4, granularity="group", group_size=128), None),
     "w8": (Spec(bits=8, granularity="channel"), None),
+    "fp8": (Spec(bits=8, granularity="channel", grid="fp8"), Spec(bits=8, granularity="token", grid="fp8")),
 }
 
 for _name in MLP_RECIPES:

@@ -159,19 +159,6 @@ def _fp8_operands(m, k, n, group, seed=0):
     return x, wq, s
 
 
-def _fp8_reference(x, wq, s, group, act_scale=None):
-    """The definition: y = sum_g (sum_k fp8(x / sx) fp8 codes) * s_g * sx, in float32."""
-    from llmeq_jax.core import fp8grid
-
-    sx = (jnp.max(jnp.abs(x), axis=1, keepdims=True) / fp8grid.MAX if act_scale is None
-          else jnp.asarray(act_scale, jnp.float32))
-    xv = fp8grid.decode(fp8grid.encode(x / sx))
-    wv = fp8grid.decode(wq)
-    g = x.shape[1] if group is None else group
-    y = sum((xv[:, k0:k0 + g] @ wv[k0:k0 + g]) * s[i] for i, k0 in enumerate(range(0, x.shape[1], g)))
-    return y * sx
-
-
 @pytest.mark.parametrize("m,k,n,group,static,transpose", [
     (1, 96, 80, None, False, False), (37, 130, 90, None, True, False), (5, 100, 48, 32, False, True),
     (20, 192, 40, 64, False, False)])
@@ -179,7 +166,7 @@ def test_fp8_kernel_matches_its_definition(m, k, n, group, static, transpose):
     x, wq, s = _fp8_operands(m, k, n, group)
     a = jnp.float32(0.05) if static else None
     y = w8a8_matmul(x, wq, s, act_scale=a, group=group, fp8=True, transpose_w=transpose, interpret=True)
-    r = _fp8_reference(x, wq, s, group, a)
+    r = w8a8_reference(x, wq, s, act_scale=a, group=group, fp8=True)
     assert y.shape == (m, n) and y.dtype == x.dtype
     np.testing.assert_allclose(y, r, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(r))))
 
