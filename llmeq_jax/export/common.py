@@ -34,6 +34,7 @@ class KernelGrid:
     ``q`` (out, in) int8 values; ``scale`` (out, groups) float32; ``zero_point``
     (out, groups) int8 or None; ``group`` input features per scale (``in`` when
     there is one scale per row). ``x[o, i] = (q - zp)[o, i] * scale[o, i // group]``.
+    ``grid="fp8"``: ``q`` holds E4M3 bit patterns and ``x = e4m3(q) * scale`` (no zero point).
     """
 
     path: str
@@ -44,6 +45,7 @@ class KernelGrid:
     bits: int
     act_spec: Spec | None = None
     act_scale: np.ndarray | None = None
+    grid: str = "uniform"
 
     @property
     def out_features(self) -> int:
@@ -59,25 +61,45 @@ class KernelGrid:
 
     def describe(self) -> str:
         g = "per-channel" if self.group >= self.in_features else f"g{self.group}"
-        act = "" if self.act_spec is None else f", int{self.act_spec.bits} {self.act_spec.granularity} activations"
-        return f"int{self.bits} {g} {'sym' if self.symmetric else 'asym'}{act}"
+        if self.act_spec is None:
+            act = ""
+        else:
+            a = "fp8" if self.act_spec.grid == "fp8" else f"int{self.act_spec.bits}"
+            act = f", {a} {self.act_spec.granularity} activations"
+        kind = "fp8-e4m3" if self.grid == "fp8" else f"int{self.bits}"
+        return f"{kind} {g} {'sym' if self.symmetric else 'asym'}{act}"
+
+    def values(self) -> np.ndarray:
+        """(out, in) values before scaling, as float32: the integers, or the E4M3 floats of an fp8 grid."""
+        if self.grid == "fp8":
+            return self.fp8().astype(np.float32)
+        return self.q.astype(np.float32)
+
+    def fp8(self) -> np.ndarray:
+        """An fp8 grid's codes as ``float8_e4m3fn`` values (ml_dtypes)."""
+        import ml_dtypes
+
+        return self.q.view(ml_dtypes.float8_e4m3fn)
 
     def dequantize(self) -> np.ndarray:
         """(out, in) float32 weights, as our model computes them."""
-        q = self.q.astype(np.float32)
+        q = self.values()
         cols = np.arange(self.in_features) // self.group
         if self.zero_point is not None:
             q = q - self.zero_point.astype(np.float32)[:, cols]
         return q * self.scale[:, cols]
 
 
-def kernel_grid(path: str, w: QArray) -> KernelGrid:
-    """The (out, in) view of an ``(in, out)`` QArray kernel; an ExportError when no format could read it."""
+def kernel_grid(path: str, w: QArray, grids: tuple[str, ...] = ("uniform",)) -> KernelGrid:
+    """The (out, in) view of an ``(in, out)`` QArray kernel; an ExportError when no format could read it.
+
+    ``grids``: the value grids the calling format encodes (compressed-tensors also writes ``fp8``)."""
     if w.ndim != 2:
         raise ExportError(f"{path}: expected an (in, out) kernel, got shape {w.shape}")
-    if w.grid != "uniform":
-        raise ExportError(f"{path}: {w.grid} grid codes have no encoding in the exported formats; "
-                          "expected a uniform integer grid")
+    if w.grid not in grids:
+        raise ExportError(f"{path}: {w.grid} grid codes have no encoding in this format; expected "
+                          + " or ".join({"uniform": "a uniform integer grid", "fp8": "an fp8 (E4M3) grid"}[g]
+                                        for g in grids))
     k, n = w.shape
     t_in, t_out = w.tile
     if t_out not in (1, n):
@@ -100,6 +122,7 @@ def kernel_grid(path: str, w: QArray) -> KernelGrid:
         bits=w.bits,
         act_spec=w.act_spec,
         act_scale=act_scale,
+        grid=w.grid,
     )
 
 

@@ -12,6 +12,9 @@ The directory holds ``config.json`` (the HF model config with a
 * W8A8 (``int-quantized``): ``weight`` int8 (out, in), ``weight_scale`` (out, 1),
   and the activation scheme in the config: per token, dynamic; or per tensor,
   static with ``input_scale``.
+* FP8 (``float-quantized``, vLLM's FP8 checkpoints): ``weight`` float8_e4m3fn (out, in),
+  ``weight_scale`` (out, 1) float32, weights and activations of ``type: float``; activations
+  dynamic per token or static per tensor (``input_scale``), or none (FP8 weight-only).
 
 The grid is ours unchanged: scales are written as float32, the integers as
 they are, and ``x = (q - zp) * scale`` is the format's definition too. One
@@ -113,14 +116,34 @@ def hf_config(config: ModelConfig) -> dict:
 # --------------------------------------------------------------------------- schemes
 
 
-def _args(bits: int, strategy: str, symmetric: bool, group_size: int | None = None, dynamic: bool = False) -> dict:
-    return {"num_bits": bits, "type": "int", "symmetric": symmetric, "group_size": group_size,
+def _args(bits: int, strategy: str, symmetric: bool, group_size: int | None = None, dynamic: bool = False,
+          kind: str = "int") -> dict:
+    return {"num_bits": bits, "type": kind, "symmetric": symmetric, "group_size": group_size,
             "strategy": strategy, "dynamic": dynamic, "observer": None if dynamic else "minmax"}
+
+
+def _act_args(grid: KernelGrid, kind: str) -> dict:
+    """The input_activations args of a W8A8 kernel: static per tensor, or dynamic per token / tensor."""
+    if grid.act_scale is not None:
+        return _args(8, "tensor", True, kind=kind)
+    return _args(8, "token" if grid.act_spec.granularity == "token" else "tensor", True, dynamic=True, kind=kind)
+
+
+def _fp8_scheme(grid: KernelGrid, where: str) -> dict:
+    """FP8 (E4M3) weights, one scale per output channel, with FP8 activations or none: ``float-quantized``."""
+    if grid.scale.shape[1] != 1:
+        raise ExportError(f"{where}: FP8 weights with grouped scales have no float-quantized layout here "
+                          "(expected one scale per output channel)")
+    acts = None if grid.act_spec is None else _act_args(grid, "float")
+    return {"weights": _args(8, "channel", True, kind="float"), "input_activations": acts,
+            "format": "float-quantized"}
 
 
 def scheme(grid: KernelGrid) -> dict:
     """The compressed-tensors scheme (weights, input_activations, format) of one kernel."""
     where = f"{grid.path} ({grid.describe()})"
+    if grid.grid == "fp8":
+        return _fp8_scheme(grid, where)
     groups = grid.scale.shape[1]
     if groups == 1:
         weights = _args(grid.bits, "channel", grid.symmetric)
@@ -138,14 +161,7 @@ def scheme(grid: KernelGrid) -> dict:
     if grid.bits != 8:
         raise ExportError(f"{where}: W8A8 stores int8 weights (int-quantized); int{grid.bits} weights would "
                           "need a re-quantization")
-    act = grid.act_spec
-    if grid.act_scale is not None:
-        acts = _args(8, "tensor", True)
-    elif act.granularity == "token":
-        acts = _args(8, "token", True, dynamic=True)
-    else:
-        acts = _args(8, "tensor", True, dynamic=True)
-    return {"weights": weights, "input_activations": acts, "format": "int-quantized"}
+    return {"weights": weights, "input_activations": _act_args(grid, "int"), "format": "int-quantized"}
 
 
 def pack_int32(q: np.ndarray, bits: int) -> np.ndarray:
@@ -167,7 +183,7 @@ def kernel_tensors(name: str, grid: KernelGrid, fmt: str) -> dict[str, np.ndarra
         if grid.zero_point is not None:
             out[f"{name}.weight_zero_point"] = np.ascontiguousarray(pack_int32(grid.zero_point.T, grid.bits).T)
     else:
-        out[f"{name}.weight"] = grid.q
+        out[f"{name}.weight"] = grid.fp8() if fmt == "float-quantized" else grid.q
         if grid.zero_point is not None:
             out[f"{name}.weight_zero_point"] = grid.zero_point
         if grid.act_scale is not None:
@@ -217,7 +233,7 @@ def model_tensors(config: ModelConfig, params: Any) -> tuple[dict[str, np.ndarra
         if isinstance(leaf, QArray):
             if not path.endswith("/kernel"):
                 raise ExportError(f"{path}: only Linear kernels can be quantized in compressed-tensors")
-            grid = kernel_grid(path, leaf)
+            grid = kernel_grid(path, leaf, grids=("uniform", "fp8"))
             s = scheme(grid)
             schemes[module_name(path)] = s
             tensors.update(kernel_tensors(module_name(path), grid, s["format"]))

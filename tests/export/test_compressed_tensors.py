@@ -164,3 +164,40 @@ def test_tied_embeddings_keep_lm_head_float(tmp_path):
     ids = list(range(1, 20))
     _, got = _hf_logits(out, ids)
     assert _rel_diff(got, forward(config, qparams, jnp.asarray([ids], jnp.int32))) <= 1e-5
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_fp8_writes_float_quantized_that_transformers_loads_exactly(model, tmp_path, static):
+    """FP8 (E4M3) W8A8 -> float-quantized: E4M3 weights as stored, per-channel scales, float activations
+    (dynamic per token, or static per tensor with input_scale); transformers' modules hold our weights."""
+    from llmeq_jax import calibrate
+    from llmeq_jax.methods import quantize_model
+    from llmeq_jax.pipeline import read_recipe
+
+    config, params, tokenizer, ids = model
+    recipe = read_recipe("fp8-w8a8-static" if static else "fp8-w8a8")
+    wins = calibrate.calibration_windows(tokenizer, shared_data_path("wikitext2_valid.txt"), 2, 64)
+    qparams, _ = quantize_model(config, params, recipe, wins)
+    out = write_compressed_tensors(config, qparams, tmp_path / "ct", tokenizer=tokenizer)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    group = qc["config_groups"]["group_0"]
+    assert qc["format"] == "float-quantized"
+    assert (group["weights"]["type"], group["weights"]["strategy"]) == ("float", "channel")
+    acts = group["input_activations"]
+    assert (acts["type"], acts["strategy"], acts["dynamic"]) == (("float", "tensor", False) if static
+                                                                 else ("float", "token", True))
+    state = load_file(str(out / "model.safetensors"))
+    assert state["model.layers.0.self_attn.q_proj.weight"].dtype == torch.float8_e4m3fn
+    assert ("model.layers.0.self_attn.q_proj.input_scale" in state) == static
+    m, logits = _hf_logits(out, ids)
+    assert np.all(np.isfinite(logits))
+    w = qparams["layers_2"]["mlp"]["gate_proj"]["kernel"]
+    hf = m.model.layers[2].mlp.gate_proj
+    np.testing.assert_array_equal(hf.weight.detach().float().numpy(), kernel_grid("gate", w, ("fp8",)).dequantize())
+    x = np.random.default_rng(0).normal(size=(1, 7, config.hidden_size)).astype(np.float32)
+    ours = np.asarray(ops.linear(jnp.asarray(x), w))
+    exact = x @ np.asarray(w.dequantize())
+    assert _rel_diff(ours, exact) > 1e-4  # the activations really are cast to E4M3: the check below can fail
+    with torch.no_grad():
+        got = hf(torch.from_numpy(x)).float().numpy()
+    assert _rel_diff(got, ours) < 2e-2, _rel_diff(got, ours)
