@@ -93,25 +93,44 @@ def one_layer(name: str, wq, w_scale, w_zero_point, layer):
     return tuple(None if a is None else jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in (wq, w_scale, w_zero_point))
 
 
-def span(start, size: int, limit: int, stride: int = 1):
+def span(start, size: int, limit: int, stride: int = 1, in_bounds: bool = False):
     """(pl.ds(start, size, stride), in-bounds mask of length ``size``) for one dim.
 
+    ``in_bounds``: the caller knows every index is below ``limit`` (a static block grid over a
+    dim that the block size divides); the mask is then None and the loads and stores it feeds are
+    unpredicated (no per-element compare, full-width vector accesses).
     Strided spans lower for Triton but not in interpret mode (jax 0.10.2)."""
+    ds = pl.ds(start, size) if stride == 1 else pl.ds(start, size, stride)
+    if in_bounds:
+        return ds, None
     idx = start + stride * jax.lax.broadcasted_iota(jnp.int32, (size,), 0)
-    return (pl.ds(start, size) if stride == 1 else pl.ds(start, size, stride)), idx < limit
+    return ds, idx < limit
+
+
+def tile_mask(rows, cols):
+    """The (rows, cols) mask of two :func:`span` results; None when both are in bounds."""
+    (_, rm), (_, cm) = rows, cols
+    if rm is None and cm is None:
+        return None
+    if rm is None:
+        return jnp.broadcast_to(cm[None, :], (rows[0].size, cm.shape[0]))
+    if cm is None:
+        return jnp.broadcast_to(rm[:, None], (rm.shape[0], cols[0].size))
+    return rm[:, None] & cm[None, :]
 
 
 def load_tile(ref, rows, cols, other=0, layer=None):
     """Masked 2-D tile load; ``rows``/``cols`` are :func:`span` results. With ``layer`` (a traced
     scalar), ``ref`` holds a stack of such arrays and the tile comes from ``ref[layer]``."""
-    (rs, rm), (cs, cm) = rows, cols
+    (rs, _), (cs, _) = rows, cols
     view = ref.at[rs, cs] if layer is None else ref.at[layer, rs, cs]
-    return plgpu.load(view, mask=rm[:, None] & cm[None, :], other=other)
+    mask = tile_mask(rows, cols)
+    return plgpu.load(view) if mask is None else plgpu.load(view, mask=mask, other=other)
 
 
 def store_tile(ref, rows, cols, value):
-    (rs, rm), (cs, cm) = rows, cols
-    plgpu.store(ref.at[rs, cs], value, mask=rm[:, None] & cm[None, :])
+    (rs, _), (cs, _) = rows, cols
+    plgpu.store(ref.at[rs, cs], value, mask=tile_mask(rows, cols))
 
 
 def f32_dot_precision(interpret: bool):

@@ -53,6 +53,7 @@ from pallas_kernels.common import (
     one_layer,
     span,
     store_tile,
+    tile_mask,
 )
 
 QMAX = 127
@@ -99,13 +100,14 @@ def _kernel(*refs, m, n, k, blocks, group, has_zp, has_bias, split_blocks, split
     b_ref = rest.pop(0) if has_bias else None
     (o_ref,) = rest
     bm, bn, bk = blocks.bm, blocks.bn, blocks.bk
-    rows = span(pl.program_id(0) * bm, bm, m)
-    cols = span(pl.program_id(1) * bn, bn, n)
+    rows = span(pl.program_id(0) * bm, bm, m, in_bounds=m % bm == 0)
+    cols = span(pl.program_id(1) * bn, bn, n, in_bounds=n % bn == 0)
+    whole_k = k % bk == 0  # every K block in bounds: unmasked loads
     first = pl.program_id(2) * split_blocks
     last = jnp.minimum(first + split_blocks, cdiv(k, bk))
 
     def row_of(ref, g, lay=None):  # one (1, bn) row of a per-group array
-        return load_tile(ref, span(g, 1, ref.shape[-2]), cols, 0, lay).astype(jnp.float32)
+        return load_tile(ref, span(g, 1, ref.shape[-2], in_bounds=True), cols, 0, lay).astype(jnp.float32)
 
     exact = jnp.float32 if fp8 else jnp.int32  # what one K block's dot accumulates in
 
@@ -114,12 +116,13 @@ def _kernel(*refs, m, n, k, blocks, group, has_zp, has_bias, split_blocks, split
 
     def body(kb, carry):
         acc, xsum = carry
-        xt = operand(load_tile(xq_ref, rows, span(kb * bk, bk, k), 0))
+        ks = span(kb * bk, bk, k, in_bounds=whole_k)
+        xt = operand(load_tile(xq_ref, rows, ks, 0))
         if w_kmajor:  # w_ref is (N, K): contract the last dims (int8/fp8 tensor cores on Hopper want this)
-            wt = operand(load_tile(w_ref, cols, span(kb * bk, bk, k), 0, layer))
+            wt = operand(load_tile(w_ref, cols, ks, 0, layer))
             part = jax.lax.dot_general(xt, wt, (((1,), (1,)), ((), ())), preferred_element_type=exact)
         else:
-            wt = operand(load_tile(w_ref, span(kb * bk, bk, k), cols, 0, layer))
+            wt = operand(load_tile(w_ref, ks, cols, 0, layer))
             part = dot(xt, wt, preferred=exact)
         tsum = jnp.sum(xt.astype(jnp.int32), axis=1, keepdims=True) if has_zp else xsum
         if group is None:  # one scale for all of K: keep exact int32 (fp8: float32) accumulation
@@ -137,10 +140,9 @@ def _kernel(*refs, m, n, k, blocks, group, has_zp, has_bias, split_blocks, split
         if has_zp:
             accf = accf - xsum.astype(jnp.float32) * row_of(zp_ref, 0, layer)
         acc = accf * row_of(ws_ref, 0, layer)
-    y = acc * load_tile(sx_ref, rows, span(0, 1, 1), 1.0)
+    y = acc * load_tile(sx_ref, rows, span(0, 1, 1, in_bounds=True), 1.0)
     if split:  # a float32 partial sum; bias and the cast come after the splits are added
-        (rs, rm), (cs, cm) = rows, cols
-        plgpu.store(o_ref.at[pl.program_id(2), rs, cs], y, mask=rm[:, None] & cm[None, :])
+        plgpu.store(o_ref.at[pl.program_id(2), rows[0], cols[0]], y, mask=tile_mask(rows, cols))
         return
     if has_bias:
         y = y + row_of(b_ref, 0)

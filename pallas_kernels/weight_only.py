@@ -46,6 +46,7 @@ from pallas_kernels.common import (
     span,
     split_pairs,
     store_tile,
+    tile_mask,
 )
 
 SUPPORTED_BITS = (4, 8)
@@ -107,30 +108,32 @@ def _kernel(*refs, m, n, k, bits, blocks, group, has_zp, has_bias, split_blocks,
     cdt = x_ref.dtype  # dot operand dtype: integer weights are exact in it
     prec = precision if jnp.dtype(cdt) == jnp.float32 else None
     fold = dequant == "fold"
-    rows = span(pl.program_id(0) * bm, bm, m)
-    cols = span(pl.program_id(1) * bn, bn, n)
+    rows = span(pl.program_id(0) * bm, bm, m, in_bounds=m % bm == 0)
+    cols = span(pl.program_id(1) * bn, bn, n, in_bounds=n % bn == 0)
+    whole_k = k % bk == 0  # every K step (and scale group it reads) in bounds: unmasked loads
     first = pl.program_id(2) * split_blocks
     last = jnp.minimum(first + split_blocks, cdiv(k, bk))
 
     def row_of(ref, g, lay=None):
-        return load_tile(ref, span(g, 1, ref.shape[-2]), cols, 0, lay).astype(jnp.float32)
+        return load_tile(ref, span(g, 1, ref.shape[-2], in_bounds=whole_k), cols, 0, lay).astype(jnp.float32)
 
     def group_part(k0, g):
         """x[:, k0:k0+sub] @ (q - zp)[k0:k0+sub] for scale group g, float32 (M, N)."""
         if bits == 8:
-            xt = load_tile(x_ref, rows, span(k0, sub, k), 0)
-            wt = load_tile(w_ref, span(k0, sub, k), cols, 0, layer).astype(jnp.int32)
+            ks = span(k0, sub, k, in_bounds=whole_k)
+            xt = load_tile(x_ref, rows, ks, 0)
+            wt = load_tile(w_ref, ks, cols, 0, layer).astype(jnp.int32)
             part = dot(xt, wt.astype(cdt), precision=prec)
             x_parts = (xt,)
         else:
             half = sub // 2
-            packed = load_tile(w_ref, span(k0 // 2, half, w_ref.shape[-2]), cols, 0, layer)
+            packed = load_tile(w_ref, span(k0 // 2, half, w_ref.shape[-2], in_bounds=whole_k), cols, 0, layer)
             low, high = dequant_int4(packed, cdt, dequant)
             if strided_x:  # even and odd K columns straight from memory: no shuffle in registers
                 x_even = load_tile(x_ref, rows, span(k0, half, k, stride=2), 0)
                 x_odd = load_tile(x_ref, rows, span(k0 + 1, half, k, stride=2), 0)
             else:
-                x_even, x_odd = split_pairs(load_tile(x_ref, rows, span(k0, sub, k), 0))
+                x_even, x_odd = split_pairs(load_tile(x_ref, rows, span(k0, sub, k, in_bounds=whole_k), 0))
             part = dot(x_even, low, precision=prec) + dot(x_odd, high, precision=prec)
             x_parts = (x_even, x_odd)
         # zero points (and the folded offset) come off through the row sums of x: exact algebra
@@ -151,8 +154,7 @@ def _kernel(*refs, m, n, k, bits, blocks, group, has_zp, has_bias, split_blocks,
     if group is None:
         acc = acc * row_of(ws_ref, 0, layer)
     if split:  # a float32 partial sum; bias and the cast come after the splits are added
-        (rs, rm), (cs, cm) = rows, cols
-        plgpu.store(o_ref.at[pl.program_id(2), rs, cs], acc, mask=rm[:, None] & cm[None, :])
+        plgpu.store(o_ref.at[pl.program_id(2), rows[0], cols[0]], acc, mask=tile_mask(rows, cols))
         return
     if has_bias:
         acc = acc + row_of(b_ref, 0)

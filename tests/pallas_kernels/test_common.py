@@ -74,3 +74,36 @@ def test_k_splits_only_for_small_grids():
     assert common.splits_for(64, 86) == 5  # decode 11008 -> 4096: 64 tiles x 5 splits
     assert common.splits_for(64, 8) == 2  # never below 4 K blocks per split
     assert common.splits_for(1, 3) == 1
+
+
+def test_span_drops_the_mask_only_when_the_caller_says_every_index_is_in_bounds():
+    ds, mask = common.span(16, 16, 40)
+    np.testing.assert_array_equal(np.asarray(mask), np.arange(16, 32) < 40)
+    assert common.span(16, 16, 48, in_bounds=True)[1] is None
+    rows, cols = common.span(0, 4, 2), common.span(0, 8, 8, in_bounds=True)
+    np.testing.assert_array_equal(np.asarray(common.tile_mask(rows, cols)), np.repeat([[1], [1], [0], [0]], 8, 1))
+    assert common.tile_mask(common.span(0, 4, 4, in_bounds=True), cols) is None
+
+
+@pytest.mark.parametrize("m,k,n,group", [(32, 256, 128, None), (32, 256, 128, 128), (3, 384, 128, 128)])
+def test_matmuls_with_unmasked_tiles_match_their_references(m, k, n, group):
+    """Shapes the blocks divide (every load unmasked), and K = 384 in K steps of 256 with groups of 128: the
+    last step's second group lies past K and must stay masked."""
+    from pallas_kernels.blocks import Blocks
+    from pallas_kernels.w8a8 import w8a8_matmul, w8a8_reference
+    from pallas_kernels.weight_only import weight_only_matmul, weight_only_reference
+
+    ks = jax.random.split(jax.random.key(0), 4)
+    x = jax.random.normal(ks[0], (m, k))
+    groups = 1 if group is None else k // group
+    s = jax.random.uniform(ks[2], (groups, n), minval=1e-3, maxval=1e-2)
+    w8 = jax.random.randint(ks[1], (k, n), -127, 128).astype(jnp.int8)
+    w4 = jax.random.randint(ks[3], (k // 2, n), 0, 256).astype(jnp.uint8)
+    blocks = Blocks(16, 64, 256 if m == 3 else (group or 128))
+    y = weight_only_matmul(x, w4, s, bits=4, group=group, blocks=blocks, k_splits=1, interpret=True)
+    r = weight_only_reference(x, w4, s, bits=4, group=group)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(r), rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(r))))
+    if m != 3:  # W8A8 steps K by the group
+        y = w8a8_matmul(x, w8, s, group=group, blocks=Blocks(16, 64, group or 128), k_splits=2, interpret=True)
+        r = w8a8_reference(x, w8, s, group=group)
+        np.testing.assert_allclose(np.asarray(y), np.asarray(r), rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(r))))
