@@ -107,7 +107,7 @@ def _kernel(*refs, m, n, k, bits, blocks, group, has_zp, has_bias, split_blocks,
     steps = bk // sub
     cdt = x_ref.dtype  # dot operand dtype: integer weights are exact in it
     prec = precision if jnp.dtype(cdt) == jnp.float32 else None
-    fold = dequant == "fold"
+    fold = dequant == "fold" and bits == 4  # int8 values are converted: no offset to fold
     rows = span(pl.program_id(0) * bm, bm, m, in_bounds=m % bm == 0)
     cols = span(pl.program_id(1) * bn, bn, n, in_bounds=n % bn == 0)
     whole_k = k % bk == 0  # every K step (and scale group it reads) in bounds: unmasked loads
@@ -199,10 +199,15 @@ def weight_only_matmul(
     k_splits: int | None = None,
     dequant: str | None = None,
     strided_x: bool | None = None,
+    gemv: bool | None = None,
     layer=None,
     interpret: bool | None = None,
 ):
     """``x @ dequantize(w)`` with the weight dequantized tile by tile in registers.
+
+    ``gemv=True`` (M <= ``gemv.GEMV_MAX_ROWS``) runs the multiply-and-sum formulation of
+    :mod:`pallas_kernels.gemv` instead of tensor-core dots (``blocks`` then gives its N and K blocks;
+    ``dequant`` and ``strided_x`` do not apply). Off by default until measured on a GPU.
 
     When the (M, N) tile grid is too small to fill the GPU (decode), the K loop is
     split over ``k_splits`` programs (default :func:`common.splits_for`) whose float32
@@ -215,6 +220,12 @@ def weight_only_matmul(
     ``layer`` of them in place: inside a scan over stacked blocks no layer's weights are copied out.
     """
     _check(x, wq, w_scale, w_zero_point, bits, group, layer)
+    if gemv:
+        from pallas_kernels.gemv import weight_only_gemv
+
+        return weight_only_gemv(x, wq, w_scale, bits=bits, w_zero_point=w_zero_point, bias=bias, group=group,
+                                blocks=blocks, k_splits=k_splits, layer=layer,
+                                interpret=config.resolve_interpret(interpret))
     m, k = x.shape
     n = wq.shape[-1]
     # int4 splits the K tile in halves that feed dots: each half needs >= 16.

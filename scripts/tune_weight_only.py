@@ -2,7 +2,8 @@
 
 For each weight shape and row count, in stages so the run fits a short lease:
   A. int4: the ways codes become floats (``dequant`` convert / magic / fold) crossed with
-     ``strided_x``, at the default blocks;
+     ``strided_x``, at the default blocks; at M <= 4 (int4 and int8) also the multiply-and-sum
+     GEMV formulation (``gemv=True``, pallas_kernels/gemv.py);
   B. blocks (bn, bk, warps, stages) with the best of A (int4) or the default (int8);
   C. K splits at half and twice the automatic count, with the best of B.
 Every candidate is checked against the reference before it is timed (a wrong kernel is
@@ -28,6 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import _copies, copies_for, timed  # noqa: E402
+from pallas_kernels.gemv import GEMV_MAX_ROWS  # noqa: E402
 
 GROUP = 128
 DEQUANT_OPTIONS = [(d, s) for d in ("convert", "magic", "fold") for s in (False, True)]
@@ -172,8 +174,12 @@ def run(args):
                 if bits == 4:
                     for dequant, strided in DEQUANT_OPTIONS:
                         trial("A", dequant=dequant, strided_x=strided)
-                    if results:
-                        best_opts = dict(min(results, key=lambda r: r[0])[1])
+                if m <= GEMV_MAX_ROWS:
+                    if bits == 8:
+                        trial("A")  # the dot kernel at its defaults, to compare with
+                    trial("A", gemv=True)
+                if results:
+                    best_opts = dict(min(results, key=lambda r: r[0])[1])
                 for blocks in candidates_b(m, bits):
                     if over_budget():
                         break

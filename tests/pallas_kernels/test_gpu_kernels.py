@@ -168,6 +168,29 @@ for _shape in WO_SHAPES:
         ), None
 
 
+WO_GEMV = [  # (M, K, N, bits, group, symmetric, dtype): the multiply-and-sum formulation (gemv=True), M <= 4
+    (1, 4096, 11008, 4, 128, False, BF16),
+    (4, 11008, 4096, 4, 128, True, F16),
+    (1, 4096, 4096, 8, None, True, BF16),
+    (3, 300, 90, 4, 32, False, F32),  # ragged
+]
+
+for _shape in WO_GEMV:
+
+    @case
+    def _weight_only_gemv(shape=_shape):
+        m, k, n, bits, group, symmetric, dtype = shape
+        spec = Spec(bits=bits, granularity="group" if group else "channel", group_size=group, symmetric=symmetric)
+        q = quantize(jax.random.normal(jax.random.key(3), (k, n)), spec)
+        x = jax.random.normal(jax.random.key(4), (m, k)).astype(dtype)
+        kw = dict(bits=bits, w_zero_point=q.zero_point, group=group)
+        y = jax.jit(lambda x, w, s: weight_only_matmul(x, w, s, gemv=True, interpret=INTERPRET, **kw))(x, q.qvalue,
+                                                                                                      q.scale)
+        r = reference(weight_only_reference, x, q.qvalue, q.scale, **kw)
+        return (f"weight-only gemv int{bits} M={m} K={k} N={n} group={group} {jnp.dtype(dtype).name}",
+                *compare(y, r, 1e-5 if dtype == F32 else 8e-3), None)
+
+
 WO_DEQUANT = [  # (M, K, N, group, symmetric, dtype, dequant, strided x, blocks): int4's decode options
     (1, 4096, 11008, 128, False, BF16, "magic", False, None),
     (1, 4096, 11008, 128, False, BF16, "fold", True, None),

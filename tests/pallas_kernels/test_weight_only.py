@@ -22,6 +22,8 @@ CASES = [
     (5, 127, 33, 4, 64, True, jnp.bfloat16),  # odd K: last packed byte half empty
     (3, 300, 40, 4, 128, False, jnp.float16),
     (20, 64, 33, 8, 32, False, jnp.float32),
+    (1, 100, 70, 8, None, True, jnp.bfloat16),  # int8 with half-precision x: no int4 offset folded
+    (6, 96, 40, 8, 32, False, jnp.float16),
 ]
 
 
@@ -183,3 +185,54 @@ def test_a_layer_of_a_stack_lowers_for_cuda(cuda_lowering):
 
     cuda_lowering(f, sds((1, k), jnp.bfloat16), sds((layers, k // 2, n), jnp.uint8),
                   sds((layers, k // group, n), jnp.float32), sds((layers, k // group, n), jnp.int8), sds((), jnp.int32))
+
+
+GEMV_CASES = [  # (M, K, N, bits, group, symmetric, dtype, bias): M <= 4, ragged and whole shapes
+    (1, 100, 70, 8, None, True, jnp.float32, False),
+    (3, 130, 90, 4, 32, False, jnp.float32, True),
+    (4, 127, 33, 4, 64, True, jnp.bfloat16, False),  # odd K
+    (2, 300, 40, 4, 128, False, jnp.float16, True),
+    (1, 256, 128, 4, 128, False, jnp.bfloat16, False),  # blocks divide every dim: unmasked
+    (1, 96, 40, 8, 32, False, jnp.float16, False),
+]
+
+
+@pytest.mark.parametrize("m,k,n,bits,group,symmetric,dtype,bias", GEMV_CASES)
+@pytest.mark.parametrize("splits", [1, 3])
+def test_gemv_matches_reference(m, k, n, bits, group, symmetric, dtype, bias, splits):
+    """gemv=True: the multiply-and-sum formulation computes what the dot kernel's reference does."""
+    q = _qweight(k, n, bits, group, symmetric)
+    x = jax.random.normal(jax.random.key(6), (m, k)).astype(dtype)
+    b = jnp.linspace(-1.0, 1.0, n) if bias else None
+    kw = dict(bits=bits, w_zero_point=q.zero_point, group=group, bias=b)
+    y = weight_only_matmul(x, q.qvalue, q.scale, gemv=True, k_splits=splits, interpret=True, **kw)
+    r = weight_only_reference(x, q.qvalue, q.scale, **kw)
+    assert y.shape == (m, n) and y.dtype == dtype
+    tol = 1e-6 if dtype == jnp.float32 else 8e-3
+    y32, r32 = np.asarray(y, np.float32), np.asarray(r, np.float32)
+    np.testing.assert_allclose(y32, r32, rtol=tol, atol=tol * float(np.max(np.abs(r32))))
+
+
+def test_gemv_reads_a_layer_of_a_stack_and_refuses_many_rows():
+    qs = [_qweight(128, 64, 4, 32, False) for _ in range(3)]
+    stack = [jnp.stack([getattr(q, f) for q in qs]) for f in ("qvalue", "scale", "zero_point")]
+    x = jax.random.normal(jax.random.key(7), (2, 128))
+    at = jax.jit(lambda x, w, s, z, layer: weight_only_matmul(x, w, s, bits=4, w_zero_point=z, group=32, gemv=True,
+                                                              layer=layer, interpret=True))
+    for i, q in enumerate(qs):
+        want = weight_only_matmul(x, q.qvalue, q.scale, bits=4, w_zero_point=q.zero_point, group=32, gemv=True,
+                                  interpret=True)
+        np.testing.assert_array_equal(np.asarray(at(x, *stack, jnp.int32(i))), np.asarray(want))
+    with pytest.raises(ValueError, match="at most 4 rows"):
+        weight_only_matmul(jnp.ones((5, 128)), qs[0].qvalue, qs[0].scale, bits=4, w_zero_point=qs[0].zero_point,
+                           group=32, gemv=True, interpret=True)
+
+
+@pytest.mark.parametrize("bits,m,k,n,group", [(4, 1, 4096, 11008, 128), (8, 4, 11008, 4096, None), (4, 3, 130, 90, 32)])
+def test_gemv_lowers_for_cuda(cuda_lowering, bits, m, k, n, group):
+    sds = jax.ShapeDtypeStruct
+    rows, dt = (k, jnp.int8) if bits == 8 else (-(-k // 2), jnp.uint8)
+    groups = 1 if group is None else -(-k // group)
+    args = [sds((m, k), jnp.bfloat16), sds((rows, n), dt), sds((groups, n), jnp.float32)]
+    text = cuda_lowering(lambda x, w, s: weight_only_matmul(x, w, s, bits=bits, group=group, gemv=True), *args)
+    assert "gemv" in text
