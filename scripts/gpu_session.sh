@@ -16,7 +16,7 @@ layers=(${LAYERS:+--layers "$LAYERS"})
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 start=$SECONDS
-steps="${STEPS:-gpu_tests fp8 layout layout_dsf e2e kernels}"  # STEPS: a subset, to split the run over calls
+steps="${STEPS:-gpu_tests fp8 gemv layout layout_dsf e2e kernels}"  # STEPS: a subset, to split the run over calls
 step() {  # step NAME SECONDS CMD...: run CMD with a time limit, its output in $out/NAME.log
   local name=$1 limit=$2
   shift 2
@@ -38,6 +38,10 @@ step fp8 75 "$py" scripts/bench_kernels.py --reps 10 --kinds bf16,fp8,w8a8 --wei
 # unrolled vs scanned on 4 layers says whether the scan's weight slicing costs it (docs/kernels.md).
 # Quantized kernels read their layer in place inside the scan since (llmeq_jax/layer_slice.py); bf16's XLA dot
 # may still copy its slice: the second run asks XLA for dynamic-slice fusion.
+# The GEMV formulation of the weight-only kernel (new, pallas_kernels/gemv.py) against the dot kernel's
+# options at decode rows; with unmasked tile loads where blocks divide the shapes (also new).
+step gemv 80 "$py" scripts/tune_weight_only.py --shapes 4096x11008 --rows 1 4 --bits 4 8 --budget-s 60 \
+    --out "$out/gemv.jsonl"
 step layout 110 "$py" scripts/bench_e2e.py --shapes "$shapes" --layers 4 --dtype bfloat16 --recipes rtn-w4-g128 \
     --batches 1 --prefill-len 512 --new-tokens 32 --repeats 2 --scan-layers --no-torch --out "$out/layout.json"
 XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_dynamic_slice_fusion=true" step layout_dsf 60 "$py" scripts/bench_e2e.py \
