@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# One prepared run for a lent GPU machine (issue #15), sized to fit one device call of 10 minutes:
-# kernel correctness, compile seconds unrolled vs scanned, end-to-end decode/prefill on Llama-2-7B
-# shapes (random weights, bf16 baseline, transformers bf16 static cache beside), kernel speed.
+# Prepared runs for a lent GPU machine (issue #15): kernel correctness, FP8 and GEMV kernels, compile
+# seconds unrolled vs scanned, end-to-end decode/prefill on Llama-2-7B shapes (random weights, bf16
+# baseline, transformers bf16 static cache beside), kernel speed. All steps take ~12 min of limits:
+# split them over two device calls of at most 10 minutes with STEPS, e.g.
+#     STEPS="gpu_tests fp8 gemv kernels" bash scripts/gpu_session.sh      # ~5.5 min
+#     STEPS="layout layout_dsf e2e" bash scripts/gpu_session.sh           # ~6.7 min
 # Each step has its own time limit and writes under $OUT (default runs/gpu), so a slow step
 # cannot eat the others' time. The machine reaches no registry: carry `git archive HEAD` of this
-# project and run from its root, e.g. through the device tool:
-#     bash scripts/gpu_session.sh
+# project and run from its root through the device tool.
 # Its steps ran on an H200 on 2026-11-27 (docs/kernels.md), in two device calls.
 set -uo pipefail
 cd "$(dirname "$0")/.."
