@@ -151,24 +151,27 @@ WO_SHAPES = [  # (M, K, N, bits, group, symmetric, dtype)
     (64, 4096, 4096, 8, None, True, F32),
 ]
 
+def _weight_only_case(shape, gemv: bool):
+    m, k, n, bits, group, symmetric, dtype = shape
+    spec = Spec(bits=bits, granularity="group" if group else "channel", group_size=group, symmetric=symmetric)
+    q = quantize(jax.random.normal(jax.random.key(3), (k, n)), spec)
+    x = jax.random.normal(jax.random.key(4), (m, k)).astype(dtype)
+    kw = dict(bits=bits, w_zero_point=q.zero_point, group=group)
+    y = jax.jit(lambda x, w, s: weight_only_matmul(x, w, s, gemv=gemv, interpret=INTERPRET, **kw))(x, q.qvalue, q.scale)
+    r = reference(weight_only_reference, x, q.qvalue, q.scale, **kw)
+    sym = "sym" if symmetric else "asym"
+    return (f"weight-only{' gemv' if gemv else ''} int{bits} M={m} K={k} N={n} group={group} {sym} "
+            f"{jnp.dtype(dtype).name}", *compare(y, r, 1e-5 if dtype == F32 else 8e-3), None)
+
+
 for _shape in WO_SHAPES:
 
     @case
     def _weight_only(shape=_shape):
-        m, k, n, bits, group, symmetric, dtype = shape
-        spec = Spec(bits=bits, granularity="group" if group else "channel", group_size=group, symmetric=symmetric)
-        q = quantize(jax.random.normal(jax.random.key(3), (k, n)), spec)
-        x = jax.random.normal(jax.random.key(4), (m, k)).astype(dtype)
-        kw = dict(bits=bits, w_zero_point=q.zero_point, group=group)
-        y = jax.jit(lambda x, w, s: weight_only_matmul(x, w, s, interpret=INTERPRET, **kw))(x, q.qvalue, q.scale)
-        r = reference(weight_only_reference, x, q.qvalue, q.scale, **kw)
-        sym = "sym" if symmetric else "asym"
-        return f"weight-only int{bits} M={m} K={k} N={n} group={group} {sym} {jnp.dtype(dtype).name}", *compare(
-            y, r, 1e-5 if dtype == F32 else 8e-3
-        ), None
+        return _weight_only_case(shape, gemv=False)
 
 
-WO_GEMV = [  # (M, K, N, bits, group, symmetric, dtype): the multiply-and-sum formulation (gemv=True), M <= 4
+WO_GEMV = [  # the multiply-and-sum formulation (gemv=True), M <= 4
     (1, 4096, 11008, 4, 128, False, BF16),
     (4, 11008, 4096, 4, 128, True, F16),
     (1, 4096, 4096, 8, None, True, BF16),
@@ -179,16 +182,7 @@ for _shape in WO_GEMV:
 
     @case
     def _weight_only_gemv(shape=_shape):
-        m, k, n, bits, group, symmetric, dtype = shape
-        spec = Spec(bits=bits, granularity="group" if group else "channel", group_size=group, symmetric=symmetric)
-        q = quantize(jax.random.normal(jax.random.key(3), (k, n)), spec)
-        x = jax.random.normal(jax.random.key(4), (m, k)).astype(dtype)
-        kw = dict(bits=bits, w_zero_point=q.zero_point, group=group)
-        y = jax.jit(lambda x, w, s: weight_only_matmul(x, w, s, gemv=True, interpret=INTERPRET, **kw))(x, q.qvalue,
-                                                                                                      q.scale)
-        r = reference(weight_only_reference, x, q.qvalue, q.scale, **kw)
-        return (f"weight-only gemv int{bits} M={m} K={k} N={n} group={group} {jnp.dtype(dtype).name}",
-                *compare(y, r, 1e-5 if dtype == F32 else 8e-3), None)
+        return _weight_only_case(shape, gemv=True)
 
 
 WO_DEQUANT = [  # (M, K, N, group, symmetric, dtype, dequant, strided x, blocks): int4's decode options
