@@ -625,7 +625,7 @@ def load_model_checkpoint(path: str | Path, target: Any = None, *, verify_hashes
 
 
 def describe_layout(layout: dict) -> list[dict]:
-    """One row per leaf: path, kind, bits, granularity, logical shape, stored bytes."""
+    """One row per leaf: path, kind, bits, value grid (uniform, log2, fp8), granularity, logical shape, stored bytes."""
     from llmeq_jax.core.qarray import granularity_name
 
     rows = []
@@ -634,10 +634,11 @@ def describe_layout(layout: dict) -> list[dict]:
             st = leaf["static"]
             nbytes = sum(math.prod(m["shape"]) * jnp.dtype(m["dtype"]).itemsize for m in leaf["children"].values())
             gran = granularity_name(tuple(st["shape"]), tuple(st["tile"]))
-            rows.append({"path": p, "kind": "qarray", "bits": st["bits"], "granularity": gran,
+            rows.append({"path": p, "kind": "qarray", "bits": st["bits"], "grid": st.get("grid", "uniform"),
+                         "granularity": gran,
                          "symmetric": "zero_point" not in leaf["children"], "shape": st["shape"], "bytes": nbytes})
         else:
             nbytes = math.prod(leaf["shape"]) * jnp.dtype(leaf["dtype"]).itemsize
-            rows.append({"path": p, "kind": "float", "bits": None, "granularity": leaf["dtype"],
+            rows.append({"path": p, "kind": "float", "bits": None, "grid": None, "granularity": leaf["dtype"],
                          "symmetric": None, "shape": leaf["shape"], "bytes": nbytes})
     return rows

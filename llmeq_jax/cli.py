@@ -381,9 +381,9 @@ def cmd_inspect(args) -> int:
     print(f"{args.dir}: recipe {recipe}, format version {manifest['format_version']}, "
           f"{checkpoint.disk_bytes(args.dir) / 1e6:.2f} MB on disk, {checked}")
     width = max(len(r["path"]) for r in rows) if rows else 10
-    print(f"{'path':<{width}}  {'kind':<6} {'bits':>4}  {'granularity':<16} {'shape':<16} {'bytes':>10}")
+    print(f"{'path':<{width}}  {'kind':<6} {'bits':>4} {'grid':<7} {'granularity':<16} {'shape':<16} {'bytes':>10}")
     for r in rows:
-        print(f"{r['path']:<{width}}  {r['kind']:<6} {r['bits'] or '':>4}  {r['granularity']:<16} "
+        print(f"{r['path']:<{width}}  {r['kind']:<6} {r['bits'] or '':>4} {r['grid'] or '':<7} {r['granularity']:<16} "
               f"{str(tuple(r['shape'])):<16} {r['bytes']:>10}")
     total = sum(r["bytes"] for r in rows)
     print(f"total {total} bytes ({total / 1e6:.2f} MB) in {len(rows)} leaves")

@@ -41,7 +41,7 @@ def test_quantize_inspect_eval_generate(w8_checkpoint):
     out, info = w8_checkpoint
     leaves = json.loads(llmeq("inspect", str(out), "--json").stdout)["leaves"]
     q = [r for r in leaves if r["kind"] == "qarray"]
-    assert q and all(r["bits"] == 8 and r["granularity"].startswith("per-channel") for r in q)
+    assert q and all(r["bits"] == 8 and r["grid"] == "uniform" and r["granularity"].startswith("per-channel") for r in q)
     # rtn-w8 quantizes the kernels and the token table (int8 per vocabulary row), nothing else.
     assert all(r["kind"] == "float" for r in leaves if not r["path"].endswith("/kernel") and r["path"] != "embed/embedding")
     assert any(r["path"] == "embed/embedding" and r["kind"] == "qarray" for r in leaves)

@@ -136,8 +136,10 @@ def test_recipe_and_checkpoint_round_trips_keep_the_grid(tmp_path):
     assert recipe_from_dict(r.to_dict()).rules[-1] == r.rules[-1]
     w = jnp.asarray(np.random.default_rng(3).standard_normal((64, 32)).astype(np.float32))
     q = quantize(w, W8, act_spec=A8)
-    back = ck.restore(ck.save(tmp_path / "c", {"l": {"kernel": q}}, metadata={"model_type": "llama"}))["l"]["kernel"]
+    saved = ck.save(tmp_path / "c", {"l": {"kernel": q}}, metadata={"model_type": "llama"})
+    back = ck.restore(saved)["l"]["kernel"]
     assert back.grid == "fp8" and back.act_spec == A8
+    assert [r["grid"] for r in ck.describe_layout(ck.read_manifest(saved)["layout"])] == ["fp8"]  # llmeq inspect
     np.testing.assert_array_equal(np.asarray(back.dequantize()), np.asarray(q.dequantize()))
 
 
