@@ -280,6 +280,8 @@ def supports_row_major(w: QArray, act=None) -> str | None:
     if g < k and (g % 32 or g > _RM_MAX_GROUP):
         return f"groups along the contraction dim must be multiples of 32 up to {_RM_MAX_GROUP}, got {g}"
     if act is not None:
+        if act.grid != "uniform":
+            return f"{act.grid} activations have no integer kernel"
         if act.bits > 8:
             return f"activations of {act.bits} bits"
         if is_packed(w.bits):

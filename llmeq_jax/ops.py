@@ -164,7 +164,7 @@ def _try_native(x, w, act):
     if not _native_rows_ok(x, kind):
         return None
     if act is not None:
-        if act.bits > 8 or native.supports_w8a8(w) is not None or not native.enabled():
+        if act.bits > 8 or act.grid != "uniform" or native.supports_w8a8(w) is not None or not native.enabled():
             return None
         return native.w8a8_kn(x, w, act)
     if native.supports_kn(w) is not None or not native.enabled():

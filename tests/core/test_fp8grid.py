@@ -125,6 +125,8 @@ def test_bad_specs_and_mixed_grids_fail_with_what_was_expected():
         Rule(".*", weight=W8, act=Spec(8, "tensor", grid="fp8"), act_ema=0.9)
     with pytest.raises(ValueError, match="cannot meet"):
         ops.w8a8_xla(jnp.ones((2, 64)), quantize(jnp.ones((64, 8)), W8), Spec(8, "token"))
+    with pytest.raises(ValueError, match="cannot meet"):  # one row: no native int8 kernel may take fp8 activations
+        ops.linear(jnp.ones((1, 64)), quantize(jnp.ones((64, 8)), Spec(8, "channel")), act=A8)
 
 
 def test_recipe_and_checkpoint_round_trips_keep_the_grid(tmp_path):
