@@ -35,8 +35,8 @@ import jax.numpy as jnp
 
 from llmeq_jax import kernel_dispatch
 from llmeq_jax.core import fp8grid
-from llmeq_jax.core.qarray import QArray, int_range, is_packed, packed_length, packing, unpack
-from llmeq_jax.core.quantize import Spec
+from llmeq_jax.core.qarray import QArray, is_packed, packed_length, packing, unpack
+from llmeq_jax.core.quantize import Spec, largest_value
 from llmeq_jax.decode_layout import PanelKernel, RowMajorKernel, kernel_view, unpack_panels
 from llmeq_jax.layer_slice import LayerSlice
 
@@ -507,7 +507,7 @@ def take_rows(table: jax.Array | QArray, ids: jax.Array, dtype: Any = None) -> j
 
 def quantize_activations(x: jax.Array, act: Spec, act_scale: jax.Array | None):
     """int8 activations (fp8 act spec: ``float8_e4m3fn``) and their per-token (..., 1) or per-tensor () scale."""
-    qmax = fp8grid.MAX if act.grid == "fp8" else int_range(act.bits)[1]
+    qmax = largest_value(act)
     xf = x.astype(jnp.float32)
     if act_scale is not None:
         scale = act_scale.astype(jnp.float32)

@@ -136,6 +136,12 @@ class Spec:
                 + (f" {self.scale_dtype} scales" if self.scale_dtype else ""))
 
 
+def largest_value(spec: Spec) -> float:
+    """The largest magnitude of a symmetric ``spec``'s codes, which a tile's absmax maps onto: 448 on the
+    fp8 (E4M3) grid, ``2^(bits-1) - 1`` on a uniform one (127 for int8)."""
+    return fp8grid.MAX if spec.grid == "fp8" else float(int_range(spec.bits)[1])
+
+
 CLIP_CHOICES = "a ratio in (0, 1], 'pNN' (percentile), 'mse', 'rms' or 'rmsG' (G > 0: G standard deviations)"
 
 

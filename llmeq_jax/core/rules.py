@@ -44,9 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 import yaml
 
-from llmeq_jax.core import fp8grid
-from llmeq_jax.core.qarray import QArray, is_qarray, int_range
-from llmeq_jax.core.quantize import Spec, quantize
+from llmeq_jax.core.qarray import QArray, is_qarray
+from llmeq_jax.core.quantize import Spec, largest_value, quantize
 
 QUANTIZABLE_LEAF = "kernel"
 # The token embedding table: quantized row-wise, so a lookup dequantizes only the rows it reads
@@ -255,7 +254,7 @@ def static_act_scale(path: str, stats: dict | None, clip: float = 1.0, act: Spec
             "(stats[path]['absmax']); run calibration first or use dynamic per-token activations"
         )
     amax = jnp.max(jnp.asarray(stats[path]["absmax"], jnp.float32)) * clip
-    top = fp8grid.MAX if act is not None and act.grid == "fp8" else int_range(8)[1]
+    top = largest_value(act if act is not None else Spec(8))
     return jnp.reshape(jnp.maximum(amax, jnp.finfo(jnp.float32).tiny) / top, ())
 
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from llmeq_jax.core import fp8grid
 from llmeq_jax.core.qarray import QArray, is_qarray
-from llmeq_jax.core.quantize import Spec, quantize_dequantize
+from llmeq_jax.core.quantize import Spec, largest_value, quantize_dequantize
 from llmeq_jax.core.rules import Recipe, Rule, is_quantizable, path_str, quantize_leaf
 
 
@@ -59,11 +59,9 @@ def fake_quant_act(x: jax.Array, rule: Rule, static_absmax: jax.Array | None = N
     if rule is None or rule.act is None:
         return x
     if rule.act_static:
-        scale = jnp.maximum(jnp.max(static_absmax) * rule.act_clip, jnp.finfo(jnp.float32).tiny)
+        scale = jnp.maximum(jnp.max(static_absmax) * rule.act_clip, jnp.finfo(jnp.float32).tiny) / largest_value(rule.act)
         if rule.act.grid == "fp8":
-            scale = scale / fp8grid.MAX
             return fp8grid.to_fp8(x / scale).astype(jnp.float32) * scale
-        scale = scale / 127.0
         return jnp.clip(jnp.round(x / scale), -127, 127) * scale
     return quantize_dequantize(x, Spec(8, "token", grid=rule.act.grid))
 
