@@ -76,6 +76,16 @@ def _seed(text: str) -> int:
     return value
 
 
+def _candidate_arg(text: str):
+    """An allocation candidate key (``4``, ``4g64``, ``8c``) for an argument."""
+    from llmeq_jax.methods.allocate import _candidate_key
+
+    key = _candidate_key(text)
+    if key is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a candidate; expected B, BgG or Bc (e.g. 4, 4g64, 8c)")
+    return key
+
+
 POSITIVE = _int_at_least(1, "an integer >= 1")
 NON_NEGATIVE = _int_at_least(0, "an integer >= 0")
 SEQ_LEN = _int_at_least(2, "an integer >= 2 (one token predicts the next)")
@@ -421,6 +431,12 @@ def cmd_allocate(args) -> int:
     check_context(config, args.calib_seq_len, "--calib-seq-len")
     text = find_data_file(args.calib, CALIB_TEXT, "calibration text")
     windows = calibrate.calibration_windows(tokenizer, text, args.calib_samples, args.calib_seq_len)
+    grad_windows = None
+    if args.sensitivity == "nll":
+        check_context(config, args.grad_seq_len, "--grad-seq-len")
+        grad_windows = calibrate.calibration_windows(tokenizer, text, args.grad_samples, args.grad_seq_len)
+    elif args.reference is not None:
+        raise UsageError("--reference is the nll sensitivity's uniform width; pass --sensitivity nll")
     name = args.name or out.stem
     t0 = time.perf_counter()
     recipe, info = alloc.allocate(config, params, windows, candidates=candidates, budget_bits=args.budget_bits,
@@ -429,7 +445,8 @@ def cmd_allocate(args) -> int:
                                   symmetric=args.symmetric, edge_min_bits=args.edge_min_bits or None,
                                   max_delta=args.max_delta or None, progress=not args.json,
                                   measure=[alloc._candidate_key(x) for x in args.measure.split(",")]
-                                  if args.measure else None, base=base)
+                                  if args.measure else None, base=base, reference=args.reference,
+                                  first_order=args.first_order, grad_windows=grad_windows)
     info["seconds"] = time.perf_counter() - t0
     group = f"g{args.group_size}" if args.group_size else "per-channel"
     header = [f"{name}: per-layer widths from `llmeq allocate {args.model}` ({args.sensitivity} sensitivity, "
@@ -683,7 +700,19 @@ def build_parser() -> argparse.ArgumentParser:
                            "step and embedding/head rules, with per-linear widths (e.g. quarot-gptq-w3-g128-distill; "
                            "a rotated recipe's sensitivities are measured on the rotated model)")
     p.add_argument("--solver", default="greedy", choices=["greedy", "lagrange"])
-    p.add_argument("--sensitivity", default="measured", choices=["measured", "proxy"])
+    p.add_argument("--sensitivity", default="measured", choices=["measured", "proxy", "nll"],
+                   help="measured: KL to the float model of each linear alone quantized; proxy: Hessian diagonal x "
+                        "weight noise; nll: the calibration NLL's change of each linear's move from a uniform "
+                        "reference width, to second order (KL + weighted first-order term)")
+    p.add_argument("--reference", type=_candidate_arg,
+                   help="nll: the uniform width the changes are taken around (default: the candidate whose uniform "
+                        "size is the largest within the budget)")
+    p.add_argument("--first-order", type=_finite_float(0.0, None, "a weight >= 0"), default=0.5,
+                   help="nll: weight of the calibration text's first-order term (default 0.5; 1: the NLL's own "
+                        "second-order model, which on SmolLM2 bought WikiText NLL with loss on other text)")
+    p.add_argument("--grad-samples", type=POSITIVE, default=16,
+                   help="nll: windows of the calibration text the NLL gradient is taken on (default 16)")
+    p.add_argument("--grad-seq-len", type=SEQ_LEN, default=512, help="nll: tokens per gradient window (default 512)")
     p.add_argument("--group-size", type=NON_NEGATIVE, default=128, help="group size along the input (0: per channel)")
     p.add_argument("--symmetric", action="store_true",
                    help="symmetric candidate grids (default: asymmetric, integer zero point per group)")

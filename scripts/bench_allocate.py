@@ -47,7 +47,11 @@ def main() -> None:
     ap.add_argument("--uniform", default="2,4,8")
     ap.add_argument("--candidates", default="2,3,4,8")
     ap.add_argument("--group-size", type=int, default=128)
-    ap.add_argument("--sensitivity", default="measured", choices=["measured", "proxy"])
+    ap.add_argument("--sensitivity", default="measured", choices=list(A.SENSITIVITIES))
+    ap.add_argument("--reference", default="4", help="nll: the uniform candidate the table is taken around")
+    ap.add_argument("--first-order", type=float, default=0.5, help="nll: weight of the first-order term")
+    ap.add_argument("--grad-samples", type=int, default=16, help="nll: gradient windows of --grad-seq-len tokens")
+    ap.add_argument("--grad-seq-len", type=int, default=512)
     ap.add_argument("--lagrange-budgets", default="3,u4", help="budgets also solved by the Lagrangian rule")
     ap.add_argument("--edge-min-bits", type=int, default=4, help="first/last blocks' linears never below (0: off)")
     ap.add_argument("--max-delta", type=float, default=0.5, help="measured: drop widths costing more nats (0: off)")
@@ -67,6 +71,8 @@ def main() -> None:
     ap.add_argument("--float-ppl", type=float, help="the float model's perplexity under the same protocol, if "
                                                     "already measured (skips that evaluation)")
     args = ap.parse_args()
+    if args.sensitivity == "nll" and args.lagrange_budgets:
+        ap.error("--sensitivity nll takes the greedy solver only: pass --lagrange-budgets ''")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     config, params, tok = load_model(args.model)
@@ -77,6 +83,7 @@ def main() -> None:
     settings = A.recipe_settings(args.method, read_recipe(args.base) if args.base else None)
     valid = find_data_file(None, CALIB_TEXT, "calibration")
     method_cal = calibrate.calibration_windows(tok, valid, args.method_calib, 512)
+    grad_cal = calibrate.calibration_windows(tok, valid, args.grad_samples, args.grad_seq_len)
     sparams = A.sensitivity_params(config, params, settings.get("rotate"))  # what the method quantizes
     cands = A.parse_candidates(args.candidates)
     group = args.group_size or None
@@ -97,16 +104,21 @@ def main() -> None:
         table, t_proxy, t_meas = A.sensitivity_table(config, sparams, cal, shapes, cands, cost, spec_for,
                                                      args.sensitivity, progress=True,
                                                      measure=[A._candidate_key(x) for x in args.measure.split(",")]
-                                                     if args.measure else None)
+                                                     if args.measure else None,
+                                                     reference=A._candidate_key(args.reference),
+                                                     first_order=args.first_order, grad_windows=grad_cal)
         cache.write_text(json.dumps({"table": {p: {str(k): v for k, v in row.items()} for p, row in table.items()},
                                      "proxy_s": t_proxy, "measured_s": t_meas}))
     solve_cost = A.restrict(cost, table, edges=A.edge_paths(list(shapes), config.num_layers),
                             edge_min_bits=args.edge_min_bits or None,
-                            max_delta=(args.max_delta or None) if args.sensitivity == "measured" else None)
+                            max_delta=(args.max_delta or None) if args.sensitivity != "proxy" else None)
     results = {"model": args.model, "device": f"{jax.devices()[0].device_kind} ({platform.processor() or 'cpu'})",
                "protocol": evaluate.PROTOCOL, "windows": args.windows, "seq_len": args.seq_len,
                "calibration": f"{args.calib_samples} x {args.calib_seq_len} tokens of {CALIB_TEXT}",
-               "sensitivity": args.sensitivity, "candidates": f"{args.candidates} asymmetric", "method": args.base or args.method, "proxy_s": t_proxy, "measured_s": t_meas, "rows": []}
+               "sensitivity": args.sensitivity + (f" around {args.reference}, first-order weight {args.first_order}, "
+                                                  f"gradient on {args.grad_samples} x {args.grad_seq_len} tokens"
+                                                  if args.sensitivity == "nll" else ""),
+               "candidates": f"{args.candidates} asymmetric", "method": args.base or args.method, "proxy_s": t_proxy, "measured_s": t_meas, "rows": []}
     print(f"sensitivity: proxy {t_proxy:.0f} s, measured {t_meas:.0f} s", flush=True)
 
     def record(row):

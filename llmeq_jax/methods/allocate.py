@@ -404,21 +404,44 @@ def sensitivity_params(config, params: dict, rotate_spec: dict | None) -> dict:
     return rotate.rotate_params(config, params, rotate_spec)
 
 
-SENSITIVITIES = ("measured", "proxy")
+SENSITIVITIES = ("measured", "proxy", "nll")
+
+
+def reference_candidate(cost: dict[str, dict], budget: int):
+    """The uniform allocation the ``nll`` sensitivity is taken around: the candidate whose uniform total is the
+    largest within the budget (the cheapest candidate when none fits)."""
+    keys = list(next(iter(cost.values())))
+    total = {k: sum(row[k] for row in cost.values()) for k in keys}
+    fits = [k for k in keys if total[k] <= budget]
+    return max(fits, key=lambda k: (total[k], candidate_order(k))) if fits else min(keys, key=lambda k: total[k])
 
 
 def sensitivity_table(config, params: dict, windows: np.ndarray, shapes: dict, candidates: Sequence, cost: dict,
-                      spec_for, sensitivity: str = "measured", progress: bool = False, measure: Sequence | None = None
+                      spec_for, sensitivity: str = "measured", progress: bool = False, measure: Sequence | None = None,
+                      *, reference=None, first_order: float = 0.5, grad_windows: np.ndarray | None = None
                       ) -> tuple[dict, float, float]:
     """``({path: {candidate: D}}, proxy seconds, measured seconds)``: the table the solvers take.
 
     ``measure``: the candidates whose KL is measured (default :func:`measured_candidates`);
     the others are carried from them by the proxy's ratio.
+    ``nll``: every candidate is measured around the uniform ``reference`` candidate, the KL on
+    ``windows`` and the first-order term (weighted ``first_order``) on ``grad_windows`` (default
+    ``windows``); see :func:`llmeq_jax.methods.sensitivity.local_nll_table`.
     """
     import time
 
     from llmeq_jax.methods import sensitivity as sens
 
+    if sensitivity == "nll":
+        if measure is not None:
+            raise AllocationError("--measure applies to --sensitivity measured; nll measures every candidate")
+        if reference not in candidates:
+            raise AllocationError(f"the nll reference {reference!r} is not among the candidates {list(candidates)}")
+        t0 = time.perf_counter()
+        table = sens.local_nll_table(config, params, windows, windows if grad_windows is None else grad_windows,
+                                     list(shapes), {k: spec_for(k) for k in candidates}, reference,
+                                     first_order=first_order, progress=progress)
+        return table, 0.0, time.perf_counter() - t0
     t0 = time.perf_counter()
     diags = sens.hessian_diagonals(config, params, windows, progress=progress)
     table = sens.proxy_table(params, diags, list(shapes), candidates, spec_for)
@@ -441,7 +464,8 @@ def allocate(config, params: dict, windows: np.ndarray, *, candidates: Sequence[
              budget_mb: float | None = None, group_size: int | None = 128, solver: str = "greedy",
              sensitivity: str = "measured", method: str = "rtn", name: str = "allocated",
              symmetric: bool = False, edge_min_bits: int | None = 4, max_delta: float | None = 0.5,
-             measure: Sequence | None = None, base: Recipe | None = None, progress: bool = False
+             measure: Sequence | None = None, base: Recipe | None = None, progress: bool = False,
+             reference=None, first_order: float = 0.5, grad_windows: np.ndarray | None = None
              ) -> tuple[Recipe, dict]:
     """Sensitivities on ``windows`` -> allocation under the budget -> (recipe, info).
 
@@ -450,7 +474,10 @@ def allocate(config, params: dict, windows: np.ndarray, *, candidates: Sequence[
     method quantizes.
 
     ``edge_min_bits`` and ``max_delta`` are :func:`restrict`'s guards (``max_delta`` applies
-    to measured sensitivities only: the proxy's unit is not nats).
+    to measured and nll sensitivities only: the proxy's unit is not nats).
+    ``reference``, ``first_order``, ``grad_windows``: the ``nll`` sensitivity's uniform reference
+    candidate (default :func:`reference_candidate`), the weight of its first-order term and the
+    windows of its gradient (default ``windows``).
     ``info`` holds the budget, the bytes used, the average stored bits, the width histogram,
     the per-layer choice and sensitivity table, and the seconds each step took.
     """
@@ -462,6 +489,9 @@ def allocate(config, params: dict, windows: np.ndarray, *, candidates: Sequence[
         raise AllocationError(f"--solver {solver!r} is not one of {list(SOLVERS)}")
     if sensitivity not in SENSITIVITIES:
         raise AllocationError(f"--sensitivity {sensitivity!r} is not one of {list(SENSITIVITIES)}")
+    if sensitivity == "nll" and solver == "lagrange":
+        raise AllocationError("--solver lagrange fits D(b) = a 2^(-2b) to losses that fall with the width; the nll "
+                              "sensitivity is a signed change around a reference width: use --solver greedy")
     candidates = parse_candidates(candidates)
     settings = recipe_settings(method, base)
     params = sensitivity_params(config, params, settings.get("rotate"))
@@ -470,10 +500,13 @@ def allocate(config, params: dict, windows: np.ndarray, *, candidates: Sequence[
     cost = cost_table(shapes, candidates, group_size, symmetric)
     _check_floor(cost, budget)
     spec_for = functools.partial(candidate_spec, group_size=group_size, symmetric=symmetric)
+    if sensitivity == "nll":
+        reference = reference_candidate(cost, budget) if reference is None else _candidate_key(reference)
     table, t_proxy, t_measured = sensitivity_table(config, params, windows, shapes, candidates, cost, spec_for,
-                                                   sensitivity, progress, measure)
+                                                   sensitivity, progress, measure, reference=reference,
+                                                   first_order=first_order, grad_windows=grad_windows)
     cost = restrict(cost, table, edges=edge_paths(list(shapes), config.num_layers), edge_min_bits=edge_min_bits,
-                    max_delta=max_delta if sensitivity == "measured" else None)
+                    max_delta=max_delta if sensitivity != "proxy" else None)
     _check_floor(cost, budget)
     t0 = time.perf_counter()
     if solver == "greedy":
@@ -484,7 +517,8 @@ def allocate(config, params: dict, windows: np.ndarray, *, candidates: Sequence[
     recipe = allocation_recipe(choice, group_size=group_size, name=name, symmetric=symmetric, **settings)
     info = {"base": base.name if base is not None else None, "budget_bytes": budget,
             **summary(choice, cost, shapes), "solver": solver, "sensitivity": sensitivity,
-            "candidates": list(candidates), "group_size": group_size, "symmetric": symmetric, "lambda": lam,
+            "candidates": list(candidates), "group_size": group_size, "reference": reference,
+            "first_order": first_order if sensitivity == "nll" else None, "symmetric": symmetric, "lambda": lam,
             "calib_windows": list(windows.shape), "proxy_s": t_proxy, "measured_s": t_measured,
             "solve_s": time.perf_counter() - t0, "choice": choice, "table": table}
     return recipe, info
@@ -493,4 +527,4 @@ def allocate(config, params: dict, windows: np.ndarray, *, candidates: Sequence[
 __all__ = ["AllocationError", "allocate", "SOLVERS", "allocation_recipe", "base_settings", "recipe_settings",
            "sensitivity_params",
            "block_kernels", "budget_bytes", "candidate_spec",
-           "candidate_bits", "candidate_order", "cost_table", "edge_paths", "measured_candidates", "greedy", "restrict", "sensitivity_table", "lagrange", "parse_candidates", "recipe_yaml", "spec_bytes", "summary"]
+           "candidate_bits", "candidate_order", "cost_table", "reference_candidate", "edge_paths", "measured_candidates", "greedy", "restrict", "sensitivity_table", "lagrange", "parse_candidates", "recipe_yaml", "spec_bytes", "summary"]

@@ -17,7 +17,17 @@ is quantized (RTN on the candidate grid, asymmetric by default) at ``b`` bits:
               the proxy's ratio ``E[l][b] / E[l][b0]`` -- the second-order model says the
               loss change scales with the weighted noise energy.
 
-Both return ``{path: {bits: D}}``; the solvers in :mod:`llmeq_jax.methods.allocate` only
+``nll``       the calibration NLL's change when linear ``l`` alone moves from a *reference*
+              width (the uniform model the budget is near, e.g. 4 bits g128) to candidate ``c``,
+              to second order around that reference model: ``KL(ref || ref with l at c)``
+              (the Gauss-Newton curvature term, tail reruns as above) plus the first-order term
+              ``g . (Q_c(W) - Q_ref(W))`` with ``g`` the gradient of the calibration NLL at the
+              reference model (one backward pass per batch of windows, so it can take many more
+              tokens than the KL). Signed: a move can lower the NLL. Unlike the KL to the float
+              model, it charges a layer what the calibration text's NLL pays for it, which is
+              what perplexity measures (docs/seeds-methods.md, section 3).
+
+All return ``{path: {bits: D}}``; the solvers in :mod:`llmeq_jax.methods.allocate` only
 compare these numbers, so their unit does not matter.
 """
 
@@ -191,7 +201,7 @@ def _tail_kl(config, params, stacked, rows, bias, first_block, h, ref_p, ref_log
 
 
 def measured_kl(config, params: dict, windows: np.ndarray, paths: Sequence[str], specs: dict, *,
-                top_k: int | None = 32, progress: bool = False) -> dict[str, dict]:
+                reference: dict | None = None, top_k: int | None = 32, progress: bool = False) -> dict[str, dict]:
     """``{path: {key: mean KL(float || only path quantized under specs[key])}}`` in nats per token.
 
     The output distributions' KL divergence, not the change of the calibration NLL: it is
@@ -206,22 +216,26 @@ def measured_kl(config, params: dict, windows: np.ndarray, paths: Sequence[str],
     every position's ``top_k`` most likely tokens under the float model -- SmolLM2's
     49k-row output head costs as much as eight of its blocks, and the tokens outside that
     set carry almost none of the probability. ``None``: the whole vocabulary (exact).
+
+    ``reference``: the model the KL is measured against and whose other layers stay as they are
+    (default: ``params`` itself); the candidate kernel is always quantized from ``params``.
     """
     if config.sliding_window is not None:
         raise ValueError("measured sensitivities run every block through one compiled loop, which assumes "
                          "identical layers; this model has sliding-window layers: use --sensitivity proxy")
+    ref = params if reference is None else reference
     tokens = jnp.asarray(windows)
-    hs = _block_inputs(config, params, tokens)
+    hs = _block_inputs(config, ref, tokens)
     if top_k is None or top_k >= config.vocab_size:
         ids = np.arange(config.vocab_size)
     else:
-        full = _subset_logp(config, params, *_head_rows(config, params, np.arange(config.vocab_size)), hs[-1])
+        full = _subset_logp(config, ref, *_head_rows(config, ref, np.arange(config.vocab_size)), hs[-1])
         ids = np.unique(np.asarray(jax.lax.top_k(full, top_k)[1]))
         del full
-    rows, bias = _head_rows(config, params, ids)
-    ref_logp = _subset_logp(config, params, rows, bias, hs[-1])
+    rows, bias = _head_rows(config, ref, ids)
+    ref_logp = _subset_logp(config, ref, rows, bias, hs[-1])
     ref_p = jnp.exp(ref_logp)
-    stacked = _stack_blocks(params, config.num_layers)
+    stacked = _stack_blocks(ref, config.num_layers)
     items = [(p, k) for p in paths for k in specs]
     if progress:
         from tqdm import tqdm
@@ -231,9 +245,83 @@ def measured_kl(config, params: dict, windows: np.ndarray, paths: Sequence[str],
     for p, k in items:
         layer, _, rel = p.partition("/")
         i = int(layer.split("_")[1])
-        block = params[layer]
-        block_q = _set(block, rel, qdq(_get(block, rel), spec=specs[k]))
-        out[p][k] = float(_tail_kl(config, params, stacked, rows, bias, block_q, hs[i], ref_p, ref_logp, i))
+        block_q = _set(ref[layer], rel, qdq(_get(params[layer], rel), spec=specs[k]))
+        out[p][k] = float(_tail_kl(config, ref, stacked, rows, bias, block_q, hs[i], ref_p, ref_logp, i))
+    return out
+
+
+# --------------------------------------------------------------------------- nll: around a reference model
+
+
+def reference_params(params: dict, paths: Sequence[str], spec) -> dict:
+    """``params`` with every kernel in ``paths`` quantize-dequantized under ``spec``: the uniform reference model."""
+    out = params
+    for p in paths:
+        out = _set(out, p, qdq(_get(params, p), spec=spec))
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _summed_nll_grad(config, params, tokens):
+    """The gradient of the summed next-token NLL of ``tokens`` w.r.t. the decoder blocks' parameters."""
+    from llmeq_jax.evaluate import token_nll
+    from llmeq_jax.models.model import forward
+
+    blocks = {k: v for k, v in params.items() if k.startswith("layers_")}
+
+    def loss(b):
+        return jnp.sum(token_nll(forward(config, {**params, **b}, tokens), tokens))
+
+    return jax.grad(loss)(blocks)
+
+
+def nll_gradient(config, params: dict, windows: np.ndarray, paths: Sequence[str], *, batch: int = 4,
+                 progress: bool = False) -> dict[str, jax.Array]:
+    """``{path: d mean-NLL / d kernel}`` at ``params``: the mean over every next-token prediction of ``windows``,
+    accumulated ``batch`` windows at a time (one compiled backward pass per batch shape)."""
+    starts = range(0, len(windows), batch)
+    if progress:
+        from tqdm import tqdm
+
+        starts = tqdm(starts, desc="gradient", unit="batch", leave=False)
+    total = {p: jnp.zeros_like(_get(params, p)) for p in paths}
+    for i in starts:
+        g = _summed_nll_grad(config, params, jnp.asarray(windows[i:i + batch]))
+        total = {p: total[p] + _get(g, p) for p in paths}
+    n = windows.shape[0] * (windows.shape[1] - 1)
+    return {p: t / n for p, t in total.items()}
+
+
+@jax.jit
+def _first_order(g: jax.Array, w_c: jax.Array, w_ref: jax.Array) -> jax.Array:
+    return jnp.sum(g * (w_c - w_ref))
+
+
+def local_nll_table(config, params: dict, kl_windows: np.ndarray, grad_windows: np.ndarray, paths: Sequence[str],
+                    specs: dict, reference, *, first_order: float = 0.5, top_k: int | None = 32,
+                    progress: bool = False) -> dict[str, dict]:
+    """``{path: {key: D}}``: the calibration NLL's change when ``path`` alone moves from ``specs[reference]``
+    to ``specs[key]``, to second order around the model with every path at ``specs[reference]``.
+
+    ``D = KL(ref || ref with path at key) + first_order * g . (Q_key(W) - Q_ref(W))``: the KL on
+    ``kl_windows`` (:func:`measured_kl`), ``g`` the NLL gradient at the reference model on
+    ``grad_windows``; ``D[reference] = 0``. ``first_order = 1`` is the NLL's own second-order model
+    of the calibration text; smaller weights trust that text's first-order term less -- it is the
+    part specific to the text (at 1, SmolLM2's allocation bought WikiText NLL with a loss on other text).
+    """
+    if reference not in specs:
+        raise ValueError(f"the reference candidate {reference!r} is not among {list(specs)}")
+    ref = reference_params(params, paths, specs[reference])
+    others = {k: s for k, s in specs.items() if k != reference}
+    kl = measured_kl(config, params, kl_windows, paths, others, reference=ref, top_k=top_k, progress=progress)
+    grads = nll_gradient(config, ref, grad_windows, paths, progress=progress)
+    out = {}
+    for p in paths:
+        w, w_ref = _get(params, p), _get(ref, p)
+        row = {reference: 0.0}
+        for k, spec in others.items():
+            row[k] = kl[p][k] + first_order * float(_first_order(grads[p], qdq(w, spec=spec), w_ref))
+        out[p] = row
     return out
 
 
@@ -294,5 +382,6 @@ def lagrange_coefficients(table: dict[str, dict[int, float]], weights: dict[str,
     return out
 
 
-__all__ = ["combine_table", "hessian_diagonals", "measured_kl", "qdq", "lagrange_coefficients", "measured_deltas", "measured_table", "proxy_table",
+__all__ = ["combine_table", "hessian_diagonals", "local_nll_table", "measured_kl", "nll_gradient", "qdq",
+           "lagrange_coefficients", "measured_deltas", "measured_table", "proxy_table", "reference_params",
            "weighted_error"]
