@@ -449,7 +449,9 @@ def cmd_allocate(args) -> int:
                                   first_order=args.first_order, grad_windows=grad_windows)
     info["seconds"] = time.perf_counter() - t0
     group = f"g{args.group_size}" if args.group_size else "per-channel"
-    header = [f"{name}: per-layer widths from `llmeq allocate {args.model}` ({args.sensitivity} sensitivity, "
+    nll = (f" around uniform {info['reference']}, first-order weight {args.first_order:g}, gradient on "
+           f"{args.grad_samples} x {args.grad_seq_len} tokens" if args.sensitivity == "nll" else "")
+    header = [f"{name}: per-layer widths from `llmeq allocate {args.model}` ({args.sensitivity} sensitivity{nll}, "
               f"{args.solver} solver" + (f", built on {base.name}" if base is not None else "") + ")",
               f"budget {info['budget_bytes']} bytes of block linears; used {info['bytes']} "
               f"({info['avg_bits']:.3f} stored bits/weight, scales counted); widths {info['widths']} ({group})",
@@ -719,7 +721,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--edge-min-bits", type=NON_NEGATIVE, default=4,
                    help="first and last blocks' linears never below this width (default 4; 0: no floor)")
     p.add_argument("--max-delta", type=_finite_float(0.0, None, "nats >= 0"), default=0.5,
-                   help="measured only: a width whose own loss increase exceeds this many nats is never "
+                   help="measured and nll: a width whose own loss increase exceeds this many nats is never "
                         "picked for that linear (default 0.5; 0: off)")
     p.add_argument("--calib", help=f"calibration text (default: {CALIB_TEXT})")
     p.add_argument("--calib-samples", type=POSITIVE, default=4, help="calibration sequences (default 4)")

@@ -9,8 +9,9 @@ Three steps, each a small pure function:
    what 8-bit ones cost, and the allocator sees it.
 2. **Sensitivity** ``D[l][b]``: the calibration-loss increase when linear ``l``
    alone is quantized at ``b`` bits (:mod:`llmeq_jax.methods.sensitivity`):
-   ``measured`` (real forward passes) or ``proxy`` (Hessian diagonal x weight
-   quantization noise).
+   ``measured`` (real forward passes), ``proxy`` (Hessian diagonal x weight
+   quantization noise) or ``nll`` (the calibration NLL's change of each linear's move
+   from a uniform reference width, to second order: signed, what perplexity follows).
 3. **Allocation** under the budget, two solvers:
 
    ``lagrange``  the high-rate rule: with ``D_l(b) ~ a_l * s_l^2 * 2^(-2b)`` per weight,

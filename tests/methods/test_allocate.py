@@ -302,6 +302,7 @@ def test_cli_allocate_nll_writes_a_recipe_within_the_budget(tmp_path):
     info = json.loads(proc.stdout.strip().splitlines()[-1])
     assert info["sensitivity"] == "nll" and info["bytes"] <= info["budget_bytes"]
     assert len(info["widths"]) > 1  # not the uniform reference
+    assert "(nll sensitivity around uniform " in out.read_text()  # the header says what it was measured around
     specs = [r.weight for r in load_recipe(out).rules[2:]]
     assert len(specs) == 35
     bad = run("--budget-bits", "4.6", "--reference", "4", "--out", str(tmp_path / "b.yaml"))
