@@ -83,7 +83,8 @@ def main() -> None:
     settings = A.recipe_settings(args.method, read_recipe(args.base) if args.base else None)
     valid = find_data_file(None, CALIB_TEXT, "calibration")
     method_cal = calibrate.calibration_windows(tok, valid, args.method_calib, 512)
-    grad_cal = calibrate.calibration_windows(tok, valid, args.grad_samples, args.grad_seq_len)
+    grad_cal = (calibrate.calibration_windows(tok, valid, args.grad_samples, args.grad_seq_len)
+                if args.sensitivity == "nll" else None)  # only nll takes a gradient
     sparams = A.sensitivity_params(config, params, settings.get("rotate"))  # what the method quantizes
     cands = A.parse_candidates(args.candidates)
     group = args.group_size or None
