@@ -30,6 +30,10 @@ FP8 (``fp8=True``): the same kernel with E4M3 operands (``llmeq_jax.core.fp8grid
 weight codes are E4M3 bit patterns in int8 (bit-cast in the kernel, no copy), x is scaled
 per token onto 448 and cast (saturating, ties to even), the dots accumulate in float32,
 and there are no zero points. E4M3 dots need sm_89+ (Ada, Hopper): :func:`fp8_supported`.
+Each K block's dot is :func:`pallas_kernels.fp8_dot.fp8_dot_acc`, which lets Triton use Hopper's
+FP8 wgmma (Pallas's own dot made Triton convert both operands to float16 instead); x's codes, and
+the weight where the transpose writes it anyway, reach the kernel as float8 arrays so that the
+pipelined loads feed the tensor cores from shared memory without a pass through registers.
 """
 
 from __future__ import annotations
@@ -46,7 +50,6 @@ from pallas_kernels.common import (
     FLOAT_DTYPES,
     TINY,
     cdiv,
-    dot,
     is_pow2,
     launch_matmul,
     load_tile,
@@ -55,6 +58,7 @@ from pallas_kernels.common import (
     store_tile,
     tile_mask,
 )
+from pallas_kernels.fp8_dot import fp8_dot_acc
 
 QMAX = 127
 # From this many rows on, the weight is transposed per call to K-major (see w8a8_matmul): int8
@@ -111,23 +115,30 @@ def _kernel(*refs, m, n, k, blocks, group, has_zp, has_bias, split_blocks, split
 
     exact = jnp.float32 if fp8 else jnp.int32  # what one K block's dot accumulates in
 
-    def operand(t):  # int8 codes as the dot's operand: E4M3 bit patterns are bit-cast (0 stays +0.0)
-        return jax.lax.bitcast_convert_type(t, fp8grid.DTYPE) if fp8 else t
+    def operand(t):  # E4M3 codes as the dot's operand: bit-cast here where XLA did not pass float8 already
+        return jax.lax.bitcast_convert_type(t, fp8grid.DTYPE) if fp8 and t.dtype == jnp.int8 else t
+
+    def zero(ref):  # what masked loads fill in, in the ref's dtype (Pallas cannot cast 0 to float8)
+        return jnp.zeros((), ref.dtype)
+
+    def block_dot(xt, wt, acc):
+        """acc + this K block's product (fp8: the tensor cores' own accumulation, see fp8_dot)."""
+        if fp8:
+            return fp8_dot_acc(xt, wt, acc, b_kmajor=w_kmajor)
+        dims = (((1,), (1,)), ((), ())) if w_kmajor else (((1,), (0,)), ((), ()))
+        return acc + jax.lax.dot_general(xt, wt, dims, preferred_element_type=exact)
 
     def body(kb, carry):
         acc, xsum = carry
         ks = span(kb * bk, bk, k, in_bounds=whole_k)
-        xt = operand(load_tile(xq_ref, rows, ks, 0))
-        if w_kmajor:  # w_ref is (N, K): contract the last dims (int8/fp8 tensor cores on Hopper want this)
-            wt = operand(load_tile(w_ref, cols, ks, 0, layer))
-            part = jax.lax.dot_general(xt, wt, (((1,), (1,)), ((), ())), preferred_element_type=exact)
-        else:
-            wt = operand(load_tile(w_ref, ks, cols, 0, layer))
-            part = dot(xt, wt, preferred=exact)
+        xt = operand(load_tile(xq_ref, rows, ks, zero(xq_ref)))
+        # w_kmajor: w_ref is (N, K), contracted on its last dim (int8/fp8 tensor cores on Hopper want this)
+        w_rows, w_cols = (cols, ks) if w_kmajor else (ks, cols)
+        wt = operand(load_tile(w_ref, w_rows, w_cols, zero(w_ref), layer))
         tsum = jnp.sum(xt.astype(jnp.int32), axis=1, keepdims=True) if has_zp else xsum
         if group is None:  # one scale for all of K: keep exact int32 (fp8: float32) accumulation
-            return acc + part, (xsum + tsum) if has_zp else xsum
-        partf = part.astype(jnp.float32)
+            return block_dot(xt, wt, acc), (xsum + tsum) if has_zp else xsum
+        partf = block_dot(xt, wt, jnp.zeros((bm, bn), exact)).astype(jnp.float32)
         if has_zp:
             partf = partf - tsum.astype(jnp.float32) * row_of(zp_ref, kb, layer)
         return acc + partf * row_of(ws_ref, kb, layer), xsum
@@ -206,7 +217,11 @@ def w8a8_matmul(
     if w_kmajor and layer is not None:
         one = lambda a: None if a is None else jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)  # noqa: E731
         wq, w_scale, w_zero_point, layer = one(wq), one(w_scale), one(w_zero_point), None
-    args = [xq, sx, wq.T if w_kmajor else wq, w_scale.astype(jnp.float32)]
+    wk = wq.T if w_kmajor else wq
+    if fp8:  # float8 operands for the kernel where XLA writes them anyway: x's quantization, the transpose
+        xq = jax.lax.bitcast_convert_type(xq, fp8grid.DTYPE)
+        wk = jax.lax.bitcast_convert_type(wk, fp8grid.DTYPE) if w_kmajor else wk
+    args = [xq, sx, wk, w_scale.astype(jnp.float32)]
     if w_zero_point is not None:
         args.append(w_zero_point.astype(jnp.int8))
     return launch_matmul(_kernel, args, m=m, n=n, k=k, blocks=blocks, bias=bias, k_splits=k_splits, out_dtype=x.dtype,
