@@ -9,6 +9,8 @@ dot's ``maxNumImpreciseAcc``) and for ``scripts/kernel_sass.py``, which compiles
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import re
 
 import jax
 
@@ -32,10 +34,32 @@ def _capturing(out: list[str]):
         registration.lowering.lower_jaxpr_to_triton_module = lower
 
 
-def triton_modules(fn, *args) -> list[str]:
-    """The TTIR text of every Pallas kernel in ``jax.jit(fn)(*args)`` lowered for CUDA, in order
-    (``args`` may be ``jax.ShapeDtypeStruct``s)."""
+@dataclasses.dataclass(frozen=True)
+class TritonKernel:
+    """One Pallas kernel as handed to Triton: its TTIR text, launch grid and compiler params."""
+
+    name: str
+    ttir: str
+    grid: tuple[int, int, int]
+    num_warps: int
+    num_stages: int
+
+
+def _launch_params(lowered: str) -> list[tuple]:
+    """(name, grid, num_warps, num_stages) of each Triton custom call in lowered StableHLO text
+    (its backend_config prints grid_x/y/z before the module bytes, name and params after them)."""
+    grids = re.findall(r"grid_x = (\d+) : i32, grid_y = (\d+) : i32, grid_z = (\d+) : i32", lowered)
+    params = re.findall(r'name = "([^"]*)", num_stages = (\d+) : i32, num_warps = (\d+) : i32', lowered)
+    return [(name, tuple(map(int, grid)), int(warps), int(stages)) for grid, (name, stages, warps) in zip(grids, params)]
+
+
+def triton_modules(fn, *args) -> list[TritonKernel]:
+    """Every Pallas kernel in ``jax.jit(fn)(*args)`` lowered for CUDA, in order (``args`` may be
+    ``jax.ShapeDtypeStruct``s)."""
     modules: list[str] = []
     with _capturing(modules):
-        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-    return modules
+        lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    params = _launch_params(lowered)
+    if len(params) != len(modules):
+        raise RuntimeError(f"found {len(params)} Triton calls in the lowering for {len(modules)} kernels built")
+    return [TritonKernel(name, text, grid, warps, stages) for text, (name, grid, warps, stages) in zip(modules, params)]

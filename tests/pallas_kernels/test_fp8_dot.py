@@ -51,9 +51,10 @@ def test_w8a8_fp8_kernel_hands_triton_an_fp8_dot_it_may_run_on_wgmma(m):
     """What reaches Triton: E4M3 operands, the accumulator inside the dot, and maxNumImpreciseAcc
     (without it Triton converts both operands to float16 for mma.sync instead of FP8 wgmma)."""
     sds = jax.ShapeDtypeStruct
-    (text,) = triton_modules(lambda x, w, s: w8a8_matmul(x, w, s, fp8=True),
-                             sds((m, 4096), jnp.bfloat16), sds((4096, 11008), jnp.int8), sds((1, 11008), jnp.float32))
-    dots = [line for line in text.splitlines() if "tt.dot" in line]
+    (kernel,) = triton_modules(lambda x, w, s: w8a8_matmul(x, w, s, fp8=True),
+                               sds((m, 4096), jnp.bfloat16), sds((4096, 11008), jnp.int8), sds((1, 11008), jnp.float32))
+    assert kernel.name == "w8a8_matmul" and kernel.num_warps in (4, 8)
+    dots = [line for line in kernel.ttir.splitlines() if "tt.dot" in line]
     assert dots and all(f"maxNumImpreciseAcc = {PROMOTE_EVERY}" in d and "f8E4M3FN" in d for d in dots), dots
 
 
@@ -68,6 +69,6 @@ def test_pallas_own_fp8_dot_still_lacks_imprecise_accumulation():
         return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((64, 64), jnp.float32),
                               compiler_params=compiler_params())(a, b)
 
-    (text,) = triton_modules(f, jax.ShapeDtypeStruct((64, 64), F8), jax.ShapeDtypeStruct((64, 64), F8))
-    dots = [line for line in text.splitlines() if "tt.dot" in line]
+    (kernel,) = triton_modules(f, jax.ShapeDtypeStruct((64, 64), F8), jax.ShapeDtypeStruct((64, 64), F8))
+    dots = [line for line in kernel.ttir.splitlines() if "tt.dot" in line]
     assert dots and not any("maxNumImpreciseAcc" in d for d in dots), dots

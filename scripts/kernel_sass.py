@@ -1,0 +1,262 @@
+"""What the Pallas kernels compile to on a Hopper GPU, read on a CPU: registers, shared memory,
+spills and the hottest loop's instructions in SASS.
+
+A CPU-only session cannot time a kernel, but it can compile one: Pallas lowers each kernel to
+Triton IR here (``pallas_kernels.ttir``), and the ``triton`` wheel (``pip install -e '.[sass]'``)
+carries the whole Triton -> PTX -> ``ptxas`` chain and ``cuobjdump``, none of which needs a GPU.
+The SASS shows what the GPU would execute: which tensor-core instruction a dot became (Hopper's
+wgmma ``IGMMA``/``QGMMA``/``HGMMA``, or the older ``IMMA``/``HMMA`` of mma.sync), whether operands
+were converted element by element (``F2FP``, ``I2F``), gathered from shared memory a byte at a
+time (``LDS.U8``), spilled to local memory (``LDL``/``STL``), and how many instructions the
+hottest loop issues per weight it reads (each thread's share of the K step's weights) -- a
+decode kernel that issues more than a few per weight cannot stream weights at memory speed.
+
+Triton here is the wheel's (pinned in the ``sass`` extra), not the one inside XLA: the TTIR passes
+(``make_ttir``: canonicalize, combine, ...) are run first as XLA's pipeline runs them, but the
+code may differ in detail from what a GPU's jaxlib builds. Read it as a static check before a GPU
+run, not as a timing.
+
+    PYTHONPATH=. python scripts/kernel_sass.py [--cases wo_int4_m1 w8a8_int8_m4096 ...] [--arch 90]
+        [--keep DIR]   # also write each kernel's TTIR, TTGIR, PTX and SASS there
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pallas_kernels.ttir import TritonKernel, triton_modules  # noqa: E402
+
+K, N, GROUP = 4096, 11008, 128
+SDS = jax.ShapeDtypeStruct
+TENSOR_CORE = ("GMMA", "IMMA", "HMMA", "QMMA")  # wgmma (IGMMA/HGMMA/QGMMA) and mma.sync forms
+CONVERSIONS = ("F2FP", "I2F", "F2I", "I2FP", "F2F")
+SPILLS = ("LDL", "STL")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One kernel call to compile: ``build()`` -> (fn, args); ``weights_per_step(kernel)``: the
+    weights one program reads per iteration of its hottest loop (None where that is not the point)."""
+
+    build: Callable[[], tuple]
+    weights_per_step: Callable[[TritonKernel], int] | None = None
+
+
+def _weight_only(m: int, bits: int, gemv: bool = False) -> Case:
+    from pallas_kernels.blocks import matmul_blocks
+    from pallas_kernels.gemv import gemv_blocks
+    from pallas_kernels.weight_only import weight_only_matmul
+
+    def build():
+        rows, dtype = (K // 2, jnp.uint8) if bits == 4 else (K, jnp.int8)
+        args = (SDS((m, K), jnp.bfloat16), SDS((rows, N), dtype), SDS((K // GROUP, N), jnp.bfloat16),
+                SDS((K // GROUP, N), jnp.int8))
+        return (lambda x, w, s, z: weight_only_matmul(x, w, s, bits=bits, w_zero_point=z, group=GROUP, gemv=gemv)), args
+
+    def per_step(kernel):
+        b = gemv_blocks(K, N, GROUP) if gemv else matmul_blocks(m, N, K, GROUP, min_bk=32 if bits == 4 else 16)
+        return b.bn * b.bk
+
+    return Case(build, per_step)
+
+
+def _w8a8(m: int, fp8: bool) -> Case:
+    from pallas_kernels.blocks import matmul_blocks
+    from pallas_kernels.w8a8 import w8a8_matmul
+
+    def build():
+        args = (SDS((m, K), jnp.bfloat16), SDS((K, N), jnp.int8), SDS((1, N), jnp.float32))
+        return (lambda x, w, s: w8a8_matmul(x, w, s, fp8=fp8)), args
+
+    def per_step(kernel):
+        b = matmul_blocks(m, N, K, None, int8=True)
+        return b.bn * b.bk
+
+    return Case(build, per_step)
+
+
+def _kv_attention(bits: int, t: int = 32768) -> Case:
+    from pallas_kernels.kv_cache import store_decode_attention
+
+    def build():
+        b, h, hq, d = 1, 8, 32, 128
+        per_byte = 8 // bits
+        codes = SDS((b, h, t, d // per_byte), jnp.int8 if bits == 8 else jnp.uint8)
+        args = (SDS((b, hq, d), jnp.bfloat16), codes, codes, SDS((1, h, 1, d), jnp.float32),
+                SDS((1, h, 1, d), jnp.float32), SDS((b, h, t, 1), jnp.float16), SDS((b, h, t, 1), jnp.float16),
+                SDS((b,), jnp.int32))
+        return (lambda q, kc, vc, ks, kl, vs, vl, n: store_decode_attention(q, kc, vc, ks, kl, vs, vl, n, bits=bits)), args
+
+    return Case(build)
+
+
+CASES: dict[str, Case] = {
+    "wo_int4_m1": _weight_only(1, 4),
+    "wo_int4_m16": _weight_only(16, 4),
+    "wo_int4_m2048": _weight_only(2048, 4),
+    "wo_int8_m1": _weight_only(1, 8),
+    "gemv_int4_m1": _weight_only(1, 4, gemv=True),
+    "w8a8_int8_m16": _w8a8(16, False),
+    "w8a8_int8_m4096": _w8a8(4096, False),
+    "w8a8_fp8_m16": _w8a8(16, True),
+    "w8a8_fp8_m4096": _w8a8(4096, True),
+    "kv_int8_32k": _kv_attention(8),
+    "kv_int4_32k": _kv_attention(4),
+}
+
+
+# --------------------------------------------------------------------------- SASS reading
+
+
+def instructions(sass: str) -> list[tuple[int, str]]:
+    """(address, instruction text) of every instruction in ``cuobjdump -sass`` output."""
+    out = []
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+([^;]*);", line)
+        if m:
+            out.append((int(m.group(1), 16), m.group(2).strip()))
+    return out
+
+
+def opcode(text: str) -> str:
+    """The opcode of one instruction, its predicate (``@P0``, ``@!PT``) dropped."""
+    return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0]
+
+
+def hottest_loop(ins: list[tuple[int, str]]) -> list[str]:
+    """The instructions of the widest loop (a backward branch and its target), else all of them
+    (a fully unrolled kernel)."""
+    loops = []
+    for addr, text in ins:
+        m = re.search(r"\bBRA (0x[0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr and opcode(text) == "BRA":
+            loops.append((int(m.group(1), 16), addr))
+    if not loops:
+        return [t for _, t in ins]
+    lo, hi = max(loops, key=lambda span: span[1] - span[0])
+    return [t for a, t in ins if lo <= a <= hi]
+
+
+def summarize(sass: str) -> dict:
+    """Counts of what matters in the hottest loop: all instructions, tensor-core ops by name,
+    conversions, byte accesses to shared memory, spills, shuffles, float adds/FMAs."""
+    loop = hottest_loop(instructions(sass))
+    ops = collections.Counter(opcode(t) for t in loop)
+
+    def count(pred) -> int:
+        return sum(c for op, c in ops.items() if pred(op))
+
+    return {
+        "loop": len(loop),
+        "tensor_core": {op: c for op, c in ops.items() if any(k in op for k in TENSOR_CORE)},
+        "conversions": count(lambda op: op.startswith(CONVERSIONS)),
+        "shared_bytes": count(lambda op: op.startswith(("LDS.U8", "LDS.S8", "STS.U8", "STS.S8"))),
+        "spills": count(lambda op: op.startswith(SPILLS)),
+        "shuffles": count(lambda op: op.startswith("SHFL")),
+        "float": count(lambda op: op.startswith(("FFMA", "FADD", "FMUL", "HFMA2", "HADD2", "HMUL2"))),
+        "top": ops.most_common(6),
+    }
+
+
+# --------------------------------------------------------------------------- compiling
+
+
+def _triton():
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        raise SystemExit("kernel_sass.py needs the triton wheel: pip install -e '.[sass]'") from e
+    return triton
+
+
+def compile_kernel(kernel: TritonKernel, arch: int, folder: Path) -> tuple[str, str]:
+    """(SASS text, cuobjdump resource usage) of ``kernel`` compiled for sm_``arch``."""
+    triton = _triton()
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    target = GPUTarget("cuda", arch, 32)
+    source = folder / f"{kernel.name}.ttir"
+    source.write_text(kernel.ttir)
+    # triton.compile skips the TTIR passes for IR sources; XLA runs them, so run them first.
+    context = ir.context()
+    ir.load_dialects(context)
+    CUDABackend(target).load_dialects(context)
+    module = ir.parse_mlir_module(str(source), context)
+    module.context = context  # what make_ttir's pass manager is built on
+    module = CUDABackend.make_ttir(module, {}, None, arch)
+    optimized = folder / f"{kernel.name}.opt.ttir"
+    optimized.write_text(str(module))
+    compiled = triton.compile(str(optimized), target=target,
+                              options={"num_warps": kernel.num_warps, "num_stages": kernel.num_stages})
+    cubin = folder / f"{kernel.name}.cubin"
+    cubin.write_bytes(compiled.asm["cubin"])
+    for stage in ("ttgir", "ptx"):
+        (folder / f"{kernel.name}.{stage}").write_text(compiled.asm[stage])
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    run = lambda *flags: subprocess.run([str(tool), *flags, str(cubin)], capture_output=True, text=True,  # noqa: E731
+                                        check=True).stdout
+    sass = run("-sass")
+    (folder / f"{kernel.name}.sass").write_text(sass)
+    return sass, run("--dump-resource-usage")
+
+
+def resources(usage: str) -> dict:
+    """Registers, shared memory (bytes) and local memory (spill bytes) from cuobjdump's resource usage."""
+    field = lambda key: int(re.search(rf"{key}:(\d+)", usage).group(1))  # noqa: E731
+    return {"regs": field("REG"), "local": field("LOCAL")}
+
+
+def report(name: str, case: Case, arch: int, folder: Path) -> dict:
+    fn, args = case.build()
+    rows = []
+    for kernel in triton_modules(fn, *args):
+        sass, usage = compile_kernel(kernel, arch, folder)
+        row = {"case": name, "kernel": kernel.name, "warps": kernel.num_warps, "grid": kernel.grid,
+               **resources(usage), **summarize(sass)}
+        if case.weights_per_step is not None:
+            row["per_weight"] = row["loop"] / (case.weights_per_step(kernel) / (32 * kernel.num_warps))
+        rows.append(row)
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--arch", type=int, default=90, help="compute capability x10 (90: Hopper)")
+    parser.add_argument("--keep", type=Path, help="write TTIR/TTGIR/PTX/SASS of each kernel here")
+    args = parser.parse_args(argv)
+    _triton()
+    folder = args.keep or Path(tempfile.mkdtemp(prefix="kernel_sass_"))
+    folder.mkdir(parents=True, exist_ok=True)
+    print(f"sm_{args.arch}, K x N = {K} x {N}, group {GROUP}; loop = the hottest loop's instructions "
+          "(per thread); per weight = loop / weights each thread reads per iteration")
+    print("| case | kernel | warps | regs | spill B | loop | per weight | tensor core | conversions | "
+          "LDS/STS bytes | shuffles | top ops |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | --- |")
+    for name in args.cases:
+        for r in report(name, CASES[name], args.arch, folder):
+            per = f"{r['per_weight']:.2f}" if "per_weight" in r else ""
+            tc = ", ".join(f"{op} x{c}" for op, c in r["tensor_core"].items()) or "none"
+            top = ", ".join(f"{op} {c}" for op, c in r["top"])
+            print(f"| {name} | {r['kernel']} | {r['warps']} | {r['regs']} | {r['local']} | {r['loop']} | {per} | {tc} | "
+                  f"{r['conversions']} | {r['shared_bytes']} | {r['shuffles']} | {top} |", flush=True)
+    print(f"(files in {folder})")
+
+
+if __name__ == "__main__":
+    main()
