@@ -55,6 +55,7 @@ from pallas_kernels.common import (
     split_pairs,
 )
 from jax.experimental.pallas import triton as plgpu
+from pallas_kernels.weight_only import dequant_int4, int4_offset
 
 SUPPORTED_BITS = (4, 8)
 NEG_INF = -1e30  # finite: a fully masked block must not produce inf - inf = nan
@@ -143,6 +144,24 @@ def _code_lanes(c, bits):
     return [low_nibble(c), high_nibble(c)] if bits == 4 else [c]
 
 
+# What each int4 dot operand carries: the codes become bf16 by bit patterns (weight_only's "fold":
+# code + 136, no int -> float conversion; converting compiled to I2F, at a quarter of the float rate,
+# two per stored byte -- scripts/kernel_sass.py), and the 136 comes off through sums of the float side.
+INT4_FOLD = int4_offset(jnp.bfloat16)
+
+
+def _code_operands(c, bits):
+    """Stored code tile -> the bf16 dot operands per channel group (int4: each code + INT4_FOLD)."""
+    if bits == 4:
+        return list(dequant_int4(c, jnp.bfloat16, "fold"))
+    return [c.astype(jnp.int32).astype(jnp.bfloat16)]
+
+
+def _parts_sum(parts, axis):
+    """The float32 sum along ``axis`` of the values the bf16 parts add up to (what the dots multiplied)."""
+    return sum(jnp.sum(p.astype(jnp.float32), axis=axis, keepdims=True) for p in parts)
+
+
 # Float32 x cached integers as bf16 tensor-core dots that lose nothing: the integers
 # (|v| <= 255) are exact in bf16, and the float side is split into three bf16 parts
 # whose sum is the float32 value (8 + 8 + 8 significant bits), one dot per part.
@@ -200,12 +219,15 @@ def _decode_kernel(*refs, lay: _Layout, g, bg, bt, d, sm_scale, split_blocks, pr
         # Fold the key grid into the query: q . (c * s + o) = (q * s) . c + q . o
         q_folded = [_bf16_parts(q[0][j] * k_scale[0][j], parts) for j in lanes]
         q_const = sum(jnp.sum(q[0][j] * k_off[0][j], axis=1, keepdims=True) for j in lanes)  # (bg, 1)
+        if bits == 4:  # the codes' fold offset, times the query side the dots multiply it by
+            q_const = q_const - INT4_FOLD * sum(_parts_sum(q_folded[j], 1) for j in lanes)
 
     def scores(toks, tok_mask):
-        codes = [_code_lanes(plgpu.load(k_ref.at[b, h, toks, half(i, bh)], mask=tok_mask[:, None], other=0),
-                             bits) for i in range(halves)]
+        stored = [plgpu.load(k_ref.at[b, h, toks, half(i, bh)], mask=tok_mask[:, None], other=0) for i in range(halves)]
         if not lay.rope:
-            return sum(_parts_dot(q_folded[j], codes[0][j], _NT) for j in lanes) + q_const
+            codes = _code_operands(stored[0], bits)
+            return sum(_parts_dot(q_folded[j], codes[j], _NT) for j in lanes) + q_const
+        codes = [_code_lanes(c, bits) for c in stored]
         # Dequantize, rotate by the slot's position (rotate-half RoPE), then a float dot.
         pos = plgpu.load(pos_ref.at[b, toks], mask=tok_mask, other=0).astype(jnp.float32).reshape(bt, 1)
         s = 0.0
@@ -234,9 +256,11 @@ def _decode_kernel(*refs, lay: _Layout, g, bg, bt, d, sm_scale, split_blocks, pr
         v_scale = v_scale.astype(jnp.float32).reshape(1, bt)
         # p . (c * s_v + o_v) = (p * s_v) . c + sum(p * o_v): fold the per-token value grid into the weights.
         pv = _bf16_parts(p * v_scale, parts)
-        v_codes = _code_lanes(plgpu.load(v_ref.at[b, h, toks, :], mask=tok_mask[:, None], other=0), bits)
+        v_codes = _code_operands(plgpu.load(v_ref.at[b, h, toks, :], mask=tok_mask[:, None], other=0), bits)
         upd = [_parts_dot(pv, c, _NN) for c in v_codes]
         upd = interleave_pairs(*upd) if bits == 4 else upd[0]
+        if bits == 4:  # the codes' fold offset, times the weights the dots multiplied it by
+            upd = upd - INT4_FOLD * _parts_sum(pv, 1)
         if lay.shift or lay.v_lo:
             v_off = -float(lay.shift) * v_scale
             if lay.v_lo:
