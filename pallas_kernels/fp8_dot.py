@@ -61,12 +61,18 @@ def _triton_lowering(ctx, a, b, acc, *, b_kmajor):
     return tt_dialect.dot(a, b, acc, max_num_imprecise_acc=PROMOTE_EVERY)
 
 
-def _register_triton_lowering():
+def _register_triton_lowering() -> bool:
+    """Register the Triton rule; False where this JAX has no such table (then no FP8 kernel runs:
+    ``w8a8.fp8_supported`` says so and dispatch keeps XLA's FP8 dot)."""
     # Pallas's Triton lowering keeps its rules in a private table; registering a rule for our own
     # primitive there is the one hook it offers (tests/pallas_kernels/test_fp8_dot.py lowers it).
-    from jax._src.pallas.triton import lowering as triton_lowering
+    try:
+        from jax._src.pallas.triton import lowering as triton_lowering
 
-    triton_lowering.register_lowering(fp8_dot_acc_p)(_triton_lowering)
+        triton_lowering.register_lowering(fp8_dot_acc_p)(_triton_lowering)
+    except (ImportError, AttributeError):
+        return False
+    return True
 
 
-_register_triton_lowering()
+TRITON_LOWERING = _register_triton_lowering()

@@ -44,7 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from llmeq_jax.core import fp8grid
-from pallas_kernels import config
+from pallas_kernels import config, fp8_dot
 from pallas_kernels.blocks import Blocks, matmul_blocks
 from pallas_kernels.common import (
     FLOAT_DTYPES,
@@ -58,7 +58,6 @@ from pallas_kernels.common import (
     store_tile,
     tile_mask,
 )
-from pallas_kernels.fp8_dot import fp8_dot_acc
 
 QMAX = 127
 # From this many rows on, the weight is transposed per call to K-major (see w8a8_matmul): int8
@@ -86,6 +85,8 @@ def fp8_supported(device=None) -> bool:
     interpret mode, where XLA widens them."""
     if config.interpret_enabled():
         return True
+    if not fp8_dot.TRITON_LOWERING:  # this JAX's Pallas took no FP8 dot rule: its dots would miss wgmma
+        return False
     device = device or jax.devices()[0]
     cc = getattr(device, "compute_capability", None)
     try:
@@ -124,7 +125,7 @@ def _kernel(*refs, m, n, k, blocks, group, has_zp, has_bias, split_blocks, split
     def block_dot(xt, wt, acc):
         """acc + this K block's product (fp8: the tensor cores' own accumulation, see fp8_dot)."""
         if fp8:
-            return fp8_dot_acc(xt, wt, acc, b_kmajor=w_kmajor)
+            return fp8_dot.fp8_dot_acc(xt, wt, acc, b_kmajor=w_kmajor)
         dims = (((1,), (1,)), ((), ())) if w_kmajor else (((1,), (0,)), ((), ()))
         return acc + jax.lax.dot_general(xt, wt, dims, preferred_element_type=exact)
 

@@ -85,7 +85,7 @@ def test_two_layer_model_logits_match(pair):
     np.testing.assert_allclose(pallas_logits, xla_logits, rtol=1e-4, atol=1e-4 * float(jnp.max(jnp.abs(xla_logits))))
 
 
-def test_fp8_products_go_to_the_fp8_kernel_only_with_fp8_activations_on_sm89_plus():
+def test_fp8_products_go_to_the_fp8_kernel_only_with_fp8_activations_on_sm89_plus(monkeypatch):
     w = jnp.asarray(np.random.default_rng(0).standard_normal((64, 32)), jnp.float32)
     fp8, act = Spec(8, "channel", grid="fp8"), Spec(8, "token", grid="fp8")
     with config.interpret(True):
@@ -102,3 +102,6 @@ def test_fp8_products_go_to_the_fp8_kernel_only_with_fp8_activations_on_sm89_plu
 
     assert w8a8.fp8_supported(Device("9.0")) and w8a8.fp8_supported(Device("8.9"))
     assert not w8a8.fp8_supported(Device("8.0")) and not w8a8.fp8_supported(Device(None))
+    # a JAX whose Pallas took no FP8 dot rule (pallas_kernels.fp8_dot) runs no FP8 kernel, even on Hopper
+    monkeypatch.setattr(w8a8.fp8_dot, "TRITON_LOWERING", False)
+    assert not w8a8.fp8_supported(Device("9.0"))
