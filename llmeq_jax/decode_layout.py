@@ -244,14 +244,50 @@ def fuse_linears(params):
     return _fuse_siblings({k: fuse_linears(v) for k, v in params.items()})
 
 
-def for_decode(params, rows: int):
-    """``params`` with every quantized kernel a row-major native kernel takes wrapped as a
-    :class:`RowMajorKernel` (siblings fused, :func:`fuse_linears`); unchanged where native kernels are off or ``rows`` (activation
-    rows per step) is beyond ``ops.NATIVE_MAX_ROWS["row_major"]``. Call inside the jit."""
+# On a GPU, decode steps with at most this many rows read int8 weights K-major (see for_decode).
+GPU_KMAJOR_MAX_ROWS = 16
+
+
+def _target(rows: int) -> str | None:
+    """Which row-major kernels a decode loop of ``rows`` rows per step would use: "native" (CPU),
+    "pallas" (the Pallas kernels' K-major int8 path: a GPU, or interpret mode with native off), or None."""
     from llmeq_jax import native, ops
+    from pallas_kernels import config
+
+    if 0 < rows <= ops.NATIVE_MAX_ROWS["row_major"] and native.enabled():
+        return "native"
+    if 0 < rows <= GPU_KMAJOR_MAX_ROWS and config.kernels_available():
+        return "pallas"
+    return None
+
+
+def _candidate(target: str, leaf: QArray, rows: int) -> bool:
+    """Whether the ``target`` kernels may take ``leaf`` (an (in, out) kernel) stored row-major."""
+    from llmeq_jax import kernel_dispatch
+
+    if target == "native":  # the last word is native.supports_row_major's, on the transposed kernel
+        return leaf.grid == "uniform" and not (is_packed(leaf.bits) and leaf.pack_axis != 0)
+    # Pallas: int8-stored codes (W8A8 int8/fp8, int8 weight-only) that a kernel would take. Their
+    # N-major bytes are gathered one at a time into MMA operands (scripts/kernel_sass.py: W8A8 at
+    # M = 16 issues 4.3x the instructions of the K-major loop); packed int4 gains nothing K-major.
+    if is_packed(leaf.bits):
+        return False
+    kind, _ = kernel_dispatch.plan((rows, leaf.shape[0]), leaf.dtype, leaf, leaf.act_spec)
+    return kind is not None
+
+
+def for_decode(params, rows: int):
+    """``params`` with every quantized kernel that the decode loop's kernels read row-major wrapped as a
+    :class:`RowMajorKernel` (siblings fused, :func:`fuse_linears`). On a CPU: what the native row-major
+    kernels take, up to ``ops.NATIVE_MAX_ROWS["row_major"]`` rows. Where the Pallas kernels run (a GPU):
+    int8-stored kernels, up to :data:`GPU_KMAJOR_MAX_ROWS` rows, which the W8A8 and weight-only kernels
+    then read K-major as stored. Unchanged otherwise. Call inside the jit: the transposed copies are made
+    once per call and read on every step."""
+    from llmeq_jax import native
     from llmeq_jax.models import stacked  # not at import time: the models import this module
 
-    if not 0 < rows <= ops.NATIVE_MAX_ROWS["row_major"] or not native.enabled():
+    target = _target(rows)
+    if target is None:
         return params
     if stacked.is_stacked(params):  # the same conversion for every stacked block (vmapped over the layer axis)
         blocks = jax.vmap(lambda block: for_decode(block, rows))(params[stacked.BLOCKS])
@@ -259,12 +295,13 @@ def for_decode(params, rows: int):
         return {**for_decode(rest, rows), stacked.BLOCKS: blocks}
 
     def convert(path, leaf):
-        if not (isinstance(leaf, QArray) and _is_kernel(path) and len(leaf.shape) == 2) or leaf.grid != "uniform":
-            return leaf
-        if is_packed(leaf.bits) and leaf.pack_axis != 0:
+        if not (isinstance(leaf, QArray) and _is_kernel(path) and len(leaf.shape) == 2) or not _candidate(
+                target, leaf, rows):
             return leaf
         w = transpose_kernel(leaf)
-        return RowMajorKernel(w) if native.supports_row_major(w, leaf.act_spec) is None else leaf
+        if target == "native" and native.supports_row_major(w, leaf.act_spec) is not None:
+            return leaf
+        return RowMajorKernel(w)
 
     converted = jax.tree_util.tree_map_with_path(convert, params, is_leaf=lambda a: isinstance(a, QArray))
     return fuse_linears(converted)

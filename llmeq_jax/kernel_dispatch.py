@@ -22,6 +22,7 @@ A measured table (:mod:`llmeq_jax.dispatch_table`, written by ``scripts/bench_ke
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -100,11 +101,21 @@ def _act_scale(w: QArray, layer):
     return w.act_scale if layer is None else take_layer(w.act_scale, layer)
 
 
-def linear(x, w: QArray, act=None, require: bool = False, layer=None):
+def logical_view(w_nk: QArray) -> QArray:
+    """The ``(in, out)`` description of a QArray stored K-major, ``(out, in)`` (a
+    ``decode_layout.RowMajorKernel``'s), for planning and for the kernels' scales: shape, tile,
+    scales and zero points swapped back (small arrays); the codes stay as stored."""
+    swap = lambda a: None if a is None else jnp.swapaxes(a, -1, -2)  # noqa: E731
+    return dataclasses.replace(w_nk, scale=swap(w_nk.scale), zero_point=swap(w_nk.zero_point),
+                               shape=(w_nk.shape[1], w_nk.shape[0]), tile=(w_nk.tile[1], w_nk.tile[0]), pack_axis=0)
+
+
+def linear(x, w: QArray, act=None, require: bool = False, layer=None, *, w_layout: str = "kn"):
     """``x @ w`` by a Pallas kernel, or None when none applies (an error if ``require``).
 
     With ``layer``, ``w`` is a stack of kernels (``llmeq_jax.layer_slice.LayerSlice``) and the
-    product is with its layer ``layer``, read in place."""
+    product is with its layer ``layer``, read in place. ``w_layout="nk"``: ``w`` is stored K-major,
+    ``(out, in)``; its int8-stored products go to the kernels reading it as stored (packed codes: None)."""
     if not config.kernels_available():
         if require and config.is_disabled():
             raise KernelUnavailable("backend='pallas' inside pallas_kernels.config.disabled(): kernels are off")
@@ -114,20 +125,25 @@ def linear(x, w: QArray, act=None, require: bool = False, layer=None):
                 f"{jax.default_backend()!r}); on CPU use `with pallas_kernels.config.interpret(True):`"
             )
         return None
-    kind, why = plan(x.shape, x.dtype, w, act)
+    view = logical_view(w) if w_layout == "nk" else w
+    if w_layout == "nk" and is_packed(w.bits):
+        kind, why = None, f"int{w.bits} codes stored K-major (the kernels read K-major int8 only)"
+    else:
+        kind, why = plan(x.shape, x.dtype, view, act)
     if kind is None:
         if require:
             raise KernelUnavailable(f"no Pallas kernel takes x {tuple(x.shape)} {x.dtype} @ {w!r}: {why}")
         return None
-    k, n = w.shape
+    k, n = view.shape
     x2 = x.reshape(-1, k)
-    group, scale, zp, _ = _layout(w)
-    if not require and dispatch_table.choice(table_key(kind, x2.shape[0], x.dtype, w, group)) == "xla":
+    group, scale, zp, _ = _layout(view)
+    if not require and dispatch_table.choice(table_key(kind, x2.shape[0], x.dtype, view, group)) == "xla":
         return None  # measured on this device: XLA's path is the faster one for this product
     if kind in ("w8a8", "fp8_w8a8"):
         y = w8a8.w8a8_matmul(x2, w.qvalue, scale, w_zero_point=zp, act_scale=_act_scale(w, layer), group=group,
-                             layer=layer, fp8=kind == "fp8_w8a8")
+                             layer=layer, fp8=kind == "fp8_w8a8", w_layout=w_layout)
     else:
         bits = 4 if is_packed(w.bits) else 8
-        y = weight_only.weight_only_matmul(x2, w.qvalue, scale, bits=bits, w_zero_point=zp, group=group, layer=layer)
+        y = weight_only.weight_only_matmul(x2, w.qvalue, scale, bits=bits, w_zero_point=zp, group=group, layer=layer,
+                                           w_layout=w_layout)
     return y.reshape(*x.shape[:-1], n)

@@ -209,10 +209,15 @@ def swiglu(x: jax.Array, w: PanelKernel, *, backend: str = "auto") -> jax.Array:
 
 
 def _linear_row_major(x, w: QArray, act, backend, layer=None):
-    """``x @ kernel`` for a kernel stored row-major (``w`` is ``(out, in)``): native, else XLA.
+    """``x @ kernel`` for a kernel stored row-major (``w`` is ``(out, in)``): a Pallas kernel reading it
+    K-major (int8 codes, where kernels run), else native, else XLA.
 
-    With ``layer``, ``w`` is a stack of such kernels: the native kernel reads that layer in place,
-    XLA takes its slice."""
+    With ``layer``, ``w`` is a stack of such kernels: the kernels read that layer in place, XLA takes
+    its slice."""
+    if backend != "xla":
+        y = kernel_dispatch.linear(x, w, act, layer=layer, w_layout="nk")
+        if y is not None:
+            return y
     if backend == "auto" and jax.default_backend() == "cpu" and _native_rows_ok(x, "row_major"):
         from llmeq_jax import native
 

@@ -196,6 +196,7 @@ def w8a8_matmul(
     transpose_w: bool | None = None,
     layer=None,
     fp8: bool = False,
+    w_layout: str = "kn",
     interpret: bool | None = None,
 ):
     """Quantize activations + int8 GEMM with fused rescale (see module docstring for the contract).
@@ -204,24 +205,32 @@ def w8a8_matmul(
 
     ``transpose_w`` (default: M >= TRANSPOSE_MIN_M) feeds the kernel ``wq.T``, made by XLA
     for each call (K*N bytes read and written), so that the int8 weight tile is K-major.
+    ``w_layout="nk"``: ``wq`` is already stored K-major, ``(N, K)`` (a copy made once, e.g. by
+    ``llmeq_jax.decode_layout.for_decode`` for a decode loop): the kernel reads it as it is, with
+    no per-call transpose; ``w_scale`` and the zero point stay ``(G, N)``.
     With ``layer`` (an int32 scalar), ``wq``, ``w_scale`` and the zero point are stacks [L, ...]
-    and the kernel reads that layer in place (the transposed path slices it: it copies anyway).
+    and the kernel reads that layer in place (the per-call transpose slices it: it copies anyway).
     """
-    _check(x, wq, w_scale, w_zero_point, group, layer, fp8)
+    if w_layout not in ("kn", "nk"):
+        raise ValueError(f"w8a8_matmul: w_layout must be 'kn' (K, N) or 'nk' (N, K), got {w_layout!r}")
+    given_kmajor = w_layout == "nk"
+    logical = jax.ShapeDtypeStruct((*wq.shape[:-2], wq.shape[-1], wq.shape[-2]), wq.dtype) if given_kmajor else wq
+    _check(x, logical, w_scale, w_zero_point, group, layer, fp8)
     m, k = x.shape
-    n = wq.shape[-1]
+    n = logical.shape[-1]
     blocks = blocks or matmul_blocks(m, n, k, group, int8=True)
     if group is not None and blocks.bk != group:
         raise ValueError(f"w8a8_matmul: with per-group scales the K block must equal the group ({group}), got {blocks.bk}")
     xq, sx = quantize_rows(x, act_scale, fp8)
-    w_kmajor = m >= TRANSPOSE_MIN_M if transpose_w is None else bool(transpose_w)
-    if w_kmajor and layer is not None:
+    w_kmajor = given_kmajor or (m >= TRANSPOSE_MIN_M if transpose_w is None else bool(transpose_w))
+    transposing = w_kmajor and not given_kmajor
+    if transposing and layer is not None:
         one = lambda a: None if a is None else jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)  # noqa: E731
         wq, w_scale, w_zero_point, layer = one(wq), one(w_scale), one(w_zero_point), None
-    wk = wq.T if w_kmajor else wq
+    wk = wq.T if transposing else wq
     if fp8:  # float8 operands for the kernel where XLA writes them anyway: x's quantization, the transpose
         xq = jax.lax.bitcast_convert_type(xq, fp8grid.DTYPE)
-        wk = jax.lax.bitcast_convert_type(wk, fp8grid.DTYPE) if w_kmajor else wk
+        wk = jax.lax.bitcast_convert_type(wk, fp8grid.DTYPE) if transposing else wk
     args = [xq, sx, wk, w_scale.astype(jnp.float32)]
     if w_zero_point is not None:
         args.append(w_zero_point.astype(jnp.int8))

@@ -93,7 +93,7 @@ def dequant_int4(packed, cdt, mode: str):
 
 
 def _kernel(*refs, m, n, k, bits, blocks, group, has_zp, has_bias, split_blocks, split, precision, dequant,
-            strided_x, stacked):
+            strided_x, stacked, kmajor):
     rest = list(refs)
     layer = rest.pop(0)[0] if stacked else None  # weights, scales, zero points: one layer of a stack
     x_ref, w_ref, ws_ref = rest[:3]
@@ -122,8 +122,13 @@ def _kernel(*refs, m, n, k, bits, blocks, group, has_zp, has_bias, split_blocks,
         if bits == 8:
             ks = span(k0, sub, k, in_bounds=whole_k)
             xt = load_tile(x_ref, rows, ks, 0)
-            wt = load_tile(w_ref, ks, cols, 0, layer).astype(jnp.int32)
-            part = dot(xt, wt.astype(cdt), precision=prec)
+            if kmajor:  # w_ref is (N, K): contract its last dim
+                wt = load_tile(w_ref, cols, ks, 0, layer).astype(jnp.int32).astype(cdt)
+                part = jax.lax.dot_general(xt, wt, (((1,), (1,)), ((), ())), precision=prec,
+                                           preferred_element_type=jnp.float32)
+            else:
+                wt = load_tile(w_ref, ks, cols, 0, layer).astype(jnp.int32)
+                part = dot(xt, wt.astype(cdt), precision=prec)
             x_parts = (xt,)
         else:
             half = sub // 2
@@ -201,6 +206,7 @@ def weight_only_matmul(
     strided_x: bool | None = None,
     gemv: bool | None = None,
     layer=None,
+    w_layout: str = "kn",
     interpret: bool | None = None,
 ):
     """``x @ dequantize(w)`` with the weight dequantized tile by tile in registers.
@@ -218,8 +224,17 @@ def weight_only_matmul(
     interpret mode has no strided loads). With ``layer`` (an int32 scalar, traced or not), ``wq``,
     ``w_scale`` and the zero point are stacks [L, ...] of that shape and the kernel reads layer
     ``layer`` of them in place: inside a scan over stacked blocks no layer's weights are copied out.
+    ``w_layout="nk"`` (int8 only): ``wq`` is stored K-major, ``(N, K)``, a copy made once (e.g. by
+    ``llmeq_jax.decode_layout.for_decode``); each thread then loads consecutive K values for its MMA
+    operands instead of gathering N-major bytes one at a time (SASS: 3.6-4.0 instructions per weight
+    instead of 7.1 at decode, ``scripts/kernel_sass.py``).
     """
-    _check(x, wq, w_scale, w_zero_point, bits, group, layer)
+    if w_layout not in ("kn", "nk") or (w_layout == "nk" and (bits != 8 or gemv)):
+        raise ValueError(f"weight_only_matmul: w_layout={w_layout!r} is not one of 'kn' (K, N) or 'nk' (N, K, int8 "
+                         "weights and the dot kernel only: K-major int4 bytes would be gathered one at a time)")
+    kmajor = w_layout == "nk"
+    logical = jax.ShapeDtypeStruct((*wq.shape[:-2], wq.shape[-1], wq.shape[-2]), wq.dtype) if kmajor else wq
+    _check(x, logical, w_scale, w_zero_point, bits, group, layer)
     if gemv:
         from pallas_kernels.gemv import weight_only_gemv
 
@@ -227,7 +242,7 @@ def weight_only_matmul(
                                 blocks=blocks, k_splits=k_splits, layer=layer,
                                 interpret=config.resolve_interpret(interpret))
     m, k = x.shape
-    n = wq.shape[-1]
+    n = logical.shape[-1]
     # int4 splits the K tile in halves that feed dots: each half needs >= 16.
     blocks = blocks or matmul_blocks(m, n, k, group, min_bk=32 if bits == 4 else 16)
     if group is not None and blocks.bk % group:
@@ -244,7 +259,7 @@ def weight_only_matmul(
     return launch_matmul(_kernel, args, m=m, n=n, k=k, blocks=blocks, bias=bias, k_splits=k_splits, out_dtype=x.dtype,
                          interpret=interpret, name=f"weight_only_int{bits}_matmul", bits=bits, group=group,
                          has_zp=w_zero_point is not None, precision=f32_dot_precision(interpret), dequant=dequant,
-                         strided_x=bool(strided_x) and not interpret, layer=layer)
+                         strided_x=bool(strided_x) and not interpret, layer=layer, kmajor=kmajor)
 
 
 def default_dequant(x_dtype) -> str:

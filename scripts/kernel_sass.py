@@ -48,42 +48,46 @@ SPILLS = ("LDL", "STL")
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """One kernel call to compile: ``build()`` -> (fn, args); ``weights_per_step(kernel)``: the
-    weights one program reads per iteration of its hottest loop (None where that is not the point)."""
+    """One kernel call to compile: ``build()`` -> (fn, args); ``weights_per_step(kernel, unrolled)``: the
+    weights one program reads per iteration of its hottest loop, or in all when ptxas unrolled the loop
+    (None where that is not the point)."""
 
     build: Callable[[], tuple]
-    weights_per_step: Callable[[TritonKernel], int] | None = None
+    weights_per_step: Callable[[TritonKernel, bool], int] | None = None
 
 
-def _weight_only(m: int, bits: int, gemv: bool = False) -> Case:
+def _weight_only(m: int, bits: int, gemv: bool = False, w_layout: str = "kn") -> Case:
     from pallas_kernels.blocks import matmul_blocks
     from pallas_kernels.gemv import gemv_blocks
     from pallas_kernels.weight_only import weight_only_matmul
 
     def build():
         rows, dtype = (K // 2, jnp.uint8) if bits == 4 else (K, jnp.int8)
-        args = (SDS((m, K), jnp.bfloat16), SDS((rows, N), dtype), SDS((K // GROUP, N), jnp.bfloat16),
+        stored = (N, rows) if w_layout == "nk" else (rows, N)
+        args = (SDS((m, K), jnp.bfloat16), SDS(stored, dtype), SDS((K // GROUP, N), jnp.bfloat16),
                 SDS((K // GROUP, N), jnp.int8))
-        return (lambda x, w, s, z: weight_only_matmul(x, w, s, bits=bits, w_zero_point=z, group=GROUP, gemv=gemv)), args
+        return (lambda x, w, s, z: weight_only_matmul(x, w, s, bits=bits, w_zero_point=z, group=GROUP, gemv=gemv,
+                                                      w_layout=w_layout)), args
 
-    def per_step(kernel):
+    def per_step(kernel, unrolled):
         b = gemv_blocks(K, N, GROUP) if gemv else matmul_blocks(m, N, K, GROUP, min_bk=32 if bits == 4 else 16)
-        return b.bn * b.bk
+        return b.bn * (K // kernel.grid[-1] if unrolled else b.bk)  # the last grid axis splits K
 
     return Case(build, per_step)
 
 
-def _w8a8(m: int, fp8: bool) -> Case:
+def _w8a8(m: int, fp8: bool, w_layout: str = "kn") -> Case:
     from pallas_kernels.blocks import matmul_blocks
     from pallas_kernels.w8a8 import w8a8_matmul
 
     def build():
-        args = (SDS((m, K), jnp.bfloat16), SDS((K, N), jnp.int8), SDS((1, N), jnp.float32))
-        return (lambda x, w, s: w8a8_matmul(x, w, s, fp8=fp8)), args
+        stored = (N, K) if w_layout == "nk" else (K, N)
+        args = (SDS((m, K), jnp.bfloat16), SDS(stored, jnp.int8), SDS((1, N), jnp.float32))
+        return (lambda x, w, s: w8a8_matmul(x, w, s, fp8=fp8, w_layout=w_layout)), args
 
-    def per_step(kernel):
+    def per_step(kernel, unrolled):
         b = matmul_blocks(m, N, K, None, int8=True)
-        return b.bn * b.bk
+        return b.bn * (K // kernel.grid[-1] if unrolled else b.bk)  # the last grid axis splits K
 
     return Case(build, per_step)
 
@@ -108,10 +112,13 @@ CASES: dict[str, Case] = {
     "wo_int4_m16": _weight_only(16, 4),
     "wo_int4_m2048": _weight_only(2048, 4),
     "wo_int8_m1": _weight_only(1, 8),
+    "wo_int8_m1_kmajor": _weight_only(1, 8, w_layout="nk"),
     "gemv_int4_m1": _weight_only(1, 4, gemv=True),
     "w8a8_int8_m16": _w8a8(16, False),
+    "w8a8_int8_m16_kmajor": _w8a8(16, False, "nk"),
     "w8a8_int8_m4096": _w8a8(4096, False),
     "w8a8_fp8_m16": _w8a8(16, True),
+    "w8a8_fp8_m16_kmajor": _w8a8(16, True, "nk"),
     "w8a8_fp8_m4096": _w8a8(4096, True),
     "kv_int8_32k": _kv_attention(8),
     "kv_int4_32k": _kv_attention(4),
@@ -136,24 +143,29 @@ def opcode(text: str) -> str:
     return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0]
 
 
-def hottest_loop(ins: list[tuple[int, str]]) -> list[str]:
-    """The instructions of the widest loop (a backward branch and its target), else all of them
-    (a fully unrolled kernel)."""
+def hottest_loop(ins: list[tuple[int, str]]) -> list[str] | None:
+    """The instructions of the widest loop (a backward branch and its target), or None (no loop:
+    ptxas unrolled it, or there was none)."""
     loops = []
     for addr, text in ins:
         m = re.search(r"\bBRA (0x[0-9a-f]+)", text)
         if m and int(m.group(1), 16) < addr and opcode(text) == "BRA":
             loops.append((int(m.group(1), 16), addr))
     if not loops:
-        return [t for _, t in ins]
+        return None
     lo, hi = max(loops, key=lambda span: span[1] - span[0])
     return [t for a, t in ins if lo <= a <= hi]
 
 
 def summarize(sass: str) -> dict:
-    """Counts of what matters in the hottest loop: all instructions, tensor-core ops by name,
-    conversions, byte accesses to shared memory, spills, shuffles, float adds/FMAs."""
-    loop = hottest_loop(instructions(sass))
+    """Counts of what matters in the hottest loop (the whole kernel where it has none: ``unrolled``):
+    all instructions, tensor-core ops by name, conversions, byte accesses to shared memory, spills,
+    shuffles, float adds/FMAs."""
+    ins = instructions(sass)
+    loop = hottest_loop(ins)
+    unrolled = loop is None
+    if unrolled:
+        loop = [t for _, t in ins]
     ops = collections.Counter(opcode(t) for t in loop)
 
     def count(pred) -> int:
@@ -161,6 +173,7 @@ def summarize(sass: str) -> dict:
 
     return {
         "loop": len(loop),
+        "unrolled": unrolled,
         "tensor_core": {op: c for op, c in ops.items() if any(k in op for k in TENSOR_CORE)},
         "conversions": count(lambda op: op.startswith(CONVERSIONS)),
         "shared_bytes": count(lambda op: op.startswith(("LDS.U8", "LDS.S8", "STS.U8", "STS.S8"))),
@@ -229,7 +242,7 @@ def report(name: str, case: Case, arch: int, folder: Path) -> dict:
         row = {"case": name, "kernel": kernel.name, "warps": kernel.num_warps, "grid": kernel.grid,
                **resources(usage), **summarize(sass)}
         if case.weights_per_step is not None:
-            row["per_weight"] = row["loop"] / (case.weights_per_step(kernel) / (32 * kernel.num_warps))
+            row["per_weight"] = row["loop"] / (case.weights_per_step(kernel, row["unrolled"]) / (32 * kernel.num_warps))
         rows.append(row)
     return rows
 
@@ -244,16 +257,18 @@ def main(argv=None):
     folder = args.keep or Path(tempfile.mkdtemp(prefix="kernel_sass_"))
     folder.mkdir(parents=True, exist_ok=True)
     print(f"sm_{args.arch}, K x N = {K} x {N}, group {GROUP}; loop = the hottest loop's instructions "
-          "(per thread); per weight = loop / weights each thread reads per iteration")
+          "(per thread; '(all)': no loop left, the whole kernel); per weight = loop / weights each thread "
+          "reads per iteration (in all, for '(all)')")
     print("| case | kernel | warps | regs | spill B | loop | per weight | tensor core | conversions | "
           "LDS/STS bytes | shuffles | top ops |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | --- |")
     for name in args.cases:
         for r in report(name, CASES[name], args.arch, folder):
             per = f"{r['per_weight']:.2f}" if "per_weight" in r else ""
+            loop = f"{r['loop']} (all)" if r["unrolled"] else str(r["loop"])
             tc = ", ".join(f"{op} x{c}" for op, c in r["tensor_core"].items()) or "none"
             top = ", ".join(f"{op} {c}" for op, c in r["top"])
-            print(f"| {name} | {r['kernel']} | {r['warps']} | {r['regs']} | {r['local']} | {r['loop']} | {per} | {tc} | "
+            print(f"| {name} | {r['kernel']} | {r['warps']} | {r['regs']} | {r['local']} | {loop} | {per} | {tc} | "
                   f"{r['conversions']} | {r['shared_bytes']} | {r['shuffles']} | {top} |", flush=True)
     print(f"(files in {folder})")
 

@@ -105,3 +105,71 @@ def test_fp8_products_go_to_the_fp8_kernel_only_with_fp8_activations_on_sm89_plu
     # a JAX whose Pallas took no FP8 dot rule (pallas_kernels.fp8_dot) runs no FP8 kernel, even on Hopper
     monkeypatch.setattr(w8a8.fp8_dot, "TRITON_LOWERING", False)
     assert not w8a8.fp8_supported(Device("9.0"))
+
+
+# --------------------------------------------------------------------------- K-major int8 for decode
+
+W8G32 = (Spec(bits=8, granularity="group", group_size=32, symmetric=False), None)
+FP8 = (Spec(8, "channel", grid="fp8"), Spec(8, "token", grid="fp8"))
+
+
+def _kmajor_calls(monkeypatch):
+    """Record the w_layout of every W8A8 / weight-only kernel call."""
+    from pallas_kernels import w8a8, weight_only
+
+    seen = []
+    for mod, name in ((w8a8, "w8a8_matmul"), (weight_only, "weight_only_matmul")):
+        real = getattr(mod, name)
+
+        def spy(*a, _real=real, _name=name, **kw):
+            seen.append((_name, kw.get("w_layout", "kn")))
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(mod, name, spy)
+    return seen
+
+
+@pytest.mark.parametrize("pair", [W8A8, W8G32, FP8], ids=["w8a8", "int8-g32-asym", "fp8"])
+def test_decode_layout_gives_int8_kernels_k_major_to_the_kernels(pair, monkeypatch):
+    """Where the Pallas kernels run (interpret mode here, native kernels off), a decode loop's int8
+    kernels are transposed once and read K-major by the kernels: the same outputs, exactly."""
+    from llmeq_jax import decode_layout, native
+
+    params = {"up": {"kernel": _q(pair, (256, 96), 1)}, "down": {"kernel": _q(W4G128, (256, 64), 2)}}
+    x = jax.random.normal(jax.random.key(5), (3, 256)).astype(jnp.bfloat16)
+    with native.disabled(), config.interpret(True):
+        laid = decode_layout.for_decode(params, rows=3)
+        assert isinstance(laid["up"]["kernel"], decode_layout.RowMajorKernel)
+        assert laid["down"]["kernel"] is params["down"]["kernel"]  # packed int4: no K-major kernel
+        assert decode_layout.for_decode(params, rows=decode_layout.GPU_KMAJOR_MAX_ROWS + 1) is params
+        seen = _kmajor_calls(monkeypatch)
+        got = ops.linear(x, laid["up"]["kernel"])
+        assert [layout for _, layout in seen] == ["nk"]
+        want = ops.linear(x, params["up"]["kernel"], backend="pallas")
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_k_major_stack_is_read_a_layer_at_a_time_in_place():
+    from llmeq_jax import decode_layout
+    from llmeq_jax.layer_slice import LayerSlice
+
+    qs = [_q(W8A8, (128, 64), seed) for seed in range(3)]
+    stack = jax.tree.map(lambda *a: jnp.stack(a), *[decode_layout.transpose_kernel(q) for q in qs])
+    x = jax.random.normal(jax.random.key(6), (2, 128))
+    with config.interpret(True):
+        at = jax.jit(lambda x, s, i: ops.linear(x, LayerSlice(decode_layout.RowMajorKernel(s), i)))
+        for i, q in enumerate(qs):
+            np.testing.assert_array_equal(np.asarray(at(x, stack, jnp.int32(i))),
+                                          np.asarray(ops.linear(x, q, backend="pallas")))
+
+
+def test_kernels_refuse_k_major_int4_and_unknown_layouts():
+    from pallas_kernels import w8a8, weight_only
+
+    q = _q(W4G128, (256, 64))
+    with pytest.raises(ValueError, match="K-major int4 bytes"):
+        weight_only.weight_only_matmul(jnp.ones((1, 256)), q.qvalue.T, q.scale, bits=4, group=128, w_layout="nk",
+                                       interpret=True)
+    q8 = _q(W8A8, (64, 32))
+    with pytest.raises(ValueError, match="w_layout must be"):
+        w8a8.w8a8_matmul(jnp.ones((1, 64)), q8.qvalue, q8.scale, w_layout="kmajor", interpret=True)

@@ -32,7 +32,7 @@ SASS = """
 
 def test_summarize_reads_the_hottest_loop():
     s = kernel_sass.summarize(SASS)
-    assert s["loop"] == 9  # 0x40 .. 0xc0; the self-branch at 0xf0 is not a loop body
+    assert s["loop"] == 9 and not s["unrolled"]  # 0x40 .. 0xc0; the self-branch at 0xf0 is not a loop body
     assert s["tensor_core"] == {"HMMA.16816.F32.BF16": 1}
     assert (s["conversions"], s["shared_bytes"], s["spills"], s["shuffles"], s["float"]) == (1, 2, 1, 1, 1)
     assert dict(s["top"])["LDS.U8"] == 2  # the predicated one counts under its opcode
@@ -40,7 +40,8 @@ def test_summarize_reads_the_hottest_loop():
 
 def test_summarize_takes_a_loopless_kernel_whole():
     body = "\n".join(line for line in SASS.splitlines() if "BRA" not in line)
-    assert kernel_sass.summarize(body)["loop"] == 13
+    s = kernel_sass.summarize(body)
+    assert s["loop"] == 13 and s["unrolled"]
 
 
 def test_resources_parses_cuobjdump_usage():
