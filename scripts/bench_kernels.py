@@ -45,7 +45,7 @@ def bytes_moved(m, k, n, kind):
     """Minimum HBM traffic: activations in (bf16), weight (+ scales), output (bf16)."""
     act, out = 2 * m * k, 2 * m * n
     weight = {"bf16": 2 * k * n, "w8a8": k * n + 4 * n, "fp8": k * n + 4 * n, "w8": k * n + 4 * n,
-              "w4g128": k * n // 2 + 4 * n * -(-k // GROUP)}[kind]
+              "w4g128": k * n // 2 + 4 * n * -(-k // GROUP)}[kind.removesuffix("_nk")]
     return act + weight + out
 
 
@@ -117,7 +117,10 @@ def write_table(path, measured):
           f"{len(slower)}: " + ", ".join(f"{e['kernel']}/{e['bits']} {e['k']}x{e['n']} M={e['rows']}" for e in slower))
 
 
-KINDS = ("bf16", "w8a8", "fp8", "w8", "w4g128")
+KINDS = ("bf16", "w8a8", "fp8", "w8", "w4g128", "w8a8_nk", "fp8_nk", "w8_nk")
+# The int8 kinds with their weights stored K-major, (N, K): the layout decode steps of up to
+# decode_layout.GPU_KMAJOR_MAX_ROWS rows read (for_decode); timed at decode rows only, not in the table.
+KMAJOR_KINDS = ("w8a8_nk", "fp8_nk", "w8_nk")
 
 
 def torch_scaled_mm():
@@ -180,6 +183,9 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
         r = copies_for(q4.qvalue.nbytes)
         wb, w8, s8, wf, sf, w4, s4 = (_copies(a, r) for a in (w.astype(jnp.bfloat16), q8.qvalue, q8.scale, qf.qvalue,
                                                               qf.scale, q4.qvalue, q4.scale))
+        kmajor = set(kinds_wanted) & set(KMAJOR_KINDS)
+        w8t = _copies(q8.qvalue.T, r) if kmajor & {"w8a8_nk", "w8_nk"} else []
+        wft = _copies(qf.qvalue.T, r) if "fp8_nk" in kmajor else []
         del w
         kinds = {
             "bf16": (lambda x, w: x @ w, list(zip(wb))),
@@ -187,6 +193,9 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
             "fp8": (lambda x, w, s: w8a8_matmul(x, w, s, fp8=True), list(zip(wf, sf))),
             "w8": (lambda x, w, s: weight_only_matmul(x, w, s, bits=8), list(zip(w8, s8))),
             "w4g128": (lambda x, w, s: weight_only_matmul(x, w, s, bits=4, group=GROUP), list(zip(w4, s4))),
+            "w8a8_nk": (lambda x, w, s: w8a8_matmul(x, w, s, w_layout="nk"), list(zip(w8t, s8))),
+            "fp8_nk": (lambda x, w, s: w8a8_matmul(x, w, s, fp8=True, w_layout="nk"), list(zip(wft, sf))),
+            "w8_nk": (lambda x, w, s: weight_only_matmul(x, w, s, bits=8, w_layout="nk"), list(zip(w8t, s8))),
         }
         kinds = {kind: v for kind, v in kinds.items() if kind in kinds_wanted or kind == "bf16"}
         # XLA's path for the same QArrays (what ops.linear runs without a kernel), for the dispatch table
@@ -202,6 +211,8 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
             xs = _copies(jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16), r)
             base = None
             for kind, (fn, ws) in kinds.items():
+                if kind in KMAJOR_KINDS and m > DECODE_M[-1]:
+                    continue
                 t = timed(fn, [(x, *wargs) for x, wargs in zip(xs, ws)], reps=reps)
                 base = base or t
                 line = (f"{f'{k}x{n}':>12} {m:>5} {kind:>7} {t * 1e3:>8.4f} {2 * m * k * n / t / 1e12:>8.1f} "
@@ -226,7 +237,7 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
                     except Exception as e:  # a config Triton rejects (e.g. too much shared memory)
                         print(f"   sweep {kind} M={m} {cfg}: failed: {type(e).__name__}: {str(e)[:200]}")
             del xs
-        del wb, w8, s8, wf, sf, w4, s4, kinds
+        del wb, w8, s8, wf, sf, w4, s4, w8t, wft, kinds
         if table is not None and table_path:  # after every weight shape: a run cut short keeps what it measured
             write_table(table_path, table)
     if attention:

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Prepared runs for a lent GPU machine (issue #15): kernel correctness, FP8 and GEMV kernels, compile
 # seconds unrolled vs scanned, end-to-end decode/prefill on Llama-2-7B shapes (random weights, bf16
-# baseline, transformers bf16 static cache beside), kernel speed. All steps take ~12 min of limits:
+# baseline, transformers bf16 static cache beside), kernel speed. All steps take ~12.5 min of limits:
 # split them over two device calls of at most 10 minutes with STEPS, e.g.
-#     STEPS="gpu_tests fp8 gemv kernels" bash scripts/gpu_session.sh      # ~5.5 min
+#     STEPS="gpu_tests fp8 gemv kernels" bash scripts/gpu_session.sh      # ~6 min
 #     STEPS="layout layout_dsf e2e" bash scripts/gpu_session.sh           # ~6.7 min
 # Each step has its own time limit and writes under $OUT (default runs/gpu), so a slow step
 # cannot eat the others' time. The machine reaches no registry: carry `git archive HEAD` of this
@@ -34,8 +34,10 @@ cat "$out/device.txt"
 step gpu_tests 90 "$py" -m pytest -q -m gpu tests/pallas_kernels/test_gpu_kernels.py
 # FP8 W8A8 (E4M3, new since the H200 run): the Pallas kernel and XLA's FP8 dot against bf16, and PyTorch's
 # _scaled_mm beside them, on one weight shape (issue #15's target: >= 1.6x bf16).
-step fp8 75 "$py" scripts/bench_kernels.py --reps 10 --kinds bf16,fp8,w8a8 --weights 4096x11008 --no-attention \
-    --write-table "$out/dispatch_fp8.json"
+# Since the CPU's SASS check (scripts/kernel_sass.py): the FP8 kernel on FP8 wgmma (fp8_dot), and the int8
+# kinds K-major at decode rows (*_nk: the layout for_decode gives a decode loop on a GPU).
+step fp8 100 "$py" scripts/bench_kernels.py --reps 10 --kinds bf16,fp8,w8a8,w8,fp8_nk,w8a8_nk,w8_nk \
+    --weights 4096x11008 --no-attention --write-table "$out/dispatch_fp8.json"
 # bf16 decode of Llama-2-7B shapes ran at 90 tok/s scanned on an H200 (a third of the weights' bandwidth):
 # unrolled vs scanned on 4 layers says whether the scan's weight slicing costs it (docs/kernels.md).
 # Quantized kernels read their layer in place inside the scan since (llmeq_jax/layer_slice.py); bf16's XLA dot
