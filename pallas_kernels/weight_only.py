@@ -62,7 +62,14 @@ _MAGIC = {
     jnp.dtype(jnp.float16): (jnp.int16, 0x6400, 1024.0),  # 10 mantissa bits
     jnp.dtype(jnp.float32): (jnp.int32, 0x4B000000, 8388608.0),  # 23 mantissa bits
 }
-DEQUANT_MODES = ("convert", "magic", "fold")
+DEQUANT_MODES = ("convert", "magic", "fold", "scaled")
+# ``scaled`` (int4 with group scales, half-precision x): each weight tile is dequantized with its scale
+# and zero point, (code - zp) * s in float32 rounded once to x's dtype -- the weights XLA's path
+# multiplies -- so the dots accumulate across groups in the MMA, with no float32 epilogue per K step.
+# For prefill: compiled for sm_90 at M = 2048 its K loop issues 0.046 instructions per weight and row
+# of x (256-row tiles) against fold's 0.100 (128-row tiles; fold spills at 256), scripts/kernel_sass.py.
+# Not timed yet: off by default; scripts/tune_weight_only.py tries it.
+SCALED_WIDE_M = 1024
 
 
 def int4_offset(cdt) -> float:
@@ -108,6 +115,7 @@ def _kernel(*refs, m, n, k, bits, blocks, group, has_zp, has_bias, split_blocks,
     cdt = x_ref.dtype  # dot operand dtype: integer weights are exact in it
     prec = precision if jnp.dtype(cdt) == jnp.float32 else None
     fold = dequant == "fold" and bits == 4  # int8 values are converted: no offset to fold
+    scaled = dequant == "scaled" and bits == 4 and group is not None
     rows = span(pl.program_id(0) * bm, bm, m, in_bounds=m % bm == 0)
     cols = span(pl.program_id(1) * bn, bn, n, in_bounds=n % bn == 0)
     whole_k = k % bk == 0  # every K step (and scale group it reads) in bounds: unmasked loads
@@ -117,8 +125,9 @@ def _kernel(*refs, m, n, k, bits, blocks, group, has_zp, has_bias, split_blocks,
     def row_of(ref, g, lay=None):
         return load_tile(ref, span(g, 1, ref.shape[-2], in_bounds=whole_k), cols, 0, lay).astype(jnp.float32)
 
-    def group_part(k0, g):
-        """x[:, k0:k0+sub] @ (q - zp)[k0:k0+sub] for scale group g, float32 (M, N)."""
+    def group_part(k0, g, acc):
+        """x[:, k0:k0+sub] @ (q - zp)[k0:k0+sub] for scale group g, float32 (M, N) (``scaled``: the
+        weights carry the scale, and ``acc`` plus the product comes back)."""
         if bits == 8:
             ks = span(k0, sub, k, in_bounds=whole_k)
             xt = load_tile(x_ref, rows, ks, 0)
@@ -133,16 +142,24 @@ def _kernel(*refs, m, n, k, bits, blocks, group, has_zp, has_bias, split_blocks,
         else:
             half = sub // 2
             packed = load_tile(w_ref, span(k0 // 2, half, w_ref.shape[-2], in_bounds=whole_k), cols, 0, layer)
-            low, high = dequant_int4(packed, cdt, dequant)
+            if scaled:  # the weights themselves dequantized: (code - zp) * scale, one rounding to cdt
+                codes = dequant_int4(packed, jnp.float32, "magic")
+                zp = row_of(zp_ref, g, layer) if has_zp else 0.0
+                scale = row_of(ws_ref, g, layer)
+                low, high = (((c - zp) * scale).astype(cdt) for c in codes)
+            else:
+                low, high = dequant_int4(packed, cdt, dequant)
             if strided_x:  # even and odd K columns straight from memory: no shuffle in registers
                 x_even = load_tile(x_ref, rows, span(k0, half, k, stride=2), 0)
                 x_odd = load_tile(x_ref, rows, span(k0 + 1, half, k, stride=2), 0)
             else:
                 x_even, x_odd = split_pairs(load_tile(x_ref, rows, span(k0, sub, k, in_bounds=whole_k), 0))
+            if scaled:  # each dot straight into the accumulator (Triton folds acc + dot into the MMA)
+                return acc + dot(x_even, low, precision=prec) + dot(x_odd, high, precision=prec)
             part = dot(x_even, low, precision=prec) + dot(x_odd, high, precision=prec)
             x_parts = (x_even, x_odd)
         # zero points (and the folded offset) come off through the row sums of x: exact algebra
-        if has_zp or fold:
+        if (has_zp or fold) and not scaled:
             x_sum = sum(jnp.sum(a.astype(jnp.float32), axis=1, keepdims=True) for a in x_parts)
             shift = (row_of(zp_ref, g, layer) if has_zp else 0.0) + (int4_offset(cdt) if fold else 0.0)
             part = part - x_sum * shift
@@ -151,8 +168,11 @@ def _kernel(*refs, m, n, k, bits, blocks, group, has_zp, has_bias, split_blocks,
     def body(kb, acc):
         for j in range(steps):  # static: the groups of one K step
             g = kb * steps + j
-            part = group_part(g * sub, g if group is not None else 0)
-            acc = acc + (part * row_of(ws_ref, g, layer) if group is not None else part)
+            part = group_part(g * sub, g if group is not None else 0, acc)
+            if scaled:
+                acc = part
+            else:
+                acc = acc + (part * row_of(ws_ref, g, layer) if group is not None else part)
         return acc
 
     acc = jax.lax.fori_loop(first, last, body, jnp.zeros((bm, bn), jnp.float32))
@@ -243,15 +263,19 @@ def weight_only_matmul(
                                 interpret=config.resolve_interpret(interpret))
     m, k = x.shape
     n = logical.shape[-1]
+    dequant = dequant or default_dequant(x.dtype)
+    half = jnp.dtype(x.dtype) != jnp.float32
+    if dequant not in DEQUANT_MODES or (dequant == "fold" and not half) or (
+            dequant == "scaled" and not (half and bits == 4 and group is not None)):
+        raise ValueError(f"weight_only_matmul: dequant={dequant!r} is not one of {DEQUANT_MODES} "
+                         "('fold' needs bfloat16/float16 activations; 'scaled' those and int4 group scales)")
     # int4 splits the K tile in halves that feed dots: each half needs >= 16.
+    if blocks is None and dequant == "scaled" and m >= SCALED_WIDE_M:
+        blocks = Blocks(256, 128, group, 8, 3)  # no epilogue per K step: room for 256-row tiles (no spills)
     blocks = blocks or matmul_blocks(m, n, k, group, min_bk=32 if bits == 4 else 16)
     if group is not None and blocks.bk % group:
         raise ValueError(f"weight_only_matmul: with per-group scales the K block ({blocks.bk}) must be a multiple "
                          f"of the group ({group})")
-    dequant = dequant or default_dequant(x.dtype)
-    if dequant not in DEQUANT_MODES or (dequant == "fold" and jnp.dtype(x.dtype) == jnp.float32):
-        raise ValueError(f"weight_only_matmul: dequant={dequant!r} is not one of {DEQUANT_MODES} "
-                         "('fold' needs bfloat16/float16 activations)")
     interpret = config.resolve_interpret(interpret)
     args = [x, wq, w_scale.astype(jnp.float32)]
     if w_zero_point is not None:

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Prepared runs for a lent GPU machine (issue #15): kernel correctness, FP8 and GEMV kernels, compile
 # seconds unrolled vs scanned, end-to-end decode/prefill on Llama-2-7B shapes (random weights, bf16
-# baseline, transformers bf16 static cache beside), kernel speed. All steps take ~12.5 min of limits:
+# baseline, transformers bf16 static cache beside), kernel speed. All steps take ~14 min of limits:
 # split them over two device calls of at most 10 minutes with STEPS, e.g.
-#     STEPS="gpu_tests fp8 gemv kernels" bash scripts/gpu_session.sh      # ~6 min
+#     STEPS="gpu_tests fp8 gemv prefill kernels" bash scripts/gpu_session.sh   # ~7.5 min
 #     STEPS="layout layout_dsf e2e" bash scripts/gpu_session.sh           # ~6.7 min
 # Each step has its own time limit and writes under $OUT (default runs/gpu), so a slow step
 # cannot eat the others' time. The machine reaches no registry: carry `git archive HEAD` of this
@@ -18,7 +18,7 @@ layers=(${LAYERS:+--layers "$LAYERS"})
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 start=$SECONDS
-steps="${STEPS:-gpu_tests fp8 gemv layout layout_dsf e2e kernels}"  # STEPS: a subset, to split the run over calls
+steps="${STEPS:-gpu_tests fp8 gemv prefill layout layout_dsf e2e kernels}"  # STEPS: a subset, to split the run over calls
 step() {  # step NAME SECONDS CMD...: run CMD with a time limit, its output in $out/NAME.log
   local name=$1 limit=$2
   shift 2
@@ -46,6 +46,10 @@ step fp8 100 "$py" scripts/bench_kernels.py --reps 10 --kinds bf16,fp8,w8a8,w8,f
 # options at decode rows; with unmasked tile loads where blocks divide the shapes (also new).
 step gemv 80 "$py" scripts/tune_weight_only.py --shapes 4096x11008 --rows 1 4 --bits 4 8 --budget-s 60 \
     --out "$out/gemv.jsonl"
+# Weight-only prefill (0.27-0.29x bf16 in the kernel, 0.68-0.96x by XLA's path on the H200): dequant="scaled"
+# (new: scales folded into the weight tile, 256-row tiles; half the instructions per FLOP in SASS).
+step prefill 80 "$py" scripts/tune_weight_only.py --shapes 4096x11008 --rows 2048 --bits 4 --budget-s 60 \
+    --out "$out/prefill.jsonl"
 step layout 110 "$py" scripts/bench_e2e.py --shapes "$shapes" --layers 4 --dtype bfloat16 --recipes rtn-w4-g128 \
     --batches 1 --prefill-len 512 --new-tokens 32 --repeats 2 --scan-layers --no-torch --out "$out/layout.json"
 XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_dynamic_slice_fusion=true" step layout_dsf 60 "$py" scripts/bench_e2e.py \

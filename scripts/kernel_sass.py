@@ -56,10 +56,10 @@ class Case:
     weights_per_step: Callable[[TritonKernel, bool], int] | None = None
 
 
-def _weight_only(m: int, bits: int, gemv: bool = False, w_layout: str = "kn") -> Case:
-    from pallas_kernels.blocks import matmul_blocks
+def _weight_only(m: int, bits: int, gemv: bool = False, w_layout: str = "kn", dequant: str | None = None) -> Case:
+    from pallas_kernels.blocks import Blocks, matmul_blocks
     from pallas_kernels.gemv import gemv_blocks
-    from pallas_kernels.weight_only import weight_only_matmul
+    from pallas_kernels.weight_only import SCALED_WIDE_M, weight_only_matmul
 
     def build():
         rows, dtype = (K // 2, jnp.uint8) if bits == 4 else (K, jnp.int8)
@@ -67,10 +67,12 @@ def _weight_only(m: int, bits: int, gemv: bool = False, w_layout: str = "kn") ->
         args = (SDS((m, K), jnp.bfloat16), SDS(stored, dtype), SDS((K // GROUP, N), jnp.bfloat16),
                 SDS((K // GROUP, N), jnp.int8))
         return (lambda x, w, s, z: weight_only_matmul(x, w, s, bits=bits, w_zero_point=z, group=GROUP, gemv=gemv,
-                                                      w_layout=w_layout)), args
+                                                      w_layout=w_layout, dequant=dequant)), args
 
     def per_step(kernel, unrolled):
         b = gemv_blocks(K, N, GROUP) if gemv else matmul_blocks(m, N, K, GROUP, min_bk=32 if bits == 4 else 16)
+        if dequant == "scaled" and m >= SCALED_WIDE_M:
+            b = Blocks(256, 128, GROUP)  # weight_only_matmul's own prefill blocks for it
         return b.bn * (K // kernel.grid[-1] if unrolled else b.bk)  # the last grid axis splits K
 
     return Case(build, per_step)
@@ -111,6 +113,7 @@ CASES: dict[str, Case] = {
     "wo_int4_m1": _weight_only(1, 4),
     "wo_int4_m16": _weight_only(16, 4),
     "wo_int4_m2048": _weight_only(2048, 4),
+    "wo_int4_m2048_scaled": _weight_only(2048, 4, dequant="scaled"),
     "wo_int8_m1": _weight_only(1, 8),
     "wo_int8_m1_kmajor": _weight_only(1, 8, w_layout="nk"),
     "gemv_int4_m1": _weight_only(1, 4, gemv=True),

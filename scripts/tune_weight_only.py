@@ -2,7 +2,8 @@
 
 For each weight shape and row count, in stages so the run fits a short lease:
   A. int4: the ways codes become floats (``dequant`` convert / magic / fold) crossed with
-     ``strided_x``, at the default blocks; at M <= 4 (int4 and int8) also the multiply-and-sum
+     ``strided_x``, at the default blocks, and ``scaled`` (weights dequantized with their scales; its
+     own 256-row blocks from M >= 1024); at M <= 4 (int4 and int8) also the multiply-and-sum
      GEMV formulation (``gemv=True``, pallas_kernels/gemv.py);
   B. blocks (bn, bk, warps, stages) with the best of A (int4) or the default (int8);
   C. K splits at half and twice the automatic count, with the best of B.
@@ -174,6 +175,8 @@ def run(args):
                 if bits == 4:
                     for dequant, strided in DEQUANT_OPTIONS:
                         trial("A", dequant=dequant, strided_x=strided)
+                    if group is not None:  # the weights dequantized with their scales (its own prefill blocks)
+                        trial("A", dequant="scaled")
                 if m <= GEMV_MAX_ROWS:
                     if bits == 8:
                         trial("A")  # the dot kernel at its defaults, to compare with

@@ -80,6 +80,40 @@ def test_bit_pattern_dequant_matches_convert(dequant, dtype, symmetric):
         np.testing.assert_allclose(y, ref, rtol=1e-2, atol=1e-2 * float(np.max(np.abs(ref))))
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_scaled_dequant_multiplies_the_weights_xla_multiplies(dtype, symmetric):
+    """dequant='scaled': each tile dequantized with its scale and zero point, rounded once to x's dtype --
+    XLA's path's weights -- and accumulated across groups (K steps of one and of two groups, and the
+    256-row prefill blocks)."""
+    k, n, group = 256, 48, 32
+    q = _qweight(k, n, 4, group, symmetric)
+    for m, blocks in ((5, None), (5, Blocks(16, 16, 2 * group)), (300, None)):
+        x = jax.random.normal(jax.random.key(6), (m, k)).astype(dtype)
+        want = np.asarray(ops.weight_only_xla(x, q), np.float32)
+        y = weight_only_matmul(x, q.qvalue, q.scale, bits=4, w_zero_point=q.zero_point, group=group, dequant="scaled",
+                               blocks=blocks, interpret=True)
+        assert y.dtype == dtype
+        np.testing.assert_allclose(np.asarray(y, np.float32), want, rtol=8e-3, atol=8e-3 * float(np.max(np.abs(want))))
+
+
+def test_scaled_dequant_is_refused_where_it_does_not_apply():
+    q4, q8 = _qweight(64, 32, 4, 32, False), _qweight(64, 32, 8, 32, False)
+    for x, q, bits, group in ((jnp.ones((2, 64)), q4, 4, 32), (jnp.ones((2, 64), jnp.bfloat16), q8, 8, 32)):
+        with pytest.raises(ValueError, match="'scaled' those and int4 group scales"):
+            weight_only_matmul(x, q.qvalue, q.scale, bits=bits, w_zero_point=q.zero_point, group=group,
+                               dequant="scaled", interpret=True)
+
+
+def test_scaled_prefill_blocks_lower_for_cuda(cuda_lowering):
+    sds = jax.ShapeDtypeStruct
+    args = [sds((2048, 4096), jnp.bfloat16), sds((2048, 11008), jnp.uint8), sds((32, 11008), jnp.float32),
+            sds((32, 11008), jnp.int8)]
+    text = cuda_lowering(lambda x, w, s, z: weight_only_matmul(x, w, s, bits=4, w_zero_point=z, group=128,
+                                                               dequant="scaled"), *args)
+    assert "weight_only_int4_matmul" in text
+
+
 def test_dequant_int4_values_are_exact():
     codes = jnp.arange(256, dtype=jnp.int32).astype(jnp.uint8).reshape(16, 16)
     want_low, want_high = (np.asarray(a) for a in dequant_int4(codes, jnp.float32, "convert"))
