@@ -62,7 +62,7 @@ _MAGIC = {
     jnp.dtype(jnp.float16): (jnp.int16, 0x6400, 1024.0),  # 10 mantissa bits
     jnp.dtype(jnp.float32): (jnp.int32, 0x4B000000, 8388608.0),  # 23 mantissa bits
 }
-DEQUANT_MODES = ("convert", "magic", "fold", "scaled")
+DEQUANT_MODES = ("convert", "magic", "fold", "scaled", "asm")
 # ``scaled`` (int4 with group scales, half-precision x): each weight tile is dequantized with its scale
 # and zero point, (code - zp) * s in float32 rounded once to x's dtype -- the weights XLA's path
 # multiplies -- so the dots accumulate across groups in the MMA, with no float32 epilogue per K step.
@@ -99,8 +99,35 @@ def dequant_int4(packed, cdt, mode: str):
     return low - off, high - off
 
 
+# ``asm``: ``fold``'s values from inline PTX, four bytes (four columns) per 32-bit register: the
+# nibbles moved to offset binary with one xor, two bytes spread to the halves of a word by prmt, and
+# one lop3 per two values OR-ing them into bf16/f16 MAGIC patterns -- Marlin's dequantization, which
+# Pallas's jnp ops cannot spell (they work one value at a time). The values equal ``fold``'s, which
+# interpret mode runs instead (no PTX there).
+_ASM_MAGIC = {jnp.dtype(jnp.bfloat16): "0x43004300", jnp.dtype(jnp.float16): "0x64006400"}
+
+
+def _asm_nibbles(high: bool, magic: str) -> str:
+    """PTX: 4 packed bytes ($2) -> their low (or high) nibbles as 4 MAGIC + code halves ($0, $1)."""
+    shift = "shr.b32 t0, t0, 4;\nshr.b32 t1, t1, 4;\n" if high else ""
+    return ("{\n.reg .b32 w, t0, t1;\nxor.b32 w, $2, 0x88888888;\n"
+            "prmt.b32 t0, w, 0, 0x4140;\nprmt.b32 t1, w, 0, 0x4342;\n" + shift +
+            f"lop3.b32 $0, t0, 0x000F000F, {magic}, 0xEA;\nlop3.b32 $1, t1, 0x000F000F, {magic}, 0xEA;\n}}")
+
+
+def dequant_int4_asm(packed, cdt, interpret: bool):
+    """(r, n) packed bytes -> (low, high) as ``cdt`` (bfloat16/float16), each value + ``int4_offset(cdt)``:
+    ``dequant_int4(..., "fold")``'s values, by inline PTX on a GPU."""
+    if interpret:
+        return dequant_int4(packed, cdt, "fold")
+    magic = _ASM_MAGIC[jnp.dtype(cdt)]
+    out = jax.ShapeDtypeStruct(packed.shape, cdt)
+    return tuple(plgpu.elementwise_inline_asm(_asm_nibbles(high, magic), args=[packed], constraints="=r,=r,r", pack=4,
+                                              result_shape_dtypes=[out])[0] for high in (False, True))
+
+
 def _kernel(*refs, m, n, k, bits, blocks, group, has_zp, has_bias, split_blocks, split, precision, dequant,
-            strided_x, stacked, kmajor):
+            strided_x, stacked, kmajor, interpreted):
     rest = list(refs)
     layer = rest.pop(0)[0] if stacked else None  # weights, scales, zero points: one layer of a stack
     x_ref, w_ref, ws_ref = rest[:3]
@@ -114,7 +141,7 @@ def _kernel(*refs, m, n, k, bits, blocks, group, has_zp, has_bias, split_blocks,
     steps = bk // sub
     cdt = x_ref.dtype  # dot operand dtype: integer weights are exact in it
     prec = precision if jnp.dtype(cdt) == jnp.float32 else None
-    fold = dequant == "fold" and bits == 4  # int8 values are converted: no offset to fold
+    fold = dequant in ("fold", "asm") and bits == 4  # int8 values are converted: no offset to fold
     scaled = dequant == "scaled" and bits == 4 and group is not None
     rows = span(pl.program_id(0) * bm, bm, m, in_bounds=m % bm == 0)
     cols = span(pl.program_id(1) * bn, bn, n, in_bounds=n % bn == 0)
@@ -147,6 +174,8 @@ def _kernel(*refs, m, n, k, bits, blocks, group, has_zp, has_bias, split_blocks,
                 zp = row_of(zp_ref, g, layer) if has_zp else 0.0
                 scale = row_of(ws_ref, g, layer)
                 low, high = (((c - zp) * scale).astype(cdt) for c in codes)
+            elif dequant == "asm":
+                low, high = dequant_int4_asm(packed, cdt, interpreted)
             else:
                 low, high = dequant_int4(packed, cdt, dequant)
             if strided_x:  # even and odd K columns straight from memory: no shuffle in registers
@@ -265,10 +294,10 @@ def weight_only_matmul(
     n = logical.shape[-1]
     dequant = dequant or default_dequant(x.dtype)
     half = jnp.dtype(x.dtype) != jnp.float32
-    if dequant not in DEQUANT_MODES or (dequant == "fold" and not half) or (
+    if dequant not in DEQUANT_MODES or (dequant in ("fold", "asm") and not half) or (
             dequant == "scaled" and not (half and bits == 4 and group is not None)):
         raise ValueError(f"weight_only_matmul: dequant={dequant!r} is not one of {DEQUANT_MODES} "
-                         "('fold' needs bfloat16/float16 activations; 'scaled' those and int4 group scales)")
+                         "('fold' and 'asm' need bfloat16/float16 activations; 'scaled' those and int4 group scales)")
     # int4 splits the K tile in halves that feed dots: each half needs >= 16.
     if blocks is None and dequant == "scaled" and m >= SCALED_WIDE_M:
         blocks = Blocks(256, 128, group, 8, 3)  # no epilogue per K step: room for 256-row tiles (no spills)
@@ -283,7 +312,7 @@ def weight_only_matmul(
     return launch_matmul(_kernel, args, m=m, n=n, k=k, blocks=blocks, bias=bias, k_splits=k_splits, out_dtype=x.dtype,
                          interpret=interpret, name=f"weight_only_int{bits}_matmul", bits=bits, group=group,
                          has_zp=w_zero_point is not None, precision=f32_dot_precision(interpret), dequant=dequant,
-                         strided_x=bool(strided_x) and not interpret, layer=layer, kmajor=kmajor)
+                         strided_x=bool(strided_x) and not interpret, layer=layer, kmajor=kmajor, interpreted=interpret)
 
 
 def default_dequant(x_dtype) -> str:

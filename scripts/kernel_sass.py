@@ -112,6 +112,7 @@ def _kv_attention(bits: int, t: int = 32768) -> Case:
 CASES: dict[str, Case] = {
     "wo_int4_m1": _weight_only(1, 4),
     "wo_int4_m16": _weight_only(16, 4),
+    "wo_int4_m16_asm": _weight_only(16, 4, dequant="asm"),
     "wo_int4_m2048": _weight_only(2048, 4),
     "wo_int4_m2048_scaled": _weight_only(2048, 4, dequant="scaled"),
     "wo_int8_m1": _weight_only(1, 8),

@@ -2,7 +2,7 @@
 
 For each weight shape and row count, in stages so the run fits a short lease:
   A. int4: the ways codes become floats (``dequant`` convert / magic / fold) crossed with
-     ``strided_x``, at the default blocks, and ``scaled`` (weights dequantized with their scales; its
+     ``strided_x``, ``asm`` (fold's values by inline PTX), at the default blocks, and ``scaled`` (weights dequantized with their scales; its
      own 256-row blocks from M >= 1024); at M <= 4 (int4 and int8) also the multiply-and-sum
      GEMV formulation (``gemv=True``, pallas_kernels/gemv.py);
   B. blocks (bn, bk, warps, stages) with the best of A (int4) or the default (int8);
@@ -33,7 +33,7 @@ from bench_kernels import _copies, copies_for, timed  # noqa: E402
 from pallas_kernels.gemv import GEMV_MAX_ROWS  # noqa: E402
 
 GROUP = 128
-DEQUANT_OPTIONS = [(d, s) for d in ("convert", "magic", "fold") for s in (False, True)]
+DEQUANT_OPTIONS = [(d, s) for d in ("convert", "magic", "fold") for s in (False, True)] + [("asm", False)]
 DECODE_BLOCKS = [(64, 128, 4, 3), (128, 128, 4, 4), (128, 256, 4, 3), (128, 256, 4, 4), (256, 128, 4, 3),
                  (256, 256, 8, 3), (64, 256, 4, 4), (128, 512, 4, 3), (32, 256, 4, 4)]  # (bn, bk, warps, stages)
 PREFILL_BLOCKS = [(128, 128, 8, 3), (128, 256, 8, 3), (256, 128, 8, 3), (128, 128, 4, 4)]  # with bm 128 (64 for 256)

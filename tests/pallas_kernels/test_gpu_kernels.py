@@ -188,6 +188,9 @@ for _shape in WO_GEMV:
 WO_DEQUANT = [  # (M, K, N, group, symmetric, dtype, dequant, strided x, blocks): int4's decode options
     (1, 4096, 11008, 128, False, BF16, "magic", False, None),
     (1, 4096, 11008, 128, False, BF16, "fold", True, None),
+    (1, 4096, 11008, 128, False, BF16, "asm", False, None),  # inline PTX (emulated on CPU only)
+    (16, 11008, 4096, 128, True, F16, "asm", False, (16, 256, 128, 4, 3)),
+    (2048, 4096, 11008, 128, False, BF16, "scaled", False, None),  # 256-row prefill tiles
     (16, 11008, 4096, 128, True, BF16, "fold", False, (16, 128, 256, 4, 4)),
     (3, 300, 90, 32, False, F16, "fold", True, (16, 64, 64, 4, 3)),  # ragged
     (512, 4096, 4096, 128, False, BF16, "magic", True, None),

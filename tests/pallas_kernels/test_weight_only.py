@@ -62,7 +62,7 @@ def test_k_splits_match_one_pass(bits, group):
         np.testing.assert_allclose(y, r, rtol=1e-6, atol=1e-6 * float(jnp.max(jnp.abs(r))))
 
 
-@pytest.mark.parametrize("dequant", ["magic", "fold"])
+@pytest.mark.parametrize("dequant", ["magic", "fold", "asm"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_bit_pattern_dequant_matches_convert(dequant, dtype, symmetric):
@@ -112,6 +112,66 @@ def test_scaled_prefill_blocks_lower_for_cuda(cuda_lowering):
     text = cuda_lowering(lambda x, w, s, z: weight_only_matmul(x, w, s, bits=4, w_zero_point=z, group=128,
                                                                dequant="scaled"), *args)
     assert "weight_only_int4_matmul" in text
+
+
+def _run_ptx(asm: str, word: int) -> list[int]:
+    """Emulate the straight-line PTX of ``_asm_nibbles`` on one 32-bit input ($2): -> [$0, $1]."""
+    regs = {"$2": word}
+
+    def val(tok):
+        tok = tok.strip()
+        return regs[tok] if tok in regs else int(tok, 0)
+
+    for line in asm.strip("{}\n").splitlines():
+        if not line.strip() or line.startswith(".reg"):
+            continue
+        op, args = line.rstrip(";").split(None, 1)
+        d, *src = [a.strip() for a in args.split(",")]
+        if op == "xor.b32":
+            out = val(src[0]) ^ val(src[1])
+        elif op == "shr.b32":
+            out = val(src[0]) >> val(src[1])
+        elif op == "prmt.b32":  # byte i of d = byte sel[i] of {b, a} (0-3: a, 4-7: b)
+            pool = val(src[0]).to_bytes(4, "little") + val(src[1]).to_bytes(4, "little")
+            sel = val(src[2])
+            out = int.from_bytes(bytes(pool[(sel >> (4 * i)) & 7] for i in range(4)), "little")
+        elif op == "lop3.b32":  # bitwise function of (a, b, c) given by its truth table
+            a, b, c, lut = (val(x) for x in src)
+            out = sum(((lut >> (((a >> i) & 1) << 2 | ((b >> i) & 1) << 1 | ((c >> i) & 1))) & 1) << i
+                      for i in range(32))
+        else:
+            raise AssertionError(f"unexpected PTX {op}")
+        regs[d] = out & 0xFFFFFFFF
+    return [regs["$0"], regs["$1"]]
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_asm_dequant_ptx_gives_fold_values_for_every_byte(dtype):
+    """The inline PTX of dequant='asm' (which runs only on a GPU), emulated instruction by instruction:
+    every byte value in every position of a word gives fold's bit patterns, low and high nibbles."""
+    from pallas_kernels.weight_only import _ASM_MAGIC, _asm_nibbles
+
+    codes = np.arange(256, dtype=np.uint8)
+    low, high = (np.asarray(a).view(np.uint16) for a in dequant_int4(jnp.asarray(codes)[None, :], dtype, "fold"))
+    for shift in range(4):  # each byte value at each of the 4 positions (columns) of a packed word
+        words = np.roll(codes.reshape(64, 4), shift, axis=1)
+        for row in words:
+            word = int.from_bytes(row.tobytes(), "little")
+            for high_half, want in ((False, low[0]), (True, high[0])):
+                r0, r1 = _run_ptx(_asm_nibbles(high_half, _ASM_MAGIC[jnp.dtype(dtype)]), word)
+                halves = [r0 & 0xFFFF, r0 >> 16, r1 & 0xFFFF, r1 >> 16]  # elements 0..3, little-endian packing
+                assert halves == [int(want[b]) for b in row], (shift, row, high_half)
+
+
+def test_asm_dequant_lowers_to_inline_ptx(cuda_lowering):
+    from pallas_kernels.ttir import triton_modules
+
+    sds = jax.ShapeDtypeStruct
+    args = [sds((1, 4096), jnp.bfloat16), sds((2048, 11008), jnp.uint8), sds((32, 11008), jnp.float32)]
+    f = lambda x, w, s: weight_only_matmul(x, w, s, bits=4, group=128, dequant="asm")  # noqa: E731
+    (kernel,) = triton_modules(f, *args)
+    assert kernel.ttir.count("tt.elementwise_inline_asm") == 2 and "lop3.b32" in kernel.ttir
+    cuda_lowering(f, *args)
 
 
 def test_dequant_int4_values_are_exact():
