@@ -218,7 +218,7 @@ def test_bad_input_is_rejected_clearly():
     x = jnp.ones((2, 64))
     with pytest.raises(ValueError, match="must be uint8 with 32 rows"):
         weight_only_matmul(x, jnp.zeros((64, 8), jnp.int8), jnp.ones((1, 8)), bits=4, interpret=True)
-    with pytest.raises(ValueError, match="'fold' needs bfloat16"):
+    with pytest.raises(ValueError, match="'fold' and 'asm' need bfloat16"):
         weight_only_matmul(x, jnp.zeros((32, 8), jnp.uint8), jnp.ones((1, 8)), bits=4, dequant="fold", interpret=True)
     with pytest.raises(ValueError, match="multiple of the group"):
         weight_only_matmul(x, jnp.zeros((32, 8), jnp.uint8), jnp.ones((2, 8)), bits=4, group=32,
