@@ -1,6 +1,6 @@
 """FP8 dots that run on Hopper's FP8 tensor cores (wgmma) from Pallas on Triton.
 
-Pallas (jax 0.10/0.11) lowers ``dot_general`` to a Triton dot without ``maxNumImpreciseAcc``.
+Pallas (jax 0.10.2) lowers ``dot_general`` to a Triton dot without ``maxNumImpreciseAcc``.
 For E4M3 x E4M3 -> float32 Triton then refuses Hopper's FP8 wgmma (which accumulates in the
 tensor core's reduced precision) and falls back to converting both operands to float16 for
 mma.sync, one conversion per operand element -- found by compiling the W8A8 kernel to SASS on a
