@@ -80,6 +80,16 @@ def interleave_pairs(even: jax.Array, odd: jax.Array) -> jax.Array:
     return jnp.stack([even, odd], axis=-1).reshape(*lead, 2 * n)
 
 
+def logical_weight(name: str, wq, w_layout: str):
+    """The ``(K, N)`` (or [L, K, N]) shape of a matmul kernel's weight stored as ``w_layout``: "kn" as
+    given, "nk" (K-major, a copy made once) with its last two dims swapped; an unknown layout refused."""
+    if w_layout not in ("kn", "nk"):
+        raise ValueError(f"{name}: w_layout must be 'kn' (K, N) or 'nk' (N, K), got {w_layout!r}")
+    if w_layout == "kn":
+        return wq
+    return jax.ShapeDtypeStruct((*wq.shape[:-2], wq.shape[-1], wq.shape[-2]), wq.dtype)
+
+
 def one_layer(name: str, wq, w_scale, w_zero_point, layer):
     """Check the ``layer=`` form of a matmul kernel -- ``wq``, ``w_scale`` (and the zero point) stacks
     [L, ...] of one length, ``layer`` an integer scalar -- and return one layer's (wq, w_scale,

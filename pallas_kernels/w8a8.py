@@ -53,6 +53,7 @@ from pallas_kernels.common import (
     is_pow2,
     launch_matmul,
     load_tile,
+    logical_weight,
     one_layer,
     span,
     store_tile,
@@ -211,10 +212,8 @@ def w8a8_matmul(
     With ``layer`` (an int32 scalar), ``wq``, ``w_scale`` and the zero point are stacks [L, ...]
     and the kernel reads that layer in place (the per-call transpose slices it: it copies anyway).
     """
-    if w_layout not in ("kn", "nk"):
-        raise ValueError(f"w8a8_matmul: w_layout must be 'kn' (K, N) or 'nk' (N, K), got {w_layout!r}")
+    logical = logical_weight("w8a8_matmul", wq, w_layout)
     given_kmajor = w_layout == "nk"
-    logical = jax.ShapeDtypeStruct((*wq.shape[:-2], wq.shape[-1], wq.shape[-2]), wq.dtype) if given_kmajor else wq
     _check(x, logical, w_scale, w_zero_point, group, layer, fp8)
     m, k = x.shape
     n = logical.shape[-1]

@@ -41,6 +41,7 @@ from pallas_kernels.common import (
     is_pow2,
     launch_matmul,
     load_tile,
+    logical_weight,
     low_nibble,
     one_layer,
     span,
@@ -142,7 +143,7 @@ def _kernel(*refs, m, n, k, bits, blocks, group, has_zp, has_bias, split_blocks,
     cdt = x_ref.dtype  # dot operand dtype: integer weights are exact in it
     prec = precision if jnp.dtype(cdt) == jnp.float32 else None
     fold = dequant in ("fold", "asm") and bits == 4  # int8 values are converted: no offset to fold
-    scaled = dequant == "scaled" and bits == 4 and group is not None
+    scaled = dequant == "scaled"  # int4 with group scales (the wrapper refuses it otherwise)
     rows = span(pl.program_id(0) * bm, bm, m, in_bounds=m % bm == 0)
     cols = span(pl.program_id(1) * bn, bn, n, in_bounds=n % bn == 0)
     whole_k = k % bk == 0  # every K step (and scale group it reads) in bounds: unmasked loads
@@ -275,14 +276,14 @@ def weight_only_matmul(
     ``layer`` of them in place: inside a scan over stacked blocks no layer's weights are copied out.
     ``w_layout="nk"`` (int8 only): ``wq`` is stored K-major, ``(N, K)``, a copy made once (e.g. by
     ``llmeq_jax.decode_layout.for_decode``); each thread then loads consecutive K values for its MMA
-    operands instead of gathering N-major bytes one at a time (SASS: 3.6-4.0 instructions per weight
-    instead of 7.1 at decode, ``scripts/kernel_sass.py``).
+    operands instead of gathering N-major bytes one at a time (SASS at M = 1: 4.5 instructions per
+    weight instead of 7.1, ``scripts/kernel_sass.py``).
     """
-    if w_layout not in ("kn", "nk") or (w_layout == "nk" and (bits != 8 or gemv)):
+    logical = logical_weight("weight_only_matmul", wq, w_layout)
+    kmajor = w_layout == "nk"
+    if kmajor and (bits != 8 or gemv):
         raise ValueError(f"weight_only_matmul: w_layout={w_layout!r} is not one of 'kn' (K, N) or 'nk' (N, K, int8 "
                          "weights and the dot kernel only: K-major int4 bytes would be gathered one at a time)")
-    kmajor = w_layout == "nk"
-    logical = jax.ShapeDtypeStruct((*wq.shape[:-2], wq.shape[-1], wq.shape[-2]), wq.dtype) if kmajor else wq
     _check(x, logical, w_scale, w_zero_point, bits, group, layer)
     if gemv:
         from pallas_kernels.gemv import weight_only_gemv
@@ -298,9 +299,9 @@ def weight_only_matmul(
             dequant == "scaled" and not (half and bits == 4 and group is not None)):
         raise ValueError(f"weight_only_matmul: dequant={dequant!r} is not one of {DEQUANT_MODES} "
                          "('fold' and 'asm' need bfloat16/float16 activations; 'scaled' those and int4 group scales)")
-    # int4 splits the K tile in halves that feed dots: each half needs >= 16.
     if blocks is None and dequant == "scaled" and m >= SCALED_WIDE_M:
         blocks = Blocks(256, 128, group, 8, 3)  # no epilogue per K step: room for 256-row tiles (no spills)
+    # int4 splits the K tile in halves that feed dots: each half needs >= 16.
     blocks = blocks or matmul_blocks(m, n, k, group, min_bk=32 if bits == 4 else 16)
     if group is not None and blocks.bk % group:
         raise ValueError(f"weight_only_matmul: with per-group scales the K block ({blocks.bk}) must be a multiple "
