@@ -32,6 +32,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from llmeq_jax import dispatch_table
 from llmeq_jax.core.qarray import QArray, is_packed, pack
 
 
@@ -47,6 +48,48 @@ class RowMajorKernel:
         """The kernel's logical ``(in, out)`` shape (what ``ops.linear`` checks)."""
         n, k = self.w.shape
         return k, n
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Int4WordKernel:
+    """An ``(in, out)`` int4 kernel whose codes are stored as 32-bit words of eight ``in`` values
+    (:func:`pallas_kernels.int4_words.pack_words`, ``(in'/8, out)`` int32) for the GPU decode kernel
+    that reads them: ``w.qvalue`` holds the words; scales, zero points, shape and tile are the
+    original QArray's (a stack [L, ...] too)."""
+
+    w: QArray
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The kernel's logical ``(in, out)`` shape (what ``ops.linear`` checks)."""
+        return self.w.shape
+
+    @property
+    def group(self) -> int | None:
+        """The scales' group size along ``in`` (None: one scale per output column)."""
+        return scale_group(self.w)
+
+    def packed(self) -> QArray:
+        """The same kernel with its codes two per byte along ``in`` again (for XLA's path)."""
+        from pallas_kernels.int4_words import unpack_words
+
+        return dataclasses.replace(self.w, qvalue=pack(unpack_words(self.w.qvalue, self.w.shape[0]), 4, axis=-2))
+
+
+def scale_group(w: QArray) -> int | None:
+    """The group size along ``in`` of an ``(in, out)`` kernel's scales, None when one scale covers
+    the whole input dim (per output column or per tensor)."""
+    return None if w.scale.shape[-2] == 1 else w.tile[0]
+
+
+def int4_word_kernel(w: QArray) -> Int4WordKernel:
+    """The :class:`Int4WordKernel` of a 2-D int4 ``(in, out)`` QArray packed along ``in``."""
+    from pallas_kernels.int4_words import pack_words
+
+    if len(w.shape) != 2 or w.bits != 4 or w.pack_axis != 0 or w.grid != "uniform":
+        raise ValueError(f"int4_word_kernel expects a 2-D uniform int4 kernel packed along its input dim, got {w!r}")
+    return Int4WordKernel(dataclasses.replace(w, qvalue=pack_words(w.values(), scale_group(w))))
 
 
 @jax.tree_util.register_dataclass
@@ -177,11 +220,11 @@ FUSED_LINEARS = {
 }
 
 
-def _row_major_part(module) -> RowMajorKernel | None:
+def _decode_part(module) -> RowMajorKernel | Int4WordKernel | None:
     if not isinstance(module, dict) or set(module) - {"kernel", "bias"}:
         return None
     kernel = module.get("kernel")
-    return kernel if isinstance(kernel, RowMajorKernel) else None
+    return kernel if isinstance(kernel, (RowMajorKernel, Int4WordKernel)) else None
 
 
 def _stackable(ws: list[QArray], axis: int = 0) -> bool:
@@ -223,13 +266,17 @@ def stack_rows(ws: list[QArray]) -> QArray:
 def _fuse_siblings(tree: dict) -> dict:
     out = dict(tree)
     for fused, names in FUSED_LINEARS.items():
-        parts = [_row_major_part(tree.get(n)) for n in names]
-        if any(p is None for p in parts) or not _stackable([p.w for p in parts]):
+        parts = [_decode_part(tree.get(n)) for n in names]
+        if any(p is None for p in parts) or len({type(p) for p in parts}) != 1:
+            continue
+        # row-major kernels stack their (out, in) rows; word kernels their (in'/8, out) columns
+        axis = 0 if isinstance(parts[0], RowMajorKernel) else 1
+        if not _stackable([p.w for p in parts], axis):
             continue
         biases = [tree[n].get("bias") for n in names]
         if any(b is None for b in biases) and not all(b is None for b in biases):
             continue
-        out[fused] = {"kernel": RowMajorKernel(stack_rows([p.w for p in parts]))}
+        out[fused] = {"kernel": type(parts[0])(stack_quantized([p.w for p in parts], axis))}
         if biases[0] is not None:
             out[fused]["bias"] = jnp.concatenate(biases)
         for n in names:
@@ -238,7 +285,8 @@ def _fuse_siblings(tree: dict) -> dict:
 
 
 def fuse_linears(params):
-    """``params`` with each compatible group of :data:`FUSED_LINEARS` row-major kernels stacked into one."""
+    """``params`` with each compatible group of :data:`FUSED_LINEARS` row-major (or int4 word) kernels
+    stacked into one."""
     if not isinstance(params, dict):
         return params
     return _fuse_siblings({k: fuse_linears(v) for k, v in params.items()})
@@ -249,8 +297,9 @@ GPU_KMAJOR_MAX_ROWS = 16
 
 
 def _target(rows: int) -> str | None:
-    """Which row-major kernels a decode loop of ``rows`` rows per step would use: "native" (CPU),
-    "pallas" (the Pallas kernels' K-major int8 path: a GPU, or interpret mode with native off), or None."""
+    """Which decode kernels a decode loop of ``rows`` rows per step would use: "native" (CPU row-major),
+    "pallas" (the Pallas kernels' K-major int8 and int4-word paths: a GPU, or interpret mode with native
+    off), or None."""
     from llmeq_jax import native, ops
     from pallas_kernels import config
 
@@ -269,20 +318,23 @@ def _candidate(target: str, leaf: QArray, rows: int) -> bool:
         return leaf.grid == "uniform" and not (is_packed(leaf.bits) and leaf.pack_axis != 0)
     # Pallas: int8-stored codes (W8A8 int8/fp8, int8 weight-only) that a kernel would take. Their
     # N-major bytes are gathered one at a time into MMA operands (scripts/kernel_sass.py: W8A8 at
-    # M = 16 issues 4.3x the instructions of the K-major loop); packed int4 gains nothing K-major.
-    if is_packed(leaf.bits):
-        return False
+    # M = 16 issues 4.3x the instructions of the K-major loop). Packed int4 weight-only kernels go
+    # to the word layout (2.4 instructions per weight against 5.4), unless a measured table says XLA.
     kind, _ = kernel_dispatch.plan((rows, leaf.shape[0]), leaf.dtype, leaf, leaf.act_spec)
-    return kind is not None
+    if kind is None or not is_packed(leaf.bits):
+        return kind is not None
+    key = kernel_dispatch.table_key("int4_words", rows, leaf.dtype, leaf, scale_group(leaf))
+    return kind == "weight_only" and leaf.bits == 4 and dispatch_table.choice(key) != "xla"
 
 
 def for_decode(params, rows: int):
-    """``params`` with every quantized kernel that the decode loop's kernels read row-major wrapped as a
-    :class:`RowMajorKernel` (siblings fused, :func:`fuse_linears`). On a CPU: what the native row-major
-    kernels take, up to ``ops.NATIVE_MAX_ROWS["row_major"]`` rows. Where the Pallas kernels run (a GPU):
-    int8-stored kernels, up to :data:`GPU_KMAJOR_MAX_ROWS` rows, which the W8A8 and weight-only kernels
-    then read K-major as stored. Unchanged otherwise. Call inside the jit: the transposed copies are made
-    once per call and read on every step."""
+    """``params`` with every quantized kernel that the decode loop's kernels read in another layout
+    wrapped as a :class:`RowMajorKernel` or an :class:`Int4WordKernel` (siblings fused,
+    :func:`fuse_linears`). On a CPU: what the native row-major kernels take, up to
+    ``ops.NATIVE_MAX_ROWS["row_major"]`` rows. Where the Pallas kernels run (a GPU), up to
+    :data:`GPU_KMAJOR_MAX_ROWS` rows: int8-stored kernels, which the W8A8 and weight-only kernels then
+    read K-major as stored, and int4 weight-only kernels as words (``pallas_kernels.int4_words``).
+    Unchanged otherwise. Call inside the jit: the copies are made once per call and read on every step."""
     from llmeq_jax import native
     from llmeq_jax.models import stacked  # not at import time: the models import this module
 
@@ -298,6 +350,8 @@ def for_decode(params, rows: int):
         if not (isinstance(leaf, QArray) and _is_kernel(path) and len(leaf.shape) == 2) or not _candidate(
                 target, leaf, rows):
             return leaf
+        if target == "pallas" and is_packed(leaf.bits):
+            return int4_word_kernel(leaf)
         w = transpose_kernel(leaf)
         if target == "native" and native.supports_row_major(w, leaf.act_spec) is not None:
             return leaf
@@ -426,5 +480,7 @@ def _tied_head_table(params) -> jax.Array | None:
     return table if isinstance(table, jax.Array) and table.ndim == 2 and table.dtype == jnp.float32 else None
 
 
-__all__ = ["FUSED_LINEARS", "PREFILL_FUSE_MAX_OUT", "PREFILL_PACK_MAX_BYTES", "PanelKernel", "RowMajorKernel", "for_decode", "for_prefill", "fuse_linears", "kernel_view", "pack_float_kernels", "pack_panels", "pack_swiglu_panels", "stack_quantized", "stack_rows",
+__all__ = ["FUSED_LINEARS", "Int4WordKernel", "PREFILL_FUSE_MAX_OUT", "PREFILL_PACK_MAX_BYTES", "PanelKernel",
+           "RowMajorKernel", "for_decode", "for_prefill", "fuse_linears", "int4_word_kernel", "kernel_view",
+           "pack_float_kernels", "pack_panels", "pack_swiglu_panels", "scale_group", "stack_quantized", "stack_rows",
            "transpose_kernel", "unpack_panels", "widen_int3"]

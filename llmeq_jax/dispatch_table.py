@@ -33,7 +33,8 @@ from typing import Iterable
 
 FORMAT = 1
 ENV = "LLMEQ_DISPATCH_TABLE"
-KERNELS = ("weight_only", "w8a8", "fp8_w8a8")
+# int4_words: the weight-only int4 decode kernel on the word layout (decode_layout.Int4WordKernel)
+KERNELS = ("weight_only", "w8a8", "fp8_w8a8", "int4_words")
 PATHS = ("pallas", "xla")
 
 

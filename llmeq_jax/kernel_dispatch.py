@@ -30,8 +30,9 @@ import jax.numpy as jnp
 
 from llmeq_jax import dispatch_table
 from llmeq_jax.core.qarray import QArray, is_packed
+from llmeq_jax.decode_layout import scale_group
 from llmeq_jax.layer_slice import take_layer
-from pallas_kernels import config, w8a8, weight_only
+from pallas_kernels import config, int4_words, w8a8, weight_only
 
 
 class KernelUnavailable(ValueError):
@@ -47,8 +48,7 @@ def _layout(w: QArray) -> tuple[int | None, jnp.ndarray, jnp.ndarray | None, str
     if w.tile[1] not in (1, n):
         return None, None, None, f"scales grouped along the output dim (tile {w.tile})"
     lead = w.scale.shape[:-2]
-    per_k = w.scale.shape[-2]
-    group = None if per_k == 1 else w.tile[0]
+    group = scale_group(w)
     groups = 1 if group is None else math.ceil(k / group)
     scale = jnp.broadcast_to(w.scale.astype(jnp.float32), (*lead, groups, n))
     zp = None if w.zero_point is None else jnp.broadcast_to(w.zero_point, (*lead, groups, n))
@@ -91,7 +91,7 @@ def plan(x_shape, x_dtype, w: QArray, act) -> tuple[str | None, str]:
 def table_key(kind: str, rows: int, x_dtype, w: QArray, group: int | None) -> dispatch_table.Key:
     """The :mod:`dispatch_table` key of a product ``plan`` gave to kernel ``kind``, on the default device."""
     k, n = w.shape
-    bits = 4 if kind == "weight_only" and is_packed(w.bits) else 8
+    bits = 4 if kind in ("weight_only", "int4_words") and is_packed(w.bits) else 8
     return dispatch_table.Key(jax.devices()[0].device_kind, kind, bits, group, k, n,
                               dispatch_table.row_bucket(rows), jnp.dtype(x_dtype).name)
 
@@ -110,6 +110,36 @@ def logical_view(w_nk: QArray) -> QArray:
                                shape=(w_nk.shape[1], w_nk.shape[0]), tile=(w_nk.tile[1], w_nk.tile[0]), pack_axis=0)
 
 
+def _unavailable(require: bool):
+    """None where kernels cannot run here (an error naming why when one was required)."""
+    if require and config.is_disabled():
+        raise KernelUnavailable("backend='pallas' inside pallas_kernels.config.disabled(): kernels are off")
+    if require:
+        raise KernelUnavailable(
+            "backend='pallas' needs a CUDA GPU (the default JAX backend here is "
+            f"{jax.default_backend()!r}); on CPU use `with pallas_kernels.config.interpret(True):`"
+        )
+    return None
+
+
+def linear_words(x, w: QArray, require: bool = False, layer=None):
+    """``x @ w`` for a ``decode_layout.Int4WordKernel``'s QArray (its codes as
+    ``pallas_kernels.int4_words`` words) by the word kernel, or None (an error if ``require``).
+    No table lookup: ``decode_layout.for_decode`` consulted it when it made the words."""
+    if not config.kernels_available():
+        return _unavailable(require)
+    kind, why = plan(x.shape, x.dtype, w, None)
+    if kind != "weight_only" or w.act_spec is not None:
+        if require:
+            raise KernelUnavailable(f"no Pallas kernel takes x {tuple(x.shape)} {x.dtype} @ int4 words {w!r}: "
+                                    f"{why or 'weight-only kernels only'}")
+        return None
+    k, n = w.shape
+    group, scale, zp, _ = _layout(w)
+    y = int4_words.int4_words_matmul(x.reshape(-1, k), w.qvalue, scale, group=group, w_zero_point=zp, layer=layer)
+    return y.reshape(*x.shape[:-1], n)
+
+
 def linear(x, w: QArray, act=None, require: bool = False, layer=None, *, w_layout: str = "kn"):
     """``x @ w`` by a Pallas kernel, or None when none applies (an error if ``require``).
 
@@ -117,14 +147,7 @@ def linear(x, w: QArray, act=None, require: bool = False, layer=None, *, w_layou
     product is with its layer ``layer``, read in place. ``w_layout="nk"``: ``w`` is stored K-major,
     ``(out, in)``; its int8-stored products go to the kernels reading it as stored (packed codes: None)."""
     if not config.kernels_available():
-        if require and config.is_disabled():
-            raise KernelUnavailable("backend='pallas' inside pallas_kernels.config.disabled(): kernels are off")
-        if require:
-            raise KernelUnavailable(
-                "backend='pallas' needs a CUDA GPU (the default JAX backend here is "
-                f"{jax.default_backend()!r}); on CPU use `with pallas_kernels.config.interpret(True):`"
-            )
-        return None
+        return _unavailable(require)
     view = logical_view(w) if w_layout == "nk" else w
     if w_layout == "nk" and is_packed(w.bits):
         kind, why = None, f"int{w.bits} codes stored K-major (the kernels read K-major int8 only)"

@@ -37,7 +37,7 @@ from llmeq_jax import kernel_dispatch
 from llmeq_jax.core import fp8grid
 from llmeq_jax.core.qarray import QArray, is_packed, packed_length, packing, unpack
 from llmeq_jax.core.quantize import Spec, largest_value
-from llmeq_jax.decode_layout import PanelKernel, RowMajorKernel, kernel_view, unpack_panels
+from llmeq_jax.decode_layout import Int4WordKernel, PanelKernel, RowMajorKernel, kernel_view, unpack_panels
 from llmeq_jax.layer_slice import LayerSlice
 
 # Up to this many rows of activations, weight-only avoids materialising the
@@ -93,6 +93,9 @@ def linear(
     if isinstance(w, RowMajorKernel):
         y = _linear_row_major(x, w.w, act if act is not None else w.w.act_spec, backend)
         return y if bias is None else y + bias.astype(y.dtype)
+    if isinstance(w, Int4WordKernel):
+        y = _linear_words(x, w, backend)
+        return y if bias is None else y + bias.astype(y.dtype)
     if isinstance(w, PanelKernel):
         y = _linear_panels(x, w, backend)
         return y if bias is None else y + bias.astype(y.dtype)
@@ -122,6 +125,8 @@ def _linear_layer_slice(x, w: LayerSlice, act, backend):
     row-major kernel applies; every other path takes the layer's slice (a copy, for a custom call)."""
     if isinstance(w.stack, RowMajorKernel):
         return _linear_row_major(x, w.stack.w, act if act is not None else w.stack.w.act_spec, backend, w.layer)
+    if isinstance(w.stack, Int4WordKernel):
+        return _linear_words(x, w.stack, backend, w.layer)
     if backend != "xla" and w.stack.grid != "log2":
         y = kernel_dispatch.linear(x, w.stack, act if act is not None else w.stack.act_spec, layer=w.layer)
         if y is not None:
@@ -206,6 +211,18 @@ def swiglu(x: jax.Array, w: PanelKernel, *, backend: str = "auto") -> jax.Array:
         return native.panel_matmul(x, w.panels, w.features, swiglu=True)
     y = jnp.matmul(x, unpack_panels(w.panels, w.features, swiglu=True).astype(x.dtype))
     return jax.nn.silu(y[..., : w.features]) * y[..., w.features :]
+
+
+def _linear_words(x, w: Int4WordKernel, backend, layer=None):
+    """``x @ kernel`` for an int4 kernel stored as words: the Pallas word kernel where kernels run (with
+    ``layer``, reading that layer of the stack in place), else the codes packed again for XLA's path."""
+    if backend != "xla":
+        y = kernel_dispatch.linear_words(x, w.w, require=backend == "pallas", layer=layer)
+        if y is not None:
+            return y
+    if layer is not None:
+        w = Int4WordKernel(LayerSlice(w.w, layer).value())
+    return linear(x, w.packed(), backend=backend)
 
 
 def _linear_row_major(x, w: QArray, act, backend, layer=None):

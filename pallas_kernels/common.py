@@ -193,6 +193,18 @@ def sum_splits(y: jax.Array, splits: int, bias, dtype) -> jax.Array:
     return y.astype(dtype)
 
 
+def split_refs(refs, *, stacked: bool, inputs: int, has_zp: bool, has_bias: bool):
+    """A :func:`launch_matmul` kernel's refs in the order it passes them: (the layer index or None, the
+    first ``inputs`` operand refs, the zero point ref or None, the bias ref or None, the output ref)."""
+    rest = list(refs)
+    layer = rest.pop(0)[0] if stacked else None  # the weights are a stack: this layer of it
+    operands, rest = rest[:inputs], rest[inputs:]
+    zp_ref = rest.pop(0) if has_zp else None
+    b_ref = rest.pop(0) if has_bias else None
+    (o_ref,) = rest
+    return layer, operands, zp_ref, b_ref, o_ref
+
+
 def launch_matmul(kernel, args: list, *, m: int, n: int, k: int, blocks, bias, k_splits: int | None, out_dtype,
                   interpret: bool, name: str, layer=None, **static):
     """Run a tiled ``(M, N)`` matmul kernel over the grid ``(M / bm, N / bn, K splits)``: the launch

@@ -56,6 +56,7 @@ from pallas_kernels.common import (
     logical_weight,
     one_layer,
     span,
+    split_refs,
     store_tile,
     tile_mask,
 )
@@ -98,13 +99,8 @@ def fp8_supported(device=None) -> bool:
 
 
 def _kernel(*refs, m, n, k, blocks, group, has_zp, has_bias, split_blocks, split, w_kmajor, stacked, fp8):
-    rest = list(refs)
-    layer = rest.pop(0)[0] if stacked else None  # weights, scales, zero points: one layer of a stack
-    xq_ref, sx_ref, w_ref, ws_ref = rest[:4]
-    rest = rest[4:]
-    zp_ref = rest.pop(0) if has_zp else None
-    b_ref = rest.pop(0) if has_bias else None
-    (o_ref,) = rest
+    layer, (xq_ref, sx_ref, w_ref, ws_ref), zp_ref, b_ref, o_ref = split_refs(
+        refs, stacked=stacked, inputs=4, has_zp=has_zp, has_bias=has_bias)
     bm, bn, bk = blocks.bm, blocks.bn, blocks.bk
     rows = span(pl.program_id(0) * bm, bm, m, in_bounds=m % bm == 0)
     cols = span(pl.program_id(1) * bn, bn, n, in_bounds=n % bn == 0)

@@ -45,6 +45,7 @@ from pallas_kernels.common import (
     low_nibble,
     one_layer,
     span,
+    split_refs,
     split_pairs,
     store_tile,
     tile_mask,
@@ -129,13 +130,8 @@ def dequant_int4_asm(packed, cdt, interpret: bool):
 
 def _kernel(*refs, m, n, k, bits, blocks, group, has_zp, has_bias, split_blocks, split, precision, dequant,
             strided_x, stacked, kmajor, interpreted):
-    rest = list(refs)
-    layer = rest.pop(0)[0] if stacked else None  # weights, scales, zero points: one layer of a stack
-    x_ref, w_ref, ws_ref = rest[:3]
-    rest = rest[3:]
-    zp_ref = rest.pop(0) if has_zp else None
-    b_ref = rest.pop(0) if has_bias else None
-    (o_ref,) = rest
+    layer, (x_ref, w_ref, ws_ref), zp_ref, b_ref, o_ref = split_refs(
+        refs, stacked=stacked, inputs=3, has_zp=has_zp, has_bias=has_bias)
     bm, bn, bk = blocks.bm, blocks.bn, blocks.bk
     # one K step covers `steps` scale groups (per-channel scales: one step, scaled at the end)
     sub = group if group is not None else bk

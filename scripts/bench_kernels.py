@@ -45,7 +45,7 @@ def bytes_moved(m, k, n, kind):
     """Minimum HBM traffic: activations in (bf16), weight (+ scales), output (bf16)."""
     act, out = 2 * m * k, 2 * m * n
     weight = {"bf16": 2 * k * n, "w8a8": k * n + 4 * n, "fp8": k * n + 4 * n, "w8": k * n + 4 * n,
-              "w4g128": k * n // 2 + 4 * n * -(-k // GROUP)}[kind.removesuffix("_nk")]
+              "w4g128": k * n // 2 + 4 * n * -(-k // GROUP)}[LAYOUT_OF.get(kind, kind).removesuffix("_nk")]
     return act + weight + out
 
 
@@ -101,7 +101,7 @@ def table_key(kind: str, k: int, n: int, m: int):
     from llmeq_jax import dispatch_table
 
     kernel, bits, group = {"w8a8": ("w8a8", 8, None), "fp8": ("fp8_w8a8", 8, None), "w8": ("weight_only", 8, None),
-                           "w4g128": ("weight_only", 4, GROUP)}[kind]
+                           "w4g128": ("weight_only", 4, GROUP), "w4_words": ("int4_words", 4, GROUP)}[kind]
     return dispatch_table.Key(jax.devices()[0].device_kind, kernel, bits, group, k, n, dispatch_table.row_bucket(m),
                               "bfloat16")
 
@@ -117,10 +117,14 @@ def write_table(path, measured):
           f"{len(slower)}: " + ", ".join(f"{e['kernel']}/{e['bits']} {e['k']}x{e['n']} M={e['rows']}" for e in slower))
 
 
-KINDS = ("bf16", "w8a8", "fp8", "w8", "w4g128", "w8a8_nk", "fp8_nk", "w8_nk")
+KINDS = ("bf16", "w8a8", "fp8", "w8", "w4g128", "w8a8_nk", "fp8_nk", "w8_nk", "w4_words")
 # The int8 kinds with their weights stored K-major, (N, K): the layout decode steps of up to
 # decode_layout.GPU_KMAJOR_MAX_ROWS rows read (for_decode); timed at decode rows only, not in the table.
 KMAJOR_KINDS = ("w8a8_nk", "fp8_nk", "w8_nk")
+# int4 g128 as words (pallas_kernels.int4_words), the layout for_decode gives int4 kernels on a GPU: decode
+# rows only; in the table as kernel "int4_words" against XLA's path of the packed QArray it replaces.
+DECODE_ONLY_KINDS = (*KMAJOR_KINDS, "w4_words")
+LAYOUT_OF = {"w4_words": "w4g128"}  # the kind whose weights (bytes moved, XLA's path) a layout kind has
 
 
 def torch_scaled_mm():
@@ -168,6 +172,7 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
     (and write the table to ``table_path`` after each weight shape)."""
     from llmeq_jax import ops
     from llmeq_jax.core.quantize import Spec, quantize
+    from pallas_kernels.int4_words import int4_words_matmul, pack_words
     from pallas_kernels.w8a8 import w8a8_matmul
     from pallas_kernels.weight_only import weight_only_matmul
 
@@ -186,6 +191,7 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
         kmajor = set(kinds_wanted) & set(KMAJOR_KINDS)
         w8t = _copies(q8.qvalue.T, r) if kmajor & {"w8a8_nk", "w8_nk"} else []
         wft = _copies(qf.qvalue.T, r) if "fp8_nk" in kmajor else []
+        w4w = _copies(pack_words(q4.values(), GROUP), r) if "w4_words" in kinds_wanted else []
         del w
         kinds = {
             "bf16": (lambda x, w: x @ w, list(zip(wb))),
@@ -196,7 +202,9 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
             "w8a8_nk": (lambda x, w, s: w8a8_matmul(x, w, s, w_layout="nk"), list(zip(w8t, s8))),
             "fp8_nk": (lambda x, w, s: w8a8_matmul(x, w, s, fp8=True, w_layout="nk"), list(zip(wft, sf))),
             "w8_nk": (lambda x, w, s: weight_only_matmul(x, w, s, bits=8, w_layout="nk"), list(zip(w8t, s8))),
+            "w4_words": (lambda x, w, s: int4_words_matmul(x, w, s, group=GROUP), list(zip(w4w, s4))),
         }
+        kinds_all = kinds
         kinds = {kind: v for kind, v in kinds.items() if kind in kinds_wanted or kind == "bf16"}
         # XLA's path for the same QArrays (what ops.linear runs without a kernel), for the dispatch table
         qa8 = dataclasses.replace(q8, act_spec=Spec(bits=8, granularity="token"))
@@ -211,14 +219,16 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
             xs = _copies(jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16), r)
             base = None
             for kind, (fn, ws) in kinds.items():
-                if kind in KMAJOR_KINDS and m > DECODE_M[-1]:
+                if kind in DECODE_ONLY_KINDS and m > DECODE_M[-1]:
                     continue
                 t = timed(fn, [(x, *wargs) for x, wargs in zip(xs, ws)], reps=reps)
                 base = base or t
                 line = (f"{f'{k}x{n}':>12} {m:>5} {kind:>7} {t * 1e3:>8.4f} {2 * m * k * n / t / 1e12:>8.1f} "
                         f"{bytes_moved(m, k, n, kind) / t / 1e9:>7.0f} {base / t:>7.2f}x")
-                if table is not None and kind in xla_of:
-                    t_xla = timed(xla_of[kind], [(x, *wargs) for x, wargs in zip(xs, ws)], reps=reps)
+                origin = LAYOUT_OF.get(kind, kind)
+                if table is not None and origin in xla_of:
+                    xla_inputs = [(x, *wargs) for x, wargs in zip(xs, kinds_all[origin][1])]
+                    t_xla = timed(xla_of[origin], xla_inputs, reps=reps)
                     table.append((table_key(kind, k, n, m), {"pallas_s": t, "xla_s": t_xla, "bf16_s": base}))
                     line += f"  (XLA {t_xla * 1e3:.4f} ms, {base / t_xla:.2f}x)"
                 if kind == "fp8" and torch_fp8 is not None and m >= 16:
@@ -237,7 +247,7 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
                     except Exception as e:  # a config Triton rejects (e.g. too much shared memory)
                         print(f"   sweep {kind} M={m} {cfg}: failed: {type(e).__name__}: {str(e)[:200]}")
             del xs
-        del wb, w8, s8, wf, sf, w4, s4, w8t, wft, kinds
+        del wb, w8, s8, wf, sf, w4, s4, w8t, wft, w4w, kinds, kinds_all
         if table is not None and table_path:  # after every weight shape: a run cut short keeps what it measured
             write_table(table_path, table)
     if attention:

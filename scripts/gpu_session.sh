@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Prepared runs for a lent GPU machine (issue #15): kernel correctness, FP8 and GEMV kernels, compile
 # seconds unrolled vs scanned, end-to-end decode/prefill on Llama-2-7B shapes (random weights, bf16
-# baseline, transformers bf16 static cache beside), kernel speed. All steps take ~14.5 min of limits:
+# baseline, transformers bf16 static cache beside), kernel speed. All steps take ~16 min of limits:
 # split them over two device calls of at most 10 minutes with STEPS, e.g.
-#     STEPS="gpu_tests fp8 gemv prefill kernels" bash scripts/gpu_session.sh   # ~8 min
-#     STEPS="layout layout_dsf e2e" bash scripts/gpu_session.sh           # ~6.7 min
+#     STEPS="gpu_tests words fp8 kernels" bash scripts/gpu_session.sh   # ~7 min
+#     STEPS="gemv prefill e2e" bash scripts/gpu_session.sh              # ~6.5 min (then layout layout_dsf)
 # Each step has its own time limit and writes under $OUT (default runs/gpu), so a slow step
 # cannot eat the others' time. The machine reaches no registry: carry `git archive HEAD` of this
 # project and run from its root through the device tool.
@@ -18,7 +18,7 @@ layers=(${LAYERS:+--layers "$LAYERS"})
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 start=$SECONDS
-steps="${STEPS:-gpu_tests fp8 gemv prefill layout layout_dsf e2e kernels}"  # STEPS: a subset, to split the run over calls
+steps="${STEPS:-gpu_tests words fp8 gemv prefill layout layout_dsf e2e kernels}"  # STEPS: a subset, to split the run over calls
 step() {  # step NAME SECONDS CMD...: run CMD with a time limit, its output in $out/NAME.log
   local name=$1 limit=$2
   shift 2
@@ -32,6 +32,11 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/dev
 "$py" -c "import jax; print(jax.__version__, jax.devices())" >> "$out/device.txt" 2>&1
 cat "$out/device.txt"
 step gpu_tests 120 "$py" -m pytest -q -m gpu tests/pallas_kernels/test_gpu_kernels.py
+# int4 decode as words of eight K values (pallas_kernels.int4_words, new: 2.4 SASS instructions per weight
+# against the dot kernel's 5.4), on the four shapes of issue #15's int4 target (>= 2.5x bf16 at M <= 16),
+# beside the dot kernel (w4g128) and XLA's path; its table entries (kernel int4_words) go to the shipped table.
+step words 100 "$py" scripts/bench_kernels.py --reps 10 --kinds bf16,w4g128,w4_words \
+    --weights 4096x4096,4096x11008,11008x4096,4096x14336 --no-attention --write-table "$out/dispatch_words.json"
 # FP8 W8A8 (E4M3, new since the H200 run): the Pallas kernel and XLA's FP8 dot against bf16, and PyTorch's
 # _scaled_mm beside them, on one weight shape (issue #15's target: >= 1.6x bf16).
 # Since the CPU's SASS check (scripts/kernel_sass.py): the FP8 kernel on FP8 wgmma (fp8_dot), and the int8
@@ -57,5 +62,6 @@ XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_dynamic_slice_fusion=true" step layou
     --repeats 2 --scan-layers --no-torch --out "$out/layout_dsf.json"
 step e2e 230 "$py" scripts/bench_e2e.py --shapes "$shapes" "${layers[@]}" --dtype bfloat16 --recipes rtn-w4-g128 rtn-w8 fp8-w8a8 \
     --batches 1 16 --prefill-len 2048 --new-tokens 32 --repeats 2 --scan-only --out "$out/e2e.json"
-step kernels 90 "$py" scripts/bench_kernels.py --reps 10 --write-table "$out/dispatch.json"
+step kernels 90 "$py" scripts/bench_kernels.py --reps 10 --kinds bf16,w8a8,fp8,w8,w4g128,w8a8_nk,fp8_nk,w8_nk \
+    --write-table "$out/dispatch.json"
 echo "== [$(( SECONDS - start ))s] done; results in $out"

@@ -78,6 +78,26 @@ def _weight_only(m: int, bits: int, gemv: bool = False, w_layout: str = "kn", de
     return Case(build, per_step)
 
 
+def _int4_words(m: int, bn: int | None = None) -> Case:
+    from pallas_kernels import int4_words
+    from pallas_kernels.blocks import Blocks
+
+    blocks = int4_words.default_blocks(m, GROUP)
+    if bn is not None:
+        blocks = Blocks(blocks.bm, bn, blocks.bk, blocks.num_warps, blocks.num_stages)
+
+    def build():
+        args = (SDS((m, K), jnp.bfloat16), SDS((int4_words.word_rows(K, GROUP), N), jnp.int32),
+                SDS((K // GROUP, N), jnp.bfloat16), SDS((K // GROUP, N), jnp.int8))
+        return (lambda x, w, s, z: int4_words.int4_words_matmul(x, w, s, group=GROUP, w_zero_point=z,
+                                                                blocks=blocks)), args
+
+    def per_step(kernel, unrolled):
+        return blocks.bn * (K // kernel.grid[-1] if unrolled else blocks.bk)
+
+    return Case(build, per_step)
+
+
 def _w8a8(m: int, fp8: bool, w_layout: str = "kn") -> Case:
     from pallas_kernels.blocks import matmul_blocks
     from pallas_kernels.w8a8 import w8a8_matmul
@@ -115,6 +135,9 @@ CASES: dict[str, Case] = {
     "wo_int4_m16_asm": _weight_only(16, 4, dequant="asm"),
     "wo_int4_m2048": _weight_only(2048, 4),
     "wo_int4_m2048_scaled": _weight_only(2048, 4, dequant="scaled"),
+    "wo_int4_m1_words": _int4_words(1),
+    "wo_int4_m16_words": _int4_words(16),
+    "wo_int4_m16_words_bn256": _int4_words(16, bn=256),
     "wo_int8_m1": _weight_only(1, 8),
     "wo_int8_m1_kmajor": _weight_only(1, 8, w_layout="nk"),
     "gemv_int4_m1": _weight_only(1, 4, gemv=True),

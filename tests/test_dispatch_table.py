@@ -122,6 +122,8 @@ def test_bench_kernels_writes_a_table_dispatch_reads(tmp_path, capsys):
     fast, slow = bench.table_key("w4g128", 4096, 4096, 3), bench.table_key("w8a8", 4096, 11008, 2048)
     assert (fast.kernel, fast.bits, fast.group, fast.rows, fast.dtype) == ("weight_only", 4, 128, 4, "bfloat16")
     assert (slow.kernel, slow.bits, slow.group) == ("w8a8", 8, None)
+    words = bench.table_key("w4_words", 4096, 14336, 16)  # the word layout: its own kernel in the table
+    assert (words.kernel, words.bits, words.group, words.rows) == ("int4_words", 4, 128, 16)
     path = tmp_path / "dispatch.json"
     bench.write_table(path, [(fast, {"pallas_s": 1.0, "xla_s": 2.0, "bf16_s": 3.0}),
                              (slow, {"pallas_s": 5.0, "xla_s": 4.0, "bf16_s": 3.0})])

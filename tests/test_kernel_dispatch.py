@@ -140,7 +140,7 @@ def test_decode_layout_gives_int8_kernels_k_major_to_the_kernels(pair, monkeypat
     with native.disabled(), config.interpret(True):
         laid = decode_layout.for_decode(params, rows=3)
         assert isinstance(laid["up"]["kernel"], decode_layout.RowMajorKernel)
-        assert laid["down"]["kernel"] is params["down"]["kernel"]  # packed int4: no K-major kernel
+        assert isinstance(laid["down"]["kernel"], decode_layout.Int4WordKernel)  # packed int4: words instead
         assert decode_layout.for_decode(params, rows=decode_layout.GPU_KMAJOR_MAX_ROWS + 1) is params
         seen = _kmajor_calls(monkeypatch)
         got = ops.linear(x, laid["up"]["kernel"])
@@ -173,3 +173,94 @@ def test_kernels_refuse_k_major_int4_and_unknown_layouts():
     q8 = _q(W8A8, (64, 32))
     with pytest.raises(ValueError, match="w_layout must be"):
         w8a8.w8a8_matmul(jnp.ones((1, 64)), q8.qvalue, q8.scale, w_layout="kmajor", interpret=True)
+
+
+# --------------------------------------------------------------------------- int4 words for decode
+
+
+def _word_calls(monkeypatch):
+    from pallas_kernels import int4_words
+
+    seen = []
+    real = int4_words.int4_words_matmul
+    def spy(*a, **kw):
+        seen.append(kw.get("layer"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(int4_words, "int4_words_matmul", spy)
+    return seen
+
+
+W4Z64 = (Spec(bits=4, granularity="group", group_size=64, symmetric=False), None)
+
+
+def test_decode_layout_gives_int4_weight_only_kernels_words_and_fuses_siblings(monkeypatch):
+    """Where the Pallas kernels run, a decode loop's int4 kernels become words read by the word kernel;
+    q/k/v become one kernel whose outputs are the three products side by side."""
+    from llmeq_jax import decode_layout, native
+
+    params = {"q_proj": {"kernel": _q(W4G128, (320, 96), 1)}, "k_proj": {"kernel": _q(W4G128, (320, 32), 2)},
+              "v_proj": {"kernel": _q(W4G128, (320, 32), 3)},
+              "down": {"kernel": _q(W4Z64, (256, 48), 4), "bias": jnp.arange(48.0)}}
+    x = jax.random.normal(jax.random.key(7), (3, 320)).astype(jnp.bfloat16)
+    with native.disabled(), config.interpret(True):
+        laid = decode_layout.for_decode(params, rows=3)
+        assert set(laid) == {"qkv_proj", "down"}
+        fused = laid["qkv_proj"]["kernel"]
+        assert isinstance(fused, decode_layout.Int4WordKernel) and fused.shape == (320, 160) and fused.group == 128
+        seen = _word_calls(monkeypatch)
+        got = ops.linear(x, fused)
+        down = ops.linear(x[:, :256], laid["down"]["kernel"], laid["down"]["bias"])
+        assert seen == [None, None]
+        names = ("q_proj", "k_proj", "v_proj")
+        want = jnp.concatenate([ops.linear(x, params[n]["kernel"], backend="xla") for n in names], axis=-1)
+        want_down = ops.linear(x[:, :256], params["down"]["kernel"], params["down"]["bias"], backend="xla")
+        # XLA's path for the word kernel: the codes packed again, the same product as the original's
+        np.testing.assert_array_equal(np.asarray(ops.linear(x, fused, backend="xla")), np.asarray(want))
+    for a, b in ((got, want), (down, want_down)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2,
+                                   atol=1e-2 * float(jnp.max(jnp.abs(b.astype(jnp.float32)))))
+
+
+def test_a_table_that_measured_xla_faster_keeps_int4_kernels_packed():
+    from llmeq_jax import decode_layout, dispatch_table, native
+
+    q = _q(W4G128, (256, 64), 1)
+    key = dispatch.table_key("int4_words", 4, q.dtype, q, 128)
+    table = dispatch_table.from_json(dispatch_table.to_json(
+        key.device, [(key, {"pallas_s": 2e-5, "xla_s": 1e-5, "bf16_s": 3e-5})]))
+    with native.disabled(), config.interpret(True):
+        with dispatch_table.use(table):
+            assert decode_layout.for_decode({"up": {"kernel": q}}, rows=3)["up"]["kernel"] is q  # bucket 4: measured
+            assert isinstance(decode_layout.for_decode({"up": {"kernel": q}}, rows=1)["up"]["kernel"],
+                              decode_layout.Int4WordKernel)  # bucket 1: not measured
+
+
+def test_word_stack_is_read_a_layer_at_a_time_in_place(monkeypatch):
+    from llmeq_jax import decode_layout
+    from llmeq_jax.layer_slice import LayerSlice
+
+    qs = [_q(W4Z64, (192, 64), seed) for seed in range(3)]
+    stack = jax.tree.map(lambda *a: jnp.stack(a), *[decode_layout.int4_word_kernel(q) for q in qs])
+    x = jax.random.normal(jax.random.key(6), (2, 192))
+    with config.interpret(True):
+        seen = _word_calls(monkeypatch)
+        at = jax.jit(lambda x, s, i: ops.linear(x, LayerSlice(s, i)))
+        for i, q in enumerate(qs):
+            want = ops.linear(x, q, backend="xla")
+            np.testing.assert_allclose(np.asarray(at(x, stack, jnp.int32(i))), np.asarray(want), rtol=1e-5, atol=1e-5)
+            assert np.asarray(jax.jit(lambda x, s, i: ops.linear(x, LayerSlice(s, i), backend="xla"))(
+                x, stack, jnp.int32(i))).shape == (2, 64)
+        assert len(seen) == 1 and seen[0] is not None  # traced once, with the layer index
+
+
+def test_word_kernels_refuse_what_they_cannot_hold():
+    from llmeq_jax import decode_layout
+
+    with pytest.raises(ValueError, match="2-D uniform int4 kernel packed along its input dim"):
+        decode_layout.int4_word_kernel(_q(W8A8, (64, 32)))
+    with config.interpret(True):
+        words = decode_layout.int4_word_kernel(_q(W4G128, (256, 32)))
+        assert dispatch.linear_words(jnp.ones((1, 256)), words.w, require=False) is not None
+        with pytest.raises(dispatch.KernelUnavailable, match="needs a CUDA GPU"), config.interpret(False):
+            ops.linear(jnp.ones((1, 256)), words, backend="pallas")

@@ -134,11 +134,11 @@ def in_place_kernels() -> bool:
 def block_at(blocks, layer, in_place: bool):
     """Block ``layer`` of the stacked ``blocks``: every array sliced, except the kernels a kernel can
     read in place, which stay stacked behind a :class:`LayerSlice`: row-major kernels (native CPU
-    decode), and 2-D uniform-grid QArrays when ``in_place`` (Pallas)."""
-    from llmeq_jax.decode_layout import RowMajorKernel
+    decode), int4 word kernels (GPU decode), and 2-D uniform-grid QArrays when ``in_place`` (Pallas)."""
+    from llmeq_jax.decode_layout import Int4WordKernel, RowMajorKernel
 
     def one(leaf):
-        if isinstance(leaf, RowMajorKernel) or (
+        if isinstance(leaf, (RowMajorKernel, Int4WordKernel)) or (
                 in_place and isinstance(leaf, QArray) and len(leaf.shape) == 2 and leaf.grid != "log2"):
             return LayerSlice(leaf, layer)
         return jax.tree.map(lambda a: take_layer(a, layer), leaf)

@@ -140,7 +140,8 @@ def test_stacked_blocks_run_the_pallas_kernels(stories, stories_w4):
 def _weight_slices(config, params, tokens, dtype="u8") -> int:
     """Dynamic slices of ``dtype`` arrays (packed int4: u8; int8: i8) in the traced forward."""
     text = str(jax.make_jaxpr(lambda p, t: forward(config, p, t))(params, tokens))
-    return sum(1 for line in text.splitlines() if "dynamic_slice" in line and f"{dtype}[" in line)
+    # the slice's result type (left of " = "): an index operand such as 0:i32[] is not a sliced weight
+    return sum(1 for line in text.splitlines() if "= dynamic_slice" in line and f":{dtype}[" in line.split(" = ")[0])
 
 
 def test_stacked_blocks_hand_the_kernels_the_stack_not_a_copy(stories, stories_w4):
@@ -221,3 +222,23 @@ def test_stacked_decode_layout_reads_layers_in_place_on_cpu(stories, stories_w4)
         assert _weight_slices(config, decode_layout.for_decode(packed, rows=1), token) > len(left)
         # the same row-major layouts through XLA (each layer's slice of the stack)
         _close(forward(config, unrolled, token), forward(config, step, token))
+
+
+def test_stacked_gpu_decode_layout_reads_int4_words_in_place(stories, stories_w4):
+    """Where the Pallas kernels run (interpret mode, native kernels off), the decode layout gives the int4
+    kernels words, which the scan hands the word kernel stacked (no slice of the words copied out), with
+    the unrolled model's logits."""
+    from llmeq_jax import native
+    from llmeq_jax.decode_layout import Int4WordKernel
+    from pallas_kernels import config as kernel_config
+
+    config = stories[0]
+    token = TOKENS[:1, :1] % config.vocab_size
+    packed = stacked.stack_blocks(config, stories_w4)
+    with native.disabled(), kernel_config.interpret(True):
+        step = decode_layout.for_decode(packed, rows=1)
+        leaves = jax.tree.leaves(step[stacked.BLOCKS], is_leaf=lambda a: isinstance(a, (QArray, Int4WordKernel)))
+        words = [a for a in leaves if isinstance(a, Int4WordKernel)]
+        assert words and all(w.w.qvalue.ndim == 3 for w in words)  # stacked [L, K'/8, N]
+        assert _weight_slices(config, step, token, "i32") == 0
+        _close(forward(config, stories_w4, token), jax.jit(lambda p, t: forward(config, p, t))(step, token))

@@ -69,6 +69,6 @@ def test_pallas_own_fp8_dot_still_lacks_imprecise_accumulation():
         return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((64, 64), jnp.float32),
                               compiler_params=compiler_params())(a, b)
 
-    (kernel,) = triton_modules(f, jax.ShapeDtypeStruct((64, 64), F8), jax.ShapeDtypeStruct((64, 64), F8))
-    dots = [line for line in kernel.ttir.splitlines() if "tt.dot" in line]
+    (lowered,) = triton_modules(f, jax.ShapeDtypeStruct((64, 64), F8), jax.ShapeDtypeStruct((64, 64), F8))
+    dots = [line for line in lowered.ttir.splitlines() if "tt.dot" in line]
     assert dots and not any("maxNumImpreciseAcc" in d for d in dots), dots

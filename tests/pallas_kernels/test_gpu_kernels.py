@@ -213,6 +213,33 @@ for _shape in WO_DEQUANT:
                 f"{jnp.dtype(dtype).name} blocks={blocks}", *compare(y, r, 8e-3), None)
 
 
+WO_WORDS = [  # (M, K, N, group, symmetric, dtype, blocks): int4 as words (pallas_kernels.int4_words), decode
+    (1, 4096, 11008, 128, False, BF16, None),  # inline PTX nibbles
+    (16, 11008, 4096, 128, True, F16, (16, 256, 128, 4, 3)),
+    (4, 4096, 14336, 64, False, BF16, None),  # groups shorter than a word block
+    (3, 300, 90, None, False, F32, None),  # ragged, per channel, float32 (no PTX)
+]
+
+for _shape in WO_WORDS:
+
+    @case
+    def _int4_words(shape=_shape):
+        from pallas_kernels.int4_words import int4_words_matmul, int4_words_reference, pack_words
+
+        m, k, n, group, symmetric, dtype, blocks = shape
+        spec = Spec(bits=4, granularity="group" if group else "channel", group_size=group, symmetric=symmetric)
+        q = quantize(jax.random.normal(jax.random.key(7), (k, n)), spec)
+        words = pack_words(q.values(), group)
+        x = jax.random.normal(jax.random.key(8), (m, k)).astype(dtype)
+        kw = dict(w_zero_point=q.zero_point, group=group)
+        y = jax.jit(lambda x, w, s: int4_words_matmul(x, w, s, blocks=blocks and Blocks(*blocks), interpret=INTERPRET,
+                                                      **kw))(x, words, q.scale)
+        r = reference(int4_words_reference, x, words, q.scale, **kw)
+        sym = "sym" if symmetric else "asym"
+        return (f"int4 words M={m} K={k} N={n} group={group} {sym} {jnp.dtype(dtype).name} blocks={blocks}",
+                *compare(y, r, 8e-3), None)
+
+
 @case
 def _stacked_layer():
     """One layer of stacked weights read in place (the scan over stacked blocks): int4 weight-only and

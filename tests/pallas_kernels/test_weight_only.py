@@ -6,6 +6,7 @@ import pytest
 from llmeq_jax import ops
 from llmeq_jax.core.quantize import Spec, quantize
 from pallas_kernels.blocks import Blocks
+from tests.pallas_kernels.ptx import run_ptx
 from pallas_kernels.weight_only import (
     can_use,
     dequant_int4,
@@ -114,37 +115,6 @@ def test_scaled_prefill_blocks_lower_for_cuda(cuda_lowering):
     assert "weight_only_int4_matmul" in text
 
 
-def _run_ptx(asm: str, word: int) -> list[int]:
-    """Emulate the straight-line PTX of ``_asm_nibbles`` on one 32-bit input ($2): -> [$0, $1]."""
-    regs = {"$2": word}
-
-    def val(tok):
-        tok = tok.strip()
-        return regs[tok] if tok in regs else int(tok, 0)
-
-    for line in asm.strip("{}\n").splitlines():
-        if not line.strip() or line.startswith(".reg"):
-            continue
-        op, args = line.rstrip(";").split(None, 1)
-        d, *src = [a.strip() for a in args.split(",")]
-        if op == "xor.b32":
-            out = val(src[0]) ^ val(src[1])
-        elif op == "shr.b32":
-            out = val(src[0]) >> val(src[1])
-        elif op == "prmt.b32":  # byte i of d = byte sel[i] of {b, a} (0-3: a, 4-7: b)
-            pool = val(src[0]).to_bytes(4, "little") + val(src[1]).to_bytes(4, "little")
-            sel = val(src[2])
-            out = int.from_bytes(bytes(pool[(sel >> (4 * i)) & 7] for i in range(4)), "little")
-        elif op == "lop3.b32":  # bitwise function of (a, b, c) given by its truth table
-            a, b, c, lut = (val(x) for x in src)
-            out = sum(((lut >> (((a >> i) & 1) << 2 | ((b >> i) & 1) << 1 | ((c >> i) & 1))) & 1) << i
-                      for i in range(32))
-        else:
-            raise AssertionError(f"unexpected PTX {op}")
-        regs[d] = out & 0xFFFFFFFF
-    return [regs["$0"], regs["$1"]]
-
-
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_asm_dequant_ptx_gives_fold_values_for_every_byte(dtype):
     """The inline PTX of dequant='asm' (which runs only on a GPU), emulated instruction by instruction:
@@ -158,7 +128,8 @@ def test_asm_dequant_ptx_gives_fold_values_for_every_byte(dtype):
         for row in words:
             word = int.from_bytes(row.tobytes(), "little")
             for high_half, want in ((False, low[0]), (True, high[0])):
-                r0, r1 = _run_ptx(_asm_nibbles(high_half, _ASM_MAGIC[jnp.dtype(dtype)]), word)
+                regs = run_ptx(_asm_nibbles(high_half, _ASM_MAGIC[jnp.dtype(dtype)]), **{"$2": word})
+                r0, r1 = regs["$0"], regs["$1"]
                 halves = [r0 & 0xFFFF, r0 >> 16, r1 & 0xFFFF, r1 >> 16]  # elements 0..3, little-endian packing
                 assert halves == [int(want[b]) for b in row], (shift, row, high_half)
 

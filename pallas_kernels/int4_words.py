@@ -1,0 +1,273 @@
+"""Weight-only int4 matmul for decode, reading the weights as 32-bit words of eight K values.
+
+Why another layout: the checkpoint's int4 codes are two per byte along K, ``(K/2, N)``. Compiled for
+Hopper, the dot kernel (:mod:`pallas_kernels.weight_only`) receives those bytes in the MMA operand
+layout one at a time from shared memory (``LDS.U8``: Triton moves the operand conversion ahead of
+the dequantization, onto the narrowest type) and spends about 5.4 instructions per weight each
+thread reads -- on an H200, int4 decode ran at 0.66 TB/s, barely faster than bf16. Marlin's answer is
+a layout made once so that every register holds whole MMA fragments; this is the part of it that
+Pallas on Triton can express:
+
+* **Words of eight K values.** :func:`pack_words` stores a K block of 128 rows as 16 rows of int32
+  words, ``(K/8, N)``: nibble ``j`` of word row ``i`` holds K row ``128 b + 16 j + i``, as an
+  offset-binary code (value + 8). The K block is then eight 16-row slices, one per nibble position,
+  and each slice is one MMA K step: ``x[:, 16 j : 16 j + 16] @ nibble_j(words)``. Operands come from
+  shared memory as 32-bit loads (eight weights each), never bytes.
+* **Two values per three instructions.** In the MMA operand layout a thread holds the words of two
+  adjacent K rows; inline PTX (:func:`_nibbles_asm`, ``pack=2``) gathers nibble ``j`` of both with one
+  ``prmt``, shifts odd nibbles down, and one ``lop3`` ORs them into the mantissas of a bf16/f16
+  ``MAGIC`` pair: one register holding both operands, no conversion (ptxas shares the ``prmt`` between
+  the two nibbles of a byte).
+* **The offset comes off once per scale group** through x's sums over the group (computed by XLA
+  beside the kernel): ``x @ (MAGIC + 8 + q - zp)`` -- minus ``(MAGIC + 8 + zp) * sum(x)``.
+
+Compiled for sm_90 (``scripts/kernel_sass.py``, 4096 x 11008, group 128, bf16 x, M = 1..16, 128-column
+tiles): the K loop issues 2.4 instructions per weight (2.1 with 256 columns) against 5.4 for the dot
+kernel and 4.5 for the GEMV; 96 registers, no byte loads from shared memory. Not yet timed on a GPU.
+
+Contract:
+  x        (M, K)              float32 / bfloat16 / float16
+  words    (K'/8, N) int32     :func:`pack_words` of the int4 values, K' = K padded to whole K steps
+  w_scale  (G, N)              G = 1 (per channel) or ceil(K / group)
+  w_zero_point (G, N) int8 or None
+  bias     (N,) or None
+  -> y     (M, N) x.dtype
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import config
+from pallas_kernels.blocks import Blocks
+from pallas_kernels.common import (
+    FLOAT_DTYPES,
+    cdiv,
+    dot,
+    f32_dot_precision,
+    is_pow2,
+    launch_matmul,
+    load_tile,
+    next_pow2,
+    one_layer,
+    span,
+    split_refs,
+    store_tile,
+    tile_mask,
+)
+
+WORD_BLOCK = 128  # K rows per block of 16 word rows
+NIBBLES = 8  # K values per int32 word
+SLICE = WORD_BLOCK // NIBBLES  # K rows per nibble position in a block: one MMA K step
+# (bf16/f16 bit pattern, its value) per half dtype: MAGIC | u is MAGIC + u exactly for u < 16.
+_HALF_MAGIC = {jnp.dtype(jnp.bfloat16): (0x4300, 128.0), jnp.dtype(jnp.float16): (0x6400, 1024.0)}
+_F32_MAGIC = 0x4B000000  # 2^23: float32 takes the exact code u (MAGIC + u - 2^23)
+# (bm, bn, warps, stages) for the decode rows this layout is made for.
+DEFAULT_TILE = (16, 128, 4, 3)
+
+
+def k_step(group: int | None) -> int:
+    """K rows per step of the kernel's loop (and the padding unit of :func:`pack_words`): a word
+    block, or a whole scale group where groups are longer."""
+    return max(WORD_BLOCK, group or WORD_BLOCK)
+
+
+def word_rows(k: int, group: int | None) -> int:
+    """Rows of the words array for K input rows: K padded to whole K steps, eight values a word."""
+    step = k_step(group)
+    return cdiv(k, step) * step // NIBBLES
+
+
+def pack_words(values, group: int | None = None):
+    """(K, N) int4 values (-8..7, any integer dtype; or a stack [L, K, N]) -> int32 words
+    (``word_rows(K, group)``, N): nibble ``j`` of word row ``16 b + i`` is K row ``128 b + 16 j + i``
+    as the code value + 8. K is padded with zero values up to whole K steps."""
+    *lead, k, n = values.shape
+    codes = (values.astype(jnp.int32) + 8) & 15
+    padded = word_rows(k, group) * NIBBLES
+    codes = jnp.pad(codes, [(0, 0)] * len(lead) + [(0, padded - k), (0, 0)], constant_values=8)
+    codes = codes.reshape(*lead, padded // WORD_BLOCK, NIBBLES, SLICE, n)
+    shifts = (4 * jnp.arange(NIBBLES, dtype=jnp.int32)).reshape(NIBBLES, 1, 1)
+    # the nibbles occupy disjoint bits: their sum is their OR (uint32 so that bit 31 may be set)
+    words = jnp.sum(codes.astype(jnp.uint32) << shifts.astype(jnp.uint32), axis=-3, dtype=jnp.uint32)
+    return jax.lax.bitcast_convert_type(words, jnp.int32).reshape(*lead, padded // NIBBLES, n)
+
+
+def unpack_words(words, k: int):
+    """Inverse of :func:`pack_words`: (K'/8, N) words -> (K, N) int8 values (stacks too)."""
+    *lead, rows, n = words.shape
+    shifts = (4 * jnp.arange(NIBBLES, dtype=jnp.int32)).reshape(NIBBLES, 1, 1)
+    codes = (words.reshape(*lead, rows // SLICE, 1, SLICE, n) >> shifts) & 15
+    return (codes.reshape(*lead, rows * NIBBLES, n)[..., :k, :] - 8).astype(jnp.int8)
+
+
+def code_offset(cdt) -> float:
+    """What :func:`nibbles` adds to every value: its MAGIC plus the code offset 8 (float32: 8)."""
+    half = _HALF_MAGIC.get(jnp.dtype(cdt))
+    return (half[1] if half else 0.0) + 8.0
+
+
+def nibbles(words, j: int, cdt):
+    """Nibble ``j`` of every word as ``cdt``: ``code_offset(cdt) + value``, by bit patterns (jnp)."""
+    if jnp.dtype(cdt) == jnp.float32:
+        bits = ((words >> (4 * j)) & 15) | _F32_MAGIC
+        return jax.lax.bitcast_convert_type(bits, jnp.float32) - float(1 << 23)
+    magic, _ = _HALF_MAGIC[jnp.dtype(cdt)]
+    bits = (((words >> (4 * j)) & 15) | magic).astype(jnp.int16)
+    return jax.lax.bitcast_convert_type(bits, cdt)
+
+
+def nibble_asm(j: int, cdt) -> str:
+    """PTX for :func:`nibbles` on two words at once ($1, $2 -> one register of two ``cdt`` values, $0):
+    ``prmt`` puts byte ``j // 2`` of each word into the low byte of each half, odd nibbles shift down
+    by 4, and ``lop3`` (``(a & b) | c``, LUT 0xEA) keeps the nibbles and ORs in the MAGIC pair."""
+    byte = j // 2
+    select = byte | (4 << 4) | ((4 + byte) << 8) | (4 << 12)  # d.b0 = $1.b[byte], d.b2 = $2.b[byte]
+    magic = _HALF_MAGIC[jnp.dtype(cdt)][0]
+    shift = "shr.b32 t, t, 4;\n" if j % 2 else ""
+    return (f"{{\n.reg .b32 t;\nprmt.b32 t, $1, $2, {select:#06x};\n{shift}"
+            f"lop3.b32 $0, t, 0x000F000F, {magic << 16 | magic:#010x}, 0xEA;\n}}")
+
+
+def _nibbles_asm(words, j: int, cdt, interpret: bool):
+    """:func:`nibbles` by inline PTX on a GPU (half dtypes); interpret mode and float32 run the jnp form."""
+    if interpret or jnp.dtype(cdt) == jnp.float32:
+        return nibbles(words, j, cdt)
+    out = jax.ShapeDtypeStruct(words.shape, cdt)
+    return plgpu.elementwise_inline_asm(nibble_asm(j, cdt), args=[words], constraints="=r,r,r", pack=2,
+                                        result_shape_dtypes=[out])[0]
+
+
+def _kernel(*refs, m, n, k, blocks, group, has_zp, has_bias, split_blocks, split, stacked, precision, interpreted):
+    layer, (x_ref, xs_ref, w_ref, ws_ref), zp_ref, b_ref, o_ref = split_refs(
+        refs, stacked=stacked, inputs=4, has_zp=has_zp, has_bias=has_bias)
+    bm, bn, bk = blocks.bm, blocks.bn, blocks.bk
+    cdt = x_ref.dtype
+    offset = code_offset(cdt)
+    # the offset (and zero point) come off per sum block: a scale group, or the K step (per channel)
+    sum_block = group or bk
+    slices_per_sum = sum_block // SLICE
+    # sum blocks past K (K' padding, groups < a word block) have no scale row: masked loads give 0
+    scales_whole = cdiv(k, bk) * bk // sum_block == ws_ref.shape[-2] or group is None
+    rows = span(pl.program_id(0) * bm, bm, m, in_bounds=m % bm == 0)
+    cols = span(pl.program_id(1) * bn, bn, n, in_bounds=n % bn == 0)
+    whole_k = k % bk == 0
+    first = pl.program_id(2) * split_blocks
+    last = jnp.minimum(first + split_blocks, cdiv(k, bk))
+
+    def row_of(ref, g, in_bounds, lay=None):
+        return load_tile(ref, span(g, 1, ref.shape[-2], in_bounds=in_bounds), cols, 0, lay).astype(jnp.float32)
+
+    def finish_sum(part, s, acc):
+        """acc + the sum block ``s``'s product, its offset removed (and scaled, with groups)."""
+        xs = load_tile(xs_ref, rows, span(s, 1, xs_ref.shape[-1], in_bounds=True), 0)
+        shift = offset + (row_of(zp_ref, s if group else 0, scales_whole, layer) if has_zp else 0.0)
+        part = part - xs * shift
+        if group is None:
+            return acc + part
+        return acc + part * row_of(ws_ref, s, scales_whole, layer)
+
+    def body(kb, acc):
+        part = None
+        for b in range(bk // WORD_BLOCK):  # static: the word blocks of one K step
+            w_rows = span((kb * (bk // WORD_BLOCK) + b) * SLICE, SLICE, w_ref.shape[-2], in_bounds=True)
+            words = load_tile(w_ref, w_rows, cols, 0, layer)
+            for j in range(NIBBLES):
+                t = b * NIBBLES + j  # the slice's index in the step
+                k0 = kb * bk + t * SLICE
+                xt = load_tile(x_ref, rows, span(k0, SLICE, k, in_bounds=whole_k), 0)
+                term = dot(xt, _nibbles_asm(words, j, cdt, interpreted), precision=precision)
+                part = term if part is None else part + term
+                if (t + 1) % slices_per_sum == 0:  # a sum block (scale group) ends here
+                    acc = finish_sum(part, (kb * bk + t * SLICE) // sum_block, acc)
+                    part = None
+        return acc
+
+    acc = jax.lax.fori_loop(first, last, body, jnp.zeros((bm, bn), jnp.float32))
+    if group is None:
+        acc = acc * row_of(ws_ref, 0, True, layer)
+    if split:  # a float32 partial sum; bias and the cast come after the splits are added
+        plgpu.store(o_ref.at[pl.program_id(2), rows[0], cols[0]], acc, mask=tile_mask(rows, cols))
+        return
+    if has_bias:
+        acc = acc + row_of(b_ref, 0, True)
+    store_tile(o_ref, rows, cols, acc.astype(o_ref.dtype))
+
+
+def _check(x, words, w_scale, w_zero_point, group, layer):
+    name = "int4_words_matmul"
+    if layer is not None:
+        words, w_scale, w_zero_point = one_layer(name, words, w_scale, w_zero_point, layer)
+    if x.ndim != 2 or words.ndim != 2:
+        raise ValueError(f"{name} expects 2-D x and words (a stack [L, ...] with layer=); got {x.shape}, {words.shape}")
+    if jnp.dtype(x.dtype) not in FLOAT_DTYPES:
+        raise ValueError(f"{name}: x must be float32/bfloat16/float16, got {x.dtype}")
+    if group is not None and not (is_pow2(group) and group >= SLICE * 2):
+        raise ValueError(f"{name}: group size must be a power of two >= {SLICE * 2}, got {group}")
+    k = x.shape[1]
+    want = word_rows(k, group)
+    if words.dtype != jnp.int32 or words.shape[0] != want:
+        raise ValueError(f"{name}: words for K={k} (group {group}) must be int32 with {want} rows "
+                         f"(pack_words), got {words.dtype} {words.shape}")
+    groups = 1 if group is None else cdiv(k, group)
+    if w_scale.shape != (groups, words.shape[1]):
+        raise ValueError(f"{name}: w_scale has shape {w_scale.shape}, expected {(groups, words.shape[1])}")
+    if w_zero_point is not None and w_zero_point.shape != w_scale.shape:
+        raise ValueError(f"{name}: zero point shape {w_zero_point.shape} != scale shape {w_scale.shape}")
+
+
+def default_blocks(m: int, group: int | None) -> Blocks:
+    """16-row tiles for decode (M <= 16), up to 64 rows beyond; 128 columns; one K step per iteration."""
+    bm, bn, warps, stages = DEFAULT_TILE
+    return Blocks(bm if m <= bm else min(64, next_pow2(m)), bn, k_step(group), warps, stages)
+
+
+def x_sums(x, k: int, group: int | None):
+    """float32 sums of x over each sum block of K (a scale group, else a K step), K zero-padded to
+    whole K steps: (M, padded K / sum block)."""
+    m = x.shape[0]
+    sum_block = group or k_step(group)
+    padded_k = word_rows(k, group) * NIBBLES
+    padded = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, padded_k - k)))
+    return jnp.sum(padded.reshape(m, padded_k // sum_block, sum_block), axis=-1)
+
+
+def int4_words_matmul(x, words, w_scale, *, group: int | None = None, w_zero_point=None, bias=None,
+                      blocks: Blocks | None = None, k_splits: int | None = None, layer=None,
+                      interpret: bool | None = None):
+    """``x @ dequantize(w)`` for int4 weights stored as :func:`pack_words` words (see the module doc).
+
+    ``layer`` (an int32 scalar): ``words``, ``w_scale`` and the zero point are stacks [L, ...] and
+    layer ``layer`` is read in place. ``blocks.bk`` must be :func:`k_step` of the group; the K loop is
+    split over programs when the (M, N) grid is small (as in the dot kernel)."""
+    _check(x, words, w_scale, w_zero_point, group, layer)
+    m, k = x.shape
+    n = words.shape[-1]
+    blocks = blocks or default_blocks(m, group)
+    if blocks.bk != k_step(group):
+        raise ValueError(f"int4_words_matmul: the K block must be {k_step(group)} (k_step(group={group})), "
+                         f"got {blocks.bk}")
+    interpret = config.resolve_interpret(interpret)
+    args = [x, x_sums(x, k, group), words, w_scale.astype(jnp.float32)]
+    if w_zero_point is not None:
+        args.append(w_zero_point.astype(jnp.int8))
+    return launch_matmul(_kernel, args, m=m, n=n, k=k, blocks=blocks, bias=bias, k_splits=k_splits, out_dtype=x.dtype,
+                         interpret=interpret, name="int4_words_matmul", layer=layer, group=group,
+                         has_zp=w_zero_point is not None, precision=f32_dot_precision(interpret) if
+                         jnp.dtype(x.dtype) == jnp.float32 else None, interpreted=interpret)
+
+
+def int4_words_reference(x, words, w_scale, *, group: int | None = None, w_zero_point=None, bias=None):
+    """Pure-jnp reference: the words unpacked, then per-group dots on integer weights (f32 accumulation)."""
+    from pallas_kernels.weight_only import weight_only_reference
+
+    k = x.shape[1]
+    q = unpack_words(words, k)
+    return weight_only_reference(x, q, w_scale, bits=8, w_zero_point=w_zero_point, bias=bias, group=group)
+
+
+__all__ = ["WORD_BLOCK", "code_offset", "int4_words_matmul", "int4_words_reference", "k_step", "nibble_asm", "nibbles",
+           "pack_words", "unpack_words", "word_rows", "x_sums"]

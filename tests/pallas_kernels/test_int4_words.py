@@ -1,0 +1,140 @@
+"""The int4 word layout and its decode kernel (interpret mode; the PTX emulated; lowering for CUDA)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pallas_kernels import int4_words as iw
+from pallas_kernels.blocks import Blocks
+from tests.pallas_kernels.ptx import run_ptx
+
+
+def _values(k, n, seed=0, lead=()):
+    return jnp.asarray(np.random.default_rng(seed).integers(-8, 8, (*lead, k, n)), jnp.int8)
+
+
+@settings(max_examples=25, deadline=None)
+@given(k=st.integers(1, 300), n=st.integers(1, 9), group=st.sampled_from([None, 32, 64, 128, 256]),
+       layers=st.sampled_from([(), (2,)]))
+def test_words_round_trip_for_any_shape(k, n, group, layers):
+    q = _values(k, n, k * 31 + n, layers)
+    words = iw.pack_words(q, group)
+    assert words.dtype == jnp.int32 and words.shape == (*layers, iw.word_rows(k, group), n)
+    np.testing.assert_array_equal(np.asarray(iw.unpack_words(words, k)), np.asarray(q))
+
+
+def test_word_layout_puts_k_row_128b_16j_i_in_nibble_j_of_word_row_16b_i():
+    k, n = 300, 3
+    q = _values(k, n, 1)
+    words = np.asarray(iw.pack_words(q)).view(np.uint32)
+    for row in (0, 5, 127, 128, 150, 299):
+        b, rest = divmod(row, 128)
+        j, i = divmod(rest, 16)
+        code = (words[16 * b + i] >> (4 * j)) & 15
+        np.testing.assert_array_equal(code.astype(np.int32) - 8, np.asarray(q[row], np.int32))
+    # K padded to whole steps with zero values (code 8)
+    assert ((words[16 * 2 + 12:] >> 28) & 15 == 8).all()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_nibbles_are_the_values_plus_the_offset_exactly(dtype):
+    q = _values(128, 16, 2)
+    words = iw.pack_words(q)
+    got = np.stack([np.asarray(iw.nibbles(words, j, dtype), np.float32) for j in range(8)])  # [j, i, n]
+    want = np.asarray(q, np.float32).reshape(8, 16, 16)  # K row 16 j + i
+    np.testing.assert_array_equal(got - iw.code_offset(dtype), want)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_nibble_ptx_gives_the_jnp_bit_patterns_for_every_byte(dtype):
+    """The inline PTX (which runs only on a GPU), emulated: for each nibble position, every byte value of
+    one word paired with every byte value of the other gives :func:`nibbles`' two bit patterns."""
+    byte_values = np.arange(256, dtype=np.uint32)
+    for j in range(8):
+        asm = iw.nibble_asm(j, dtype)
+        for a_byte in range(0, 256, 17):  # the first word's byte; the second takes every value
+            pos = 8 * (j // 2)
+            a = (a_byte << pos) | 0x5A5A5A5A & ~(0xFF << pos)  # other bytes: noise that must not leak in
+            pair = np.stack([np.full(256, a, np.uint32), (byte_values << pos) | (0xA5A5A5A5 & ~(0xFF << pos))])
+            want = np.asarray(iw.nibbles(jnp.asarray(pair.view(np.int32)), j, dtype)).view(np.uint16)
+            for col in range(256):
+                out = run_ptx(asm, **{"$1": int(pair[0, col]), "$2": int(pair[1, col])})["$0"]
+                assert [out & 0xFFFF, out >> 16] == [int(want[0, col]), int(want[1, col])], (j, a_byte, col)
+
+
+CASES = [  # (m, k, n, group, zero point, bias, dtype, k_splits)
+    (1, 256, 64, 128, False, False, jnp.bfloat16, None),
+    (3, 576, 48, 128, True, True, jnp.bfloat16, None),  # K not a whole number of word blocks
+    (16, 512, 40, 32, True, False, jnp.float16, 2),  # ragged N, groups shorter than a word block
+    (5, 300, 32, None, True, True, jnp.bfloat16, None),  # per-channel scales, ragged K
+    (20, 1024, 128, 256, False, False, jnp.float32, 3),  # two row blocks, steps of two word blocks
+    (2, 640, 64, 64, True, False, jnp.float32, None),
+]
+
+
+def _weights(k, n, group, zp, seed=3, lead=()):
+    rng = np.random.default_rng(seed)
+    groups = 1 if group is None else -(-k // group)
+    q = _values(k, n, seed, lead)
+    scale = jnp.asarray(rng.uniform(0.005, 0.02, (*lead, groups, n)), jnp.float32)
+    zero = jnp.asarray(rng.integers(-3, 4, (*lead, groups, n)), jnp.int8) if zp else None
+    return iw.pack_words(q, group), scale, zero
+
+
+@pytest.mark.parametrize("m,k,n,group,zp,bias,dtype,splits", CASES)
+def test_kernel_matches_reference(m, k, n, group, zp, bias, dtype, splits):
+    words, scale, zero = _weights(k, n, group, zp)
+    x = jax.random.normal(jax.random.key(m), (m, k)).astype(dtype)
+    b = jnp.linspace(-1, 1, n) if bias else None
+    got = iw.int4_words_matmul(x, words, scale, group=group, w_zero_point=zero, bias=b, k_splits=splits,
+                               interpret=True)
+    want = iw.int4_words_reference(x, words, scale, group=group, w_zero_point=zero, bias=b)
+    assert got.dtype == x.dtype and got.shape == (m, n)
+    tol = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2, jnp.float16: 2e-3}[dtype]
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol,
+                               atol=tol * float(jnp.max(jnp.abs(want.astype(jnp.float32)))))
+
+
+def test_kernel_reads_one_layer_of_a_stack_in_place():
+    words, scale, zero = _weights(256, 64, 128, True, lead=(3,))
+    x = jax.random.normal(jax.random.key(9), (2, 256)).astype(jnp.bfloat16)
+    at = jax.jit(lambda x, w, s, z, i: iw.int4_words_matmul(x, w, s, group=128, w_zero_point=z, layer=i,
+                                                            interpret=True))
+    for i in range(3):
+        want = iw.int4_words_matmul(x, words[i], scale[i], group=128, w_zero_point=zero[i], interpret=True)
+        np.testing.assert_array_equal(np.asarray(at(x, words, scale, zero, jnp.int32(i)), np.float32),
+                                      np.asarray(want, np.float32))
+
+
+def test_bad_inputs_are_refused_with_what_was_expected():
+    words, scale, _ = _weights(256, 32, 128, False)
+    x = jnp.ones((1, 256), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"must be int32 with 32 rows \(pack_words\)"):
+        iw.int4_words_matmul(x, words[:16], scale, group=128, interpret=True)
+    with pytest.raises(ValueError, match="must be int32"):
+        iw.int4_words_matmul(x, words.astype(jnp.uint32), scale, group=128, interpret=True)
+    with pytest.raises(ValueError, match="group size must be a power of two >= 32"):
+        iw.int4_words_matmul(x, words, scale, group=16, interpret=True)
+    with pytest.raises(ValueError, match=r"w_scale has shape \(1, 32\), expected \(2, 32\)"):
+        iw.int4_words_matmul(x, words, scale[:1], group=128, interpret=True)
+    with pytest.raises(ValueError, match=r"the K block must be 128"):
+        iw.int4_words_matmul(x, words, scale, group=128, blocks=Blocks(16, 64, 256), interpret=True)
+    with pytest.raises(ValueError, match="x must be float32/bfloat16/float16"):
+        iw.int4_words_matmul(x.astype(jnp.int32), words, scale, group=128, interpret=True)
+
+
+def test_kernel_lowers_for_cuda_with_the_nibble_ptx(cuda_lowering):
+    from pallas_kernels.ttir import triton_modules
+
+    sds = jax.ShapeDtypeStruct
+    args = [sds((1, 4096), jnp.bfloat16), sds((iw.word_rows(4096, 128), 11008), jnp.int32),
+            sds((32, 11008), jnp.bfloat16), sds((32, 11008), jnp.int8)]
+    f = lambda x, w, s, z: iw.int4_words_matmul(x, w, s, group=128, w_zero_point=z)  # noqa: E731
+    (kernel,) = triton_modules(f, *args)
+    # eight nibble positions, each one two-word asm call feeding a dot
+    assert kernel.ttir.count("tt.elementwise_inline_asm") == 8 and "packed_element = 2" in kernel.ttir
+    assert kernel.ttir.count("tt.dot") == 8 and "prmt.b32" in kernel.ttir
+    cuda_lowering(f, *args)
