@@ -18,11 +18,13 @@ Pallas on Triton can express:
   ``prmt``, shifts odd nibbles down, and one ``lop3`` ORs them into the mantissas of a bf16/f16
   ``MAGIC`` pair: one register holding both operands, no conversion (ptxas shares the ``prmt`` between
   the two nibbles of a byte).
-* **The offset comes off once per scale group** through x's sums over the group (computed by XLA
-  beside the kernel): ``x @ (MAGIC + 8 + q - zp)`` -- minus ``(MAGIC + 8 + zp) * sum(x)``.
+* **The offset comes off once per scale group** through x's sums over the group:
+  ``x @ (MAGIC + 8 + q - zp)`` minus ``(MAGIC + 8 + zp) * sum(x)``. A second chain of dots against a
+  constant tile of ones gives the sums in the accumulator's layout, every column alike (ptxas issues it
+  once per warp: 8 more MMAs a K step); no separate pass over x, no subtraction per weight.
 
 Compiled for sm_90 (``scripts/kernel_sass.py``, 4096 x 11008, group 128, bf16 x, M = 1..16, 128-column
-tiles): the K loop issues 2.4 instructions per weight (2.1 with 256 columns) against 5.4 for the dot
+tiles): the K loop issues 2.5 instructions per weight (2.1 with 256 columns) against 5.4 for the dot
 kernel and 4.5 for the GEMV; 96 registers, no byte loads from shared memory. Not yet timed on a GPU.
 
 Contract:
@@ -142,8 +144,8 @@ def _nibbles_asm(words, j: int, cdt, interpret: bool):
 
 
 def _kernel(*refs, m, n, k, blocks, group, has_zp, has_bias, split_blocks, split, stacked, precision, interpreted):
-    layer, (x_ref, xs_ref, w_ref, ws_ref), zp_ref, b_ref, o_ref = split_refs(
-        refs, stacked=stacked, inputs=4, has_zp=has_zp, has_bias=has_bias)
+    layer, (x_ref, w_ref, ws_ref), zp_ref, b_ref, o_ref = split_refs(
+        refs, stacked=stacked, inputs=3, has_zp=has_zp, has_bias=has_bias)
     bm, bn, bk = blocks.bm, blocks.bn, blocks.bk
     cdt = x_ref.dtype
     offset = code_offset(cdt)
@@ -161,17 +163,16 @@ def _kernel(*refs, m, n, k, blocks, group, has_zp, has_bias, split_blocks, split
     def row_of(ref, g, in_bounds, lay=None):
         return load_tile(ref, span(g, 1, ref.shape[-2], in_bounds=in_bounds), cols, 0, lay).astype(jnp.float32)
 
-    def finish_sum(part, s, acc):
-        """acc + the sum block ``s``'s product, its offset removed (and scaled, with groups)."""
-        xs = load_tile(xs_ref, rows, span(s, 1, xs_ref.shape[-1], in_bounds=True), 0)
+    ones = jnp.ones((SLICE, bn), cdt)  # a constant B operand: x @ ones is x's row sums in every column
+
+    def finish_sum(part, xs, s, acc):
+        """acc + sum block ``s``'s product with the offset (and zero point) taken off through x's sums."""
         shift = offset + (row_of(zp_ref, s if group else 0, scales_whole, layer) if has_zp else 0.0)
         part = part - xs * shift
-        if group is None:
-            return acc + part
-        return acc + part * row_of(ws_ref, s, scales_whole, layer)
+        return acc + (part if group is None else part * row_of(ws_ref, s, scales_whole, layer))
 
     def body(kb, acc):
-        part = None
+        part = xs = None
         for b in range(bk // WORD_BLOCK):  # static: the word blocks of one K step
             w_rows = span((kb * (bk // WORD_BLOCK) + b) * SLICE, SLICE, w_ref.shape[-2], in_bounds=True)
             words = load_tile(w_ref, w_rows, cols, 0, layer)
@@ -179,11 +180,14 @@ def _kernel(*refs, m, n, k, blocks, group, has_zp, has_bias, split_blocks, split
                 t = b * NIBBLES + j  # the slice's index in the step
                 k0 = kb * bk + t * SLICE
                 xt = load_tile(x_ref, rows, span(k0, SLICE, k, in_bounds=whole_k), 0)
+                # two accumulator chains (Triton folds each ``acc + dot`` into the MMA)
                 term = dot(xt, _nibbles_asm(words, j, cdt, interpreted), precision=precision)
                 part = term if part is None else part + term
+                sums = dot(xt, ones, precision=precision)
+                xs = sums if xs is None else xs + sums
                 if (t + 1) % slices_per_sum == 0:  # a sum block (scale group) ends here
-                    acc = finish_sum(part, (kb * bk + t * SLICE) // sum_block, acc)
-                    part = None
+                    acc = finish_sum(part, xs, k0 // sum_block, acc)
+                    part = xs = None
         return acc
 
     acc = jax.lax.fori_loop(first, last, body, jnp.zeros((bm, bn), jnp.float32))
@@ -225,16 +229,6 @@ def default_blocks(m: int, group: int | None) -> Blocks:
     return Blocks(bm if m <= bm else min(64, next_pow2(m)), bn, k_step(group), warps, stages)
 
 
-def x_sums(x, k: int, group: int | None):
-    """float32 sums of x over each sum block of K (a scale group, else a K step), K zero-padded to
-    whole K steps: (M, padded K / sum block)."""
-    m = x.shape[0]
-    sum_block = group or k_step(group)
-    padded_k = word_rows(k, group) * NIBBLES
-    padded = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, padded_k - k)))
-    return jnp.sum(padded.reshape(m, padded_k // sum_block, sum_block), axis=-1)
-
-
 def int4_words_matmul(x, words, w_scale, *, group: int | None = None, w_zero_point=None, bias=None,
                       blocks: Blocks | None = None, k_splits: int | None = None, layer=None,
                       interpret: bool | None = None):
@@ -251,7 +245,7 @@ def int4_words_matmul(x, words, w_scale, *, group: int | None = None, w_zero_poi
         raise ValueError(f"int4_words_matmul: the K block must be {k_step(group)} (k_step(group={group})), "
                          f"got {blocks.bk}")
     interpret = config.resolve_interpret(interpret)
-    args = [x, x_sums(x, k, group), words, w_scale.astype(jnp.float32)]
+    args = [x, words, w_scale.astype(jnp.float32)]
     if w_zero_point is not None:
         args.append(w_zero_point.astype(jnp.int8))
     return launch_matmul(_kernel, args, m=m, n=n, k=k, blocks=blocks, bias=bias, k_splits=k_splits, out_dtype=x.dtype,
@@ -270,4 +264,4 @@ def int4_words_reference(x, words, w_scale, *, group: int | None = None, w_zero_
 
 
 __all__ = ["WORD_BLOCK", "code_offset", "int4_words_matmul", "int4_words_reference", "k_step", "nibble_asm", "nibbles",
-           "pack_words", "unpack_words", "word_rows", "x_sums"]
+           "pack_words", "unpack_words", "word_rows"]
