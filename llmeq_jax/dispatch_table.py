@@ -33,8 +33,10 @@ from typing import Iterable
 
 FORMAT = 1
 ENV = "LLMEQ_DISPATCH_TABLE"
-# int4_words: the weight-only int4 decode kernel on the word layout (decode_layout.Int4WordKernel)
-KERNELS = ("weight_only", "w8a8", "fp8_w8a8", "int4_words")
+# int4_words: the weight-only int4 decode kernel on the word layout (decode_layout.Int4WordKernel);
+# float: a float kernel's layer read in place from its stack (pallas_kernels.float_matmul) against XLA's
+# slice-and-dot, bits = the float width; unlike the others it is off where the table has no measurement.
+KERNELS = ("weight_only", "w8a8", "fp8_w8a8", "int4_words", "float")
 PATHS = ("pallas", "xla")
 
 

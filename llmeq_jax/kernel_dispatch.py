@@ -32,7 +32,7 @@ from llmeq_jax import dispatch_table
 from llmeq_jax.core.qarray import QArray, is_packed
 from llmeq_jax.decode_layout import scale_group
 from llmeq_jax.layer_slice import take_layer
-from pallas_kernels import config, int4_words, w8a8, weight_only
+from pallas_kernels import config, float_matmul, int4_words, w8a8, weight_only
 
 
 class KernelUnavailable(ValueError):
@@ -138,6 +138,27 @@ def linear_words(x, w: QArray, require: bool = False, layer=None):
     group, scale, zp, _ = _layout(w)
     y = int4_words.int4_words_matmul(x.reshape(-1, k), w.qvalue, scale, group=group, w_zero_point=zp, layer=layer)
     return y.reshape(*x.shape[:-1], n)
+
+
+def linear_float(x, stack, layer, require: bool = False):
+    """``x @ stack[layer]`` for a stacked float kernel ``[L, in, out]`` by ``pallas_kernels.float_matmul``
+    (reading the layer in place), or None: only where the active or shipped dispatch table measured it
+    faster than XLA's slice-and-dot for this product (kernel ``float``), or when ``require``."""
+    if not config.kernels_available():
+        return _unavailable(require)
+    k, n = stack.shape[1:]
+    x2 = x.reshape(-1, k)
+    ok, why = float_matmul.can_use(x2.shape, x.dtype, stack.dtype)
+    if not ok:
+        if require:
+            raise KernelUnavailable(f"no Pallas kernel takes x {tuple(x.shape)} {x.dtype} @ float {stack.dtype} "
+                                    f"{(k, n)}: {why}")
+        return None
+    key = dispatch_table.Key(jax.devices()[0].device_kind, "float", 8 * jnp.dtype(stack.dtype).itemsize, None, k, n,
+                             dispatch_table.row_bucket(x2.shape[0]), jnp.dtype(x.dtype).name)
+    if not require and dispatch_table.choice(key) != "pallas":
+        return None  # XLA's slice-and-dot unless measured slower on this device
+    return float_matmul.float_matmul(x2, stack, layer=layer).reshape(*x.shape[:-1], n)
 
 
 def linear(x, w: QArray, act=None, require: bool = False, layer=None, *, w_layout: str = "kn"):

@@ -7,7 +7,8 @@ reads every quantized weight three times (slice read, copy write, kernel read) i
 once. A :class:`LayerSlice` keeps the stack and the traced layer index instead;
 ``ops.linear`` passes both to a kernel that indexes the layer itself
 (``pallas_kernels.weight_only``'s and ``w8a8``'s ``layer=``, the native row-major CPU kernels'
-``native.row_major_matmul(..., layer=)``), and takes the slice (:meth:`LayerSlice.value`) for
+``native.row_major_matmul(..., layer=)``; float kernels' ``pallas_kernels.float_matmul`` where a measured
+dispatch table chose it), and takes the slice (:meth:`LayerSlice.value`) for
 every other path, which is what the scan did before.
 """
 
@@ -31,13 +32,13 @@ class LayerSlice:
     """Layer ``layer`` of ``stack``: a QArray whose arrays carry a leading layer axis (its static
     metadata -- shape, bits, tile -- is one layer's, as ``jnp.stack`` over QArrays leaves it)."""
 
-    stack: QArray  # or a decode_layout.RowMajorKernel / Int4WordKernel holding such a stack
+    stack: QArray  # or a decode_layout.RowMajorKernel / Int4WordKernel holding such a stack, or a float [L, ...]
     layer: jax.Array  # int32 scalar, traced inside the scan
 
     @property
     def shape(self) -> tuple[int, ...]:
         """One layer's logical shape (what ``ops.linear`` checks)."""
-        return self.stack.shape
+        return self.stack.shape[1:] if isinstance(self.stack, jax.Array) else self.stack.shape
 
     def value(self) -> QArray:
         """The layer as a QArray of its own (a dynamic slice of every array)."""

@@ -123,6 +123,12 @@ def linear(
 def _linear_layer_slice(x, w: LayerSlice, act, backend):
     """One layer of a stacked kernel, read in place from the stack where a Pallas kernel or the native
     row-major kernel applies; every other path takes the layer's slice (a copy, for a custom call)."""
+    if isinstance(w.stack, jax.Array):  # a float kernel: the Pallas float kernel where a table chose it
+        if backend != "xla":
+            y = kernel_dispatch.linear_float(x, w.stack, w.layer, require=backend == "pallas")
+            if y is not None:
+                return y
+        return linear(x, w.value(), act=act, backend=backend)
     if isinstance(w.stack, RowMajorKernel):
         return _linear_row_major(x, w.stack.w, act if act is not None else w.stack.w.act_spec, backend, w.layer)
     if isinstance(w.stack, Int4WordKernel):

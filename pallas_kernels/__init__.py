@@ -5,6 +5,8 @@ in :mod:`llmeq_jax.kernel_dispatch`.
 
 * :mod:`pallas_kernels.w8a8`         fused per-token activation quantize + int8 GEMM + rescale
 * :mod:`pallas_kernels.weight_only`  int8 / packed-int4 weight-only matmul (dequantize in registers)
+* :mod:`pallas_kernels.int4_words`   int4 weight-only decode on 32-bit words of eight K values (inline PTX)
+* :mod:`pallas_kernels.float_matmul` a float kernel's layer read in place from its stack (decode in the scan)
 * :mod:`pallas_kernels.kv_cache`     single-query decode attention over the quantized KV cache's store
 * :mod:`pallas_kernels.config`       the interpret-mode switch for running kernels on CPU
 """

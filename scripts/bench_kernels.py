@@ -44,7 +44,7 @@ KV_SHAPE = (1, 8, 4, 32768, 128)  # decode attention: batch, kv heads, q heads p
 def bytes_moved(m, k, n, kind):
     """Minimum HBM traffic: activations in (bf16), weight (+ scales), output (bf16)."""
     act, out = 2 * m * k, 2 * m * n
-    weight = {"bf16": 2 * k * n, "w8a8": k * n + 4 * n, "fp8": k * n + 4 * n, "w8": k * n + 4 * n,
+    weight = {"bf16": 2 * k * n, "bf16_stack": 2 * k * n, "w8a8": k * n + 4 * n, "fp8": k * n + 4 * n, "w8": k * n + 4 * n,
               "w4g128": k * n // 2 + 4 * n * -(-k // GROUP)}[LAYOUT_OF.get(kind, kind).removesuffix("_nk")]
     return act + weight + out
 
@@ -101,7 +101,8 @@ def table_key(kind: str, k: int, n: int, m: int):
     from llmeq_jax import dispatch_table
 
     kernel, bits, group = {"w8a8": ("w8a8", 8, None), "fp8": ("fp8_w8a8", 8, None), "w8": ("weight_only", 8, None),
-                           "w4g128": ("weight_only", 4, GROUP), "w4_words": ("int4_words", 4, GROUP)}[kind]
+                           "w4g128": ("weight_only", 4, GROUP), "w4_words": ("int4_words", 4, GROUP),
+                           "bf16_stack": ("float", 16, None)}[kind]
     return dispatch_table.Key(jax.devices()[0].device_kind, kernel, bits, group, k, n, dispatch_table.row_bucket(m),
                               "bfloat16")
 
@@ -117,13 +118,16 @@ def write_table(path, measured):
           f"{len(slower)}: " + ", ".join(f"{e['kernel']}/{e['bits']} {e['k']}x{e['n']} M={e['rows']}" for e in slower))
 
 
-KINDS = ("bf16", "w8a8", "fp8", "w8", "w4g128", "w8a8_nk", "fp8_nk", "w8_nk", "w4_words")
+KINDS = ("bf16", "w8a8", "fp8", "w8", "w4g128", "w8a8_nk", "fp8_nk", "w8_nk", "w4_words", "bf16_stack")
 # The int8 kinds with their weights stored K-major, (N, K): the layout decode steps of up to
 # decode_layout.GPU_KMAJOR_MAX_ROWS rows read (for_decode); timed at decode rows only, not in the table.
 KMAJOR_KINDS = ("w8a8_nk", "fp8_nk", "w8_nk")
 # int4 g128 as words (pallas_kernels.int4_words), the layout for_decode gives int4 kernels on a GPU: decode
 # rows only; in the table as kernel "int4_words" against XLA's path of the packed QArray it replaces.
-DECODE_ONLY_KINDS = (*KMAJOR_KINDS, "w4_words")
+# bf16_stack: the bf16 weights as one stack [copies, K, N], each call a layer of it (traced index) -- what a
+# decode step of the scan over stacked blocks multiplies: pallas_kernels.float_matmul reading the layer in
+# place against XLA's dynamic slice and dot (in the table as kernel "float"); decode rows only.
+DECODE_ONLY_KINDS = (*KMAJOR_KINDS, "w4_words", "bf16_stack")
 LAYOUT_OF = {"w4_words": "w4g128"}  # the kind whose weights (bytes moved, XLA's path) a layout kind has
 
 
@@ -172,6 +176,8 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
     (and write the table to ``table_path`` after each weight shape)."""
     from llmeq_jax import ops
     from llmeq_jax.core.quantize import Spec, quantize
+    from llmeq_jax.layer_slice import take_layer
+    from pallas_kernels.float_matmul import float_matmul
     from pallas_kernels.int4_words import int4_words_matmul, pack_words
     from pallas_kernels.w8a8 import w8a8_matmul
     from pallas_kernels.weight_only import weight_only_matmul
@@ -192,6 +198,8 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
         w8t = _copies(q8.qvalue.T, r) if kmajor & {"w8a8_nk", "w8_nk"} else []
         wft = _copies(qf.qvalue.T, r) if "fp8_nk" in kmajor else []
         w4w = _copies(pack_words(q4.values(), GROUP), r) if "w4_words" in kinds_wanted else []
+        wbs = jnp.stack(wb) if "bf16_stack" in kinds_wanted else None  # r layers of bf16 weights
+        layers = [jnp.int32(i) for i in range(r)] if wbs is not None else []
         del w
         kinds = {
             "bf16": (lambda x, w: x @ w, list(zip(wb))),
@@ -203,6 +211,7 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
             "fp8_nk": (lambda x, w, s: w8a8_matmul(x, w, s, fp8=True, w_layout="nk"), list(zip(wft, sf))),
             "w8_nk": (lambda x, w, s: weight_only_matmul(x, w, s, bits=8, w_layout="nk"), list(zip(w8t, s8))),
             "w4_words": (lambda x, w, s: int4_words_matmul(x, w, s, group=GROUP), list(zip(w4w, s4))),
+            "bf16_stack": (lambda x, w, i: float_matmul(x, w, layer=i), [(wbs, i) for i in layers]),
         }
         kinds_all = kinds
         kinds = {kind: v for kind, v in kinds.items() if kind in kinds_wanted or kind == "bf16"}
@@ -214,6 +223,7 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
             "fp8": lambda x, w, s: ops.linear(x, dataclasses.replace(qaf, qvalue=w, scale=s), backend="xla"),
             "w8": lambda x, w, s: ops.linear(x, dataclasses.replace(q8, qvalue=w, scale=s), backend="xla"),
             "w4g128": lambda x, w, s: ops.linear(x, dataclasses.replace(q4, qvalue=w, scale=s), backend="xla"),
+            "bf16_stack": lambda x, w, i: x @ take_layer(w, i),
         }
         for m in DECODE_M + PREFILL_M:
             xs = _copies(jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16), r)
@@ -247,7 +257,7 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
                     except Exception as e:  # a config Triton rejects (e.g. too much shared memory)
                         print(f"   sweep {kind} M={m} {cfg}: failed: {type(e).__name__}: {str(e)[:200]}")
             del xs
-        del wb, w8, s8, wf, sf, w4, s4, w8t, wft, w4w, kinds, kinds_all
+        del wb, w8, s8, wf, sf, w4, s4, w8t, wft, w4w, wbs, layers, kinds, kinds_all
         if table is not None and table_path:  # after every weight shape: a run cut short keeps what it measured
             write_table(table_path, table)
     if attention:

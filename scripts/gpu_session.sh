@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Prepared runs for a lent GPU machine (issue #15): kernel correctness, FP8 and GEMV kernels, compile
 # seconds unrolled vs scanned, end-to-end decode/prefill on Llama-2-7B shapes (random weights, bf16
-# baseline, transformers bf16 static cache beside), kernel speed. All steps take ~16 min of limits:
+# baseline, transformers bf16 static cache beside), kernel speed. All steps take ~17.5 min of limits:
 # split them over two device calls of at most 10 minutes with STEPS, e.g.
-#     STEPS="gpu_tests words fp8 kernels" bash scripts/gpu_session.sh   # ~7 min
-#     STEPS="gemv prefill e2e" bash scripts/gpu_session.sh              # ~6.5 min (then layout layout_dsf)
+#     STEPS="gpu_tests words fp8 kernels" bash scripts/gpu_session.sh   # ~7.2 min
+#     STEPS="layout layout_float e2e" bash scripts/gpu_session.sh       # ~6.7 min (then gemv prefill layout_dsf)
 # Each step has its own time limit and writes under $OUT (default runs/gpu), so a slow step
 # cannot eat the others' time. The machine reaches no registry: carry `git archive HEAD` of this
 # project and run from its root through the device tool.
@@ -18,7 +18,7 @@ layers=(${LAYERS:+--layers "$LAYERS"})
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 start=$SECONDS
-steps="${STEPS:-gpu_tests words fp8 gemv prefill layout layout_dsf e2e kernels}"  # STEPS: a subset, to split the run over calls
+steps="${STEPS:-gpu_tests words fp8 gemv prefill layout layout_dsf layout_float e2e kernels}"  # STEPS: a subset, to split the run over calls
 step() {  # step NAME SECONDS CMD...: run CMD with a time limit, its output in $out/NAME.log
   local name=$1 limit=$2
   shift 2
@@ -35,7 +35,9 @@ step gpu_tests 120 "$py" -m pytest -q -m gpu tests/pallas_kernels/test_gpu_kerne
 # int4 decode as words of eight K values (pallas_kernels.int4_words, new: 2.5 SASS instructions per weight
 # against the dot kernel's 5.4), on the four shapes of issue #15's int4 target (>= 2.5x bf16 at M <= 16),
 # beside the dot kernel (w4g128) and XLA's path; its table entries (kernel int4_words) go to the shipped table.
-step words 100 "$py" scripts/bench_kernels.py --reps 10 --kinds bf16,w4g128,w4_words \
+# Also bf16 weights read as a layer of a stack, as the scan over stacked blocks does: pallas_kernels.float_matmul
+# in place against XLA's dynamic slice + dot (bf16_stack, table kernel "float": off unless measured faster).
+step words 120 "$py" scripts/bench_kernels.py --reps 10 --kinds bf16,w4g128,w4_words,bf16_stack \
     --weights 4096x4096,4096x11008,11008x4096,4096x14336 --no-attention --write-table "$out/dispatch_words.json"
 # FP8 W8A8 (E4M3, new since the H200 run): the Pallas kernel and XLA's FP8 dot against bf16, and PyTorch's
 # _scaled_mm beside them, on one weight shape (issue #15's target: >= 1.6x bf16).
@@ -60,6 +62,11 @@ step layout 110 "$py" scripts/bench_e2e.py --shapes "$shapes" --layers 4 --dtype
 XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_dynamic_slice_fusion=true" step layout_dsf 60 "$py" scripts/bench_e2e.py \
     --shapes "$shapes" --layers 4 --dtype bfloat16 --recipes bf16 --batches 1 --prefill-len 512 --new-tokens 32 \
     --repeats 2 --scan-layers --no-torch --out "$out/layout_dsf.json"
+# bf16 scanned again with the words step's table active: its "float" entries send the decode step's bf16
+# kernels to float_matmul where it measured faster (compare with layout's bf16 scanned row).
+LLMEQ_DISPATCH_TABLE="$out/dispatch_words.json" step layout_float 60 "$py" scripts/bench_e2e.py --shapes "$shapes" \
+    --layers 4 --dtype bfloat16 --recipes bf16 --batches 1 --prefill-len 512 --new-tokens 32 --repeats 2 \
+    --scan-layers --no-torch --out "$out/layout_float.json"
 step e2e 230 "$py" scripts/bench_e2e.py --shapes "$shapes" "${layers[@]}" --dtype bfloat16 --recipes rtn-w4-g128 rtn-w8 fp8-w8a8 \
     --batches 1 16 --prefill-len 2048 --new-tokens 32 --repeats 2 --scan-only --out "$out/e2e.json"
 step kernels 90 "$py" scripts/bench_kernels.py --reps 10 --kinds bf16,w8a8,fp8,w8,w4g128,w8a8_nk,fp8_nk,w8_nk \

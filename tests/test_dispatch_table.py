@@ -124,6 +124,8 @@ def test_bench_kernels_writes_a_table_dispatch_reads(tmp_path, capsys):
     assert (slow.kernel, slow.bits, slow.group) == ("w8a8", 8, None)
     words = bench.table_key("w4_words", 4096, 14336, 16)  # the word layout: its own kernel in the table
     assert (words.kernel, words.bits, words.group, words.rows) == ("int4_words", 4, 128, 16)
+    in_place = bench.table_key("bf16_stack", 4096, 4096, 1)
+    assert (in_place.kernel, in_place.bits, in_place.group) == ("float", 16, None)
     path = tmp_path / "dispatch.json"
     bench.write_table(path, [(fast, {"pallas_s": 1.0, "xla_s": 2.0, "bf16_s": 3.0}),
                              (slow, {"pallas_s": 5.0, "xla_s": 4.0, "bf16_s": 3.0})])

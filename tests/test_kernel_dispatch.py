@@ -264,3 +264,31 @@ def test_word_kernels_refuse_what_they_cannot_hold():
         assert dispatch.linear_words(jnp.ones((1, 256)), words.w, require=False) is not None
         with pytest.raises(dispatch.KernelUnavailable, match="needs a CUDA GPU"), config.interpret(False):
             ops.linear(jnp.ones((1, 256)), words, backend="pallas")
+
+
+# --------------------------------------------------------------------------- float kernels read in place
+
+
+def test_float_stack_goes_to_the_kernel_only_where_a_table_measured_it_faster():
+    from llmeq_jax import dispatch_table
+    from llmeq_jax.layer_slice import LayerSlice
+
+    stack = jax.random.normal(jax.random.key(3), (3, 128, 48)).astype(jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(4), (2, 128)).astype(jnp.bfloat16)
+    key = dispatch_table.Key(jax.devices()[0].device_kind, "float", 16, None, 128, 48, 2, "bfloat16")
+    faster = dispatch_table.from_json(dispatch_table.to_json(
+        key.device, [(key, {"pallas_s": 1e-6, "xla_s": 2e-6, "bf16_s": 2e-6})]))
+    assert dispatch.linear_float(x, stack, jnp.int32(1)) is None  # no kernels here (CPU, not interpret)
+    with config.interpret(True):
+        assert dispatch.linear_float(x, stack, jnp.int32(1)) is None  # not measured: XLA's slice-and-dot
+        with dispatch_table.use(faster):
+            y = dispatch.linear_float(x, stack, jnp.int32(1))
+            assert y is not None and dispatch.linear_float(x[:1], stack, jnp.int32(1)) is None  # other bucket
+            via_ops = ops.linear(x, LayerSlice(stack, jnp.int32(1)))
+        forced = ops.linear(x, LayerSlice(stack, jnp.int32(1)), backend="pallas")
+        with pytest.raises(dispatch.KernelUnavailable, match="must be one float dtype"):
+            ops.linear(x.astype(jnp.float32), LayerSlice(stack, jnp.int32(1)), backend="pallas")
+    want = ops.linear(x, stack[1], backend="xla")
+    for got in (y, via_ops, forced):
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-2,
+                                   atol=1e-2 * float(jnp.max(jnp.abs(want.astype(jnp.float32)))))

@@ -134,17 +134,27 @@ def in_place_kernels() -> bool:
 def block_at(blocks, layer, in_place: bool):
     """Block ``layer`` of the stacked ``blocks``: every array sliced, except the kernels a kernel can
     read in place, which stay stacked behind a :class:`LayerSlice`: row-major kernels (native CPU
-    decode), int4 word kernels (GPU decode), and 2-D uniform-grid QArrays when ``in_place`` (Pallas)."""
+    decode), int4 word kernels (GPU decode), and, when ``in_place`` (Pallas), 2-D uniform-grid QArrays
+    and float kernels (``ops.linear`` still slices those unless a kernel takes them)."""
     from llmeq_jax.decode_layout import Int4WordKernel, RowMajorKernel
 
-    def one(leaf):
+    def one(path, leaf):
         if isinstance(leaf, (RowMajorKernel, Int4WordKernel)) or (
                 in_place and isinstance(leaf, QArray) and len(leaf.shape) == 2 and leaf.grid != "log2"):
+            return LayerSlice(leaf, layer)
+        if in_place and _is_float_kernel(path, leaf):
             return LayerSlice(leaf, layer)
         return jax.tree.map(lambda a: take_layer(a, layer), leaf)
 
     # every node but the param dicts is taken whole (QArrays, and run-time layouts such as RowMajorKernel)
-    return jax.tree.map(one, blocks, is_leaf=lambda a: not isinstance(a, (dict, list, tuple)))
+    return jax.tree_util.tree_map_with_path(one, blocks, is_leaf=lambda a: not isinstance(a, (dict, list, tuple)))
+
+
+def _is_float_kernel(path, leaf) -> bool:
+    """A stacked float ``(in, out)`` kernel of a Linear ([L, in, out] under the key "kernel")."""
+    last = path[-1] if path else None
+    return (getattr(last, "key", None) == "kernel" and isinstance(leaf, jax.Array) and leaf.ndim == 3
+            and jnp.issubdtype(leaf.dtype, jnp.floating))
 
 
 def scan_blocks(run_block, blocks, carry, num_layers: int):

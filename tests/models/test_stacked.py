@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import warnings
 
 import jax
@@ -242,3 +243,42 @@ def test_stacked_gpu_decode_layout_reads_int4_words_in_place(stories, stories_w4
         assert words and all(w.w.qvalue.ndim == 3 for w in words)  # stacked [L, K'/8, N]
         assert _weight_slices(config, step, token, "i32") == 0
         _close(forward(config, stories_w4, token), jax.jit(lambda p, t: forward(config, p, t))(step, token))
+
+
+def _float_table(config, params, rows: int, pallas_faster: bool = True):
+    """A dispatch table measuring the float kernel against XLA for every float kernel shape in ``params``."""
+    from llmeq_jax import dispatch_table as dt
+
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    shapes = {a.shape[-2:] for path, a in leaves if getattr(path[-1], "key", None) == "kernel" and a.ndim >= 2}
+    times = {"pallas_s": 1e-6 if pallas_faster else 1e-5, "xla_s": 5e-6, "bf16_s": 5e-6}
+    device = jax.devices()[0].device_kind
+    keys = [dt.Key(device, "float", 32, None, k, n, dt.row_bucket(rows), "float32") for k, n in shapes]
+    return dt.from_json(dt.to_json(device, [(key, times) for key in keys]))
+
+
+def _kernel_slices(config, params, tokens) -> int:
+    """Dynamic slices of a whole float kernel ([1, in, out] out of its stack) in the traced forward."""
+    text = str(jax.make_jaxpr(lambda p, t: forward(config, p, t))(params, tokens))
+    return sum(1 for line in text.splitlines()
+               if "= dynamic_slice" in line and re.search(r":f32\[1,\d+,\d+\]", line.split(" = ")[0]))
+
+
+def test_stacked_float_kernels_are_read_in_place_where_a_table_chose_the_kernel(stories):
+    """Float kernels inside the scan: XLA's slice-and-dot by default; the Pallas float kernel reading the
+    layer from the stack (no kernel sliced out in the traced step) where a measured table says it is faster."""
+    from llmeq_jax import dispatch_table as dt
+    from pallas_kernels import config as kernel_config
+
+    config, params, _ = stories
+    token = TOKENS[:1, :1] % config.vocab_size
+    packed = stacked.stack_blocks(config, params)
+    want = forward(config, params, token)
+    with kernel_config.interpret(True):
+        assert _kernel_slices(config, packed, token) > 0  # no table: XLA slices the kernels
+        with dt.use(_float_table(config, packed, rows=1, pallas_faster=False)):
+            assert _kernel_slices(config, packed, token) > 0
+        with dt.use(_float_table(config, packed, rows=1)):
+            assert _kernel_slices(config, packed, token) == 0
+            got = jax.jit(lambda p, t: forward(config, p, t))(packed, token)
+    _close(want, got)

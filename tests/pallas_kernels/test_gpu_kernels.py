@@ -240,6 +240,26 @@ for _shape in WO_WORDS:
                 *compare(y, r, 8e-3), None)
 
 
+FLOAT_STACK = [  # (M, K, N, dtype): pallas_kernels.float_matmul reading layer 2 of a stack of 3
+    (1, 4096, 11008, BF16),
+    (16, 11008, 4096, F16),
+    (3, 300, 90, F32),  # ragged, TF32x3
+]
+
+for _shape in FLOAT_STACK:
+
+    @case
+    def _float_stack(shape=_shape):
+        from pallas_kernels.float_matmul import float_matmul
+
+        m, k, n, dtype = shape
+        stack = (jax.random.normal(jax.random.key(11), (3, k, n)) * 0.02).astype(dtype)
+        x = jax.random.normal(jax.random.key(12), (m, k)).astype(dtype)
+        y = jax.jit(lambda x, w, i: float_matmul(x, w, layer=i, interpret=INTERPRET))(x, stack, jnp.int32(2))
+        r = reference(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32), x, stack[2])
+        return f"float matmul layer 2 of 3 M={m} K={k} N={n} {jnp.dtype(dtype).name}", *compare(y, r, REL[dtype]), None
+
+
 @case
 def _stacked_layer():
     """One layer of stacked weights read in place (the scan over stacked blocks): int4 weight-only and
