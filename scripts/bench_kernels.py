@@ -246,8 +246,13 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
                     t_mm, t_bf = (timer(f, reps * 10) for f in prepare(m, k, n))
                     line += f"  (torch _scaled_mm {t_mm * 1e3:.4f} ms = {t_bf / t_mm:.2f}x torch bf16)"
                 print(line, flush=True)
-            if sweep and (k, n) == (4096, 11008) and m in SWEEP:
-                kind = "w8a8" if m >= 1024 else "w4g128"
+            if sweep and (k, n) == (4096, 11008) and "w4_words" in kinds and m <= DECODE_M[-1]:
+                for cfg in _words_sweep():
+                    fn = lambda x, w, s, cfg=cfg: int4_words_matmul(x, w, s, group=GROUP, **cfg)  # noqa: E731
+                    t = timed(fn, [(x, *wargs) for x, wargs in zip(xs, kinds["w4_words"][1])], reps=reps)
+                    print(f"   sweep w4_words M={m} {cfg}: {t * 1e3:.4f} ms, {base / t:.2f}x bf16", flush=True)
+            kind = "w8a8" if m >= 1024 else "w4g128"
+            if sweep and (k, n) == (4096, 11008) and m in SWEEP and kind in kinds:
                 for cfg in SWEEP[m]:
                     fn = (lambda x, w, s, cfg=cfg: w8a8_matmul(x, w, s, **cfg)) if kind == "w8a8" else (
                         lambda x, w, s, cfg=cfg: weight_only_matmul(x, w, s, bits=4, group=GROUP, **cfg))
@@ -312,6 +317,14 @@ def _sweep():
         2048: [dict(transpose_w=False), dict(blocks=Blocks(128, 128, 128, 8, 3)), dict(blocks=Blocks(128, 256, 128, 8, 3)),
                dict(blocks=Blocks(256, 128, 128, 8, 4))],
     }
+
+
+def _words_sweep():
+    from pallas_kernels.blocks import Blocks
+
+    # the word kernel's K block is its K step (128 for group 128); its default tile is 16 x 128, 4 warps, 3 stages
+    return [dict(blocks=Blocks(16, 256, 128, 4, 3)), dict(blocks=Blocks(16, 64, 128, 4, 3)),
+            dict(blocks=Blocks(16, 128, 128, 8, 3)), dict(blocks=Blocks(16, 128, 128, 4, 4)), dict(k_splits=1)]
 
 
 def main():

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Prepared runs for a lent GPU machine (issue #15): kernel correctness, FP8 and GEMV kernels, compile
 # seconds unrolled vs scanned, end-to-end decode/prefill on Llama-2-7B shapes (random weights, bf16
-# baseline, transformers bf16 static cache beside), kernel speed. All steps take ~17.5 min of limits:
+# baseline, transformers bf16 static cache beside), kernel speed. All steps take ~18 min of limits:
 # split them over two device calls of at most 10 minutes with STEPS, e.g.
-#     STEPS="gpu_tests words fp8 kernels" bash scripts/gpu_session.sh   # ~7.2 min
+#     STEPS="gpu_tests words fp8 kernels" bash scripts/gpu_session.sh   # ~7.7 min
 #     STEPS="layout layout_float e2e" bash scripts/gpu_session.sh       # ~6.7 min (then gemv prefill layout_dsf)
 # Each step has its own time limit and writes under $OUT (default runs/gpu), so a slow step
 # cannot eat the others' time. The machine reaches no registry: carry `git archive HEAD` of this
@@ -37,7 +37,8 @@ step gpu_tests 120 "$py" -m pytest -q -m gpu tests/pallas_kernels/test_gpu_kerne
 # beside the dot kernel (w4g128) and XLA's path; its table entries (kernel int4_words) go to the shipped table.
 # Also bf16 weights read as a layer of a stack, as the scan over stacked blocks does: pallas_kernels.float_matmul
 # in place against XLA's dynamic slice + dot (bf16_stack, table kernel "float": off unless measured faster).
-step words 120 "$py" scripts/bench_kernels.py --reps 10 --kinds bf16,w4g128,w4_words,bf16_stack \
+# --sweep: the word kernel's other tiles, warps, stages and no split at decode rows on 4096x11008.
+step words 150 "$py" scripts/bench_kernels.py --reps 10 --sweep --kinds bf16,w4g128,w4_words,bf16_stack \
     --weights 4096x4096,4096x11008,11008x4096,4096x14336 --no-attention --write-table "$out/dispatch_words.json"
 # FP8 W8A8 (E4M3, new since the H200 run): the Pallas kernel and XLA's FP8 dot against bf16, and PyTorch's
 # _scaled_mm beside them, on one weight shape (issue #15's target: >= 1.6x bf16).
