@@ -140,23 +140,21 @@ def linear_words(x, w: QArray, require: bool = False, layer=None):
     return y.reshape(*x.shape[:-1], n)
 
 
-def linear_float(x, stack, layer, require: bool = False):
+def linear_float(x, stack, layer, force: bool = False):
     """``x @ stack[layer]`` for a stacked float kernel ``[L, in, out]`` by ``pallas_kernels.float_matmul``
-    (reading the layer in place), or None: only where the active or shipped dispatch table measured it
-    faster than XLA's slice-and-dot for this product (kernel ``float``), or when ``require``."""
+    (reading the layer in place), or None (XLA's slice-and-dot then). The kernel takes a product it can
+    (decode rows, one float dtype) only where the active or shipped dispatch table measured it faster
+    than XLA's path (kernel ``float``), or with ``force`` (``backend="pallas"``). Float products never
+    require a kernel: where none applies this is None, not an error."""
     if not config.kernels_available():
-        return _unavailable(require)
+        return None
     k, n = stack.shape[1:]
     x2 = x.reshape(-1, k)
-    ok, why = float_matmul.can_use(x2.shape, x.dtype, stack.dtype)
-    if not ok:
-        if require:
-            raise KernelUnavailable(f"no Pallas kernel takes x {tuple(x.shape)} {x.dtype} @ float {stack.dtype} "
-                                    f"{(k, n)}: {why}")
+    if not float_matmul.can_use(x2.shape, x.dtype, stack.dtype)[0]:
         return None
     key = dispatch_table.Key(jax.devices()[0].device_kind, "float", 8 * jnp.dtype(stack.dtype).itemsize, None, k, n,
                              dispatch_table.row_bucket(x2.shape[0]), jnp.dtype(x.dtype).name)
-    if not require and dispatch_table.choice(key) != "pallas":
+    if not force and dispatch_table.choice(key) != "pallas":
         return None  # XLA's slice-and-dot unless measured slower on this device
     return float_matmul.float_matmul(x2, stack, layer=layer).reshape(*x.shape[:-1], n)
 

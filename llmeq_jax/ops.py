@@ -125,7 +125,7 @@ def _linear_layer_slice(x, w: LayerSlice, act, backend):
     row-major kernel applies; every other path takes the layer's slice (a copy, for a custom call)."""
     if isinstance(w.stack, jax.Array):  # a float kernel: the Pallas float kernel where a table chose it
         if backend != "xla":
-            y = kernel_dispatch.linear_float(x, w.stack, w.layer, require=backend == "pallas")
+            y = kernel_dispatch.linear_float(x, w.stack, w.layer, force=backend == "pallas")
             if y is not None:
                 return y
         return linear(x, w.value(), act=act, backend=backend)

@@ -285,9 +285,12 @@ def test_float_stack_goes_to_the_kernel_only_where_a_table_measured_it_faster():
             y = dispatch.linear_float(x, stack, jnp.int32(1))
             assert y is not None and dispatch.linear_float(x[:1], stack, jnp.int32(1)) is None  # other bucket
             via_ops = ops.linear(x, LayerSlice(stack, jnp.int32(1)))
-        forced = ops.linear(x, LayerSlice(stack, jnp.int32(1)), backend="pallas")
-        with pytest.raises(dispatch.KernelUnavailable, match="must be one float dtype"):
-            ops.linear(x.astype(jnp.float32), LayerSlice(stack, jnp.int32(1)), backend="pallas")
+        forced = ops.linear(x, LayerSlice(stack, jnp.int32(1)), backend="pallas")  # no table needed
+        # what the kernel cannot take (mixed dtypes, prefill rows) is XLA's, as float products always were
+        assert dispatch.linear_float(x.astype(jnp.float32), stack, jnp.int32(1), force=True) is None
+        assert dispatch.linear_float(jnp.ones((17, 128), jnp.bfloat16), stack, jnp.int32(1), force=True) is None
+        mixed = ops.linear(x.astype(jnp.float32), LayerSlice(stack, jnp.int32(1)), backend="pallas")
+    np.testing.assert_array_equal(np.asarray(mixed), np.asarray(x.astype(jnp.float32) @ stack[1].astype(jnp.float32)))
     want = ops.linear(x, stack[1], backend="xla")
     for got in (y, via_ops, forced):
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-2,
