@@ -55,7 +55,7 @@ from pallas_kernels.common import (
     split_pairs,
 )
 from jax.experimental.pallas import triton as plgpu
-from pallas_kernels.weight_only import dequant_int4, int4_offset
+from pallas_kernels.weight_only import dequant_int4_asm, int4_offset
 
 SUPPORTED_BITS = (4, 8)
 NEG_INF = -1e30  # finite: a fully masked block must not produce inf - inf = nan
@@ -147,13 +147,15 @@ def _code_lanes(c, bits):
 # What each int4 dot operand carries: the codes become bf16 by bit patterns (weight_only's "fold":
 # code + 136, no int -> float conversion; converting compiled to I2F, at a quarter of the float rate,
 # two per stored byte -- scripts/kernel_sass.py), and the 136 comes off through sums of the float side.
+# On a GPU the bit patterns come from weight_only's inline PTX (dequant="asm": two nibbles per lop3; the
+# 32K decode loop compiled for sm_90 went from 1752 to 1387 instructions); interpret mode runs "fold".
 INT4_FOLD = int4_offset(jnp.bfloat16)
 
 
-def _code_operands(c, bits):
+def _code_operands(c, bits, interpreted: bool):
     """Stored code tile -> the bf16 dot operands per channel group (int4: each code + INT4_FOLD)."""
     if bits == 4:
-        return list(dequant_int4(c, jnp.bfloat16, "fold"))
+        return list(dequant_int4_asm(c, jnp.bfloat16, interpreted))
     return [c.astype(jnp.int32).astype(jnp.bfloat16)]
 
 
@@ -187,7 +189,7 @@ _NT = ((1,), (1,))  # a (m, k) . c (n, k)^T
 _NN = ((1,), (0,))  # a (m, k) . c (k, n)
 
 
-def _decode_kernel(*refs, lay: _Layout, g, bg, bt, d, sm_scale, split_blocks, precision, parts):
+def _decode_kernel(*refs, lay: _Layout, g, bg, bt, d, sm_scale, split_blocks, precision, parts, interpreted):
     """One (batch, kv head, split of the tokens): unnormalised partial attention + its max and sum."""
     refs = list(refs)
     q_ref, k_ref, v_ref, ks_ref, ko_ref, vs_ref = refs[:6]
@@ -225,7 +227,7 @@ def _decode_kernel(*refs, lay: _Layout, g, bg, bt, d, sm_scale, split_blocks, pr
     def scores(toks, tok_mask):
         stored = [plgpu.load(k_ref.at[b, h, toks, half(i, bh)], mask=tok_mask[:, None], other=0) for i in range(halves)]
         if not lay.rope:
-            codes = _code_operands(stored[0], bits)
+            codes = _code_operands(stored[0], bits, interpreted)
             return sum(_parts_dot(q_folded[j], codes[j], _NT) for j in lanes) + q_const
         codes = [_code_lanes(c, bits) for c in stored]
         # Dequantize, rotate by the slot's position (rotate-half RoPE), then a float dot.
@@ -256,7 +258,8 @@ def _decode_kernel(*refs, lay: _Layout, g, bg, bt, d, sm_scale, split_blocks, pr
         v_scale = v_scale.astype(jnp.float32).reshape(1, bt)
         # p . (c * s_v + o_v) = (p * s_v) . c + sum(p * o_v): fold the per-token value grid into the weights.
         pv = _bf16_parts(p * v_scale, parts)
-        v_codes = _code_operands(plgpu.load(v_ref.at[b, h, toks, :], mask=tok_mask[:, None], other=0), bits)
+        v_codes = _code_operands(plgpu.load(v_ref.at[b, h, toks, :], mask=tok_mask[:, None], other=0), bits,
+                                 interpreted)
         upd = [_parts_dot(pv, c, _NN) for c in v_codes]
         upd = interleave_pairs(*upd) if bits == 4 else upd[0]
         if bits == 4:  # the codes' fold offset, times the weights the dots multiplied it by
@@ -303,6 +306,7 @@ def _decode(q, k_codes, v_codes, k_scale, k_off, v_scale, extra, length, lay: _L
         _decode_kernel, lay=lay, g=g, bg=max(MIN_DOT, next_pow2(g)), bt=bt, d=d,
         sm_scale=float(sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)), split_blocks=split_blocks,
         precision=f32_dot_precision(interpret), parts=1 if jnp.dtype(q.dtype) != jnp.float32 else 3,
+        interpreted=interpret,
     )
     part = jax.ShapeDtypeStruct((bsz, h, splits, g, d), jnp.float32)
     stat = jax.ShapeDtypeStruct((bsz, h, splits, g, 1), jnp.float32)

@@ -107,8 +107,16 @@ def test_store_decode_lowers_for_cuda(cuda_lowering, bits, rope):
         extra = dict(slot_pos=pos, inv_freq=freq) if rope else {}
         return store_decode_attention(q, kc, vc, ks, kl, vs, vl, n, bits=bits, allowed=allowed, **extra)
 
-    cuda_lowering(attend, sds((b, h * g, d), jnp.bfloat16), cache, cache, grid, grid, tok, tok, sds((b,), jnp.int32),
-                  sds((b, t), bool), sds((b, t), jnp.int32), sds((d // 2,), jnp.float32))
+    args = (sds((b, h * g, d), jnp.bfloat16), cache, cache, grid, grid, tok, tok, sds((b,), jnp.int32),
+            sds((b, t), bool), sds((b, t), jnp.int32), sds((d // 2,), jnp.float32))
+    from pallas_kernels.ttir import triton_modules
+
+    (kernel,) = triton_modules(attend, *args)  # first: a second lowering of the same call is cached
+    cuda_lowering(attend, *args)
+    # int4 codes become bf16 operands by inline PTX (two calls per code tile: low and high nibbles), values
+    # as dot operands always, keys too unless pre-RoPE (those are dequantized in float32 to be rotated)
+    want = 0 if bits == 8 else (2 if rope else 4)
+    assert kernel.ttir.count("tt.elementwise_inline_asm") == want
 
 
 def test_store_decode_bad_input_is_rejected_clearly():
