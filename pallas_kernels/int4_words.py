@@ -23,9 +23,10 @@ Pallas on Triton can express:
   constant tile of ones gives the sums in the accumulator's layout, every column alike (ptxas issues it
   once per warp: 8 more MMAs a K step); no separate pass over x, no subtraction per weight.
 
-Compiled for sm_90 (``scripts/kernel_sass.py``, 4096 x 11008, group 128, bf16 x, M = 1..16, 128-column
-tiles): the K loop issues 2.5 instructions per weight (2.1 with 256 columns) against 5.4 for the dot
-kernel and 4.5 for the GEMV; 96 registers, no byte loads from shared memory. Not yet timed on a GPU.
+Compiled for sm_90 (``scripts/kernel_sass.py``, 4096 x 11008, group 128, bf16 x, M = 1..16): the K loop
+issues 2.1 instructions per weight with the 256-column tiles it takes there (155 registers), 2.5 with
+128 columns (96 registers; the default below 8192 outputs), against 5.4 for the dot kernel and 4.5 for
+the GEMV; no byte loads from shared memory. Not yet timed on a GPU.
 
 Contract:
   x        (M, K)              float32 / bfloat16 / float16
@@ -67,8 +68,11 @@ SLICE = WORD_BLOCK // NIBBLES  # K rows per nibble position in a block: one MMA 
 # (bf16/f16 bit pattern, its value) per half dtype: MAGIC | u is MAGIC + u exactly for u < 16.
 _HALF_MAGIC = {jnp.dtype(jnp.bfloat16): (0x4300, 128.0), jnp.dtype(jnp.float16): (0x6400, 1024.0)}
 _F32_MAGIC = 0x4B000000  # 2^23: float32 takes the exact code u (MAGIC + u - 2^23)
-# (bm, bn, warps, stages) for the decode rows this layout is made for.
+# (bm, bn, warps, stages) for the decode rows this layout is made for; WIDE_BN columns from WIDE_N outputs
+# on: 256-column tiles issue 2.1 instructions per weight against 2.5 (sm_90 SASS), and from 8192 columns
+# their grid (with the K splits) still covers an H100's 132 SMs; narrower, 128 columns fill it better.
 DEFAULT_TILE = (16, 128, 4, 3)
+WIDE_N, WIDE_BN = 8192, 256
 
 
 def k_step(group: int | None) -> int:
@@ -223,9 +227,11 @@ def _check(x, words, w_scale, w_zero_point, group, layer):
         raise ValueError(f"{name}: zero point shape {w_zero_point.shape} != scale shape {w_scale.shape}")
 
 
-def default_blocks(m: int, group: int | None) -> Blocks:
-    """16-row tiles for decode (M <= 16), up to 64 rows beyond; 128 columns; one K step per iteration."""
+def default_blocks(m: int, n: int, group: int | None) -> Blocks:
+    """16-row tiles for decode (M <= 16), up to 64 rows beyond; 128 columns (256 from WIDE_N outputs on);
+    one K step per iteration."""
     bm, bn, warps, stages = DEFAULT_TILE
+    bn = WIDE_BN if n >= WIDE_N else bn
     return Blocks(bm if m <= bm else min(64, next_pow2(m)), bn, k_step(group), warps, stages)
 
 
@@ -240,7 +246,7 @@ def int4_words_matmul(x, words, w_scale, *, group: int | None = None, w_zero_poi
     _check(x, words, w_scale, w_zero_point, group, layer)
     m, k = x.shape
     n = words.shape[-1]
-    blocks = blocks or default_blocks(m, group)
+    blocks = blocks or default_blocks(m, n, group)
     if blocks.bk != k_step(group):
         raise ValueError(f"int4_words_matmul: the K block must be {k_step(group)} (k_step(group={group})), "
                          f"got {blocks.bk}")

@@ -32,7 +32,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/dev
 "$py" -c "import jax; print(jax.__version__, jax.devices())" >> "$out/device.txt" 2>&1
 cat "$out/device.txt"
 step gpu_tests 120 "$py" -m pytest -q -m gpu tests/pallas_kernels/test_gpu_kernels.py
-# int4 decode as words of eight K values (pallas_kernels.int4_words, new: 2.5 SASS instructions per weight
+# int4 decode as words of eight K values (pallas_kernels.int4_words, new: 2.1-2.5 SASS instructions per weight
 # against the dot kernel's 5.4), on the four shapes of issue #15's int4 target (>= 2.5x bf16 at M <= 16),
 # beside the dot kernel (w4g128) and XLA's path; its table entries (kernel int4_words) go to the shipped table.
 # Also bf16 weights read as a layer of a stack, as the scan over stacked blocks does: pallas_kernels.float_matmul

@@ -82,7 +82,7 @@ def _int4_words(m: int, bn: int | None = None) -> Case:
     from pallas_kernels import int4_words
     from pallas_kernels.blocks import Blocks
 
-    blocks = int4_words.default_blocks(m, GROUP)
+    blocks = int4_words.default_blocks(m, N, GROUP)
     if bn is not None:
         blocks = Blocks(blocks.bm, bn, blocks.bk, blocks.num_warps, blocks.num_stages)
 
@@ -137,7 +137,7 @@ CASES: dict[str, Case] = {
     "wo_int4_m2048_scaled": _weight_only(2048, 4, dequant="scaled"),
     "wo_int4_m1_words": _int4_words(1),
     "wo_int4_m16_words": _int4_words(16),
-    "wo_int4_m16_words_bn256": _int4_words(16, bn=256),
+    "wo_int4_m16_words_bn128": _int4_words(16, bn=128),
     "wo_int8_m1": _weight_only(1, 8),
     "wo_int8_m1_kmajor": _weight_only(1, 8, w_layout="nk"),
     "gemv_int4_m1": _weight_only(1, 4, gemv=True),
