@@ -193,6 +193,12 @@ def sum_splits(y: jax.Array, splits: int, bias, dtype) -> jax.Array:
     return y.astype(dtype)
 
 
+def weight_operands(w, w_scale, w_zero_point) -> list:
+    """A matmul kernel's weight operands in :func:`split_refs`' order: the codes as given, the scales as
+    float32, the zero points as int8 when there are any."""
+    return [w, w_scale.astype(jnp.float32)] + ([] if w_zero_point is None else [w_zero_point.astype(jnp.int8)])
+
+
 def split_refs(refs, *, stacked: bool, inputs: int, has_zp: bool, has_bias: bool):
     """A :func:`launch_matmul` kernel's refs in the order it passes them: (the layer index or None, the
     first ``inputs`` operand refs, the zero point ref or None, the bias ref or None, the output ref)."""

@@ -41,7 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.blocks import Blocks
-from pallas_kernels.common import cdiv, compiler_params, load_tile, span
+from pallas_kernels.common import cdiv, compiler_params, load_tile, span, weight_operands
 
 GEMV_MAX_ROWS = 4
 # (bn, bk, warps): 128 output columns and 64 rows of K per block, one warp; two K blocks per program
@@ -176,9 +176,7 @@ def weight_only_gemv(x, wq, w_scale, *, bits, w_zero_point=None, bias=None, grou
     w = wq
     if words:  # the same bytes as int32 words, four columns each
         w = jax.lax.bitcast_convert_type(wq.reshape(*wq.shape[:-1], n // 4, 4), jnp.int32)
-    args += [w, w_scale.astype(jnp.float32)]
-    if w_zero_point is not None:
-        args.append(w_zero_point.astype(jnp.int8))
+    args += weight_operands(w, w_scale, w_zero_point)
     if layer is not None:
         args = [jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), *args]
     npad = cdiv(n, bn) * bn

@@ -60,6 +60,7 @@ from pallas_kernels.common import (
     split_refs,
     store_tile,
     tile_mask,
+    weight_operands,
 )
 
 WORD_BLOCK = 128  # K rows per block of 16 word rows
@@ -251,9 +252,7 @@ def int4_words_matmul(x, words, w_scale, *, group: int | None = None, w_zero_poi
         raise ValueError(f"int4_words_matmul: the K block must be {k_step(group)} (k_step(group={group})), "
                          f"got {blocks.bk}")
     interpret = config.resolve_interpret(interpret)
-    args = [x, words, w_scale.astype(jnp.float32)]
-    if w_zero_point is not None:
-        args.append(w_zero_point.astype(jnp.int8))
+    args = [x, *weight_operands(words, w_scale, w_zero_point)]
     return launch_matmul(_kernel, args, m=m, n=n, k=k, blocks=blocks, bias=bias, k_splits=k_splits, out_dtype=x.dtype,
                          interpret=interpret, name="int4_words_matmul", layer=layer, group=group,
                          has_zp=w_zero_point is not None, precision=f32_dot_precision(interpret) if

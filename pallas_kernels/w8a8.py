@@ -59,6 +59,7 @@ from pallas_kernels.common import (
     split_refs,
     store_tile,
     tile_mask,
+    weight_operands,
 )
 
 QMAX = 127
@@ -226,9 +227,7 @@ def w8a8_matmul(
     if fp8:  # float8 operands for the kernel where XLA writes them anyway: x's quantization, the transpose
         xq = jax.lax.bitcast_convert_type(xq, fp8grid.DTYPE)
         wk = jax.lax.bitcast_convert_type(wk, fp8grid.DTYPE) if transposing else wk
-    args = [xq, sx, wk, w_scale.astype(jnp.float32)]
-    if w_zero_point is not None:
-        args.append(w_zero_point.astype(jnp.int8))
+    args = [xq, sx, *weight_operands(wk, w_scale, w_zero_point)]
     return launch_matmul(_kernel, args, m=m, n=n, k=k, blocks=blocks, bias=bias, k_splits=k_splits, out_dtype=x.dtype,
                          interpret=config.resolve_interpret(interpret), name="w8a8_matmul", group=group,
                          has_zp=w_zero_point is not None, w_kmajor=w_kmajor, layer=layer, fp8=fp8)

@@ -45,10 +45,11 @@ from pallas_kernels.common import (
     low_nibble,
     one_layer,
     span,
-    split_refs,
     split_pairs,
+    split_refs,
     store_tile,
     tile_mask,
+    weight_operands,
 )
 
 SUPPORTED_BITS = (4, 8)
@@ -303,9 +304,7 @@ def weight_only_matmul(
         raise ValueError(f"weight_only_matmul: with per-group scales the K block ({blocks.bk}) must be a multiple "
                          f"of the group ({group})")
     interpret = config.resolve_interpret(interpret)
-    args = [x, wq, w_scale.astype(jnp.float32)]
-    if w_zero_point is not None:
-        args.append(w_zero_point.astype(jnp.int8))
+    args = [x, *weight_operands(wq, w_scale, w_zero_point)]
     return launch_matmul(_kernel, args, m=m, n=n, k=k, blocks=blocks, bias=bias, k_splits=k_splits, out_dtype=x.dtype,
                          interpret=interpret, name=f"weight_only_int{bits}_matmul", bits=bits, group=group,
                          has_zp=w_zero_point is not None, precision=f32_dot_precision(interpret), dequant=dequant,
