@@ -323,8 +323,9 @@ def _candidate(target: str, leaf: QArray, rows: int) -> bool:
     kind, _ = kernel_dispatch.plan((rows, leaf.shape[0]), leaf.dtype, leaf, leaf.act_spec)
     if kind is None or not is_packed(leaf.bits):
         return kind is not None
+    # a plan for packed codes is weight-only int4 (plan refuses int2/int3 and packed W8A8)
     key = kernel_dispatch.table_key("int4_words", rows, leaf.dtype, leaf, scale_group(leaf))
-    return kind == "weight_only" and leaf.bits == 4 and dispatch_table.choice(key) != "xla"
+    return dispatch_table.choice(key) != "xla"
 
 
 def for_decode(params, rows: int):

@@ -41,5 +41,6 @@ class LayerSlice:
         return self.stack.shape[1:] if isinstance(self.stack, jax.Array) else self.stack.shape
 
     def value(self) -> QArray:
-        """The layer as a QArray of its own (a dynamic slice of every array)."""
+        """The layer as a value of its own (a dynamic slice of every array): a QArray, a wrapped layout,
+        or a float array."""
         return jax.tree.map(lambda a: take_layer(a, self.layer), self.stack)
