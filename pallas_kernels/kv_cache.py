@@ -80,6 +80,7 @@ def _rows_at(ref, b, h, rows, mask_rows, other=0):
 
 
 def _check_cache(k_cache, v_cache, v_scale, bits, d):
+    """Shapes and dtypes of one layer's store (``jax.ShapeDtypeStruct``s or arrays)."""
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"KV cache: bits={bits} is not supported; expected one of {SUPPORTED_BITS}")
     stored_d, dtype = (d, jnp.int8) if bits == 8 else (d // 2, jnp.uint8)
@@ -101,6 +102,19 @@ def _check_k_scale(k_scale, bsz, h, d):
         raise ValueError(f"KV cache: k_scale must be (1 or {bsz}, {h}, 1, {d}), got {k_scale.shape}")
 
 
+def _one_layer(name, stores, layer):
+    """Check the ``layer=`` form (every store a stack [L, ...] of one length, ``layer`` an integer scalar) and
+    return one layer's shapes, for the checks that follow (nothing is sliced: the kernel reads the stack)."""
+    if layer is None:
+        return stores
+    if len({a.shape[0] if a.ndim else None for a in stores}) != 1 or any(a.ndim < 2 for a in stores):
+        raise ValueError(f"{name}: with layer=, k_codes, v_codes, v_scale and v_lo must be stacks [L, ...] of one "
+                         f"length, got {[tuple(a.shape) for a in stores]}")
+    if jnp.shape(layer) != () or not jnp.issubdtype(jnp.asarray(layer).dtype, jnp.integer):
+        raise ValueError(f"{name}: layer must be an integer scalar, got shape {jnp.shape(layer)}")
+    return [jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in stores]
+
+
 def _batched(k_scale, bsz):
     # A tiny [B, H, 1, D] copy, so the kernel always indexes it by program id.
     return jnp.broadcast_to(k_scale.astype(jnp.float32), (bsz, *k_scale.shape[1:]))
@@ -119,6 +133,7 @@ class _Layout:
     v_lo:   values carry a per-token minimum ``lo`` (asymmetric grid).
     masked: an ``allowed`` [B, T] mask says which slots the query reads.
     rope:   keys are stored before RoPE; the kernel rotates each by its slot's position.
+    stacked: codes and value grids are every layer's stack [L, ...]; the first ref is the layer index.
     """
 
     bits: int
@@ -126,6 +141,7 @@ class _Layout:
     v_lo: bool = False
     masked: bool = False
     rope: bool = False
+    stacked: bool = False
 
     @property
     def halves(self) -> int:
@@ -192,6 +208,8 @@ _NN = ((1,), (0,))  # a (m, k) . c (k, n)
 def _decode_kernel(*refs, lay: _Layout, g, bg, bt, d, sm_scale, split_blocks, precision, parts, interpreted):
     """One (batch, kv head, split of the tokens): unnormalised partial attention + its max and sum."""
     refs = list(refs)
+    # A stacked store ([L, ...] codes and value grids): this layer of it, read in place.
+    at = (refs.pop(0)[0],) if lay.stacked else ()
     q_ref, k_ref, v_ref, ks_ref, ko_ref, vs_ref = refs[:6]
     rest = refs[6:]
     vlo_ref = rest.pop(0) if lay.v_lo else None
@@ -225,7 +243,8 @@ def _decode_kernel(*refs, lay: _Layout, g, bg, bt, d, sm_scale, split_blocks, pr
             q_const = q_const - INT4_FOLD * sum(_parts_sum(q_folded[j], 1) for j in lanes)
 
     def scores(toks, tok_mask):
-        stored = [plgpu.load(k_ref.at[b, h, toks, half(i, bh)], mask=tok_mask[:, None], other=0) for i in range(halves)]
+        stored = [plgpu.load(k_ref.at[(*at, b, h, toks, half(i, bh))], mask=tok_mask[:, None], other=0)
+                  for i in range(halves)]
         if not lay.rope:
             codes = _code_operands(stored[0], bits, interpreted)
             return sum(_parts_dot(q_folded[j], codes[j], _NT) for j in lanes) + q_const
@@ -254,12 +273,12 @@ def _decode_kernel(*refs, lay: _Layout, g, bg, bt, d, sm_scale, split_blocks, pr
         p = jnp.where(ok[None, :], jnp.exp(s - m_new), 0.0)  # a block with nothing allowed adds nothing
         corr = jnp.exp(m_prev - m_new)
         l_new = l_prev * corr + jnp.sum(p, axis=1, keepdims=True)
-        v_scale = plgpu.load(vs_ref.at[b, h, toks, :], mask=tok_mask[:, None], other=0.0)
+        v_scale = plgpu.load(vs_ref.at[(*at, b, h, toks, slice(None))], mask=tok_mask[:, None], other=0.0)
         v_scale = v_scale.astype(jnp.float32).reshape(1, bt)
         # p . (c * s_v + o_v) = (p * s_v) . c + sum(p * o_v): fold the per-token value grid into the weights.
         pv = _bf16_parts(p * v_scale, parts)
-        v_codes = _code_operands(plgpu.load(v_ref.at[b, h, toks, :], mask=tok_mask[:, None], other=0), bits,
-                                 interpreted)
+        v_codes = _code_operands(plgpu.load(v_ref.at[(*at, b, h, toks, slice(None))], mask=tok_mask[:, None],
+                                            other=0), bits, interpreted)
         upd = [_parts_dot(pv, c, _NN) for c in v_codes]
         upd = interleave_pairs(*upd) if bits == 4 else upd[0]
         if bits == 4:  # the codes' fold offset, times the weights the dots multiplied it by
@@ -267,7 +286,7 @@ def _decode_kernel(*refs, lay: _Layout, g, bg, bt, d, sm_scale, split_blocks, pr
         if lay.shift or lay.v_lo:
             v_off = -float(lay.shift) * v_scale
             if lay.v_lo:
-                v_lo = plgpu.load(vlo_ref.at[b, h, toks, :], mask=tok_mask[:, None], other=0.0)
+                v_lo = plgpu.load(vlo_ref.at[(*at, b, h, toks, slice(None))], mask=tok_mask[:, None], other=0.0)
                 v_off = v_off + v_lo.astype(jnp.float32).reshape(1, bt)
             upd = upd + jnp.sum(p * v_off, axis=1, keepdims=True)
         return m_new, l_new, acc * corr + upd
@@ -291,10 +310,10 @@ def decode_splits(bsz: int, h: int, t: int, bt: int) -> int:
 
 
 def _decode(q, k_codes, v_codes, k_scale, k_off, v_scale, extra, length, lay: _Layout, *, sm_scale, block_t,
-            num_splits, num_warps, num_stages, interpret):
+            num_splits, num_warps, num_stages, interpret, layer=None):
     """Run the kernel; -> (out [B, H_q, D] float32, log-sum-exp of the scores [B, H_q])."""
     bsz, hq, d = q.shape
-    h, t = k_codes.shape[1], k_codes.shape[2]
+    h, t = k_codes.shape[-3], k_codes.shape[-2]
     if not (is_pow2(block_t) and block_t >= MIN_DOT):
         raise ValueError(f"decode_attention: block_t must be a power of two >= {MIN_DOT}, got {block_t}")
     g = hq // h
@@ -310,6 +329,7 @@ def _decode(q, k_codes, v_codes, k_scale, k_off, v_scale, extra, length, lay: _L
     )
     part = jax.ShapeDtypeStruct((bsz, h, splits, g, d), jnp.float32)
     stat = jax.ShapeDtypeStruct((bsz, h, splits, g, 1), jnp.float32)
+    at = () if layer is None else (jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)),)
     acc, m, l = pl.pallas_call(
         kernel,
         out_shape=(part, stat, stat),
@@ -317,7 +337,7 @@ def _decode(q, k_codes, v_codes, k_scale, k_off, v_scale, extra, length, lay: _L
         compiler_params=compiler_params(num_warps, num_stages),
         interpret=interpret,
         name=f"decode_attention_int{lay.bits}" + ("_rope" if lay.rope else ""),
-    )(q.reshape(bsz, h, g, d), k_codes, v_codes, _batched(k_scale, bsz), _batched(k_off, bsz), v_scale, *extra,
+    )(*at, q.reshape(bsz, h, g, d), k_codes, v_codes, _batched(k_scale, bsz), _batched(k_off, bsz), v_scale, *extra,
       jnp.clip(length, 0, t))
     # Combine the splits: an empty split has m = NEG_INF, l = 0, acc = 0 and weighs exp(NEG_INF - max) = 0.
     m_all = jnp.max(m, axis=2, keepdims=True)
@@ -353,7 +373,7 @@ def _attention_reference(q, k, v, allowed, sm_scale):
 def store_decode_attention(
     q, k_codes, v_codes, k_scale, k_lo, v_scale, v_lo, length, *, bits: int, allowed=None, slot_pos=None,
     inv_freq=None, sm_scale: float | None = None, block_t: int = 128, num_splits: int | None = None,
-    num_warps: int = 4, num_stages: int = 2, interpret: bool | None = None,
+    num_warps: int = 4, num_stages: int = 2, interpret: bool | None = None, layer=None,
 ):
     """Single-query attention over ``llmeq_jax.kv.cache.QuantKVCache``'s store of one layer.
 
@@ -370,15 +390,22 @@ def store_decode_attention(
     ``length`` ``[B]`` or scalar: slots to scan (>= 0). Returns ``(out [B, H_q, D] float32,
     lse [B, H_q])``, lse the log-sum-exp of the scaled scores (about -1e30 when no slot is
     allowed), so a caller can merge this with attention over other (float) keys.
+
+    ``layer`` (an integer scalar, may be traced): ``k_codes``, ``v_codes``, ``v_scale`` and ``v_lo`` are
+    every layer's stack ``[L, ...]`` and layer ``layer`` is read in place -- what a decode step of the scan
+    over stacked blocks passes, where slicing the layer out would copy its whole store for the kernel
+    every step (the key grid, ``[1 or B, H_kv, 1, D]``, is one layer's).
     """
     d = q.shape[-1]
-    bsz, h, t = k_codes.shape[:3]
-    _check_cache(k_codes, v_codes, v_scale, bits, d)
+    stacked = layer is not None
+    k_one, v_one, vs_one, vl_one = _one_layer("store_decode_attention", (k_codes, v_codes, v_scale, v_lo), layer)
+    bsz, h, t = k_one.shape[:3]
+    _check_cache(k_one, v_one, vs_one, bits, d)
     _check_query(q, h, bsz)
     _check_k_scale(k_scale, bsz, h, d)
     _check_k_scale(k_lo, bsz, h, d)
-    if v_lo.shape != v_scale.shape:
-        raise ValueError(f"store_decode_attention: v_lo must be {v_scale.shape}, got {v_lo.shape}")
+    if vl_one.shape != vs_one.shape:
+        raise ValueError(f"store_decode_attention: v_lo must be {vs_one.shape}, got {vl_one.shape}")
     rope = slot_pos is not None
     if rope != (inv_freq is not None):
         raise ValueError("store_decode_attention: pre-RoPE keys need both slot_pos and inv_freq")
@@ -398,15 +425,17 @@ def store_decode_attention(
         extra.append(allowed.astype(jnp.int8))
     if rope:
         extra += [slot_pos.astype(jnp.int32), inv_freq.astype(jnp.float32).reshape(1, d // 2)]
-    lay = _Layout(bits, shift=shift, v_lo=True, masked=allowed is not None, rope=rope)
+    lay = _Layout(bits, shift=shift, v_lo=True, masked=allowed is not None, rope=rope, stacked=stacked)
     return _decode(q, k_codes, v_codes, k_scale, k_off, v_scale, tuple(extra), length, lay, sm_scale=sm_scale,
                    block_t=block_t, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
-                   interpret=interpret)
+                   interpret=interpret, layer=layer)
 
 
 def store_decode_attention_reference(q, k_codes, v_codes, k_scale, k_lo, v_scale, v_lo, length, *, bits: int,
-                                     allowed=None, slot_pos=None, inv_freq=None, sm_scale=None):
+                                     allowed=None, slot_pos=None, inv_freq=None, sm_scale=None, layer=None):
     """Pure-jnp reference of :func:`store_decode_attention`: dequantize, rotate, attend."""
+    if layer is not None:
+        k_codes, v_codes, v_scale, v_lo = (a[layer] for a in (k_codes, v_codes, v_scale, v_lo))
     d = q.shape[-1]
     bsz, t = k_codes.shape[0], k_codes.shape[2]
     k = dequantize_grid(unpack(k_codes, bits, -1, d), k_scale, k_lo, bits)

@@ -452,9 +452,11 @@ def _kernel_store_part(cache: QuantKVCache, layer: int, q, quantized):
     rope = dict(slot_pos=cache.slot_pos, inv_freq=cache.inv_freq) if cache.spec.pre_rope else {}
     # Slots past query - window are never read from the store: scan only up to there.
     scan = jnp.maximum(cache.length + 1 - cache.spec.window, 0)
+    # The kernel reads the layer from the stacked store (layer= may be traced: the scan over stacked
+    # blocks); slicing it out here would copy the layer's whole store for the custom call every step.
     out, lse = kv_kernels.store_decode_attention(
-        q.reshape(b, n_heads, d), cache.k.q[layer], cache.v.q[layer], k_scale, k_lo, cache.v.scale[layer],
-        cache.v.lo[layer], scan, bits=bits, allowed=quantized[:, 0], **rope,
+        q.reshape(b, n_heads, d), cache.k.q, cache.v.q, k_scale, k_lo, cache.v.scale, cache.v.lo, scan, bits=bits,
+        allowed=quantized[:, 0], layer=layer, **rope,
     )
     return out[:, None], lse[:, None]
 

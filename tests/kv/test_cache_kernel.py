@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -142,3 +144,34 @@ def test_generate_compiles_once_per_kernel_switch_state():
             without = gen.generate(config, params, prompt, 6, kv=kv)
     assert gen._decode_loop._cache_size() == before + 2
     np.testing.assert_array_equal(with_kernel, without)
+
+
+def _store_slices(config, params, cache, token) -> int:
+    """Slices of a layer's int8 code store ([B, KV, S, D], with or without the layer axis) in a traced step."""
+    one = jnp.ones((token.shape[0], 1), jnp.int32)
+    text = str(jax.make_jaxpr(lambda p, t, c: forward_step(config, p, t, one, c))(params, token, cache))
+    store = ",".join(map(str, cache.k.q.shape[1:]))
+    return sum(1 for line in text.splitlines()
+               if re.search(r"= (dynamic_)?slice", line) and re.search(rf":i8\[(1,)?{store}\]", line.split(" = ")[0]))
+
+
+def test_stacked_decode_reads_each_layers_store_in_place():
+    """Inside the scan over stacked blocks the layer index is traced: the kernel is handed every layer's store
+    and the index (slicing the layer out would copy its whole store for the custom call every step), with
+    the unrolled model's logits. The XLA path (kernels off) does slice it, which is what the count detects."""
+    from llmeq_jax.models import stacked
+
+    config, spec = CASES["int8-postRoPE-w3-sinks2"]
+    params = _same_codes_model(config)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (2, 10)))
+    kv = calibrate.make_kv_quantizer(spec, config, params, np.random.default_rng(1).integers(0, config.vocab_size, (4, 16)))
+    scanned_params = stacked.stack_blocks(config, params)
+    with kernel_config.interpret(True):
+        unrolled, _, _ = _decode(config, params, kv, tokens)
+        scanned, used, cache = _decode(config, scanned_params, kv, tokens)
+        assert used
+        assert _store_slices(config, scanned_params, cache, tokens[:, -1:]) == 0
+        assert _store_slices(config, params, cache, tokens[:, -1:]) == 0
+        with kernel_config.disabled():
+            assert _store_slices(config, scanned_params, cache, tokens[:, -1:]) > 0
+    np.testing.assert_allclose(scanned, unrolled, atol=5e-5 * float(jnp.max(jnp.abs(unrolled))))

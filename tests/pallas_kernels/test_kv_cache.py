@@ -75,6 +75,35 @@ def test_bf16_query_uses_bf16_operands_within_bf16_error(bits):
     assert float(jnp.max(jnp.abs(out - exact))) > 1e-6 * scale  # the bf16 operands are what ran
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_store_decode_reads_a_layer_of_a_stacked_store_in_place(bits):
+    """layer= (traced): the kernel reads that layer of every layer's store, with that layer's result --
+    and another layer's store gives another one."""
+    b, h, g, t, d, layers = 1, 2, 2, 40, 64, 3
+    stores = [_store(b, h, t, d, bits, seed=i) for i in range(layers)]
+    k_grid = stores[1][2:4]  # the key grid is one layer's
+    stacks = [jnp.stack([s[i] for s in stores]) for i in (0, 1, 4, 5)]
+    q = jax.random.normal(jax.random.key(2), (b, h * g, d))
+    length = jnp.array([33])
+    kw = dict(bits=bits, block_t=16, num_splits=2, interpret=True)
+    want = store_decode_attention(q, *stores[1][:2], *k_grid, *stores[1][4:], length, **kw)
+
+    @jax.jit
+    def at_layer(layer):
+        kc, vc, vs, vl = stacks
+        return store_decode_attention(q, kc, vc, *k_grid, vs, vl, length, layer=layer, **kw)
+
+    for got, ref in zip(at_layer(jnp.int32(1)), want):  # the same sums (to float rounding: jit vs eager merge)
+        np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-7)
+    ref_out, _ = store_decode_attention_reference(q, stacks[0], stacks[1], *k_grid, stacks[2], stacks[3], length,
+                                                  bits=bits, layer=1)
+    np.testing.assert_allclose(want[0], ref_out, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(ref_out))))
+    assert float(jnp.max(jnp.abs(at_layer(jnp.int32(2))[0] - want[0]))) > 1e-2
+    # no slice of the stack in the traced call: the kernel is handed the stack itself
+    text = str(jax.make_jaxpr(at_layer)(jnp.int32(1)))
+    assert "dynamic_slice" not in text and "pallas_call" in text
+
+
 def test_store_decode_ignores_slots_past_length():
     b, h, t, d, bits = 1, 1, 48, 32, 8
     kc, vc, *grids = _store(b, h, t, d, bits)
@@ -134,3 +163,10 @@ def test_store_decode_bad_input_is_rejected_clearly():
         store_decode_attention(q, *store, 4, bits=8, interpret=True)
     with pytest.raises(ValueError, match="multiple of cache heads"):
         store_decode_attention(jnp.ones((1, 3, 32)), *_store(1, 2, 16, 32, 8), 4, bits=8, interpret=True)
+    kc, vc, ks, kl, vs, vl = _store(1, 1, 16, 32, 8)
+    with pytest.raises(ValueError, match="must be stacks"):
+        store_decode_attention(q, jnp.stack([kc, kc]), vc[None], ks, kl, vs[None], vl[None], 4, bits=8, layer=0,
+                               interpret=True)
+    with pytest.raises(ValueError, match="layer must be an integer scalar"):
+        store_decode_attention(q, kc[None], vc[None], ks, kl, vs[None], vl[None], 4, bits=8, layer=jnp.zeros(2, int),
+                               interpret=True)
