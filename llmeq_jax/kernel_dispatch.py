@@ -77,7 +77,7 @@ def plan(x_shape, x_dtype, w: QArray, act) -> tuple[str | None, str]:
         if w.act_scale is None and act.granularity != "token":
             return None, f"dynamic {act.granularity} activation scales (the kernel does per-token or a static scale)"
         if w.grid == "fp8" and not w8a8.fp8_supported():
-            return None, f"FP8 dots need sm_89+ (Ada, Hopper); this device is {jax.devices()[0].device_kind}"
+            return None, f"FP8 dots need sm_89+ (Ada, Hopper); this device is {config.target_device().device_kind}"
         ok, why = w8a8.can_use(rows, x_dtype, w.qvalue.dtype, k, group)
         return (("fp8_w8a8" if w.grid == "fp8" else "w8a8"), "") if ok else (None, why)
     if w.bits in (2, 3):
@@ -92,7 +92,7 @@ def table_key(kind: str, rows: int, x_dtype, w: QArray, group: int | None) -> di
     """The :mod:`dispatch_table` key of a product ``plan`` gave to kernel ``kind``, on the default device."""
     k, n = w.shape
     bits = 4 if kind in ("weight_only", "int4_words") and is_packed(w.bits) else 8
-    return dispatch_table.Key(jax.devices()[0].device_kind, kind, bits, group, k, n,
+    return dispatch_table.Key(config.target_device().device_kind, kind, bits, group, k, n,
                               dispatch_table.row_bucket(rows), jnp.dtype(x_dtype).name)
 
 
@@ -117,7 +117,7 @@ def _unavailable(require: bool):
     if require:
         raise KernelUnavailable(
             "backend='pallas' needs a CUDA GPU (the default JAX backend here is "
-            f"{jax.default_backend()!r}); on CPU use `with pallas_kernels.config.interpret(True):`"
+            f"{config.target_backend()!r}); on CPU use `with pallas_kernels.config.interpret(True):`"
         )
     return None
 
@@ -143,19 +143,24 @@ def linear_words(x, w: QArray, require: bool = False, layer=None):
 def linear_float(x, stack, layer, force: bool = False):
     """``x @ stack[layer]`` for a stacked float kernel ``[L, in, out]`` by ``pallas_kernels.float_matmul``
     (reading the layer in place), or None (XLA's slice-and-dot then). The kernel takes a product it can
-    (decode rows, one float dtype) only where the active or shipped dispatch table measured it faster
-    than XLA's path (kernel ``float``), or with ``force`` (``backend="pallas"``). Float products never
-    require a kernel: where none applies this is None, not an error."""
+    (decode rows, one float dtype) where the active or shipped dispatch table measured it faster than
+    XLA's path (kernel ``float``), with ``force`` (``backend="pallas"``), and, where no table measured the
+    product, on a GPU: there XLA copies the layer's slice out of the stack before its GEMM, every decode
+    step (``scripts/gpu_aot.py``: a 404 MB copy per Llama-2-7B layer and token, three passes over the
+    weights where one is needed). Interpret mode keeps XLA's path unless a table or ``force`` says
+    otherwise (the CPU tests' stacked float models stay fast). Float products never require a kernel:
+    where none applies this is None, not an error."""
     if not config.kernels_available():
         return None
     k, n = stack.shape[1:]
     x2 = x.reshape(-1, k)
     if not float_matmul.can_use(x2.shape, x.dtype, stack.dtype)[0]:
         return None
-    key = dispatch_table.Key(jax.devices()[0].device_kind, "float", 8 * jnp.dtype(stack.dtype).itemsize, None, k, n,
+    key = dispatch_table.Key(config.target_device().device_kind, "float", 8 * jnp.dtype(stack.dtype).itemsize, None, k, n,
                              dispatch_table.row_bucket(x2.shape[0]), jnp.dtype(x.dtype).name)
-    if not force and dispatch_table.choice(key) != "pallas":
-        return None  # XLA's slice-and-dot unless measured slower on this device
+    measured = dispatch_table.choice(key)
+    if not (force or measured == "pallas" or (measured is None and config.on_gpu())):
+        return None  # XLA's slice-and-dot
     return float_matmul.float_matmul(x2, stack, layer=layer).reshape(*x.shape[:-1], n)
 
 

@@ -175,6 +175,15 @@ def disabled():
         _DISABLED.reset(token)
 
 
+def _target_backend() -> str:
+    """The backend traced for (``pallas_kernels.config.compiling_for`` may name a GPU from a CPU)."""
+    try:
+        from pallas_kernels import config
+    except ImportError:
+        return jax.default_backend()
+    return config.target_backend()
+
+
 def _switched_off() -> bool:
     if _DISABLED.get() or os.environ.get("LLMEQ_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
         return True
@@ -191,7 +200,7 @@ def enabled() -> bool:
     The first time the library is missing where it would have been used, one warning
     says why (and every product then runs through XLA).
     """
-    if _switched_off() or jax.default_backend() != "cpu":
+    if _switched_off() or _target_backend() != "cpu":
         return False
     if available():
         return True

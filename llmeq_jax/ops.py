@@ -39,6 +39,7 @@ from llmeq_jax.core.qarray import QArray, is_packed, packed_length, packing, unp
 from llmeq_jax.core.quantize import Spec, largest_value
 from llmeq_jax.decode_layout import Int4WordKernel, PanelKernel, RowMajorKernel, kernel_view, unpack_panels
 from llmeq_jax.layer_slice import LayerSlice
+from pallas_kernels import config as kernel_config
 
 # Up to this many rows of activations, weight-only avoids materialising the
 # dequantized kernel (chunked scan on CPU, multiply-reduce elsewhere).
@@ -167,7 +168,7 @@ def _native_rows_ok(x: jax.Array, kind: str) -> bool:
 
 def _try_native(x, w, act):
     """A native CPU kernel's result when one applies and measured faster, else None."""
-    if jax.default_backend() != "cpu":
+    if kernel_config.target_backend() != "cpu":
         return None
     from llmeq_jax import native
 
@@ -195,7 +196,7 @@ def _linear_panels(x, w: PanelKernel, backend):
 
 
 def _panels_native(x, backend) -> bool:
-    if backend != "auto" or jax.default_backend() != "cpu" or x.dtype != jnp.float32 or math.prod(x.shape[:-1]) == 0:
+    if backend != "auto" or kernel_config.target_backend() != "cpu" or x.dtype != jnp.float32 or math.prod(x.shape[:-1]) == 0:
         return False
     from llmeq_jax import native
 
@@ -241,7 +242,7 @@ def _linear_row_major(x, w: QArray, act, backend, layer=None):
         y = kernel_dispatch.linear(x, w, act, layer=layer, w_layout="nk")
         if y is not None:
             return y
-    if backend == "auto" and jax.default_backend() == "cpu" and _native_rows_ok(x, "row_major"):
+    if backend == "auto" and kernel_config.target_backend() == "cpu" and _native_rows_ok(x, "row_major"):
         from llmeq_jax import native
 
         if native.enabled() and native.supports_row_major(w, act) is None:
@@ -295,7 +296,7 @@ def linear_nk(
 
 
 def _try_native_nk(x, w):
-    if jax.default_backend() != "cpu" or not _native_rows_ok(x, "nk"):
+    if kernel_config.target_backend() != "cpu" or not _native_rows_ok(x, "nk"):
         return None
     from llmeq_jax import native
 
@@ -411,7 +412,7 @@ def weight_only_xla(x: jax.Array, w: QArray) -> jax.Array:
         return jnp.matmul(x, w.dequantize(x.dtype))
     rows = math.prod(x.shape[:-1])
     if rows <= SMALL_M and _out_scale_ok(w):
-        if jax.default_backend() == "cpu" and _chunk_rows(w) is not None:
+        if kernel_config.target_backend() == "cpu" and _chunk_rows(w) is not None:
             return _weight_only_chunked(x, w)
         return _weight_only_reduce(x, w)
     return jnp.matmul(x, w.dequantize(x.dtype))

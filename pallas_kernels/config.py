@@ -17,6 +17,12 @@ off for a block, so everything runs through XLA (the CLI's ``--xla``)::
 Context variables hold both flags, so they are scoped to the ``with`` block (and to
 the current thread / task) and nothing global is patched. They are read when a
 function is traced: a function jitted before the ``with`` keeps its compiled choice.
+
+``compiling_for(device)`` traces for another device than the default one -- a GPU of a
+deviceless topology (``jax.experimental.topologies``), so that a CPU-only machine can
+compile what a GPU would run (``scripts/gpu_aot.py``): every "which backend / which
+device is this" decision of the package (kernels or not, native CPU kernels, the
+dispatch table's device) asks :func:`target_device` / :func:`target_backend`.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import jax
 
 _INTERPRET = contextvars.ContextVar("pallas_kernels_interpret", default=False)
 _DISABLED = contextvars.ContextVar("pallas_kernels_disabled", default=False)
+_TARGET = contextvars.ContextVar("pallas_kernels_target", default=None)
 
 
 @contextlib.contextmanager
@@ -50,6 +57,32 @@ def disabled():
         _DISABLED.reset(token)
 
 
+@contextlib.contextmanager
+def compiling_for(device):
+    """Trace inside this block for ``device`` (a ``jax.Device``, e.g. ``topology.devices[0]`` of a deviceless
+    GPU topology) instead of the default device: kernels, layouts and the dispatch table's entries are
+    chosen as they would be there. Lower with shardings on ``device`` to compile for it."""
+    if getattr(device, "platform", None) is None or getattr(device, "device_kind", None) is None:
+        raise ValueError(f"compiling_for expects a jax Device (with platform and device_kind), got {device!r}")
+    token = _TARGET.set(device)
+    try:
+        yield
+    finally:
+        _TARGET.reset(token)
+
+
+def target_device():
+    """The device traced for: the :func:`compiling_for` device, else the default one."""
+    device = _TARGET.get()
+    return device if device is not None else jax.devices()[0]
+
+
+def target_backend() -> str:
+    """The backend traced for ("cpu", "gpu", ...): the :func:`compiling_for` device's, else the default."""
+    device = _TARGET.get()
+    return device.platform if device is not None else jax.default_backend()
+
+
 def is_disabled() -> bool:
     return _DISABLED.get()
 
@@ -59,8 +92,9 @@ def interpret_enabled() -> bool:
 
 
 def on_gpu() -> bool:
-    """True when the default JAX backend is a CUDA GPU (where Triton kernels compile)."""
-    return jax.default_backend() == "gpu"
+    """True when tracing for a CUDA GPU (where Triton kernels compile): the default backend, or the
+    :func:`compiling_for` device."""
+    return target_backend() == "gpu"
 
 
 def kernels_available() -> bool:

@@ -90,7 +90,7 @@ def fp8_supported(device=None) -> bool:
         return True
     if not fp8_dot.TRITON_LOWERING:  # this JAX's Pallas took no FP8 dot rule: its dots would miss wgmma
         return False
-    device = device or jax.devices()[0]
+    device = device or config.target_device()
     cc = getattr(device, "compute_capability", None)
     try:
         major, minor = (int(v) for v in str(cc).split(".")[:2])

@@ -1,5 +1,7 @@
 """ops.linear through the Pallas path (interpret mode on CPU) against the XLA path."""
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -269,7 +271,7 @@ def test_word_kernels_refuse_what_they_cannot_hold():
 # --------------------------------------------------------------------------- float kernels read in place
 
 
-def test_float_stack_goes_to_the_kernel_only_where_a_table_measured_it_faster():
+def test_float_stack_goes_to_the_kernel_where_a_table_measured_it_faster():
     from llmeq_jax import dispatch_table
     from llmeq_jax.layer_slice import LayerSlice
 
@@ -295,3 +297,32 @@ def test_float_stack_goes_to_the_kernel_only_where_a_table_measured_it_faster():
     for got in (y, via_ops, forced):
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-2,
                                    atol=1e-2 * float(jnp.max(jnp.abs(want.astype(jnp.float32)))))
+
+
+# A GPU to trace for (config.compiling_for): what a CPU can check of the choices made there without running them.
+FAKE_H100 = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3", compute_capability="9.0")
+
+
+def test_float_stack_goes_to_the_kernel_on_a_gpu_unless_a_table_measured_xla_faster():
+    """Traced for a GPU (no table measured there): the kernel reads the layer from the stack -- XLA would copy
+    the layer's slice out for its GEMM every step; a table that measured XLA faster keeps XLA's path."""
+    from llmeq_jax import dispatch_table
+    from llmeq_jax.layer_slice import LayerSlice
+
+    stack = jax.ShapeDtypeStruct((3, 128, 48), jnp.bfloat16)
+    x = jax.ShapeDtypeStruct((1, 128), jnp.bfloat16)
+    key = dispatch_table.Key(FAKE_H100.device_kind, "float", 16, None, 128, 48, 1, "bfloat16")
+    slower = dispatch_table.from_json(dispatch_table.to_json(
+        key.device, [(key, {"pallas_s": 3e-6, "xla_s": 2e-6, "bf16_s": 2e-6})]))
+    traced = lambda: str(jax.make_jaxpr(lambda x, w: ops.linear(x, LayerSlice(w, jnp.int32(1))))(x, stack))  # noqa: E731
+    with config.compiling_for(FAKE_H100):
+        assert config.on_gpu() and config.target_device() is FAKE_H100
+        text = traced()
+        assert "pallas_call" in text and "dynamic_slice" not in text
+        with dispatch_table.use(slower):
+            text = traced()
+            assert "pallas_call" not in text and "dynamic_slice" in text
+    assert not config.on_gpu() and "pallas_call" not in traced()  # outside the block: this CPU again
+    with pytest.raises(ValueError, match="compiling_for expects a jax Device"):
+        with config.compiling_for("gpu"):
+            pass

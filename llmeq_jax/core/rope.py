@@ -42,7 +42,9 @@ def _tables(angles: jax.Array) -> tuple[jax.Array, jax.Array]:
 def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
     """``(cos, sin)`` of ``positions`` [B, T] times ``inv_freq``: [B, T, head_dim / 2] each."""
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
-    if jax.default_backend() != "cpu" or positions.shape[-1] < _TABLES_APART_FROM or jax.device_count() > 1:
+    from pallas_kernels import config  # the backend traced for (compiling_for may name a GPU from a CPU)
+
+    if config.target_backend() != "cpu" or positions.shape[-1] < _TABLES_APART_FROM or jax.device_count() > 1:
         return _tables(angles)
     # XLA CPU fuses cos / sin into the rotation and evaluates them again for every head (9x for
     # SmolLM2's queries: 0.8 ms of a 20 ms prefill layer, vs 0.1 ms with the tables computed once).

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from llmeq_jax import native, ops
+from pallas_kernels import config as kernel_config
 
 # Masked attention scores: a large finite value, so a row with no visible key
 # (a left-padding query) gives a uniform softmax instead of NaN.
@@ -43,7 +44,7 @@ def native_attention_ok(q, k, v) -> bool:
     prefill = t >= native.PREFILL_ATTENTION_MIN_POSITIONS and native.simd()
     if not (decode or prefill):
         return False
-    if any(a.dtype != jnp.float32 for a in (q, k, v)) or jax.default_backend() != "cpu":
+    if any(a.dtype != jnp.float32 for a in (q, k, v)) or kernel_config.target_backend() != "cpu":
         return False
     return native.enabled()
 
