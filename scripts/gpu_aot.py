@@ -1,0 +1,279 @@
+"""What a GPU would run for one decode loop, compiled on a CPU: XLA's deviceless AOT compilation.
+
+A CPU-only session cannot time the GPU, but with JAX's CUDA plugin installed it can run XLA's whole
+GPU pipeline against a *described* GPU (``jax.experimental.topologies`` with a GPU target config):
+fusion, scheduling, buffer assignment, the thunks the executable would launch, PTX and cubin. This
+script traces ``generate``'s decode loop for that GPU (``pallas_kernels.config.compiling_for``: the
+kernels, layouts and dispatch-table choices a GPU makes), compiles it, and reads from XLA's dumps,
+for the loop over the stacked decoder blocks (one decoder layer, one token):
+
+* every launch: the Pallas kernels (name and grid), XLA's GEMMs (Triton fusions or cuBLAS calls),
+  the other fusions -- a count to compare variants by (XLA wraps them in command buffers);
+* every copy of 1 MiB or more (a ``copy`` or a dynamic-slice fusion): bytes a decode step moves for
+  nothing. XLA copies a layer's slice out of a stacked array before a GEMM or a custom call that
+  takes it (seen: bf16 Llama-2-7B shapes, 404 MB per layer and token before the float kernel took
+  the stack in place).
+
+Deviceless compiles do not autotune: XLA's GEMMs show its default (Triton) choice, where a real GPU
+may pick cuBLAS. Read it as a static check before a GPU run, like ``kernel_sass.py``, not as a timing.
+
+Setup -- a venv of its own (the CUDA plugin does not belong in the CPU test venv), with the GPU
+machine's JAX (0.11.x needs Python >= 3.12; 0.10.2 with Python 3.11 works the same way):
+
+    python3.12 -m venv .venv-aot && .venv-aot/bin/pip install "jax==0.11.2" "jaxlib==0.11.2"
+    .venv-aot/bin/pip install --no-deps "jax-cuda12-plugin==0.11.2" "jax-cuda12-pjrt==0.11.2" \\
+        "nvidia-cuda-nvcc-cu12==12.9.86"          # ptxas + libdevice: no CUDA toolkit needed
+    .venv-aot/bin/pip install flax==0.12.8 optax==0.2.8 orbax-checkpoint==0.12.8 pyyaml tqdm \\
+        safetensors==0.8.0 gguf==0.19.0 transformers==5.23.0 sentencepiece
+    PYTHONPATH=. .venv-aot/bin/python scripts/gpu_aot.py --shapes llama-2-7b --layers 2 \\
+        --recipes bf16 rtn-w4-g128 rtn-w8 rtn-w8a8 [--kv-bits 8 --context 8192] [--device h200] [--keep DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # never initialise a GPU backend: the topology describes one
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# GpuTargetConfig text protos of the GPUs the device tool lends (device_description_str is the device_kind
+# the dispatch tables are keyed by).
+_DEVICE_INFO = ("threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152 "
+                "shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132 fpus_per_core: 128 "
+                "block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535 "
+                "l2_cache_size: 52428800 clock_rate_ghz: 1.98 shared_memory_per_block_optin: 232448 "
+                "cuda_compute_capability {{ major: 9 }} registers_per_core_limit: 65536 "
+                "registers_per_block_limit: 65536 memory_bandwidth: {bandwidth} device_memory_size: {memory}")
+TARGETS = {
+    "h100": ("NVIDIA H100 80GB HBM3", 3352320000000, 84929347584),
+    "h200": ("NVIDIA H200", 4800000000000, 150754820096),
+}
+COPY_MIN_BYTES = 1 << 20
+BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
+         "s64": 8, "u64": 8, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
+
+
+def target_config(device: str) -> str:
+    kind, bandwidth, memory = TARGETS[device]
+    info = _DEVICE_INFO.format(bandwidth=bandwidth, memory=memory)
+    return (f"gpu_device_info {{ {info} }}\nplatform_name: \"CUDA\"\ndnn_version_info {{ major: 9 minor: 7 }}\n"
+            f"runtime_version {{ major: 12 minor: 8 patch: 0 }}\ndevice_description_str: \"{kind}\"\n")
+
+
+# --------------------------------------------------------------------------- reading XLA's dumps
+
+
+def shape_bytes(text: str) -> int:
+    """Bytes of every array shape in an HLO type string (a tuple's elements summed)."""
+    return sum(BYTES.get(dtype, 0) * _prod(dims) for dtype, dims in re.findall(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]", text))
+
+
+def _prod(dims: str) -> int:
+    n = 1
+    for d in filter(None, dims.split(",")):
+        n *= int(d)
+    return n
+
+
+def innermost_loop_body(thunks: str) -> list[str]:
+    """The thunk lines of the body of the most deeply nested ``kWhile`` (the scan over the blocks, inside
+    the loop over tokens)."""
+    lines = thunks.splitlines()
+    whiles = [(len(line) - len(line.lstrip()), i) for i, line in enumerate(lines) if "kWhile" in line]
+    if not whiles:
+        return []
+    indent, start = max(whiles)
+    body, inside = [], False
+    for line in lines[start + 1:]:
+        depth = len(line) - len(line.lstrip())
+        if line.strip() and depth <= indent and not line.strip().endswith(":"):
+            break
+        if line.strip() == "body:":
+            inside = True
+        elif inside:
+            body.append(line.strip())
+    return body
+
+
+def launches(body: list[str]) -> dict:
+    """Kernels launched by a loop body's thunks: Pallas kernels (name, grid), GEMMs, other fusions, copies."""
+    out = {"pallas": [], "gemm": 0, "fusion": 0, "copy": 0}
+    for line in body:
+        m = re.match(r"\d+: (k\w+)\s+\[[^]]*\]\s*(\S+)?(?: grid: (\[[^]]*\]))?", line)
+        if not m:
+            continue
+        kind, name, grid = m.groups()
+        if kind == "kCopy":
+            out["copy"] += 1
+        elif kind in ("kCublasLtMatmul", "kGemm") or (name or "").startswith(("gemm_fusion", "cublas")):
+            out["gemm"] += 1
+        elif kind == "kCustomKernel" and name and not re.match(r"(loop|input|wrapped|fusion)", name):
+            out["pallas"].append(f"{name} {grid}")
+        elif kind == "kCustomKernel":
+            out["fusion"] += 1
+    return out
+
+
+def computations(hlo: str) -> dict[str, list[str]]:
+    """The HLO module's computations: name -> instruction lines."""
+    out, current = {}, None
+    for line in hlo.splitlines():
+        header = re.match(r"^(?:ENTRY )?%([\w.\-]+) \(", line)
+        if header:
+            current = out.setdefault(header.group(1), [])
+        elif current is not None and line.startswith("  "):
+            current.append(line)
+    return out
+
+
+def innermost_body(comps: dict[str, list[str]]) -> str:
+    """The largest while body that holds no while itself (the scan over the blocks)."""
+    bodies = {b for lines in comps.values() for line in lines for b in re.findall(r"body=%([\w.\-]+)", line)}
+    inner = [b for b in bodies if not any(" while(" in line for line in comps.get(b, []))]
+    if not inner:
+        raise SystemExit("no while loop in the compiled module: were the blocks stacked?")
+    return max(inner, key=lambda b: len(comps[b]))
+
+
+def big_copies(hlo: str) -> list[tuple[str, int]]:
+    """(instruction, bytes) of every copy or dynamic-slice fusion of at least COPY_MIN_BYTES in the innermost
+    loop's body (what runs there as a copy of its own, not what a fusion reads in place)."""
+    out = []
+    for line in computations(hlo)[innermost_body(computations(hlo))]:
+        m = re.match(r"\s+(?:ROOT )?%([\w.\-]+) = (.+?) (copy|copy-start|dynamic-slice|fusion|fusion-start)\(", line)
+        if not m:
+            continue
+        name, result, op = m.groups()
+        if op.startswith("fusion") and "dynamic_slice" not in name and "dynamic-slice" not in line.split("calls=")[-1][:80]:
+            continue
+        nbytes = shape_bytes(result.split(" ")[0] if op in ("copy", "dynamic-slice") else result)
+        if nbytes >= COPY_MIN_BYTES:
+            out.append((name, nbytes))
+    return out
+
+
+def read_dump(folder: Path) -> tuple[str, str]:
+    """(optimized HLO, thunk sequence) of the decode loop's module in an ``xla_dump_to`` folder."""
+    def one(pattern):
+        files = sorted(folder.glob(pattern))
+        if not files:
+            raise SystemExit(f"no {pattern} in {folder}: did XLA dump the module?")
+        return files[-1].read_text()
+
+    return one("*_decode_loop*gpu_after_optimizations.txt"), one("*_decode_loop*thunk_sequence.txt")
+
+
+# --------------------------------------------------------------------------- compiling the decode loop
+
+
+def abstract_model(args, recipe: str):
+    """(config, stacked params as shapes): bf16 traced abstractly; recipes quantize real random weights on
+    this CPU (quantization is not traceable), then only their shapes go on."""
+    import jax
+    import jax.numpy as jnp
+
+    from llmeq_jax import pipeline
+    from llmeq_jax.models import shapes, stacked
+
+    config = shapes.shape_config(args.shapes, args.layers)
+
+    def build():
+        params = shapes.random_params(config, jnp.bfloat16)
+        if recipe != "bf16":
+            params = pipeline.run_recipe(config, params, None, pipeline.read_recipe(recipe), None, 16,
+                                         progress=False).params
+        return stacked.stack_blocks(config, params)
+
+    return config, (jax.eval_shape(build) if recipe == "bf16" else jax.eval_shape(lambda p: p, build()))
+
+
+def compile_decode(args, recipe: str, topo, folder: Path):
+    """Compile generate's decode loop (batch ``args.batch``, a cache of ``args.context`` slots) for the topology's
+    GPU into ``folder`` (XLA's dump)."""
+    import jax
+    import jax.numpy as jnp
+
+    from llmeq_jax import generate as gen
+    from llmeq_jax.kv import spec as kvspec
+    from llmeq_jax.models import init_cache
+    from pallas_kernels import config as kernel_config
+    from jax.experimental import topologies
+
+    device = topo.devices[0]
+    on = jax.sharding.SingleDeviceSharding(device)
+    put = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on), tree)  # noqa: E731
+    config, params = abstract_model(args, recipe)
+    kv = None if args.kv_bits is None else kvspec.KVQuantizer(
+        None, kvspec.KVSpec(bits=args.kv_bits, key_range="online", prompt_tokens=16))
+    off = kernel_config.disabled() if args.xla else contextlib.nullcontext()
+    with kernel_config.compiling_for(device), off:
+        cache = jax.eval_shape(lambda: init_cache(config, args.batch, args.context, jnp.bfloat16, kv=kv))
+        logits = jax.ShapeDtypeStruct((args.batch, config.vocab_size), jnp.float32)
+        key = jax.eval_shape(lambda: jax.random.key(0))
+        steps = jax.ShapeDtypeStruct((), jnp.int32)
+        mesh = topologies.make_mesh(topo, (1,), ("x",))
+        # jax >= 0.11 asks the abstract mesh which GPU the Pallas kernels lower for
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            lowered = gen._decode_loop.trace(
+                config, put(params), put(logits), put(cache), put(key), put(steps), max_new_tokens=args.new_tokens,
+                greedy=True, temperature=1.0, top_k=0, top_p=1.0, kernels=gen.kernel_state()).lower()
+    lowered.compile(compiler_options={"xla_dump_to": str(folder)})
+
+
+def report(name: str, hlo: str, thunks: str) -> str:
+    body = innermost_loop_body(thunks)
+    seen = launches(body)
+    copies = big_copies(hlo)
+    kernels = collections.Counter(seen["pallas"])
+    pallas = ", ".join(f"{k}" + (f" x{c}" if c > 1 else "") for k, c in kernels.items()) or "none"
+    copied = sum(b for _, b in copies)
+    listed = ", ".join(f"{n} {b / 2**20:.0f} MiB" for n, b in copies[:4]) + (" ..." if len(copies) > 4 else "")
+    return (f"| {name} | {len(body)} | {len(seen['pallas'])} | {seen['gemm']} | {seen['fusion']} | {seen['copy']} | "
+            f"{copied / 2**20:.0f} MiB{' (' + listed + ')' if copies else ''} | {pallas} |")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="llama-2-7b", help="published shapes (models.shapes), random weights")
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers (the scan body is the same for any)")
+    parser.add_argument("--recipes", nargs="+", default=["bf16", "rtn-w4-g128", "rtn-w8", "rtn-w8a8"],
+                        help="bf16, or round-to-nearest recipes (no calibration text here)")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--context", type=int, default=2048, help="cache slots")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--kv-bits", type=int, choices=(4, 8), help="a quantized KV cache (online key ranges)")
+    parser.add_argument("--device", choices=sorted(TARGETS), default="h100")
+    parser.add_argument("--xla", action="store_true", help="no Pallas kernel (pallas_kernels.config.disabled): XLA's paths")
+    parser.add_argument("--keep", type=Path, help="keep XLA's dumps here (one folder per recipe)")
+    args = parser.parse_args(argv)
+
+    import jax
+    from jax.experimental import topologies
+
+    try:
+        topo = topologies.get_topology_desc(platform="cuda", target_config=target_config(args.device), topology="1x1x1")
+    except Exception as e:  # noqa: BLE001 -- the plugin's own message says what is missing
+        raise SystemExit(f"no deviceless CUDA compiler here ({e}); see this script's docstring for the setup") from e
+    print(f"jax {jax.__version__}, compiled for {topo.devices[0].device_kind} (deviceless, no autotuning); "
+          f"{args.shapes} shapes, {args.layers} layers stacked, batch {args.batch}, {args.context} cache slots"
+          + (f", int{args.kv_bits} KV cache" if args.kv_bits else "") + (", Pallas kernels off" if args.xla else "")
+          + "; per decoder layer and token:")
+    print("| recipe | thunks | Pallas kernels | XLA GEMMs | other fusions | copies | copied (>= 1 MiB) | kernels |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |")
+    for recipe in args.recipes:
+        folder = (args.keep / recipe) if args.keep else Path(tempfile.mkdtemp(prefix=f"gpu_aot_{recipe}_"))
+        folder.mkdir(parents=True, exist_ok=True)
+        compile_decode(args, recipe, topo, folder)
+        print(report(recipe, *read_dump(folder)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""scripts/gpu_aot.py: reading XLA's dumps of a deviceless GPU compile (the compile itself needs JAX's CUDA
+plugin, which the test venv does not hold: see the script's docstring)."""
+
+import importlib.util
+from pathlib import Path
+
+SPEC = importlib.util.spec_from_file_location("gpu_aot", Path(__file__).parents[1] / "scripts/gpu_aot.py")
+gpu_aot = importlib.util.module_from_spec(SPEC)
+SPEC.loader.exec_module(gpu_aot)
+
+# A thunk sequence as XLA dumps it: a loop over tokens holding the loop over layers.
+THUNKS = """\
+001: kCustomKernel [source | next=002 (1)] input_reduce_fusion_9 grid: [1, 1, 1] threads: [2, 1, 1]  shared_memory: 0 bytes
+002: kWhile        [prev=001 (1) | next=020 (1)]
+condition:
+    003: kCustomKernel [source | sink] loop_compare_fusion_1 grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+  body:
+    004: kCopy         [source       | next=005 (1)] kCopy
+    005: kWhile        [prev=004 (1) | next=019 (1)]
+condition:
+        006: kCustomKernel [source | sink] loop_compare_fusion grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+      body:
+        007: kAsyncStart   [source        | next=010 (3)] stream=computation_stream[0], async_id=7
+            009: kDynamicSliceFusion [source | sink] params=1, results=1
+                008: kCopy [source | sink] kCopy
+        010: kCustomKernel [prev=008 (1)  | next=011 (1)] int4_words_matmul grid: [1, 48, 6] threads: [128, 1, 1]  shared_memory: 41984 bytes
+        011: kCustomKernel [prev=010 (1)  | next=012 (1)] gemm_fusion_dot_23 grid: [2048, 1, 1] threads: [64, 1, 1]  shared_memory: 768 bytes
+        012: kCustomKernel [prev=011 (1)  | next=013 (1)] loop_reduce_fusion grid: [96, 1, 1] threads: [128, 1, 1]  shared_memory: 0 bytes
+        013: kCustomKernel [prev=012 (1)  | sink        ] int4_words_matmul grid: [1, 48, 6] threads: [128, 1, 1]  shared_memory: 41984 bytes
+    019: kCustomKernel [prev=005 (1) | sink] loop_add_fusion_4 grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+020: kCustomKernel [prev=002 (1) | sink] wrapped_add grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+"""
+
+# Optimized HLO: the outer body holds a while; the inner (layer) body copies two weights out of their stack
+# in one fusion, and a small s32 slice (below the size listed).
+HLO = """\
+%fused_dynamic_slice (p0: bf16[4,512,1024], p1: s32[]) -> (bf16[1,512,1024], bf16[1,512,1024]) {
+  %dynamic-slice.1 = bf16[1,512,1024]{2,1,0} dynamic-slice(%p0, %p1), dynamic_slice_sizes={1,512,1024}
+  ROOT %tuple = (bf16[1,512,1024]{2,1,0}, bf16[1,512,1024]{2,1,0}) tuple(%dynamic-slice.1, %dynamic-slice.1)
+}
+
+%body.2 (param: (s32[], bf16[4,512,1024])) -> (s32[], bf16[4,512,1024]) {
+  %gte = bf16[4,512,1024]{2,1,0} get-tuple-element(%param), index=1
+  %loop_dynamic_slice_fusion = (bf16[1,512,1024]{2,1,0}, bf16[1,512,1024]{2,1,0}) fusion(%gte, %i), kind=kLoop, calls=%fused_dynamic_slice
+  %small = s32[1]{0} dynamic-slice(%idx, %i), dynamic_slice_sizes={1}
+  %copy.3 = f32[1024,1024]{1,0} copy(%x)
+  ROOT %t = (s32[], bf16[4,512,1024]) tuple(%i, %gte)
+}
+
+%body.1 (param: (s32[], bf16[4,512,1024])) -> (s32[], bf16[4,512,1024]) {
+  %copy.9 = f32[4096,1024]{1,0} copy(%y)
+  %w = (s32[], bf16[4,512,1024]) while(%param), condition=%cond.2, body=%body.2
+  ROOT %t = (s32[], bf16[4,512,1024]) tuple(%i, %gte)
+}
+
+ENTRY %main (a: bf16[4,512,1024]) -> bf16[4,512,1024] {
+  %copy.1 = bf16[4,512,1024]{2,1,0} copy(%a)
+  %w = (s32[], bf16[4,512,1024]) while(%t), condition=%cond.1, body=%body.1
+}
+"""
+
+
+def test_shape_bytes_sums_a_tuple_and_reads_every_dtype():
+    assert gpu_aot.shape_bytes("bf16[1,512,1024]{2,1,0}") == 2 * 512 * 1024
+    assert gpu_aot.shape_bytes("(bf16[2,3]{1,0}, s8[10]{0}, f32[])") == 12 + 10 + 4
+    assert gpu_aot.shape_bytes("f8e4m3fn[16,16]") == 256
+
+
+def test_launches_of_the_innermost_loop_body():
+    body = gpu_aot.innermost_loop_body(THUNKS)
+    assert body[0].startswith("007: kAsyncStart") and body[-1].startswith("013:")  # not the outer body's 019
+    seen = gpu_aot.launches(body)
+    assert seen["pallas"] == ["int4_words_matmul [1, 48, 6]"] * 2
+    assert (seen["gemm"], seen["fusion"], seen["copy"]) == (1, 1, 1)
+
+
+def test_big_copies_of_the_innermost_loop_only():
+    """The layer loop's dynamic-slice fusion and its large copy are listed, with bytes; the small slice, the
+    outer loop's copy and the entry's copy are not."""
+    copies = dict(gpu_aot.big_copies(HLO))
+    assert copies == {"loop_dynamic_slice_fusion": 2 * (512 * 1024 * 2), "copy.3": 4 << 20}
