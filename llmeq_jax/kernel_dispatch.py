@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import jax
 import jax.numpy as jnp
 
 from llmeq_jax import dispatch_table
