@@ -36,7 +36,8 @@ step gpu_tests 120 "$py" -m pytest -q -m gpu tests/pallas_kernels/test_gpu_kerne
 # against the dot kernel's 5.4), on the four shapes of issue #15's int4 target (>= 2.5x bf16 at M <= 16),
 # beside the dot kernel (w4g128) and XLA's path; its table entries (kernel int4_words) go to the shipped table.
 # Also bf16 weights read as a layer of a stack, as the scan over stacked blocks does: pallas_kernels.float_matmul
-# in place against XLA's dynamic slice + dot (bf16_stack, table kernel "float": off unless measured faster).
+# in place against XLA's dynamic slice + dot (bf16_stack, table kernel "float": on by default on a GPU, where
+# scripts/gpu_aot.py saw XLA copy each layer's weights out of the stack every decode step).
 # --sweep: the word kernel's other tiles, warps, stages and no split at decode rows on 4096x11008.
 step words 150 "$py" scripts/bench_kernels.py --reps 10 --sweep --kinds bf16,w4g128,w4_words,bf16_stack \
     --weights 4096x4096,4096x11008,11008x4096,4096x14336 --no-attention --write-table "$out/dispatch_words.json"
@@ -63,8 +64,10 @@ step layout 110 "$py" scripts/bench_e2e.py --shapes "$shapes" --layers 4 --dtype
 XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_dynamic_slice_fusion=true" step layout_dsf 60 "$py" scripts/bench_e2e.py \
     --shapes "$shapes" --layers 4 --dtype bfloat16 --recipes bf16 --batches 1 --prefill-len 512 --new-tokens 32 \
     --repeats 2 --scan-layers --no-torch --out "$out/layout_dsf.json"
-# bf16 scanned again with the words step's table active: its "float" entries send the decode step's bf16
-# kernels to float_matmul where it measured faster (compare with layout's bf16 scanned row).
+# bf16 scanned again with the words step's table active. On a GPU the decode step's stacked bf16 kernels go to
+# float_matmul (in place) unless a table measured XLA's slice-and-dot faster: where the words step did, this row
+# is XLA's path (compare with layout's bf16+scan row, float_matmul, and its unrolled bf16 row, no slices at all).
+# layout_dsf's flag only changes XLA's path, which bf16 scanned now takes only where such a table says so.
 LLMEQ_DISPATCH_TABLE="$out/dispatch_words.json" step layout_float 60 "$py" scripts/bench_e2e.py --shapes "$shapes" \
     --layers 4 --dtype bfloat16 --recipes bf16 --batches 1 --prefill-len 512 --new-tokens 32 --repeats 2 \
     --scan-layers --no-torch --out "$out/layout_float.json"
