@@ -14,6 +14,10 @@ kernel: it returns the log-sum-exp of its scores so the cache merges the two.
 inside the kernel by folding the grids: q . (c * s_k + o_k) = (q * s_k) . c + q . o_k,
 and p . (c * s_v + o_v) = (p * s_v) . c + sum(p * o_v). Pre-RoPE keys cannot be
 folded (the rotation depends on the slot): they are dequantized and rotated per tile.
+A bfloat16/float16 query over post-RoPE keys (head_dim / lanes >= 16) reads the codes as 32-bit words
+instead of bytes (``kv_words``: the store bitcast, each tile's codes made exact float16 operands by inline
+PTX, the float side scaled into float16's range by powers of two): no byte gathered from shared memory,
+1.5 instructions per code to convert. Float32 queries keep exact three-part bf16 dots over the bytes.
 The tokens are split into ranges, one program each (flash decoding), so that a
 long cache with few heads still fills the GPU; the partial results are merged
 by a small jnp step.
@@ -36,7 +40,7 @@ from jax.experimental import pallas as pl
 from llmeq_jax.core.qarray import int_range, unpack
 from llmeq_jax.core.rope import apply_rope
 from llmeq_jax.kv.grid import dequantize_grid
-from pallas_kernels import config
+from pallas_kernels import config, kv_words
 from pallas_kernels.common import (
     FLOAT_DTYPES,
     MIN_DOT,
@@ -134,6 +138,8 @@ class _Layout:
     masked: an ``allowed`` [B, T] mask says which slots the query reads.
     rope:   keys are stored before RoPE; the kernel rotates each by its slot's position.
     stacked: codes and value grids are every layer's stack [L, ...]; the first ref is the layer index.
+    words:  the codes come as int32 words and the query side lane-major (``kv_words``): float16 operands
+            made from 32-bit loads, one dot per lane (half-precision queries, post-RoPE keys).
     """
 
     bits: int
@@ -142,6 +148,7 @@ class _Layout:
     masked: bool = False
     rope: bool = False
     stacked: bool = False
+    words: bool = False
 
     @property
     def halves(self) -> int:
@@ -201,6 +208,19 @@ def _parts_dot(a_parts, c, contract):
                for p in a_parts)
 
 
+def _pow2_scale(amax):
+    """(the power of two that takes a largest magnitude ``amax`` to [2^14, 2^15), its inverse): float16
+    operands scaled by it keep their 11 significant bits whatever the scale of the attention (scaling by a
+    power of two and back is exact)."""
+    e = jnp.clip(jnp.floor(jnp.log2(jnp.maximum(amax, TINY))), -100.0, 100.0)
+    return jnp.exp2(14.0 - e), jnp.exp2(e - 14.0)
+
+
+def _half_dot(a, c, contract):
+    """float16 x float16 -> float32 dot (the word path's operands)."""
+    return jax.lax.dot_general(a, c, (contract, ((), ())), preferred_element_type=jnp.float32)
+
+
 _NT = ((1,), (1,))  # a (m, k) . c (n, k)^T
 _NN = ((1,), (0,))  # a (m, k) . c (k, n)
 
@@ -227,22 +247,33 @@ def _decode_kernel(*refs, lay: _Layout, g, bg, bt, d, sm_scale, split_blocks, pr
     def half(i, width):  # columns of half i
         return pl.ds(i * width, width)
 
-    # Per half: the query (scaled) and the per-channel key grid, split like the codes.
-    q = [_lanes(plgpu.load(q_ref.at[b, h, heads, half(i, dh)], mask=head_mask[:, None], other=0.0)
-                .astype(jnp.float32) * sm_scale, bits) for i in range(halves)]
-    k_scale = [_lanes(plgpu.load(ks_ref.at[b, h, pl.ds(0, 1), half(i, dh)]), bits) for i in range(halves)]
-    k_off = [_lanes(plgpu.load(ko_ref.at[b, h, pl.ds(0, 1), half(i, dh)]), bits) for i in range(halves)]
-    lanes = range(len(q[0]))
-    if lay.rope:
-        freq = _lanes(freq_ref[...].reshape(1, dh), bits)  # the same frequencies for both halves
+    if lay.words:
+        qw = plgpu.load(q_ref.at[b, h, heads, :], mask=head_mask[:, None], other=0.0).astype(jnp.float32) * sm_scale
+        # q . (c * s + o) = (q * s) . c + q . o, the first as float16 operands scaled into float16's range
+        qf = qw * plgpu.load(ks_ref.at[b, h, pl.ds(0, 1), :])
+        q_const = jnp.sum(qw * plgpu.load(ko_ref.at[b, h, pl.ds(0, 1), :]), axis=1, keepdims=True)
+        q_scale, q_unscale = _pow2_scale(jnp.max(jnp.abs(qf), axis=1, keepdims=True))  # per query row
+        q_half = (qf * q_scale).astype(jnp.float16)
     else:
-        # Fold the key grid into the query: q . (c * s + o) = (q * s) . c + q . o
-        q_folded = [_bf16_parts(q[0][j] * k_scale[0][j], parts) for j in lanes]
-        q_const = sum(jnp.sum(q[0][j] * k_off[0][j], axis=1, keepdims=True) for j in lanes)  # (bg, 1)
-        if bits == 4:  # the codes' fold offset, times the query side the dots multiply it by
-            q_const = q_const - INT4_FOLD * sum(_parts_sum(q_folded[j], 1) for j in lanes)
+        # Per half: the query (scaled) and the per-channel key grid, split like the codes.
+        q = [_lanes(plgpu.load(q_ref.at[b, h, heads, half(i, dh)], mask=head_mask[:, None], other=0.0)
+                    .astype(jnp.float32) * sm_scale, bits) for i in range(halves)]
+        k_scale = [_lanes(plgpu.load(ks_ref.at[b, h, pl.ds(0, 1), half(i, dh)]), bits) for i in range(halves)]
+        k_off = [_lanes(plgpu.load(ko_ref.at[b, h, pl.ds(0, 1), half(i, dh)]), bits) for i in range(halves)]
+        lanes = range(len(q[0]))
+        if lay.rope:
+            freq = _lanes(freq_ref[...].reshape(1, dh), bits)  # the same frequencies for both halves
+        else:
+            # Fold the key grid into the query: q . (c * s + o) = (q * s) . c + q . o
+            q_folded = [_bf16_parts(q[0][j] * k_scale[0][j], parts) for j in lanes]
+            q_const = sum(jnp.sum(q[0][j] * k_off[0][j], axis=1, keepdims=True) for j in lanes)  # (bg, 1)
+            if bits == 4:  # the codes' fold offset, times the query side the dots multiply it by
+                q_const = q_const - INT4_FOLD * sum(_parts_sum(q_folded[j], 1) for j in lanes)
 
     def scores(toks, tok_mask):
+        if lay.words:
+            words = plgpu.load(k_ref.at[(*at, b, h, toks, slice(None))], mask=tok_mask[:, None], other=0)
+            return _half_dot(q_half, kv_words.channel_tile(words, bits, interpreted), _NT) * q_unscale + q_const
         stored = [plgpu.load(k_ref.at[(*at, b, h, toks, half(i, bh))], mask=tok_mask[:, None], other=0)
                   for i in range(halves)]
         if not lay.rope:
@@ -276,26 +307,33 @@ def _decode_kernel(*refs, lay: _Layout, g, bg, bt, d, sm_scale, split_blocks, pr
         v_scale = plgpu.load(vs_ref.at[(*at, b, h, toks, slice(None))], mask=tok_mask[:, None], other=0.0)
         v_scale = v_scale.astype(jnp.float32).reshape(1, bt)
         # p . (c * s_v + o_v) = (p * s_v) . c + sum(p * o_v): fold the per-token value grid into the weights.
-        pv = _bf16_parts(p * v_scale, parts)
-        v_codes = _code_operands(plgpu.load(v_ref.at[(*at, b, h, toks, slice(None))], mask=tok_mask[:, None],
-                                            other=0), bits, interpreted)
-        upd = [_parts_dot(pv, c, _NN) for c in v_codes]
-        upd = interleave_pairs(*upd) if bits == 4 else upd[0]
-        if bits == 4:  # the codes' fold offset, times the weights the dots multiplied it by
-            upd = upd - INT4_FOLD * _parts_sum(pv, 1)
+        stored = plgpu.load(v_ref.at[(*at, b, h, toks, slice(None))], mask=tok_mask[:, None], other=0)
+        if lay.words:
+            # p <= 1: scaled by the tile's largest value scale, p * s_v fits float16 (a weight too small for
+            # its normal range belongs to a tile far below the running maximum, and weighs nothing there)
+            pv_scale, pv_unscale = _pow2_scale(jnp.max(v_scale))
+            ph = (p * (v_scale * pv_scale)).astype(jnp.float16)
+            upd = [_half_dot(ph, kv_words.channel_tile(stored, bits, interpreted), _NN) * pv_unscale]
+        else:
+            pv = _bf16_parts(p * v_scale, parts)
+            upd = [_parts_dot(pv, c, _NN) for c in _code_operands(stored, bits, interpreted)]
+            upd = [interleave_pairs(*upd) if bits == 4 else upd[0]]
+            if bits == 4:  # the codes' fold offset, times the weights the dots multiplied it by
+                upd = [upd[0] - INT4_FOLD * _parts_sum(pv, 1)]
         if lay.shift or lay.v_lo:
             v_off = -float(lay.shift) * v_scale
             if lay.v_lo:
                 v_lo = plgpu.load(vlo_ref.at[(*at, b, h, toks, slice(None))], mask=tok_mask[:, None], other=0.0)
                 v_off = v_off + v_lo.astype(jnp.float32).reshape(1, bt)
-            upd = upd + jnp.sum(p * v_off, axis=1, keepdims=True)
-        return m_new, l_new, acc * corr + upd
+            offset = jnp.sum(p * v_off, axis=1, keepdims=True)
+            upd = [u + offset for u in upd]
+        return m_new, l_new, tuple(a * corr + u for a, u in zip(acc, upd))
 
-    init = (jnp.full((bg, 1), NEG_INF, jnp.float32), jnp.zeros((bg, 1), jnp.float32), jnp.zeros((bg, d), jnp.float32))
+    init = (jnp.full((bg, 1), NEG_INF, jnp.float32), jnp.zeros((bg, 1), jnp.float32), (jnp.zeros((bg, d), jnp.float32),))
     first = sp * split_blocks
     last = jnp.minimum(first + split_blocks, (length + bt - 1) // bt)
     m_fin, l_fin, acc = jax.lax.fori_loop(first, last, body, init)  # no iterations when the split is empty
-    plgpu.store(o_ref.at[b, h, sp, heads, :], acc, mask=head_mask[:, None])
+    plgpu.store(o_ref.at[b, h, sp, heads, :], acc[0], mask=head_mask[:, None])
     plgpu.store(m_ref.at[b, h, sp, heads, :], m_fin, mask=head_mask[:, None])
     plgpu.store(l_ref.at[b, h, sp, heads, :], l_fin, mask=head_mask[:, None])
 
@@ -330,6 +368,9 @@ def _decode(q, k_codes, v_codes, k_scale, k_off, v_scale, extra, length, lay: _L
     part = jax.ShapeDtypeStruct((bsz, h, splits, g, d), jnp.float32)
     stat = jax.ShapeDtypeStruct((bsz, h, splits, g, 1), jnp.float32)
     at = () if layer is None else (jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)),)
+    k_scale, k_off = _batched(k_scale, bsz), _batched(k_off, bsz)
+    if lay.words:  # the codes as int32 words: a bitcast
+        k_codes, v_codes = kv_words.as_words(k_codes, lay.bits), kv_words.as_words(v_codes, lay.bits)
     acc, m, l = pl.pallas_call(
         kernel,
         out_shape=(part, stat, stat),
@@ -337,7 +378,7 @@ def _decode(q, k_codes, v_codes, k_scale, k_off, v_scale, extra, length, lay: _L
         compiler_params=compiler_params(num_warps, num_stages),
         interpret=interpret,
         name=f"decode_attention_int{lay.bits}" + ("_rope" if lay.rope else ""),
-    )(*at, q.reshape(bsz, h, g, d), k_codes, v_codes, _batched(k_scale, bsz), _batched(k_off, bsz), v_scale, *extra,
+    )(*at, q.reshape(bsz, h, g, d), k_codes, v_codes, k_scale, k_off, v_scale, *extra,
       jnp.clip(length, 0, t))
     # Combine the splits: an empty split has m = NEG_INF, l = 0, acc = 0 and weighs exp(NEG_INF - max) = 0.
     m_all = jnp.max(m, axis=2, keepdims=True)
@@ -425,7 +466,8 @@ def store_decode_attention(
         extra.append(allowed.astype(jnp.int8))
     if rope:
         extra += [slot_pos.astype(jnp.int32), inv_freq.astype(jnp.float32).reshape(1, d // 2)]
-    lay = _Layout(bits, shift=shift, v_lo=True, masked=allowed is not None, rope=rope, stacked=stacked)
+    lay = _Layout(bits, shift=shift, v_lo=True, masked=allowed is not None, rope=rope, stacked=stacked,
+                  words=reads_words(d, bits, q.dtype, rope=rope))
     return _decode(q, k_codes, v_codes, k_scale, k_off, v_scale, tuple(extra), length, lay, sm_scale=sm_scale,
                    block_t=block_t, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
                    interpret=interpret, layer=layer)
@@ -446,6 +488,15 @@ def store_decode_attention_reference(q, k_codes, v_codes, k_scale, k_lo, v_scale
     if allowed is not None:
         ok = ok & allowed.astype(bool)
     return _attention_reference(q, k, v, ok, sm_scale)
+
+
+def reads_words(head_dim: int, bits: int, dtype, *, rope: bool = False) -> bool:
+    """Whether the decode kernel reads the store as 32-bit words (``kv_words``): float16 operands from
+    32-bit loads, one dot per lane of ``head_dim / LANES`` channels. For bfloat16/float16 queries over
+    post-RoPE keys, where each lane is a whole dot (>= 16 channels: int8 from head_dim 64, int4 from 128).
+    Float32 queries keep the byte path's exact three-part bf16 dots; pre-RoPE keys are rotated in float32."""
+    return (not rope and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            and head_dim // kv_words.LANES[bits] >= MIN_DOT)
 
 
 def can_use(head_dim: int, bits: int, dtype, *, rope: bool = False) -> tuple[bool, str]:

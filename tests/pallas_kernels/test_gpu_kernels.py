@@ -293,6 +293,8 @@ STORE_CASES = [  # (B, H_kv, G, T, D, bits, pre-RoPE keys, dtype) of kv.cache.Qu
     (2, 8, 4, 4096, 128, 8, True, BF16),
     (1, 8, 4, 32768, 128, 4, True, BF16),
     (4, 8, 4, 2048, 128, 4, False, F16),
+    (1, 8, 4, 32768, 128, 8, False, BF16),  # the word path (bf16/f16 queries, post-RoPE) at bench_kernels' shape
+    (1, 8, 4, 32768, 128, 4, False, BF16),
 ]
 
 

@@ -3,7 +3,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.kv_cache import can_use, decode_splits, store_decode_attention, store_decode_attention_reference
+from pallas_kernels.kv_cache import (
+    can_use,
+    decode_splits,
+    reads_words,
+    store_decode_attention,
+    store_decode_attention_reference,
+)
 
 
 def test_default_splits_fill_the_gpu_at_long_context():
@@ -104,6 +110,31 @@ def test_store_decode_reads_a_layer_of_a_stacked_store_in_place(bits):
     assert "dynamic_slice" not in text and "pallas_call" in text
 
 
+@pytest.mark.parametrize("bits, d", [(8, 64), (8, 128), (4, 128)])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_query_reads_the_store_as_words_within_float16_error(bits, d, dtype):
+    """bf16/f16 queries over post-RoPE keys: the store read as 32-bit words (float16 operands, exact codes, the
+    float side scaled into float16's range by powers of two): within float16's error of the float32
+    reference, masks, ragged lengths, splits and a stacked store's layer included."""
+    b, h, g, t = 2, 2, 3, 70
+    assert reads_words(d, bits, dtype) and not reads_words(d, bits, jnp.float32)
+    assert not reads_words(d, bits, dtype, rope=True) and not reads_words(64, 4, dtype)  # int4 lanes: 128 / 8
+    store = _store(b, h, t, d, bits)
+    q = (jax.random.normal(jax.random.key(9), (b, h * g, d)) * 3).astype(dtype)
+    kw = dict(bits=bits, allowed=jax.random.bernoulli(jax.random.key(3), 0.7, (b, t)))
+    length = jnp.array([t, 41])
+    ref_out, ref_lse = store_decode_attention_reference(q.astype(jnp.float32), *store, length, **kw)
+    scale = float(jnp.max(jnp.abs(ref_out)))
+    for splits in (1, 3):
+        out, lse = store_decode_attention(q, *store, length, block_t=16, num_splits=splits, interpret=True, **kw)
+        np.testing.assert_allclose(out, ref_out, atol=2e-3 * scale)
+        np.testing.assert_allclose(lse, ref_lse, atol=2e-3, rtol=2.0**-11)  # float16 operands
+    stacked = [jnp.stack([a, a[::-1]]) for a in (store[0], store[1], store[4], store[5])]
+    out, _ = store_decode_attention(q, stacked[0], stacked[1], *store[2:4], stacked[2], stacked[3], length, layer=0,
+                                    block_t=16, interpret=True, **kw)
+    np.testing.assert_allclose(out, ref_out, atol=2e-3 * scale)
+
+
 def test_store_decode_ignores_slots_past_length():
     b, h, t, d, bits = 1, 1, 48, 32, 8
     kc, vc, *grids = _store(b, h, t, d, bits)
@@ -142,9 +173,10 @@ def test_store_decode_lowers_for_cuda(cuda_lowering, bits, rope):
 
     (kernel,) = triton_modules(attend, *args)  # first: a second lowering of the same call is cached
     cuda_lowering(attend, *args)
-    # int4 codes become bf16 operands by inline PTX (two calls per code tile: low and high nibbles), values
-    # as dot operands always, keys too unless pre-RoPE (those are dequantized in float32 to be rotated)
-    want = 0 if bits == 8 else (2 if rope else 4)
+    # Post-RoPE: the codes are read as words, every lane of the key and value tiles made float16 by inline PTX
+    # (4 lanes for int8, 8 for int4). Pre-RoPE: int4 values become bf16 by inline PTX (low and high nibbles),
+    # keys are dequantized in float32 to be rotated, int8 codes are converted.
+    want = (2 if bits == 4 else 0) if rope else 2 * (32 // bits)
     assert kernel.ttir.count("tt.elementwise_inline_asm") == want
 
 
