@@ -44,7 +44,8 @@ step words 150 "$py" scripts/bench_kernels.py --reps 10 --sweep --kinds bf16,w4g
 # FP8 W8A8 (E4M3, new since the H200 run): the Pallas kernel and XLA's FP8 dot against bf16, and PyTorch's
 # _scaled_mm beside them, on one weight shape (issue #15's target: >= 1.6x bf16).
 # Since the CPU's SASS check (scripts/kernel_sass.py): the FP8 kernel on FP8 wgmma (fp8_dot), and the int8
-# kinds K-major at decode rows (*_nk: the layout for_decode gives a decode loop on a GPU).
+# kinds K-major (*_nk: the layout for_decode gives a decode loop on a GPU; W8A8 also at prefill rows, where the
+# w8a8/fp8 kinds transpose the weight per call).
 step fp8 100 "$py" scripts/bench_kernels.py --reps 10 --kinds bf16,fp8,w8a8,w8,fp8_nk,w8a8_nk,w8_nk \
     --weights 4096x11008 --no-attention --write-table "$out/dispatch_fp8.json"
 # bf16 decode of Llama-2-7B shapes ran at 90 tok/s scanned on an H200 (a third of the weights' bandwidth):
