@@ -221,6 +221,32 @@ def _half_dot(a, c, contract):
     return jax.lax.dot_general(a, c, (contract, ((), ())), preferred_element_type=jnp.float32)
 
 
+# RoPE angles reach pos * freq ~ 3e4 rad at long contexts. jnp.cos / jnp.sin compile to libdevice's accurate
+# cosf / sinf, whose slow path for large arguments (Payne-Hanek reduction over a table in local memory) made
+# XLA's Triton build the pre-RoPE loop as 47751 instructions at 32 registers with 33 KB of spills
+# (scripts/gpu_aot.py --sass, jax 0.11.2). The angle is reduced to [-pi, pi] here instead -- two-constant
+# Cody-Waite, exact for k * _TWO_PI_HI while k < 2^16 (angles below ~4e5), so the float32 angle itself is the
+# only error -- and the GPU's cos.approx / sin.approx (absolute error ~5e-7 there) take the rest.
+_TWO_PI_HI = 6.28125  # 201 / 32: eight significant bits
+_TWO_PI_LO = 2 * math.pi - _TWO_PI_HI
+
+
+def _reduced_angle(angle):
+    """``angle`` minus the nearest multiple of 2 pi: the same cosine and sine, in [-pi, pi]."""
+    k = jnp.floor(angle * (1.0 / (2 * math.pi)) + 0.5)
+    return (angle - k * _TWO_PI_HI) - k * _TWO_PI_LO
+
+
+def _cos_sin(angle, interpreted: bool):
+    """(cos, sin) of float32 angles: reduced, then the GPU's approximate instructions (jnp in interpret mode)."""
+    r = _reduced_angle(angle)
+    if interpreted:
+        return jnp.cos(r), jnp.sin(r)
+    out = jax.ShapeDtypeStruct(r.shape, jnp.float32)
+    return tuple(plgpu.elementwise_inline_asm(f"{op}.approx.ftz.f32 $0, $1;", args=[r], constraints="=f,f", pack=1,
+                                              result_shape_dtypes=[out])[0] for op in ("cos", "sin"))
+
+
 _NT = ((1,), (1,))  # a (m, k) . c (n, k)^T
 _NN = ((1,), (0,))  # a (m, k) . c (k, n)
 
@@ -286,10 +312,13 @@ def _decode_kernel(*refs, lay: _Layout, g, bg, bt, d, sm_scale, split_blocks, pr
         for j in lanes:
             k0 = codes[0][j].astype(jnp.float32) * k_scale[0][j] + k_off[0][j]
             k1 = codes[1][j].astype(jnp.float32) * k_scale[1][j] + k_off[1][j]
-            angle = pos * freq[j]
-            cos, sin = jnp.cos(angle), jnp.sin(angle)
+            cos, sin = _cos_sin(pos * freq[j], interpreted)
             for qi, ki in ((q[0][j], k0 * cos - k1 * sin), (q[1][j], k1 * cos + k0 * sin)):
-                s = s + jax.lax.dot_general(qi, ki, (_NT, ((), ())), precision=precision,
+                if parts == 1:  # a bf16/f16 query: one bf16 dot (its own attention's operands), not TF32x3
+                    qi, ki, prec = qi.astype(jnp.bfloat16), ki.astype(jnp.bfloat16), None
+                else:
+                    prec = precision
+                s = s + jax.lax.dot_general(qi, ki, (_NT, ((), ())), precision=prec,
                                             preferred_element_type=jnp.float32)
         return s
 

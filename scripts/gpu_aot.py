@@ -14,6 +14,10 @@ for the loop over the stacked decoder blocks (one decoder layer, one token):
   takes it (seen: bf16 Llama-2-7B shapes, 404 MB per layer and token before the float kernel took
   the stack in place).
 
+``--sass``: each Pallas kernel of the loop as XLA's own Triton compiled it (the PTX in XLA's dump, through
+``ptxas`` and ``cuobjdump``): registers and the hottest loop (``kernel_sass.summarize``) -- the Triton the
+GPU machine's jaxlib carries, where ``kernel_sass.py`` uses the ``triton`` wheel's.
+
 Deviceless compiles do not autotune: XLA's GEMMs show its default (Triton) choice, where a real GPU
 may pick cuBLAS. Read it as a static check before a GPU run, like ``kernel_sass.py``, not as a timing.
 
@@ -25,8 +29,10 @@ machine's JAX (0.11.x needs Python >= 3.12; 0.10.2 with Python 3.11 works the sa
         "nvidia-cuda-nvcc-cu12==12.9.86"          # ptxas + libdevice: no CUDA toolkit needed
     .venv-aot/bin/pip install flax==0.12.8 optax==0.2.8 orbax-checkpoint==0.12.8 pyyaml tqdm \\
         safetensors==0.8.0 gguf==0.19.0 transformers==5.23.0 sentencepiece
+    .venv-aot/bin/pip install --no-deps triton==3.9.0   # only for --sass: its cuobjdump
     PYTHONPATH=. .venv-aot/bin/python scripts/gpu_aot.py --shapes llama-2-7b --layers 2 \\
-        --recipes bf16 rtn-w4-g128 rtn-w8 rtn-w8a8 [--kv-bits 8 --context 8192] [--device h200] [--keep DIR]
+        --recipes bf16 rtn-w4-g128 rtn-w8 rtn-w8a8 [--kv-bits 8 [--kv-post-rope] --context 8192]
+        [--device h200] [--xla] [--sass] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # never initialise a GPU backend: the topology describes one
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # kernel_sass (--sass)
 
 # GpuTargetConfig text protos of the GPUs the device tool lends (device_description_str is the device_kind
 # the dispatch tables are keyed by).
@@ -115,7 +122,7 @@ def launches(body: list[str]) -> dict:
             out["copy"] += 1
         elif kind in ("kCublasLtMatmul", "kGemm") or (name or "").startswith(("gemm_fusion", "cublas")):
             out["gemm"] += 1
-        elif kind == "kCustomKernel" and name and not re.match(r"(loop|input|wrapped|fusion)", name):
+        elif kind == "kCustomKernel" and name and is_pallas(name):
             out["pallas"].append(f"{name} {grid}")
         elif kind == "kCustomKernel":
             out["fusion"] += 1
@@ -158,6 +165,43 @@ def big_copies(hlo: str) -> list[tuple[str, int]]:
         if nbytes >= COPY_MIN_BYTES:
             out.append((name, nbytes))
     return out
+
+
+def is_pallas(name: str) -> bool:
+    """A kernel Pallas named (XLA names its own fusions loop_/input_/wrapped_/gemm_fusion_/fusion...)."""
+    return not re.match(r"(loop|input|wrapped|fusion|gemm_fusion|triton_|cutlass|cublas)", name)
+
+
+def pallas_sass(folder: Path, arch: str = "sm_90a") -> list[dict]:
+    """Each Pallas kernel in XLA's PTX dump of ``folder`` compiled by ``ptxas`` and read as SASS:
+    name, registers, spill bytes and ``kernel_sass.summarize``'s hottest loop."""
+    import subprocess
+
+    import kernel_sass  # scripts/ is on sys.path when this runs as a script
+
+    ptxas = _tool("nvidia/cuda_nvcc/bin/ptxas")
+    cuobjdump = _tool("triton/backends/nvidia/bin/cuobjdump")
+    rows, seen = [], set()
+    for ptx in sorted(folder.glob("*.ptx")):
+        entries = re.findall(r"\.entry (\w+)", ptx.read_text())
+        if not entries or not is_pallas(entries[0]) or entries[0] in seen:
+            continue
+        seen.add(entries[0])
+        cubin = ptx.with_suffix(".cubin")
+        subprocess.run([str(ptxas), f"-arch={arch}", str(ptx), "-o", str(cubin)], check=True, capture_output=True)
+        run = lambda *flags: subprocess.run([str(cuobjdump), *flags, str(cubin)], capture_output=True, text=True,  # noqa: E731
+                                            check=True).stdout
+        rows.append({"kernel": entries[0], **kernel_sass.resources(run("--dump-resource-usage")),
+                     **kernel_sass.summarize(run("-sass"))})
+    return rows
+
+
+def _tool(relative: str) -> Path:
+    """A binary shipped inside an installed wheel (site-packages/``relative``)."""
+    for root in map(Path, sys.path):
+        if (root / relative).is_file():
+            return root / relative
+    raise SystemExit(f"--sass needs {relative} (see this script's docstring for the wheels that carry it)")
 
 
 def read_dump(folder: Path) -> tuple[str, str]:
@@ -212,7 +256,7 @@ def compile_decode(args, recipe: str, topo, folder: Path):
     put = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on), tree)  # noqa: E731
     config, params = abstract_model(args, recipe)
     kv = None if args.kv_bits is None else kvspec.KVQuantizer(
-        None, kvspec.KVSpec(bits=args.kv_bits, key_range="online", prompt_tokens=16))
+        None, kvspec.KVSpec(bits=args.kv_bits, key_range="online", prompt_tokens=16, pre_rope=not args.kv_post_rope))
     off = kernel_config.disabled() if args.xla else contextlib.nullcontext()
     with kernel_config.compiling_for(device), off:
         cache = jax.eval_shape(lambda: init_cache(config, args.batch, args.context, jnp.bfloat16, kv=kv))
@@ -225,7 +269,10 @@ def compile_decode(args, recipe: str, topo, folder: Path):
             lowered = gen._decode_loop.trace(
                 config, put(params), put(logits), put(cache), put(key), put(steps), max_new_tokens=args.new_tokens,
                 greedy=True, temperature=1.0, top_k=0, top_p=1.0, kernels=gen.kernel_state()).lower()
-    lowered.compile(compiler_options={"xla_dump_to": str(folder)})
+    dumps = {"xla_dump_to": str(folder)}
+    if args.sass:  # jax >= 0.11 writes the PTX only when asked for the LLVM IR of every emitter
+        dumps.update(xla_gpu_dump_llvmir=True, xla_dump_emitter_re=".*")
+    lowered.compile(compiler_options=dumps)
 
 
 def report(name: str, hlo: str, thunks: str) -> str:
@@ -250,9 +297,11 @@ def main(argv=None):
     parser.add_argument("--context", type=int, default=2048, help="cache slots")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--kv-bits", type=int, choices=(4, 8), help="a quantized KV cache (online key ranges)")
+    parser.add_argument("--kv-post-rope", action="store_true", help="the quantized cache stores keys after RoPE")
     parser.add_argument("--device", choices=sorted(TARGETS), default="h100")
     parser.add_argument("--xla", action="store_true", help="no Pallas kernel (pallas_kernels.config.disabled): XLA's paths")
     parser.add_argument("--keep", type=Path, help="keep XLA's dumps here (one folder per recipe)")
+    parser.add_argument("--sass", action="store_true", help="each Pallas kernel's SASS as XLA's Triton compiled it")
     args = parser.parse_args(argv)
 
     import jax
@@ -264,15 +313,26 @@ def main(argv=None):
         raise SystemExit(f"no deviceless CUDA compiler here ({e}); see this script's docstring for the setup") from e
     print(f"jax {jax.__version__}, compiled for {topo.devices[0].device_kind} (deviceless, no autotuning); "
           f"{args.shapes} shapes, {args.layers} layers stacked, batch {args.batch}, {args.context} cache slots"
-          + (f", int{args.kv_bits} KV cache" if args.kv_bits else "") + (", Pallas kernels off" if args.xla else "")
+          + (f", int{args.kv_bits} KV cache ({'post' if args.kv_post_rope else 'pre'}-RoPE keys)" if args.kv_bits else "") + (", Pallas kernels off" if args.xla else "")
           + "; per decoder layer and token:")
     print("| recipe | thunks | Pallas kernels | XLA GEMMs | other fusions | copies | copied (>= 1 MiB) | kernels |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |")
+    sass = {}
     for recipe in args.recipes:
         folder = (args.keep / recipe) if args.keep else Path(tempfile.mkdtemp(prefix=f"gpu_aot_{recipe}_"))
         folder.mkdir(parents=True, exist_ok=True)
         compile_decode(args, recipe, topo, folder)
         print(report(recipe, *read_dump(folder)), flush=True)
+        if args.sass:
+            sass[recipe] = pallas_sass(folder)
+    for recipe, rows in sass.items():
+        print(f"\n{recipe}: the Pallas kernels' SASS (sm_90a, XLA's Triton); loop = the hottest loop's instructions")
+        print("| kernel | regs | spill B | loop | tensor core | top ops |\n| --- | ---: | ---: | ---: | --- | --- |")
+        for r in rows:
+            tc = ", ".join(f"{op} x{c}" for op, c in r["tensor_core"].items()) or "none"
+            loop = f"{r['loop']} (all)" if r["unrolled"] else str(r["loop"])
+            top = ", ".join(f"{op} {c}" for op, c in r["top"])
+            print(f"| {r['kernel']} | {r['regs']} | {r['local']} | {loop} | {tc} | {top} |")
 
 
 if __name__ == "__main__":

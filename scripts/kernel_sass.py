@@ -114,7 +114,7 @@ def _w8a8(m: int, fp8: bool, w_layout: str = "kn") -> Case:
     return Case(build, per_step)
 
 
-def _kv_attention(bits: int, t: int = 32768) -> Case:
+def _kv_attention(bits: int, t: int = 32768, rope: bool = False) -> Case:
     from pallas_kernels.kv_cache import store_decode_attention
 
     def build():
@@ -123,8 +123,13 @@ def _kv_attention(bits: int, t: int = 32768) -> Case:
         codes = SDS((b, h, t, d // per_byte), jnp.int8 if bits == 8 else jnp.uint8)
         args = (SDS((b, hq, d), jnp.bfloat16), codes, codes, SDS((1, h, 1, d), jnp.float32),
                 SDS((1, h, 1, d), jnp.float32), SDS((b, h, t, 1), jnp.float16), SDS((b, h, t, 1), jnp.float16),
-                SDS((b,), jnp.int32))
-        return (lambda q, kc, vc, ks, kl, vs, vl, n: store_decode_attention(q, kc, vc, ks, kl, vs, vl, n, bits=bits)), args
+                SDS((b,), jnp.int32), SDS((b, t), jnp.int32), SDS((d // 2,), jnp.float32))
+
+        def attend(q, kc, vc, ks, kl, vs, vl, n, pos, freq):
+            extra = dict(slot_pos=pos, inv_freq=freq) if rope else {}
+            return store_decode_attention(q, kc, vc, ks, kl, vs, vl, n, bits=bits, **extra)
+
+        return attend, args
 
     return Case(build)
 
@@ -149,6 +154,7 @@ CASES: dict[str, Case] = {
     "w8a8_fp8_m4096": _w8a8(4096, True),
     "kv_int8_32k": _kv_attention(8),
     "kv_int4_32k": _kv_attention(4),
+    "kv_int8_32k_rope": _kv_attention(8, rope=True),  # keys stored before RoPE (the default KV spec)
 }
 
 

@@ -64,19 +64,23 @@ def test_store_decode_matches_reference(bits, rope):
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_bf16_query_uses_bf16_operands_within_bf16_error(bits):
-    """A bf16 query's scores and weights go to the dots as one bf16 part (a float32 query's as three):
-    within bf16's error of the float32 reference, and not the float32 path's result to the bit."""
+@pytest.mark.parametrize("rope", [False, True], ids=["postRoPE", "preRoPE"])
+def test_bf16_query_uses_bf16_operands_within_bf16_error(bits, rope):
+    """A bf16 query's scores and weights go to the dots as one bf16 part (a float32 query's as three; pre-RoPE
+    keys: one bf16 dot of the rotated keys, not TF32x3): within bf16's error of the float32 reference, and
+    not the float32 path's result to the bit. (int8 post-RoPE at this head_dim reads words: float16.)"""
     b, h, g, t, d = 1, 2, 3, 70, 64
     store = _store(b, h, t, d, bits)
     q = jax.random.normal(jax.random.key(9), (b, h * g, d)).astype(jnp.bfloat16)
     length = jnp.array([t])
-    ref_out, ref_lse = store_decode_attention_reference(q.astype(jnp.float32), *store, length, bits=bits)
-    out, lse = store_decode_attention(q, *store, length, bits=bits, block_t=16, interpret=True)
+    kw = _rope_args(b, t, d) if rope else {}
+    ref_out, ref_lse = store_decode_attention_reference(q.astype(jnp.float32), *store, length, bits=bits, **kw)
+    out, lse = store_decode_attention(q, *store, length, bits=bits, block_t=16, interpret=True, **kw)
     scale = float(jnp.max(jnp.abs(ref_out)))
     np.testing.assert_allclose(out, ref_out, atol=1e-2 * scale)
     np.testing.assert_allclose(lse, ref_lse, atol=1e-2, rtol=1e-3)
-    exact, _ = store_decode_attention(q.astype(jnp.float32), *store, length, bits=bits, block_t=16, interpret=True)
+    exact, _ = store_decode_attention(q.astype(jnp.float32), *store, length, bits=bits, block_t=16, interpret=True,
+                                      **kw)
     np.testing.assert_allclose(exact, ref_out, rtol=1e-5, atol=1e-5 * scale)
     assert float(jnp.max(jnp.abs(out - exact))) > 1e-6 * scale  # the bf16 operands are what ran
 
@@ -135,6 +139,19 @@ def test_half_query_reads_the_store_as_words_within_float16_error(bits, d, dtype
     np.testing.assert_allclose(out, ref_out, atol=2e-3 * scale)
 
 
+def test_rope_angles_are_reduced_to_one_turn_exactly_enough():
+    """The pre-RoPE path reduces pos * freq to [-pi, pi] before the GPU's approximate cos / sin: up to the
+    angles of a 128K context the reduced angle has the float32 angle's cosine and sine (float64 reference)."""
+    from pallas_kernels.kv_cache import _reduced_angle
+
+    angle = jnp.asarray(np.concatenate([np.linspace(-7, 7, 101), np.geomspace(1, 131072, 400)]), jnp.float32)
+    r = np.asarray(_reduced_angle(angle), np.float64)
+    exact = np.asarray(angle, np.float64)  # the float32 angle, taken as exact
+    assert np.all(np.abs(r) <= np.pi + 1e-6)
+    np.testing.assert_allclose(np.cos(r), np.cos(exact), atol=2e-6)
+    np.testing.assert_allclose(np.sin(r), np.sin(exact), atol=2e-6)
+
+
 def test_store_decode_ignores_slots_past_length():
     b, h, t, d, bits = 1, 1, 48, 32, 8
     kc, vc, *grids = _store(b, h, t, d, bits)
@@ -175,8 +192,9 @@ def test_store_decode_lowers_for_cuda(cuda_lowering, bits, rope):
     cuda_lowering(attend, *args)
     # Post-RoPE: the codes are read as words, every lane of the key and value tiles made float16 by inline PTX
     # (4 lanes for int8, 8 for int4). Pre-RoPE: int4 values become bf16 by inline PTX (low and high nibbles),
-    # keys are dequantized in float32 to be rotated, int8 codes are converted.
-    want = (2 if bits == 4 else 0) if rope else 2 * (32 // bits)
+    # keys are dequantized in float32 to be rotated (cos.approx and sin.approx per key lane: even and odd
+    # nibbles for int4), int8 codes are converted.
+    want = ((2 if bits == 4 else 0) + 2 * (2 if bits == 4 else 1)) if rope else 2 * (32 // bits)
     assert kernel.ttir.count("tt.elementwise_inline_asm") == want
 
 
