@@ -39,3 +39,19 @@ def run_ptx(asm: str, **inputs: int) -> dict[str, int]:
             raise AssertionError(f"unexpected PTX {op}")
         regs[d] = out & 0xFFFFFFFF
     return regs
+
+
+def check_word_pair_asm(asm: str, reference, byte: int) -> None:
+    """Check PTX that makes one register of two 16-bit values from two int32 words ($1, $2 -> $0, ``pack=2``)
+    against ``reference(words) -> 16-bit patterns`` (a jnp bit-pattern function over an int32 array): every
+    value of the words' byte ``byte`` in the second word against a spread of values in the first, the other
+    bytes filled with noise that must not leak in."""
+    pos = 8 * byte
+    byte_values = np.arange(256, dtype=np.uint32)
+    for a_byte in range(0, 256, 17):
+        a = (a_byte << pos) | 0x5A5A5A5A & ~(0xFF << pos)
+        pair = np.stack([np.full(256, a, np.uint32), (byte_values << pos) | (0xA5A5A5A5 & ~(0xFF << pos))])
+        want = np.asarray(reference(pair.view(np.int32))).view(np.uint16)
+        for col in range(256):
+            out = run_ptx(asm, **{"$1": int(pair[0, col]), "$2": int(pair[1, col])})["$0"]
+            assert [out & 0xFFFF, out >> 16] == [int(want[0, col]), int(want[1, col])], (a_byte, col)

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from pallas_kernels import int4_words as iw
 from pallas_kernels.blocks import Blocks
-from tests.pallas_kernels.ptx import run_ptx
+from tests.pallas_kernels.ptx import check_word_pair_asm
 
 
 def _values(k, n, seed=0, lead=()):
@@ -52,17 +52,8 @@ def test_nibbles_are_the_values_plus_the_offset_exactly(dtype):
 def test_nibble_ptx_gives_the_jnp_bit_patterns_for_every_byte(dtype):
     """The inline PTX (which runs only on a GPU), emulated: for each nibble position, every byte value of
     one word paired with every byte value of the other gives :func:`nibbles`' two bit patterns."""
-    byte_values = np.arange(256, dtype=np.uint32)
     for j in range(8):
-        asm = iw.nibble_asm(j, dtype)
-        for a_byte in range(0, 256, 17):  # the first word's byte; the second takes every value
-            pos = 8 * (j // 2)
-            a = (a_byte << pos) | 0x5A5A5A5A & ~(0xFF << pos)  # other bytes: noise that must not leak in
-            pair = np.stack([np.full(256, a, np.uint32), (byte_values << pos) | (0xA5A5A5A5 & ~(0xFF << pos))])
-            want = np.asarray(iw.nibbles(jnp.asarray(pair.view(np.int32)), j, dtype)).view(np.uint16)
-            for col in range(256):
-                out = run_ptx(asm, **{"$1": int(pair[0, col]), "$2": int(pair[1, col])})["$0"]
-                assert [out & 0xFFFF, out >> 16] == [int(want[0, col]), int(want[1, col])], (j, a_byte, col)
+        check_word_pair_asm(iw.nibble_asm(j, dtype), lambda w, j=j: iw.nibbles(jnp.asarray(w), j, dtype), j // 2)
 
 
 CASES = [  # (m, k, n, group, zero point, bias, dtype, k_splits)

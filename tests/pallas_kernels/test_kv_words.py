@@ -7,7 +7,7 @@ import pytest
 
 from llmeq_jax.core.qarray import pack
 from pallas_kernels import kv_words as kw
-from tests.pallas_kernels.ptx import run_ptx
+from tests.pallas_kernels.ptx import check_word_pair_asm
 
 
 def _codes(bits, shape, seed=0):
@@ -43,17 +43,9 @@ def test_channel_tile_is_the_codes_in_channel_order(bits):
 def test_lane_ptx_gives_the_jnp_bit_patterns_for_every_byte(bits):
     """The inline PTX (which runs only on a GPU), emulated: for each lane, every byte value of one word paired
     with every byte value of the other gives :func:`lane_values`' two float16 bit patterns."""
-    byte_values = np.arange(256, dtype=np.uint32)
     for j in range(kw.LANES[bits]):
-        asm = kw.lane_asm(j, bits)
-        pos = 8 * (j if bits == 8 else j // 2)
-        for a_byte in range(0, 256, 17):  # the first word's byte; the second takes every value
-            a = (a_byte << pos) | 0x5A5A5A5A & ~(0xFF << pos)  # other bytes: noise that must not leak in
-            pair = np.stack([np.full(256, a, np.uint32), (byte_values << pos) | (0xA5A5A5A5 & ~(0xFF << pos))])
-            want = np.asarray(kw.lane_values(jnp.asarray(pair.view(np.int32)), j, bits)).view(np.uint16)
-            for col in range(256):
-                out = run_ptx(asm, **{"$1": int(pair[0, col]), "$2": int(pair[1, col])})["$0"]
-                assert [out & 0xFFFF, out >> 16] == [int(want[0, col]), int(want[1, col])], (j, a_byte, col)
+        check_word_pair_asm(kw.lane_asm(j, bits), lambda w, j=j: kw.lane_values(jnp.asarray(w), j, bits),
+                            j if bits == 8 else j // 2)
 
 
 def test_words_of_a_stacked_store_are_a_bitcast():
