@@ -342,27 +342,26 @@ def _decode_kernel(*refs, lay: _Layout, g, bg, bt, d, sm_scale, split_blocks, pr
             # its normal range belongs to a tile far below the running maximum, and weighs nothing there)
             pv_scale, pv_unscale = _pow2_scale(jnp.max(v_scale))
             ph = (p * (v_scale * pv_scale)).astype(jnp.float16)
-            upd = [_half_dot(ph, kv_words.channel_tile(stored, bits, interpreted), _NN) * pv_unscale]
+            upd = _half_dot(ph, kv_words.channel_tile(stored, bits, interpreted), _NN) * pv_unscale
         else:
             pv = _bf16_parts(p * v_scale, parts)
-            upd = [_parts_dot(pv, c, _NN) for c in _code_operands(stored, bits, interpreted)]
-            upd = [interleave_pairs(*upd) if bits == 4 else upd[0]]
+            parts_out = [_parts_dot(pv, c, _NN) for c in _code_operands(stored, bits, interpreted)]
+            upd = interleave_pairs(*parts_out) if bits == 4 else parts_out[0]
             if bits == 4:  # the codes' fold offset, times the weights the dots multiplied it by
-                upd = [upd[0] - INT4_FOLD * _parts_sum(pv, 1)]
+                upd = upd - INT4_FOLD * _parts_sum(pv, 1)
         if lay.shift or lay.v_lo:
             v_off = -float(lay.shift) * v_scale
             if lay.v_lo:
                 v_lo = plgpu.load(vlo_ref.at[(*at, b, h, toks, slice(None))], mask=tok_mask[:, None], other=0.0)
                 v_off = v_off + v_lo.astype(jnp.float32).reshape(1, bt)
-            offset = jnp.sum(p * v_off, axis=1, keepdims=True)
-            upd = [u + offset for u in upd]
-        return m_new, l_new, tuple(a * corr + u for a, u in zip(acc, upd))
+            upd = upd + jnp.sum(p * v_off, axis=1, keepdims=True)
+        return m_new, l_new, acc * corr + upd
 
-    init = (jnp.full((bg, 1), NEG_INF, jnp.float32), jnp.zeros((bg, 1), jnp.float32), (jnp.zeros((bg, d), jnp.float32),))
+    init = (jnp.full((bg, 1), NEG_INF, jnp.float32), jnp.zeros((bg, 1), jnp.float32), jnp.zeros((bg, d), jnp.float32))
     first = sp * split_blocks
     last = jnp.minimum(first + split_blocks, (length + bt - 1) // bt)
     m_fin, l_fin, acc = jax.lax.fori_loop(first, last, body, init)  # no iterations when the split is empty
-    plgpu.store(o_ref.at[b, h, sp, heads, :], acc[0], mask=head_mask[:, None])
+    plgpu.store(o_ref.at[b, h, sp, heads, :], acc, mask=head_mask[:, None])
     plgpu.store(m_ref.at[b, h, sp, heads, :], m_fin, mask=head_mask[:, None])
     plgpu.store(l_ref.at[b, h, sp, heads, :], l_fin, mask=head_mask[:, None])
 

@@ -114,8 +114,8 @@ def test_store_decode_reads_a_layer_of_a_stacked_store_in_place(bits):
     assert "dynamic_slice" not in text and "pallas_call" in text
 
 
-@pytest.mark.parametrize("bits, d", [(8, 64), (8, 128), (4, 128)])
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("bits, d, dtype", [(8, 128, jnp.bfloat16), (4, 128, jnp.bfloat16), (8, 64, jnp.float16),
+                                             (4, 128, jnp.float16)])
 def test_half_query_reads_the_store_as_words_within_float16_error(bits, d, dtype):
     """bf16/f16 queries over post-RoPE keys: the store read as 32-bit words (float16 operands, exact codes, the
     float side scaled into float16's range by powers of two): within float16's error of the float32
