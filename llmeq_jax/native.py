@@ -43,6 +43,7 @@ import numpy as np
 
 from llmeq_jax.core.qarray import QArray, is_packed
 from llmeq_jax.layer_slice import LayerSlice, take_layer
+from pallas_kernels import config as kernel_config
 
 _WO_TARGET = "llmeq_wo_matmul"
 _W8_TARGET = "llmeq_w8a8_matmul"
@@ -175,23 +176,10 @@ def disabled():
         _DISABLED.reset(token)
 
 
-def _target_backend() -> str:
-    """The backend traced for (``pallas_kernels.config.compiling_for`` may name a GPU from a CPU)."""
-    try:
-        from pallas_kernels import config
-    except ImportError:
-        return jax.default_backend()
-    return config.target_backend()
-
-
 def _switched_off() -> bool:
     if _DISABLED.get() or os.environ.get("LLMEQ_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
         return True
-    try:
-        from pallas_kernels import config
-    except ImportError:
-        return False
-    return config.is_disabled()
+    return kernel_config.is_disabled()
 
 
 def enabled() -> bool:
@@ -200,7 +188,8 @@ def enabled() -> bool:
     The first time the library is missing where it would have been used, one warning
     says why (and every product then runs through XLA).
     """
-    if _switched_off() or _target_backend() != "cpu":
+    # the backend traced for: kernel_config.compiling_for may name a GPU from a CPU
+    if _switched_off() or kernel_config.target_backend() != "cpu":
         return False
     if available():
         return True

@@ -153,8 +153,8 @@ def innermost_body(comps: dict[str, list[str]]) -> str:
 def big_copies(hlo: str) -> list[tuple[str, int]]:
     """(instruction, bytes) of every copy or dynamic-slice fusion of at least COPY_MIN_BYTES in the innermost
     loop's body (what runs there as a copy of its own, not what a fusion reads in place)."""
-    out = []
-    for line in computations(hlo)[innermost_body(computations(hlo))]:
+    out, comps = [], computations(hlo)
+    for line in comps[innermost_body(comps)]:
         m = re.match(r"\s+(?:ROOT )?%([\w.\-]+) = (.+?) (copy|copy-start|dynamic-slice|fusion|fusion-start)\(", line)
         if not m:
             continue
