@@ -173,7 +173,8 @@ def torch_scaled_mm():
     return prepare, timer
 
 
-def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS, weights=WEIGHTS, attention=True):
+def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS, weights=WEIGHTS, attention=True,
+              rows=DECODE_M + PREFILL_M):
     """Print the kernel timings; with a list ``table``, also time XLA's path and append (key, times) to it
     (and write the table to ``table_path`` after each weight shape)."""
     from llmeq_jax import ops
@@ -227,7 +228,7 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
             "w4g128": lambda x, w, s: ops.linear(x, dataclasses.replace(q4, qvalue=w, scale=s), backend="xla"),
             "bf16_stack": lambda x, w, i: x @ take_layer(w, i),
         }
-        for m in DECODE_M + PREFILL_M:
+        for m in rows:
             xs = _copies(jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16), r)
             base = None
             for kind, (fn, ws) in kinds.items():
@@ -341,6 +342,8 @@ def main():
                                                                  "(bf16 is always timed: the baseline)")
     parser.add_argument("--weights", default=",".join(f"{k}x{n}" for k, n in WEIGHTS),
                         help="weight shapes KxN, comma-separated")
+    parser.add_argument("--rows", default=",".join(map(str, DECODE_M + PREFILL_M)),
+                        help="activation rows M to time, comma-separated")
     parser.add_argument("--no-attention", action="store_true", help="skip the decode-attention rows")
     args = parser.parse_args()
     kinds = tuple(args.kinds.split(","))
@@ -351,12 +354,17 @@ def main():
         assert all(len(w) == 2 for w in weights)
     except (ValueError, AssertionError):
         parser.error(f"--weights {args.weights!r}: expected shapes KxN, e.g. 4096x11008,11008x4096")
+    try:
+        rows = tuple(int(m) for m in args.rows.split(","))
+        assert all(m > 0 for m in rows)
+    except (ValueError, AssertionError):
+        parser.error(f"--rows {args.rows!r}: expected positive row counts, e.g. 1,16,2048")
     if jax.default_backend() != "gpu":
         print(f"no GPU found (JAX backend: {jax.default_backend()}); printing the roofline estimate instead")
         roofline_table()
         return
     table = [] if args.write_table else None
-    gpu_bench(args.reps, args.sweep, table, args.write_table, kinds, weights, not args.no_attention)
+    gpu_bench(args.reps, args.sweep, table, args.write_table, kinds, weights, not args.no_attention, rows)
 
 
 if __name__ == "__main__":
