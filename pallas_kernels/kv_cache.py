@@ -226,7 +226,9 @@ def _half_dot(a, c, contract):
 # XLA's Triton build the pre-RoPE loop as 47751 instructions at 32 registers with 33 KB of spills
 # (scripts/gpu_aot.py --sass, jax 0.11.2). The angle is reduced to [-pi, pi] here instead -- two-constant
 # Cody-Waite, exact for k * _TWO_PI_HI while k < 2^16 (angles below ~4e5), so the float32 angle itself is the
-# only error -- and the GPU's cos.approx / sin.approx (absolute error ~5e-7 there) take the rest.
+# only error -- and the GPU's cos.approx / sin.approx (absolute error ~5e-7 there) take the rest for bf16/f16
+# queries. Float32 queries keep the accurate cos / sin of the reduced angle: the approximate ones missed the
+# float32 test's 1e-5 tolerance on an H200 (pre-RoPE stores, 70 and 2048 tokens).
 _TWO_PI_HI = 6.28125  # 201 / 32: eight significant bits
 _TWO_PI_LO = 2 * math.pi - _TWO_PI_HI
 
@@ -237,10 +239,10 @@ def _reduced_angle(angle):
     return (angle - k * _TWO_PI_HI) - k * _TWO_PI_LO
 
 
-def _cos_sin(angle, interpreted: bool):
-    """(cos, sin) of float32 angles: reduced, then the GPU's approximate instructions (jnp in interpret mode)."""
+def _cos_sin(angle, approx: bool):
+    """(cos, sin) of float32 angles: reduced, then the GPU's approximate instructions (``approx``) or jnp's."""
     r = _reduced_angle(angle)
-    if interpreted:
+    if not approx:
         return jnp.cos(r), jnp.sin(r)
     out = jax.ShapeDtypeStruct(r.shape, jnp.float32)
     return tuple(plgpu.elementwise_inline_asm(f"{op}.approx.ftz.f32 $0, $1;", args=[r], constraints="=f,f", pack=1,
@@ -312,7 +314,7 @@ def _decode_kernel(*refs, lay: _Layout, g, bg, bt, d, sm_scale, split_blocks, pr
         for j in lanes:
             k0 = codes[0][j].astype(jnp.float32) * k_scale[0][j] + k_off[0][j]
             k1 = codes[1][j].astype(jnp.float32) * k_scale[1][j] + k_off[1][j]
-            cos, sin = _cos_sin(pos * freq[j], interpreted)
+            cos, sin = _cos_sin(pos * freq[j], approx=parts == 1 and not interpreted)
             for qi, ki in ((q[0][j], k0 * cos - k1 * sin), (q[1][j], k1 * cos + k0 * sin)):
                 if parts == 1:  # a bf16/f16 query: one bf16 dot (its own attention's operands), not TF32x3
                     qi, ki, prec = qi.astype(jnp.bfloat16), ki.astype(jnp.bfloat16), None

@@ -249,7 +249,7 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
                     t_mm, t_bf = (timer(f, reps * 10) for f in prepare(m, k, n))
                     line += f"  (torch _scaled_mm {t_mm * 1e3:.4f} ms = {t_bf / t_mm:.2f}x torch bf16)"
                 print(line, flush=True)
-            if sweep and (k, n) == (4096, 11008) and "w4_words" in kinds and m <= DECODE_M[-1]:
+            if sweep and "w4_words" in kinds and m <= DECODE_M[-1]:
                 for cfg in _words_sweep():
                     fn = lambda x, w, s, cfg=cfg: int4_words_matmul(x, w, s, group=GROUP, **cfg)  # noqa: E731
                     t = timed(fn, [(x, *wargs) for x, wargs in zip(xs, kinds["w4_words"][1])], reps=reps)
@@ -325,10 +325,11 @@ def _sweep():
 def _words_sweep():
     from pallas_kernels.blocks import Blocks
 
-    # the word kernel's K block is its K step (128 for group 128); its default tile on 4096x11008 is
-    # 16 x 256, 4 warps, 3 stages (int4_words.default_blocks)
-    return [dict(blocks=Blocks(16, 128, 128, 4, 3)), dict(blocks=Blocks(16, 64, 128, 4, 3)),
-            dict(blocks=Blocks(16, 256, 128, 8, 3)), dict(blocks=Blocks(16, 256, 128, 4, 4)), dict(k_splits=1)]
+    # the word kernel's K block is its K step (128 for group 128); its default tile is 16 x 128 (16 x 256 from
+    # 8192 columns), 4 warps, 3 stages (int4_words.default_blocks), K split to ~264 programs (common.splits_for)
+    tiles = [(16, 64, 128, 4, 3), (16, 128, 128, 4, 3), (16, 256, 128, 4, 3), (16, 128, 128, 2, 3),
+             (16, 128, 128, 8, 3), (16, 128, 128, 4, 2), (16, 128, 128, 4, 4)]
+    return [dict(blocks=Blocks(*t)) for t in tiles] + [dict(k_splits=s) for s in (1, 2, 4, 16)]
 
 
 def main():

@@ -198,6 +198,28 @@ def test_store_decode_lowers_for_cuda(cuda_lowering, bits, rope):
     assert kernel.ttir.count("tt.elementwise_inline_asm") == want
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_pre_rope_approximate_cos_sin_only_for_half_queries(cuda_lowering, bits):
+    """cos.approx / sin.approx (absolute error ~5e-7) for bf16/f16 queries; float32 queries keep accurate
+    cos / sin of the reduced angle (the approximate ones missed the float32 tolerance on an H200)."""
+    b, h, g, t, d = 1, 2, 2, 256, 64
+    sds = jax.ShapeDtypeStruct
+    cache = sds((b, h, t, d if bits == 8 else d // 2), jnp.int8 if bits == 8 else jnp.uint8)
+    tok, grid = sds((b, h, t, 1), jnp.float16), sds((1, h, 1, d), jnp.float32)
+
+    def attend(q, kc, vc, ks, kl, vs, vl, n, pos, freq):
+        return store_decode_attention(q, kc, vc, ks, kl, vs, vl, n, bits=bits, slot_pos=pos, inv_freq=freq)
+
+    from pallas_kernels.ttir import triton_modules
+
+    for dtype, approx in ((jnp.bfloat16, True), (jnp.float32, False)):
+        args = (sds((b, h * g, d), dtype), cache, cache, grid, grid, tok, tok, sds((b,), jnp.int32),
+                sds((b, t), jnp.int32), sds((d // 2,), jnp.float32))
+        (kernel,) = triton_modules(attend, *args)
+        cuda_lowering(attend, *args)
+        assert ("cos.approx" in kernel.ttir and "sin.approx" in kernel.ttir) == approx, jnp.dtype(dtype).name
+
+
 def test_store_decode_bad_input_is_rejected_clearly():
     store = _store(1, 1, 16, 32, 4)
     q = jnp.ones((1, 1, 32))
