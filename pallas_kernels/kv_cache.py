@@ -172,13 +172,23 @@ def _code_lanes(c, bits):
 # two per stored byte -- scripts/kernel_sass.py), and the 136 comes off through sums of the float side.
 # On a GPU the bit patterns come from weight_only's inline PTX (dequant="asm": two nibbles per lop3; the
 # 32K decode loop compiled for sm_90 went from 1752 to 1387 instructions); interpret mode runs "fold".
+# Float32 queries (three bf16 parts) take the offset off every code before the dot instead (exact in bf16):
+# carried through, it made the float32 accumulators ~20x larger than the attention they hold, and the
+# H200's tensor-core accumulation missed the float32 path's 1e-5 tolerance by 2.3x (int4, 70 and 2048 tokens).
 INT4_FOLD = int4_offset(jnp.bfloat16)
 
 
-def _code_operands(c, bits, interpreted: bool):
-    """Stored code tile -> the bf16 dot operands per channel group (int4: each code + INT4_FOLD)."""
+def _int4_fold(bits: int, parts: int) -> float:
+    """The offset the int4 dot operands still carry (see INT4_FOLD): none for float32 queries or int8."""
+    return INT4_FOLD if bits == 4 and parts == 1 else 0.0
+
+
+def _code_operands(c, bits, interpreted: bool, fold: float):
+    """Stored code tile -> the bf16 dot operands per channel group (int4: each code + ``fold``, which is
+    INT4_FOLD or 0)."""
     if bits == 4:
-        return list(dequant_int4_asm(c, jnp.bfloat16, interpreted))
+        ops = dequant_int4_asm(c, jnp.bfloat16, interpreted)  # code + INT4_FOLD
+        return list(ops) if fold else [o - jnp.asarray(INT4_FOLD, jnp.bfloat16) for o in ops]
     return [c.astype(jnp.int32).astype(jnp.bfloat16)]
 
 
@@ -227,8 +237,9 @@ def _half_dot(a, c, contract):
 # (scripts/gpu_aot.py --sass, jax 0.11.2). The angle is reduced to [-pi, pi] here instead -- two-constant
 # Cody-Waite, exact for k * _TWO_PI_HI while k < 2^16 (angles below ~4e5), so the float32 angle itself is the
 # only error -- and the GPU's cos.approx / sin.approx (absolute error ~5e-7 there) take the rest for bf16/f16
-# queries. Float32 queries keep the accurate cos / sin of the reduced angle: the approximate ones missed the
-# float32 test's 1e-5 tolerance on an H200 (pre-RoPE stores, 70 and 2048 tokens).
+# queries. Float32 queries keep the accurate cos / sin of the reduced angle: their path promises float32
+# attention (1e-5 of the largest output), and ~5e-7 per rotated key lane is a tenth of that budget before
+# the dots add up 64-128 of them.
 _TWO_PI_HI = 6.28125  # 201 / 32: eight significant bits
 _TWO_PI_LO = 2 * math.pi - _TWO_PI_HI
 
@@ -267,6 +278,7 @@ def _decode_kernel(*refs, lay: _Layout, g, bg, bt, d, sm_scale, split_blocks, pr
 
     b, h, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     bits, halves = lay.bits, lay.halves
+    fold = _int4_fold(bits, parts)
     dh = d // halves  # channels per half
     bh = dh // 2 if bits == 4 else dh  # stored bytes per half
     heads, head_mask = span(0, bg, g)
@@ -295,8 +307,8 @@ def _decode_kernel(*refs, lay: _Layout, g, bg, bt, d, sm_scale, split_blocks, pr
             # Fold the key grid into the query: q . (c * s + o) = (q * s) . c + q . o
             q_folded = [_bf16_parts(q[0][j] * k_scale[0][j], parts) for j in lanes]
             q_const = sum(jnp.sum(q[0][j] * k_off[0][j], axis=1, keepdims=True) for j in lanes)  # (bg, 1)
-            if bits == 4:  # the codes' fold offset, times the query side the dots multiply it by
-                q_const = q_const - INT4_FOLD * sum(_parts_sum(q_folded[j], 1) for j in lanes)
+            if fold:  # the codes' fold offset, times the query side the dots multiply it by
+                q_const = q_const - fold * sum(_parts_sum(q_folded[j], 1) for j in lanes)
 
     def scores(toks, tok_mask):
         if lay.words:
@@ -305,7 +317,7 @@ def _decode_kernel(*refs, lay: _Layout, g, bg, bt, d, sm_scale, split_blocks, pr
         stored = [plgpu.load(k_ref.at[(*at, b, h, toks, half(i, bh))], mask=tok_mask[:, None], other=0)
                   for i in range(halves)]
         if not lay.rope:
-            codes = _code_operands(stored[0], bits, interpreted)
+            codes = _code_operands(stored[0], bits, interpreted, fold)
             return sum(_parts_dot(q_folded[j], codes[j], _NT) for j in lanes) + q_const
         codes = [_code_lanes(c, bits) for c in stored]
         # Dequantize, rotate by the slot's position (rotate-half RoPE), then a float dot.
@@ -347,10 +359,10 @@ def _decode_kernel(*refs, lay: _Layout, g, bg, bt, d, sm_scale, split_blocks, pr
             upd = _half_dot(ph, kv_words.channel_tile(stored, bits, interpreted), _NN) * pv_unscale
         else:
             pv = _bf16_parts(p * v_scale, parts)
-            parts_out = [_parts_dot(pv, c, _NN) for c in _code_operands(stored, bits, interpreted)]
+            parts_out = [_parts_dot(pv, c, _NN) for c in _code_operands(stored, bits, interpreted, fold)]
             upd = interleave_pairs(*parts_out) if bits == 4 else parts_out[0]
-            if bits == 4:  # the codes' fold offset, times the weights the dots multiplied it by
-                upd = upd - INT4_FOLD * _parts_sum(pv, 1)
+            if fold:  # the codes' fold offset, times the weights the dots multiplied it by
+                upd = upd - fold * _parts_sum(pv, 1)
         if lay.shift or lay.v_lo:
             v_off = -float(lay.shift) * v_scale
             if lay.v_lo:

@@ -201,7 +201,7 @@ def test_store_decode_lowers_for_cuda(cuda_lowering, bits, rope):
 @pytest.mark.parametrize("bits", [8, 4])
 def test_pre_rope_approximate_cos_sin_only_for_half_queries(cuda_lowering, bits):
     """cos.approx / sin.approx (absolute error ~5e-7) for bf16/f16 queries; float32 queries keep accurate
-    cos / sin of the reduced angle (the approximate ones missed the float32 tolerance on an H200)."""
+    cos / sin of the reduced angle (their path promises float32 attention)."""
     b, h, g, t, d = 1, 2, 2, 256, 64
     sds = jax.ShapeDtypeStruct
     cache = sds((b, h, t, d if bits == 8 else d // 2), jnp.int8 if bits == 8 else jnp.uint8)
@@ -242,3 +242,20 @@ def test_store_decode_bad_input_is_rejected_clearly():
     with pytest.raises(ValueError, match="layer must be an integer scalar"):
         store_decode_attention(q, kc[None], vc[None], ks, kl, vs[None], vl[None], 4, bits=8, layer=jnp.zeros(2, int),
                                interpret=True)
+
+
+def test_int4_operands_carry_the_fold_offset_only_for_half_queries():
+    """bf16/f16 queries: each int4 code + INT4_FOLD (removed after the dots through sums of the float side).
+    Float32 queries: the signed code itself, exact in bf16 -- carried through, the offset made the float32
+    accumulators ~20x larger than the attention they hold, past the float32 tolerance on an H200."""
+    from pallas_kernels.common import high_nibble, low_nibble
+    from pallas_kernels.kv_cache import INT4_FOLD, _code_operands, _int4_fold
+
+    assert _int4_fold(4, parts=1) == INT4_FOLD and _int4_fold(4, parts=3) == 0.0 and _int4_fold(8, parts=1) == 0.0
+    stored = jnp.arange(256, dtype=jnp.int32).astype(jnp.uint8).reshape(16, 16)
+    signed = [low_nibble(stored.astype(jnp.int32)), high_nibble(stored.astype(jnp.int32))]
+    for fold in (INT4_FOLD, 0.0):
+        ops = _code_operands(stored, 4, interpreted=True, fold=fold)
+        assert all(o.dtype == jnp.bfloat16 for o in ops)
+        for o, s in zip(ops, signed):
+            np.testing.assert_array_equal(np.asarray(o, np.float32), np.asarray(s, np.float32) + fold)
