@@ -133,6 +133,25 @@ def to_json(device: str, measured: Iterable[tuple[Key, dict]], **meta) -> dict:
     return {"format": FORMAT, "device": device, **meta, "entries": entries}
 
 
+def merge(base: Table, *newer: Table) -> Table:
+    """``base`` with the measurements of ``newer`` tables added, a later one's replacing an earlier one's
+    of the same product. All of one device kind: ratios do not carry from one GPU to another."""
+    entries = dict(base.entries)
+    for table in newer:
+        if table.device != base.device:
+            raise DispatchTableError(f"cannot merge {table.source or 'a table'} measured on {table.device!r} into "
+                                     f"{base.source or 'a table'} of {base.device!r}")
+        entries.update(table.entries)
+    return Table(base.device, entries, base.source)
+
+
+def write(path: str | Path, table: Table, **meta) -> None:
+    """Write ``table`` as JSON (sorted by product, for readable diffs); ``meta`` joins the header."""
+    order = sorted(table.entries.items(), key=lambda kv: (kv[0].kernel, kv[0].bits, kv[0].k, kv[0].n, kv[0].rows,
+                                                          kv[0].group or 0, kv[0].dtype))
+    Path(path).write_text(json.dumps(to_json(table.device, order, **meta), indent=1) + "\n")
+
+
 def load(path: str | Path) -> Table:
     """The table in the JSON file ``path``."""
     path = Path(path)
@@ -215,3 +234,31 @@ def choice(key: Key) -> str | None:
 
 __all__ = ["DispatchTableError", "ENV", "OFF", "Key", "Table", "active", "choice", "from_json", "load", "row_bucket",
            "shipped", "shipped_path", "to_json", "use"]
+
+
+def main(argv=None) -> None:
+    """``python -m llmeq_jax.dispatch_table merge NEW.json... --into TABLE.json``: add measured tables
+    (``scripts/bench_kernels.py --write-table``) to a table, e.g. the one shipped for their device."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m llmeq_jax.dispatch_table", description=main.__doc__.split(":")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    m = sub.add_parser("merge", help="add measured tables to a table (later measurements win)")
+    m.add_argument("tables", nargs="+", help="measured tables, oldest first")
+    m.add_argument("--into", required=True, help="the table to update (created when missing)")
+    m.add_argument("--jax", help="the jax version the measurements ran under (written in the header)")
+    args = ap.parse_args(argv)
+    newer = [load(p) for p in args.tables]
+    into = Path(args.into)
+    base = load(into) if into.exists() else Table(newer[0].device, {}, str(into))
+    table = merge(base, *newer)
+    header = json.loads(into.read_text()) if into.exists() else {}
+    meta = {k: v for k, v in header.items() if k not in ("format", "device", "entries")}
+    if args.jax:
+        meta["jax"] = args.jax
+    write(into, table, **meta)
+    print(f"{into}: {len(table.entries)} products ({len(table.entries) - len(base.entries)} new)")
+
+
+if __name__ == "__main__":
+    main()

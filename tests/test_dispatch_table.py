@@ -43,6 +43,27 @@ def test_json_round_trip_and_choice(tmp_path):
     assert table.choice(_key(rows=2)) is None
 
 
+def test_merge_adds_and_replaces_measurements(tmp_path):
+    old, both, new = _key(rows=1), _key(rows=16), _key(rows=16, kernel="int4_words")
+    base = _table(TIMES, old, both)
+    newer = _table(TIMES | {"pallas_s": 5e-6}, both, new)
+    merged = dt.merge(base, newer)
+    assert set(merged.entries) == {old, both, new}
+    assert merged.choice(old) == "xla" and merged.choice(both) == "pallas" and merged.choice(new) == "pallas"
+    assert base.choice(both) == "xla"  # the tables merged are left as they were
+    other = dt.Table("another GPU", {}, "other.json")
+    with pytest.raises(dt.DispatchTableError, match="measured on 'another GPU'"):
+        dt.merge(base, other)
+    # the command line: the header's metadata is kept, entries come out sorted, later files win
+    into, measured = tmp_path / "shipped.json", tmp_path / "new.json"
+    into.write_text(json.dumps(dt.to_json(DEVICE, [(both, TIMES), (old, TIMES)], jax="0.1")))
+    measured.write_text(json.dumps(dt.to_json(DEVICE, [(both, TIMES | {"pallas_s": 5e-6}), (new, TIMES)])))
+    dt.main(["merge", str(measured), "--into", str(into)])
+    data = json.loads(into.read_text())
+    assert data["jax"] == "0.1" and [e["rows"] for e in data["entries"] if e["kernel"] == "weight_only"] == [1, 16]
+    assert dt.load(into).entries == dt.merge(_table(TIMES, both, old), dt.load(measured)).entries
+
+
 @pytest.mark.parametrize("edit, message", [
     (lambda d: d.update(format=2), "format"),
     (lambda d: d.pop("device"), "device"),
