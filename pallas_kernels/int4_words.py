@@ -168,15 +168,33 @@ def _kernel(*refs, m, n, k, blocks, group, has_zp, has_bias, split_blocks, split
     def row_of(ref, g, in_bounds, lay=None):
         return load_tile(ref, span(g, 1, ref.shape[-2], in_bounds=in_bounds), cols, 0, lay).astype(jnp.float32)
 
+    # The scale and zero-point rows of the scale groups of step kb, read one step ahead (carried through
+    # the loop): Triton's pipeliner stages only the loads that feed dots, and read where they are used,
+    # these rows were synchronous global loads in every iteration of the compiled loop (sm_90 SASS:
+    # LDG.E.64 and LDG.E.U16 between the MMAs), each a memory latency per K step. Groups are powers of
+    # two >= 32, so whole groups tile the K step (k_step).
+    per_step = bk // sum_block if group is not None else 0  # scale groups per K step
+    zp_fixed = row_of(zp_ref, 0, True, layer) if has_zp and group is None else None  # per channel: one row
+
+    def step_rows(kb):
+        """(scale row, zero-point row or None) of each scale group of step ``kb``, clamped into the split."""
+        kb = jnp.minimum(kb, last - 1)  # the step after the split's last: re-read its rows (never used)
+        return tuple((row_of(ws_ref, kb * per_step + i, scales_whole, layer),
+                      row_of(zp_ref, kb * per_step + i, scales_whole, layer) if has_zp else None)
+                     for i in range(per_step))
+
     ones = jnp.ones((SLICE, bn), cdt)  # a constant B operand: x @ ones is x's row sums in every column
 
-    def finish_sum(part, xs, s, acc):
-        """acc + sum block ``s``'s product with the offset (and zero point) taken off through x's sums."""
-        shift = offset + (row_of(zp_ref, s if group else 0, scales_whole, layer) if has_zp else 0.0)
-        part = part - xs * shift
-        return acc + (part if group is None else part * row_of(ws_ref, s, scales_whole, layer))
+    def finish_sum(part, xs, acc, scale=None, zp=None):
+        """acc + a sum block's product with the offset (and zero point) taken off through x's sums,
+        times its group's ``scale`` row (per channel: the scale comes after the loop)."""
+        zp = zp_fixed if group is None else zp
+        part = part - xs * (offset + (zp if has_zp else 0.0))
+        return acc + (part if group is None else part * scale)
 
-    def body(kb, acc):
+    def body(kb, carry):
+        acc, rows_now = carry
+        rows_next = step_rows(kb + 1)
         part = xs = None
         for b in range(bk // WORD_BLOCK):  # static: the word blocks of one K step
             w_rows = span((kb * (bk // WORD_BLOCK) + b) * SLICE, SLICE, w_ref.shape[-2], in_bounds=True)
@@ -190,12 +208,12 @@ def _kernel(*refs, m, n, k, blocks, group, has_zp, has_bias, split_blocks, split
                 part = term if part is None else part + term
                 sums = dot(xt, ones, precision=precision)
                 xs = sums if xs is None else xs + sums
-                if (t + 1) % slices_per_sum == 0:  # a sum block (scale group) ends here
-                    acc = finish_sum(part, xs, k0 // sum_block, acc)
+                if (t + 1) % slices_per_sum == 0:  # a sum block (scale group, or the step) ends here
+                    acc = finish_sum(part, xs, acc, *(rows_now[(t + 1) // slices_per_sum - 1] if per_step else ()))
                     part = xs = None
-        return acc
+        return acc, rows_next
 
-    acc = jax.lax.fori_loop(first, last, body, jnp.zeros((bm, bn), jnp.float32))
+    acc, _ = jax.lax.fori_loop(first, last, body, (jnp.zeros((bm, bn), jnp.float32), step_rows(first)))
     if group is None:
         acc = acc * row_of(ws_ref, 0, True, layer)
     if split:  # a float32 partial sum; bias and the cast come after the splits are added

@@ -129,3 +129,26 @@ def test_kernel_lowers_for_cuda_with_the_nibble_ptx(cuda_lowering):
     assert kernel.ttir.count("tt.elementwise_inline_asm") == 8 and "packed_element = 2" in kernel.ttir
     assert kernel.ttir.count("tt.dot") == 16 and "prmt.b32" in kernel.ttir
     cuda_lowering(f, *args)
+
+
+@pytest.mark.parametrize("group, zp, carried", [(128, True, 2), (64, True, 4), (64, False, 2), (256, False, 1),
+                                                (None, True, 0)])
+def test_scale_rows_are_read_one_k_step_ahead(group, zp, carried):
+    """The K loop carries the next step's scale (and zero-point) rows, one (1, N-tile) row per scale group
+    of the step: read where they were used, they compiled to synchronous global loads in every
+    iteration (sm_90 SASS). Per channel (one row for all of K, read before the loop) carries none."""
+    import re
+
+    from pallas_kernels.ttir import triton_modules
+
+    k, n = 768, 256
+    sds = jax.ShapeDtypeStruct
+    groups = 1 if group is None else -(-k // group)
+    args = [sds((1, k), jnp.bfloat16), sds((iw.word_rows(k, group), n), jnp.int32), sds((groups, n), jnp.float32)]
+    if zp:
+        args.append(sds((groups, n), jnp.int8))
+    f = lambda x, w, s, *z: iw.int4_words_matmul(x, w, s, group=group, w_zero_point=z[0] if z else None)  # noqa
+    (kernel,) = triton_modules(f, *args)
+    (results,) = re.findall(r"scf\.for .*?-> \((.*?)\)\s*:", kernel.ttir)
+    types = [t.strip() for t in results.split(", tensor")]
+    assert len(types) == 1 + carried and all(re.search(r"1x\d+xf32", t) for t in types[1:]), results
