@@ -321,6 +321,8 @@ def _decode_kernel(*refs, lay: _Layout, g, bg, bt, d, sm_scale, split_blocks, pr
             return sum(_parts_dot(q_folded[j], codes[j], _NT) for j in lanes) + q_const
         codes = [_code_lanes(c, bits) for c in stored]
         # Dequantize, rotate by the slot's position (rotate-half RoPE), then a float dot.
+        # (read here, not a block ahead: carried, the positions pushed the 255-register rotation loop into
+        # 218 local-memory loads)
         pos = plgpu.load(pos_ref.at[b, toks], mask=tok_mask, other=0).astype(jnp.float32).reshape(bt, 1)
         s = 0.0
         for j in lanes:
@@ -336,18 +338,34 @@ def _decode_kernel(*refs, lay: _Layout, g, bg, bt, d, sm_scale, split_blocks, pr
                                             preferred_element_type=jnp.float32)
         return s
 
+    first = sp * split_blocks
+    last = jnp.minimum(first + split_blocks, (length + bt - 1) // bt)
+
+    # The per-token rows of block tb (allowed mask, value grid), read one block ahead
+    # (carried through the loop): Triton's pipeliner stages only the loads that feed dots, and read where
+    # they are used these were synchronous global loads in every iteration (sm_90 SASS: LDG.E.U16 between
+    # the MMAs), each a memory latency per block that the cp.async pipeline of the codes did not hide.
+    def token_rows(tb):
+        """(allowed, value scale, value min) of block ``tb`` as stored (None where absent),
+        ``tb`` clamped into the split (the block after its last is re-read, never used)."""
+        toks, tok_mask = span(jnp.maximum(jnp.minimum(tb, last - 1), first) * bt, bt, length)
+        rows = dict(mask=tok_mask[:, None], other=0)
+        allowed = plgpu.load(allow_ref.at[b, toks], mask=tok_mask, other=0) if lay.masked else None
+        v_scale = plgpu.load(vs_ref.at[(*at, b, h, toks, slice(None))], **rows)
+        v_lo = plgpu.load(vlo_ref.at[(*at, b, h, toks, slice(None))], **rows) if lay.v_lo else None
+        return allowed, v_scale, v_lo
+
     def body(tb, carry):
-        m_prev, l_prev, acc = carry
+        m_prev, l_prev, acc, rows_now = carry
+        rows_next = token_rows(tb + 1)
+        allowed, v_scale, v_lo = rows_now
         toks, tok_mask = span(tb * bt, bt, length)
-        ok = tok_mask
-        if lay.masked:
-            ok = ok & (plgpu.load(allow_ref.at[b, toks], mask=tok_mask, other=0) != 0)
+        ok = tok_mask if allowed is None else tok_mask & (allowed != 0)
         s = jnp.where(ok[None, :], scores(toks, tok_mask), NEG_INF)
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
         p = jnp.where(ok[None, :], jnp.exp(s - m_new), 0.0)  # a block with nothing allowed adds nothing
         corr = jnp.exp(m_prev - m_new)
         l_new = l_prev * corr + jnp.sum(p, axis=1, keepdims=True)
-        v_scale = plgpu.load(vs_ref.at[(*at, b, h, toks, slice(None))], mask=tok_mask[:, None], other=0.0)
         v_scale = v_scale.astype(jnp.float32).reshape(1, bt)
         # p . (c * s_v + o_v) = (p * s_v) . c + sum(p * o_v): fold the per-token value grid into the weights.
         stored = plgpu.load(v_ref.at[(*at, b, h, toks, slice(None))], mask=tok_mask[:, None], other=0)
@@ -366,15 +384,14 @@ def _decode_kernel(*refs, lay: _Layout, g, bg, bt, d, sm_scale, split_blocks, pr
         if lay.shift or lay.v_lo:
             v_off = -float(lay.shift) * v_scale
             if lay.v_lo:
-                v_lo = plgpu.load(vlo_ref.at[(*at, b, h, toks, slice(None))], mask=tok_mask[:, None], other=0.0)
                 v_off = v_off + v_lo.astype(jnp.float32).reshape(1, bt)
             upd = upd + jnp.sum(p * v_off, axis=1, keepdims=True)
-        return m_new, l_new, acc * corr + upd
+        return m_new, l_new, acc * corr + upd, rows_next
 
-    init = (jnp.full((bg, 1), NEG_INF, jnp.float32), jnp.zeros((bg, 1), jnp.float32), jnp.zeros((bg, d), jnp.float32))
-    first = sp * split_blocks
-    last = jnp.minimum(first + split_blocks, (length + bt - 1) // bt)
-    m_fin, l_fin, acc = jax.lax.fori_loop(first, last, body, init)  # no iterations when the split is empty
+    init = (jnp.full((bg, 1), NEG_INF, jnp.float32), jnp.zeros((bg, 1), jnp.float32), jnp.zeros((bg, d), jnp.float32),
+            token_rows(first))
+    # no iterations when the split is empty
+    m_fin, l_fin, acc, _ = jax.lax.fori_loop(first, last, body, init)
     plgpu.store(o_ref.at[b, h, sp, heads, :], acc, mask=head_mask[:, None])
     plgpu.store(m_ref.at[b, h, sp, heads, :], m_fin, mask=head_mask[:, None])
     plgpu.store(l_ref.at[b, h, sp, heads, :], l_fin, mask=head_mask[:, None])

@@ -114,7 +114,7 @@ def _w8a8(m: int, fp8: bool, w_layout: str = "kn") -> Case:
     return Case(build, per_step)
 
 
-def _kv_attention(bits: int, t: int = 32768, rope: bool = False) -> Case:
+def _kv_attention(bits: int, t: int = 32768, rope: bool = False, stages: int = 2) -> Case:
     from pallas_kernels.kv_cache import store_decode_attention
 
     def build():
@@ -127,7 +127,7 @@ def _kv_attention(bits: int, t: int = 32768, rope: bool = False) -> Case:
 
         def attend(q, kc, vc, ks, kl, vs, vl, n, pos, freq):
             extra = dict(slot_pos=pos, inv_freq=freq) if rope else {}
-            return store_decode_attention(q, kc, vc, ks, kl, vs, vl, n, bits=bits, **extra)
+            return store_decode_attention(q, kc, vc, ks, kl, vs, vl, n, bits=bits, num_stages=stages, **extra)
 
         return attend, args
 
@@ -153,6 +153,7 @@ CASES: dict[str, Case] = {
     "w8a8_fp8_m16_kmajor": _w8a8(16, True, "nk"),
     "w8a8_fp8_m4096": _w8a8(4096, True),
     "kv_int8_32k": _kv_attention(8),
+    "kv_int8_32k_3stages": _kv_attention(8, stages=3),  # the codes' cp.async pipeline one block deeper
     "kv_int4_32k": _kv_attention(4),
     "kv_int8_32k_rope": _kv_attention(8, rope=True),  # keys stored before RoPE (the default KV spec)
 }

@@ -220,6 +220,33 @@ def test_pre_rope_approximate_cos_sin_only_for_half_queries(cuda_lowering, bits)
         assert ("cos.approx" in kernel.ttir and "sin.approx" in kernel.ttir) == approx, jnp.dtype(dtype).name
 
 
+@pytest.mark.parametrize("masked, rope", [(True, False), (False, True)])
+def test_token_rows_are_read_one_block_ahead(masked, rope):
+    """The token loop carries the next block's allowed mask and value grid (scale, min): read where they
+    were used, they compiled to synchronous global loads in every iteration (sm_90 SASS). RoPE positions
+    are read where used (carried, they spilled the rotation loop)."""
+    import re
+
+    from pallas_kernels.ttir import triton_modules
+
+    b, h, g, t, d = 1, 2, 2, 512, 64
+    sds = jax.ShapeDtypeStruct
+    cache, tok = sds((b, h, t, d), jnp.int8), sds((b, h, t, 1), jnp.float16)
+    args = (sds((b, h * g, d), jnp.bfloat16), cache, cache, sds((1, h, 1, d), jnp.float32),
+            sds((1, h, 1, d), jnp.float32), tok, tok, sds((b,), jnp.int32), sds((b, t), bool),
+            sds((b, t), jnp.int32), sds((d // 2,), jnp.float32))
+
+    def attend(q, kc, vc, ks, kl, vs, vl, n, allowed, pos, freq):
+        extra = dict(slot_pos=pos, inv_freq=freq) if rope else {}
+        return store_decode_attention(q, kc, vc, ks, kl, vs, vl, n, bits=8, allowed=allowed if masked else None,
+                                      **extra)
+
+    (kernel,) = triton_modules(attend, *args)
+    (results,) = re.findall(r"scf\.for .*?-> \((.*?)\)\s*:", kernel.ttir)
+    # max, sum and output, then (allowed,) value scale, value min: one row of the block each
+    assert results.count("tensor<") == 3 + (3 if masked else 2), results
+
+
 def test_store_decode_bad_input_is_rejected_clearly():
     store = _store(1, 1, 16, 32, 4)
     q = jnp.ones((1, 1, 32))
