@@ -249,7 +249,7 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
                     t_mm, t_bf = (timer(f, reps * 10) for f in prepare(m, k, n))
                     line += f"  (torch _scaled_mm {t_mm * 1e3:.4f} ms = {t_bf / t_mm:.2f}x torch bf16)"
                 print(line, flush=True)
-            if sweep and "w4_words" in kinds and m <= DECODE_M[-1]:
+            if sweep and "w4_words" in kinds and m == 1:  # batch-1 decode, issue #15's row
                 for cfg in _words_sweep():
                     fn = lambda x, w, s, cfg=cfg: int4_words_matmul(x, w, s, group=GROUP, **cfg)  # noqa: E731
                     t = timed(fn, [(x, *wargs) for x, wargs in zip(xs, kinds["w4_words"][1])], reps=reps)

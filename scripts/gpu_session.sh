@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# Prepared runs for a lent GPU machine (issue #15): kernel correctness, FP8 and GEMV kernels, compile
-# seconds unrolled vs scanned, end-to-end decode/prefill on Llama-2-7B shapes (random weights, bf16
-# baseline, transformers bf16 static cache beside), kernel speed. All steps take ~18 min of limits:
-# split them over two device calls of at most 10 minutes with STEPS, e.g.
-#     STEPS="gpu_tests words fp8 kernels" bash scripts/gpu_session.sh   # ~7.7 min
-#     STEPS="layout layout_float e2e" bash scripts/gpu_session.sh       # ~6.7 min (then gemv prefill layout_dsf)
-# Each step has its own time limit and writes under $OUT (default runs/gpu), so a slow step
-# cannot eat the others' time. The machine reaches no registry: carry `git archive HEAD` of this
-# project and run from its root through the device tool.
-# Its steps ran on an H200 on 2026-11-27 (docs/kernels.md), in two device calls.
+# Prepared runs for a lent GPU machine (issue #15): kernel correctness, the int4 word and FP8 kernels, KV decode
+# attention, compile seconds unrolled vs scanned, end-to-end decode/prefill on Llama-2-7B shapes (random weights,
+# bf16 baseline, transformers bf16 static cache beside). Each step has its own time limit and writes under $OUT
+# (default runs/gpu), so a slow step cannot eat the others' time. The machine reaches no registry: the device
+# tool carries the working tree; run from its root.
+# A session has 15 minutes of device time, a call at most 10, and a machine stays warm 30 s after a call. What the
+# last session learned (docs/kernels.md, "On a GPU again"): a start costs ~40 s; gpu_tests' 66 cases need more than
+# 120 s (give the subset that changed); an e2e variant at 32 layers takes ~100 s (quantizing, compiling prefill and
+# decode), so bf16 + two recipes + transformers need ~400 s. Two calls, the second issued at once (warm):
+#     STEPS="gpu_tests words attention fp8" bash scripts/gpu_session.sh   # ~7.7 min of limits
+#     STEPS="e2e" bash scripts/gpu_session.sh                             # ~6 min
+# then, in a later session: layout layout_float kernels gemv prefill layout_dsf.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-runs/gpu}"
@@ -18,7 +20,7 @@ layers=(${LAYERS:+--layers "$LAYERS"})
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 start=$SECONDS
-steps="${STEPS:-gpu_tests words fp8 gemv prefill layout layout_dsf layout_float e2e kernels}"  # STEPS: a subset, to split the run over calls
+steps="${STEPS:-gpu_tests words attention fp8 e2e gemv prefill layout layout_dsf layout_float kernels}"  # STEPS: a subset
 step() {  # step NAME SECONDS CMD...: run CMD with a time limit, its output in $out/NAME.log
   local name=$1 limit=$2
   shift 2
@@ -31,16 +33,20 @@ step() {  # step NAME SECONDS CMD...: run CMD with a time limit, its output in $
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/device.txt" 2>&1
 "$py" -c "import jax; print(jax.__version__, jax.devices())" >> "$out/device.txt" 2>&1
 cat "$out/device.txt"
-step gpu_tests 120 "$py" -m pytest -q -m gpu tests/pallas_kernels/test_gpu_kernels.py
-# int4 decode as words of eight K values (pallas_kernels.int4_words, new: 2.1-2.5 SASS instructions per weight
-# against the dot kernel's 5.4), on the four shapes of issue #15's int4 target (>= 2.5x bf16 at M <= 16),
-# beside the dot kernel (w4g128) and XLA's path; its table entries (kernel int4_words) go to the shipped table.
-# Also bf16 weights read as a layer of a stack, as the scan over stacked blocks does: pallas_kernels.float_matmul
-# in place against XLA's dynamic slice + dot (bf16_stack, table kernel "float": on by default on a GPU, where
-# scripts/gpu_aot.py saw XLA copy each layer's weights out of the stack every decode step).
-# --sweep: the word kernel's other tiles, warps, stages and no split at decode rows on 4096x11008.
-step words 150 "$py" scripts/bench_kernels.py --reps 10 --sweep --kinds bf16,w4g128,w4_words,bf16_stack \
+# -v: each case's verdict as it finishes (a run stopped by its limit keeps them); TESTS: a -k expression
+step gpu_tests 120 "$py" -m pytest -v --tb=line -p no:cacheprovider -m gpu tests/pallas_kernels/test_gpu_kernels.py \
+    -k "${TESTS:-store or quantized_cache or ops_linear or words or stacked}"
+# int4 decode as words of eight K values (pallas_kernels.int4_words: 1.2-1.8x bf16 at M = 1 on the last H200 run;
+# since, its scale rows are read one K step ahead, which the SASS showed as a synchronous load every step), on the
+# four shapes of issue #15's int4 target (>= 2.5x bf16 at M <= 16), beside the dot kernel (w4g128), the int8
+# K-major kernel (w8_nk, rtn-w8's decode kernel) and XLA's path; the table entries go to the shipped table
+# (python -m llmeq_jax.dispatch_table merge). Also bf16_stack: float_matmul reading a layer of a stack in place.
+# --sweep: the word kernel's other tiles, warps, stages and split counts at M = 1 on every shape.
+step words 180 "$py" scripts/bench_kernels.py --reps 10 --sweep --rows 1,16 --kinds bf16,w4g128,w4_words,bf16_stack,w8_nk \
     --weights 4096x4096,4096x11008,11008x4096,4096x14336 --no-attention --write-table "$out/dispatch_words.json"
+# KV decode attention at 32K (int8 / int4 codes against bf16 XLA attention; issue #15: >= 1.5x / 2x) and its
+# sweep: block sizes, split counts, 3-4 cp.async stages (at 2 the compiled loop waits for every copy at its top).
+step attention 60 "$py" scripts/bench_kernels.py --reps 10 --sweep --rows 1 --kinds bf16 --weights 4096x4096
 # FP8 W8A8 (E4M3, new since the H200 run): the Pallas kernel and XLA's FP8 dot against bf16, and PyTorch's
 # _scaled_mm beside them, on one weight shape (issue #15's target: >= 1.6x bf16).
 # Since the CPU's SASS check (scripts/kernel_sass.py): the FP8 kernel on FP8 wgmma (fp8_dot), and the int8
@@ -72,8 +78,11 @@ XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_dynamic_slice_fusion=true" step layou
 LLMEQ_DISPATCH_TABLE="$out/dispatch_words.json" step layout_float 60 "$py" scripts/bench_e2e.py --shapes "$shapes" \
     --layers 4 --dtype bfloat16 --recipes bf16 --batches 1 --prefill-len 512 --new-tokens 32 --repeats 2 \
     --scan-layers --no-torch --out "$out/layout_float.json"
-step e2e 230 "$py" scripts/bench_e2e.py --shapes "$shapes" "${layers[@]}" --dtype bfloat16 --recipes rtn-w4-g128 rtn-w8 fp8-w8a8 \
-    --batches 1 16 --prefill-len 2048 --new-tokens 32 --repeats 2 --scan-only --out "$out/e2e.json"
+# ~100 s a variant at 32 layers: bf16, the recipes (RECIPES), then transformers bf16 with a static cache (BATCHES:
+# decode batch sizes; 16 adds two compiles a variant)
+step e2e 330 "$py" scripts/bench_e2e.py --shapes "$shapes" "${layers[@]}" --dtype bfloat16 \
+    --recipes ${RECIPES:-rtn-w4-g128 rtn-w8} --batches ${BATCHES:-1} --prefill-len 2048 --new-tokens 32 --repeats 2 \
+    --scan-only --torch --out "$out/e2e.json"
 step kernels 90 "$py" scripts/bench_kernels.py --reps 10 --kinds bf16,w8a8,fp8,w8,w4g128,w8a8_nk,fp8_nk,w8_nk \
     --write-table "$out/dispatch.json"
 echo "== [$(( SECONDS - start ))s] done; results in $out"
