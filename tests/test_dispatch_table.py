@@ -155,6 +155,28 @@ def test_bench_kernels_writes_a_table_dispatch_reads(tmp_path, capsys):
     assert table.choice(fast) == "pallas" and table.choice(slow) == "xla"
 
 
+def test_bench_kernels_times_variants_in_turns_each_on_its_own_inputs():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bench_kernels", Path(__file__).parents[1] / "scripts/bench_kernels.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    seen = []
+
+    def variant(name):
+        def fn(x, w):
+            seen.append((name, x.shape, w.shape))  # traced once per variant
+            return x @ w
+        return fn
+
+    small = [(jnp.ones((1, 8)), jnp.ones((8, 4)))] * 2
+    wide = [(jnp.ones((1, 16)), jnp.ones((16, 32)))] * 2
+    times = bench.timed_round_robin({"a": (variant("a"), small), "b": (variant("b"), wide)}, reps=2, rounds=2)
+    assert set(times) == {"a", "b"} and all(0 < t < float("inf") for t in times.values())
+    assert {(n, x, w) for n, x, w in seen} == {("a", (1, 8), (8, 4)), ("b", (1, 16), (16, 32))}
+
+
 def test_a_shipped_table_applies_on_its_device_unless_turned_off(monkeypatch):
     """llmeq_jax/dispatch_tables/<device>.json is read by itself on that device; an active table wins;
     LLMEQ_DISPATCH_TABLE=none turns it off."""
