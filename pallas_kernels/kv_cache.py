@@ -173,8 +173,9 @@ def _code_lanes(c, bits):
 # On a GPU the bit patterns come from weight_only's inline PTX (dequant="asm": two nibbles per lop3; the
 # 32K decode loop compiled for sm_90 went from 1752 to 1387 instructions); interpret mode runs "fold".
 # Float32 queries (three bf16 parts) take the offset off every code before the dot instead (exact in bf16):
-# carried through, it made the float32 accumulators ~20x larger than the attention they hold, and the
-# H200's tensor-core accumulation missed the float32 path's 1e-5 tolerance by 2.3x (int4, 70 and 2048 tokens).
+# carried through, it makes the float32 accumulators ~20x larger than the attention they hold -- the suspected
+# cause of the two int4 float32 cases that missed the 1e-5 tolerance by 2.3x on an H200 with exact scores
+# (docs/kernels.md; not re-run on a GPU since).
 INT4_FOLD = int4_offset(jnp.bfloat16)
 
 

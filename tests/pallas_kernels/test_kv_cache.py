@@ -274,7 +274,8 @@ def test_store_decode_bad_input_is_rejected_clearly():
 def test_int4_operands_carry_the_fold_offset_only_for_half_queries():
     """bf16/f16 queries: each int4 code + INT4_FOLD (removed after the dots through sums of the float side).
     Float32 queries: the signed code itself, exact in bf16 -- carried through, the offset made the float32
-    accumulators ~20x larger than the attention they hold, past the float32 tolerance on an H200."""
+    accumulators ~20x larger than the attention they hold (the suspected cause of two float32 cases
+    missing their tolerance on an H200)."""
     from pallas_kernels.common import high_nibble, low_nibble
     from pallas_kernels.kv_cache import INT4_FOLD, _code_operands, _int4_fold
 
