@@ -232,8 +232,6 @@ def choice(key: Key) -> str | None:
     return table.choice(key)
 
 
-__all__ = ["DispatchTableError", "ENV", "OFF", "Key", "Table", "active", "choice", "from_json", "load", "row_bucket",
-           "shipped", "shipped_path", "to_json", "use"]
 
 
 def main(argv=None) -> None:
@@ -258,6 +256,10 @@ def main(argv=None) -> None:
         meta["jax"] = args.jax
     write(into, table, **meta)
     print(f"{into}: {len(table.entries)} products ({len(table.entries) - len(base.entries)} new)")
+
+
+__all__ = ["DispatchTableError", "ENV", "OFF", "Key", "Table", "active", "choice", "from_json", "load", "merge",
+           "row_bucket", "shipped", "shipped_path", "to_json", "use", "write"]
 
 
 if __name__ == "__main__":

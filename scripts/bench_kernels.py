@@ -80,16 +80,7 @@ def timed(fn, inputs, *, reps):
     back to back and waited for once, so host dispatch overlaps the GPU work.
     Returns seconds per call (best of 3 such measurements).
     """
-    many = jax.jit(lambda sets: [fn(*a) for a in sets])
-    jax.block_until_ready(many(inputs))
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            out = many(inputs)  # one stream: the last result is ready only after all the others
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - t0) / (reps * len(inputs)))
-    return best
+    return timed_round_robin({"": (fn, inputs)}, reps=reps)[""]
 
 
 def timed_round_robin(variants: dict, *, reps, rounds=3) -> dict:
@@ -106,7 +97,7 @@ def timed_round_robin(variants: dict, *, reps, rounds=3) -> dict:
         for name, (f, inputs) in many.items():
             t0 = time.perf_counter()
             for _ in range(reps):
-                out = f(inputs)
+                out = f(inputs)  # one stream: the last result is ready only after all the others
             jax.block_until_ready(out)
             best[name] = min(best[name], (time.perf_counter() - t0) / (reps * len(inputs)))
     return best
