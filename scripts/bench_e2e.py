@@ -114,6 +114,46 @@ def device_peak_mib() -> float | None:
     return stats["peak_bytes_in_use"] / 2**20 if "peak_bytes_in_use" in stats else None
 
 
+def profile_decode_kernels(args, config, params, rng, tokens_per_s: float) -> dict:
+    """One warm ``generate`` at the first batch size under ``jax.profiler.trace``: each GPU kernel of the
+    decode loop with its device µs and launches per step (``profile_decode.device_kernel_times``), their
+    sum against the step's wall time (the rest is launch gaps and host work). Under a profiler XLA may
+    launch kernels one by one instead of as command buffers: the per-kernel times are the point, not the
+    sum. No kernels on a CPU (its trace has host threads only: ``scripts/profile_decode.py``)."""
+    import jax
+    import jax.numpy as jnp
+
+    from llmeq_jax.generate import generate
+    from profile_decode import device_kernel_times, kernel_table, trace_events
+
+    batch = args.batches[0]
+    prompt = jnp.asarray(rng.integers(0, config.vocab_size, (batch, args.prompt_len)), jnp.int32)
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp, create_perfetto_trace=True):
+            jax.block_until_ready(generate(config, params, prompt, args.new_tokens))
+        times = device_kernel_times(trace_events(Path(tmp)))
+    steps = args.new_tokens - 1
+    return {"batch": batch, "steps": steps, "layers": config.num_layers, "wall_us_per_step": 1e6 * batch / tokens_per_s,
+            "kernel_us_per_step": sum(us for us, _ in times.values()) / steps,
+            "launches_per_step": sum(n for _, n in times.values()) / steps,
+            "kernels": kernel_table(times, steps, args.profile_top)}
+
+
+def profile_table(name: str, profile: dict) -> str:
+    """A variant's decode-step profile (:func:`profile_decode_kernels`) as Markdown: each kernel's µs and
+    launches per step (per layer too, where it runs once a layer)."""
+    head = (f"{name}, batch {profile['batch']}: {profile['kernel_us_per_step']:.0f} µs of kernels in "
+            f"{profile['launches_per_step']:.0f} launches per decode step; wall {profile['wall_us_per_step']:.0f} µs "
+            "a step unprofiled")
+    if not profile["kernels"]:
+        return head + " (no GPU kernels in the trace)"
+    lines = [head, "", "| kernel | µs / step | launches / step | µs / launch | share |", "|---|---:|---:|---:|---:|"]
+    for kernel, us, launches, share in profile["kernels"]:
+        lines.append(f"| {kernel} | {us:.1f} | {launches:g} | {us / max(launches, 1e-9):.2f} | {100 * share:.1f}% |")
+    lines.append(f"\n({profile['layers']} layers: a kernel with {profile['layers']} launches a step runs once a layer)")
+    return "\n".join(lines)
+
+
 def measure_ours(args, variant: str) -> dict:
     import jax
     import jax.numpy as jnp
@@ -142,6 +182,8 @@ def measure_ours(args, variant: str) -> dict:
     for i, batch in enumerate(args.batches):
         out[f"decode_b{batch}"], compiled = decode(batch)
         compile_s += compiled if i == 0 else 0.0
+    if args.profile:
+        out["profile"] = profile_decode_kernels(args, config, params, rng, out[f"decode_b{args.batches[0]}"])
     fwd = jax.jit(lambda p, t: forward(config, p, t))
     long = jnp.asarray(rng.integers(0, config.vocab_size, (1, args.prefill_len)), jnp.int32)
     first, warm = median_seconds(lambda: jax.block_until_ready(fwd(prefill_params, long)), args.repeats)
@@ -340,6 +382,9 @@ def run_all(args) -> None:
     report = report_of(args, rows)
     print(f"Model {report['model']} ({args.dtype}); {report['machine']}.\n{report['protocol']}.\n")
     print(table(rows, baseline(args) + (SCAN_SUFFIX if args.scan_only else ""), args.batches))
+    for name, row in rows.items():
+        if row.get("profile"):
+            print("\n" + profile_table(name, row["profile"]))
     print(f"\nJSON: {out}")
 
 
@@ -367,6 +412,9 @@ def parse_args(argv=None):
                     help=f"also each of our variants with its blocks stacked under one scan (rows '<variant>{SCAN_SUFFIX}')")
     ap.add_argument("--scan-only", action="store_true",
                     help="only our variants with stacked blocks (ratios against the baseline's '+scan' row)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also trace one decode of each of our variants and list its GPU kernels (µs, launches)")
+    ap.add_argument("--profile-top", type=int, default=40, help="kernels listed per variant with --profile")
     ap.add_argument("--out", default="runs/bench_e2e.json")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)

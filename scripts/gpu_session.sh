@@ -20,7 +20,7 @@ layers=(${LAYERS:+--layers "$LAYERS"})
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 start=$SECONDS
-steps="${STEPS:-gpu_tests words attention fp8 e2e gemv prefill layout layout_dsf layout_float kernels}"  # STEPS: a subset
+steps="${STEPS:-gpu_tests words attention fp8 e2e profile gemv prefill layout layout_dsf layout_float kernels}"  # STEPS: a subset
 step() {  # step NAME SECONDS CMD...: run CMD with a time limit, its output in $out/NAME.log
   local name=$1 limit=$2
   shift 2
@@ -83,6 +83,12 @@ LLMEQ_DISPATCH_TABLE="$out/dispatch_words.json" step layout_float 60 "$py" scrip
 step e2e 330 "$py" scripts/bench_e2e.py --shapes "$shapes" "${layers[@]}" --dtype bfloat16 \
     --recipes ${RECIPES:-rtn-w4-g128 rtn-w8} --batches ${BATCHES:-1} --prefill-len 2048 --new-tokens 32 --repeats 2 \
     --scan-only --torch --out "$out/e2e.json"
+# Where a decode step's time goes: bf16 and W4 on 4 layers of the same shapes at the e2e step's context, one
+# decode traced (jax.profiler): each GPU kernel's µs and launches a step (the Pallas matmuls, the norms, RoPE,
+# attention, cache updates, the split-K sums), against the step's wall time.
+step profile 100 "$py" scripts/bench_e2e.py --shapes "$shapes" --layers 4 --dtype bfloat16 --recipes rtn-w4-g128 \
+    --batches 1 --prefill-len 2048 --new-tokens 16 --repeats 1 --scan-only --no-torch --profile \
+    --out "$out/profile.json"
 step kernels 90 "$py" scripts/bench_kernels.py --reps 10 --kinds bf16,w8a8,fp8,w8,w4g128,w8a8_nk,fp8_nk,w8_nk \
     --write-table "$out/dispatch.json"
 echo "== [$(( SECONDS - start ))s] done; results in $out"

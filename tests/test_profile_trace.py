@@ -1,0 +1,73 @@
+"""Reading GPU kernels out of a profiler trace (scripts/profile_decode.py) and bench_e2e's --profile table."""
+
+import gzip
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+SCRIPTS = Path(__file__).parents[1] / "scripts"
+
+
+def _script(name):
+    sys.path.insert(0, str(SCRIPTS))  # bench_e2e imports profile_decode as its sibling
+    try:
+        spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(SCRIPTS))
+
+
+def _meta(pid, tid, kind, name):
+    return {"ph": "M", "pid": pid, **({} if tid is None else {"tid": tid}), "name": kind, "args": {"name": name}}
+
+
+def _kernel(name, dur, pid=2, tid=7, module="jit__decode_loop"):
+    args = {} if module is None else {"hlo_module": module, "hlo_op": name}
+    return {"ph": "X", "pid": pid, "tid": tid, "ts": 0.0, "dur": dur, "name": name, "args": args}
+
+
+# A GPU trace as jax.profiler writes it: a host process, a device process with a compute stream and the
+# derived "XLA Ops" line that repeats kernel times per HLO op.
+EVENTS = [
+    _meta(1, None, "process_name", "/host:CPU"), _meta(1, 5, "thread_name", "python"),
+    _meta(2, None, "process_name", "/device:GPU:0"), _meta(2, 7, "thread_name", "Stream #13(Compute)"),
+    _meta(2, 8, "thread_name", "XLA Ops"),
+    _kernel("int4_words_matmul", 30.0), _kernel("int4_words_matmul", 34.0), _kernel("loop_add_fusion", 2.0),
+    _kernel("int4_words_matmul", 64.0, tid=8),  # the XLA Ops line: the same time again
+    _kernel("PjitFunction(generate)", 500.0, pid=1, tid=5, module=None),  # host
+    _kernel("prefill_gemm", 99.0, module="jit__prefill"),  # another module
+    _kernel("memcpy", 1.0, module=None),  # no module named: kept
+]
+
+
+def test_device_kernel_times_reads_the_decode_loops_gpu_kernels_once(tmp_path):
+    profile = _script("profile_decode")
+    path = tmp_path / "plugins/profile/run/host.trace.json.gz"
+    path.parent.mkdir(parents=True)
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": EVENTS}, f)
+    events = profile.trace_events(tmp_path)
+    times = profile.device_kernel_times(events)
+    assert times == {"int4_words_matmul": (64.0, 2), "loop_add_fusion": (2.0, 1), "memcpy": (1.0, 1)}
+    assert profile.device_kernel_times(events, module="jit__prefill") == {"prefill_gemm": (99.0, 1), "memcpy": (1.0, 1)}
+    host_only = [e for e in EVENTS if e.get("pid") == 1]
+    assert profile.device_kernel_times(host_only) == {}
+    rows = profile.kernel_table(times, steps=2, top=2)
+    assert [r[0] for r in rows] == ["int4_words_matmul", "loop_add_fusion"]
+    assert rows[0][1:] == [32.0, 1.0, 64.0 / 67.0]
+
+
+def test_bench_e2e_prints_a_profile_per_variant():
+    bench = _script("bench_e2e")
+    args = bench.parse_args(["--shapes", "llama-2-7b", "--dtype", "bfloat16", "--profile", "--profile-top", "5"])
+    assert args.profile and args.profile_top == 5
+    profile = {"batch": 1, "steps": 31, "layers": 32, "wall_us_per_step": 2820.0, "kernel_us_per_step": 2500.0,
+               "launches_per_step": 600.0, "kernels": [["int4_words_matmul__2", 640.0, 32.0, 0.256]]}
+    text = bench.profile_table("rtn-w4-g128+scan", profile)
+    assert "2500 µs of kernels in 600 launches per decode step; wall 2820 µs" in text
+    assert "| int4_words_matmul__2 | 640.0 | 32 | 20.00 | 25.6% |" in text
+    assert "32 layers" in text
+    assert "no GPU kernels" in bench.profile_table("bf16", profile | {"kernels": []})
