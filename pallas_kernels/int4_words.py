@@ -162,6 +162,8 @@ def _kernel(*refs, m, n, k, blocks, group, has_zp, has_bias, split_blocks, split
     rows = span(pl.program_id(0) * bm, bm, m, in_bounds=m % bm == 0)
     cols = span(pl.program_id(1) * bn, bn, n, in_bounds=n % bn == 0)
     whole_k = k % bk == 0
+    # the words cover K padded to whole k_steps; a K step of several (blocks.bk) may run past them
+    whole_words = w_ref.shape[-2] * NIBBLES % bk == 0
     first = pl.program_id(2) * split_blocks
     last = jnp.minimum(first + split_blocks, cdiv(k, bk))
 
@@ -197,7 +199,7 @@ def _kernel(*refs, m, n, k, blocks, group, has_zp, has_bias, split_blocks, split
         rows_next = step_rows(kb + 1)
         part = xs = None
         for b in range(bk // WORD_BLOCK):  # static: the word blocks of one K step
-            w_rows = span((kb * (bk // WORD_BLOCK) + b) * SLICE, SLICE, w_ref.shape[-2], in_bounds=True)
+            w_rows = span((kb * (bk // WORD_BLOCK) + b) * SLICE, SLICE, w_ref.shape[-2], in_bounds=whole_words)
             words = load_tile(w_ref, w_rows, cols, 0, layer)
             for j in range(NIBBLES):
                 t = b * NIBBLES + j  # the slice's index in the step
@@ -260,15 +262,17 @@ def int4_words_matmul(x, words, w_scale, *, group: int | None = None, w_zero_poi
     """``x @ dequantize(w)`` for int4 weights stored as :func:`pack_words` words (see the module doc).
 
     ``layer`` (an int32 scalar): ``words``, ``w_scale`` and the zero point are stacks [L, ...] and
-    layer ``layer`` is read in place. ``blocks.bk`` must be :func:`k_step` of the group; the K loop is
-    split over programs when the (M, N) grid is small (as in the dot kernel)."""
+    layer ``layer`` is read in place. ``blocks.bk`` is :func:`k_step` of the group, or that times a power
+    of two (several word blocks per iteration of the K loop: fewer iterations, more bytes per pipeline
+    stage); the K loop is split over programs when the (M, N) grid is small (as in the dot kernel)."""
     _check(x, words, w_scale, w_zero_point, group, layer)
     m, k = x.shape
     n = words.shape[-1]
     blocks = blocks or default_blocks(m, n, group)
-    if blocks.bk != k_step(group):
-        raise ValueError(f"int4_words_matmul: the K block must be {k_step(group)} (k_step(group={group})), "
-                         f"got {blocks.bk}")
+    step = k_step(group)
+    if blocks.bk % step or not is_pow2(blocks.bk // step):
+        raise ValueError(f"int4_words_matmul: the K block must be {step} (k_step(group={group})) times a power of "
+                         f"two, got {blocks.bk}")
     interpret = config.resolve_interpret(interpret)
     args = [x, *weight_operands(words, w_scale, w_zero_point)]
     return launch_matmul(_kernel, args, m=m, n=n, k=k, blocks=blocks, bias=bias, k_splits=k_splits, out_dtype=x.dtype,

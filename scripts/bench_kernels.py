@@ -129,7 +129,7 @@ def write_table(path, measured):
           f"{len(slower)}: " + ", ".join(f"{e['kernel']}/{e['bits']} {e['k']}x{e['n']} M={e['rows']}" for e in slower))
 
 
-KINDS = ("bf16", "w8a8", "fp8", "w8", "w4g128", "w8a8_nk", "fp8_nk", "w8_nk", "w4_words", "bf16_stack")
+KINDS = ("bf16", "w8a8", "fp8", "w8", "w4g128", "w8a8_nk", "fp8_nk", "w8_nk", "w4_words", "bf16_stack", "w4_xla_rows")
 # The int8 kinds with their weights stored K-major, (N, K): the layout decode steps of up to
 # decode_layout.GPU_KMAJOR_MAX_ROWS rows read (for_decode); not in the table. W8A8 is timed at prefill rows
 # too: there the kinds w8a8/fp8 transpose the weight per call (int8 wgmma takes K-major operands only), and
@@ -140,8 +140,22 @@ KMAJOR_KINDS = ("w8a8_nk", "fp8_nk", "w8_nk")
 # bf16_stack: the bf16 weights as one stack [copies, K, N], each call a layer of it (traced index) -- what a
 # decode step of the scan over stacked blocks multiplies: pallas_kernels.float_matmul reading the layer in
 # place against XLA's dynamic slice and dot (in the table as kernel "float"); decode rows only.
-DECODE_ONLY_KINDS = ("w8_nk", "w4_words", "bf16_stack")
-LAYOUT_OF = {"w4_words": "w4g128"}  # the kind whose weights (bytes moved, XLA's path) a layout kind has
+# w4_xla_rows: int4 g128 weights K-major as XLA's own int4 type (jnp.int4, two per byte), (N, K), multiplied and
+# summed over K in one expression (:func:`xla_int4_rows`) -- a candidate for XLA's path at decode rows, compiled
+# (deviceless, for an H200) to one row-reduction kernel that reads the int4 rows, no dequantized copy; where
+# XLA's path today (ops.weight_only_xla) took 0.05-0.25x bf16 on the H200. Not in the table.
+DECODE_ONLY_KINDS = ("w8_nk", "w4_words", "bf16_stack", "w4_xla_rows")
+NOT_IN_TABLE = ("w4_xla_rows",)
+LAYOUT_OF = {"w4_words": "w4g128", "w4_xla_rows": "w4g128"}  # the kind whose weights (bytes, XLA's path) a layout kind has
+
+
+def xla_int4_rows(x, q, scale):
+    """``x @ dequantize(w)`` for int4 weights stored K-major as ``jnp.int4`` ``(N, K)`` with group scales
+    ``(N, K / GROUP)``: one multiply and sum over K, which XLA fuses into a single row reduction (the int4
+    rows read once per output row, the scale multiplied per element)."""
+    n, k = q.shape
+    w = q.astype(jnp.float32).reshape(n, k // GROUP, GROUP) * scale.astype(jnp.float32)[:, :, None]
+    return jnp.sum(x.astype(jnp.float32)[:, None, :] * w.reshape(n, k)[None], axis=-1).astype(x.dtype)
 
 
 def torch_scaled_mm():
@@ -212,6 +226,8 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
         w8t = _copies(q8.qvalue.T, r) if kmajor & {"w8a8_nk", "w8_nk"} else []
         wft = _copies(qf.qvalue.T, r) if "fp8_nk" in kmajor else []
         w4w = _copies(pack_words(q4.values(), GROUP), r) if "w4_words" in kinds_wanted else []
+        w4r = [c.T.astype(jnp.int4) for c in _copies(q4.values(), r)] if "w4_xla_rows" in kinds_wanted else []
+        s4t = [s.T for s in s4] if w4r else []
         wbs = jnp.stack(wb) if "bf16_stack" in kinds_wanted else None  # r layers of bf16 weights
         layers = [jnp.int32(i) for i in range(r)] if wbs is not None else []
         del w
@@ -226,6 +242,7 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
             "w8_nk": (lambda x, w, s: weight_only_matmul(x, w, s, bits=8, w_layout="nk"), list(zip(w8t, s8))),
             "w4_words": (lambda x, w, s: int4_words_matmul(x, w, s, group=GROUP), list(zip(w4w, s4))),
             "bf16_stack": (lambda x, w, i: float_matmul(x, w, layer=i), [(wbs, i) for i in layers]),
+            "w4_xla_rows": (xla_int4_rows, list(zip(w4r, s4t))),
         }
         kinds_all = kinds
         kinds = {kind: v for kind, v in kinds.items() if kind in kinds_wanted or kind == "bf16"}
@@ -250,7 +267,7 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
                 line = (f"{f'{k}x{n}':>12} {m:>5} {kind:>7} {t * 1e3:>8.4f} {2 * m * k * n / t / 1e12:>8.1f} "
                         f"{bytes_moved(m, k, n, kind) / t / 1e9:>7.0f} {base / t:>7.2f}x")
                 origin = LAYOUT_OF.get(kind, kind)
-                if table is not None and origin in xla_of:
+                if table is not None and origin in xla_of and kind not in NOT_IN_TABLE:
                     xla_inputs = [(x, *wargs) for x, wargs in zip(xs, kinds_all[origin][1])]
                     t_xla = timed(xla_of[origin], xla_inputs, reps=reps)
                     table.append((table_key(kind, k, n, m), {"pallas_s": t, "xla_s": t_xla, "bf16_s": base}))
@@ -283,7 +300,7 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
                     except Exception as e:  # a config Triton rejects (e.g. too much shared memory)
                         print(f"   sweep {kind} M={m} {cfg}: failed: {type(e).__name__}: {str(e)[:200]}")
             del xs
-        del wb, w8, s8, wf, sf, w4, s4, w8t, wft, w4w, wbs, layers, kinds, kinds_all
+        del wb, w8, s8, wf, sf, w4, s4, w8t, wft, w4w, w4r, s4t, wbs, layers, kinds, kinds_all
         if table is not None and table_path:  # after every weight shape: a run cut short keeps what it measured
             write_table(table_path, table)
     if attention:
@@ -348,9 +365,13 @@ def _words_sweep():
 
     # the word kernel's K block is its K step (128 for group 128); its default tile is 16 x 128 (16 x 256 from
     # 8192 columns), 4 warps, 3 stages (int4_words.default_blocks), K split to ~264 programs (common.splits_for)
-    tiles = [(16, 64, 128, 4, 3), (16, 128, 128, 4, 3), (16, 256, 128, 4, 3), (16, 128, 128, 2, 3),
-             (16, 128, 128, 8, 3), (16, 128, 128, 4, 2), (16, 128, 128, 4, 4)]
-    return [dict(blocks=Blocks(*t)) for t in tiles] + [dict(k_splits=s) for s in (1, 2, 4, 16)]
+    # 8 warps, 64 columns and 1-2 splits lost clearly on the H200 (0.4-0.8x the defaults) and are left out; K
+    # blocks of 256 and 512 take two and four word blocks an iteration (more bytes per pipeline stage, fewer
+    # iterations: 2.48 -> 2.35 / 2.26 instructions per weight at 128 columns in sm_90 SASS)
+    tiles = [(16, 128, 128, 4, 3), (16, 256, 128, 4, 3), (16, 128, 128, 2, 3), (16, 128, 128, 4, 2),
+             (16, 128, 128, 4, 4), (16, 128, 256, 4, 3), (16, 128, 512, 4, 3), (16, 256, 256, 4, 3),
+             (16, 128, 256, 4, 4)]
+    return [dict(blocks=Blocks(*t)) for t in tiles] + [dict(k_splits=s) for s in (4, 16)]
 
 
 def main():

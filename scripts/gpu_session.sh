@@ -42,7 +42,10 @@ step gpu_tests 120 "$py" -m pytest -v --tb=line -p no:cacheprovider -m gpu tests
 # K-major kernel (w8_nk, rtn-w8's decode kernel) and XLA's path; the table entries go to the shipped table
 # (python -m llmeq_jax.dispatch_table merge). Also bf16_stack: float_matmul reading a layer of a stack in place.
 # --sweep: the word kernel's other tiles, warps, stages and split counts at M = 1 on every shape.
-step words 180 "$py" scripts/bench_kernels.py --reps 10 --sweep --rows 1,16 --kinds bf16,w4g128,w4_words,bf16_stack,w8_nk \
+# w4_xla_rows (new): the same int4 weights as XLA's int4 type, K-major, in one multiply-reduce (one XLA row
+# reduction, deviceless compile) -- whether XLA's own fusion streams int4 faster than the Pallas kernels.
+# The sweep now also tries K blocks of 256 / 512 (two / four word blocks an iteration).
+step words 180 "$py" scripts/bench_kernels.py --reps 10 --sweep --rows 1,16 --kinds bf16,w4g128,w4_words,w4_xla_rows,bf16_stack,w8_nk \
     --weights 4096x4096,4096x11008,11008x4096,4096x14336 --no-attention --write-table "$out/dispatch_words.json"
 # KV decode attention at 32K (int8 / int4 codes against bf16 XLA attention; issue #15: >= 1.5x / 2x) and its
 # sweep: block sizes, split counts, 3-4 cp.async stages (at 2 the compiled loop waits for every copy at its top).

@@ -195,3 +195,18 @@ def test_a_shipped_table_applies_on_its_device_unless_turned_off(monkeypatch):
         assert dt.choice(prefill) == "pallas"
     monkeypatch.setenv(dt.ENV, dt.OFF)
     assert dt.active() is None and dt.choice(prefill) is None
+
+
+def test_bench_kernels_int4_rows_in_xla_equal_the_dequantized_product():
+    """bench_kernels' w4_xla_rows kind: int4 weights K-major as jnp.int4 with group scales, one multiply-reduce."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bench_kernels", Path(__file__).parents[1] / "scripts/bench_kernels.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    w = jax.random.normal(jax.random.key(0), (256, 48), jnp.float32)
+    q = quantize(w, Spec(bits=4, granularity="group", group_size=bench.GROUP))
+    x = jax.random.normal(jax.random.key(1), (3, 256), jnp.float32)
+    got = bench.xla_int4_rows(x, q.values().T.astype(jnp.int4), q.scale.T)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(x @ q.dequantize(jnp.float32)), rtol=1e-5, atol=1e-5)

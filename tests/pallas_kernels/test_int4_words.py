@@ -89,6 +89,20 @@ def test_kernel_matches_reference(m, k, n, group, zp, bias, dtype, splits):
                                atol=tol * float(jnp.max(jnp.abs(want.astype(jnp.float32)))))
 
 
+@pytest.mark.parametrize("k, group, bk, splits", [(1024, 128, 512, None), (700, 128, 256, None), (576, 64, 256, 2),
+                                                  (300, None, 512, None)])
+def test_k_steps_of_several_word_blocks_match_the_reference(k, group, bk, splits):
+    """``blocks.bk`` a power-of-two multiple of k_step: the loop takes several word blocks an iteration, its
+    last step running past the words (K padded to k_step only: 700 and 300 here) reads zeros there."""
+    words, scale, zero = _weights(k, 48, group, True, seed=k)
+    x = jax.random.normal(jax.random.key(k), (2, k)).astype(jnp.bfloat16)
+    got = iw.int4_words_matmul(x, words, scale, group=group, w_zero_point=zero, blocks=Blocks(16, 32, bk, 4, 3),
+                               k_splits=splits, interpret=True)
+    want = iw.int4_words_reference(x, words, scale, group=group, w_zero_point=zero)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-2,
+                               atol=1e-2 * float(jnp.max(jnp.abs(want.astype(jnp.float32)))))
+
+
 def test_kernel_reads_one_layer_of_a_stack_in_place():
     words, scale, zero = _weights(256, 64, 128, True, lead=(3,))
     x = jax.random.normal(jax.random.key(9), (2, 256)).astype(jnp.bfloat16)
@@ -111,8 +125,8 @@ def test_bad_inputs_are_refused_with_what_was_expected():
         iw.int4_words_matmul(x, words, scale, group=16, interpret=True)
     with pytest.raises(ValueError, match=r"w_scale has shape \(1, 32\), expected \(2, 32\)"):
         iw.int4_words_matmul(x, words, scale[:1], group=128, interpret=True)
-    with pytest.raises(ValueError, match=r"the K block must be 128"):
-        iw.int4_words_matmul(x, words, scale, group=128, blocks=Blocks(16, 64, 256), interpret=True)
+    with pytest.raises(ValueError, match=r"the K block must be 128 \(k_step\(group=128\)\) times a power of two"):
+        iw.int4_words_matmul(x, words, scale, group=128, blocks=Blocks(16, 64, 384), interpret=True)
     with pytest.raises(ValueError, match="x must be float32/bfloat16/float16"):
         iw.int4_words_matmul(x.astype(jnp.int32), words, scale, group=128, interpret=True)
 
