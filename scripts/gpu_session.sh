@@ -7,9 +7,10 @@
 # A session has 15 minutes of device time, a call at most 10, and a machine stays warm 30 s after a call. What the
 # last session learned (docs/kernels.md, "On a GPU again"): a start costs ~40 s; gpu_tests' 66 cases need more than
 # 120 s (give the subset that changed); an e2e variant at 32 layers takes ~100 s (quantizing, compiling prefill and
-# decode), so bf16 + two recipes + transformers need ~400 s. Two calls, the second issued at once (warm):
-#     STEPS="gpu_tests words attention fp8" bash scripts/gpu_session.sh   # ~7.7 min of limits
-#     STEPS="e2e" bash scripts/gpu_session.sh                             # ~6 min
+# decode), so bf16 + two recipes + transformers need ~400 s. Two calls, the second issued at once (warm), ~850 s
+# with the start:
+#     STEPS="gpu_tests words attention fp8" bash scripts/gpu_session.sh   # ~6.8 min of limits (timeout_s 420)
+#     STEPS="profile e2e" bash scripts/gpu_session.sh                     # ~6.7 min (timeout_s 410)
 # then, in a later session: layout layout_float kernels gemv prefill layout_dsf.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,7 +35,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/dev
 "$py" -c "import jax; print(jax.__version__, jax.devices())" >> "$out/device.txt" 2>&1
 cat "$out/device.txt"
 # -v: each case's verdict as it finishes (a run stopped by its limit keeps them); TESTS: a -k expression
-step gpu_tests 120 "$py" -m pytest -v --tb=line -p no:cacheprovider -m gpu tests/pallas_kernels/test_gpu_kernels.py \
+step gpu_tests 90 "$py" -m pytest -v --tb=line -p no:cacheprovider -m gpu tests/pallas_kernels/test_gpu_kernels.py \
     -k "${TESTS:-store or quantized_cache or ops_linear or words or stacked}"
 # int4 decode as words of eight K values (pallas_kernels.int4_words: 1.2-1.8x bf16 at M = 1 on the last H200 run;
 # since, its scale rows are read one K step ahead, which the SASS showed as a synchronous load every step), on the
@@ -55,7 +56,7 @@ step attention 60 "$py" scripts/bench_kernels.py --reps 10 --sweep --rows 1 --ki
 # Since the CPU's SASS check (scripts/kernel_sass.py): the FP8 kernel on FP8 wgmma (fp8_dot), and the int8
 # kinds K-major (*_nk: the layout for_decode gives a decode loop on a GPU; W8A8 also at prefill rows, where the
 # w8a8/fp8 kinds transpose the weight per call).
-step fp8 100 "$py" scripts/bench_kernels.py --reps 10 --kinds bf16,fp8,w8a8,w8,fp8_nk,w8a8_nk,w8_nk \
+step fp8 80 "$py" scripts/bench_kernels.py --reps 10 --kinds bf16,fp8,w8a8,w8,fp8_nk,w8a8_nk,w8_nk \
     --weights 4096x11008 --no-attention --write-table "$out/dispatch_fp8.json"
 # bf16 decode of Llama-2-7B shapes ran at 90 tok/s scanned on an H200 (a third of the weights' bandwidth):
 # unrolled vs scanned on 4 layers says whether the scan's weight slicing costs it (docs/kernels.md).
@@ -81,17 +82,17 @@ XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_dynamic_slice_fusion=true" step layou
 LLMEQ_DISPATCH_TABLE="$out/dispatch_words.json" step layout_float 60 "$py" scripts/bench_e2e.py --shapes "$shapes" \
     --layers 4 --dtype bfloat16 --recipes bf16 --batches 1 --prefill-len 512 --new-tokens 32 --repeats 2 \
     --scan-layers --no-torch --out "$out/layout_float.json"
-# ~100 s a variant at 32 layers: bf16, the recipes (RECIPES), then transformers bf16 with a static cache (BATCHES:
-# decode batch sizes; 16 adds two compiles a variant)
-step e2e 330 "$py" scripts/bench_e2e.py --shapes "$shapes" "${layers[@]}" --dtype bfloat16 \
-    --recipes ${RECIPES:-rtn-w4-g128 rtn-w8} --batches ${BATCHES:-1} --prefill-len 2048 --new-tokens 32 --repeats 2 \
-    --scan-only --torch --out "$out/e2e.json"
-# Where a decode step's time goes: bf16 and W4 on 4 layers of the same shapes at the e2e step's context, one
-# decode traced (jax.profiler): each GPU kernel's µs and launches a step (the Pallas matmuls, the norms, RoPE,
+# Where a decode step's time goes: bf16 and W4 on 4 layers of the same shapes, decoding as the e2e step does (a
+# 32-token prompt), one decode traced (jax.profiler): each GPU kernel's µs and launches a step (the Pallas matmuls, the norms, RoPE,
 # attention, cache updates, the split-K sums), against the step's wall time.
 step profile 100 "$py" scripts/bench_e2e.py --shapes "$shapes" --layers 4 --dtype bfloat16 --recipes rtn-w4-g128 \
     --batches 1 --prefill-len 2048 --new-tokens 16 --repeats 1 --scan-only --no-torch --profile \
     --out "$out/profile.json"
+# ~100 s a variant at 32 layers: bf16, the recipes (RECIPES), then transformers bf16 with a static cache (BATCHES:
+# decode batch sizes; 16 adds two compiles a variant)
+step e2e 300 "$py" scripts/bench_e2e.py --shapes "$shapes" "${layers[@]}" --dtype bfloat16 \
+    --recipes ${RECIPES:-rtn-w4-g128 rtn-w8} --batches ${BATCHES:-1} --prefill-len 2048 --new-tokens 32 --repeats 2 \
+    --scan-only --torch --out "$out/e2e.json"
 step kernels 90 "$py" scripts/bench_kernels.py --reps 10 --kinds bf16,w8a8,fp8,w8,w4g128,w8a8_nk,fp8_nk,w8_nk \
     --write-table "$out/dispatch.json"
 echo "== [$(( SECONDS - start ))s] done; results in $out"

@@ -78,12 +78,12 @@ def _weight_only(m: int, bits: int, gemv: bool = False, w_layout: str = "kn", de
     return Case(build, per_step)
 
 
-def _int4_words(m: int, bn: int | None = None, bk: int | None = None) -> Case:
+def _int4_words(m: int, bn: int | None = None, bk: int | None = None, stages: int | None = None) -> Case:
     from pallas_kernels import int4_words
     from pallas_kernels.blocks import Blocks
 
     blocks = int4_words.default_blocks(m, N, GROUP)
-    blocks = Blocks(blocks.bm, bn or blocks.bn, bk or blocks.bk, blocks.num_warps, blocks.num_stages)
+    blocks = Blocks(blocks.bm, bn or blocks.bn, bk or blocks.bk, blocks.num_warps, stages or blocks.num_stages)
 
     def build():
         args = (SDS((m, K), jnp.bfloat16), SDS((int4_words.word_rows(K, GROUP), N), jnp.int32),
@@ -145,6 +145,7 @@ CASES: dict[str, Case] = {
     "wo_int4_m1_words_bk256": _int4_words(1, bk=256),  # two word blocks an iteration
     "wo_int4_m1_words_bn128_bk256": _int4_words(1, bn=128, bk=256),
     "wo_int4_m1_words_bn128_bk512": _int4_words(1, bn=128, bk=512),
+    "wo_int4_m1_words_bn128_4stages": _int4_words(1, bn=128, stages=4),
     "wo_int8_m1": _weight_only(1, 8),
     "wo_int8_m1_kmajor": _weight_only(1, 8, w_layout="nk"),
     "gemv_int4_m1": _weight_only(1, 4, gemv=True),
