@@ -218,6 +218,8 @@ WO_WORDS = [  # (M, K, N, group, symmetric, dtype, blocks): int4 as words (palla
     (16, 11008, 4096, 128, True, F16, (16, 256, 128, 4, 3)),
     (4, 4096, 14336, 64, False, BF16, None),  # groups shorter than a word block
     (3, 300, 90, None, False, F32, None),  # ragged, per channel, float32 (no PTX)
+    (1, 4096, 11008, 128, False, BF16, (16, 128, 256, 4, 3)),  # two word blocks an iteration (the words sweep's)
+    (2, 4000, 4096, 128, False, BF16, (16, 128, 512, 4, 3)),  # four, the last K step past the words (masked)
 ]
 
 for _shape in WO_WORDS:
