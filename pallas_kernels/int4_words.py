@@ -148,7 +148,8 @@ def _nibbles_asm(words, j: int, cdt, interpret: bool):
                                         result_shape_dtypes=[out])[0]
 
 
-def _kernel(*refs, m, n, k, blocks, group, has_zp, has_bias, split_blocks, split, stacked, precision, interpreted):
+def _kernel(*refs, m, n, k, blocks, group, has_zp, has_bias, split_blocks, split, stacked, precision, interpreted,
+            epilogue):
     layer, (x_ref, w_ref, ws_ref), zp_ref, b_ref, o_ref = split_refs(
         refs, stacked=stacked, inputs=3, has_zp=has_zp, has_bias=has_bias)
     bm, bn, bk = blocks.bm, blocks.bn, blocks.bk
@@ -187,6 +188,29 @@ def _kernel(*refs, m, n, k, blocks, group, has_zp, has_bias, split_blocks, split
 
     ones = jnp.ones((SLICE, bn), cdt)  # a constant B operand: x @ ones is x's row sums in every column
 
+    # epilogue="mma": a group's scale and zero-point rows reach the accumulator's layout as products with a
+    # constant (bm, 16) tile whose first column is ones: each row is loaded as a 16-row tile (the other rows
+    # masked) that feeds a dot, like x and the words, so Triton stages it through its cp.async pipeline, and
+    # the product lands in the MMA layout -- no layout conversion through shared memory, no synchronous
+    # global load (the "rows" epilogue: two conversions, four BAR.SYNC an iteration; this one: two, the
+    # pipeline's own, in sm_90 SASS). The rows come as x's dtype (the wrapper converts them): exact for the
+    # zero points, the scales rounded to bf16 / f16 (as torchao's int4 weight-only kernel keeps them).
+    if epilogue == "mma":
+        def first_column(width, dtype):
+            return (jax.lax.broadcasted_iota(jnp.int32, (bm, width), 1) == 0).astype(dtype)
+
+        groups_total = ws_ref.shape[-2]
+        pick = first_column(SLICE, cdt)
+
+        def group_rows(g):
+            """(scale, zero point or None) of scale group ``g`` as (bm, bn) tiles in the accumulator's layout."""
+            def picked(ref):
+                lane = jax.lax.broadcasted_iota(jnp.int32, (SLICE,), 0)
+                row = load_tile(ref, (pl.ds(g, SLICE), (lane < 1) & (g < groups_total)), cols, 0, layer)
+                return dot(pick, row, precision=precision)
+
+            return picked(ws_ref), picked(zp_ref) if has_zp else None
+
     def finish_sum(part, xs, acc, scale=None, zp=None):
         """acc + a sum block's product with the offset (and zero point) taken off through x's sums,
         times its group's ``scale`` row (per channel: the scale comes after the loop)."""
@@ -196,7 +220,10 @@ def _kernel(*refs, m, n, k, blocks, group, has_zp, has_bias, split_blocks, split
 
     def body(kb, carry):
         acc, rows_now = carry
-        rows_next = step_rows(kb + 1)
+        if epilogue == "mma":  # each group's rows loaded where used (pipelined), nothing carried
+            rows_now, rows_next = tuple(group_rows(kb * per_step + i) for i in range(per_step)), ()
+        else:
+            rows_next = step_rows(kb + 1)
         part = xs = None
         for b in range(bk // WORD_BLOCK):  # static: the word blocks of one K step
             w_rows = span((kb * (bk // WORD_BLOCK) + b) * SLICE, SLICE, w_ref.shape[-2], in_bounds=whole_words)
@@ -215,7 +242,8 @@ def _kernel(*refs, m, n, k, blocks, group, has_zp, has_bias, split_blocks, split
                     part = xs = None
         return acc, rows_next
 
-    acc, _ = jax.lax.fori_loop(first, last, body, (jnp.zeros((bm, bn), jnp.float32), step_rows(first)))
+    carried = () if epilogue == "mma" else step_rows(first)
+    acc, _ = jax.lax.fori_loop(first, last, body, (jnp.zeros((bm, bn), jnp.float32), carried))
     if group is None:
         acc = acc * row_of(ws_ref, 0, True, layer)
     if split:  # a float32 partial sum; bias and the cast come after the splits are added
@@ -256,15 +284,23 @@ def default_blocks(m: int, n: int, group: int | None) -> Blocks:
     return Blocks(bm if m <= bm else min(64, next_pow2(m)), bn, k_step(group), warps, stages)
 
 
+EPILOGUES = ("rows", "mma")
+
+
 def int4_words_matmul(x, words, w_scale, *, group: int | None = None, w_zero_point=None, bias=None,
-                      blocks: Blocks | None = None, k_splits: int | None = None, layer=None,
+                      blocks: Blocks | None = None, k_splits: int | None = None, layer=None, epilogue: str = "rows",
                       interpret: bool | None = None):
     """``x @ dequantize(w)`` for int4 weights stored as :func:`pack_words` words (see the module doc).
 
     ``layer`` (an int32 scalar): ``words``, ``w_scale`` and the zero point are stacks [L, ...] and
     layer ``layer`` is read in place. ``blocks.bk`` is :func:`k_step` of the group, or that times a power
     of two (several word blocks per iteration of the K loop: fewer iterations, more bytes per pipeline
-    stage); the K loop is split over programs when the (M, N) grid is small (as in the dot kernel)."""
+    stage); the K loop is split over programs when the (M, N) grid is small (as in the dot kernel).
+
+    ``epilogue``: how a scale group's scale and zero-point rows reach the accumulator -- "rows" (float32
+    scales, loaded one K step ahead and converted to the accumulator's layout) or "mma" (the rows in x's
+    dtype, loaded where used as products with a constant tile: no layout conversion; see the kernel). With
+    half activations "mma" rounds the scales to x's dtype; which is faster is for a GPU to say."""
     _check(x, words, w_scale, w_zero_point, group, layer)
     m, k = x.shape
     n = words.shape[-1]
@@ -273,12 +309,16 @@ def int4_words_matmul(x, words, w_scale, *, group: int | None = None, w_zero_poi
     if blocks.bk % step or not is_pow2(blocks.bk // step):
         raise ValueError(f"int4_words_matmul: the K block must be {step} (k_step(group={group})) times a power of "
                          f"two, got {blocks.bk}")
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"int4_words_matmul: epilogue must be one of {EPILOGUES}, got {epilogue!r}")
     interpret = config.resolve_interpret(interpret)
     args = [x, *weight_operands(words, w_scale, w_zero_point)]
+    if epilogue == "mma" and group is not None:  # scales and zero points as x's dtype: dot operands beside x
+        args[2:] = [a.astype(x.dtype) for a in args[2:]]
     return launch_matmul(_kernel, args, m=m, n=n, k=k, blocks=blocks, bias=bias, k_splits=k_splits, out_dtype=x.dtype,
                          interpret=interpret, name="int4_words_matmul", layer=layer, group=group,
                          has_zp=w_zero_point is not None, precision=f32_dot_precision(interpret) if
-                         jnp.dtype(x.dtype) == jnp.float32 else None, interpreted=interpret)
+                         jnp.dtype(x.dtype) == jnp.float32 else None, interpreted=interpret, epilogue=epilogue)
 
 
 def int4_words_reference(x, words, w_scale, *, group: int | None = None, w_zero_point=None, bias=None):
@@ -290,5 +330,5 @@ def int4_words_reference(x, words, w_scale, *, group: int | None = None, w_zero_
     return weight_only_reference(x, q, w_scale, bits=8, w_zero_point=w_zero_point, bias=bias, group=group)
 
 
-__all__ = ["WORD_BLOCK", "code_offset", "int4_words_matmul", "int4_words_reference", "k_step", "nibble_asm", "nibbles",
+__all__ = ["EPILOGUES", "WORD_BLOCK", "code_offset", "int4_words_matmul", "int4_words_reference", "k_step", "nibble_asm", "nibbles",
            "pack_words", "unpack_words", "word_rows"]

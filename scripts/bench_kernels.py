@@ -371,7 +371,11 @@ def _words_sweep():
     tiles = [(16, 128, 128, 4, 3), (16, 256, 128, 4, 3), (16, 128, 128, 2, 3), (16, 128, 128, 4, 2),
              (16, 128, 128, 4, 4), (16, 128, 256, 4, 3), (16, 128, 512, 4, 3), (16, 256, 256, 4, 3),
              (16, 128, 256, 4, 4)]
-    return [dict(blocks=Blocks(*t)) for t in tiles] + [dict(k_splits=s) for s in (4, 16)]
+    # epilogue="mma": each group's scale / zero-point rows through dots instead of layout conversions (no
+    # barriers but the pipeline's; bf16 scales), at the defaults and with the wider tiles / longer K steps
+    mma = [dict(epilogue="mma")] + [dict(blocks=Blocks(*t), epilogue="mma") for t in
+                                     [(16, 256, 128, 4, 3), (16, 128, 256, 4, 3)]]
+    return [dict(blocks=Blocks(*t)) for t in tiles] + [dict(k_splits=s) for s in (4, 16)] + mma
 
 
 def main():

@@ -45,7 +45,8 @@ step gpu_tests 90 "$py" -m pytest -v --tb=line -p no:cacheprovider -m gpu tests/
 # --sweep: the word kernel's other tiles, warps, stages and split counts at M = 1 on every shape.
 # w4_xla_rows (new): the same int4 weights as XLA's int4 type, K-major, in one multiply-reduce (one XLA row
 # reduction, deviceless compile) -- whether XLA's own fusion streams int4 faster than the Pallas kernels.
-# The sweep now also tries K blocks of 256 / 512 (two / four word blocks an iteration).
+# The sweep now also tries K blocks of 256 / 512 (two / four word blocks an iteration) and epilogue="mma" (the
+# scale / zero-point rows through dots: no layout conversions, half the barriers in SASS).
 step words 180 "$py" scripts/bench_kernels.py --reps 10 --sweep --rows 1,16 --kinds bf16,w4g128,w4_words,w4_xla_rows,bf16_stack,w8_nk \
     --weights 4096x4096,4096x11008,11008x4096,4096x14336 --no-attention --write-table "$out/dispatch_words.json"
 # KV decode attention at 32K (int8 / int4 codes against bf16 XLA attention; issue #15: >= 1.5x / 2x) and its

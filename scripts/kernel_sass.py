@@ -78,7 +78,8 @@ def _weight_only(m: int, bits: int, gemv: bool = False, w_layout: str = "kn", de
     return Case(build, per_step)
 
 
-def _int4_words(m: int, bn: int | None = None, bk: int | None = None, stages: int | None = None) -> Case:
+def _int4_words(m: int, bn: int | None = None, bk: int | None = None, stages: int | None = None,
+                epilogue: str = "rows") -> Case:
     from pallas_kernels import int4_words
     from pallas_kernels.blocks import Blocks
 
@@ -89,7 +90,7 @@ def _int4_words(m: int, bn: int | None = None, bk: int | None = None, stages: in
         args = (SDS((m, K), jnp.bfloat16), SDS((int4_words.word_rows(K, GROUP), N), jnp.int32),
                 SDS((K // GROUP, N), jnp.bfloat16), SDS((K // GROUP, N), jnp.int8))
         return (lambda x, w, s, z: int4_words.int4_words_matmul(x, w, s, group=GROUP, w_zero_point=z,
-                                                                blocks=blocks)), args
+                                                                blocks=blocks, epilogue=epilogue)), args
 
     def per_step(kernel, unrolled):
         return blocks.bn * (K // kernel.grid[-1] if unrolled else blocks.bk)
@@ -146,6 +147,8 @@ CASES: dict[str, Case] = {
     "wo_int4_m1_words_bn128_bk256": _int4_words(1, bn=128, bk=256),
     "wo_int4_m1_words_bn128_bk512": _int4_words(1, bn=128, bk=512),
     "wo_int4_m1_words_bn128_4stages": _int4_words(1, bn=128, stages=4),
+    "wo_int4_m1_words_mma": _int4_words(1, epilogue="mma"),  # scale / zero point through dots: no conversions
+    "wo_int4_m1_words_bn128_mma": _int4_words(1, bn=128, epilogue="mma"),
     "wo_int8_m1": _weight_only(1, 8),
     "wo_int8_m1_kmajor": _weight_only(1, 8, w_layout="nk"),
     "gemv_int4_m1": _weight_only(1, 4, gemv=True),

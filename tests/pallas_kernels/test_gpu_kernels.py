@@ -213,13 +213,15 @@ for _shape in WO_DEQUANT:
                 f"{jnp.dtype(dtype).name} blocks={blocks}", *compare(y, r, 8e-3), None)
 
 
-WO_WORDS = [  # (M, K, N, group, symmetric, dtype, blocks): int4 as words (pallas_kernels.int4_words), decode
+WO_WORDS = [  # (M, K, N, group, symmetric, dtype, blocks[, epilogue]): int4 as words (pallas_kernels.int4_words)
     (1, 4096, 11008, 128, False, BF16, None),  # inline PTX nibbles
     (16, 11008, 4096, 128, True, F16, (16, 256, 128, 4, 3)),
     (4, 4096, 14336, 64, False, BF16, None),  # groups shorter than a word block
     (3, 300, 90, None, False, F32, None),  # ragged, per channel, float32 (no PTX)
     (1, 4096, 11008, 128, False, BF16, (16, 128, 256, 4, 3)),  # two word blocks an iteration (the words sweep's)
     (2, 4000, 4096, 128, False, BF16, (16, 128, 512, 4, 3)),  # four, the last K step past the words (masked)
+    (1, 4096, 11008, 128, False, BF16, None, "mma"),  # scale / zero-point rows through dots
+    (16, 11008, 4096, 64, False, F16, (16, 128, 256, 4, 3), "mma"),
 ]
 
 for _shape in WO_WORDS:
@@ -228,18 +230,19 @@ for _shape in WO_WORDS:
     def _int4_words(shape=_shape):
         from pallas_kernels.int4_words import int4_words_matmul, int4_words_reference, pack_words
 
-        m, k, n, group, symmetric, dtype, blocks = shape
+        m, k, n, group, symmetric, dtype, blocks, *epilogue = shape
+        epilogue = epilogue[0] if epilogue else "rows"
         spec = Spec(bits=4, granularity="group" if group else "channel", group_size=group, symmetric=symmetric)
         q = quantize(jax.random.normal(jax.random.key(7), (k, n)), spec)
         words = pack_words(q.values(), group)
         x = jax.random.normal(jax.random.key(8), (m, k)).astype(dtype)
         kw = dict(w_zero_point=q.zero_point, group=group)
         y = jax.jit(lambda x, w, s: int4_words_matmul(x, w, s, blocks=blocks and Blocks(*blocks), interpret=INTERPRET,
-                                                      **kw))(x, words, q.scale)
+                                                      epilogue=epilogue, **kw))(x, words, q.scale)
         r = reference(int4_words_reference, x, words, q.scale, **kw)
         sym = "sym" if symmetric else "asym"
-        return (f"int4 words M={m} K={k} N={n} group={group} {sym} {jnp.dtype(dtype).name} blocks={blocks}",
-                *compare(y, r, 8e-3), None)
+        return (f"int4 words M={m} K={k} N={n} group={group} {sym} {jnp.dtype(dtype).name} blocks={blocks} "
+                f"epilogue={epilogue}", *compare(y, r, 8e-3), None)
 
 
 FLOAT_STACK = [  # (M, K, N, dtype): pallas_kernels.float_matmul reading layer 2 of a stack of 3

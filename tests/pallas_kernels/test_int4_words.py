@@ -166,3 +166,47 @@ def test_scale_rows_are_read_one_k_step_ahead(group, zp, carried):
     (results,) = re.findall(r"scf\.for .*?-> \((.*?)\)\s*:", kernel.ttir)
     types = [t.strip() for t in results.split(", tensor")]
     assert len(types) == 1 + carried and all(re.search(r"1x\d+xf32", t) for t in types[1:]), results
+
+
+@pytest.mark.parametrize("m,k,n,group,zp,dtype,bk", [(1, 256, 64, 128, True, jnp.bfloat16, 128),
+                                                     (3, 700, 48, 128, True, jnp.bfloat16, 256),
+                                                     (16, 512, 40, 32, True, jnp.float16, 128),
+                                                     (5, 640, 64, 64, False, jnp.float32, 128),
+                                                     (2, 300, 32, None, True, jnp.bfloat16, 128)])
+def test_mma_epilogue_matches_the_reference(m, k, n, group, zp, dtype, bk):
+    """epilogue="mma": scale and zero-point rows taken into the accumulator's layout by dots (the rows in x's
+    dtype: bf16 / f16 scales round, float32 ones are exact); per channel it is the "rows" epilogue."""
+    words, scale, zero = _weights(k, n, group, zp, seed=k + m)
+    x = jax.random.normal(jax.random.key(k), (m, k)).astype(dtype)
+    blocks = iw.default_blocks(m, n, group)
+    blocks = Blocks(blocks.bm, blocks.bn, max(bk, blocks.bk), blocks.num_warps, blocks.num_stages)
+    got = iw.int4_words_matmul(x, words, scale, group=group, w_zero_point=zero, blocks=blocks, epilogue="mma",
+                               k_splits=2, interpret=True)
+    want = iw.int4_words_reference(x, words, scale, group=group, w_zero_point=zero)
+    tol = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2, jnp.float16: 2e-3}[dtype]
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol,
+                               atol=tol * float(jnp.max(jnp.abs(want.astype(jnp.float32)))))
+    with pytest.raises(ValueError, match=r"epilogue must be one of \('rows', 'mma'\), got 'dots'"):
+        iw.int4_words_matmul(x, words, scale, group=group, w_zero_point=zero, epilogue="dots", interpret=True)
+
+
+@pytest.mark.parametrize("zp", [True, False])
+def test_mma_epilogue_reads_its_rows_as_dot_tiles_and_carries_none(zp):
+    """The "mma" epilogue loads each group's scale (and zero-point) row as a masked 16-row tile feeding a dot
+    (two more dots a group), and the K loop carries only the accumulator: no (1, N-tile) row loads."""
+    import re
+
+    from pallas_kernels.ttir import triton_modules
+
+    k, n, group = 768, 256, 128
+    sds = jax.ShapeDtypeStruct
+    args = [sds((1, k), jnp.bfloat16), sds((iw.word_rows(k, group), n), jnp.int32), sds((k // group, n), jnp.float32)]
+    if zp:
+        args.append(sds((k // group, n), jnp.int8))
+    f = lambda x, w, s, *z: iw.int4_words_matmul(x, w, s, group=group, w_zero_point=z[0] if z else None,  # noqa
+                                                 epilogue="mma")
+    (kernel,) = triton_modules(f, *args)
+    (results,) = re.findall(r"scf\.for .*?-> \((.*?)\)\s*:", kernel.ttir)
+    assert results.count("tensor") == 1, results  # the accumulator alone
+    assert kernel.ttir.count("tt.dot") == 16 + 1 + zp
+    assert not re.search(r"tt\.load .*tensor<1x\d+x", kernel.ttir)
