@@ -65,7 +65,9 @@ _MAGIC = {
     jnp.dtype(jnp.float16): (jnp.int16, 0x6400, 1024.0),  # 10 mantissa bits
     jnp.dtype(jnp.float32): (jnp.int32, 0x4B000000, 8388608.0),  # 23 mantissa bits
 }
-DEQUANT_MODES = ("convert", "magic", "fold", "scaled", "asm")
+DEQUANT_MODES = ("convert", "magic", "fold", "scaled", "asm", "f16")
+# ``f16`` (int8, K-major, per-channel scales, half-precision x): float16 tensor-core operands, each code one
+# byte under float16 1024's bits by prmt (pallas_kernels/int8_f16.py). Not timed yet: off by default.
 # ``scaled`` (int4 with group scales, half-precision x): each weight tile is dequantized with its scale
 # and zero point, (code - zp) * s in float32 rounded once to x's dtype -- the weights XLA's path
 # multiplies -- so the dots accumulate across groups in the MMA, with no float32 epilogue per K step.
@@ -292,6 +294,14 @@ def weight_only_matmul(
     n = logical.shape[-1]
     dequant = dequant or default_dequant(x.dtype)
     half = jnp.dtype(x.dtype) != jnp.float32
+    if dequant == "f16":
+        from pallas_kernels.int8_f16 import int8_f16_matmul
+
+        if not (kmajor and half and group is None):
+            raise ValueError("weight_only_matmul: dequant='f16' takes int8 weights stored K-major (w_layout='nk') "
+                             "with per-channel scales and bfloat16/float16 activations")
+        return int8_f16_matmul(x, wq, w_scale, w_zero_point=w_zero_point, bias=bias, blocks=blocks,
+                               k_splits=k_splits, layer=layer, interpret=config.resolve_interpret(interpret))
     if dequant not in DEQUANT_MODES or (dequant in ("fold", "asm") and not half) or (
             dequant == "scaled" and not (half and bits == 4 and group is not None)):
         raise ValueError(f"weight_only_matmul: dequant={dequant!r} is not one of {DEQUANT_MODES} "

@@ -129,7 +129,8 @@ def write_table(path, measured):
           f"{len(slower)}: " + ", ".join(f"{e['kernel']}/{e['bits']} {e['k']}x{e['n']} M={e['rows']}" for e in slower))
 
 
-KINDS = ("bf16", "w8a8", "fp8", "w8", "w4g128", "w8a8_nk", "fp8_nk", "w8_nk", "w4_words", "bf16_stack", "w4_xla_rows")
+KINDS = ("bf16", "w8a8", "fp8", "w8", "w4g128", "w8a8_nk", "fp8_nk", "w8_nk", "w4_words", "bf16_stack", "w4_xla_rows",
+         "w8_nk_f16")
 # The int8 kinds with their weights stored K-major, (N, K): the layout decode steps of up to
 # decode_layout.GPU_KMAJOR_MAX_ROWS rows read (for_decode); not in the table. W8A8 is timed at prefill rows
 # too: there the kinds w8a8/fp8 transpose the weight per call (int8 wgmma takes K-major operands only), and
@@ -144,9 +145,13 @@ KMAJOR_KINDS = ("w8a8_nk", "fp8_nk", "w8_nk")
 # summed over K in one expression (:func:`xla_int4_rows`) -- a candidate for XLA's path at decode rows, compiled
 # (deviceless, for an H200) to one row-reduction kernel that reads the int4 rows, no dequantized copy; where
 # XLA's path today (ops.weight_only_xla) took 0.05-0.25x bf16 on the H200. Not in the table.
-DECODE_ONLY_KINDS = ("w8_nk", "w4_words", "bf16_stack", "w4_xla_rows")
-NOT_IN_TABLE = ("w4_xla_rows",)
-LAYOUT_OF = {"w4_words": "w4g128", "w4_xla_rows": "w4g128"}  # the kind whose weights (bytes, XLA's path) a layout kind has
+# w8_nk_f16: the K-major int8 weights with float16 tensor-core operands (weight_only_matmul(dequant="f16"),
+# pallas_kernels/int8_f16.py: 2.2 instructions per weight in sm_90 SASS against w8_nk's 4.5), x scaled into
+# float16 by an XLA op per call (fused into x's producer in a model; a launch of its own here).
+DECODE_ONLY_KINDS = ("w8_nk", "w4_words", "bf16_stack", "w4_xla_rows", "w8_nk_f16")
+NOT_IN_TABLE = ("w4_xla_rows", "w8_nk_f16")
+# the kind whose weights (bytes moved, XLA's path) a layout kind has
+LAYOUT_OF = {"w4_words": "w4g128", "w4_xla_rows": "w4g128", "w8_nk_f16": "w8_nk"}
 
 
 def xla_int4_rows(x, q, scale):
@@ -223,7 +228,7 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
         wb, w8, s8, wf, sf, w4, s4 = (_copies(a, r) for a in (w.astype(jnp.bfloat16), q8.qvalue, q8.scale, qf.qvalue,
                                                               qf.scale, q4.qvalue, q4.scale))
         kmajor = set(kinds_wanted) & set(KMAJOR_KINDS)
-        w8t = _copies(q8.qvalue.T, r) if kmajor & {"w8a8_nk", "w8_nk"} else []
+        w8t = _copies(q8.qvalue.T, r) if kmajor & {"w8a8_nk", "w8_nk"} or "w8_nk_f16" in kinds_wanted else []
         wft = _copies(qf.qvalue.T, r) if "fp8_nk" in kmajor else []
         w4w = _copies(pack_words(q4.values(), GROUP), r) if "w4_words" in kinds_wanted else []
         w4r = [c.T.astype(jnp.int4) for c in _copies(q4.values(), r)] if "w4_xla_rows" in kinds_wanted else []
@@ -243,6 +248,8 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
             "w4_words": (lambda x, w, s: int4_words_matmul(x, w, s, group=GROUP), list(zip(w4w, s4))),
             "bf16_stack": (lambda x, w, i: float_matmul(x, w, layer=i), [(wbs, i) for i in layers]),
             "w4_xla_rows": (xla_int4_rows, list(zip(w4r, s4t))),
+            "w8_nk_f16": (lambda x, w, s: weight_only_matmul(x, w, s, bits=8, w_layout="nk", dequant="f16"),
+                          list(zip(w8t, s8))),
         }
         kinds_all = kinds
         kinds = {kind: v for kind, v in kinds.items() if kind in kinds_wanted or kind == "bf16"}
@@ -288,6 +295,17 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
                 times = timed_round_robin(variants, reps=reps)
                 for name, t in times.items():
                     print(f"   sweep w4_words M={m} {name}: {t * 1e3:.4f} ms, {times['bf16'] / t:.2f}x bf16, "
+                          f"{times['defaults'] / t:.2f}x the defaults", flush=True)
+            if sweep and "w8_nk_f16" in kinds and m == 1:  # its tiles and splits, in turns with bf16 and w8_nk
+                f16_inputs = [(x, *wargs) for x, wargs in zip(xs, kinds["w8_nk_f16"][1])]
+                variants = {"bf16": (kinds["bf16"][0], [(x, *wargs) for x, wargs in zip(xs, kinds["bf16"][1])]),
+                            "defaults": (kinds["w8_nk_f16"][0], f16_inputs)}
+                for cfg in _int8_f16_sweep():
+                    variants[str(cfg)] = (lambda x, w, s, cfg=cfg: weight_only_matmul(
+                        x, w, s, bits=8, w_layout="nk", dequant="f16", **cfg), f16_inputs)
+                times = timed_round_robin(variants, reps=reps)
+                for name, t in times.items():
+                    print(f"   sweep w8_nk_f16 M={m} {name}: {t * 1e3:.4f} ms, {times['bf16'] / t:.2f}x bf16, "
                           f"{times['defaults'] / t:.2f}x the defaults", flush=True)
             kind = "w8a8" if m >= 1024 else "w4g128"
             if sweep and (k, n) == (4096, 11008) and m in SWEEP and kind in kinds:
@@ -376,6 +394,15 @@ def _words_sweep():
     mma = [dict(epilogue="mma")] + [dict(blocks=Blocks(*t), epilogue="mma") for t in
                                      [(16, 256, 128, 4, 3), (16, 128, 256, 4, 3)]]
     return [dict(blocks=Blocks(*t)) for t in tiles] + [dict(k_splits=s) for s in (4, 16)] + mma
+
+
+def _int8_f16_sweep():
+    from pallas_kernels.blocks import Blocks
+
+    # its defaults: 16 x 256 tiles, K steps of 128, 4 warps, 3 stages (pallas_kernels/int8_f16.py); 512 columns
+    # and 256-row steps issue fewer instructions per weight (SASS), 128 columns give more programs
+    tiles = [(16, 512, 128, 4, 3), (16, 256, 256, 4, 3), (16, 128, 128, 4, 3), (16, 256, 128, 4, 4)]
+    return [dict(blocks=Blocks(*t)) for t in tiles] + [dict(k_splits=s) for s in (4, 16)]
 
 
 def main():

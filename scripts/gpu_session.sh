@@ -9,8 +9,8 @@
 # 120 s (give the subset that changed); an e2e variant at 32 layers takes ~100 s (quantizing, compiling prefill and
 # decode), so bf16 + two recipes + transformers need ~400 s. Two calls, the second issued at once (warm), ~850 s
 # with the start:
-#     STEPS="gpu_tests words attention fp8" bash scripts/gpu_session.sh   # ~6.8 min of limits (timeout_s 420)
-#     STEPS="profile e2e" bash scripts/gpu_session.sh                     # ~6.7 min (timeout_s 410)
+#     STEPS="gpu_tests words sweep attention" bash scripts/gpu_session.sh   # ~6.5 min of limits (timeout_s 400)
+#     STEPS="profile e2e fp8" bash scripts/gpu_session.sh                   # ~7.5 min (timeout_s 460)
 # then, in a later session: layout layout_float kernels gemv prefill layout_dsf.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,7 +21,7 @@ layers=(${LAYERS:+--layers "$LAYERS"})
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 start=$SECONDS
-steps="${STEPS:-gpu_tests words attention fp8 e2e profile gemv prefill layout layout_dsf layout_float kernels}"  # STEPS: a subset
+steps="${STEPS:-gpu_tests words sweep attention profile e2e fp8 gemv prefill layout layout_dsf layout_float kernels}"  # STEPS: a subset
 step() {  # step NAME SECONDS CMD...: run CMD with a time limit, its output in $out/NAME.log
   local name=$1 limit=$2
   shift 2
@@ -36,7 +36,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/dev
 cat "$out/device.txt"
 # -v: each case's verdict as it finishes (a run stopped by its limit keeps them); TESTS: a -k expression
 step gpu_tests 90 "$py" -m pytest -v --tb=line -p no:cacheprovider -m gpu tests/pallas_kernels/test_gpu_kernels.py \
-    -k "${TESTS:-store or quantized_cache or ops_linear or words or stacked}"
+    -k "${TESTS:-store or words or int8 or quantized_cache or ops_linear or stacked}"
 # int4 decode as words of eight K values (pallas_kernels.int4_words: 1.2-1.8x bf16 at M = 1 on the last H200 run;
 # since, its scale rows are read one K step ahead, which the SASS showed as a synchronous load every step), on the
 # four shapes of issue #15's int4 target (>= 2.5x bf16 at M <= 16), beside the dot kernel (w4g128), the int8
@@ -45,10 +45,16 @@ step gpu_tests 90 "$py" -m pytest -v --tb=line -p no:cacheprovider -m gpu tests/
 # --sweep: the word kernel's other tiles, warps, stages and split counts at M = 1 on every shape.
 # w4_xla_rows (new): the same int4 weights as XLA's int4 type, K-major, in one multiply-reduce (one XLA row
 # reduction, deviceless compile) -- whether XLA's own fusion streams int4 faster than the Pallas kernels.
-# The sweep now also tries K blocks of 256 / 512 (two / four word blocks an iteration) and epilogue="mma" (the
-# scale / zero-point rows through dots: no layout conversions, half the barriers in SASS).
-step words 180 "$py" scripts/bench_kernels.py --reps 10 --sweep --rows 1,16 --kinds bf16,w4g128,w4_words,w4_xla_rows,bf16_stack,w8_nk \
+# w8_nk_f16 (new): the K-major int8 weights with float16 operands (pallas_kernels/int8_f16.py, 2.2 instructions
+# per weight in SASS against w8_nk's 4.5; rtn-w8's decode kernel if it wins).
+step words 120 "$py" scripts/bench_kernels.py --reps 10 --rows 1,16 \
+    --kinds bf16,w4g128,w4_words,w4_xla_rows,bf16_stack,w8_nk,w8_nk_f16 \
     --weights 4096x4096,4096x11008,11008x4096,4096x14336 --no-attention --write-table "$out/dispatch_words.json"
+# The settings of the word kernel (tiles, warps, stages, splits; K blocks of 256 / 512: two / four word blocks
+# an iteration; epilogue="mma": the scale / zero-point rows through dots, no layout conversions) and of the
+# int8 float16 kernel (tiles, splits) at M = 1, each timed in turns with bf16 and its defaults.
+step sweep 120 "$py" scripts/bench_kernels.py --reps 10 --sweep --rows 1 --kinds bf16,w4_words,w8_nk_f16 \
+    --weights 4096x4096,4096x11008 --no-attention
 # KV decode attention at 32K (int8 / int4 codes against bf16 XLA attention; issue #15: >= 1.5x / 2x) and its
 # sweep: block sizes, split counts, 3-4 cp.async stages (at 2 the compiled loop waits for every copy at its top).
 step attention 60 "$py" scripts/bench_kernels.py --reps 10 --sweep --rows 1 --kinds bf16 --weights 4096x4096
@@ -91,7 +97,7 @@ step profile 100 "$py" scripts/bench_e2e.py --shapes "$shapes" --layers 4 --dtyp
     --out "$out/profile.json"
 # ~100 s a variant at 32 layers: bf16, the recipes (RECIPES), then transformers bf16 with a static cache (BATCHES:
 # decode batch sizes; 16 adds two compiles a variant)
-step e2e 300 "$py" scripts/bench_e2e.py --shapes "$shapes" "${layers[@]}" --dtype bfloat16 \
+step e2e 280 "$py" scripts/bench_e2e.py --shapes "$shapes" "${layers[@]}" --dtype bfloat16 \
     --recipes ${RECIPES:-rtn-w4-g128 rtn-w8} --batches ${BATCHES:-1} --prefill-len 2048 --new-tokens 32 --repeats 2 \
     --scan-only --torch --out "$out/e2e.json"
 step kernels 90 "$py" scripts/bench_kernels.py --reps 10 --kinds bf16,w8a8,fp8,w8,w4g128,w8a8_nk,fp8_nk,w8_nk \

@@ -78,6 +78,23 @@ def _weight_only(m: int, bits: int, gemv: bool = False, w_layout: str = "kn", de
     return Case(build, per_step)
 
 
+def _int8_f16(m: int, bn: int | None = None, bk: int | None = None) -> Case:
+    """int8 K-major with float16 operands (pallas_kernels/int8_f16.py): per-channel scales, zero points."""
+    from pallas_kernels.blocks import Blocks
+    from pallas_kernels.int8_f16 import DEFAULT_BLOCKS
+    from pallas_kernels.weight_only import weight_only_matmul
+
+    bm, bn0, bk0, warps, stages = DEFAULT_BLOCKS
+    blocks = Blocks(bm, bn or bn0, bk or bk0, warps, stages)
+
+    def build():
+        args = (SDS((m, K), jnp.bfloat16), SDS((N, K), jnp.int8), SDS((1, N), jnp.float32), SDS((1, N), jnp.int8))
+        return (lambda x, w, s, z: weight_only_matmul(x, w, s, bits=8, w_zero_point=z, w_layout="nk", dequant="f16",
+                                                      blocks=blocks)), args
+
+    return Case(build, lambda kernel, unrolled: blocks.bn * (K // kernel.grid[-1] if unrolled else blocks.bk))
+
+
 def _int4_words(m: int, bn: int | None = None, bk: int | None = None, stages: int | None = None,
                 epilogue: str = "rows") -> Case:
     from pallas_kernels import int4_words
@@ -151,6 +168,10 @@ CASES: dict[str, Case] = {
     "wo_int4_m1_words_bn128_mma": _int4_words(1, bn=128, epilogue="mma"),
     "wo_int8_m1": _weight_only(1, 8),
     "wo_int8_m1_kmajor": _weight_only(1, 8, w_layout="nk"),
+    "wo_int8_m1_kmajor_f16": _int8_f16(1),  # float16 operands: one prmt per two weights
+    "wo_int8_m16_kmajor_f16": _int8_f16(16),
+    "wo_int8_m1_kmajor_f16_bk256": _int8_f16(1, bk=256),
+    "wo_int8_m1_kmajor_f16_bn512": _int8_f16(1, bn=512),
     "gemv_int4_m1": _weight_only(1, 4, gemv=True),
     "w8a8_int8_m16": _w8a8(16, False),
     "w8a8_int8_m16_kmajor": _w8a8(16, False, "nk"),

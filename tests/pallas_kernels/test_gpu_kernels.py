@@ -185,6 +185,30 @@ for _shape in WO_GEMV:
         return _weight_only_case(shape, gemv=True)
 
 
+INT8_F16 = [  # (M, K, N, symmetric, dtype, blocks): int8 K-major with float16 operands (pallas_kernels/int8_f16.py)
+    (1, 4096, 11008, True, BF16, None),  # inline PTX codes, bf16 x scaled into float16
+    (16, 11008, 4096, False, BF16, (16, 512, 128, 4, 3)),  # zero points, the sweep's widest tiles
+    (4, 4096, 4096, True, F16, (16, 256, 256, 4, 3)),
+    (3, 300, 90, False, BF16, (16, 64, 64, 4, 3)),  # ragged
+]
+
+for _shape in INT8_F16:
+
+    @case
+    def _int8_f16(shape=_shape):
+        m, k, n, symmetric, dtype, blocks = shape
+        q = quantize(jax.random.normal(jax.random.key(9), (k, n)), Spec(bits=8, granularity="channel",
+                                                                        symmetric=symmetric))
+        x = jax.random.normal(jax.random.key(10), (m, k)).astype(dtype)
+        kw = dict(bits=8, w_zero_point=q.zero_point)
+        y = jax.jit(lambda x, w, s: weight_only_matmul(x, w, s, w_layout="nk", dequant="f16", interpret=INTERPRET,
+                                                       blocks=blocks and Blocks(*blocks), **kw))(x, q.qvalue.T, q.scale)
+        r = reference(weight_only_reference, x, q.qvalue, q.scale, **kw)
+        sym = "sym" if symmetric else "asym"
+        return (f"weight-only int8 K-major f16 operands M={m} K={k} N={n} {sym} {jnp.dtype(dtype).name} "
+                f"blocks={blocks}", *compare(y, r, 8e-3), None)
+
+
 WO_DEQUANT = [  # (M, K, N, group, symmetric, dtype, dequant, strided x, blocks): int4's decode options
     (1, 4096, 11008, 128, False, BF16, "magic", False, None),
     (1, 4096, 11008, 128, False, BF16, "fold", True, None),

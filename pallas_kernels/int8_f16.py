@@ -1,0 +1,136 @@
+"""Weight-only int8 matmul for decode with float16 tensor-core operands: one ``prmt`` per two weights.
+
+Why: an int8 code cannot become a bf16 operand by bit patterns (bf16 holds 7 mantissa bits, a code
+needs 8), so the K-major int8 kernel (:mod:`pallas_kernels.weight_only`, ``w_layout="nk"``) leaves the
+conversion to Triton, which spends ``LOP3`` + ``PRMT`` + ``HADD2`` and register moves on it: 4.5
+instructions per weight in its sm_90 decode loop, against 1.2 for a bf16 weight. A float16 operand
+has 10 mantissa bits: the byte ``u = v + 128`` (offset binary) under the bits of 1024.0 is the float16
+``1024 + u`` exactly, and one ``prmt`` (:func:`code_asm`) builds two such operands from a word of four
+K-consecutive codes (an ``xor`` first moves four signed codes to offset binary). The offset
+``1152 + zero point`` comes off once, after the K loop, through x's row sums (carried in the loop).
+
+The activations become float16 operands: float16 x as it is, bfloat16 x multiplied by
+:data:`X_SCALE` (a power of two: exact) first, which leaves room up to 65504 / X_SCALE = 1.7e7 (bf16
+inputs beyond that are refused by nothing: they would overflow; LLM activations stay far below) and
+puts values under 2^-6 in float16's subnormal range, where their absolute error is at most 2^-17 --
+below what bf16 itself resolves at that size. The result is scaled back before it is stored.
+
+sm_90 SASS at M = 1 (``scripts/kernel_sass.py`` cases ``wo_int8_m1_kmajor_f16*``): 2.2 instructions per
+weight (256 columns, K steps of 128; 2.0 with 256, 1.8 with 512 columns) against 4.5; float32
+accumulation in the MMAs. Not yet
+timed on a GPU: opt-in (``weight_only_matmul(..., w_layout="nk", dequant="f16")``).
+
+Contract:
+  x            (M, K) bfloat16 / float16
+  wq           (N, K) int8, K-major (what ``decode_layout.for_decode`` stores for GPU decode), or a stack
+               [L, N, K] with ``layer``
+  w_scale      (1, N) per output channel
+  w_zero_point (1, N) int8 or None
+  bias         (N,) or None
+  -> y         (M, N) x.dtype
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.blocks import Blocks
+from pallas_kernels.common import (
+    cdiv,
+    launch_matmul,
+    load_tile,
+    span,
+    split_refs,
+    store_tile,
+    tile_mask,
+    weight_operands,
+)
+
+X_SCALE = 2.0**-8  # bf16 activations times this become float16 operands (see the module doc)
+CODE_BASE = 1024.0 + 128.0  # what every weight operand carries: float16 1024's bits + the offset-binary 128
+# (bm, bn, bk, warps, stages) for decode rows: 256 columns issue fewer instructions per weight (SASS)
+DEFAULT_BLOCKS = (16, 256, 128, 4, 3)
+HALF_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+# xor moves four signed codes to offset binary; prmt selects bytes of (w, 0x64646464): d = {w.b0, 0x64,
+# w.b1, 0x64} = two float16 1024 + u for K values 0, 1 of the word, and {w.b2, 0x64, w.b3, 0x64} for 2, 3
+CODE_ASM = ("{\n.reg .b32 w;\nxor.b32 w, $2, 0x80808080;\n"
+            "prmt.b32 $0, w, 0x64646464, 0x5150;\nprmt.b32 $1, w, 0x64646464, 0x5352;\n}")
+
+
+def codes(wq):
+    """int8 codes -> float16 ``1024 + 128 + code`` (jnp; what :data:`CODE_ASM` computes bit for bit)."""
+    return (wq.astype(jnp.int32) + int(CODE_BASE)).astype(jnp.float16)
+
+
+def _codes(wq, interpret: bool):
+    """:func:`codes` by inline PTX on a GPU, four codes (one 32-bit word) per call."""
+    if interpret:
+        return codes(wq)
+    out = jax.ShapeDtypeStruct(wq.shape, jnp.float16)
+    return plgpu.elementwise_inline_asm(CODE_ASM, args=[wq], constraints="=r,=r,r", pack=4,
+                                        result_shape_dtypes=[out])[0]
+
+
+def _kernel(*refs, m, n, k, blocks, has_zp, has_bias, split_blocks, split, stacked, x_scale, interpreted):
+    layer, (x_ref, w_ref, ws_ref), zp_ref, b_ref, o_ref = split_refs(
+        refs, stacked=stacked, inputs=3, has_zp=has_zp, has_bias=has_bias)
+    bm, bn, bk = blocks.bm, blocks.bn, blocks.bk
+    rows = span(pl.program_id(0) * bm, bm, m, in_bounds=m % bm == 0)
+    cols = span(pl.program_id(1) * bn, bn, n, in_bounds=n % bn == 0)
+    whole_k = k % bk == 0
+    first = pl.program_id(2) * split_blocks
+    last = jnp.minimum(first + split_blocks, cdiv(k, bk))
+
+    def row_of(ref, lay=None):
+        return load_tile(ref, span(0, 1, 1, in_bounds=True), cols, 0, lay).astype(jnp.float32)
+
+    def body(kb, carry):
+        acc, x_sum = carry
+        ks = span(kb * bk, bk, k, in_bounds=whole_k)
+        xt = load_tile(x_ref, rows, ks, 0)
+        wt = load_tile(w_ref, cols, ks, 0, layer)  # (bn, bk): K-major, contracted on its last dim
+        part = jax.lax.dot_general(xt, _codes(wt, interpreted), (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+        # x's row sums in the loop (a dot against ones would double the MMAs; a narrow one re-laid the
+        # whole loop out, four warps repeating each other's work, in sm_90 SASS)
+        return acc + part, x_sum + jnp.sum(xt.astype(jnp.float32), axis=1, keepdims=True)
+
+    zero = jnp.zeros((bm, bn), jnp.float32)
+    acc, x_sum = jax.lax.fori_loop(first, last, body, (zero, jnp.zeros((bm, 1), jnp.float32)))
+    base = CODE_BASE + (row_of(zp_ref, layer) if has_zp else 0.0)
+    acc = (acc - x_sum * base) * (row_of(ws_ref, layer) / x_scale)
+    if split:  # a float32 partial sum; bias and the cast come after the splits are added
+        plgpu.store(o_ref.at[pl.program_id(2), rows[0], cols[0]], acc, mask=tile_mask(rows, cols))
+        return
+    if has_bias:
+        acc = acc + row_of(b_ref)
+    store_tile(o_ref, rows, cols, acc.astype(o_ref.dtype))
+
+
+def int8_f16_matmul(x, wq, w_scale, *, w_zero_point=None, bias=None, blocks: Blocks | None = None,
+                    k_splits: int | None = None, layer=None, interpret: bool = False):
+    """``x @ dequantize(w)`` for K-major int8 weights with per-channel scales, float16 operands (module doc).
+    The caller (``weight_only_matmul(..., dequant="f16")``) has checked the shapes."""
+    if jnp.dtype(x.dtype) not in HALF_DTYPES:
+        raise ValueError(f"int8_f16_matmul: x must be bfloat16/float16 (float16 operands), got {x.dtype}")
+    if w_scale.shape[-2] != 1:
+        raise ValueError(f"int8_f16_matmul takes per-channel scales (1, N), got {w_scale.shape[-2:]}")
+    m, k = x.shape
+    n = wq.shape[-2]
+    x_scale = 1.0 if x.dtype == jnp.float16 else X_SCALE
+    # bf16 x scaled into float16 by XLA: fused into the op that makes x in a model (in registers, inside the
+    # loop, it cost 0.3 instructions per weight: each warp converts the whole x tile, sm_90 SASS)
+    x16 = x if x.dtype == jnp.float16 else (x.astype(jnp.float32) * x_scale).astype(jnp.float16)
+    bm, bn, bk, warps, stages = DEFAULT_BLOCKS
+    blocks = blocks or Blocks(bm if m <= bm else 64, bn, bk, warps, stages)
+    args = [x16, *weight_operands(wq, w_scale, w_zero_point)]
+    return launch_matmul(_kernel, args, m=m, n=n, k=k, blocks=blocks, bias=bias, k_splits=k_splits, out_dtype=x.dtype,
+                         interpret=interpret, name="weight_only_int8_f16_matmul", layer=layer,
+                         has_zp=w_zero_point is not None, x_scale=x_scale, interpreted=interpret)
+
+
+__all__ = ["CODE_ASM", "CODE_BASE", "X_SCALE", "codes", "int8_f16_matmul"]
