@@ -36,7 +36,9 @@ ENV = "LLMEQ_DISPATCH_TABLE"
 # int4_words: the weight-only int4 decode kernel on the word layout (decode_layout.Int4WordKernel);
 # float: a float kernel's layer read in place from its stack (pallas_kernels.float_matmul) against XLA's
 # slice-and-dot, bits = the float width; unlike the others it is off where the table has no measurement.
-KERNELS = ("weight_only", "w8a8", "fp8_w8a8", "int4_words", "float")
+# int8_f16: the K-major int8 decode kernel with float16 operands (pallas_kernels.int8_f16) against the one it
+# replaces, the K-major int8 kernel with x's dtype as operands: its "xla_s" is that kernel's time.
+KERNELS = ("weight_only", "w8a8", "fp8_w8a8", "int4_words", "float", "int8_f16")
 PATHS = ("pallas", "xla")
 
 

@@ -190,6 +190,16 @@ def linear(x, w: QArray, act=None, require: bool = False, layer=None, *, w_layou
                              layer=layer, fp8=kind == "fp8_w8a8", w_layout=w_layout)
     else:
         bits = 4 if is_packed(w.bits) else 8
+        dequant = "f16" if _float16_operands(x2, view, group, w_layout) else None
         y = weight_only.weight_only_matmul(x2, w.qvalue, scale, bits=bits, w_zero_point=zp, group=group, layer=layer,
-                                           w_layout=w_layout)
+                                           w_layout=w_layout, dequant=dequant)
     return y.reshape(*x.shape[:-1], n)
+
+
+def _float16_operands(x2, view: QArray, group: int | None, w_layout: str) -> bool:
+    """Whether a K-major int8 weight-only product runs with float16 operands (``pallas_kernels.int8_f16``:
+    half the instructions per weight of the kernel with x's dtype, sm_90 SASS): for half-precision x and
+    per-channel scales, unless a measured table found it slower than that kernel (kernel ``int8_f16``)."""
+    if w_layout != "nk" or is_packed(view.bits) or group is not None or jnp.dtype(x2.dtype) == jnp.float32:
+        return False
+    return dispatch_table.choice(table_key("int8_f16", x2.shape[0], x2.dtype, view, group)) != "xla"

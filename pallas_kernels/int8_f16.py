@@ -17,8 +17,10 @@ below what bf16 itself resolves at that size. The result is scaled back before i
 
 sm_90 SASS at M = 1 (``scripts/kernel_sass.py`` cases ``wo_int8_m1_kmajor_f16*``): 2.2 instructions per
 weight (256 columns, K steps of 128; 2.0 with 256, 1.8 with 512 columns) against 4.5; float32
-accumulation in the MMAs. Not yet
-timed on a GPU: opt-in (``weight_only_matmul(..., w_layout="nk", dequant="f16")``).
+accumulation in the MMAs. ``weight_only_matmul(..., w_layout="nk", dequant="f16")``; a GPU decode step's
+K-major int8 weight-only products with half-precision x and per-channel scales take it
+(``llmeq_jax.kernel_dispatch``) unless a measured table found it slower than the kernel it replaces
+(kernel ``int8_f16``). Not yet timed on a GPU.
 
 Contract:
   x            (M, K) bfloat16 / float16

@@ -113,7 +113,7 @@ def table_key(kind: str, k: int, n: int, m: int):
 
     kernel, bits, group = {"w8a8": ("w8a8", 8, None), "fp8": ("fp8_w8a8", 8, None), "w8": ("weight_only", 8, None),
                            "w4g128": ("weight_only", 4, GROUP), "w4_words": ("int4_words", 4, GROUP),
-                           "bf16_stack": ("float", 16, None)}[kind]
+                           "bf16_stack": ("float", 16, None), "w8_nk_f16": ("int8_f16", 8, None)}[kind]
     return dispatch_table.Key(jax.devices()[0].device_kind, kernel, bits, group, k, n, dispatch_table.row_bucket(m),
                               "bfloat16")
 
@@ -147,9 +147,10 @@ KMAJOR_KINDS = ("w8a8_nk", "fp8_nk", "w8_nk")
 # XLA's path today (ops.weight_only_xla) took 0.05-0.25x bf16 on the H200. Not in the table.
 # w8_nk_f16: the K-major int8 weights with float16 tensor-core operands (weight_only_matmul(dequant="f16"),
 # pallas_kernels/int8_f16.py: 2.2 instructions per weight in sm_90 SASS against w8_nk's 4.5), x scaled into
-# float16 by an XLA op per call (fused into x's producer in a model; a launch of its own here).
+# float16 by an XLA op per call (fused into x's producer in a model; a launch of its own here). In the table
+# as kernel "int8_f16" against w8_nk, the kernel it replaces in a decode step (timed in the same row).
 DECODE_ONLY_KINDS = ("w8_nk", "w4_words", "bf16_stack", "w4_xla_rows", "w8_nk_f16")
-NOT_IN_TABLE = ("w4_xla_rows", "w8_nk_f16")
+NOT_IN_TABLE = ("w4_xla_rows",)
 # the kind whose weights (bytes moved, XLA's path) a layout kind has
 LAYOUT_OF = {"w4_words": "w4g128", "w4_xla_rows": "w4g128", "w8_nk_f16": "w8_nk"}
 
@@ -266,11 +267,13 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
         for m in rows:
             xs = _copies(jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16), r)
             base = None
+            row_times = {}
             for kind, (fn, ws) in kinds.items():
                 if kind in DECODE_ONLY_KINDS and m > DECODE_M[-1]:
                     continue
                 t = timed(fn, [(x, *wargs) for x, wargs in zip(xs, ws)], reps=reps)
                 base = base or t
+                row_times[kind] = t
                 line = (f"{f'{k}x{n}':>12} {m:>5} {kind:>7} {t * 1e3:>8.4f} {2 * m * k * n / t / 1e12:>8.1f} "
                         f"{bytes_moved(m, k, n, kind) / t / 1e9:>7.0f} {base / t:>7.2f}x")
                 origin = LAYOUT_OF.get(kind, kind)
@@ -279,6 +282,9 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
                     t_xla = timed(xla_of[origin], xla_inputs, reps=reps)
                     table.append((table_key(kind, k, n, m), {"pallas_s": t, "xla_s": t_xla, "bf16_s": base}))
                     line += f"  (XLA {t_xla * 1e3:.4f} ms, {base / t_xla:.2f}x)"
+                if table is not None and kind == "w8_nk_f16" and "w8_nk" in row_times:  # against the kernel it replaces
+                    table.append((table_key(kind, k, n, m), {"pallas_s": t, "xla_s": row_times["w8_nk"], "bf16_s": base}))
+                    line += f"  ({row_times['w8_nk'] / t:.2f}x w8_nk)"
                 if kind == "fp8" and torch_fp8 is not None and m >= 16:
                     prepare, timer = torch_fp8
                     t_mm, t_bf = (timer(f, reps * 10) for f in prepare(m, k, n))

@@ -151,6 +151,41 @@ def test_decode_layout_gives_int8_kernels_k_major_to_the_kernels(pair, monkeypat
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
+W8 = (Spec(bits=8, granularity="channel", symmetric=False), None)
+
+
+def test_k_major_int8_weight_only_takes_float16_operands_unless_measured_slower(monkeypatch):
+    """A decode step's K-major int8 weight-only product with half-precision x and per-channel scales runs with
+    float16 operands (pallas_kernels.int8_f16); float32 x keeps x's dtype; a table that measured the float16
+    kernel slower than the one it replaces (kernel int8_f16) turns it off for that product."""
+    from llmeq_jax import decode_layout, dispatch_table, kernel_dispatch, native
+    from pallas_kernels import weight_only
+
+    q = _q(W8, (256, 96), 7)
+    seen = []
+    real = weight_only.weight_only_matmul
+
+    def spy(*a, **kw):
+        seen.append(kw.get("dequant"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(weight_only, "weight_only_matmul", spy)
+    x = jax.random.normal(jax.random.key(8), (2, 256)).astype(jnp.bfloat16)
+    with native.disabled(), config.interpret(True):
+        kmajor = decode_layout.for_decode({"up": {"kernel": q}}, rows=2)["up"]["kernel"]
+        got = ops.linear(x, kmajor)
+        want = ops.linear(x, q, backend="pallas")  # N-major: x's dtype as operands
+        ops.linear(x.astype(jnp.float32), kmajor)
+        key = kernel_dispatch.table_key("int8_f16", 2, x.dtype, q, None)
+        slower = dispatch_table.from_json(dispatch_table.to_json(key.device, [(key, {"pallas_s": 2.0, "xla_s": 1.0,
+                                                                                     "bf16_s": 3.0})], jax="test"))
+        with dispatch_table.use(slower):
+            ops.linear(x, kmajor)
+    assert seen == ["f16", None, None, None]
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2,
+                               atol=2e-2 * float(jnp.max(jnp.abs(want.astype(jnp.float32)))))
+
+
 def test_k_major_stack_is_read_a_layer_at_a_time_in_place():
     from llmeq_jax import decode_layout
     from llmeq_jax.layer_slice import LayerSlice
