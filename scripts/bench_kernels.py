@@ -295,7 +295,7 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
                 words_inputs = [(x, *wargs) for x, wargs in zip(xs, kinds["w4_words"][1])]
                 variants = {"bf16": (kinds["bf16"][0], [(x, *wargs) for x, wargs in zip(xs, kinds["bf16"][1])]),
                             "defaults": (kinds["w4_words"][0], words_inputs)}
-                for cfg in _words_sweep():
+                for cfg in _words_sweep(k, n):
                     variants[str(cfg)] = (lambda x, w, s, cfg=cfg: int4_words_matmul(x, w, s, group=GROUP, **cfg),
                                           words_inputs)
                 times = timed_round_robin(variants, reps=reps)
@@ -384,22 +384,32 @@ def _sweep():
     }
 
 
-def _words_sweep():
+def _words_sweep(k: int, n: int):
+    """Settings of the word kernel tried at M = 1 on a (K, N) weight (group 128)."""
+    from pallas_kernels import int4_words
     from pallas_kernels.blocks import Blocks
+    from pallas_kernels.common import cdiv, fit_splits, splits_for
 
     # the word kernel's K block is its K step (128 for group 128); its default tile is 16 x 128 (16 x 256 from
     # 8192 columns), 4 warps, 3 stages (int4_words.default_blocks), K split to ~264 programs (common.splits_for)
-    # 8 warps, 64 columns and 1-2 splits lost clearly on the H200 (0.4-0.8x the defaults) and are left out; K
-    # blocks of 256 and 512 take two and four word blocks an iteration (more bytes per pipeline stage, fewer
-    # iterations: 2.48 -> 2.35 / 2.26 instructions per weight at 128 columns in sm_90 SASS)
+    # 8 warps, 64 columns and 1-2 splits lost clearly on the H200 (0.4-0.8x the defaults) and are left out.
     tiles = [(16, 128, 128, 4, 3), (16, 256, 128, 4, 3), (16, 128, 128, 2, 3), (16, 128, 128, 4, 2),
-             (16, 128, 128, 4, 4), (16, 128, 256, 4, 3), (16, 128, 512, 4, 3), (16, 256, 256, 4, 3),
-             (16, 128, 256, 4, 4)]
+             (16, 128, 128, 4, 4)]
+    configs = [dict(blocks=Blocks(*t)) for t in tiles] + [dict(k_splits=s) for s in (4, 16)]
+    # K blocks of 256 and 512 take two and four word blocks an iteration: more bytes a pipeline stage (the
+    # bf16 float kernel, which streams at a plain dot's speed, stages 32 KB; the words 8-16 KB) and fewer
+    # iterations (2.48 -> 2.35 / 2.26 instructions per weight at 128 columns, sm_90 SASS). Split K as the
+    # defaults are, so that the program count does not change with the step (splits_for would halve it).
+    for bn in (128, 256):
+        grid_n = cdiv(n, bn)
+        splits, _ = fit_splits(cdiv(k, GROUP), splits_for(grid_n, cdiv(k, GROUP)))
+        for bk, stages in ((256, 3), (512, 3), (256, 4)):
+            configs.append(dict(blocks=Blocks(16, bn, bk, 4, stages), k_splits=splits))
     # epilogue="mma": each group's scale / zero-point rows through dots instead of layout conversions (no
-    # barriers but the pipeline's; bf16 scales), at the defaults and with the wider tiles / longer K steps
-    mma = [dict(epilogue="mma")] + [dict(blocks=Blocks(*t), epilogue="mma") for t in
-                                     [(16, 256, 128, 4, 3), (16, 128, 256, 4, 3)]]
-    return [dict(blocks=Blocks(*t)) for t in tiles] + [dict(k_splits=s) for s in (4, 16)] + mma
+    # barriers but the pipeline's; bf16 scales), at the defaults and with the wider tiles
+    default = int4_words.default_blocks(1, n, GROUP)
+    configs += [dict(epilogue="mma"), dict(blocks=Blocks(16, 384 - default.bn, 128, 4, 3), epilogue="mma")]
+    return configs
 
 
 def _int8_f16_sweep():

@@ -9,7 +9,7 @@
 # 120 s (give the subset that changed); an e2e variant at 32 layers takes ~100 s (quantizing, compiling prefill and
 # decode), so bf16 + two recipes + transformers need ~400 s. Two calls, the second issued at once (warm), ~850 s
 # with the start:
-#     STEPS="gpu_tests words sweep attention" bash scripts/gpu_session.sh   # ~6.5 min of limits (timeout_s 400)
+#     STEPS="gpu_tests words sweep attention" bash scripts/gpu_session.sh   # ~6.8 min of limits (timeout_s 420)
 #     STEPS="profile e2e fp8" bash scripts/gpu_session.sh                   # ~7.5 min (timeout_s 460)
 # then, in a later session: layout layout_float kernels gemv prefill layout_dsf.
 set -uo pipefail
@@ -47,13 +47,13 @@ step gpu_tests 90 "$py" -m pytest -v --tb=line -p no:cacheprovider -m gpu tests/
 # reduction, deviceless compile) -- whether XLA's own fusion streams int4 faster than the Pallas kernels.
 # w8_nk_f16 (new): the K-major int8 weights with float16 operands (pallas_kernels/int8_f16.py, 2.2 instructions
 # per weight in SASS against w8_nk's 4.5; rtn-w8's decode kernel if it wins).
-step words 120 "$py" scripts/bench_kernels.py --reps 10 --rows 1,16 \
+step words 110 "$py" scripts/bench_kernels.py --reps 10 --rows 1,16 \
     --kinds bf16,w4g128,w4_words,w4_xla_rows,bf16_stack,w8_nk,w8_nk_f16 \
     --weights 4096x4096,4096x11008,11008x4096,4096x14336 --no-attention --write-table "$out/dispatch_words.json"
 # The settings of the word kernel (tiles, warps, stages, splits; K blocks of 256 / 512: two / four word blocks
 # an iteration; epilogue="mma": the scale / zero-point rows through dots, no layout conversions) and of the
 # int8 float16 kernel (tiles, splits) at M = 1, each timed in turns with bf16 and its defaults.
-step sweep 120 "$py" scripts/bench_kernels.py --reps 10 --sweep --rows 1 --kinds bf16,w4_words,w8_nk_f16 \
+step sweep 150 "$py" scripts/bench_kernels.py --reps 10 --sweep --rows 1 --kinds bf16,w4_words,w8_nk_f16 \
     --weights 4096x4096,4096x11008 --no-attention
 # KV decode attention at 32K (int8 / int4 codes against bf16 XLA attention; issue #15: >= 1.5x / 2x) and its
 # sweep: block sizes, split counts, 3-4 cp.async stages (at 2 the compiled loop waits for every copy at its top).
