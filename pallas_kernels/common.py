@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -209,6 +210,38 @@ def split_refs(refs, *, stacked: bool, inputs: int, has_zp: bool, has_bias: bool
     b_ref = rest.pop(0) if has_bias else None
     (o_ref,) = rest
     return layer, operands, zp_ref, b_ref, o_ref
+
+
+class MatmulProgram(NamedTuple):
+    """Where one program of a :func:`launch_matmul` grid works: its row and column :func:`span` s, its K
+    blocks ``[first, last)`` (its split of the K loop), and whether K is whole blocks (unmasked loads)."""
+
+    rows: tuple
+    cols: tuple
+    first: jax.Array
+    last: jax.Array
+    whole_k: bool
+
+
+def matmul_program(m: int, n: int, k: int, blocks, split_blocks: int) -> MatmulProgram:
+    """The :class:`MatmulProgram` of the running program (``pl.program_id`` 0, 1, 2: M tile, N tile, K split)."""
+    bm, bn, bk = blocks.bm, blocks.bn, blocks.bk
+    first = pl.program_id(2) * split_blocks
+    return MatmulProgram(rows=span(pl.program_id(0) * bm, bm, m, in_bounds=m % bm == 0),
+                         cols=span(pl.program_id(1) * bn, bn, n, in_bounds=n % bn == 0),
+                         first=first, last=jnp.minimum(first + split_blocks, cdiv(k, bk)), whole_k=k % bk == 0)
+
+
+def store_matmul(o_ref, b_ref, acc, program: MatmulProgram, *, split: bool, has_bias: bool) -> None:
+    """Write a program's float32 (bm, bn) result: with K splits as its float32 partial sum (bias and the cast
+    come after :func:`sum_splits` adds them), else plus the bias row, cast to the output's dtype."""
+    rows, cols = program.rows, program.cols
+    if split:
+        plgpu.store(o_ref.at[pl.program_id(2), rows[0], cols[0]], acc, mask=tile_mask(rows, cols))
+        return
+    if has_bias:
+        acc = acc + load_tile(b_ref, span(0, 1, 1, in_bounds=True), cols, 0).astype(jnp.float32)
+    store_tile(o_ref, rows, cols, acc.astype(o_ref.dtype))
 
 
 def launch_matmul(kernel, args: list, *, m: int, n: int, k: int, blocks, bias, k_splits: int | None, out_dtype,

@@ -18,25 +18,22 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 
 from pallas_kernels import config
 from pallas_kernels.blocks import Blocks
 from pallas_kernels.common import (
     FLOAT_DTYPES,
     MIN_DOT,
-    cdiv,
     dot,
     f32_dot_precision,
     launch_matmul,
     load_tile,
+    matmul_program,
     next_pow2,
     span,
     split_refs,
-    store_tile,
-    tile_mask,
+    store_matmul,
 )
-from jax.experimental.pallas import triton as plgpu
 
 # (bm, bn, bk, warps, stages) for decode rows: a 128 x 128 half-precision weight tile is 32 KB a stage.
 DECODE_BLOCKS = (16, 128, 128, 4, 3)
@@ -47,23 +44,15 @@ def _kernel(*refs, m, n, k, blocks, has_bias, split_blocks, split, stacked, prec
     layer, (x_ref, w_ref), _, b_ref, o_ref = split_refs(refs, stacked=stacked, inputs=2, has_zp=False,
                                                         has_bias=has_bias)
     bm, bn, bk = blocks.bm, blocks.bn, blocks.bk
-    rows = span(pl.program_id(0) * bm, bm, m, in_bounds=m % bm == 0)
-    cols = span(pl.program_id(1) * bn, bn, n, in_bounds=n % bn == 0)
-    whole_k = k % bk == 0
-    first = pl.program_id(2) * split_blocks
-    last = jnp.minimum(first + split_blocks, cdiv(k, bk))
+    prog = matmul_program(m, n, k, blocks, split_blocks)
 
     def body(kb, acc):
-        ks = span(kb * bk, bk, k, in_bounds=whole_k)
-        return acc + dot(load_tile(x_ref, rows, ks, 0), load_tile(w_ref, ks, cols, 0, layer), precision=precision)
+        ks = span(kb * bk, bk, k, in_bounds=prog.whole_k)
+        return acc + dot(load_tile(x_ref, prog.rows, ks, 0), load_tile(w_ref, ks, prog.cols, 0, layer),
+                         precision=precision)
 
-    acc = jax.lax.fori_loop(first, last, body, jnp.zeros((bm, bn), jnp.float32))
-    if split:  # a float32 partial sum; bias and the cast come after the splits are added
-        plgpu.store(o_ref.at[pl.program_id(2), rows[0], cols[0]], acc, mask=tile_mask(rows, cols))
-        return
-    if has_bias:
-        acc = acc + load_tile(b_ref, span(0, 1, 1, in_bounds=True), cols, 0).astype(jnp.float32)
-    store_tile(o_ref, rows, cols, acc.astype(o_ref.dtype))
+    acc = jax.lax.fori_loop(prog.first, prog.last, body, jnp.zeros((bm, bn), jnp.float32))
+    store_matmul(o_ref, b_ref, acc, prog, split=split, has_bias=has_bias)
 
 
 def can_use(x_shape, x_dtype, w_dtype, rows_max: int = MAX_ROWS) -> tuple[bool, str]:

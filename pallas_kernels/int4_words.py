@@ -54,12 +54,12 @@ from pallas_kernels.common import (
     is_pow2,
     launch_matmul,
     load_tile,
+    matmul_program,
     next_pow2,
     one_layer,
     span,
     split_refs,
-    store_tile,
-    tile_mask,
+    store_matmul,
     weight_operands,
 )
 
@@ -160,13 +160,10 @@ def _kernel(*refs, m, n, k, blocks, group, has_zp, has_bias, split_blocks, split
     slices_per_sum = sum_block // SLICE
     # sum blocks past K (K' padding, groups < a word block) have no scale row: masked loads give 0
     scales_whole = cdiv(k, bk) * bk // sum_block == ws_ref.shape[-2] or group is None
-    rows = span(pl.program_id(0) * bm, bm, m, in_bounds=m % bm == 0)
-    cols = span(pl.program_id(1) * bn, bn, n, in_bounds=n % bn == 0)
-    whole_k = k % bk == 0
+    prog = matmul_program(m, n, k, blocks, split_blocks)
+    rows, cols, first, last = prog.rows, prog.cols, prog.first, prog.last
     # the words cover K padded to whole k_steps; a K step of several (blocks.bk) may run past them
     whole_words = w_ref.shape[-2] * NIBBLES % bk == 0
-    first = pl.program_id(2) * split_blocks
-    last = jnp.minimum(first + split_blocks, cdiv(k, bk))
 
     def row_of(ref, g, in_bounds, lay=None):
         return load_tile(ref, span(g, 1, ref.shape[-2], in_bounds=in_bounds), cols, 0, lay).astype(jnp.float32)
@@ -231,7 +228,7 @@ def _kernel(*refs, m, n, k, blocks, group, has_zp, has_bias, split_blocks, split
             for j in range(NIBBLES):
                 t = b * NIBBLES + j  # the slice's index in the step
                 k0 = kb * bk + t * SLICE
-                xt = load_tile(x_ref, rows, span(k0, SLICE, k, in_bounds=whole_k), 0)
+                xt = load_tile(x_ref, rows, span(k0, SLICE, k, in_bounds=prog.whole_k), 0)
                 # two accumulator chains (Triton folds each ``acc + dot`` into the MMA)
                 term = dot(xt, _nibbles_asm(words, j, cdt, interpreted), precision=precision)
                 part = term if part is None else part + term
@@ -246,12 +243,7 @@ def _kernel(*refs, m, n, k, blocks, group, has_zp, has_bias, split_blocks, split
     acc, _ = jax.lax.fori_loop(first, last, body, (jnp.zeros((bm, bn), jnp.float32), carried))
     if group is None:
         acc = acc * row_of(ws_ref, 0, True, layer)
-    if split:  # a float32 partial sum; bias and the cast come after the splits are added
-        plgpu.store(o_ref.at[pl.program_id(2), rows[0], cols[0]], acc, mask=tile_mask(rows, cols))
-        return
-    if has_bias:
-        acc = acc + row_of(b_ref, 0, True)
-    store_tile(o_ref, rows, cols, acc.astype(o_ref.dtype))
+    store_matmul(o_ref, b_ref, acc, prog, split=split, has_bias=has_bias)
 
 
 def _check(x, words, w_scale, w_zero_point, group, layer):

@@ -36,18 +36,16 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.blocks import Blocks
 from pallas_kernels.common import (
-    cdiv,
     launch_matmul,
     load_tile,
+    matmul_program,
     span,
     split_refs,
-    store_tile,
-    tile_mask,
+    store_matmul,
     weight_operands,
 )
 
@@ -81,20 +79,16 @@ def _kernel(*refs, m, n, k, blocks, has_zp, has_bias, split_blocks, split, stack
     layer, (x_ref, w_ref, ws_ref), zp_ref, b_ref, o_ref = split_refs(
         refs, stacked=stacked, inputs=3, has_zp=has_zp, has_bias=has_bias)
     bm, bn, bk = blocks.bm, blocks.bn, blocks.bk
-    rows = span(pl.program_id(0) * bm, bm, m, in_bounds=m % bm == 0)
-    cols = span(pl.program_id(1) * bn, bn, n, in_bounds=n % bn == 0)
-    whole_k = k % bk == 0
-    first = pl.program_id(2) * split_blocks
-    last = jnp.minimum(first + split_blocks, cdiv(k, bk))
+    prog = matmul_program(m, n, k, blocks, split_blocks)
 
     def row_of(ref, lay=None):
-        return load_tile(ref, span(0, 1, 1, in_bounds=True), cols, 0, lay).astype(jnp.float32)
+        return load_tile(ref, span(0, 1, 1, in_bounds=True), prog.cols, 0, lay).astype(jnp.float32)
 
     def body(kb, carry):
         acc, x_sum = carry
-        ks = span(kb * bk, bk, k, in_bounds=whole_k)
-        xt = load_tile(x_ref, rows, ks, 0)
-        wt = load_tile(w_ref, cols, ks, 0, layer)  # (bn, bk): K-major, contracted on its last dim
+        ks = span(kb * bk, bk, k, in_bounds=prog.whole_k)
+        xt = load_tile(x_ref, prog.rows, ks, 0)
+        wt = load_tile(w_ref, prog.cols, ks, 0, layer)  # (bn, bk): K-major, contracted on its last dim
         part = jax.lax.dot_general(xt, _codes(wt, interpreted), (((1,), (1,)), ((), ())),
                                    preferred_element_type=jnp.float32)
         # x's row sums in the loop (a dot against ones would double the MMAs; a narrow one re-laid the
@@ -102,15 +96,10 @@ def _kernel(*refs, m, n, k, blocks, has_zp, has_bias, split_blocks, split, stack
         return acc + part, x_sum + jnp.sum(xt.astype(jnp.float32), axis=1, keepdims=True)
 
     zero = jnp.zeros((bm, bn), jnp.float32)
-    acc, x_sum = jax.lax.fori_loop(first, last, body, (zero, jnp.zeros((bm, 1), jnp.float32)))
+    acc, x_sum = jax.lax.fori_loop(prog.first, prog.last, body, (zero, jnp.zeros((bm, 1), jnp.float32)))
     base = CODE_BASE + (row_of(zp_ref, layer) if has_zp else 0.0)
     acc = (acc - x_sum * base) * (row_of(ws_ref, layer) / x_scale)
-    if split:  # a float32 partial sum; bias and the cast come after the splits are added
-        plgpu.store(o_ref.at[pl.program_id(2), rows[0], cols[0]], acc, mask=tile_mask(rows, cols))
-        return
-    if has_bias:
-        acc = acc + row_of(b_ref)
-    store_tile(o_ref, rows, cols, acc.astype(o_ref.dtype))
+    store_matmul(o_ref, b_ref, acc, prog, split=split, has_bias=has_bias)
 
 
 def int8_f16_matmul(x, wq, w_scale, *, w_zero_point=None, bias=None, blocks: Blocks | None = None,

@@ -40,8 +40,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from llmeq_jax.core import fp8grid
 from pallas_kernels import config, fp8_dot
@@ -54,11 +52,11 @@ from pallas_kernels.common import (
     launch_matmul,
     load_tile,
     logical_weight,
+    matmul_program,
     one_layer,
     span,
     split_refs,
-    store_tile,
-    tile_mask,
+    store_matmul,
     weight_operands,
 )
 
@@ -103,11 +101,8 @@ def _kernel(*refs, m, n, k, blocks, group, has_zp, has_bias, split_blocks, split
     layer, (xq_ref, sx_ref, w_ref, ws_ref), zp_ref, b_ref, o_ref = split_refs(
         refs, stacked=stacked, inputs=4, has_zp=has_zp, has_bias=has_bias)
     bm, bn, bk = blocks.bm, blocks.bn, blocks.bk
-    rows = span(pl.program_id(0) * bm, bm, m, in_bounds=m % bm == 0)
-    cols = span(pl.program_id(1) * bn, bn, n, in_bounds=n % bn == 0)
-    whole_k = k % bk == 0  # every K block in bounds: unmasked loads
-    first = pl.program_id(2) * split_blocks
-    last = jnp.minimum(first + split_blocks, cdiv(k, bk))
+    prog = matmul_program(m, n, k, blocks, split_blocks)
+    rows, cols, first, last, whole_k = prog  # whole_k: every K block in bounds, unmasked loads
 
     def row_of(ref, g, lay=None):  # one (1, bn) row of a per-group array
         return load_tile(ref, span(g, 1, ref.shape[-2], in_bounds=True), cols, 0, lay).astype(jnp.float32)
@@ -151,12 +146,7 @@ def _kernel(*refs, m, n, k, blocks, group, has_zp, has_bias, split_blocks, split
             accf = accf - xsum.astype(jnp.float32) * row_of(zp_ref, 0, layer)
         acc = accf * row_of(ws_ref, 0, layer)
     y = acc * load_tile(sx_ref, rows, span(0, 1, 1, in_bounds=True), 1.0)
-    if split:  # a float32 partial sum; bias and the cast come after the splits are added
-        plgpu.store(o_ref.at[pl.program_id(2), rows[0], cols[0]], y, mask=tile_mask(rows, cols))
-        return
-    if has_bias:
-        y = y + row_of(b_ref, 0)
-    store_tile(o_ref, rows, cols, y.astype(o_ref.dtype))
+    store_matmul(o_ref, b_ref, y, prog, split=split, has_bias=has_bias)
 
 
 def _check(x, wq, w_scale, w_zero_point, group, layer=None, fp8=False):

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import config
@@ -43,12 +42,12 @@ from pallas_kernels.common import (
     load_tile,
     logical_weight,
     low_nibble,
+    matmul_program,
     one_layer,
     span,
     split_pairs,
     split_refs,
-    store_tile,
-    tile_mask,
+    store_matmul,
     weight_operands,
 )
 
@@ -144,11 +143,8 @@ def _kernel(*refs, m, n, k, bits, blocks, group, has_zp, has_bias, split_blocks,
     prec = precision if jnp.dtype(cdt) == jnp.float32 else None
     fold = dequant in ("fold", "asm") and bits == 4  # int8 values are converted: no offset to fold
     scaled = dequant == "scaled"  # int4 with group scales (the wrapper refuses it otherwise)
-    rows = span(pl.program_id(0) * bm, bm, m, in_bounds=m % bm == 0)
-    cols = span(pl.program_id(1) * bn, bn, n, in_bounds=n % bn == 0)
-    whole_k = k % bk == 0  # every K step (and scale group it reads) in bounds: unmasked loads
-    first = pl.program_id(2) * split_blocks
-    last = jnp.minimum(first + split_blocks, cdiv(k, bk))
+    prog = matmul_program(m, n, k, blocks, split_blocks)
+    rows, cols, first, last, whole_k = prog  # whole_k: every K step (and scale group it reads) in bounds
 
     def row_of(ref, g, lay=None):
         return load_tile(ref, span(g, 1, ref.shape[-2], in_bounds=whole_k), cols, 0, lay).astype(jnp.float32)
@@ -208,12 +204,7 @@ def _kernel(*refs, m, n, k, bits, blocks, group, has_zp, has_bias, split_blocks,
     acc = jax.lax.fori_loop(first, last, body, jnp.zeros((bm, bn), jnp.float32))
     if group is None:
         acc = acc * row_of(ws_ref, 0, layer)
-    if split:  # a float32 partial sum; bias and the cast come after the splits are added
-        plgpu.store(o_ref.at[pl.program_id(2), rows[0], cols[0]], acc, mask=tile_mask(rows, cols))
-        return
-    if has_bias:
-        acc = acc + row_of(b_ref, 0)
-    store_tile(o_ref, rows, cols, acc.astype(o_ref.dtype))
+    store_matmul(o_ref, b_ref, acc, prog, split=split, has_bias=has_bias)
 
 
 def _check(x, wq, w_scale, w_zero_point, bits, group, layer=None):
