@@ -173,18 +173,20 @@ def generate(
     return (out, cache) if return_cache else out
 
 
-def decode_seconds(config: ModelConfig, params, prompt_tokens, new_tokens: int, runs: int = 3) -> float:
-    """Warm seconds of ``new_tokens - 1`` greedy decode steps after ``prompt_tokens`` [B, T]: the median
-    over ``runs`` of time(loop of new_tokens - 1 steps) - time(loop of none), both on ONE compiled loop
-    and one prefilled cache (what ``generate(new_tokens)`` - ``generate(1)`` measures, with one
-    compilation instead of two and no prefill in the timed calls)."""
+def decode_timing(config: ModelConfig, params, prompt_tokens, new_tokens: int, runs: int = 3) -> tuple[float, float]:
+    """(warm seconds of ``new_tokens - 1`` greedy decode steps after ``prompt_tokens`` [B, T], seconds of the
+    first call of the loop): the median over ``runs`` of time(loop of new_tokens - 1 steps) - time(loop of
+    none), both on ONE compiled loop and one prefilled cache (what ``generate(new_tokens)`` -
+    ``generate(1)`` measures, with one compilation instead of two and no prefill in the timed calls). The
+    first call compiles the loop: minus a warm full loop, what compiling it took. The cache is the model's
+    activation dtype, as :func:`generate` makes it."""
     import statistics
     import time
 
     prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
     b, t = prompt_tokens.shape
     kernels = kernel_state()
-    cache = init_cache(config, b, t + new_tokens)
+    cache = init_cache(config, b, t + new_tokens, activation_dtype(params))
     first_logits, cache = prefill(config, params, prompt_tokens, jnp.ones((b, t), jnp.int32), cache, kernels=kernels)
     loop = functools.partial(_decode_loop, config, params, first_logits, cache, jax.random.key(0),
                              max_new_tokens=new_tokens, greedy=True, temperature=1.0, top_k=0, top_p=1.0,
@@ -195,9 +197,15 @@ def decode_seconds(config: ModelConfig, params, prompt_tokens, new_tokens: int, 
         jax.block_until_ready(loop(jnp.int32(steps)))
         return time.perf_counter() - t0
 
-    timed(new_tokens)  # compile + warm up
+    first = timed(new_tokens)  # compile + warm up
     diffs = [timed(new_tokens) - timed(1) for _ in range(runs)]
-    return max(statistics.median(diffs), 1e-9)
+    return max(statistics.median(diffs), 1e-9), first
 
 
-__all__ = ["decode_seconds", "decode_step", "generate", "kernel_state", "prefill", "sample_logits"]
+def decode_seconds(config: ModelConfig, params, prompt_tokens, new_tokens: int, runs: int = 3) -> float:
+    """Warm seconds of ``new_tokens - 1`` greedy decode steps after ``prompt_tokens`` [B, T]
+    (:func:`decode_timing`'s first value)."""
+    return decode_timing(config, params, prompt_tokens, new_tokens, runs)[0]
+
+
+__all__ = ["decode_seconds", "decode_step", "decode_timing", "generate", "kernel_state", "prefill", "sample_logits"]

@@ -5,12 +5,14 @@ holding the same weights — in a subprocess of its own (so its peak memory is i
 measures:
 
 * decode tokens/s at each ``--batches`` size: greedy, ``--new-tokens`` after a
-  ``--prompt-len`` prompt; the decode part only: time(generate N) - time(generate 1), warm,
+  ``--prompt-len`` prompt; the decode part only: time(N - 1 steps) - time(no step) of one compiled
+  decode loop (``generate.decode_timing``, what time(generate N) - time(generate 1) measures), warm,
   median;
 * prefill tokens/s: one ``--prefill-len`` sequence through a full forward, warm, median;
 * perplexity-run wall seconds: ``--windows`` windows of 512 tokens of the test text,
   tokenizing, compiling and evaluating (what a user waits for), and the perplexity;
-* compile seconds: the first decode and prefill calls minus warm ones;
+* compile seconds: the first call of the decode loop (at the first batch size) and of the
+  ``--prefill-len`` forward, minus warm ones;
 * peak RSS (MiB) of the variant's process, and on a GPU its peak device memory.
 
 Two modes:
@@ -160,7 +162,7 @@ def measure_ours(args, variant: str) -> dict:
     import numpy as np
 
     from llmeq_jax import evaluate, pipeline
-    from llmeq_jax.generate import generate
+    from llmeq_jax.generate import decode_timing
     from llmeq_jax.models import forward, stacked
 
     recipe_name, scan = variant.removesuffix(SCAN_SUFFIX), variant.endswith(SCAN_SUFFIX)
@@ -172,11 +174,12 @@ def measure_ours(args, variant: str) -> dict:
     rng = np.random.default_rng(0)
 
     def decode(batch: int) -> tuple[float, float]:
+        """(tokens/s of the decode steps, seconds compiling the decode loop): one compiled loop timed at
+        new_tokens - 1 steps and at none (generate.decode_timing: what generate(N) - generate(1) measures,
+        without compiling the loop and the prompt's prefill twice)."""
         prompt = jnp.asarray(rng.integers(0, config.vocab_size, (batch, args.prompt_len)), jnp.int32)
-        first_one, one = median_seconds(lambda: jax.block_until_ready(generate(config, params, prompt, 1)), args.repeats)
-        first_all, full = median_seconds(
-            lambda: jax.block_until_ready(generate(config, params, prompt, args.new_tokens)), args.repeats)
-        return batch * (args.new_tokens - 1) / max(full - one, 1e-9), first_one + first_all - one - full
+        seconds, first = decode_timing(config, params, prompt, args.new_tokens, args.repeats)
+        return batch * (args.new_tokens - 1) / seconds, max(first - seconds, 0.0)
 
     compile_s = 0.0
     for i, batch in enumerate(args.batches):
@@ -357,7 +360,8 @@ def report_of(args, rows: dict[str, dict]) -> dict:
     return {"model": model, "machine": machine_line(), "text": args.text, "windows": args.windows,
             "dtype": args.dtype,
             "protocol": (f"decode: greedy, {args.new_tokens} new tokens after a {args.prompt_len}-token prompt, "
-                         f"time(N) - time(1), median of {args.repeats} warm runs, batches {args.batches}; prefill: "
+                         f"time(N - 1 steps) - time(0 steps) of one compiled loop, median of {args.repeats} warm runs, "
+                         f"batches {args.batches}; prefill: "
                          f"{args.prefill_len} tokens, batch 1{ppl}"),
             "rows": rows}
 

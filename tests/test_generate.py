@@ -63,6 +63,24 @@ def test_decode_loop_runs_the_steps_asked_with_one_compile(params):
     assert gen.decode_seconds(CONFIG, params, prompt, 8, runs=1) > 0
 
 
+def test_decode_timing_uses_the_models_cache_dtype_and_reports_the_first_call(params, monkeypatch):
+    """decode_timing (what bench_e2e and the CLI time decode with) fills the cache generate would: bf16 for a
+    bf16 model (it was float32 whatever the model); its first call, which compiles the loop, is reported."""
+    made = []
+    real = gen.init_cache
+
+    def spy(config, batch, max_len, dtype=jnp.float32, **kw):
+        made.append(jnp.dtype(dtype))
+        return real(config, batch, max_len, dtype, **kw)
+
+    monkeypatch.setattr(gen, "init_cache", spy)
+    bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
+    seconds, first = gen.decode_timing(CONFIG, bf16, jnp.array([[1, 5, 7]]), 6, runs=1)
+    assert made == [jnp.dtype(jnp.bfloat16)] and 0 < seconds and first > 0
+    gen.decode_seconds(CONFIG, params, jnp.array([[1, 5, 7]]), 4, runs=1)
+    assert made[-1] == jnp.dtype(jnp.float32)
+
+
 def test_sampling_is_seeded_and_varies(params):
     prompt = jnp.array([[1, 2, 3]])
     a = gen.generate(CONFIG, params, prompt, 12, greedy=False, temperature=2.0, seed=0)
