@@ -349,7 +349,9 @@ def variants_of(args) -> list[str]:
         ours = [v + SCAN_SUFFIX for v in ours]
     elif args.scan_layers:  # each of ours, then the same with stacked blocks
         ours = [name for v in ours for name in (v, v + SCAN_SUFFIX)]
-    return ours + torch_variants(args)
+    # the other frameworks' rows right after the baseline: a run cut short by a time limit still compares them
+    baseline_rows = [v for v in ours if v.removesuffix(SCAN_SUFFIX) == base]
+    return baseline_rows + torch_variants(args) + [v for v in ours if v not in baseline_rows]
 
 
 def report_of(args, rows: dict[str, dict]) -> dict:

@@ -1,4 +1,4 @@
-"""Reading GPU kernels out of a profiler trace (scripts/profile_decode.py) and bench_e2e's --profile table."""
+"""scripts/profile_decode.py (GPU kernels out of a profiler trace) and scripts/bench_e2e.py (--profile, the variant order)."""
 
 import gzip
 import importlib.util
@@ -71,3 +71,15 @@ def test_bench_e2e_prints_a_profile_per_variant():
     assert "| int4_words_matmul__2 | 640.0 | 32 | 20.00 | 25.6% |" in text
     assert "32 layers" in text
     assert "no GPU kernels" in bench.profile_table("bf16", profile | {"kernels": []})
+
+
+def test_bench_e2e_runs_the_other_frameworks_right_after_the_baseline(monkeypatch):
+    """A run cut short by a time limit keeps the rows it finished: transformers' row comes right after our
+    baseline, before our recipes."""
+    bench = _script("bench_e2e")
+    monkeypatch.setattr(bench, "torch_variants", lambda args: ["transformers-bf16-static"])
+    args = bench.parse_args(["--shapes", "llama-2-7b", "--dtype", "bfloat16", "--recipes", "rtn-w8", "rtn-w4-g128",
+                             "--scan-only"])
+    assert bench.variants_of(args) == ["bf16+scan", "transformers-bf16-static", "rtn-w8+scan", "rtn-w4-g128+scan"]
+    args = bench.parse_args(["--recipes", "rtn-w8", "--scan-layers"])
+    assert bench.variants_of(args) == ["fp32", "fp32+scan", "transformers-bf16-static", "rtn-w8", "rtn-w8+scan"]
