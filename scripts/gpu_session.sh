@@ -95,9 +95,10 @@ LLMEQ_DISPATCH_TABLE="$out/dispatch_words.json" step layout_float 60 "$py" scrip
 step profile 100 "$py" scripts/bench_e2e.py --shapes "$shapes" --layers 4 --dtype bfloat16 --recipes rtn-w4-g128 \
     --batches 1 --prefill-len 2048 --new-tokens 16 --repeats 1 --scan-only --no-torch --profile \
     --out "$out/profile.json"
-# ~100 s a variant at 32 layers: bf16, the recipes (RECIPES; rtn-w8 first: never measured end to end, now with
-# the float16-operand int8 kernel), then transformers bf16 with a static cache (BATCHES: decode batch sizes; 16
-# adds two compiles a variant). A run cut by its limit keeps the rows it finished.
+# ~100 s a variant at 32 layers last time (quantizing, and compiling the decode loop and the prompt's prefill twice:
+# now once, generate.decode_timing): bf16, transformers bf16 with a static cache, then the recipes (RECIPES;
+# rtn-w8 first: never measured end to end, now with the float16-operand int8 kernel). BATCHES: decode batch
+# sizes (16 adds a compile a variant). A run cut by its limit keeps the rows it finished.
 step e2e 240 "$py" scripts/bench_e2e.py --shapes "$shapes" "${layers[@]}" --dtype bfloat16 \
     --recipes ${RECIPES:-rtn-w8 rtn-w4-g128} --batches ${BATCHES:-1} --prefill-len 2048 --new-tokens 32 --repeats 2 \
     --scan-only --torch --out "$out/e2e.json"
