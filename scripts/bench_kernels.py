@@ -130,7 +130,7 @@ def write_table(path, measured):
 
 
 KINDS = ("bf16", "w8a8", "fp8", "w8", "w4g128", "w8a8_nk", "fp8_nk", "w8_nk", "w4_words", "bf16_stack", "w4_xla_rows",
-         "w8_nk_f16")
+         "w8_nk_f16", "w4_gemv")
 # The int8 kinds with their weights stored K-major, (N, K): the layout decode steps of up to
 # decode_layout.GPU_KMAJOR_MAX_ROWS rows read (for_decode); not in the table. W8A8 is timed at prefill rows
 # too: there the kinds w8a8/fp8 transpose the weight per call (int8 wgmma takes K-major operands only), and
@@ -149,10 +149,14 @@ KMAJOR_KINDS = ("w8a8_nk", "fp8_nk", "w8_nk")
 # pallas_kernels/int8_f16.py: 2.2 instructions per weight in sm_90 SASS against w8_nk's 4.5), x scaled into
 # float16 by an XLA op per call (fused into x's producer in a model; a launch of its own here). In the table
 # as kernel "int8_f16" against w8_nk, the kernel it replaces in a decode step (timed in the same row).
-DECODE_ONLY_KINDS = ("w8_nk", "w4_words", "bf16_stack", "w4_xla_rows", "w8_nk_f16")
-NOT_IN_TABLE = ("w4_xla_rows",)
+# w4_gemv: the int4 GEMV (weight_only_matmul(gemv=True), pallas_kernels/gemv.py: no tensor cores, no shared
+# memory, many small programs; 4.5 instructions per weight in SASS against the word kernel's 2.1-2.5) at M <= 4:
+# whether the word kernel is bound by its instructions or by the latency its few warps a scheduler leave unhidden.
+DECODE_ONLY_KINDS = ("w8_nk", "w4_words", "bf16_stack", "w4_xla_rows", "w8_nk_f16", "w4_gemv")
+GEMV_ONLY_ROWS = ("w4_gemv",)  # kinds timed only at rows the GEMV takes (gemv.GEMV_MAX_ROWS)
+NOT_IN_TABLE = ("w4_xla_rows", "w4_gemv")
 # the kind whose weights (bytes moved, XLA's path) a layout kind has
-LAYOUT_OF = {"w4_words": "w4g128", "w4_xla_rows": "w4g128", "w8_nk_f16": "w8_nk"}
+LAYOUT_OF = {"w4_words": "w4g128", "w4_xla_rows": "w4g128", "w8_nk_f16": "w8_nk", "w4_gemv": "w4g128"}
 
 
 def xla_int4_rows(x, q, scale):
@@ -212,6 +216,7 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
     from llmeq_jax.core.quantize import Spec, quantize
     from llmeq_jax.layer_slice import take_layer
     from pallas_kernels.float_matmul import float_matmul
+    from pallas_kernels.gemv import GEMV_MAX_ROWS
     from pallas_kernels.int4_words import int4_words_matmul, pack_words
     from pallas_kernels.w8a8 import w8a8_matmul
     from pallas_kernels.weight_only import weight_only_matmul
@@ -251,6 +256,7 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
             "w4_xla_rows": (xla_int4_rows, list(zip(w4r, s4t))),
             "w8_nk_f16": (lambda x, w, s: weight_only_matmul(x, w, s, bits=8, w_layout="nk", dequant="f16"),
                           list(zip(w8t, s8))),
+            "w4_gemv": (lambda x, w, s: weight_only_matmul(x, w, s, bits=4, group=GROUP, gemv=True), list(zip(w4, s4))),
         }
         kinds_all = kinds
         kinds = {kind: v for kind, v in kinds.items() if kind in kinds_wanted or kind == "bf16"}
@@ -269,7 +275,7 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
             base = None
             row_times = {}
             for kind, (fn, ws) in kinds.items():
-                if kind in DECODE_ONLY_KINDS and m > DECODE_M[-1]:
+                if kind in DECODE_ONLY_KINDS and m > DECODE_M[-1] or kind in GEMV_ONLY_ROWS and m > GEMV_MAX_ROWS:
                     continue
                 t = timed(fn, [(x, *wargs) for x, wargs in zip(xs, ws)], reps=reps)
                 base = base or t

@@ -83,3 +83,24 @@ def test_bench_e2e_runs_the_other_frameworks_right_after_the_baseline(monkeypatc
     assert bench.variants_of(args) == ["bf16+scan", "transformers-bf16-static", "rtn-w8+scan", "rtn-w4-g128+scan"]
     args = bench.parse_args(["--recipes", "rtn-w8", "--scan-layers"])
     assert bench.variants_of(args) == ["fp32", "fp32+scan", "transformers-bf16-static", "rtn-w8", "rtn-w8+scan"]
+
+
+def test_bench_kernels_gpu_steps_run_through_in_interpret_mode(capsys, monkeypatch):
+    """The kinds and sweeps scripts/gpu_session.sh's words and sweep steps time, run end to end on a tiny weight in
+    interpret mode: a GPU's minutes are not spent finding a broken kind. (The times mean nothing here.)"""
+    from pallas_kernels import config
+
+    bench = _script("bench_kernels")
+    monkeypatch.setattr(bench, "copies_for", lambda nbytes: 1)
+    kinds = ("bf16", "w4g128", "w4_words", "w4_xla_rows", "w4_gemv", "bf16_stack", "w8_nk", "w8_nk_f16")
+    table = []
+    with config.interpret(True):
+        bench.gpu_bench(1, table=table, kinds_wanted=kinds, weights=((256, 128),), attention=False, rows=(1,))
+        bench.gpu_bench(1, sweep=True, kinds_wanted=("bf16", "w4_words", "w8_nk_f16"), weights=((256, 128),),
+                        attention=False, rows=(1,))
+    out = capsys.readouterr().out
+    for kind in kinds:
+        assert f"256x128     1 {kind:>7}" in out, kind
+    assert sorted(k.kernel for k, _ in table) == ["float", "int4_words", "int8_f16", "weight_only"]
+    assert out.count("sweep w4_words M=1") == len(bench._words_sweep(256, 128)) + 2  # + bf16 and the defaults
+    assert out.count("sweep w8_nk_f16 M=1") == len(bench._int8_f16_sweep()) + 2
