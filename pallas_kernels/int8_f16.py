@@ -5,13 +5,13 @@ needs 8), so the K-major int8 kernel (:mod:`pallas_kernels.weight_only`, ``w_lay
 conversion to Triton, which spends ``LOP3`` + ``PRMT`` + ``HADD2`` and register moves on it: 4.5
 instructions per weight in its sm_90 decode loop, against 1.2 for a bf16 weight. A float16 operand
 has 10 mantissa bits: the byte ``u = v + 128`` (offset binary) under the bits of 1024.0 is the float16
-``1024 + u`` exactly, and one ``prmt`` (:func:`code_asm`) builds two such operands from a word of four
+``1024 + u`` exactly, and one ``prmt`` (:data:`CODE_ASM`) builds two such operands from a word of four
 K-consecutive codes (an ``xor`` first moves four signed codes to offset binary). The offset
 ``1152 + zero point`` comes off once, after the K loop, through x's row sums (carried in the loop).
 
 The activations become float16 operands: float16 x as it is, bfloat16 x multiplied by
-:data:`X_SCALE` (a power of two: exact) first, which leaves room up to 65504 / X_SCALE = 1.7e7 (bf16
-inputs beyond that are refused by nothing: they would overflow; LLM activations stay far below) and
+:data:`X_SCALE` (a power of two: exact) first, which leaves room up to 65504 / X_SCALE = 1.7e7 (a bf16
+value beyond that would become inf; nothing checks, LLM activations stay orders of magnitude below) and
 puts values under 2^-6 in float16's subnormal range, where their absolute error is at most 2^-17 --
 below what bf16 itself resolves at that size. The result is scaled back before it is stored.
 
