@@ -10,7 +10,7 @@
 # decode), so bf16 + two recipes + transformers need ~400 s. Two calls, the second issued at once (warm), ~850 s
 # with the start:
 #     STEPS="gpu_tests words sweep attention fp8" bash scripts/gpu_session.sh   # ~7.7 min of limits (timeout_s 470)
-#     STEPS="profile e2e" bash scripts/gpu_session.sh                                # ~5.7 min (timeout_s 350)
+#     STEPS="e2e" bash scripts/gpu_session.sh                                        # ~5.7 min (timeout_s 350)
 # then, in a later session: layout layout_float kernels gemv prefill layout_dsf.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,7 +21,7 @@ layers=(${LAYERS:+--layers "$LAYERS"})
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 start=$SECONDS
-steps="${STEPS:-gpu_tests words sweep attention profile e2e fp8 gemv prefill layout layout_dsf layout_float kernels}"  # STEPS: a subset
+steps="${STEPS:-gpu_tests words sweep attention fp8 e2e gemv prefill layout layout_dsf layout_float kernels}"  # STEPS: a subset
 step() {  # step NAME SECONDS CMD...: run CMD with a time limit, its output in $out/NAME.log
   local name=$1 limit=$2
   shift 2
@@ -91,19 +91,15 @@ XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_dynamic_slice_fusion=true" step layou
 LLMEQ_DISPATCH_TABLE="$out/dispatch_words.json" step layout_float 60 "$py" scripts/bench_e2e.py --shapes "$shapes" \
     --layers 4 --dtype bfloat16 --recipes bf16 --batches 1 --prefill-len 512 --new-tokens 32 --repeats 2 \
     --scan-layers --no-torch --out "$out/layout_float.json"
-# Where a decode step's time goes: bf16 and W4 on 4 layers of the same shapes, decoding as the e2e step does (a
-# 32-token prompt), one decode traced (jax.profiler): each GPU kernel's µs and launches a step (the Pallas matmuls, the norms, RoPE,
-# attention, cache updates, the split-K sums), against the step's wall time.
-step profile 100 "$py" scripts/bench_e2e.py --shapes "$shapes" --layers 4 --dtype bfloat16 --recipes rtn-w4-g128 \
-    --batches 1 --prefill-len 2048 --new-tokens 16 --repeats 1 --scan-only --no-torch --profile \
-    --out "$out/profile.json"
 # ~100 s a variant at 32 layers last time (quantizing, and compiling the decode loop and the prompt's prefill twice:
 # now once, generate.decode_timing): bf16, transformers bf16 with a static cache, then the recipes (RECIPES;
 # rtn-w8 first: never measured end to end, now with the float16-operand int8 kernel). BATCHES: decode batch
-# sizes (16 adds a compile a variant). A run cut by its limit keeps the rows it finished.
-step e2e 240 "$py" scripts/bench_e2e.py --shapes "$shapes" "${layers[@]}" --dtype bfloat16 \
+# sizes (16 adds a compile a variant). A run cut by its limit keeps the rows it finished. --profile: where each
+# of our variants' decode step goes, per GPU kernel (one decode traced after the timings; the Pallas matmuls,
+# norms, RoPE, attention, cache updates, split-K sums) against the step's wall time.
+step e2e 340 "$py" scripts/bench_e2e.py --shapes "$shapes" "${layers[@]}" --dtype bfloat16 \
     --recipes ${RECIPES:-rtn-w8 rtn-w4-g128} --batches ${BATCHES:-1} --prefill-len 2048 --new-tokens 32 --repeats 2 \
-    --scan-only --torch --out "$out/e2e.json"
+    --scan-only --torch --profile --out "$out/e2e.json"
 step kernels 90 "$py" scripts/bench_kernels.py --reps 10 --kinds bf16,w8a8,fp8,w8,w4g128,w8a8_nk,fp8_nk,w8_nk \
     --write-table "$out/dispatch.json"
 echo "== [$(( SECONDS - start ))s] done; results in $out"

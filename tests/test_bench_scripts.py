@@ -71,6 +71,7 @@ def test_bench_e2e_prints_a_profile_per_variant():
     assert "| int4_words_matmul__2 | 640.0 | 32 | 20.00 | 25.6% |" in text
     assert "32 layers" in text
     assert "no GPU kernels" in bench.profile_table("bf16", profile | {"kernels": []})
+    assert bench.profile_table("bf16", {"error": "RuntimeError: no CUPTI"}) == "bf16: no profile (RuntimeError: no CUPTI)"
 
 
 def test_bench_e2e_runs_the_other_frameworks_right_after_the_baseline(monkeypatch):
