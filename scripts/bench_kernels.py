@@ -362,10 +362,14 @@ def attention_bench(reps, sweep=False):
     kv_bytes = {"bf16": 2 * 2 * t * h * d, 8: 2 * t * h * d + 4 * t * h, 4: t * h * d + 4 * t * h}
     print(f"decode attention B={b} T={t} H_kv={h} G={g} D={d}: bf16 XLA {t_bf * 1e3:.4f} ms "
           f"({kv_bytes['bf16'] / t_bf / 1e9:.0f} GB/s)")
-    # --sweep: shorter blocks, other split counts, and a deeper cp.async pipeline for the codes (at 2 stages
-    # the compiled loop waits for every outstanding copy at its top: scripts/kernel_sass.py kv_int8_32k_3stages)
-    configs = [dict()] + ([dict(block_t=64), dict(num_splits=64), dict(num_splits=16), dict(num_stages=3),
-                           dict(block_t=64, num_stages=3), dict(block_t=64, num_stages=4)] if sweep else [])
+    # --sweep: other split counts, a deeper cp.async pipeline for the codes (at 2 stages the compiled loop waits
+    # for every outstanding copy at its top: scripts/kernel_sass.py kv_int8_32k_3stages), and 8 warps with
+    # 128-256-token blocks: the loop's barriers (cross-warp softmax reductions, the weights' layout for the
+    # second dot) come 22 times per 256 tokens instead of 32, no spills (kv_int8_32k_8warps_256; 4 warps at 256
+    # tokens spill; 64-token blocks measured 0.8x on the H200 and are left out)
+    configs = [dict()] + ([dict(num_splits=64), dict(num_splits=16), dict(num_stages=3), dict(num_stages=4),
+                           dict(block_t=128, num_warps=8), dict(block_t=256, num_warps=8),
+                           dict(block_t=256, num_warps=8, num_stages=3)] if sweep else [])
     for bits, caches in ((8, kqs), (4, k4s)):
         for cfg in configs:
             fn = lambda q, k, v, cfg=cfg, bits=bits: store_decode_attention(q, k, v, ks, kl, vs, vl, length, bits=bits,

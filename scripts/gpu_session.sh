@@ -9,7 +9,7 @@
 # 120 s (give the subset that changed); an e2e variant at 32 layers takes ~100 s (quantizing, compiling prefill and
 # decode), so bf16 + two recipes + transformers need ~400 s. Two calls, the second issued at once (warm), ~850 s
 # with the start:
-#     STEPS="gpu_tests words sweep attention fp8" bash scripts/gpu_session.sh   # ~7.7 min of limits (timeout_s 470)
+#     STEPS="gpu_tests words sweep attention fp8" bash scripts/gpu_session.sh   # ~7.8 min of limits (timeout_s 480)
 #     STEPS="e2e" bash scripts/gpu_session.sh                                        # ~5.7 min (timeout_s 350)
 # then, in a later session: layout layout_float kernels gemv prefill layout_dsf.
 set -uo pipefail
@@ -58,8 +58,9 @@ step words 110 "$py" scripts/bench_kernels.py --reps 10 --rows 1,16 \
 step sweep 120 "$py" scripts/bench_kernels.py --reps 10 --sweep --rows 1 --kinds bf16,w4_words,w8_nk_f16 \
     --weights 4096x4096,4096x11008 --no-attention
 # KV decode attention at 32K (int8 / int4 codes against bf16 XLA attention; issue #15: >= 1.5x / 2x) and its
-# sweep: block sizes, split counts, 3-4 cp.async stages (at 2 the compiled loop waits for every copy at its top).
-step attention 60 "$py" scripts/bench_kernels.py --reps 10 --sweep --rows 1 --kinds bf16 --weights 4096x4096
+# sweep: split counts, 3-4 cp.async stages (at 2 the compiled loop waits for every copy at its top), 8 warps over
+# 128-256-token blocks (22 barriers per 256 tokens against 32; sm_90 SASS, no spills).
+step attention 70 "$py" scripts/bench_kernels.py --reps 10 --sweep --rows 1 --kinds bf16 --weights 4096x4096
 # FP8 W8A8 (E4M3, new since the H200 run): the Pallas kernel and XLA's FP8 dot against bf16, and PyTorch's
 # _scaled_mm beside them, on one weight shape (issue #15's target: >= 1.6x bf16).
 # Since the CPU's SASS check (scripts/kernel_sass.py): the FP8 kernel on FP8 wgmma (fp8_dot), and the int8

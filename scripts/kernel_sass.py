@@ -131,7 +131,8 @@ def _w8a8(m: int, fp8: bool, w_layout: str = "kn") -> Case:
     return Case(build, per_step)
 
 
-def _kv_attention(bits: int, t: int = 32768, rope: bool = False, stages: int = 2) -> Case:
+def _kv_attention(bits: int, t: int = 32768, rope: bool = False, stages: int = 2, warps: int = 4,
+                  block_t: int = 128) -> Case:
     from pallas_kernels.kv_cache import store_decode_attention
 
     def build():
@@ -144,7 +145,8 @@ def _kv_attention(bits: int, t: int = 32768, rope: bool = False, stages: int = 2
 
         def attend(q, kc, vc, ks, kl, vs, vl, n, pos, freq):
             extra = dict(slot_pos=pos, inv_freq=freq) if rope else {}
-            return store_decode_attention(q, kc, vc, ks, kl, vs, vl, n, bits=bits, num_stages=stages, **extra)
+            return store_decode_attention(q, kc, vc, ks, kl, vs, vl, n, bits=bits, num_stages=stages, num_warps=warps,
+                                          block_t=block_t, **extra)
 
         return attend, args
 
@@ -181,6 +183,8 @@ CASES: dict[str, Case] = {
     "w8a8_fp8_m4096": _w8a8(4096, True),
     "kv_int8_32k": _kv_attention(8),
     "kv_int8_32k_3stages": _kv_attention(8, stages=3),  # the codes' cp.async pipeline one block deeper
+    # 8 warps over 256-token blocks: the loop's barriers (cross-warp softmax, the weights' layout) per 256 tokens
+    "kv_int8_32k_8warps_256": _kv_attention(8, warps=8, block_t=256),
     "kv_int4_32k": _kv_attention(4),
     "kv_int8_32k_rope": _kv_attention(8, rope=True),  # keys stored before RoPE (the default KV spec)
 }
