@@ -193,11 +193,8 @@ def _kernel(*refs, m, n, k, blocks, group, has_zp, has_bias, split_blocks, split
     # pipeline's own, in sm_90 SASS). The rows come as x's dtype (the wrapper converts them): exact for the
     # zero points, the scales rounded to bf16 / f16 (as torchao's int4 weight-only kernel keeps them).
     if epilogue == "mma":
-        def first_column(width, dtype):
-            return (jax.lax.broadcasted_iota(jnp.int32, (bm, width), 1) == 0).astype(dtype)
-
         groups_total = ws_ref.shape[-2]
-        pick = first_column(SLICE, cdt)
+        pick = (jax.lax.broadcasted_iota(jnp.int32, (bm, SLICE), 1) == 0).astype(cdt)  # ones in column 0
 
         def group_rows(g):
             """(scale, zero point or None) of scale group ``g`` as (bm, bn) tiles in the accumulator's layout."""

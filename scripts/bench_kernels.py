@@ -296,29 +296,14 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
                     t_mm, t_bf = (timer(f, reps * 10) for f in prepare(m, k, n))
                     line += f"  (torch _scaled_mm {t_mm * 1e3:.4f} ms = {t_bf / t_mm:.2f}x torch bf16)"
                 print(line, flush=True)
-            if sweep and "w4_words" in kinds and m == 1:  # batch-1 decode, issue #15's row
-                # bf16, the defaults and each other setting in turns (timed_round_robin)
-                words_inputs = [(x, *wargs) for x, wargs in zip(xs, kinds["w4_words"][1])]
-                variants = {"bf16": (kinds["bf16"][0], [(x, *wargs) for x, wargs in zip(xs, kinds["bf16"][1])]),
-                            "defaults": (kinds["w4_words"][0], words_inputs)}
-                for cfg in _words_sweep(k, n):
-                    variants[str(cfg)] = (lambda x, w, s, cfg=cfg: int4_words_matmul(x, w, s, group=GROUP, **cfg),
-                                          words_inputs)
-                times = timed_round_robin(variants, reps=reps)
-                for name, t in times.items():
-                    print(f"   sweep w4_words M={m} {name}: {t * 1e3:.4f} ms, {times['bf16'] / t:.2f}x bf16, "
-                          f"{times['defaults'] / t:.2f}x the defaults", flush=True)
-            if sweep and "w8_nk_f16" in kinds and m == 1:  # its tiles and splits, in turns with bf16 and w8_nk
-                f16_inputs = [(x, *wargs) for x, wargs in zip(xs, kinds["w8_nk_f16"][1])]
-                variants = {"bf16": (kinds["bf16"][0], [(x, *wargs) for x, wargs in zip(xs, kinds["bf16"][1])]),
-                            "defaults": (kinds["w8_nk_f16"][0], f16_inputs)}
-                for cfg in _int8_f16_sweep():
-                    variants[str(cfg)] = (lambda x, w, s, cfg=cfg: weight_only_matmul(
-                        x, w, s, bits=8, w_layout="nk", dequant="f16", **cfg), f16_inputs)
-                times = timed_round_robin(variants, reps=reps)
-                for name, t in times.items():
-                    print(f"   sweep w8_nk_f16 M={m} {name}: {t * 1e3:.4f} ms, {times['bf16'] / t:.2f}x bf16, "
-                          f"{times['defaults'] / t:.2f}x the defaults", flush=True)
+            if sweep and m == 1:  # batch-1 decode, issue #15's row: each kernel's settings in turns with bf16
+                if "w4_words" in kinds:
+                    sweep_in_turns("w4_words", kinds, xs, _words_sweep(k, n), reps,
+                                   lambda cfg: lambda x, w, s: int4_words_matmul(x, w, s, group=GROUP, **cfg))
+                if "w8_nk_f16" in kinds:
+                    sweep_in_turns("w8_nk_f16", kinds, xs, _int8_f16_sweep(), reps,
+                                   lambda cfg: lambda x, w, s: weight_only_matmul(x, w, s, bits=8, w_layout="nk",
+                                                                                  dequant="f16", **cfg))
             kind = "w8a8" if m >= 1024 else "w4g128"
             if sweep and (k, n) == (4096, 11008) and m in SWEEP and kind in kinds:
                 for cfg in SWEEP[m]:
@@ -335,6 +320,21 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
             write_table(table_path, table)
     if attention:
         attention_bench(reps, sweep)
+
+
+def sweep_in_turns(kind: str, kinds: dict, xs: list, configs: list, reps: int, fn_of) -> None:
+    """Time ``kind``'s kernel under each of ``configs`` (``fn_of(cfg)``: the call with those settings) in turns with
+    the bf16 dot and the kernel's defaults (:func:`timed_round_robin`) on ``kind``'s weights, and print each."""
+    def inputs(of):
+        return [(x, *wargs) for x, wargs in zip(xs, kinds[of][1])]
+
+    variants = {"bf16": (kinds["bf16"][0], inputs("bf16")), "defaults": (kinds[kind][0], inputs(kind))}
+    variants |= {str(cfg): (fn_of(cfg), inputs(kind)) for cfg in configs}
+    times = timed_round_robin(variants, reps=reps)
+    m = xs[0].shape[0]
+    for name, t in times.items():
+        print(f"   sweep {kind} M={m} {name}: {t * 1e3:.4f} ms, {times['bf16'] / t:.2f}x bf16, "
+              f"{times['defaults'] / t:.2f}x the defaults", flush=True)
 
 
 def attention_bench(reps, sweep=False):
@@ -417,8 +417,8 @@ def _words_sweep(k: int, n: int):
             configs.append(dict(blocks=Blocks(16, bn, bk, 4, stages), k_splits=splits))
     # epilogue="mma": each group's scale / zero-point rows through dots instead of layout conversions (no
     # barriers but the pipeline's; bf16 scales), at the defaults and with the wider tiles
-    default = int4_words.default_blocks(1, n, GROUP)
-    configs += [dict(epilogue="mma"), dict(blocks=Blocks(16, 384 - default.bn, 128, 4, 3), epilogue="mma")]
+    other_bn = 256 if int4_words.default_blocks(1, n, GROUP).bn == 128 else 128  # the width the defaults lack
+    configs += [dict(epilogue="mma"), dict(blocks=Blocks(16, other_bn, 128, 4, 3), epilogue="mma")]
     return configs
 
 
