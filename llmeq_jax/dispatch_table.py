@@ -38,7 +38,11 @@ ENV = "LLMEQ_DISPATCH_TABLE"
 # slice-and-dot, bits = the float width; unlike the others it is off where the table has no measurement.
 # int8_f16: the K-major int8 decode kernel with float16 operands (pallas_kernels.int8_f16) against the one it
 # replaces, the K-major int8 kernel with x's dtype as operands: its "xla_s" is that kernel's time.
-KERNELS = ("weight_only", "w8a8", "fp8_w8a8", "int4_words", "float", "int8_f16")
+# kv_attention: one query token's attention over the quantized KV store, the Pallas decode kernel
+# (pallas_kernels.kv_cache) against XLA's dots over the codes (llmeq_jax.kv.store_attention); bits = the codes'
+# width, k = head_dim, n = the cache's slots (a power-of-two bucket), rows = query heads per KV head times the
+# batch (bucketed), dtype the query's.
+KERNELS = ("weight_only", "w8a8", "fp8_w8a8", "int4_words", "float", "int8_f16", "kv_attention")
 PATHS = ("pallas", "xla")
 
 

@@ -319,7 +319,7 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
         if table is not None and table_path:  # after every weight shape: a run cut short keeps what it measured
             write_table(table_path, table)
     if attention:
-        attention_bench(reps, sweep)
+        attention_bench(reps, sweep, table, table_path)
 
 
 def sweep_in_turns(kind: str, kinds: dict, xs: list, configs: list, reps: int, fn_of) -> None:
@@ -337,8 +337,12 @@ def sweep_in_turns(kind: str, kinds: dict, xs: list, configs: list, reps: int, f
               f"{times['defaults'] / t:.2f}x the defaults", flush=True)
 
 
-def attention_bench(reps, sweep=False):
-    """int8 / int4 decode attention (Pallas) against bf16 XLA attention at KV_SHAPE."""
+def attention_bench(reps, sweep=False, table=None, table_path=None):
+    """int8 / int4 decode attention (the Pallas kernel and XLA's dots over the codes) against bf16 XLA attention at
+    KV_SHAPE; with a list ``table``, append the kernel's and XLA's times as ``kv_attention`` entries (written to
+    ``table_path``)."""
+    from llmeq_jax import dispatch_table
+    from llmeq_jax.kv.store_attention import store_attention
     from pallas_kernels.kv_cache import store_decode_attention
 
     b, h, g, t, d = KV_SHAPE
@@ -371,16 +375,32 @@ def attention_bench(reps, sweep=False):
                            dict(block_t=128, num_warps=8), dict(block_t=256, num_warps=8),
                            dict(block_t=256, num_warps=8, num_stages=3)] if sweep else [])
     for bits, caches in ((8, kqs), (4, k4s)):
+        inputs = [(q, caches[i], caches[r + i]) for i in range(r)]
+        t_default = None
         for cfg in configs:
             fn = lambda q, k, v, cfg=cfg, bits=bits: store_decode_attention(q, k, v, ks, kl, vs, vl, length, bits=bits,
                                                                           **cfg)[0]
             try:
-                t_q = timed(fn, [(q, caches[i], caches[r + i]) for i in range(r)], reps=reps)
+                t_q = timed(fn, inputs, reps=reps)
             except Exception as e:  # e.g. a block size that needs more shared memory than there is
                 print(f"  int{bits} Pallas {cfg or 'default'}: failed: {type(e).__name__}: {str(e)[:200]}")
                 continue
+            t_default = t_default or (t_q if not cfg else None)
             print(f"  int{bits} Pallas {cfg or 'default'}: {t_q * 1e3:.4f} ms ({kv_bytes[bits] / t_q / 1e9:.0f} GB/s), "
                   f"{t_bf / t_q:.2f}x bf16", flush=True)
+        # XLA's own GEMM fusions over the codes, the grids folded out of the dots (llmeq_jax/kv/store_attention.py):
+        # the int8 / int4 (bitcast to jnp.int4) codes converted in the GEMMs' operand loads, as XLA streams the bf16
+        # cache above (deviceless compile for an H200: two GEMM fusions reading s8 / s4, no dequantized copy)
+        fn = lambda q, k, v, bits=bits: store_attention(q, k, v, ks, kl, vs, vl, length, bits=bits)[0]
+        t_x = timed(fn, inputs, reps=reps)
+        print(f"  int{bits} XLA dots over the codes: {t_x * 1e3:.4f} ms ({kv_bytes[bits] / t_x / 1e9:.0f} GB/s), "
+              f"{t_bf / t_x:.2f}x bf16" + (f", {t_default / t_x:.2f}x the Pallas kernel" if t_default else ""), flush=True)
+        if table is not None and t_default:
+            key = dispatch_table.Key(jax.devices()[0].device_kind, "kv_attention", bits, None, d, t,
+                                     dispatch_table.row_bucket(b * g), jnp.dtype(q.dtype).name)
+            table.append((key, {"pallas_s": t_default, "xla_s": t_x, "bf16_s": t_bf}))
+    if table is not None and table_path:
+        write_table(table_path, table)
 
 
 def _sweep():

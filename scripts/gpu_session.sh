@@ -60,7 +60,8 @@ step sweep 120 "$py" scripts/bench_kernels.py --reps 10 --sweep --rows 1 --kinds
 # KV decode attention at 32K (int8 / int4 codes against bf16 XLA attention; issue #15: >= 1.5x / 2x) and its
 # sweep: split counts, 3-4 cp.async stages (at 2 the compiled loop waits for every copy at its top), 8 warps over
 # 128-256-token blocks (22 barriers per 256 tokens against 32; sm_90 SASS, no spills).
-step attention 70 "$py" scripts/bench_kernels.py --reps 10 --sweep --rows 1 --kinds bf16 --weights 4096x4096
+step attention 70 "$py" scripts/bench_kernels.py --reps 10 --sweep --rows 1 --kinds bf16 --weights 4096x4096 \
+    --write-table "$out/dispatch_kv.json"
 # FP8 W8A8 (E4M3, new since the H200 run): the Pallas kernel and XLA's FP8 dot against bf16, and PyTorch's
 # _scaled_mm beside them, on one weight shape (issue #15's target: >= 1.6x bf16).
 # Since the CPU's SASS check (scripts/kernel_sass.py): the FP8 kernel on FP8 wgmma (fp8_dot), and the int8

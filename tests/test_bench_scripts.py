@@ -105,3 +105,21 @@ def test_bench_kernels_gpu_steps_run_through_in_interpret_mode(capsys, monkeypat
     assert sorted(k.kernel for k, _ in table) == ["float", "int4_words", "int8_f16", "weight_only"]
     assert out.count("sweep w4_words M=1") == len(bench._words_sweep(256, 128)) + 2  # + bf16 and the defaults
     assert out.count("sweep w8_nk_f16 M=1") == len(bench._int8_f16_sweep()) + 2
+
+
+def test_bench_kernels_attention_step_times_the_kernel_and_xlas_dots(capsys, monkeypatch):
+    """The attention step (a small cache here, interpret mode): the Pallas kernel and XLA's dots over the codes for
+    int8 and int4 against bf16 attention, and a kv_attention table entry of each width."""
+    from pallas_kernels import config
+
+    bench = _script("bench_kernels")
+    monkeypatch.setattr(bench, "copies_for", lambda nbytes: 1)
+    monkeypatch.setattr(bench, "KV_SHAPE", (1, 2, 4, 256, 64))
+    table = []
+    with config.interpret(True):
+        bench.attention_bench(1, table=table)
+    out = capsys.readouterr().out
+    for bits in (8, 4):
+        assert f"int{bits} Pallas default:" in out and f"int{bits} XLA dots over the codes:" in out
+    assert [(k.kernel, k.bits, k.k, k.n, k.rows) for k, _ in table] == [("kv_attention", 8, 64, 256, 4),
+                                                                       ("kv_attention", 4, 64, 256, 4)]

@@ -33,7 +33,9 @@ import numpy as np
 from llmeq_jax.core.rope import apply_rope
 from llmeq_jax.kv import grid as kvgrid
 from llmeq_jax.kv import spec as kvspec
+from llmeq_jax import dispatch_table
 from llmeq_jax.kv.attention import dot_product_attention, merge_attention, split_attention
+from llmeq_jax.kv.store_attention import store_attention
 from pallas_kernels import config as kernel_config
 from pallas_kernels import kv_cache as kv_kernels
 
@@ -437,27 +439,50 @@ def kernel_reads_store(spec: kvspec.KVSpec, head_dim: int, dtype) -> tuple[bool,
     return kv_kernels.can_use(head_dim, spec.bits, dtype, rope=spec.pre_rope)
 
 
-def _kernel_store_part(cache: QuantKVCache, layer: int, q, quantized):
-    """(out [B, 1, H, D], lse [B, 1, H]) of one query over the quantized store by the Pallas
-    decode kernel, or None where no kernel runs (no GPU and no interpret mode) or none takes
-    this setting; the caller then dequantizes the store through XLA.
+def store_path(spec: kvspec.KVSpec, head_dim: int, q_dtype, query_rows: int, slots: int) -> str | None:
+    """How a one-token step reads the quantized store: "pallas" (the decode kernel), "xla" (XLA's dots
+    over the codes, :mod:`llmeq_jax.kv.store_attention`) or None (dequantize the layer, then attend).
 
-    The kernel reads the codes where they lie instead of writing a dequantized float copy
-    of the whole layer every step. ``quantized`` [B, 1, S] marks the slots to read.
+    The kernel where it runs and takes the setting, unless the dispatch table measured XLA's dots
+    faster on this device (kernel ``kv_attention``; ``query_rows`` = query heads per KV head times
+    the batch, ``slots`` the cache's length); XLA's dots also where no kernel runs on a GPU (kernels
+    disabled). They need what the kernel's folding needs, and post-RoPE keys.
     """
-    if not kernel_config.kernels_available() or not kernel_reads_store(cache.spec, cache.head_dim, q.dtype)[0]:
+    reads, _ = kernel_reads_store(spec, head_dim, q_dtype)
+    if not reads:
         return None
+    key = dispatch_table.Key(kernel_config.target_device().device_kind, "kv_attention", spec.bits, None, head_dim,
+                             dispatch_table.row_bucket(slots), dispatch_table.row_bucket(query_rows),
+                             jnp.dtype(q_dtype).name)
+    measured, kernel = dispatch_table.choice(key), kernel_config.kernels_available()
+    if not spec.pre_rope and (measured == "xla" or (not kernel and kernel_config.target_backend() == "gpu")):
+        return "xla"
+    return "pallas" if kernel else None
+
+
+def _kernel_store_part(cache: QuantKVCache, layer: int, q, quantized):
+    """(out [B, 1, H, D], lse [B, 1, H]) of one query over the quantized store, by the Pallas decode
+    kernel or XLA's dots over the codes (:func:`store_path`), or None where neither runs; the caller
+    then dequantizes the store through XLA.
+
+    Both read the codes where they lie instead of writing a dequantized float copy of the whole
+    layer every step. ``quantized`` [B, 1, S] marks the slots to read.
+    """
     bits, b, n_heads, d = cache.spec.bits, q.shape[0], q.shape[2], q.shape[3]
+    path = store_path(cache.spec, d, q.dtype, b * n_heads // cache.k.q.shape[2], cache.max_len)
+    if path is None:
+        return None
     k_scale, k_lo, _ = _key_grid(cache, layer)
-    rope = dict(slot_pos=cache.slot_pos, inv_freq=cache.inv_freq) if cache.spec.pre_rope else {}
     # Slots past query - window are never read from the store: scan only up to there.
     scan = jnp.maximum(cache.length + 1 - cache.spec.window, 0)
+    args = (q.reshape(b, n_heads, d), cache.k.q, cache.v.q, k_scale, k_lo, cache.v.scale, cache.v.lo, scan)
+    if path == "xla":
+        out, lse = store_attention(*args, bits=bits, allowed=quantized[:, 0], layer=layer)
+        return out[:, None], lse[:, None]
+    rope = dict(slot_pos=cache.slot_pos, inv_freq=cache.inv_freq) if cache.spec.pre_rope else {}
     # The kernel reads the layer from the stacked store (layer= may be traced: the scan over stacked
     # blocks); slicing it out here would copy the layer's whole store for the custom call every step.
-    out, lse = kv_kernels.store_decode_attention(
-        q.reshape(b, n_heads, d), cache.k.q, cache.v.q, k_scale, k_lo, cache.v.scale, cache.v.lo, scan, bits=bits,
-        allowed=quantized[:, 0], layer=layer, **rope,
-    )
+    out, lse = kv_kernels.store_decode_attention(*args, bits=bits, allowed=quantized[:, 0], layer=layer, **rope)
     return out[:, None], lse[:, None]
 
 

@@ -175,3 +175,35 @@ def test_stacked_decode_reads_each_layers_store_in_place():
         with kernel_config.disabled():
             assert _store_slices(config, scanned_params, cache, tokens[:, -1:]) > 0
     np.testing.assert_allclose(scanned, unrolled, atol=5e-5 * float(jnp.max(jnp.abs(unrolled))))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_decode_through_xlas_dots_over_the_codes_equals_dequantizing(bits, monkeypatch):
+    """Where the dispatch table measured XLA's dots over the codes (kv.store_attention) faster than the kernel,
+    a decode step's store is read by them: the same logits as dequantizing the layer, on the stacked model too."""
+    from llmeq_jax import dispatch_table
+    from llmeq_jax.models import stacked
+
+    config, spec = LLAMA, kvspec.KVSpec(bits=bits, pre_rope=False, window=3, sink_tokens=2)
+    params = _same_codes_model(config)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (2, 12)))
+    kv = calibrate.make_kv_quantizer(spec, config, params, np.random.default_rng(1).integers(0, config.vocab_size, (4, 16)))
+    key = dispatch_table.Key(jax.devices()[0].device_kind, "kv_attention", bits, None, config.head_dim,
+                             dispatch_table.row_bucket(tokens.shape[1]), 2 * config.num_heads // config.num_kv_heads,
+                             "float32")
+    table = dispatch_table.from_json(dispatch_table.to_json(key.device, [(key, {"pallas_s": 2.0, "xla_s": 1.0,
+                                                                                "bf16_s": 1.0})]))
+    calls = []
+    real = kvcache.store_attention
+    monkeypatch.setattr(kvcache, "store_attention", lambda *a, **kw: calls.append(kw["layer"]) or real(*a, **kw))
+    dequantized, _, _ = _decode(config, params, kv, tokens)
+    assert not calls
+    with dispatch_table.use(table):
+        dots, used_kernel, _ = _decode(config, params, kv, tokens)
+        scanned, _, _ = _decode(config, stacked.stack_blocks(config, params), kv, tokens)
+    assert calls and not used_kernel
+    tol = 5e-5 * float(jnp.max(jnp.abs(dequantized)))
+    np.testing.assert_allclose(dots, dequantized, atol=tol)
+    np.testing.assert_allclose(scanned, dequantized, atol=tol)
+    float_logits = _decode(config, params, None, tokens)[0]
+    assert float(jnp.max(jnp.abs(float_logits - dequantized))) > 100 * tol

@@ -1,0 +1,106 @@
+"""XLA's dots over the quantized KV store (llmeq_jax.kv.store_attention) against the dequantize-and-attend
+reference, and the choice between them and the Pallas kernel (kv.cache.store_path)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from llmeq_jax import dispatch_table
+from llmeq_jax.core.qarray import int_range, pack, unpack
+from llmeq_jax.kv import cache as kvcache
+from llmeq_jax.kv import spec as kvspec
+from llmeq_jax.kv.store_attention import codes, store_attention
+from pallas_kernels import config as kernel_config
+from pallas_kernels.kv_cache import store_decode_attention_reference
+
+
+def _store(bits, b=2, h=2, t=70, d=64, layers=None, seed=0):
+    """A random store as the cache keeps it (codes packed, per-channel key grid, float16 per-token value grid)."""
+    ks = jax.random.split(jax.random.key(seed), 6)
+    lead = (layers,) if layers else ()
+    lo, hi = int_range(bits)
+    kc, vc = (pack(jax.random.randint(k, (*lead, b, h, t, d), lo, hi + 1).astype(jnp.int8), bits, -1) for k in ks[:2])
+    k_scale = jax.random.uniform(ks[2], (1, h, 1, d), minval=0.01, maxval=0.05)
+    k_lo = jax.random.normal(ks[3], (1, h, 1, d)) * 0.3
+    v_scale = jax.random.uniform(ks[4], (*lead, b, h, t, 1), minval=0.01, maxval=0.05).astype(jnp.float16)
+    v_lo = (jax.random.normal(ks[5], (*lead, b, h, t, 1)) * 2).astype(jnp.float16)
+    return kc, vc, k_scale, k_lo, v_scale, v_lo
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_codes_are_the_packed_values_without_unpacking(bits):
+    lo, hi = int_range(bits)
+    values = jnp.arange(lo, hi + 1, dtype=jnp.int8).reshape(1, -1)[:, : 16 if bits == 4 else 256]
+    values = jnp.tile(values, (3, 4))  # both nibble positions see every code
+    got = codes(pack(values, bits, -1), bits)
+    assert got.shape == values.shape
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.int32)), np.asarray(values, np.int32))
+
+
+# float32 queries: dots at HIGHEST precision, only the summation order differs (seen: 5e-7 of the output).
+# Half queries: q * s_k and p * s_v rounded to bf16, as a bf16 cache's attention rounds q and p (seen: 2.3e-3).
+@pytest.mark.parametrize("dtype, rtol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2), (jnp.float16, 1e-2)])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_equals_the_dequantizing_reference(bits, dtype, rtol):
+    kc, vc, ks, kl, vs, vl = _store(bits, seed=bits)
+    q = (jax.random.normal(jax.random.key(7), (2, 8, 64)) * 2).astype(dtype)
+    length = jnp.array([70, 33])
+    allowed = jax.random.bernoulli(jax.random.key(8), 0.8, (2, 70))
+    out, lse = jax.jit(lambda *a: store_attention(*a, bits=bits, allowed=allowed))(q, kc, vc, ks, kl, vs, vl, length)
+    want, want_lse = store_decode_attention_reference(q, kc, vc, ks, kl, vs, vl, length, bits=bits, allowed=allowed)
+    scale = float(jnp.max(jnp.abs(want)))
+    np.testing.assert_allclose(out, want, atol=rtol * scale)
+    np.testing.assert_allclose(lse, want_lse, atol=rtol * float(jnp.max(jnp.abs(want_lse))))
+    # the comparison is not trivially met: without the value offsets the output moves by far more, without
+    # the key offsets (the same shift for every slot of a row) the log-sum-exp does
+    wrong, _ = store_attention(q, kc, vc, ks, kl, vs, jnp.zeros_like(vl), length, bits=bits, allowed=allowed)
+    assert float(jnp.max(jnp.abs(wrong - want))) > 3 * rtol * scale
+    _, wrong_lse = store_attention(q, kc, vc, ks, jnp.zeros_like(kl), vs, vl, length, bits=bits, allowed=allowed)
+    assert float(jnp.max(jnp.abs(wrong_lse - want_lse))) > 3 * rtol * float(jnp.max(jnp.abs(want_lse)))
+
+
+def test_a_layer_of_a_stack_and_a_row_with_no_slot():
+    kc, vc, ks, kl, vs, vl = _store(8, layers=3)
+    q = jax.random.normal(jax.random.key(2), (2, 4, 64))
+    length = jnp.array([0, 70])  # row 0 reads nothing
+    out, lse = store_attention(q, kc, vc, ks, kl, vs, vl, length, bits=8, layer=jnp.int32(2))
+    want, want_lse = store_decode_attention_reference(q, kc[2], vc[2], ks, kl, vs[2], vl[2], length, bits=8)
+    np.testing.assert_allclose(out[1], want[1], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(lse[1], want_lse[1], atol=1e-5 * float(jnp.max(jnp.abs(want_lse[1]))))
+    assert bool(jnp.all(jnp.isfinite(out))) and bool(jnp.all(lse[0] < -1e29))  # weighs nothing in a merge
+
+
+def test_bad_query_shape_is_named():
+    kc, vc, ks, kl, vs, vl = _store(8)
+    with pytest.raises(ValueError, match="q must be"):
+        store_attention(jnp.zeros((2, 3, 64)), kc, vc, ks, kl, vs, vl, 70, bits=8)
+    with pytest.raises(ValueError, match="bits=2"):
+        codes(kc, 2)
+
+
+def _table(choice: str, spec, rows=2, slots=16, dtype=jnp.float32):
+    key = dispatch_table.Key(jax.devices()[0].device_kind, "kv_attention", spec.bits, None, 64, slots, rows,
+                             jnp.dtype(dtype).name)
+    pallas, xla = (2.0, 1.0) if choice == "xla" else (1.0, 2.0)
+    return dispatch_table.from_json(dispatch_table.to_json(key.device, [(key, {"pallas_s": pallas, "xla_s": xla,
+                                                                               "bf16_s": 1.5})]))
+
+
+def test_store_path_follows_the_measured_table():
+    post, pre = kvspec.KVSpec(bits=8, pre_rope=False), kvspec.KVSpec(bits=8)
+    path = lambda spec: kvcache.store_path(spec, 64, jnp.float32, 2, 16)  # noqa: E731
+    assert path(post) is None  # CPU, no kernel, no table: dequantize
+    with kernel_config.interpret(True):
+        assert path(post) == "pallas"  # the static rule: the kernel where it runs
+        with dispatch_table.use(_table("xla", post)):
+            assert path(post) == "xla"
+            assert path(pre) == "pallas"  # pre-RoPE keys: no single dot over the codes
+            assert kvcache.store_path(post, 64, jnp.float32, 2, 4096) == "pallas"  # not measured at this length
+        with dispatch_table.use(_table("pallas", post)):
+            assert path(post) == "pallas"
+    with dispatch_table.use(_table("xla", post)):
+        assert path(post) == "xla"  # measured faster here: no kernel needed
+    assert kvcache.store_path(kvspec.KVSpec(bits=8, outlier_frac=0.02, pre_rope=False), 64, jnp.float32, 2, 16) is None
