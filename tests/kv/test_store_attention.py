@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from llmeq_jax import dispatch_table
-from llmeq_jax.core.qarray import int_range, pack, unpack
+from llmeq_jax.core.qarray import int_range, pack
 from llmeq_jax.kv import cache as kvcache
 from llmeq_jax.kv import spec as kvspec
 from llmeq_jax.kv.store_attention import codes, store_attention
