@@ -130,7 +130,7 @@ def write_table(path, measured):
 
 
 KINDS = ("bf16", "w8a8", "fp8", "w8", "w4g128", "w8a8_nk", "fp8_nk", "w8_nk", "w4_words", "bf16_stack", "w4_xla_rows",
-         "w8_nk_f16", "w4_gemv")
+         "w8_nk_f16", "w4_gemv", "w4_xla_words")
 # The int8 kinds with their weights stored K-major, (N, K): the layout decode steps of up to
 # decode_layout.GPU_KMAJOR_MAX_ROWS rows read (for_decode); not in the table. W8A8 is timed at prefill rows
 # too: there the kinds w8a8/fp8 transpose the weight per call (int8 wgmma takes K-major operands only), and
@@ -152,11 +152,16 @@ KMAJOR_KINDS = ("w8a8_nk", "fp8_nk", "w8_nk")
 # w4_gemv: the int4 GEMV (weight_only_matmul(gemv=True), pallas_kernels/gemv.py: no tensor cores, no shared
 # memory, many small programs; 4.5 instructions per weight in SASS against the word kernel's 2.1-2.5) at M <= 4:
 # whether the word kernel is bound by its instructions or by the latency its few warps a scheduler leave unhidden.
-DECODE_ONLY_KINDS = ("w8_nk", "w4_words", "bf16_stack", "w4_xla_rows", "w8_nk_f16", "w4_gemv")
+# w4_xla_words: the word kernel's own words (the layout a decode step holds) through XLA ops, unpacked by shifts
+# and masks inside one multiply-and-sum (:func:`xla_int4_words`); deviceless for an H200 at M = 1: one column
+# reduction over the words (172 blocks of 1024 threads) beside two tiny conversions, no dequantized copy. If it
+# streams faster than the word kernel, it is the words' XLA path. Not in the table.
+DECODE_ONLY_KINDS = ("w8_nk", "w4_words", "bf16_stack", "w4_xla_rows", "w8_nk_f16", "w4_gemv", "w4_xla_words")
 GEMV_ONLY_ROWS = ("w4_gemv",)  # kinds timed only at rows the GEMV takes (gemv.GEMV_MAX_ROWS)
-NOT_IN_TABLE = ("w4_xla_rows", "w4_gemv")
+NOT_IN_TABLE = ("w4_xla_rows", "w4_gemv", "w4_xla_words")
 # the kind whose weights (bytes moved, XLA's path) a layout kind has
-LAYOUT_OF = {"w4_words": "w4g128", "w4_xla_rows": "w4g128", "w8_nk_f16": "w8_nk", "w4_gemv": "w4g128"}
+LAYOUT_OF = {"w4_words": "w4g128", "w4_xla_rows": "w4g128", "w8_nk_f16": "w8_nk", "w4_gemv": "w4g128",
+             "w4_xla_words": "w4g128"}
 
 
 def xla_int4_rows(x, q, scale):
@@ -166,6 +171,22 @@ def xla_int4_rows(x, q, scale):
     n, k = q.shape
     w = q.astype(jnp.float32).reshape(n, k // GROUP, GROUP) * scale.astype(jnp.float32)[:, :, None]
     return jnp.sum(x.astype(jnp.float32)[:, None, :] * w.reshape(n, k)[None], axis=-1).astype(x.dtype)
+
+
+def xla_int4_words(x, words, scale):
+    """``x @ dequantize(w)`` for int4 weights as the word kernel's words ``(K/8, N)`` (``int4_words.pack_words``,
+    one scale group per word block) with group scales ``(K / GROUP, N)``: each block's eight nibbles by shifts and
+    masks, in one multiply and sum over K that XLA fuses into a single reduction over the words."""
+    from pallas_kernels.int4_words import NIBBLES, SLICE, WORD_BLOCK
+
+    assert GROUP == WORD_BLOCK, "one scale group per word block"
+    m, (rows, n) = x.shape[0], words.shape
+    blocks = rows // SLICE
+    shifts = (4 * jnp.arange(NIBBLES, dtype=jnp.int32)).reshape(1, NIBBLES, 1, 1)
+    codes = ((words.reshape(blocks, 1, SLICE, n) >> shifts) & 15).astype(jnp.float32) - 8.0  # K row 128b + 16j + i
+    w = codes * scale.astype(jnp.float32).reshape(blocks, 1, 1, n)
+    xs = x.astype(jnp.float32).reshape(m, blocks, NIBBLES, SLICE)
+    return jnp.sum(xs[..., None] * w[None], axis=(1, 2, 3)).astype(x.dtype)
 
 
 def torch_scaled_mm():
@@ -236,7 +257,7 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
         kmajor = set(kinds_wanted) & set(KMAJOR_KINDS)
         w8t = _copies(q8.qvalue.T, r) if kmajor & {"w8a8_nk", "w8_nk"} or "w8_nk_f16" in kinds_wanted else []
         wft = _copies(qf.qvalue.T, r) if "fp8_nk" in kmajor else []
-        w4w = _copies(pack_words(q4.values(), GROUP), r) if "w4_words" in kinds_wanted else []
+        w4w = _copies(pack_words(q4.values(), GROUP), r) if {"w4_words", "w4_xla_words"} & set(kinds_wanted) else []
         w4r = [c.T.astype(jnp.int4) for c in _copies(q4.values(), r)] if "w4_xla_rows" in kinds_wanted else []
         s4t = [s.T for s in s4] if w4r else []
         wbs = jnp.stack(wb) if "bf16_stack" in kinds_wanted else None  # r layers of bf16 weights
@@ -257,6 +278,7 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
             "w8_nk_f16": (lambda x, w, s: weight_only_matmul(x, w, s, bits=8, w_layout="nk", dequant="f16"),
                           list(zip(w8t, s8))),
             "w4_gemv": (lambda x, w, s: weight_only_matmul(x, w, s, bits=4, group=GROUP, gemv=True), list(zip(w4, s4))),
+            "w4_xla_words": (xla_int4_words, list(zip(w4w, s4))),
         }
         kinds_all = kinds
         kinds = {kind: v for kind, v in kinds.items() if kind in kinds_wanted or kind == "bf16"}

@@ -6,6 +6,10 @@ import json
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 SCRIPTS = Path(__file__).parents[1] / "scripts"
 
 
@@ -93,7 +97,7 @@ def test_bench_kernels_gpu_steps_run_through_in_interpret_mode(capsys, monkeypat
 
     bench = _script("bench_kernels")
     monkeypatch.setattr(bench, "copies_for", lambda nbytes: 1)
-    kinds = ("bf16", "w4g128", "w4_words", "w4_xla_rows", "w4_gemv", "bf16_stack", "w8_nk", "w8_nk_f16")
+    kinds = ("bf16", "w4g128", "w4_words", "w4_xla_rows", "w4_gemv", "bf16_stack", "w8_nk", "w8_nk_f16", "w4_xla_words")
     table = []
     with config.interpret(True):
         bench.gpu_bench(1, table=table, kinds_wanted=kinds, weights=((256, 128),), attention=False, rows=(1,))
@@ -123,3 +127,23 @@ def test_bench_kernels_attention_step_times_the_kernel_and_xlas_dots(capsys, mon
         assert f"int{bits} Pallas default:" in out and f"int{bits} XLA dots over the codes:" in out
     assert [(k.kernel, k.bits, k.k, k.n, k.rows) for k, _ in table] == [("kv_attention", 8, 64, 256, 4),
                                                                        ("kv_attention", 4, 64, 256, 4)]
+
+
+def test_bench_kernels_xla_int4_candidates_compute_the_product():
+    """The XLA formulations the words step times beside the kernels (int4 as jnp.int4 rows; the word kernel's
+    words unpacked in XLA) are the int4 weight-only product, not just something to time."""
+    from llmeq_jax.core.quantize import Spec, quantize
+    from pallas_kernels.int4_words import pack_words
+    from pallas_kernels.weight_only import weight_only_reference
+
+    bench = _script("bench_kernels")
+    w = jax.random.normal(jax.random.key(0), (384, 96)) * 0.02
+    q = quantize(w, Spec(bits=4, granularity="group", group_size=bench.GROUP))
+    x = jax.random.normal(jax.random.key(1), (3, 384)).astype(jnp.bfloat16)
+    want = weight_only_reference(x, q.values(), q.scale, bits=8, group=bench.GROUP).astype(jnp.float32)
+    tol = 2e-2 * float(jnp.max(jnp.abs(want)))
+    words = bench.xla_int4_words(x, pack_words(q.values(), bench.GROUP), q.scale).astype(jnp.float32)
+    rows = bench.xla_int4_rows(x, q.values().T.astype(jnp.int4), q.scale.T).astype(jnp.float32)
+    np.testing.assert_allclose(words, want, atol=tol)
+    np.testing.assert_allclose(rows, want, atol=tol)
+    assert float(jnp.max(jnp.abs(want))) > 10 * tol
