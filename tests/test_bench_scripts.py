@@ -1,4 +1,5 @@
-"""scripts/profile_decode.py (GPU kernels out of a profiler trace) and scripts/bench_e2e.py (--profile, the variant order)."""
+"""scripts/profile_decode.py (GPU kernels out of a profiler trace), scripts/bench_e2e.py (--profile, the variant order) and
+scripts/bench_kernels.py (its GPU steps run through in interpret mode, its XLA candidates checked)."""
 
 import gzip
 import importlib.util
