@@ -47,6 +47,7 @@ step gpu_tests 90 "$py" -m pytest -v --tb=line -p no:cacheprovider -m gpu tests/
 # reduction, deviceless compile) -- whether XLA's own fusion streams int4 faster than the Pallas kernels.
 # w4_gemv: the int4 GEMV (no tensor cores, many small programs; never timed) beside the word kernel at M = 1:
 # whether the words are bound by instructions or by latency their few warps leave unhidden.
+# w4_xla_words (new): the word kernel's own words unpacked by XLA in one multiply-and-sum (one column reduction).
 # w8_nk_f16 (new): the K-major int8 weights with float16 operands (pallas_kernels/int8_f16.py, 2.2 instructions
 # per weight in SASS against w8_nk's 4.5; rtn-w8's decode kernel if it wins).
 step words 110 "$py" scripts/bench_kernels.py --reps 10 --rows 1,16 \
@@ -59,7 +60,9 @@ step sweep 120 "$py" scripts/bench_kernels.py --reps 10 --sweep --rows 1 --kinds
     --weights 4096x4096,4096x11008 --no-attention
 # KV decode attention at 32K (int8 / int4 codes against bf16 XLA attention; issue #15: >= 1.5x / 2x) and its
 # sweep: split counts, 3-4 cp.async stages (at 2 the compiled loop waits for every copy at its top), 8 warps over
-# 128-256-token blocks (22 barriers per 256 tokens against 32; sm_90 SASS, no spills).
+# 128-256-token blocks (22 barriers per 256 tokens against 32; sm_90 SASS, no spills). New: XLA's own GEMM fusions
+# over the int8 / int4 codes (llmeq_jax/kv/store_attention.py) beside the kernel; dispatch_kv.json's kv_attention
+# entries say which a decode step takes (merge them into the shipped table where XLA's dots win).
 step attention 70 "$py" scripts/bench_kernels.py --reps 10 --sweep --rows 1 --kinds bf16 --weights 4096x4096 \
     --write-table "$out/dispatch_kv.json"
 # FP8 W8A8 (E4M3, new since the H200 run): the Pallas kernel and XLA's FP8 dot against bf16, and PyTorch's
