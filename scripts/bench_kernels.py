@@ -39,6 +39,7 @@ DECODE_M = (1, 4, 16)
 PREFILL_M = (512, 2048, 4096)
 GROUP = 128
 KV_SHAPE = (1, 8, 4, 32768, 128)  # decode attention: batch, kv heads, q heads per kv head, tokens, head dim
+KV_OTHER_CONTEXTS = (4096,)  # shorter caches timed with the defaults only (the dispatch table's other lengths)
 
 
 def bytes_moved(m, k, n, kind):
@@ -361,13 +362,31 @@ def sweep_in_turns(kind: str, kinds: dict, xs: list, configs: list, reps: int, f
 
 def attention_bench(reps, sweep=False, table=None, table_path=None):
     """int8 / int4 decode attention (the Pallas kernel and XLA's dots over the codes) against bf16 XLA attention at
-    KV_SHAPE; with a list ``table``, append the kernel's and XLA's times as ``kv_attention`` entries (written to
-    ``table_path``)."""
+    KV_SHAPE, and at the shorter KV_OTHER_CONTEXTS with the defaults only; with a list ``table``, append the kernel's
+    and XLA's times as ``kv_attention`` entries (written to ``table_path``)."""
+    # --sweep: other split counts, a deeper cp.async pipeline for the codes (at 2 stages the compiled loop waits
+    # for every outstanding copy at its top: scripts/kernel_sass.py kv_int8_32k_3stages), and 8 warps with
+    # 128-256-token blocks: the loop's barriers (cross-warp softmax reductions, the weights' layout for the
+    # second dot) come 22 times per 256 tokens instead of 32, no spills (kv_int8_32k_8warps_256; 4 warps at 256
+    # tokens spill; 64-token blocks measured 0.8x on the H200 and are left out)
+    configs = [dict()] + ([dict(num_splits=64), dict(num_splits=16), dict(num_stages=3), dict(num_stages=4),
+                           dict(block_t=128, num_warps=8), dict(block_t=256, num_warps=8),
+                           dict(block_t=256, num_warps=8, num_stages=3)] if sweep else [])
+    longest = KV_SHAPE[3]
+    for t in (longest, *(c for c in KV_OTHER_CONTEXTS if c < longest)):
+        attention_rows(t, configs if t == longest else [dict()], reps, table)
+        if table is not None and table_path:
+            write_table(table_path, table)
+
+
+def attention_rows(t, configs, reps, table=None):
+    """The attention bench's rows at ``t`` cached tokens (KV_SHAPE's other dims): bf16, the Pallas kernel under each
+    of ``configs`` (the first: its defaults) and XLA's dots over the codes, int8 then int4."""
     from llmeq_jax import dispatch_table
     from llmeq_jax.kv.store_attention import store_attention
     from pallas_kernels.kv_cache import store_decode_attention
 
-    b, h, g, t, d = KV_SHAPE
+    b, h, g, _, d = KV_SHAPE
     # The quantized cache's store: per-channel key grid, float16 per-token value scale and min.
     ks, kl = jnp.full((1, h, 1, d), 0.01), jnp.zeros((1, h, 1, d))
     vs, vl = jnp.full((b, h, t, 1), 0.01, jnp.float16), jnp.zeros((b, h, t, 1), jnp.float16)
@@ -388,14 +407,6 @@ def attention_bench(reps, sweep=False, table=None, table_path=None):
     kv_bytes = {"bf16": 2 * 2 * t * h * d, 8: 2 * t * h * d + 4 * t * h, 4: t * h * d + 4 * t * h}
     print(f"decode attention B={b} T={t} H_kv={h} G={g} D={d}: bf16 XLA {t_bf * 1e3:.4f} ms "
           f"({kv_bytes['bf16'] / t_bf / 1e9:.0f} GB/s)")
-    # --sweep: other split counts, a deeper cp.async pipeline for the codes (at 2 stages the compiled loop waits
-    # for every outstanding copy at its top: scripts/kernel_sass.py kv_int8_32k_3stages), and 8 warps with
-    # 128-256-token blocks: the loop's barriers (cross-warp softmax reductions, the weights' layout for the
-    # second dot) come 22 times per 256 tokens instead of 32, no spills (kv_int8_32k_8warps_256; 4 warps at 256
-    # tokens spill; 64-token blocks measured 0.8x on the H200 and are left out)
-    configs = [dict()] + ([dict(num_splits=64), dict(num_splits=16), dict(num_stages=3), dict(num_stages=4),
-                           dict(block_t=128, num_warps=8), dict(block_t=256, num_warps=8),
-                           dict(block_t=256, num_warps=8, num_stages=3)] if sweep else [])
     for bits, caches in ((8, kqs), (4, k4s)):
         inputs = [(q, caches[i], caches[r + i]) for i in range(r)]
         t_default = None
@@ -421,8 +432,6 @@ def attention_bench(reps, sweep=False, table=None, table_path=None):
             key = dispatch_table.Key(jax.devices()[0].device_kind, "kv_attention", bits, None, d, t,
                                      dispatch_table.row_bucket(b * g), jnp.dtype(q.dtype).name)
             table.append((key, {"pallas_s": t_default, "xla_s": t_x, "bf16_s": t_bf}))
-    if table is not None and table_path:
-        write_table(table_path, table)
 
 
 def _sweep():

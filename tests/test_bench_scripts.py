@@ -120,14 +120,15 @@ def test_bench_kernels_attention_step_times_the_kernel_and_xlas_dots(capsys, mon
     bench = _script("bench_kernels")
     monkeypatch.setattr(bench, "copies_for", lambda nbytes: 1)
     monkeypatch.setattr(bench, "KV_SHAPE", (1, 2, 4, 256, 64))
+    monkeypatch.setattr(bench, "KV_OTHER_CONTEXTS", (128, 4096))  # 4096: longer than KV_SHAPE's, left out
     table = []
     with config.interpret(True):
         bench.attention_bench(1, table=table)
     out = capsys.readouterr().out
     for bits in (8, 4):
-        assert f"int{bits} Pallas default:" in out and f"int{bits} XLA dots over the codes:" in out
-    assert [(k.kernel, k.bits, k.k, k.n, k.rows) for k, _ in table] == [("kv_attention", 8, 64, 256, 4),
-                                                                       ("kv_attention", 4, 64, 256, 4)]
+        assert out.count(f"int{bits} Pallas default:") == 2 and out.count(f"int{bits} XLA dots over the codes:") == 2
+    assert [(k.kernel, k.bits, k.k, k.n, k.rows) for k, _ in table] == [
+        ("kv_attention", bits, 64, t, 4) for t in (256, 128) for bits in (8, 4)]
 
 
 def test_bench_kernels_xla_int4_candidates_compute_the_product():

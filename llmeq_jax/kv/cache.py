@@ -445,19 +445,39 @@ def store_path(spec: kvspec.KVSpec, head_dim: int, q_dtype, query_rows: int, slo
 
     The kernel where it runs and takes the setting, unless the dispatch table measured XLA's dots
     faster on this device (kernel ``kv_attention``; ``query_rows`` = query heads per KV head times
-    the batch, ``slots`` the cache's length); XLA's dots also where no kernel runs on a GPU (kernels
-    disabled). They need what the kernel's folding needs, and post-RoPE keys.
+    the batch, ``slots`` the cache's length, or the nearest length measured within a factor of 8);
+    XLA's dots also where no kernel runs on a GPU (kernels disabled). They need what the kernel's
+    folding needs, and post-RoPE keys.
     """
     reads, _ = kernel_reads_store(spec, head_dim, q_dtype)
     if not reads:
         return None
-    key = dispatch_table.Key(kernel_config.target_device().device_kind, "kv_attention", spec.bits, None, head_dim,
-                             dispatch_table.row_bucket(slots), dispatch_table.row_bucket(query_rows),
-                             jnp.dtype(q_dtype).name)
-    measured, kernel = dispatch_table.choice(key), kernel_config.kernels_available()
+    measured, kernel = _measured_store_path(spec.bits, head_dim, q_dtype, query_rows, slots), \
+        kernel_config.kernels_available()
     if not spec.pre_rope and (measured == "xla" or (not kernel and kernel_config.target_backend() == "gpu")):
         return "xla"
     return "pallas" if kernel else None
+
+
+# Cache lengths a measurement of another length stands in for, nearest first (powers of two): the two paths' ratio
+# moves slowly with the length, and the benchmark times a few lengths only (4K and 32K).
+_NEIGHBOUR_LENGTHS = (1, 2, 1 / 2, 4, 1 / 4, 8, 1 / 8)
+
+
+def _measured_store_path(bits: int, head_dim: int, q_dtype, query_rows: int, slots: int) -> str | None:
+    """The dispatch table's faster path ("pallas" / "xla") for this store, measured at this cache length's bucket or
+    the nearest measured one within a factor of 8; None where nothing near was measured."""
+    bucket = dispatch_table.row_bucket(slots)
+    for factor in _NEIGHBOUR_LENGTHS:
+        n = int(bucket * factor)
+        if n < 1:
+            continue
+        key = dispatch_table.Key(kernel_config.target_device().device_kind, "kv_attention", bits, None, head_dim, n,
+                                 dispatch_table.row_bucket(query_rows), jnp.dtype(q_dtype).name)
+        measured = dispatch_table.choice(key)
+        if measured is not None:
+            return measured
+    return None
 
 
 def _kernel_store_part(cache: QuantKVCache, layer: int, q, quantized):

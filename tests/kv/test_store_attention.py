@@ -98,7 +98,9 @@ def test_store_path_follows_the_measured_table():
         with dispatch_table.use(_table("xla", post)):
             assert path(post) == "xla"
             assert path(pre) == "pallas"  # pre-RoPE keys: no single dot over the codes
-            assert kvcache.store_path(post, 64, jnp.float32, 2, 4096) == "pallas"  # not measured at this length
+            assert kvcache.store_path(post, 64, jnp.float32, 2, 100) == "xla"  # the nearest measured length: 16
+            assert kvcache.store_path(post, 64, jnp.float32, 2, 4096) == "pallas"  # nothing measured near 4096
+            assert kvcache.store_path(post, 64, jnp.float32, 4, 16) == "pallas"  # nor at 4 query rows
         with dispatch_table.use(_table("pallas", post)):
             assert path(post) == "pallas"
     with dispatch_table.use(_table("xla", post)):
