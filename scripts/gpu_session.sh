@@ -62,8 +62,8 @@ step sweep 120 "$py" scripts/bench_kernels.py --reps 10 --sweep --rows 1 --kinds
 # KV decode attention at 32K (int8 / int4 codes against bf16 XLA attention; issue #15: >= 1.5x / 2x) and its
 # sweep: split counts, 3-4 cp.async stages (at 2 the compiled loop waits for every copy at its top), 8 warps over
 # 128-256-token blocks (22 barriers per 256 tokens against 32; sm_90 SASS, no spills). New: XLA's own GEMM fusions
-# over the int8 / int4 codes (llmeq_jax/kv/store_attention.py) beside the kernel; dispatch_kv.json's kv_attention
-# entries say which a decode step takes (merge them into the shipped table where XLA's dots win).
+# over the int8 / int4 codes (llmeq_jax/kv/store_attention.py) beside the kernel, at 32K and (defaults only) 4K
+# tokens; dispatch_kv.json's kv_attention entries say which a decode step takes (merge them into the shipped table).
 step attention 70 "$py" scripts/bench_kernels.py --reps 10 --sweep --rows 1 --kinds bf16 --weights 4096x4096 \
     --write-table "$out/dispatch_kv.json"
 # FP8 W8A8 (E4M3, new since the H200 run): the Pallas kernel and XLA's FP8 dot against bf16, and PyTorch's
