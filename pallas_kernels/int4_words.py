@@ -319,5 +319,47 @@ def int4_words_reference(x, words, w_scale, *, group: int | None = None, w_zero_
     return weight_only_reference(x, q, w_scale, bits=8, w_zero_point=w_zero_point, bias=bias, group=group)
 
 
-__all__ = ["EPILOGUES", "WORD_BLOCK", "code_offset", "int4_words_matmul", "int4_words_reference", "k_step", "nibble_asm", "nibbles",
+def _per_k(rows, group: int | None, blocks: int):
+    """Per-group rows ``(G, N)`` (scales or zero points) broadcastable against the words' values laid out
+    ``[blocks, NIBBLES, SLICE, N]`` (K row ``WORD_BLOCK b + SLICE j + i``)."""
+    n = rows.shape[-1]
+    if group is None:
+        return rows.reshape(1, 1, 1, n)
+    if group >= WORD_BLOCK:  # a group spans whole word blocks
+        return jnp.repeat(rows, group // WORD_BLOCK, axis=0)[:blocks].reshape(blocks, 1, 1, n)
+    per_block = WORD_BLOCK // group  # groups of SLICE * (group / SLICE) rows: nibble j is in group j // (group / SLICE)
+    rows = jnp.pad(rows, ((0, blocks * per_block - rows.shape[0]), (0, 0)))
+    return jnp.repeat(rows.reshape(blocks, per_block, n), group // SLICE, axis=1).reshape(blocks, NIBBLES, 1, n)
+
+
+def int4_words_xla(x, words, w_scale, *, group: int | None = None, w_zero_point=None, bias=None, layer=None):
+    """``x @ dequantize(w)`` for :func:`pack_words` words by XLA ops, written for XLA's reduction emitter: each
+    word's eight nibbles by shifts and masks, times the group's scale (less its zero point), times x, summed over
+    K in one expression. Arguments as :func:`int4_words_matmul` (``layer``: stacks read at that layer); float32
+    arithmetic, the result in x's dtype.
+
+    What XLA makes of it depends on the shape (deviceless compiles for an H200, M = 1): one reduction kernel over
+    the words at 4096 x 11008 / 12288 / 22016 and a fused two-stage one at 11008 x 4096, but at 4096 x 4096 the
+    dequantized product written out (67 MB) before the sum, and inside the scan over stacked blocks one layer's
+    words copied out of the stack. ``scripts/bench_kernels.py`` times it (kind ``w4_xla_words``) as a measure of
+    what XLA's reduction can stream; no dispatch path takes it."""
+    _check(x, words, w_scale, w_zero_point, group, layer)
+    if layer is not None:
+        words, w_scale, w_zero_point = (None if a is None else jax.lax.dynamic_index_in_dim(a, layer, 0, False)
+                                        for a in (words, w_scale, w_zero_point))
+    (m, k), (rows, n) = x.shape, words.shape
+    blocks = rows // SLICE
+    shifts = (4 * jnp.arange(NIBBLES, dtype=jnp.int32)).reshape(1, NIBBLES, 1, 1)
+    codes = ((words.reshape(blocks, 1, SLICE, n) >> shifts) & 15).astype(jnp.float32) - 8.0
+    if w_zero_point is not None:
+        codes = codes - _per_k(w_zero_point.astype(jnp.float32), group, blocks)
+    w = codes * _per_k(w_scale.astype(jnp.float32), group, blocks)
+    xs = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, rows * NIBBLES - k))).reshape(m, blocks, NIBBLES, SLICE)
+    y = jnp.sum(xs[..., None] * w[None], axis=(1, 2, 3))
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+__all__ = ["EPILOGUES", "WORD_BLOCK", "code_offset", "int4_words_matmul", "int4_words_reference", "int4_words_xla", "k_step", "nibble_asm", "nibbles",
            "pack_words", "unpack_words", "word_rows"]

@@ -154,9 +154,11 @@ KMAJOR_KINDS = ("w8a8_nk", "fp8_nk", "w8_nk")
 # memory, many small programs; 4.5 instructions per weight in SASS against the word kernel's 2.1-2.5) at M <= 4:
 # whether the word kernel is bound by its instructions or by the latency its few warps a scheduler leave unhidden.
 # w4_xla_words: the word kernel's own words (the layout a decode step holds) through XLA ops, unpacked by shifts
-# and masks inside one multiply-and-sum (:func:`xla_int4_words`); deviceless for an H200 at M = 1: one column
-# reduction over the words (172 blocks of 1024 threads) beside two tiny conversions, no dequantized copy. If it
-# streams faster than the word kernel, it is the words' XLA path. Not in the table.
+# and masks inside one multiply-and-sum (int4_words.int4_words_xla); deviceless for an H200 at M = 1: one column
+# reduction over the words (172 blocks of 1024 threads) beside two tiny conversions, no dequantized copy -- but at
+# 4096 x 4096 XLA writes the dequantized product (67 MB) before a two-stage sum, and inside the scan it copied
+# gate/up's words out of the stack: a measurement of what XLA's reduction can stream, not a dispatch path yet.
+# Not in the table.
 DECODE_ONLY_KINDS = ("w8_nk", "w4_words", "bf16_stack", "w4_xla_rows", "w8_nk_f16", "w4_gemv", "w4_xla_words")
 GEMV_ONLY_ROWS = ("w4_gemv",)  # kinds timed only at rows the GEMV takes (gemv.GEMV_MAX_ROWS)
 NOT_IN_TABLE = ("w4_xla_rows", "w4_gemv", "w4_xla_words")
@@ -172,22 +174,6 @@ def xla_int4_rows(x, q, scale):
     n, k = q.shape
     w = q.astype(jnp.float32).reshape(n, k // GROUP, GROUP) * scale.astype(jnp.float32)[:, :, None]
     return jnp.sum(x.astype(jnp.float32)[:, None, :] * w.reshape(n, k)[None], axis=-1).astype(x.dtype)
-
-
-def xla_int4_words(x, words, scale):
-    """``x @ dequantize(w)`` for int4 weights as the word kernel's words ``(K/8, N)`` (``int4_words.pack_words``,
-    one scale group per word block) with group scales ``(K / GROUP, N)``: each block's eight nibbles by shifts and
-    masks, in one multiply and sum over K that XLA fuses into a single reduction over the words."""
-    from pallas_kernels.int4_words import NIBBLES, SLICE, WORD_BLOCK
-
-    assert GROUP == WORD_BLOCK, "one scale group per word block"
-    m, (rows, n) = x.shape[0], words.shape
-    blocks = rows // SLICE
-    shifts = (4 * jnp.arange(NIBBLES, dtype=jnp.int32)).reshape(1, NIBBLES, 1, 1)
-    codes = ((words.reshape(blocks, 1, SLICE, n) >> shifts) & 15).astype(jnp.float32) - 8.0  # K row 128b + 16j + i
-    w = codes * scale.astype(jnp.float32).reshape(blocks, 1, 1, n)
-    xs = x.astype(jnp.float32).reshape(m, blocks, NIBBLES, SLICE)
-    return jnp.sum(xs[..., None] * w[None], axis=(1, 2, 3)).astype(x.dtype)
 
 
 def torch_scaled_mm():
@@ -239,7 +225,7 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
     from llmeq_jax.layer_slice import take_layer
     from pallas_kernels.float_matmul import float_matmul
     from pallas_kernels.gemv import GEMV_MAX_ROWS
-    from pallas_kernels.int4_words import int4_words_matmul, pack_words
+    from pallas_kernels.int4_words import int4_words_matmul, int4_words_xla, pack_words
     from pallas_kernels.w8a8 import w8a8_matmul
     from pallas_kernels.weight_only import weight_only_matmul
 
@@ -279,7 +265,7 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
             "w8_nk_f16": (lambda x, w, s: weight_only_matmul(x, w, s, bits=8, w_layout="nk", dequant="f16"),
                           list(zip(w8t, s8))),
             "w4_gemv": (lambda x, w, s: weight_only_matmul(x, w, s, bits=4, group=GROUP, gemv=True), list(zip(w4, s4))),
-            "w4_xla_words": (xla_int4_words, list(zip(w4w, s4))),
+            "w4_xla_words": (lambda x, w, s: int4_words_xla(x, w, s, group=GROUP), list(zip(w4w, s4))),
         }
         kinds_all = kinds
         kinds = {kind: v for kind, v in kinds.items() if kind in kinds_wanted or kind == "bf16"}
@@ -314,6 +300,8 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
                 if table is not None and kind == "w8_nk_f16" and "w8_nk" in row_times:  # against the kernel it replaces
                     table.append((table_key(kind, k, n, m), {"pallas_s": t, "xla_s": row_times["w8_nk"], "bf16_s": base}))
                     line += f"  ({row_times['w8_nk'] / t:.2f}x w8_nk)"
+                if kind == "w4_xla_words" and "w4_words" in row_times:
+                    line += f"  ({row_times['w4_words'] / t:.2f}x w4_words)"
                 if kind == "fp8" and torch_fp8 is not None and m >= 16:
                     prepare, timer = torch_fp8
                     t_mm, t_bf = (timer(f, reps * 10) for f in prepare(m, k, n))

@@ -210,3 +210,28 @@ def test_mma_epilogue_reads_its_rows_as_dot_tiles_and_carries_none(zp):
     assert results.count("tensor") == 1, results  # the accumulator alone
     assert kernel.ttir.count("tt.dot") == 16 + 1 + zp
     assert not re.search(r"tt\.load .*tensor<1x\d+x", kernel.ttir)
+
+
+@pytest.mark.parametrize("m,k,n,group,zp,bias,dtype,splits", CASES)
+def test_xla_formulation_matches_reference(m, k, n, group, zp, bias, dtype, splits):
+    """int4_words_xla (the words' product in XLA ops, one reduction) for every case the kernel takes."""
+    words, scale, zero = _weights(k, n, group, zp)
+    x = jax.random.normal(jax.random.key(m), (m, k)).astype(dtype)
+    b = jnp.linspace(-1, 1, n) if bias else None
+    got = jax.jit(lambda *a: iw.int4_words_xla(*a, group=group, w_zero_point=zero, bias=b))(x, words, scale)
+    want = iw.int4_words_reference(x, words, scale, group=group, w_zero_point=zero, bias=b)
+    assert got.dtype == x.dtype and got.shape == (m, n)
+    tol = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2, jnp.float16: 2e-3}[dtype]
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol,
+                               atol=tol * float(jnp.max(jnp.abs(want.astype(jnp.float32)))))
+
+
+def test_xla_formulation_reads_a_layer_of_a_stack():
+    words, scale, zero = _weights(256, 64, 64, True, lead=(3,))
+    x = jax.random.normal(jax.random.key(9), (2, 256))
+    at = jax.jit(lambda x, w, s, z, i: iw.int4_words_xla(x, w, s, group=64, w_zero_point=z, layer=i))
+    for i in range(3):
+        want = iw.int4_words_reference(x, words[i], scale[i], group=64, w_zero_point=zero[i])
+        np.testing.assert_allclose(at(x, words, scale, zero, jnp.int32(i)), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="w_scale has shape"):
+        iw.int4_words_xla(x, words[0], scale[0][:1], group=64)
