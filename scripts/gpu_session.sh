@@ -11,6 +11,7 @@
 # with the start:
 #     STEPS="gpu_tests words sweep attention fp8" bash scripts/gpu_session.sh   # ~7.8 min of limits (timeout_s 480)
 #     STEPS="e2e" bash scripts/gpu_session.sh                                        # ~5.7 min (timeout_s 350)
+# (the second call's e2e decodes with the first call's tables merged over the shipped one: see the e2e step)
 # then, in a later session: layout layout_float kernels gemv prefill layout_dsf.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -103,9 +104,22 @@ LLMEQ_DISPATCH_TABLE="$out/dispatch_words.json" step layout_float 60 "$py" scrip
 # sizes (16 adds a compile a variant). A run cut by its limit keeps the rows it finished. --profile: where each
 # of our variants' decode step goes, per GPU kernel (one decode traced after the timings; the Pallas matmuls,
 # norms, RoPE, attention, cache updates, split-K sums) against the step's wall time.
+# Tables this machine measured in an earlier call (kept under runs/tables: ignored paths survive between calls
+# while the machine is warm), merged over the shipped table, so that e2e decodes with the choices a user of this
+# GPU would get once they ship; none here: the shipped table as it is.
+tables=(runs/tables/dispatch_*.json)
+if [[ " $steps " == *" e2e "* && -e "${tables[0]}" ]]; then
+  kind=$("$py" -c "import jax; print(jax.devices()[0].device_kind)")
+  shipped=$("$py" -c "from llmeq_jax import dispatch_table as t; print(t.shipped_path('$kind'))")
+  merged="$out/dispatch_merged.json"
+  cp "$shipped" "$merged" 2>/dev/null || true
+  "$py" -m llmeq_jax.dispatch_table merge "${tables[@]}" --into "$merged" && export LLMEQ_DISPATCH_TABLE="$merged"
+fi
 step e2e 340 "$py" scripts/bench_e2e.py --shapes "$shapes" "${layers[@]}" --dtype bfloat16 \
     --recipes ${RECIPES:-rtn-w8 rtn-w4-g128} --batches ${BATCHES:-1} --prefill-len 2048 --new-tokens 32 --repeats 2 \
     --scan-only --torch --profile --out "$out/e2e.json"
 step kernels 90 "$py" scripts/bench_kernels.py --reps 10 --kinds bf16,w8a8,fp8,w8,w4g128,w8a8_nk,fp8_nk,w8_nk \
     --write-table "$out/dispatch.json"
+mkdir -p runs/tables && cp "$out"/dispatch_words.json "$out"/dispatch_kv.json "$out"/dispatch_fp8.json "$out"/dispatch.json \
+    runs/tables/ 2>/dev/null
 echo "== [$(( SECONDS - start ))s] done; results in $out"
