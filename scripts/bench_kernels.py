@@ -350,26 +350,29 @@ def sweep_in_turns(kind: str, kinds: dict, xs: list, configs: list, reps: int, f
 
 def attention_bench(reps, sweep=False, table=None, table_path=None):
     """int8 / int4 decode attention (the Pallas kernel and XLA's dots over the codes) against bf16 XLA attention at
-    KV_SHAPE, and at the shorter KV_OTHER_CONTEXTS with the defaults only; with a list ``table``, append the kernel's
-    and XLA's times as ``kv_attention`` entries (written to ``table_path``)."""
+    KV_SHAPE, and at the shorter KV_OTHER_CONTEXTS; with a list ``table``, append the kernel's and XLA's times as
+    ``kv_attention`` entries (written to ``table_path``). ``sweep``: then the kernel's other settings at KV_SHAPE
+    (after every length's defaults, so that a run cut short by its limit keeps them)."""
+    longest = KV_SHAPE[3]
+    for t in (longest, *(c for c in KV_OTHER_CONTEXTS if c < longest)):
+        attention_rows(t, [dict()], reps, table, xla=True)
+        if table is not None and table_path:
+            write_table(table_path, table)
     # --sweep: other split counts, a deeper cp.async pipeline for the codes (at 2 stages the compiled loop waits
     # for every outstanding copy at its top: scripts/kernel_sass.py kv_int8_32k_3stages), and 8 warps with
     # 128-256-token blocks: the loop's barriers (cross-warp softmax reductions, the weights' layout for the
     # second dot) come 22 times per 256 tokens instead of 32, no spills (kv_int8_32k_8warps_256; 4 warps at 256
     # tokens spill; 64-token blocks measured 0.8x on the H200 and are left out)
-    configs = [dict()] + ([dict(num_splits=64), dict(num_splits=16), dict(num_stages=3), dict(num_stages=4),
-                           dict(block_t=128, num_warps=8), dict(block_t=256, num_warps=8),
-                           dict(block_t=256, num_warps=8, num_stages=3)] if sweep else [])
-    longest = KV_SHAPE[3]
-    for t in (longest, *(c for c in KV_OTHER_CONTEXTS if c < longest)):
-        attention_rows(t, configs if t == longest else [dict()], reps, table)
-        if table is not None and table_path:
-            write_table(table_path, table)
+    if sweep:
+        attention_rows(longest, [dict(num_splits=64), dict(num_splits=16), dict(num_stages=3), dict(num_stages=4),
+                                 dict(block_t=128, num_warps=8), dict(block_t=256, num_warps=8),
+                                 dict(block_t=256, num_warps=8, num_stages=3)], reps)
 
 
-def attention_rows(t, configs, reps, table=None):
-    """The attention bench's rows at ``t`` cached tokens (KV_SHAPE's other dims): bf16, the Pallas kernel under each
-    of ``configs`` (the first: its defaults) and XLA's dots over the codes, int8 then int4."""
+def attention_rows(t, configs, reps, table=None, xla=False):
+    """The attention bench's rows at ``t`` cached tokens (KV_SHAPE's other dims), int8 then int4: bf16 XLA
+    attention, the Pallas kernel under each of ``configs`` ({} = its defaults) and, with ``xla``, XLA's dots over
+    the codes; a table entry of each width where the defaults and XLA's dots both ran."""
     from llmeq_jax import dispatch_table
     from llmeq_jax.kv.store_attention import store_attention
     from pallas_kernels.kv_cache import store_decode_attention
@@ -409,6 +412,8 @@ def attention_rows(t, configs, reps, table=None):
             t_default = t_default or (t_q if not cfg else None)
             print(f"  int{bits} Pallas {cfg or 'default'}: {t_q * 1e3:.4f} ms ({kv_bytes[bits] / t_q / 1e9:.0f} GB/s), "
                   f"{t_bf / t_q:.2f}x bf16", flush=True)
+        if not xla:
+            continue
         # XLA's own GEMM fusions over the codes, the grids folded out of the dots (llmeq_jax/kv/store_attention.py):
         # the int8 / int4 (bitcast to jnp.int4) codes converted in the GEMMs' operand loads, as XLA streams the bf16
         # cache above (deviceless compile for an H200: two GEMM fusions reading s8 / s4, no dequantized copy)
