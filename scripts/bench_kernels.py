@@ -286,7 +286,13 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
             for kind, (fn, ws) in kinds.items():
                 if kind in DECODE_ONLY_KINDS and m > DECODE_M[-1] or kind in GEMV_ONLY_ROWS and m > GEMV_MAX_ROWS:
                     continue
-                t = timed(fn, [(x, *wargs) for x, wargs in zip(xs, ws)], reps=reps)
+                try:
+                    t = timed(fn, [(x, *wargs) for x, wargs in zip(xs, ws)], reps=reps)
+                except Exception as e:  # one kind failing to compile or run costs its row, not the step's others
+                    if kind == "bf16":
+                        raise
+                    print(f"{f'{k}x{n}':>12} {m:>5} {kind:>7} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    continue
                 base = base or t
                 row_times[kind] = t
                 line = (f"{f'{k}x{n}':>12} {m:>5} {kind:>7} {t * 1e3:>8.4f} {2 * m * k * n / t / 1e12:>8.1f} "

@@ -362,6 +362,27 @@ for _shape in STORE_CASES:
         return name, err if lse_err <= lse_tol else float("nan"), tol, None
 
 
+for _shape in [c for c in STORE_CASES if not c[6]]:  # post-RoPE keys
+
+    @case
+    def _store_xla(shape=_shape):
+        """XLA's own dots over the codes (llmeq_jax.kv.store_attention), compiled by XLA for this GPU (a deviceless
+        compile aborted in XLA's Triton tiling before the int4 bitcast got its barrier)."""
+        from llmeq_jax.kv.store_attention import store_attention
+
+        b, h, g, t, d, bits, _, dtype = shape
+        q, store, extra = _store_case(*shape)
+        length = jnp.array([t, t // 2 + 3, 1, t - 7][:b], jnp.int32)
+        out, lse = jax.jit(lambda q, n, *a: store_attention(q, *a, n, bits=bits, **extra))(q, length, *store)
+        ref, ref_lse = reference(store_decode_attention_reference, q, *store, length, bits=bits, **extra)
+        rel = 1e-5 if dtype == F32 else REL[dtype]
+        err, tol = compare(out, ref, rel)
+        lse_err, lse_tol = compare(lse, ref_lse, rel)
+        name = (f"store_attention (XLA) int{bits} B={b} H_kv={h} G={g} T={t} D={d} {jnp.dtype(dtype).name} "
+                f"(lse err {lse_err:.3g}, tol {lse_tol:.3g})")
+        return name, err if lse_err <= lse_tol else float("nan"), tol, None
+
+
 @case
 def _quantized_cache_decode():
     """Decode steps of a random Llama over a quantized cache: kernel (auto on a GPU) vs XLA (kernels off)."""
