@@ -30,10 +30,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from llmeq_jax import dispatch_table
 from llmeq_jax.core.rope import apply_rope
 from llmeq_jax.kv import grid as kvgrid
 from llmeq_jax.kv import spec as kvspec
-from llmeq_jax import dispatch_table
 from llmeq_jax.kv.attention import dot_product_attention, merge_attention, split_attention
 from llmeq_jax.kv.store_attention import store_attention
 from pallas_kernels import config as kernel_config

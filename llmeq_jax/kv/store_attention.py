@@ -71,9 +71,9 @@ def store_attention(q, k_codes, v_codes, k_scale, k_lo, v_scale, v_lo, length, *
     if layer is not None:
         k_codes, v_codes, v_scale, v_lo = (a[layer] for a in (k_codes, v_codes, v_scale, v_lo))
     bsz, h, t = k_codes.shape[:3]
-    hq, d = q.shape[1], q.shape[2]
-    if q.ndim != 3 or q.shape[0] != bsz or hq % h:
+    if q.ndim != 3 or q.shape[0] != bsz or q.shape[1] % h:
         raise ValueError(f"store_attention: q must be [B={bsz}, H_q (a multiple of {h}), D], got {q.shape}")
+    hq, d = q.shape[1], q.shape[2]
     qmin, _ = int_range(bits)
     dt = operand_dtype(q.dtype)
     precision = jax.lax.Precision.HIGHEST if dt == jnp.float32 else None

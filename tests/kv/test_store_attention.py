@@ -77,6 +77,8 @@ def test_bad_query_shape_is_named():
     kc, vc, ks, kl, vs, vl = _store(8)
     with pytest.raises(ValueError, match="q must be"):
         store_attention(jnp.zeros((2, 3, 64)), kc, vc, ks, kl, vs, vl, 70, bits=8)
+    with pytest.raises(ValueError, match="q must be"):
+        store_attention(jnp.zeros((2, 64)), kc, vc, ks, kl, vs, vl, 70, bits=8)
     with pytest.raises(ValueError, match="bits=2"):
         codes(kc, 2)
 
