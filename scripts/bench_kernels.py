@@ -131,7 +131,7 @@ def write_table(path, measured):
 
 
 KINDS = ("bf16", "w8a8", "fp8", "w8", "w4g128", "w8a8_nk", "fp8_nk", "w8_nk", "w4_words", "bf16_stack", "w4_xla_rows",
-         "w8_nk_f16", "w4_gemv", "w4_xla_words")
+         "w8_nk_f16", "w4_gemv", "w4_xla_words", "w4_xla_groups")
 # The int8 kinds with their weights stored K-major, (N, K): the layout decode steps of up to
 # decode_layout.GPU_KMAJOR_MAX_ROWS rows read (for_decode); not in the table. W8A8 is timed at prefill rows
 # too: there the kinds w8a8/fp8 transpose the weight per call (int8 wgmma takes K-major operands only), and
@@ -159,12 +159,15 @@ KMAJOR_KINDS = ("w8a8_nk", "fp8_nk", "w8_nk")
 # 4096 x 4096 XLA writes the dequantized product (67 MB) before a two-stage sum, and inside the scan it copied
 # gate/up's words out of the stack: a measurement of what XLA's reduction can stream, not a dispatch path yet.
 # Not in the table.
-DECODE_ONLY_KINDS = ("w8_nk", "w4_words", "bf16_stack", "w4_xla_rows", "w8_nk_f16", "w4_gemv", "w4_xla_words")
+# w4_xla_groups: int4 g128 weights (K, N) as jnp.int4, a batched dot per scale group then the scales
+# (:func:`xla_int4_groups`): at M = 16 one XLA GEMM fusion over the int4 weights (deviceless, H200). Not in the table.
+DECODE_ONLY_KINDS = ("w8_nk", "w4_words", "bf16_stack", "w4_xla_rows", "w8_nk_f16", "w4_gemv", "w4_xla_words",
+                     "w4_xla_groups")
 GEMV_ONLY_ROWS = ("w4_gemv",)  # kinds timed only at rows the GEMV takes (gemv.GEMV_MAX_ROWS)
-NOT_IN_TABLE = ("w4_xla_rows", "w4_gemv", "w4_xla_words")
+NOT_IN_TABLE = ("w4_xla_rows", "w4_gemv", "w4_xla_words", "w4_xla_groups")
 # the kind whose weights (bytes moved, XLA's path) a layout kind has
 LAYOUT_OF = {"w4_words": "w4g128", "w4_xla_rows": "w4g128", "w8_nk_f16": "w8_nk", "w4_gemv": "w4g128",
-             "w4_xla_words": "w4g128"}
+             "w4_xla_words": "w4g128", "w4_xla_groups": "w4g128"}
 
 
 def xla_int4_rows(x, q, scale):
@@ -174,6 +177,18 @@ def xla_int4_rows(x, q, scale):
     n, k = q.shape
     w = q.astype(jnp.float32).reshape(n, k // GROUP, GROUP) * scale.astype(jnp.float32)[:, :, None]
     return jnp.sum(x.astype(jnp.float32)[:, None, :] * w.reshape(n, k)[None], axis=-1).astype(x.dtype)
+
+
+def xla_int4_groups(x, q, scale):
+    """``x @ dequantize(w)`` for int4 weights ``(K, N)`` as ``jnp.int4`` with group scales ``(K / GROUP, N)``: one
+    dot per scale group (a batched dot with the int4 operand converted in it), then the scales and the sum over the
+    groups -- at M = 16 XLA compiles it (deviceless, H200) to one GEMM fusion reading the int4 weights and one
+    small reduction; at M = 1 it writes a transposed copy first (timed there only for the record)."""
+    (m, k), n = x.shape, q.shape[1]
+    groups = k // GROUP
+    part = jnp.einsum("mgk,gkn->gmn", x.reshape(m, groups, GROUP), q.reshape(groups, GROUP, n).astype(x.dtype),
+                      preferred_element_type=jnp.float32)
+    return jnp.sum(part * scale.astype(jnp.float32)[:, None, :], axis=0).astype(x.dtype)
 
 
 def torch_scaled_mm():
@@ -247,6 +262,7 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
         w4w = _copies(pack_words(q4.values(), GROUP), r) if {"w4_words", "w4_xla_words"} & set(kinds_wanted) else []
         w4r = [c.T.astype(jnp.int4) for c in _copies(q4.values(), r)] if "w4_xla_rows" in kinds_wanted else []
         s4t = [s.T for s in s4] if w4r else []
+        w4k = [c.astype(jnp.int4) for c in _copies(q4.values(), r)] if "w4_xla_groups" in kinds_wanted else []
         wbs = jnp.stack(wb) if "bf16_stack" in kinds_wanted else None  # r layers of bf16 weights
         layers = [jnp.int32(i) for i in range(r)] if wbs is not None else []
         del w
@@ -262,6 +278,7 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
             "w4_words": (lambda x, w, s: int4_words_matmul(x, w, s, group=GROUP), list(zip(w4w, s4))),
             "bf16_stack": (lambda x, w, i: float_matmul(x, w, layer=i), [(wbs, i) for i in layers]),
             "w4_xla_rows": (xla_int4_rows, list(zip(w4r, s4t))),
+            "w4_xla_groups": (xla_int4_groups, list(zip(w4k, s4))),
             "w8_nk_f16": (lambda x, w, s: weight_only_matmul(x, w, s, bits=8, w_layout="nk", dequant="f16"),
                           list(zip(w8t, s8))),
             "w4_gemv": (lambda x, w, s: weight_only_matmul(x, w, s, bits=4, group=GROUP, gemv=True), list(zip(w4, s4))),

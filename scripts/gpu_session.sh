@@ -50,10 +50,11 @@ step gpu_tests 90 "$py" -m pytest -v --tb=line -p no:cacheprovider -m gpu tests/
 # w4_gemv: the int4 GEMV (no tensor cores, many small programs; never timed) beside the word kernel at M = 1:
 # whether the words are bound by instructions or by latency their few warps leave unhidden.
 # w4_xla_words (new): the word kernel's own words unpacked by XLA in one multiply-and-sum (one column reduction).
+# w4_xla_groups (new): int4 (K, N) as jnp.int4, one batched dot per scale group (at M = 16 one XLA GEMM fusion).
 # w8_nk_f16 (new): the K-major int8 weights with float16 operands (pallas_kernels/int8_f16.py, 2.2 instructions
 # per weight in SASS against w8_nk's 4.5; rtn-w8's decode kernel if it wins).
 step words 110 "$py" scripts/bench_kernels.py --reps 10 --rows 1,16 \
-    --kinds bf16,w4_words,w4_xla_rows,w4_xla_words,w4_gemv,w8_nk,w8_nk_f16 \
+    --kinds bf16,w4_words,w4_xla_rows,w4_xla_words,w4_xla_groups,w4_gemv,w8_nk,w8_nk_f16 \
     --weights 4096x4096,4096x11008,11008x4096,4096x14336 --no-attention --write-table "$out/dispatch_words.json"
 # The settings of the word kernel (tiles, warps, stages, splits; K blocks of 256 / 512: two / four word blocks
 # an iteration; epilogue="mma": the scale / zero-point rows through dots, no layout conversions) and of the

@@ -98,7 +98,8 @@ def test_bench_kernels_gpu_steps_run_through_in_interpret_mode(capsys, monkeypat
 
     bench = _script("bench_kernels")
     monkeypatch.setattr(bench, "copies_for", lambda nbytes: 1)
-    kinds = ("bf16", "w4g128", "w4_words", "w4_xla_rows", "w4_gemv", "bf16_stack", "w8_nk", "w8_nk_f16", "w4_xla_words")
+    kinds = ("bf16", "w4g128", "w4_words", "w4_xla_rows", "w4_gemv", "bf16_stack", "w8_nk", "w8_nk_f16", "w4_xla_words",
+             "w4_xla_groups")
     table = []
     with config.interpret(True):
         bench.gpu_bench(1, table=table, kinds_wanted=kinds, weights=((256, 128),), attention=False, rows=(1,))
@@ -145,9 +146,9 @@ def test_bench_kernels_attention_step_times_the_kernel_and_xlas_dots(capsys, mon
         ("kv_attention", bits, 64, t, 4) for t in (256, 128) for bits in (8, 4)]
 
 
-def test_bench_kernels_xla_int4_rows_computes_the_product():
-    """The XLA formulation the words step times beside the kernels (int4 as jnp.int4 rows, K-major) is the int4
-    weight-only product, not just something to time (the words' XLA formulation: tests/pallas_kernels)."""
+def test_bench_kernels_xla_int4_candidates_compute_the_product():
+    """The XLA formulations the words step times beside the kernels (int4 as jnp.int4 rows, K-major; per scale
+    group) are the int4 weight-only product, not just something to time (the words': tests/pallas_kernels)."""
     from llmeq_jax.core.quantize import Spec, quantize
     from pallas_kernels.weight_only import weight_only_reference
 
@@ -158,5 +159,7 @@ def test_bench_kernels_xla_int4_rows_computes_the_product():
     want = weight_only_reference(x, q.values(), q.scale, bits=8, group=bench.GROUP).astype(jnp.float32)
     tol = 2e-2 * float(jnp.max(jnp.abs(want)))
     rows = bench.xla_int4_rows(x, q.values().T.astype(jnp.int4), q.scale.T).astype(jnp.float32)
+    groups = bench.xla_int4_groups(x, q.values().astype(jnp.int4), q.scale).astype(jnp.float32)
     np.testing.assert_allclose(rows, want, atol=tol)
+    np.testing.assert_allclose(groups, want, atol=tol)
     assert float(jnp.max(jnp.abs(want))) > 10 * tol
