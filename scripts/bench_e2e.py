@@ -222,6 +222,9 @@ def torch_model(args, variant: str):
         config = shapes.shape_config(args.shapes, args.layers) if args.shapes else load_model(args.model)[0]
         with torch.device("cuda"):
             model = transformers.LlamaForCausalLM(hf_llama_config(config)).to(torch.bfloat16).eval()
+        # generate compiles the forward by itself for a static cache on CUDA (transformers >= 4.45: its
+        # auto-compile, torch.compile of the decode step; generation_config.disable_compile would turn it off):
+        # this row is transformers' fast path, not eager PyTorch
         model.generation_config.cache_implementation = "static"
         return config, model, None
     torch.set_num_threads(os.cpu_count() or 1)
@@ -269,7 +272,7 @@ def measure_torch(args, variant: str) -> dict:
         long = tokens((1, args.prefill_len))
         first, warm = median_seconds(lambda: sync(model(long).logits), args.repeats)
         out["prefill"] = args.prefill_len / warm
-        out["compile_s"] = compile_s + first - warm  # the static cache's warm-up (no torch.compile here)
+        out["compile_s"] = compile_s + first - warm  # the static cache's warm-up and generate's torch.compile
         if args.windows and tokenizer is not None:
             t0 = time.perf_counter()
             ids = evaluate.tokenize_text(tokenizer, Path(args.text).read_text())
