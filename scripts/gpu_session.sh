@@ -31,6 +31,10 @@ step() {  # step NAME SECONDS CMD...: run CMD with a time limit, its output in $
   timeout "$limit" "$@" > "$out/$name.log" 2>&1
   echo "   exit $? ; tail:"
   tail -n 25 "$out/$name.log"
+  # the tables measured so far, kept on this machine for a later call's e2e step (ignored paths survive between
+  # calls while the machine is warm; a call stopped by its limit has kept those of its finished steps)
+  mkdir -p runs/tables && cp "$out"/dispatch_*.json runs/tables/ 2>/dev/null
+  return 0
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/device.txt" 2>&1
 "$py" -c "import jax; print(jax.__version__, jax.devices())" >> "$out/device.txt" 2>&1
@@ -112,7 +116,7 @@ tables=(runs/tables/dispatch_*.json)
 if [[ " $steps " == *" e2e "* && -e "${tables[0]}" ]]; then
   kind=$("$py" -c "import jax; print(jax.devices()[0].device_kind)")
   shipped=$("$py" -c "from llmeq_jax import dispatch_table as t; print(t.shipped_path('$kind'))")
-  merged="$out/dispatch_merged.json"
+  merged="$out/merged_table.json"
   cp "$shipped" "$merged" 2>/dev/null || true
   "$py" -m llmeq_jax.dispatch_table merge "${tables[@]}" --into "$merged" && export LLMEQ_DISPATCH_TABLE="$merged"
 fi
@@ -121,6 +125,4 @@ step e2e 340 "$py" scripts/bench_e2e.py --shapes "$shapes" "${layers[@]}" --dtyp
     --scan-only --torch --profile --out "$out/e2e.json"
 step kernels 90 "$py" scripts/bench_kernels.py --reps 10 --kinds bf16,w8a8,fp8,w8,w4g128,w8a8_nk,fp8_nk,w8_nk \
     --write-table "$out/dispatch.json"
-mkdir -p runs/tables && cp "$out"/dispatch_words.json "$out"/dispatch_kv.json "$out"/dispatch_fp8.json "$out"/dispatch.json \
-    runs/tables/ 2>/dev/null
 echo "== [$(( SECONDS - start ))s] done; results in $out"
