@@ -113,18 +113,10 @@ def test_bench_kernels_gpu_steps_run_through_in_interpret_mode(capsys, monkeypat
     assert out.count("sweep w8_nk_f16 M=1") == len(bench._int8_f16_sweep()) + 2
 
 
-def _spy_on(fn, calls):
-    """``fn``, recording each call's first two arguments in ``calls``."""
-    def spy(*a, **kw):
-        calls.append(a[:2])
-        return fn(*a, **kw)
-
-    return spy
-
-
 def test_bench_kernels_attention_step_times_the_kernel_and_xlas_dots(capsys, monkeypatch):
     """The attention step (a small cache here, interpret mode): the Pallas kernel and XLA's dots over the codes for
-    int8 and int4 against bf16 attention, and a kv_attention table entry of each width."""
+    int8 and int4 against bf16 attention at each length, and a kv_attention table entry of each; with --sweep, the
+    kernel's other settings at the longest length after every length's defaults."""
     from pallas_kernels import config
 
     bench = _script("bench_kernels")
@@ -132,18 +124,19 @@ def test_bench_kernels_attention_step_times_the_kernel_and_xlas_dots(capsys, mon
     monkeypatch.setattr(bench, "KV_SHAPE", (1, 2, 4, 256, 64))
     monkeypatch.setattr(bench, "KV_OTHER_CONTEXTS", (128, 4096))  # 4096: longer than KV_SHAPE's, left out
     table = []
-    monkeypatch.setattr(bench, "attention_rows", _spy_on(bench.attention_rows, rows_calls := []))
     with config.interpret(True):
         bench.attention_bench(1, table=table)
-        bench.attention_bench(1, sweep=True)
     out = capsys.readouterr().out
     for bits in (8, 4):
-        assert out.count(f"int{bits} Pallas default:") == 4 and out.count(f"int{bits} XLA dots over the codes:") == 4
-    # the sweep's settings at the longest length only, after every length's defaults
-    assert [(t, len(configs)) for t, configs in rows_calls][:4] == [(256, 1), (128, 1), (256, 1), (128, 1)]
-    assert rows_calls[4][0] == 256 and len(rows_calls) == 5 and out.count("int8 Pallas {'num_splits': 64}") == 1
+        assert out.count(f"int{bits} Pallas default:") == 2 and out.count(f"int{bits} XLA dots over the codes:") == 2
     assert [(k.kernel, k.bits, k.k, k.n, k.rows) for k, _ in table] == [
         ("kv_attention", bits, 64, t, 4) for t in (256, 128) for bits in (8, 4)]
+    rows_calls = []  # the sweep's order only (its rows are the same function's, run above)
+    monkeypatch.setattr(bench, "attention_rows", lambda t, configs, reps, table=None, xla=False:
+                        rows_calls.append((t, len(configs), xla)))
+    bench.attention_bench(1, sweep=True)
+    assert rows_calls[:2] == [(256, 1, True), (128, 1, True)]
+    assert rows_calls[2][:2] == (256, 7) and not rows_calls[2][2] and len(rows_calls) == 3
 
 
 def test_bench_kernels_xla_int4_candidates_compute_the_product():

@@ -198,12 +198,14 @@ def test_decode_through_xlas_dots_over_the_codes_equals_dequantizing(bits, monke
     monkeypatch.setattr(kvcache, "store_attention", lambda *a, **kw: calls.append(kw["layer"]) or real(*a, **kw))
     dequantized, _, _ = _decode(config, params, kv, tokens)
     assert not calls
+    tol = 5e-5 * float(jnp.max(jnp.abs(dequantized)))
     with dispatch_table.use(table):
         dots, used_kernel, _ = _decode(config, params, kv, tokens)
+        assert calls and not used_kernel
+        np.testing.assert_allclose(dots, dequantized, atol=tol)
+        if bits == 4:
+            return  # the scan and the float model's distance: int8's case checks them
         scanned, _, _ = _decode(config, stacked.stack_blocks(config, params), kv, tokens)
-    assert calls and not used_kernel
-    tol = 5e-5 * float(jnp.max(jnp.abs(dequantized)))
-    np.testing.assert_allclose(dots, dequantized, atol=tol)
     np.testing.assert_allclose(scanned, dequantized, atol=tol)
     float_logits = _decode(config, params, None, tokens)[0]
     assert float(jnp.max(jnp.abs(float_logits - dequantized))) > 100 * tol
