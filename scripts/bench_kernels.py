@@ -432,7 +432,8 @@ def attention_rows(t, configs, reps, table=None, xla=False):
             except Exception as e:  # e.g. a block size that needs more shared memory than there is
                 print(f"  int{bits} Pallas {cfg or 'default'}: failed: {type(e).__name__}: {str(e)[:200]}")
                 continue
-            t_default = t_default or (t_q if not cfg else None)
+            if not cfg:
+                t_default = t_q
             print(f"  int{bits} Pallas {cfg or 'default'}: {t_q * 1e3:.4f} ms ({kv_bytes[bits] / t_q / 1e9:.0f} GB/s), "
                   f"{t_bf / t_q:.2f}x bf16", flush=True)
         if not xla:

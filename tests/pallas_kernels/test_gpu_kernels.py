@@ -14,6 +14,8 @@ plus realistic LLM shapes. Each case passes when its max abs error is within
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -345,21 +347,28 @@ def _store_case(b, h, g, t, d, bits, rope, dtype):
     return q, (kq.q, vq.q, scale, lo, vq.scale, vq.lo), extra
 
 
+def _store_check(shape, attend, what):
+    """(name, err, tol, None) of ``attend(q, *store, length, bits=, **extra)`` -> (out, lse) on a store case against
+    the dequantizing reference; a log-sum-exp out of tolerance fails the case too."""
+    b, h, g, t, d, bits, rope, dtype = shape
+    q, store, extra = _store_case(*shape)
+    length = jnp.array([t, t // 2 + 3, 1, t - 7][:b], jnp.int32)
+    out, lse = jax.jit(lambda q, n, *a: attend(q, *a, n, bits=bits, **extra))(q, length, *store)
+    ref, ref_lse = reference(store_decode_attention_reference, q, *store, length, bits=bits, **extra)
+    rel = 1e-5 if dtype == F32 else REL[dtype]
+    err, tol = compare(out, ref, rel)
+    lse_err, lse_tol = compare(lse, ref_lse, rel)
+    name = (f"{what} int{bits} {'pre' if rope else 'post'}-RoPE B={b} H_kv={h} G={g} T={t} D={d} "
+            f"{jnp.dtype(dtype).name} (lse err {lse_err:.3g}, tol {lse_tol:.3g})")
+    return name, err if lse_err <= lse_tol else float("nan"), tol, None
+
+
 for _shape in STORE_CASES:
 
     @case
     def _store_decode(shape=_shape):
-        b, h, g, t, d, bits, rope, dtype = shape
-        q, store, extra = _store_case(*shape)
-        length = jnp.array([t, t // 2 + 3, 1, t - 7][:b], jnp.int32)
-        out, lse = jax.jit(lambda q, n, *a: store_decode_attention(q, *a, n, bits=bits, interpret=INTERPRET, **extra))(
-            q, length, *store)
-        ref, ref_lse = reference(store_decode_attention_reference, q, *store, length, bits=bits, **extra)
-        err, tol = compare(out, ref, 1e-5 if dtype == F32 else REL[dtype])
-        lse_err, lse_tol = compare(lse, ref_lse, 1e-5 if dtype == F32 else REL[dtype])
-        name = (f"store_decode_attention int{bits} {'pre' if rope else 'post'}-RoPE B={b} H_kv={h} G={g} T={t} D={d} "
-                f"{jnp.dtype(dtype).name} (lse err {lse_err:.3g}, tol {lse_tol:.3g})")
-        return name, err if lse_err <= lse_tol else float("nan"), tol, None
+        return _store_check(shape, functools.partial(store_decode_attention, interpret=INTERPRET),
+                            "store_decode_attention")
 
 
 for _shape in [c for c in STORE_CASES if not c[6]]:  # post-RoPE keys
@@ -370,17 +379,7 @@ for _shape in [c for c in STORE_CASES if not c[6]]:  # post-RoPE keys
         compile aborted in XLA's Triton tiling before the int4 bitcast got its barrier)."""
         from llmeq_jax.kv.store_attention import store_attention
 
-        b, h, g, t, d, bits, _, dtype = shape
-        q, store, extra = _store_case(*shape)
-        length = jnp.array([t, t // 2 + 3, 1, t - 7][:b], jnp.int32)
-        out, lse = jax.jit(lambda q, n, *a: store_attention(q, *a, n, bits=bits, **extra))(q, length, *store)
-        ref, ref_lse = reference(store_decode_attention_reference, q, *store, length, bits=bits, **extra)
-        rel = 1e-5 if dtype == F32 else REL[dtype]
-        err, tol = compare(out, ref, rel)
-        lse_err, lse_tol = compare(lse, ref_lse, rel)
-        name = (f"store_attention (XLA) int{bits} B={b} H_kv={h} G={g} T={t} D={d} {jnp.dtype(dtype).name} "
-                f"(lse err {lse_err:.3g}, tol {lse_tol:.3g})")
-        return name, err if lse_err <= lse_tol else float("nan"), tol, None
+        return _store_check(shape, store_attention, "store_attention (XLA)")
 
 
 @case
