@@ -2,7 +2,9 @@
 
 Tests marked ``gpu`` (tests/pallas_kernels/test_gpu_kernels.py: kernels compiled for a real
 GPU) are deselected when JAX's default backend is not a GPU, so a CPU run neither runs
-them nor counts them as skipped; pytest's summary reports them as "deselected".
+them nor counts them as skipped; pytest's summary reports them as "deselected" when it runs in
+one process (under pytest-xdist, as scripts/test.sh runs it, each worker drops them itself and
+the summary does not count them).
 
 Compiled programs are released after each test module: every XLA:CPU executable holds about a
 dozen memory mappings until its jit cache lets it go, and the whole suite in one process compiled
