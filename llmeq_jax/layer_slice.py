@@ -8,7 +8,7 @@ once. A :class:`LayerSlice` keeps the stack and the traced layer index instead;
 ``ops.linear`` passes both to a kernel that indexes the layer itself
 (``pallas_kernels.weight_only``'s and ``w8a8``'s ``layer=``, the native row-major CPU kernels'
 ``native.row_major_matmul(..., layer=)``; float kernels' ``pallas_kernels.float_matmul`` where a measured
-dispatch table chose it), and takes the slice (:meth:`LayerSlice.value`) for
+dispatch table chose it, and on a CPU ``native.float_matmul`` at decode's rows), and takes the slice (:meth:`LayerSlice.value`) for
 every other path, which is what the scan did before.
 """
 

@@ -2,7 +2,7 @@
 
 The shared library ``llmeq_jax/_native_cpu*.so`` is compiled from
 ``native/cpu_kernels.cc`` by the package build (``setup.py``) on ``pip install``.
-This module loads it with ctypes, registers its two XLA FFI handlers for the CPU
+This module loads it with ctypes, registers its XLA FFI handlers for the CPU
 platform and wraps them as jittable functions on QArrays:
 
 * :func:`weight_only_kn` -- ``x @ dequantize(w)`` for an ``(in, out)`` kernel (int8 or
@@ -11,6 +11,8 @@ platform and wraps them as jittable functions on QArrays:
   rows contiguous (an embedding table used as the LM head), int4 packed along ``in``.
 * :func:`w8a8_kn` -- activations quantized by :func:`llmeq_jax.ops.quantize_activations`
   (so numerics match the XLA path), int8 x int8 -> exact int32 per weight group.
+* :func:`float_matmul` -- ``x @ w`` for a float32 / bfloat16 kernel at decode's few rows, also
+  one layer of a stacked kernel read in place (the scan over stacked blocks).
 
 ``ops.linear`` picks these on CPU when they measured faster (see ``ops.NATIVE_MAX_ROWS``).
 If the library was not built (no compiler at install time) or cannot load, every
@@ -51,12 +53,13 @@ _RM_A16_TARGET = "llmeq_rm_a16"
 _RM_A8_TARGET = "llmeq_rm_a8"
 _ATTN_TARGET = "llmeq_decode_attention"
 _PANEL_TARGET = "llmeq_panel_matmul"
+_FLOAT_TARGET = "llmeq_float_gemv"
 # Columns per panel of a packed float kernel (kPanelCols in native/cpu_kernels.cc).
 PANEL_COLS = 32
 # Query positions from which the attention kernel runs its blocked prefill path (kFlashMinT in
 # native/cpu_kernels.cc); between NATIVE_MAX_ROWS["attention"] and this, XLA's attention is used.
 PREFILL_ATTENTION_MIN_POSITIONS = 16
-_ABI_VERSION = 5
+_ABI_VERSION = 6
 _DISABLED = contextvars.ContextVar("llmeq_native_disabled", default=False)
 
 
@@ -97,7 +100,8 @@ def _load() -> None:
         lib = ctypes.cdll.LoadLibrary(path)
         if lib.llmeq_native_abi_version() != _ABI_VERSION:
             raise OSError(f"ABI version {lib.llmeq_native_abi_version()} != {_ABI_VERSION}; rebuild the package")
-        for name in (_WO_TARGET, _W8_TARGET, _RM_A16_TARGET, _RM_A8_TARGET, _ATTN_TARGET, _PANEL_TARGET):
+        for name in (_WO_TARGET, _W8_TARGET, _RM_A16_TARGET, _RM_A8_TARGET, _ATTN_TARGET, _PANEL_TARGET,
+                     _FLOAT_TARGET):
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
     except (OSError, AttributeError) as e:  # a stale or foreign build: XLA still works
         _state.reason = f"the native CPU library {path} could not be loaded: {e}"
@@ -544,6 +548,38 @@ def panel_matmul(x: jax.Array, panels: jax.Array, n: int, *, swiglu: bool = Fals
     _check_x(x, panels.shape[1], "panel_matmul")
     f = _with_xla_grad(lambda a, b: _panel_forward(a, b, n, swiglu), lambda a, b: _panel_reference(a, b, n, swiglu))
     return f(x, panels)
+
+
+def _float_forward(x: jax.Array, w: jax.Array, layer) -> jax.Array:
+    _require(None, "float_matmul")
+    x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    out = jax.ShapeDtypeStruct((x2.shape[0], w.shape[-1]), jnp.float32)
+    y = jax.ffi.ffi_call(_FLOAT_TARGET, out, vmap_method="sequential")(x2, w, _layer_arg(layer))
+    return y.reshape(*x.shape[:-1], w.shape[-1]).astype(x.dtype)
+
+
+def _float_reference(x: jax.Array, w: jax.Array, layer) -> jax.Array:
+    return x @ (w if layer is None else take_layer(w, layer)).astype(x.dtype)
+
+
+def float_matmul(x: jax.Array, w: jax.Array, layer=None) -> jax.Array:
+    """``x @ w`` for a float32 or bfloat16 ``(in, out)`` kernel ``w`` by the native decode GEMV: the
+    kernel's rows streamed once per 8 rows of x (written for decode's few rows; XLA's dot is the
+    better GEMM), accumulated in float32, returned in x's dtype.
+
+    With ``layer`` (an int32 scalar, traced inside a scan), ``w`` is a stack ``[L, in, out]`` and the
+    product is with layer ``layer``, read in place (XLA's dot of the layer's dynamic slice copies the
+    slice out of the stack first: ``llmeq_jax.layer_slice``)."""
+    if w.ndim != (2 if layer is None else 3):
+        want = "a stack [L, in, out] with layer=" if layer is not None else "an (in, out) kernel"
+        raise ValueError(f"native.float_matmul: w must be {want}, got shape {w.shape}")
+    if w.dtype not in (jnp.float32, jnp.bfloat16):
+        raise TypeError(f"native.float_matmul: w must be float32 or bfloat16, got {w.dtype}")
+    _check_x(x, w.shape[-2], "float_matmul")
+    if layer is None:
+        f = _with_xla_grad(lambda a, b: _float_forward(a, b, None), lambda a, b: _float_reference(a, b, None))
+        return f(x, w)
+    return _with_xla_grad(_float_forward, _float_reference)(x, w, layer)
 
 
 def _attention_forward(q, k, v, mask, masked: float):

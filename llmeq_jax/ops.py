@@ -54,7 +54,8 @@ BACKENDS = ("auto", "xla", "pallas")
 # kernel, rtn-w8 XLA 21.9 -> native 26.4 tok/s, rtn-w4-g128 12.1 -> 36.9, rtn-w8a8
 # 27.2 -> 48.3 (fp32 25.4). Beyond 8 rows (prefill, perplexity) XLA's GEMMs win
 # (scripts/bench_native.py --rows 512).
-NATIVE_MAX_ROWS = {"int8": 8, "int4": 8, "w8a8": 8, "nk": 8, "row_major": 8, "attention": 8}
+NATIVE_MAX_ROWS = {"int8": 8, "int4": 8, "w8a8": 8, "nk": 8, "row_major": 8, "attention": 8, "float_layer": 16,
+                   "bfloat16": 16}
 # ...except W8A8 on a CPU with AVX-512 VNNI: its native GEMM (vpdpbusd) beats XLA's float
 # and int8 dots at every row count (512 rows, SmolLM2's shapes, 2-core Xeon: 2.6-3.2x XLA's
 # fp32 dot, whose int8 dot ran 0.8-0.9x; docs/cpu-speed.md), so it takes any number of rows there;
@@ -62,6 +63,14 @@ NATIVE_MAX_ROWS = {"int8": 8, "int4": 8, "w8a8": 8, "nk": 8, "row_major": 8, "at
 # native/cpu_kernels.cc): those run the float panel GEMM on slices dequantized in cache (XLA
 # dequantized the whole kernel to memory first); between the two limits XLA's GEMM stays.
 NATIVE_PANEL_MIN_ROWS = 64
+# Float kernels go to the native float GEMV (native.float_matmul) at few rows where it beat XLA:
+# "float_layer", one layer of a stacked kernel inside the scan over stacked blocks (XLA copies the
+# layer's slice out of the stack before its dot); "bfloat16", any bfloat16 kernel (XLA:CPU's bf16
+# dot converts the whole kernel to float32 first). Measured by scripts/bench_native.py --float --cache-mb 600
+# (2-core Xeon, weights from DRAM; Llama-2-7B's 4096x11008 / 11008x4096, time vs XLA's float32 dot of
+# a kernel of its own): a stack's layer through XLA 0.12x at 1 row, 0.27-0.35x at 8-16, natively
+# 1.03-1.05x / 1.13-1.85x; bf16 through XLA 0.12-0.38x, natively 1.72x at 1 row, 1.01-1.82x at 8-16.
+# A float32 kernel of its own stays on XLA: natively 0.86x at 1 row there (1.1-1.6x at 8-16 rows).
 # Rows of a (out, in) matrix dequantized per scan step by linear_nk_xla at few rows:
 # 256 x 576 floats (0.6 MB) stay in L2; the 49k-row head never exists as floats.
 NK_CHUNK_ROWS = 256
@@ -104,7 +113,9 @@ def linear(
         y = _linear_layer_slice(x, w, act, backend)
         return y if bias is None else y + bias.astype(y.dtype)
     if not isinstance(w, QArray):
-        y = jnp.matmul(x, w.astype(x.dtype))
+        y = _try_native_float(x, w) if backend == "auto" else None
+        if y is None:
+            y = jnp.matmul(x, w.astype(x.dtype))
     elif w.grid == "log2":  # log2 codes: no integer kernel applies, dequantize inside the jit
         y = jnp.matmul(x, w.dequantize(x.dtype))
     else:  # uniform integer codes, or fp8 (E4M3) ones: FP8 dots with fp8 activations, else dequantized
@@ -129,7 +140,8 @@ def _linear_layer_slice(x, w: LayerSlice, act, backend):
             y = kernel_dispatch.linear_float(x, w.stack, w.layer, force=backend == "pallas")
             if y is not None:
                 return y
-        return linear(x, w.value(), act=act, backend=backend)
+        y = _try_native_float(x, w.stack, w.layer) if backend == "auto" else None
+        return y if y is not None else linear(x, w.value(), act=act, backend=backend)
     if isinstance(w.stack, RowMajorKernel):
         return _linear_row_major(x, w.stack.w, act if act is not None else w.stack.w.act_spec, backend, w.layer)
     if isinstance(w.stack, Int4WordKernel):
@@ -139,6 +151,32 @@ def _linear_layer_slice(x, w: LayerSlice, act, backend):
         if y is not None:
             return y
     return linear(x, w.value(), act=act, backend=backend)
+
+
+def native_float_kind(x_shape, x_dtype, w_dtype, stacked: bool) -> str | None:
+    """Which ``NATIVE_MAX_ROWS`` entry lets the native float GEMV take ``x @ w`` for a float kernel
+    (``stacked``: one layer of a stack, read in place), or None: XLA's dot."""
+    rows = math.prod(x_shape[:-1])
+    if rows == 0 or not jnp.issubdtype(x_dtype, jnp.floating) or w_dtype not in (jnp.float32, jnp.bfloat16):
+        return None
+    for kind in (("bfloat16",) if w_dtype == jnp.bfloat16 else ()) + (("float_layer",) if stacked else ()):
+        if rows <= NATIVE_MAX_ROWS[kind]:
+            return kind
+    return None
+
+
+def _try_native_float(x, w, layer=None):
+    """The native float GEMV's ``x @ w`` (``w[layer]`` of a stack) where ``native_float_kind`` takes it
+    on a CPU, else None."""
+    if kernel_config.target_backend() != "cpu":
+        return None
+    if native_float_kind(x.shape, x.dtype, w.dtype, layer is not None) is None:
+        return None
+    from llmeq_jax import native
+
+    if not native.enabled():
+        return None
+    return native.float_matmul(x, w, layer=layer)
 
 
 def _try_pallas(x, w, act, backend):

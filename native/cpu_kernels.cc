@@ -5,6 +5,8 @@
 //
 //   llmeq_wo_matmul    y[M,N] = x[M,K] (f32) @ dequant(W)      weight-only
 //   llmeq_w8a8_matmul  y[M,N] = (xq[M,K] (s8) @ W (s8)) * scales  W8A8
+// and the row-major decode kernels, a decode attention, packed float panels and a float
+// decode GEMV (each introduced where it is defined below).
 //
 // Weight-only numerics: per contraction group g and output n,
 //   y[m,n] = sum_g scale[g,n] * (sum_{k in g} x[m,k] q[k,n] - zp[g,n] * sum_{k in g} x[m,k])
@@ -1537,6 +1539,160 @@ ffi::Error rm_a8_impl(ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> q, ffi::Buffe
   return ffi::Error::Success();
 }
 
+// ----------------------------------------------------------------------------- float decode GEMV
+//
+// llmeq_float_gemv: y[M,N] = x[M,K] @ w[K,N] for a float32 or bfloat16 (in, out) kernel and a few
+// activation rows (decode). w may be a stack [L, K, N] (the lax.scan over stacked decoder blocks):
+// the kernel reads layer `layer` in place by offsetting its pointer, where XLA's dot first copies the
+// layer's slice out of the stack (a 4x slower scanned float decode on a CPU: docs/models.md).
+// The kernel rows are streamed as wo_kn_stream streams codes: each task owns a column chunk and walks
+// every k, four rows side by side, so memory sees a few long sequential streams.
+
+struct FG {
+  int64_t L, M, N, K;
+  const float* x;       // [M, K]
+  const float* w32;     // [K, N] float32 (or nullptr)
+  const uint16_t* w16;  // [K, N] bfloat16 bits (or nullptr)
+  float* y;             // [M, N]
+};
+
+inline float fg_weight(const FG& p, int64_t k, int64_t n) {
+  if (p.w32) return p.w32[k * p.N + n];
+  uint32_t bits = uint32_t(p.w16[k * p.N + n]) << 16;
+  float v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+
+void fg_scalar(const FG& p, int64_t m0, int64_t m1, int64_t c0, int64_t c1) {
+  for (int64_t m = m0; m < m1; ++m)
+    for (int64_t n = c0; n < c1; ++n) {
+      float s = 0.f;
+      for (int64_t k = 0; k < p.K; ++k) s += p.x[m * p.K + k] * fg_weight(p, k, n);
+      p.y[m * p.N + n] = s;
+    }
+}
+
+#if LLMEQ_X86
+template <bool kBf16>
+AVX2 inline __m256 fg_load8(const FG& p, int64_t k, int64_t c) {
+  if constexpr (kBf16) {
+    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.w16 + k * p.N + c));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  } else {
+    return _mm256_loadu_ps(p.w32 + k * p.N + c);
+  }
+}
+
+// Rows [m0, m0 + MT) (MT <= kStreamMaxRows) x columns [c0, c1) (MT * (c1 - c0) <= kFloatAccFloats).
+// The accumulators (32 KB) stay in L1; the kernel rows kFloatPrefetchRows ahead are prefetched (a chunk's
+// row segments are a few KB apart by the row stride, runs too short for the hardware prefetchers to
+// ramp up on: 2-core Xeon, 4096 x 11008 float32 at M = 1, 21.6 -> 26.5 GB/s with the prefetch and one
+// wide chunk per thread instead of four narrow ones).
+constexpr int64_t kFloatAccFloats = 8192;
+constexpr int64_t kFloatPrefetchRows = 8;
+template <bool kBf16>
+AVX2 void fg_stream(const FG& p, int64_t m0, int64_t MT, int64_t c0, int64_t c1) {
+  const int64_t W = c1 - c0, V = W / 8;
+  alignas(64) float acc[kFloatAccFloats];
+  std::fill(acc, acc + MT * V * 8, 0.f);
+  int64_t k = 0;
+  for (; k + 4 <= p.K; k += 4) {
+    for (int64_t v = 0; v < V; ++v) {
+      const int64_t c = c0 + 8 * v;
+      __m256 w0 = fg_load8<kBf16>(p, k, c), w1 = fg_load8<kBf16>(p, k + 1, c);
+      __m256 w2 = fg_load8<kBf16>(p, k + 2, c), w3 = fg_load8<kBf16>(p, k + 3, c);
+      if ((v & (kBf16 ? 3 : 1)) == 0 && k + kFloatPrefetchRows + 4 <= p.K) {  // one prefetch per 64-byte line
+        for (int64_t r = k + kFloatPrefetchRows; r < k + kFloatPrefetchRows + 4; ++r) {
+          const char* a = kBf16 ? reinterpret_cast<const char*>(p.w16 + r * p.N + c)
+                                : reinterpret_cast<const char*>(p.w32 + r * p.N + c);
+          _mm_prefetch(a, _MM_HINT_T0);
+        }
+      }
+      for (int64_t m = 0; m < MT; ++m) {
+        const float* xm = p.x + (m0 + m) * p.K + k;
+        __m256 a = _mm256_load_ps(acc + m * V * 8 + 8 * v);
+        a = _mm256_fmadd_ps(_mm256_broadcast_ss(xm), w0, a);
+        a = _mm256_fmadd_ps(_mm256_broadcast_ss(xm + 1), w1, a);
+        a = _mm256_fmadd_ps(_mm256_broadcast_ss(xm + 2), w2, a);
+        a = _mm256_fmadd_ps(_mm256_broadcast_ss(xm + 3), w3, a);
+        _mm256_store_ps(acc + m * V * 8 + 8 * v, a);
+      }
+    }
+  }
+  for (; k < p.K; ++k)
+    for (int64_t v = 0; v < V; ++v) {
+      __m256 w0 = fg_load8<kBf16>(p, k, c0 + 8 * v);
+      for (int64_t m = 0; m < MT; ++m) {
+        __m256 a = _mm256_load_ps(acc + m * V * 8 + 8 * v);
+        a = _mm256_fmadd_ps(_mm256_broadcast_ss(p.x + (m0 + m) * p.K + k), w0, a);
+        _mm256_store_ps(acc + m * V * 8 + 8 * v, a);
+      }
+    }
+  for (int64_t m = 0; m < MT; ++m)
+    for (int64_t v = 0; v < V; ++v) _mm256_storeu_ps(p.y + (m0 + m) * p.N + c0 + 8 * v, _mm256_load_ps(acc + m * V * 8 + 8 * v));
+  if (V * 8 < W) fg_scalar(p, m0, m0 + MT, c0 + V * 8, c1);
+}
+#endif  // LLMEQ_X86
+
+void fg_run(const FG& p) {
+  const bool simd = use_avx2();
+  // One column chunk a thread (multiples of 8) where the accumulators allow: long row segments.
+  const int64_t threads = SpinPool::get().workers() + 1;
+  const int64_t mt = std::min(kStreamMaxRows, p.M);
+  const int64_t chunk = std::min<int64_t>(kFloatAccFloats / mt / 8 * 8, std::max<int64_t>(64, cdiv(cdiv(p.N, threads), 8) * 8));
+  const int64_t n_chunks = cdiv(p.N, chunk);
+  auto body = [&p, chunk, simd](int64_t i) {
+    const int64_t c0 = i * chunk, c1 = std::min(p.N, c0 + chunk);
+    for (int64_t m0 = 0; m0 < p.M; m0 += kStreamMaxRows) {
+      const int64_t mt = std::min(kStreamMaxRows, p.M - m0);
+#if LLMEQ_X86
+      if (simd) {
+        if (p.w16) fg_stream<true>(p, m0, mt, c0, c1);
+        else fg_stream<false>(p, m0, mt, c0, c1);
+        continue;
+      }
+#endif
+      fg_scalar(p, m0, m0 + mt, c0, c1);
+    }
+  };
+  (void)simd;
+  const int64_t bytes = p.K * p.N * (p.w16 ? 2 : 4);
+  if (bytes < min_parallel_bytes()) {
+    for (int64_t i = 0; i < n_chunks; ++i) body(i);
+  } else {
+    SpinPool::get().run(n_chunks, body);
+  }
+}
+
+ffi::Error fg_impl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  auto bad = [](const std::string& why) { return ffi::Error::InvalidArgument("llmeq_float_gemv: " + why); };
+  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || yd.size() != 2) return bad("x and y must be 2-D");
+  if (wd.size() != 2 && wd.size() != 3) return bad("w must be (K, N) or a stack (L, K, N)");
+  const size_t o = wd.size() - 2;
+  FG p{};
+  p.L = o ? wd[0] : 1;
+  p.M = xd[0];
+  p.K = xd[1];
+  p.N = wd[o + 1];
+  if (wd[o] != p.K) return bad("w's contraction size must be x's feature count");
+  if (yd[0] != p.M || yd[1] != p.N) return bad("y must be (M, N)");
+  if (w.element_type() != ffi::DataType::F32 && w.element_type() != ffi::DataType::BF16)
+    return bad("w must be float32 or bfloat16");
+  if (layer.element_count() != 1) return bad("layer must be one int32");
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= p.L) return bad("layer index outside the stack");
+  const int64_t offset = l * p.K * p.N;
+  if (w.element_type() == ffi::DataType::F32) p.w32 = static_cast<const float*>(w.untyped_data()) + offset;
+  else p.w16 = static_cast<const uint16_t*>(w.untyped_data()) + offset;
+  p.x = x.typed_data();
+  p.y = y->typed_data();
+  if (p.M == 0 || p.N == 0) return ffi::Error::Success();
+  fg_run(p);
+  return ffi::Error::Success();
+}
+
 // ----------------------------------------------------------------------------- decode attention
 //
 // Grouped-query attention for a few query positions over a float KV cache, the
@@ -2237,6 +2393,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(llmeq_panel_matmul, panel_impl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("swiglu"));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(llmeq_float_gemv, fg_impl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(llmeq_decode_attention, at_impl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -2253,5 +2416,5 @@ __attribute__((visibility("default"))) void llmeq_native_force_scalar(int on) { 
 __attribute__((visibility("default"))) int llmeq_native_vnni() { return use_vnni() ? 1 : 0; }
 __attribute__((visibility("default"))) int llmeq_native_avx512() { return use_avx512() ? 1 : 0; }
 __attribute__((visibility("default"))) void llmeq_native_allow_vnni(int on) { g_allow_vnni.store(on ? 1 : 0); }
-__attribute__((visibility("default"))) int llmeq_native_abi_version() { return 5; }
+__attribute__((visibility("default"))) int llmeq_native_abi_version() { return 6; }
 }

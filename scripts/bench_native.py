@@ -20,6 +20,18 @@ ops.linear_nk (fp32: x @ E.T). Prints a table (microseconds, and speed vs fp32
 as fp32_time / time) and writes JSON.
 
     PYTHONPATH=. python scripts/bench_native.py --rows 1 8 64 512 --json runs/bench_native.json
+
+``--float`` times float kernels instead (the numbers behind NATIVE_MAX_ROWS["float_layer"] and
+["bfloat16"]), on SmolLM2's and Llama-2-7B's shapes by default; the copies are one stack
+[copies, K, N], each call reads the next layer:
+
+  fp32        XLA  x @ w[l], w[l] an array of its own (an unrolled model)
+  fp32-layer  XLA  x @ w[l] of the stack, l traced (what the scan over stacked blocks ran: a copy, then the dot)
+  nat-fp32-layer   native float GEMV reading layer l of the stack in place
+  nat-fp32    native float GEMV on w[l]
+  bf16, bf16-layer, nat-bf16, nat-bf16-layer: the same with bfloat16 weights and activations
+
+    PYTHONPATH=. python scripts/bench_native.py --float --rows 1 8 16 --json runs/bench_native_float.json
 """
 
 from __future__ import annotations
@@ -45,6 +57,14 @@ SHAPES = {  # name -> (K, N); "head" is an (N, K) table
     "down 1536x576": (1536, 576),
     "head 49152x576 (nk)": (576, 49152),
 }
+FLOAT_SHAPES = {
+    "gate/up 576x1536": (576, 1536),
+    "down 1536x576": (1536, 576),
+    "7b q 4096x4096": (4096, 4096),
+    "7b up 4096x11008": (4096, 11008),
+    "7b down 11008x4096": (11008, 4096),
+}
+FLOAT_COLS = ["fp32", "fp32-layer", "nat-fp32", "nat-fp32-layer", "bf16", "bf16-layer", "nat-bf16", "nat-bf16-layer"]
 ACT = Spec(bits=8, granularity="token")
 W8 = Spec(bits=8)
 W4 = Spec(bits=4, granularity="group", group_size=128)
@@ -82,6 +102,23 @@ def _variants(name, k, n, rows, copies):
     return x, v
 
 
+def _float_variants(k, n, rows, copies):
+    """The --float variants: each "weight" is (stack, layer index); the layer cycles through the stack."""
+    rng = np.random.default_rng(0)
+    v = {}
+    for dt, tag in ((jnp.float32, "fp32"), (jnp.bfloat16, "bf16")):
+        stack = jnp.asarray(rng.standard_normal((copies, k, n)).astype(np.float32) * 0.05).astype(dt)
+        layers = [(stack, jnp.int32(i)) for i in range(copies)]
+        own = [(stack[i], None) for i in range(copies)]  # arrays of their own: an unrolled model's kernels
+        v[tag] = (jax.jit(lambda a, w: a @ w[0]), own)
+        v[f"{tag}-layer"] = (jax.jit(lambda a, w: a @ jax.lax.dynamic_index_in_dim(w[0], w[1], 0, False)), layers)
+        if native.available():
+            v[f"nat-{tag}"] = (jax.jit(lambda a, w: native.float_matmul(a, w[0])), own)
+            v[f"nat-{tag}-layer"] = (jax.jit(lambda a, w: native.float_matmul(a, w[0], layer=w[1])), layers)
+    x = jnp.asarray(rng.standard_normal((rows, k)).astype(np.float32))
+    return x, v
+
+
 def _time_once(f, x, ws, min_s):
     n, t0 = 0, time.perf_counter()
     while True:
@@ -93,11 +130,13 @@ def _time_once(f, x, ws, min_s):
     return (time.perf_counter() - t0) / n
 
 
-def bench(name, k, n, rows, reps, min_s, cache_mb):
+def bench(name, k, n, rows, reps, min_s, cache_mb, floats=False):
     copies = max(1, -(-int(cache_mb * 2**20) // (4 * k * n)))
-    x, variants = _variants(name, k, n, rows, copies)
-    for f, ws in variants.values():  # compile everything first
-        jax.block_until_ready(f(x, ws[0]))
+    x, variants = (_float_variants(k, n, rows, copies) if floats else _variants(name, k, n, rows, copies))
+    for key, (f, ws) in variants.items():  # compile everything first
+        xk = x.astype(jnp.bfloat16) if key.endswith(("bf16", "bf16-layer")) else x
+        variants[key] = (lambda a, w, f=f, xk=xk: f(xk, w), ws)
+        jax.block_until_ready(f(xk, ws[0]))
     samples = {key: [] for key in variants}
     for _ in range(reps):  # interleaved: every variant sees the same machine load
         for key, (f, w) in variants.items():
@@ -131,7 +170,10 @@ def main():
     p.add_argument("--min-seconds", type=float, default=0.05, help="per timing sample")
     p.add_argument("--cache-mb", type=float, default=48, help="fp32 weight bytes cycled through per variant")
     p.add_argument("--json", default="runs/bench_native.json")
+    p.add_argument("--float", action="store_true", help="float kernels: XLA vs the native float GEMV, unrolled and stacked")
     a = p.parse_args()
+    if a.float:
+        return main_float(a)
     print(f"native: available={native.available()} simd={native.simd()} ({native.unavailable_reason() or 'ok'})")
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, jax {jax.__version__}")
     results = []
@@ -157,6 +199,30 @@ def main():
         os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
         with open(a.json, "w") as f:
             json.dump({"results": results, "suggested_max_rows": sug, "native_max_rows": ops.NATIVE_MAX_ROWS}, f, indent=1)
+        print(f"wrote {a.json}")
+
+
+def main_float(a):
+    """--float: float kernels, XLA vs the native GEMV, each kernel its own array or a layer of a stack."""
+    shapes = [sh for sh in a.shapes if sh in FLOAT_SHAPES] if a.shapes != list(SHAPES) else list(FLOAT_SHAPES)
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, jax {jax.__version__}, "
+          f"native {native.available()}")
+    print(f"{'shape':22s} {'M':>4s} " + " ".join(f"{c:>16s}" for c in FLOAT_COLS))
+    results = []
+    for name in shapes:
+        k, n = FLOAT_SHAPES[name]
+        for rows in a.rows:
+            r = bench(name, k, n, rows, a.reps, a.min_seconds, a.cache_mb, floats=True)
+            results.append(r)
+            print(f"{name:22s} {rows:4d} " + " ".join(
+                f"{r['us'][c]:9.0f}us {r['speed_vs_fp32'][c]:4.2f}x" if c in r["us"] else f"{'-':>16s}"
+                for c in FLOAT_COLS), flush=True)
+    print(f"ops.NATIVE_MAX_ROWS: float_layer {ops.NATIVE_MAX_ROWS['float_layer']}, "
+          f"bfloat16 {ops.NATIVE_MAX_ROWS['bfloat16']}")
+    if a.json:
+        os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
+        with open(a.json, "w") as f:
+            json.dump({"results": results, "native_max_rows": ops.NATIVE_MAX_ROWS}, f, indent=1)
         print(f"wrote {a.json}")
 
 

@@ -382,3 +382,86 @@ def test_rows_per_chunk_bound_of_the_xla_nk_fallback():
     y = ops.linear_nk_xla(x, w)
     _assert_close(y, np.asarray(x, np.float64) @ np.asarray(w.dequantize(), np.float64).T, _bound(x, _abs_weight(w).T, K))
     assert math.prod(y.shape) == 2 * n
+
+
+# --------------------------------------------------------------------------- float GEMV
+
+FLOAT_SHAPES = [(37, 21), (130, 200), (576, 1536)]  # K % 4, N % 8 tails; a SmolLM2 shape
+
+
+def _float_case(dtype, k, n, layers, rows, seed=0):
+    w = jnp.asarray(_rand((layers, k, n), seed)).astype(dtype)
+    x = jnp.asarray(_rand((rows, k), seed + 1)).astype(dtype)
+    return x, w
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("k,n", FLOAT_SHAPES)
+@pytest.mark.parametrize("rows", [1, 3, 9, 17])
+def test_float_matmul_reads_each_layer_of_a_stack(dtype, k, n, rows):
+    """Every layer of a stack, and a kernel of its own, against float64 products of the same (rounded)
+    operands; 9 and 17 rows cross the kernel's 8-row blocks. bf16 results are rounded to bf16 once."""
+    x, w = _float_case(dtype, k, n, 3, rows)
+    xf, wf = np.asarray(x.astype(jnp.float32)), np.asarray(w.astype(jnp.float32))
+    f = jax.jit(lambda a, s, l: native.float_matmul(a, s, layer=l))
+    rel = 2.0 ** -8 if dtype == jnp.bfloat16 else 0.0
+    for layer in range(3):
+        ref = xf.astype(np.float64) @ wf[layer]
+        y = f(x, w, jnp.int32(layer))
+        assert y.dtype == dtype and y.shape == (rows, n)
+        bound = _bound(xf, np.abs(wf[layer]), k) + rel * np.abs(ref)
+        _assert_close(y.astype(jnp.float32), ref, bound)
+    y = jax.jit(native.float_matmul)(x, w[1])
+    _assert_close(y.astype(jnp.float32), xf.astype(np.float64) @ wf[1], _bound(xf, np.abs(wf[1]), k) + rel * np.abs(xf @ wf[1]))
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_float_matmul_portable_scalar_path(dtype):
+    x, w = _float_case(dtype, 130, 37, 2, 3, seed=5)
+    want = jax.jit(lambda a, s: native.float_matmul(a, s, layer=jnp.int32(1)))(x, w)
+    with native.force_scalar():
+        got = jax.jit(lambda a, s: native.float_matmul(a, s, layer=jnp.int32(1)) + 0)(x, w)
+    xf, wf = np.asarray(x.astype(jnp.float32)), np.asarray(w[1].astype(jnp.float32))
+    bound = _bound(xf, np.abs(wf), 130) + (2.0 ** -8 if dtype == jnp.bfloat16 else 0) * np.abs(xf @ wf)
+    _assert_close(got.astype(jnp.float32), np.asarray(want.astype(jnp.float32)), 2 * bound)
+
+
+@needs_native
+def test_float_matmul_grad_and_errors():
+    x, w = _float_case(jnp.float32, 37, 21, 2, 3)
+    c = jnp.asarray(_rand((3, 21), 9))
+    g = jax.jit(jax.grad(lambda a, s: jnp.sum(native.float_matmul(a, s, layer=jnp.int32(1)) * c), (0, 1)))(x, w)
+    gx = jax.grad(lambda a, s: jnp.sum(a @ s[1] * c), (0, 1))(x, w)
+    for a, b in zip(g, gx):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r"stack \[L, in, out\]"):
+        native.float_matmul(x, w[0], layer=0)
+    with pytest.raises(ValueError, match=r"\(in, out\) kernel"):
+        native.float_matmul(x, w)
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        native.float_matmul(x, w[0].astype(jnp.float16))
+    with pytest.raises(ValueError, match="features"):
+        native.float_matmul(x[:, :36], w[0])
+    with pytest.raises(Exception, match="layer index outside the stack"):
+        jax.block_until_ready(jax.jit(lambda a, s: native.float_matmul(a, s, layer=jnp.int32(2)))(x, w))
+
+
+@needs_native
+def test_ops_linear_takes_the_float_gemv_for_bf16_decode_only():
+    """A bf16 kernel at decode's rows goes native on a CPU (XLA:CPU's bf16 dot converts the whole kernel
+    first); a float32 one of its own, many rows, and backend="xla" stay on XLA's dot."""
+    x, w = _float_case(jnp.bfloat16, 130, 37, 1, 2)
+
+    def hlo(a, b, **kw):
+        return jax.jit(lambda u, v: ops.linear(u, v, **kw)).lower(a, b).as_text()
+
+    assert "llmeq_float_gemv" in hlo(x, w[0])
+    assert "llmeq_float_gemv" not in hlo(jnp.ones((64, 130), jnp.bfloat16), w[0])
+    assert "llmeq_float_gemv" not in hlo(x, w[0], backend="xla")
+    assert "llmeq_float_gemv" not in hlo(x.astype(jnp.float32), w[0].astype(jnp.float32))
+    with native.disabled():
+        assert "llmeq_float_gemv" not in hlo(x, w[0])
+    ref = np.asarray(x.astype(jnp.float32)) @ np.asarray(w[0].astype(jnp.float32))
+    np.testing.assert_allclose(np.asarray(ops.linear(x, w[0]).astype(jnp.float32)), ref, rtol=0.02, atol=0.02 * np.abs(ref).max())

@@ -131,18 +131,33 @@ def in_place_kernels() -> bool:
     return config.kernels_available()
 
 
-def block_at(blocks, layer, in_place: bool):
+def float_views(in_place: bool) -> bool:
+    """Whether the scan hands stacked float kernels to ``ops.linear`` as :class:`LayerSlice` views: where
+    a Pallas kernel may read them (``in_place``), and on a CPU with the native library (its float GEMV,
+    ``native.float_matmul``, reads a layer in place at decode's rows)."""
+    if in_place:
+        return True
+    from llmeq_jax import native
+    from pallas_kernels import config
+
+    return config.target_backend() == "cpu" and native.enabled()
+
+
+def block_at(blocks, layer, in_place: bool, floats: bool | None = None):
     """Block ``layer`` of the stacked ``blocks``: every array sliced, except the kernels a kernel can
     read in place, which stay stacked behind a :class:`LayerSlice`: row-major kernels (native CPU
-    decode), int4 word kernels (GPU decode), and, when ``in_place`` (Pallas), 2-D uniform-grid QArrays
-    and float kernels (``ops.linear`` still slices those unless a kernel takes them)."""
+    decode), int4 word kernels (GPU decode), when ``in_place`` (Pallas) 2-D uniform-grid QArrays, and
+    when ``floats`` (default: ``in_place``) float kernels (``ops.linear`` still slices those unless a
+    kernel takes them)."""
     from llmeq_jax.decode_layout import Int4WordKernel, RowMajorKernel
+
+    floats = in_place if floats is None else floats
 
     def one(path, leaf):
         if isinstance(leaf, (RowMajorKernel, Int4WordKernel)) or (
                 in_place and isinstance(leaf, QArray) and len(leaf.shape) == 2 and leaf.grid != "log2"):
             return LayerSlice(leaf, layer)
-        if in_place and _is_float_kernel(path, leaf):
+        if floats and _is_float_kernel(path, leaf):
             return LayerSlice(leaf, layer)
         return jax.tree.map(lambda a: take_layer(a, layer), leaf)
 
@@ -162,9 +177,10 @@ def scan_blocks(run_block, blocks, carry, num_layers: int):
     as one ``lax.scan`` (the layer index traced). The stack is closed over, not scanned over: each
     step takes its block with :func:`block_at`, so kernels that can read a layer in place do."""
     in_place = in_place_kernels()
+    floats = float_views(in_place)
 
     def body(c, layer):
-        return run_block(block_at(blocks, layer, in_place), layer, c), None
+        return run_block(block_at(blocks, layer, in_place, floats), layer, c), None
 
     carry, _ = jax.lax.scan(body, carry, jnp.arange(num_layers, dtype=jnp.int32))
     return carry

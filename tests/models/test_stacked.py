@@ -261,20 +261,22 @@ def _kernel_slices(config, params, tokens) -> int:
     """Dynamic slices of a whole float kernel ([1, in, out] out of its stack) in the traced forward."""
     text = str(jax.make_jaxpr(lambda p, t: forward(config, p, t))(params, tokens))
     return sum(1 for line in text.splitlines()
-               if "= dynamic_slice" in line and re.search(r":f32\[1,\d+,\d+\]", line.split(" = ")[0]))
+               if "= dynamic_slice" in line and re.search(r":(f32|bf16)\[1,\d+,\d+\]", line.split(" = ")[0]))
 
 
 def test_stacked_float_kernels_are_read_in_place_where_a_table_chose_the_kernel(stories):
     """Float kernels inside the scan: XLA's slice-and-dot by default; the Pallas float kernel reading the
-    layer from the stack (no kernel sliced out in the traced step) where a measured table says it is faster."""
+    layer from the stack (no kernel sliced out in the traced step) where a measured table says it is faster.
+    Native kernels off: on a CPU the native float GEMV would take them first."""
     from llmeq_jax import dispatch_table as dt
+    from llmeq_jax import native
     from pallas_kernels import config as kernel_config
 
     config, params, _ = stories
     token = TOKENS[:1, :1] % config.vocab_size
     packed = stacked.stack_blocks(config, params)
     want = forward(config, params, token)
-    with kernel_config.interpret(True):
+    with native.disabled(), kernel_config.interpret(True):
         assert _kernel_slices(config, packed, token) > 0  # no table: XLA slices the kernels
         with dt.use(_float_table(config, packed, rows=1, pallas_faster=False)):
             assert _kernel_slices(config, packed, token) > 0
@@ -282,3 +284,29 @@ def test_stacked_float_kernels_are_read_in_place_where_a_table_chose_the_kernel(
             assert _kernel_slices(config, packed, token) == 0
             got = jax.jit(lambda p, t: forward(config, p, t))(packed, token)
     _close(want, got)
+
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_stacked_float_decode_reads_layers_in_place_on_cpu(dtype):
+    """On a CPU the native float GEMV takes each decode step's float kernels from the stack (no layer
+    copied out of it; XLA's dot of the slice copied it first, every step), with the unrolled logits;
+    many rows (prefill) and native kernels off keep XLA's slice-and-dot."""
+    from llmeq_jax import native
+
+    if not native.available():
+        pytest.fail(f"the native CPU library is needed here: {native.unavailable_reason()}")
+    params = jax.tree.map(lambda a: (a * 5).astype(dtype), init_params(LLAMA, jax.random.key(4)))
+    packed = stacked.stack_blocks(LLAMA, params)
+    token = TOKENS[:1, :1]
+    assert _kernel_slices(LLAMA, packed, token) == 0
+    assert "llmeq_float_gemv" in jax.jit(lambda p, t: forward(LLAMA, p, t)).lower(packed, token).as_text()
+    want = forward(LLAMA, params, token).astype(jnp.float32)
+    got = jax.jit(lambda p, t: forward(LLAMA, p, t))(packed, token).astype(jnp.float32)
+    if dtype == jnp.float32:
+        _close(want, got)
+    else:  # bf16 activations between the layers: a few bf16 roundings apart
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=0.05 * float(jnp.abs(want).max()))
+    assert _kernel_slices(LLAMA, packed, TOKENS[:2, :16]) > 0  # 32 rows: XLA's GEMM
+    with native.disabled():
+        assert _kernel_slices(LLAMA, packed, token) > 0
