@@ -3,7 +3,8 @@
 Models call :func:`linear` for every matmul with a float kernel or a QArray of
 shape ``(in, out)``; the weight decides the path:
 
-* plain array          -> ``x @ w``
+* plain array          -> ``x @ w`` (on a CPU, a bfloat16 kernel or one layer of a stacked kernel at
+  decode's few rows goes to the native float GEMV instead: ``NATIVE_MAX_ROWS``)
 * QArray, no act spec  -> weight-only: integer values are dequantized inside
   the jitted computation. For up to ``SMALL_M`` rows (decode, short prompts)
   on CPU the product is a scan over row chunks of the kernel: each chunk is
@@ -174,7 +175,9 @@ def _try_native_float(x, w, layer=None):
         return None
     from llmeq_jax import native
 
-    if not native.enabled():
+    # One device only (native.prefill_kernels_ok): a float model sharded over several devices kept
+    # XLA's sharded dot; the SPMD partitioner would gather a custom call's operands.
+    if not (native.enabled() and native.prefill_kernels_ok()):
         return None
     return native.float_matmul(x, w, layer=layer)
 

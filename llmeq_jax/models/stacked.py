@@ -133,14 +133,14 @@ def in_place_kernels() -> bool:
 
 def float_views(in_place: bool) -> bool:
     """Whether the scan hands stacked float kernels to ``ops.linear`` as :class:`LayerSlice` views: where
-    a Pallas kernel may read them (``in_place``), and on a CPU with the native library (its float GEMV,
-    ``native.float_matmul``, reads a layer in place at decode's rows)."""
+    a Pallas kernel may read them (``in_place``), and on a one-device CPU with the native library (its
+    float GEMV, ``native.float_matmul``, reads a layer in place at decode's rows)."""
     if in_place:
         return True
     from llmeq_jax import native
     from pallas_kernels import config
 
-    return config.target_backend() == "cpu" and native.enabled()
+    return config.target_backend() == "cpu" and native.enabled() and native.prefill_kernels_ok()
 
 
 def block_at(blocks, layer, in_place: bool, floats: bool | None = None):

@@ -279,3 +279,9 @@ def test_prefill_kernels_stay_in_xla_with_several_devices():
     inv = rope_inv_freq(16, 10000.0, None)
     rope_hlo = jax.jit(lambda x, p: apply_rope(x, p, inv)).lower(jnp.ones((1, 32, 2, 16)), jnp.arange(32)[None]).as_text()
     assert "conditional" not in rope_hlo and "case" not in rope_hlo
+    # nor the float GEMV (a float model sharded over the devices keeps XLA's sharded dots), stacked or not
+    from llmeq_jax.models import stacked
+
+    wb = jnp.ones((64, 48), jnp.bfloat16)
+    assert "llmeq_" not in jax.jit(lambda a: ops.linear(a, wb)).lower(jnp.ones((1, 64), jnp.bfloat16)).as_text()
+    assert not stacked.float_views(False)
