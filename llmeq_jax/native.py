@@ -576,9 +576,6 @@ def float_matmul(x: jax.Array, w: jax.Array, layer=None) -> jax.Array:
     if w.dtype not in (jnp.float32, jnp.bfloat16):
         raise TypeError(f"native.float_matmul: w must be float32 or bfloat16, got {w.dtype}")
     _check_x(x, w.shape[-2], "float_matmul")
-    if layer is None:
-        f = _with_xla_grad(lambda a, b: _float_forward(a, b, None), lambda a, b: _float_reference(a, b, None))
-        return f(x, w)
     return _with_xla_grad(_float_forward, _float_reference)(x, w, layer)
 
 

@@ -154,24 +154,21 @@ def _linear_layer_slice(x, w: LayerSlice, act, backend):
     return linear(x, w.value(), act=act, backend=backend)
 
 
-def native_float_kind(x_shape, x_dtype, w_dtype, stacked: bool) -> str | None:
-    """Which ``NATIVE_MAX_ROWS`` entry lets the native float GEMV take ``x @ w`` for a float kernel
-    (``stacked``: one layer of a stack, read in place), or None: XLA's dot."""
-    rows = math.prod(x_shape[:-1])
-    if rows == 0 or not jnp.issubdtype(x_dtype, jnp.floating) or w_dtype not in (jnp.float32, jnp.bfloat16):
-        return None
-    for kind in (("bfloat16",) if w_dtype == jnp.bfloat16 else ()) + (("float_layer",) if stacked else ()):
-        if rows <= NATIVE_MAX_ROWS[kind]:
-            return kind
-    return None
+def _native_float_rows_ok(x, w_dtype, stacked: bool) -> bool:
+    """Whether ``NATIVE_MAX_ROWS`` gives the native float GEMV ``x @ w`` for a float kernel of ``w_dtype``
+    (``stacked``: one layer of a stack, read in place)."""
+    rows = math.prod(x.shape[:-1])
+    if rows == 0 or not jnp.issubdtype(x.dtype, jnp.floating) or w_dtype not in (jnp.float32, jnp.bfloat16):
+        return False
+    limit = max(NATIVE_MAX_ROWS["bfloat16"] if w_dtype == jnp.bfloat16 else 0,
+                NATIVE_MAX_ROWS["float_layer"] if stacked else 0)
+    return rows <= limit
 
 
 def _try_native_float(x, w, layer=None):
-    """The native float GEMV's ``x @ w`` (``w[layer]`` of a stack) where ``native_float_kind`` takes it
-    on a CPU, else None."""
-    if kernel_config.target_backend() != "cpu":
-        return None
-    if native_float_kind(x.shape, x.dtype, w.dtype, layer is not None) is None:
+    """The native float GEMV's ``x @ w`` (``w[layer]`` of a stack) where ``_native_float_rows_ok`` lets it
+    take the product on a CPU, else None."""
+    if kernel_config.target_backend() != "cpu" or not _native_float_rows_ok(x, w.dtype, layer is not None):
         return None
     from llmeq_jax import native
 

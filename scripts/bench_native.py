@@ -110,11 +110,14 @@ def _float_variants(k, n, rows, copies):
         stack = jnp.asarray(rng.standard_normal((copies, k, n)).astype(np.float32) * 0.05).astype(dt)
         layers = [(stack, jnp.int32(i)) for i in range(copies)]
         own = [(stack[i], None) for i in range(copies)]  # arrays of their own: an unrolled model's kernels
-        v[tag] = (jax.jit(lambda a, w: a @ w[0]), own)
-        v[f"{tag}-layer"] = (jax.jit(lambda a, w: a @ jax.lax.dynamic_index_in_dim(w[0], w[1], 0, False)), layers)
+        # x arrives float32 and takes the weights' dtype inside the jit (K values: nothing beside the product)
+        v[tag] = (jax.jit(lambda a, w, dt=dt: a.astype(dt) @ w[0]), own)
+        v[f"{tag}-layer"] = (jax.jit(lambda a, w, dt=dt: a.astype(dt) @ jax.lax.dynamic_index_in_dim(w[0], w[1], 0, False)),
+                             layers)
         if native.available():
-            v[f"nat-{tag}"] = (jax.jit(lambda a, w: native.float_matmul(a, w[0])), own)
-            v[f"nat-{tag}-layer"] = (jax.jit(lambda a, w: native.float_matmul(a, w[0], layer=w[1])), layers)
+            v[f"nat-{tag}"] = (jax.jit(lambda a, w, dt=dt: native.float_matmul(a.astype(dt), w[0])), own)
+            v[f"nat-{tag}-layer"] = (jax.jit(lambda a, w, dt=dt: native.float_matmul(a.astype(dt), w[0], layer=w[1])),
+                                     layers)
     x = jnp.asarray(rng.standard_normal((rows, k)).astype(np.float32))
     return x, v
 
@@ -133,10 +136,8 @@ def _time_once(f, x, ws, min_s):
 def bench(name, k, n, rows, reps, min_s, cache_mb, floats=False):
     copies = max(1, -(-int(cache_mb * 2**20) // (4 * k * n)))
     x, variants = (_float_variants(k, n, rows, copies) if floats else _variants(name, k, n, rows, copies))
-    for key, (f, ws) in variants.items():  # compile everything first
-        xk = x.astype(jnp.bfloat16) if key.endswith(("bf16", "bf16-layer")) else x
-        variants[key] = (lambda a, w, f=f, xk=xk: f(xk, w), ws)
-        jax.block_until_ready(f(xk, ws[0]))
+    for f, ws in variants.values():  # compile everything first
+        jax.block_until_ready(f(x, ws[0]))
     samples = {key: [] for key in variants}
     for _ in range(reps):  # interleaved: every variant sees the same machine load
         for key, (f, w) in variants.items():

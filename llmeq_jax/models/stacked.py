@@ -138,20 +138,17 @@ def float_views(in_place: bool) -> bool:
     if in_place:
         return True
     from llmeq_jax import native
-    from pallas_kernels import config
 
-    return config.target_backend() == "cpu" and native.enabled() and native.prefill_kernels_ok()
+    return native.enabled() and native.prefill_kernels_ok()  # enabled(): tracing for a CPU, library loaded
 
 
-def block_at(blocks, layer, in_place: bool, floats: bool | None = None):
+def block_at(blocks, layer, in_place: bool, floats: bool):
     """Block ``layer`` of the stacked ``blocks``: every array sliced, except the kernels a kernel can
     read in place, which stay stacked behind a :class:`LayerSlice`: row-major kernels (native CPU
     decode), int4 word kernels (GPU decode), when ``in_place`` (Pallas) 2-D uniform-grid QArrays, and
-    when ``floats`` (default: ``in_place``) float kernels (``ops.linear`` still slices those unless a
+    when ``floats`` (:func:`float_views`) float kernels (``ops.linear`` still slices those unless a
     kernel takes them)."""
     from llmeq_jax.decode_layout import Int4WordKernel, RowMajorKernel
-
-    floats = in_place if floats is None else floats
 
     def one(path, leaf):
         if isinstance(leaf, (RowMajorKernel, Int4WordKernel)) or (
