@@ -146,7 +146,8 @@ def prefill_kernels_ok() -> bool:
 
 @contextlib.contextmanager
 def without_vnni():
-    """Run W8A8 GEMMs through the AVX2 code even on a VNNI CPU (tests of that path); process-wide."""
+    """Run the kernels that have an AVX-512 VNNI version (W8A8 GEMMs, the row-major decode products)
+    through their AVX2 code even on a VNNI CPU (tests of that path); process-wide."""
     if not available():
         yield
         return

@@ -1179,6 +1179,150 @@ AVX2 void rm_rows_simd(const RM& p, int64_t n0, int64_t n1) {
     for (; n < n1; ++n) rm_tile<MODE, 1, 1>(p, m, n);
   }
 }
+
+// ---- The same products on AVX-512 VNNI: one vpdpwssd sums 32 int16 x int16 products (modes 0
+// and 1) and one vpdpbusd 64 u8 x s8 products (mode 2) into 16 int32 lanes, where the AVX2 tile
+// spends a vpmaddwd and a vpaddd on 16. The weights are decoded once per step for all MT
+// activation rows, so the work per row falls to about one instruction per 32-64 products: at
+// decode's few rows the AVX2 tile was bound by instructions, not by memory (SmolLM2 shapes,
+// 8 rows took 3.3-4.8x the time of one).
+//
+// Mode 2 reads the weights unsigned, u = w ^ 0x80 = w + 128, so the offset removed per group is
+// 128 + zp (rm_tile_vnni's `off`), as mode 1 removes 8 + zp. The integer sums are the AVX2 tile's,
+// exactly; only the float reduction of the 16 lanes is ordered differently.
+#define VNNI512_VL __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")))
+
+// acc += per-lane sums of 2 int16 x int16 products (see dpbusd on pinning the accumulator).
+VNNI512_VL inline __m512i dpwssd(__m512i acc, __m512i a, __m512i b) {
+#if defined(__GNUC__) && !defined(__clang__)
+  asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+  return acc;
+#else
+  return _mm512_dpwssd_epi32(acc, a, b);
+#endif
+}
+
+// Values per full step of the K loop: 32 int8 weights (mode 0), 64 int4 (32 bytes), 64 int8 (mode 2).
+template <int MODE>
+constexpr int64_t rm_vnni_step() { return MODE == 0 ? 32 : 64; }
+
+// One step of K for R weight rows x MT activation rows at value k; `full` false: the last 32
+// values of a group that is an odd multiple of 32 (modes 1 and 2; masked loads, zero weights).
+template <int MODE, int MT, int R>
+VNNI512_VL inline void rm_vnni_step_at(const RM& p, const uint8_t* const* wrow, const void* const* xrow, int64_t k,
+                                       bool full, __m512i (&acc)[R][MT]) {
+  if (MODE == 0) {
+    for (int r = 0; r < R; ++r) {
+      const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wrow[r] + k)));
+      for (int m = 0; m < MT; ++m)
+        acc[r][m] = dpwssd(acc[r][m], w, _mm512_loadu_si512(static_cast<const int16_t*>(xrow[m]) + k));
+    }
+  } else if (MODE == 1) {
+    const int64_t j = k / 2, half = p.K / 2;
+    const __mmask32 xm = full ? ~__mmask32(0) : __mmask32(0xFFFF);
+    __m512i xe[MT], xo[MT];
+    for (int m = 0; m < MT; ++m) {
+      const int16_t* xr = static_cast<const int16_t*>(xrow[m]);
+      xe[m] = _mm512_maskz_loadu_epi16(xm, xr + j);
+      xo[m] = _mm512_maskz_loadu_epi16(xm, xr + half + j);
+    }
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x88));
+    const __m512i low4 = _mm512_set1_epi16(15);
+    for (int r = 0; r < R; ++r) {
+      // Bytes -> 16-bit lanes (the zero-extension leaves 0 above the byte): low nibble = even k,
+      // high nibble = odd k, both u = v + 8 in [0, 15]. A half step's upper lanes stay 0.
+      const __m256i b = full ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wrow[r] + j))
+                             : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wrow[r] + j)));
+      const __m512i u = _mm512_cvtepu8_epi16(full ? _mm256_xor_si256(b, flip)
+                                                  : _mm256_zextsi128_si256(_mm_xor_si128(_mm256_castsi256_si128(b),
+                                                                                         _mm256_castsi256_si128(flip))));
+      const __m512i lo = _mm512_and_si512(u, low4), hi = _mm512_srli_epi16(u, 4);
+      for (int m = 0; m < MT; ++m) acc[r][m] = dpwssd(dpwssd(acc[r][m], lo, xe[m]), hi, xo[m]);
+    }
+  } else {
+    const __mmask64 km = full ? ~__mmask64(0) : __mmask64(0xFFFFFFFFull);
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    __m512i xv[MT];
+    for (int m = 0; m < MT; ++m) xv[m] = _mm512_maskz_loadu_epi8(km, static_cast<const int8_t*>(xrow[m]) + k);
+    for (int r = 0; r < R; ++r) {
+      const __m512i u = _mm512_xor_si512(_mm512_maskz_loadu_epi8(km, wrow[r] + k), flip);
+      for (int m = 0; m < MT; ++m) acc[r][m] = dpbusd(acc[r][m], u, xv[m]);
+    }
+  }
+}
+
+template <int MODE, int MT, int R>
+VNNI512_VL void rm_tile_vnni(const RM& p, int64_t m0, int64_t n0) {
+  constexpr int64_t step = rm_vnni_step<MODE>();
+  constexpr int64_t step_bytes = MODE == 1 ? step / 2 : step;
+  __m512 tot[R][MT];
+  float corr[R][MT];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MT; ++m) {
+      tot[r][m] = _mm512_setzero_ps();
+      corr[r][m] = 0.f;
+    }
+  const uint8_t* wrow[R];
+  for (int r = 0; r < R; ++r) wrow[r] = p.q + (n0 + r) * p.Kb;
+  const void* xrow[MT];
+  for (int m = 0; m < MT; ++m)
+    xrow[m] = MODE == 2 ? static_cast<const void*>(p.x8 + (m0 + m) * p.xstride) : p.x16 + (m0 + m) * p.xstride;
+  // The R rows are contiguous: walk the prefetch pointer through them at the rate they are read.
+  const char* pf = reinterpret_cast<const char*>(p.q + n0 * p.Kb) + kRowMajorPrefetchBytes;
+  for (int64_t f = 0; f < p.FG; ++f) {
+    const int64_t k0 = f * p.F, k1 = std::min(p.K, k0 + p.F);
+    __m512i acc[R][MT];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_si512();
+    int64_t k = k0;
+    for (; k + step <= k1; k += step) {
+      for (int64_t b = 0; b < step_bytes * R; b += 64) _mm_prefetch(pf + b, _MM_HINT_T0);
+      pf += step_bytes * R;
+      rm_vnni_step_at<MODE, MT, R>(p, wrow, xrow, k, true, acc);
+    }
+    if (k < k1) rm_vnni_step_at<MODE, MT, R>(p, wrow, xrow, k, false, acc);  // 32 values (K, F multiples of 32)
+    // Group end: scales broadcast once per row, not per (row, row) pair (at groups of 128 the
+    // epilogue's per-pair scalar work had cost as much as the group's dot products).
+    __m512 sav[MT];
+    float sx[MT];
+    for (int m = 0; m < MT; ++m) {
+      const float sa = p.sa[(m0 + m) * p.FG + f];
+      sav[m] = _mm512_set1_ps(sa);
+      sx[m] = sa * static_cast<float>(p.xsum[(m0 + m) * p.FG + f]);
+    }
+    for (int r = 0; r < R; ++r) {
+      const float ws = rm_wscale(p, n0 + r, f), wo = ws * (rm_offset(p, n0 + r, f) + (MODE == 2 ? 128.f : 0.f));
+      const __m512 wsv = _mm512_set1_ps(ws);
+      for (int m = 0; m < MT; ++m) {
+        tot[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][m]), _mm512_mul_ps(wsv, sav[m]), tot[r][m]);
+        corr[r][m] += wo * sx[m];
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MT; ++m) p.y[(m0 + m) * p.N + n0 + r] = _mm512_reduce_add_ps(tot[r][m]) - corr[r][m];
+}
+
+// Weight rows [n0, n1) for activation rows [m0, m0 + MT): R rows a tile, then one at a time.
+template <int MODE, int MT, int R>
+VNNI512_VL void rm_rows_vnni_mt(const RM& p, int64_t m0, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) rm_tile_vnni<MODE, MT, R>(p, m0, n);
+  for (; n < n1; ++n) rm_tile_vnni<MODE, MT, 1>(p, m0, n);
+}
+
+// All activation rows in tiles of up to 4 (one pass over the chunk's weights per tile).
+template <int MODE>
+VNNI512_VL void rm_rows_vnni(const RM& p, int64_t n0, int64_t n1) {
+  int64_t m = 0;
+  for (; m + 4 <= p.M; m += 4) rm_rows_vnni_mt<MODE, 4, 4>(p, m, n0, n1);
+  switch (p.M - m) {
+    case 3: rm_rows_vnni_mt<MODE, 3, 2>(p, m, n0, n1); break;
+    case 2: rm_rows_vnni_mt<MODE, 2, 4>(p, m, n0, n1); break;
+    case 1: rm_rows_vnni_mt<MODE, 1, 4>(p, m, n0, n1); break;
+    default: break;
+  }
+}
 #endif  // LLMEQ_X86
 
 // A few persistent worker threads for the row-major kernels. Decode calls come every
@@ -1283,12 +1427,18 @@ int64_t rm_chunk_rows(const RM& p) {
 }
 
 void rm_run(const RM& p) {
-  const bool simd = use_avx2();
+  const bool simd = use_avx2(), vnni = use_vnni();
   int64_t chunk = rm_chunk_rows(p);
   int64_t n_chunks = cdiv(p.N, chunk);
-  auto body = [&p, chunk, simd](int64_t i) {
+  auto body = [&p, chunk, simd, vnni](int64_t i) {
     int64_t n0 = i * chunk, n1 = std::min(p.N, n0 + chunk);
 #if LLMEQ_X86
+    if (vnni) {
+      if (p.mode == 0) rm_rows_vnni<0>(p, n0, n1);
+      else if (p.mode == 1) rm_rows_vnni<1>(p, n0, n1);
+      else rm_rows_vnni<2>(p, n0, n1);
+      return;
+    }
     if (simd) {
       if (p.mode == 0) rm_rows_simd<0>(p, n0, n1);
       else if (p.mode == 1) rm_rows_simd<1>(p, n0, n1);
@@ -1297,6 +1447,7 @@ void rm_run(const RM& p) {
     }
 #endif
     (void)simd;
+    (void)vnni;
     rm_scalar(p, n0, n1);
   };
   if (p.N * p.Kb < min_parallel_bytes()) {
@@ -1306,33 +1457,110 @@ void rm_run(const RM& p) {
   }
 }
 
-// Weight-only activations: int16 per (row, flush group), int4 split into even / odd k.
+// Largest |x[k]| of a flush group; NaN if any x[k] is NaN (then the group's outputs are NaN, as a
+// float matmul's would be).
+float rm_abs_max(const float* x, int64_t n) {
+  float amax = 0.f;
+  bool nan = false;
+  for (int64_t k = 0; k < n; ++k) {
+    amax = std::max(amax, std::fabs(x[k]));
+    nan |= std::isnan(x[k]);
+  }
+  return nan ? std::numeric_limits<float>::quiet_NaN() : amax;
+}
+
+// One flush group of activations to int16: q[i] = round(x[i] * inv) (mode 1: even k to q, odd k
+// to q + K / 2, see RM::x16); returns their sum. round is to nearest even, as lrintf does.
+int32_t rm_round_scalar(const float* x, int64_t n, float inv, bool split, int16_t* q, int64_t half) {
+  int32_t s = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int16_t v = static_cast<int16_t>(std::lrintf(x[i] * inv));
+    s += v;
+    if (split) q[(i & 1) * half + i / 2] = v;
+    else q[i] = v;
+  }
+  return s;
+}
+
+#if LLMEQ_X86
+AVX2 float rm_abs_max_avx2(const float* x, int64_t n) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 amax = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+  for (int64_t k = 0; k < n; k += 8) {
+    const __m256 v = _mm256_loadu_ps(x + k);
+    amax = _mm256_max_ps(amax, _mm256_and_ps(v, magnitude));
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
+  if (_mm256_movemask_ps(nan)) return std::numeric_limits<float>::quiet_NaN();
+  return hmax(amax);
+}
+
+// 16 values from x to int16 in k order (packs_epi32 interleaves the two 128-bit lanes; the
+// permute puts them back). |x * inv| <= 32767, so the saturating pack is exact.
+AVX2 inline __m256i rm_round16(const float* x, __m256 inv, __m256i& sum) {
+  const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x), inv));
+  const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8), inv));
+  sum = _mm256_add_epi32(sum, _mm256_add_epi32(a, b));
+  return _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
+}
+
+// rm_round_scalar for n a multiple of 16 (flush groups are multiples of 32).
+AVX2 int32_t rm_round_avx2(const float* x, int64_t n, float inv, bool split, int16_t* q, int64_t half) {
+  const __m256 vinv = _mm256_set1_ps(inv);
+  // Per 128-bit lane of 8 int16: the 4 even-k values, then the 4 odd-k values.
+  const __m256i even_odd = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                            0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+  __m256i sum = _mm256_setzero_si256();
+  for (int64_t i = 0; i < n; i += 16) {
+    __m256i v = rm_round16(x + i, vinv, sum);
+    if (split) {
+      v = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, even_odd), 0xD8);  // 8 even k, then 8 odd k
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i / 2), _mm256_castsi256_si128(v));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + half + i / 2), _mm256_extracti128_si256(v, 1));
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), v);
+    }
+  }
+  return hsum_i32(sum);
+}
+#endif
+
+// Weight-only activations: int16 per (row, flush group) with scale absmax / 32767 (RM::x16's layout).
 void rm_quantize_x16(const float* x, RM& p, std::vector<int16_t>& xq, std::vector<float>& sa,
                      std::vector<int32_t>& xsum) {
   xq.assign(p.M * p.K, 0);
   sa.assign(p.M * p.FG, 0.f);
   xsum.assign(p.M * p.FG, 0);
+  const bool split = p.mode == 1;
+#if LLMEQ_X86
+  const bool simd = use_avx2();
+#endif
   for (int64_t m = 0; m < p.M; ++m) {
     const float* xr = x + m * p.K;
     for (int64_t f = 0; f < p.FG; ++f) {
-      int64_t k0 = f * p.F, k1 = std::min(p.K, k0 + p.F);
-      float amax = 0.f;
-      for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::fabs(xr[k]));
+      const int64_t k0 = f * p.F, n = std::min(p.K, k0 + p.F) - k0;
+      float amax;
+#if LLMEQ_X86
+      amax = simd ? rm_abs_max_avx2(xr + k0, n) : rm_abs_max(xr + k0, n);
+#else
+      amax = rm_abs_max(xr + k0, n);
+#endif
       if (!(amax > 0.f) || !std::isfinite(amax)) {
         // Zero group: nothing to add. A non-finite one is passed on as NaN, as a float matmul would.
         sa[m * p.FG + f] = amax > 0.f || std::isnan(amax) ? std::numeric_limits<float>::quiet_NaN() : 0.f;
         continue;
       }
+      // k0 is even: in mode 1 the group's even k start at k0 / 2, its odd k at K / 2 + k0 / 2.
+      int16_t* q = xq.data() + m * p.K + (split ? k0 / 2 : k0);
       const float inv = 32767.f / amax;
-      int32_t s = 0;
-      for (int64_t k = k0; k < k1; ++k) {
-        int16_t v = static_cast<int16_t>(std::lrintf(xr[k] * inv));
-        s += v;
-        int64_t at = p.mode == 1 ? (k & 1 ? p.K / 2 : 0) + k / 2 : k;
-        xq[m * p.K + at] = v;
-      }
-      sa[m * p.FG + f] = amax / 32767.f;
+      int32_t s;
+#if LLMEQ_X86
+      s = simd ? rm_round_avx2(xr + k0, n, inv, split, q, p.K / 2) : rm_round_scalar(xr + k0, n, inv, split, q, p.K / 2);
+#else
+      s = rm_round_scalar(xr + k0, n, inv, split, q, p.K / 2);
+#endif
       xsum[m * p.FG + f] = s;
+      sa[m * p.FG + f] = amax / 32767.f;
     }
   }
   p.x16 = xq.data();

@@ -102,6 +102,40 @@ def test_portable_scalar_path_gives_the_same_sums(name):
     np.testing.assert_allclose(scalar, simd, rtol=1e-5, atol=1e-5 * np.abs(simd).max())
 
 
+@pytest.mark.skipif(not native.vnni(), reason="the AVX-512 VNNI tiles run on a CPU with AVX-512 VNNI only")
+@pytest.mark.parametrize("name", sorted(WEIGHTS) + ["w8a8"])
+def test_vnni_tiles_give_the_avx2_tiles_sums(name):
+    """The AVX-512 VNNI row-major tiles (vpdpwssd / vpdpbusd, 4 activation rows a tile, then 3, 2 or
+    1; a group's last 32 values as a masked half step) form the AVX2 tiles' integer sums: only the
+    float reduction of the lanes differs. Rows 1..9 cover every tile shape; N = 37 the weight-row tail."""
+    act = Spec(bits=8, granularity="token") if name == "w8a8" else None
+    spec = Spec(bits=8, granularity="group", group_size=64, symmetric=False) if act else WEIGHTS[name]
+    w = dataclasses.replace(quantize(jnp.asarray(_rand((K, N), 5)), spec), act_spec=act)
+    rm = decode_layout.transpose_kernel(w)
+    f = jax.jit(lambda a, b: native.row_major_matmul(a, b, act))
+    for rows in range(1, 10):
+        x = jnp.asarray(_rand((rows, K), 30 + rows))
+        vnni = np.asarray(f(x, rm))
+        with native.without_vnni():
+            avx2 = np.asarray(jax.jit(lambda a, b: native.row_major_matmul(a, b, act) * 1.0)(x, rm))
+        np.testing.assert_allclose(vnni, avx2, rtol=1e-5, atol=1e-6 * np.abs(avx2).max(), err_msg=f"{rows} rows")
+
+
+def test_a_nan_or_inf_activation_makes_its_row_nan_only():
+    """A non-finite activation in one row: that row's outputs are NaN (as a float matmul's would be,
+    at least where inf meets weights of both signs), the other rows' are unchanged."""
+    rm = decode_layout.transpose_kernel(_kernel("int4-g32"))
+    f = jax.jit(lambda a, b: native.row_major_matmul(a, b))
+    x = _rand((3, K), 12)
+    clean = np.asarray(f(jnp.asarray(x), rm))
+    for bad in (np.nan, np.inf):
+        xb = x.copy()
+        xb[1, 200] = bad
+        y = np.asarray(f(jnp.asarray(xb), rm))
+        assert np.isnan(y[1]).all(), bad
+        np.testing.assert_array_equal(y[[0, 2]], clean[[0, 2]])
+
+
 def _w8a8_case(seed, k=K, n=N, weights=None, xint=None):
     """Integer weights (unit scale, every code incl. -128) and integer-valued x (|x| max 127: scale 1)."""
     rng = np.random.default_rng(seed)
@@ -115,8 +149,9 @@ def _w8a8_case(seed, k=K, n=N, weights=None, xint=None):
     return w, x, q
 
 
-def test_w8a8_row_major_integer_sums_are_exact():
-    w, x, q = _w8a8_case(0)
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+def test_w8a8_row_major_integer_sums_are_exact(rows):
+    w, x, q = _w8a8_case(0, xint=np.random.default_rng(rows).integers(-127, 128, (rows, K)).astype(np.float32))
     y = jax.jit(lambda a, b: ops.linear(a, b))(jnp.asarray(x), decode_layout.RowMajorKernel(decode_layout.transpose_kernel(w)))
     exact = x.astype(np.int64) @ q.astype(np.int64)  # |sum| < 2^24: exact in float32 too
     np.testing.assert_array_equal(np.asarray(y, np.float64), exact.astype(np.float64))
