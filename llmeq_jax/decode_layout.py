@@ -303,7 +303,7 @@ def _target(rows: int) -> str | None:
     from llmeq_jax import native, ops
     from pallas_kernels import config
 
-    if 0 < rows <= ops.NATIVE_MAX_ROWS["row_major"] and native.enabled():
+    if 0 < rows <= ops.row_major_max_rows(w8a8=False) and native.enabled():
         return "native"
     if 0 < rows <= GPU_KMAJOR_MAX_ROWS and config.kernels_available():
         return "pallas"
@@ -315,7 +315,10 @@ def _candidate(target: str, leaf: QArray, rows: int) -> bool:
     from llmeq_jax import kernel_dispatch
 
     if target == "native":  # the last word is native.supports_row_major's, on the transposed kernel
-        return leaf.grid == "uniform" and not (is_packed(leaf.bits) and leaf.pack_axis != 0)
+        from llmeq_jax import ops
+
+        return (leaf.grid == "uniform" and not (is_packed(leaf.bits) and leaf.pack_axis != 0)
+                and rows <= ops.row_major_max_rows(w8a8=leaf.act_spec is not None))
     # Pallas: int8-stored codes (W8A8 int8/fp8, int8 weight-only) that a kernel would take. Their
     # N-major bytes are gathered one at a time into MMA operands (scripts/kernel_sass.py: W8A8 at
     # M = 16 issues 4.3x the instructions of the K-major loop). Packed int4 weight-only kernels go
@@ -332,7 +335,7 @@ def for_decode(params, rows: int):
     """``params`` with every quantized kernel that the decode loop's kernels read in another layout
     wrapped as a :class:`RowMajorKernel` or an :class:`Int4WordKernel` (siblings fused,
     :func:`fuse_linears`). On a CPU: what the native row-major kernels take, up to
-    ``ops.NATIVE_MAX_ROWS["row_major"]`` rows. Where the Pallas kernels run (a GPU), up to
+    ``ops.row_major_max_rows`` rows. Where the Pallas kernels run (a GPU), up to
     :data:`GPU_KMAJOR_MAX_ROWS` rows: int8-stored kernels, which the W8A8 and weight-only kernels then
     read K-major as stored, and int4 weight-only kernels as words (``pallas_kernels.int4_words``).
     Unchanged otherwise. Call inside the jit: the copies are made once per call and read on every step."""

@@ -54,16 +54,28 @@ BACKENDS = ("auto", "xla", "pallas")
 # dispatch in the figures; 2-core CPU, batch 1): with the row-streaming weight-only
 # kernel, rtn-w8 XLA 21.9 -> native 26.4 tok/s, rtn-w4-g128 12.1 -> 36.9, rtn-w8a8
 # 27.2 -> 48.3 (fp32 25.4). Beyond 8 rows (prefill, perplexity) XLA's GEMMs win
-# (scripts/bench_native.py --rows 512).
-NATIVE_MAX_ROWS = {"int8": 8, "int4": 8, "w8a8": 8, "nk": 8, "row_major": 8, "attention": 8, "float_layer": 16,
-                   "bfloat16": 16}
+# (scripts/bench_native.py --rows 512). Raised since, on measurements of batched decode:
+# "attention": decode attention over a float cache (kv.attention.native_attention_ok), batch x
+# positions; at 16 (batch-16 decode, SmolLM2-135M, 2-core Xeon) the kernel took fp32 / rtn-w4-g128 /
+# rtn-w8a8 from 248 / 311 / 387 tok/s with XLA's attention to 266 / 342 / 456.
+# "row_major_vnni": weight-only row-major products on a CPU with AVX-512 VNNI (row_major_max_rows).
+# Their tiles form 4 activation rows' sums per decoded weight vector, and batch-16 decode of
+# SmolLM2-135M ran rtn-w8 / rtn-w4-g128 at 269 / 264 tok/s there against 169 / 156 through XLA and
+# 247 / 210 through the dequantized panels (fp32 253-259; 2-core Xeon, docs/cpu-speed.md); at 32
+# rows the panels won (325 / 329 against 301 / 295). W8A8 keeps "row_major": past it the VNNI GEMM
+# (any rows, below) was as fast at 16 rows and faster at 32.
+NATIVE_MAX_ROWS = {"int8": 8, "int4": 8, "w8a8": 8, "nk": 8, "row_major": 8, "row_major_vnni": 16, "attention": 16,
+                   "float_layer": 16, "bfloat16": 16}
 # ...except W8A8 on a CPU with AVX-512 VNNI: its native GEMM (vpdpbusd) beats XLA's float
 # and int8 dots at every row count (512 rows, SmolLM2's shapes, 2-core Xeon: 2.6-3.2x XLA's
 # fp32 dot, whose int8 dot ran 0.8-0.9x; docs/cpu-speed.md), so it takes any number of rows there;
 # And weight-only int8 / int4 on AVX-512 past NATIVE_PANEL_MIN_ROWS rows (kWoPanelMinRows in
 # native/cpu_kernels.cc): those run the float panel GEMM on slices dequantized in cache (XLA
-# dequantized the whole kernel to memory first); between the two limits XLA's GEMM stays.
-NATIVE_PANEL_MIN_ROWS = 64
+# dequantized the whole kernel to memory first). Past 8 rows (the row-streaming kernels' limit):
+# batch-16 / 32 decode of SmolLM2-135M in the (in, out) layout ran rtn-w8 at 247 / 325 tok/s on the
+# panels against 169 / 232 through XLA, rtn-w4-g128 210 / 329 against 156 / 214, and a 64-token
+# prefill at 0.82-0.85x fp32 against 0.44-0.48x (2-core Xeon).
+NATIVE_PANEL_MIN_ROWS = 8
 # Float kernels go to the native float GEMV (native.float_matmul) at few rows where it beat XLA:
 # "float_layer", one layer of a stacked kernel inside the scan over stacked blocks (XLA copies the
 # layer's slice out of the stack before its dot); "bfloat16", any bfloat16 kernel (XLA:CPU's bf16
@@ -190,6 +202,16 @@ def _native_kind(w: QArray, act: Spec | None) -> str:
     return "int4" if is_packed(w.bits) else "int8"
 
 
+def row_major_max_rows(w8a8: bool) -> int:
+    """Rows of activations up to which a row-major kernel goes to the native decode kernels:
+    ``NATIVE_MAX_ROWS["row_major_vnni"]`` for a weight-only product on an AVX-512 VNNI CPU, else
+    ``NATIVE_MAX_ROWS["row_major"]``."""
+    from llmeq_jax import native
+
+    limit = NATIVE_MAX_ROWS["row_major"]
+    return limit if w8a8 or not native.vnni() else max(limit, NATIVE_MAX_ROWS["row_major_vnni"])
+
+
 def _native_rows_ok(x: jax.Array, kind: str) -> bool:
     from llmeq_jax import native
 
@@ -280,7 +302,9 @@ def _linear_row_major(x, w: QArray, act, backend, layer=None):
         y = kernel_dispatch.linear(x, w, act, layer=layer, w_layout="nk")
         if y is not None:
             return y
-    if backend == "auto" and kernel_config.target_backend() == "cpu" and _native_rows_ok(x, "row_major"):
+    rows = math.prod(x.shape[:-1])
+    if (backend == "auto" and kernel_config.target_backend() == "cpu" and jnp.issubdtype(x.dtype, jnp.floating)
+            and 0 < rows <= row_major_max_rows(act is not None)):
         from llmeq_jax import native
 
         if native.enabled() and native.supports_row_major(w, act) is None:
@@ -334,15 +358,15 @@ def linear_nk(
 
 
 def _try_native_nk(x, w):
-    if kernel_config.target_backend() != "cpu" or not _native_rows_ok(x, "nk"):
-        return None
     from llmeq_jax import native
 
-    if not native.enabled():
+    if kernel_config.target_backend() != "cpu" or not jnp.issubdtype(x.dtype, jnp.floating) or not native.enabled():
         return None
-    if native.supports_row_major(w) is None:  # int16 activations x integer codes: the faster kernel
+    # int16 activations x integer codes: the faster kernel, as far as row-major products go (the int8
+    # head of SmolLM2-135M, 49152 x 576, at 16 rows on the VNNI tiles: 5.6 ms against XLA's 13.8)
+    if native.supports_row_major(w) is None and 0 < math.prod(x.shape[:-1]) <= row_major_max_rows(w8a8=False):
         return native.row_major_matmul(x, w)
-    if native.supports_nk(w) is not None:
+    if not _native_rows_ok(x, "nk") or native.supports_nk(w) is not None:
         return None
     return native.weight_only_nk(x, w)
 

@@ -145,7 +145,7 @@ constexpr int64_t kPanelCols = 32;
 constexpr int64_t kPanelTileRows = 12;
 constexpr int64_t kPanelBlockBytes = 1 << 20;
 // Weight-only products of more rows than this run on dequantized panels where AVX-512 runs.
-constexpr int64_t kWoPanelMinRows = 64;
+constexpr int64_t kWoPanelMinRows = 8;
 
 // Row blocks of a panel product: at least two (one per thread), each at most ~kPanelBlockBytes
 // of activations, and no more than there are 12-row tiles.

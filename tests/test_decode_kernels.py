@@ -234,12 +234,39 @@ def test_for_decode_wraps_the_kernels_it_can_run(qparams):
     kinds = [type(a).__name__ for a in jax.tree.leaves(wrapped, is_leaf=lambda a: isinstance(a, (QArray, decode_layout.RowMajorKernel)))
              if isinstance(a, (QArray, decode_layout.RowMajorKernel))]
     assert kinds and set(kinds) == {"RowMajorKernel"}
-    too_many_rows = jax.eval_shape(lambda p: decode_layout.for_decode(p, rows=ops.NATIVE_MAX_ROWS["row_major"] + 1),
+    too_many_rows = jax.eval_shape(lambda p: decode_layout.for_decode(p, rows=ops.row_major_max_rows(False) + 1),
                                    qparams)
     assert jax.tree.structure(too_many_rows) == jax.tree.structure(qparams)
     with native.disabled():
         off = jax.eval_shape(lambda p: decode_layout.for_decode(p, rows=1), qparams)
     assert jax.tree.structure(off) == jax.tree.structure(qparams)
+
+
+def _leaf_kinds(tree):
+    leaves = jax.tree.leaves(tree, is_leaf=lambda a: isinstance(a, (QArray, decode_layout.RowMajorKernel)))
+    return {type(a).__name__ for a in leaves if isinstance(a, (QArray, decode_layout.RowMajorKernel))}
+
+
+def test_row_major_row_limits_per_kind(qparams):
+    """Weight-only kernels go row-major up to NATIVE_MAX_ROWS["row_major_vnni"] rows on an AVX-512 VNNI
+    CPU ("row_major" elsewhere); W8A8 kernels up to "row_major" only (past it, the VNNI GEMM), so a
+    W8A8 model's kernels keep their (in, out) layout at a batch between the two."""
+    between = ops.NATIVE_MAX_ROWS["row_major"] + 1
+    assert ops.row_major_max_rows(w8a8=True) == ops.NATIVE_MAX_ROWS["row_major"]
+    assert ops.row_major_max_rows(w8a8=False) == (ops.NATIVE_MAX_ROWS["row_major_vnni"] if native.vnni()
+                                                  else ops.NATIVE_MAX_ROWS["row_major"])
+    assert ops.NATIVE_MAX_ROWS["row_major_vnni"] >= between
+    wide = ops.row_major_max_rows(w8a8=False)
+    assert _leaf_kinds(jax.eval_shape(lambda p: decode_layout.for_decode(p, rows=wide), qparams)) == {"RowMajorKernel"}
+    act = Spec(bits=8, granularity="token")
+    w8a8 = jax.tree.map(lambda a: quantize(a.dequantize(), Spec(bits=8), act_spec=act) if isinstance(a, QArray) else a,
+                        qparams, is_leaf=lambda a: isinstance(a, QArray))
+    assert _leaf_kinds(jax.eval_shape(lambda p: decode_layout.for_decode(p, rows=between - 1), w8a8)) == {"RowMajorKernel"}
+    assert _leaf_kinds(jax.eval_shape(lambda p: decode_layout.for_decode(p, rows=between), w8a8)) == {"QArray"}
+    # ops.linear on a row-major weight-only kernel at a row count between the limits: native on VNNI.
+    rm = decode_layout.RowMajorKernel(decode_layout.transpose_kernel(_kernel("int4-g32")))
+    hlo = jax.jit(lambda a: ops.linear(a, rm)).lower(jnp.ones((between, K), jnp.float32)).as_text()
+    assert ("llmeq_rm_a16" in hlo) == native.vnni()
 
 
 def test_generate_uses_the_native_decode_kernels_and_agrees_with_xla(qparams):
@@ -384,10 +411,13 @@ def test_prefill_attention_avx512_tiles_equal_the_avx2_tiles():
 
 
 def test_attention_between_decode_and_prefill_sizes_stays_in_xla():
-    q = jnp.ones((1, 12, 4, 8))
-    k = jnp.ones((1, 2, 12, 8))
-    assert 12 > ops.NATIVE_MAX_ROWS["attention"] and 12 < native.PREFILL_ATTENTION_MIN_POSITIONS
+    q = jnp.ones((2, 12, 4, 8))  # 24 query rows, 12 positions each
+    k = jnp.ones((2, 2, 12, 8))
+    assert 24 > ops.NATIVE_MAX_ROWS["attention"] and 12 < native.PREFILL_ATTENTION_MIN_POSITIONS
     assert not attention.native_attention_ok(q, k, k)
+    # batch-16 decode (one position per row) takes the kernel
+    assert ops.NATIVE_MAX_ROWS["attention"] >= 16
+    assert attention.native_attention_ok(jnp.ones((16, 1, 4, 8)), jnp.ones((16, 2, 12, 8)), jnp.ones((16, 2, 12, 8)))
 
 
 def test_prefill_attention_stays_in_xla_without_simd():
