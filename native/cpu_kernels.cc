@@ -1231,11 +1231,10 @@ VNNI512_VL inline void rm_vnni_step_at(const RM& p, const uint8_t* const* wrow, 
     for (int r = 0; r < R; ++r) {
       // Bytes -> 16-bit lanes (the zero-extension leaves 0 above the byte): low nibble = even k,
       // high nibble = odd k, both u = v + 8 in [0, 15]. A half step's upper lanes stay 0.
-      const __m256i b = full ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wrow[r] + j))
-                             : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wrow[r] + j)));
-      const __m512i u = _mm512_cvtepu8_epi16(full ? _mm256_xor_si256(b, flip)
-                                                  : _mm256_zextsi128_si256(_mm_xor_si128(_mm256_castsi256_si128(b),
-                                                                                         _mm256_castsi256_si128(flip))));
+      const __m256i b = full ? _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wrow[r] + j)), flip)
+                             : _mm256_zextsi128_si256(_mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wrow[r] + j)),
+                                                                    _mm256_castsi256_si128(flip)));
+      const __m512i u = _mm512_cvtepu8_epi16(b);
       const __m512i lo = _mm512_and_si512(u, low4), hi = _mm512_srli_epi16(u, 4);
       for (int m = 0; m < MT; ++m) acc[r][m] = dpwssd(dpwssd(acc[r][m], lo, xe[m]), hi, xo[m]);
     }
