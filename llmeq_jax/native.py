@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import ctypes
 import glob
 import math
@@ -320,13 +321,15 @@ def _check_x(x: jax.Array, k: int, what: str) -> None:
 # --------------------------------------------------------------------------- raw FFI calls
 
 
-def _wo_call(x2, q, scale, zp, *, layout: int, bits: int, group_size: int, has_zp: bool, n: int):
+def _wo_call(x2, q, scale, zp, *, layout: int, bits: int, group_size: int, has_zp: bool, n: int,
+             swiglu: bool = False):
     _require(None, "weight-only call")
-    out = jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32)
+    out = jax.ShapeDtypeStruct((x2.shape[0], n // 2 if swiglu else n), jnp.float32)
     call = jax.ffi.ffi_call(_WO_TARGET, out, vmap_method="sequential")
     return call(
         x2, q, scale, zp,
         layout=np.int64(layout), bits=np.int64(bits), group_size=np.int64(group_size), has_zp=np.int64(has_zp),
+        swiglu=np.int64(swiglu),
     )  # fmt: skip
 
 
@@ -360,16 +363,16 @@ def _rm_a8_call(xq2, q, scale, zp, sx, *, group_size: int, has_zp: bool, layer=N
 # --------------------------------------------------------------------------- QArray products
 
 
-def _kn_forward(x: jax.Array, w: QArray) -> jax.Array:
+def _kn_forward(x: jax.Array, w: QArray, swiglu: bool = False) -> jax.Array:
     k, n = w.shape
     g = w.tile[0]
     groups = math.ceil(k / g)
     x2 = x.reshape(-1, k).astype(jnp.float32)
     y = _wo_call(
         x2, w.qvalue, _as_grid(w.scale, groups, n), _zp_arg(w, groups, n),
-        layout=0, bits=w.bits, group_size=g, has_zp=w.zero_point is not None, n=n,
+        layout=0, bits=w.bits, group_size=g, has_zp=w.zero_point is not None, n=n, swiglu=swiglu,
     )  # fmt: skip
-    return y.reshape(*x.shape[:-1], n).astype(x.dtype)
+    return y.reshape(*x.shape[:-1], y.shape[-1]).astype(x.dtype)
 
 
 def _nk_forward(x: jax.Array, w: QArray) -> jax.Array:
@@ -438,6 +441,12 @@ def _xla_kn(x, w):
     return weight_only_xla(x, w)
 
 
+def _xla_swiglu(x, w):
+    y = _xla_kn(x, w)
+    half = y.shape[-1] // 2
+    return jax.nn.silu(y[..., :half]) * y[..., half:]
+
+
 def _xla_nk(x, w):
     from llmeq_jax.ops import linear_nk_xla
 
@@ -476,6 +485,22 @@ def weight_only_kn(x: jax.Array, w: QArray) -> jax.Array:
     _require(supports_kn(w), "weight_only_kn")
     _check_x(x, w.shape[0], "weight_only_kn")
     return _kn(x, w)
+
+
+_swiglu_kn = _with_xla_grad(functools.partial(_kn_forward, swiglu=True), _xla_swiglu)
+
+
+def weight_only_swiglu(x: jax.Array, w: QArray) -> jax.Array:
+    """``silu(x @ gate) * (x @ up)`` for a joined ``(in, 2 F)`` weight-only gate/up QArray (gate
+    first), by the native kernel: where the dequantized-panel GEMM runs (AVX-512, more than
+    ``ops.NATIVE_PANEL_MIN_ROWS`` rows) the activation is applied in its registers, elsewhere in a
+    second pass over the joined product."""
+    _require(supports_kn(w), "weight_only_swiglu")
+    _check_x(x, w.shape[0], "weight_only_swiglu")
+    if w.shape[1] % 2:
+        raise ValueError(f"native.weight_only_swiglu: a joined gate/up kernel has an even number of columns, got "
+                         f"shape {tuple(w.shape)}")
+    return _swiglu_kn(x, w)
 
 
 def weight_only_nk(x: jax.Array, w: QArray) -> jax.Array:

@@ -222,7 +222,7 @@ def _native_rows_ok(x: jax.Array, kind: str) -> bool:
         return True
     if not native.prefill_kernels_ok():
         return False
-    return (kind == "w8a8" and native.vnni()) or (kind in ("int8", "int4") and native.avx512()
+    return (kind == "w8a8" and native.vnni()) or (kind in ("int8", "int4", "nk") and native.avx512()
                                                    and rows > NATIVE_PANEL_MIN_ROWS)
 
 
@@ -263,14 +263,26 @@ def _panels_native(x, backend) -> bool:
     return native.enabled() and native.avx512() and native.prefill_kernels_ok()
 
 
-def swiglu(x: jax.Array, w: PanelKernel, *, backend: str = "auto") -> jax.Array:
-    """``silu(x @ gate) * (x @ up)`` for a SwiGLU gate/up kernel packed by
-    ``decode_layout.pack_swiglu_panels``: one native pass (the activation applied in the GEMM's
-    registers), else XLA."""
+def swiglu(x: jax.Array, w: PanelKernel | QArray, *, backend: str = "auto") -> jax.Array:
+    """``silu(x @ gate) * (x @ up)`` for a SwiGLU MLP's joined gate/up kernel: one packed by
+    ``decode_layout.pack_swiglu_panels`` (one native pass, the activation applied in the GEMM's
+    registers, else XLA), or a weight-only ``(in, 2 F)`` QArray, gate first (the same native pass
+    on dequantized panels where :func:`swiglu_fuses`, else :func:`linear` and the activation)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {list(BACKENDS)}")
+    if isinstance(w, QArray):
+        _check_shapes(x, w)
+        if w.shape[1] % 2:
+            raise ValueError(f"swiglu: a joined gate/up kernel has an even number of columns, got shape {tuple(w.shape)}")
+        if backend == "auto" and swiglu_fuses(x, w):
+            from llmeq_jax import native
+
+            return native.weight_only_swiglu(x, w)
+        y = linear(x, w, backend=backend)
+        half = w.shape[1] // 2
+        return jax.nn.silu(y[..., :half]) * y[..., half:]
     if not (isinstance(w, PanelKernel) and w.swiglu):
-        raise ValueError("swiglu: expects a kernel packed by decode_layout.pack_swiglu_panels")
+        raise ValueError("swiglu: expects a kernel packed by decode_layout.pack_swiglu_panels or a weight-only QArray")
     _check_shapes(x, w)
     if _panels_native(x, backend):
         from llmeq_jax import native
@@ -278,6 +290,21 @@ def swiglu(x: jax.Array, w: PanelKernel, *, backend: str = "auto") -> jax.Array:
         return native.panel_matmul(x, w.panels, w.features, swiglu=True)
     y = jnp.matmul(x, unpack_panels(w.panels, w.features, swiglu=True).astype(x.dtype))
     return jax.nn.silu(y[..., : w.features]) * y[..., w.features :]
+
+
+def swiglu_fuses(x: jax.Array, w: Any) -> bool:
+    """Whether :func:`swiglu` runs a joined weight-only gate/up QArray ``w`` in one native pass on
+    ``x``: where ``linear`` would take the dequantized-panel GEMM (AVX-512, more than
+    ``NATIVE_PANEL_MIN_ROWS`` rows, one device), which then applies the activation in its registers
+    instead of writing the ``[rows, 2 F]`` product for a second pass."""
+    if not (isinstance(w, QArray) and w.act_spec is None and w.grid == "uniform" and w.shape[1] % 2 == 0):
+        return False
+    if kernel_config.target_backend() != "cpu" or math.prod(x.shape[:-1]) <= NATIVE_PANEL_MIN_ROWS:
+        return False
+    from llmeq_jax import native
+
+    return (_native_rows_ok(x, _native_kind(w, None)) and native.avx512() and native.enabled()
+            and native.supports_kn(w) is None)
 
 
 def _linear_words(x, w: Int4WordKernel, backend, layer=None):

@@ -643,3 +643,67 @@ def test_prefill_layout_runs_the_mlp_activation_inside_the_gemm():
     toks = jnp.asarray(np.random.default_rng(4).integers(0, 64, (2, 24)), jnp.int32)
     f = jax.jit(lambda p, t: forward(CONFIG, p, t))
     np.testing.assert_allclose(np.asarray(f(packed, toks)), np.asarray(f(plain, toks)), rtol=1e-5, atol=1e-5)
+
+
+WO_SWIGLU_SPECS = {
+    "int8-channel": Spec(bits=8),
+    "int4-g32-asym": Spec(bits=4, granularity="group", group_size=32, symmetric=False),
+    "int8-g48-asym": Spec(bits=8, granularity="group", group_size=48, symmetric=False),
+}
+
+
+@pytest.mark.parametrize("m,k,i,name", [(40, 96, 37, "int8-channel"), (300, 100, 48, "int4-g32-asym"),
+                                        (9, 2100, 20, "int8-g48-asym"), (3, 64, 16, "int4-g32-asym")])
+def test_weight_only_swiglu_matches_float64(m, k, i, name):
+    """A joined weight-only gate/up kernel: silu(x @ gate) * (x @ up) in one pass on dequantized panels
+    where they run (a partial last pair of 16-column halves, groups, K split past 2048), the joined
+    product and a second pass elsewhere (3 rows)."""
+    x, w = _rand((m, k), 11) * 0.3, _rand((k, 2 * i), 12) * 0.3
+    q = quantize(jnp.asarray(w), WO_SWIGLU_SPECS[name])
+    z = x.astype(np.float64) @ np.asarray(q.dequantize(), np.float64)
+    ref = z[:, :i] / (1 + np.exp(-z[:, :i])) * z[:, i:]
+    tol = dict(rtol=2e-5, atol=2e-5 * np.abs(ref).max())
+    assert ops.swiglu_fuses(jnp.asarray(x), q) == (native.avx512() and m > ops.NATIVE_PANEL_MIN_ROWS)
+    y = np.asarray(jax.jit(lambda a, b: ops.swiglu(a, b))(jnp.asarray(x), q))
+    np.testing.assert_allclose(y, ref, **tol)
+    np.testing.assert_allclose(np.asarray(native.weight_only_swiglu(jnp.asarray(x), q)), ref, **tol)
+    np.testing.assert_allclose(np.asarray(ops.swiglu(jnp.asarray(x), q, backend="xla")), ref, **tol)
+
+
+def test_weight_only_swiglu_gradient_and_misuse():
+    x = jnp.asarray(_rand((20, 32), 13))
+    q = quantize(jnp.asarray(_rand((32, 40), 14)), Spec(bits=8))
+    g = jax.grad(lambda a: jnp.sum(ops.swiglu(a, q) ** 2))(x)
+    wd = q.dequantize()
+    g_ref = jax.grad(lambda a: jnp.sum((jax.nn.silu(a @ wd[:, :20]) * (a @ wd[:, 20:])) ** 2))(x)
+    np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), rtol=1e-4, atol=1e-4)
+    odd = quantize(jnp.asarray(_rand((32, 39), 14)), Spec(bits=8))
+    with pytest.raises(ValueError, match="even number of columns"):
+        ops.swiglu(x, odd)
+    with pytest.raises(ValueError, match="even number of columns"):
+        native.weight_only_swiglu(x, odd)
+    w8a8 = dataclasses.replace(q, act_spec=Spec(bits=8, granularity="token"))
+    assert not ops.swiglu_fuses(x, w8a8) and not ops.swiglu_fuses(x, wd)
+
+
+@pytest.mark.parametrize("recipe", ["rtn-w8", "rtn-w4-g128"])
+def test_quantized_prefill_runs_the_activation_and_the_tied_head_natively(recipe):
+    """A weight-only model's prefill on AVX-512: the joined gate/up product applies silu * up in the
+    panel GEMM and the quantized tied head runs on dequantized (transposed) panels, with the logits
+    of the unfused XLA path."""
+    from llmeq_jax.core.rules import quantize_params
+    from llmeq_jax.models import forward
+    from llmeq_jax.pipeline import read_recipe
+
+    config = dataclasses.replace(CONFIG, tie_word_embeddings=True)
+    qparams = quantize_params(init_params(config, jax.random.key(10)), read_recipe(recipe))
+    assert isinstance(qparams["embed"]["embedding"], QArray)
+    packed = decode_layout.for_prefill(qparams)
+    toks = jnp.asarray(np.random.default_rng(5).integers(0, 64, (2, 24)), jnp.int32)
+    f = jax.jit(lambda p, t: forward(config, p, t))
+    hlo = f.lower(packed, toks).as_text()
+    assert (hlo.count("swiglu = 1") == config.num_layers) == native.avx512()
+    assert ("layout = 1" in hlo) == native.avx512()  # the head: llmeq_wo_matmul on the (vocab, hidden) table
+    with native.disabled():
+        ref = f(decode_layout.for_prefill(qparams), toks)
+    np.testing.assert_allclose(np.asarray(f(packed, toks)), np.asarray(ref), rtol=2e-5, atol=2e-5)

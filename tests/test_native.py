@@ -137,24 +137,38 @@ def test_weight_only_matches_reference(name, rows, layout):
 
 
 @needs_native
+@pytest.mark.parametrize("layout", ["kn", "nk"])
 @pytest.mark.parametrize("name", sorted(WEIGHTS))
-def test_many_row_weight_only_matches_reference(name):
-    """kn products of more than 8 rows (batched decode, prefill): on AVX-512 they run the float panel
-    GEMM on slices dequantized in cache (groups across the K tail, partial last panel, int4 nibbles;
-    one row block below 12 rows, several above)."""
-    rows = {0: 9, 1: 20, 2: 65, 3: 100, 4: 300}[sorted(WEIGHTS).index(name) % 5]
-    w, wd, absw = _weight(name, "kn")
+def test_many_row_weight_only_matches_reference(name, layout):
+    """Products of more than 8 rows (batched decode, prefill, the tied head): on AVX-512 they run the
+    float panel GEMM on slices dequantized in cache (groups across the K tail, partial last panel, int4
+    nibbles; nk rows transposed 16 x 16 into the panel; one row block below 12 rows, several above)."""
+    rows = {0: 9, 1: 20, 2: 65, 3: 100, 4: 300}[(sorted(WEIGHTS).index(name) + (layout == "nk")) % 5]
+    w, wd, absw = _weight(name, layout)
     x = np.asarray(_rand((rows, K), rows))
-    y = native.weight_only_kn(jnp.asarray(x), w)
-    _assert_close(y, x.astype(np.float64) @ wd, _bound(x, absw, K))
+    f = native.weight_only_kn if layout == "kn" else native.weight_only_nk
+    _assert_close(f(jnp.asarray(x), w), x.astype(np.float64) @ wd, _bound(x, absw, K))
 
 
 @needs_native
-def test_many_row_weight_only_goes_native_only_with_avx512():
-    w = _weight("int4-g32", "kn")[0]
+@pytest.mark.parametrize("k,n", [(576, 100), (67, 40)])
+@pytest.mark.parametrize("name", ["int8-channel-asym", "int4-g32", "int4-channel"])
+def test_many_row_nk_panels_at_head_like_shapes(k, n, name):
+    """The tied head's layout at prefill rows: K a multiple of 16 and not (the transpose's tail),
+    N past a whole number of panels, an odd single-group int4 K."""
+    w, wd, absw = _weight(name, "nk", k, n)
+    x = np.asarray(_rand((40, k), 7))
+    _assert_close(native.weight_only_nk(jnp.asarray(x), w), x.astype(np.float64) @ wd, _bound(x, absw, k))
+
+
+@needs_native
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+def test_many_row_weight_only_goes_native_only_with_avx512(layout):
+    w = _weight("int4-g32", layout)[0]
     assert ops.NATIVE_MAX_ROWS["int4"] == ops.NATIVE_PANEL_MIN_ROWS  # no row count left to XLA on AVX-512
+    f = ops.linear if layout == "kn" else ops.linear_nk
     for rows, native_ok in ((100, native.avx512()), (ops.NATIVE_PANEL_MIN_ROWS + 1, native.avx512())):
-        hlo = jax.jit(lambda a: ops.linear(a, w)).lower(jnp.asarray(_rand((rows, K), 6))).as_text()
+        hlo = jax.jit(lambda a: f(a, w)).lower(jnp.asarray(_rand((rows, K), 6))).as_text()
         assert ("llmeq_wo_matmul" in hlo) == native_ok
 
 

@@ -74,7 +74,9 @@ class SwiGLU(nn.Module):
     def __call__(self, x):
         c = self.config
         joined = self.variables.get("params", {}).get("gate_up_proj", {}).get("kernel")
-        if isinstance(joined, PanelKernel) and joined.swiglu:  # prefill layout: the activation inside the GEMM
+        # Prefill layout (packed float panels) or a weight-only kernel on the dequantized panels: the
+        # activation inside the GEMM.
+        if (isinstance(joined, PanelKernel) and joined.swiglu) or ops.swiglu_fuses(x, joined):
             h = ops.swiglu(x, joined)
         else:
             gate, up = parallel_linears(self, x, "gate_up_proj", [
