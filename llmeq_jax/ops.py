@@ -57,14 +57,16 @@ BACKENDS = ("auto", "xla", "pallas")
 # (scripts/bench_native.py --rows 512). Raised since, on measurements of batched decode:
 # "attention": decode attention over a float cache (kv.attention.native_attention_ok), batch x
 # positions; at 16 (batch-16 decode, SmolLM2-135M, 2-core Xeon) the kernel took fp32 / rtn-w4-g128 /
-# rtn-w8a8 from 248 / 311 / 387 tok/s with XLA's attention to 266 / 342 / 456.
+# rtn-w8a8 from 248 / 311 / 387 tok/s with XLA's attention to 266 / 342 / 456; at batch 32 fp32 /
+# rtn-w8 / rtn-w4-g128 / rtn-w8a8 from 248 / 291 / 300 / 370 to 325 / 384 / 385 / 470, at batch 64
+# fp32 / rtn-w8 / rtn-w8a8 from 292-295 / 302-318 / 363-402 to 366 / 425 / 560.
 # "row_major_vnni": weight-only row-major products on a CPU with AVX-512 VNNI (row_major_max_rows).
 # Their tiles form 4 activation rows' sums per decoded weight vector, and batch-16 decode of
 # SmolLM2-135M ran rtn-w8 / rtn-w4-g128 at 269 / 264 tok/s there against 169 / 156 through XLA and
 # 247 / 210 through the dequantized panels (fp32 253-259; 2-core Xeon, docs/cpu-speed.md); at 32
 # rows the panels won (325 / 329 against 301 / 295). W8A8 keeps "row_major": past it the VNNI GEMM
 # (any rows, below) was as fast at 16 rows and faster at 32.
-NATIVE_MAX_ROWS = {"int8": 8, "int4": 8, "w8a8": 8, "nk": 8, "row_major": 8, "row_major_vnni": 16, "attention": 16,
+NATIVE_MAX_ROWS = {"int8": 8, "int4": 8, "w8a8": 8, "nk": 8, "row_major": 8, "row_major_vnni": 16, "attention": 64,
                    "float_layer": 16, "bfloat16": 16}
 # ...except W8A8 on a CPU with AVX-512 VNNI: its native GEMM (vpdpbusd) beats XLA's float
 # and int8 dots at every row count (512 rows, SmolLM2's shapes, 2-core Xeon: 2.6-3.2x XLA's

@@ -2316,6 +2316,7 @@ AVX512 void panel_task(const float* x, const float* panels, float* y, int64_t K,
 // slice of W, (q - zp) * scale, into a float panel in its thread's scratch (L2), then runs the
 // float panel tiles on it. XLA instead dequantized the whole kernel to memory and then ran its
 // float GEMM: rtn-w8 prefill was 0.77x fp32's. kn layout here; nk (the tied head) below.
+//
 // kn: panel pidx's 32 columns of W, two halves of 16: columns pidx * 32 + 16 h.., or with swiglu
 // the gate's columns pidx * 16.. and the matching up columns F + pidx * 16.. (F = N / 2, gate
 // first). Columns past a half's end are zero.

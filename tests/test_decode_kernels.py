@@ -331,7 +331,8 @@ def test_fused_qkv_with_biases_generates_the_xla_tokens():
 # --------------------------------------------------------------------------- decode attention
 
 
-@pytest.mark.parametrize("b,t,h,kv,s,d", [(1, 1, 9, 3, 160, 64), (2, 3, 4, 2, 17, 12), (8, 1, 4, 4, 5, 8)])
+@pytest.mark.parametrize("b,t,h,kv,s,d", [(1, 1, 9, 3, 160, 64), (2, 3, 4, 2, 17, 12), (8, 1, 4, 4, 5, 8),
+                                          (64, 1, 9, 3, 40, 64)])
 def test_decode_attention_matches_xla_and_its_gradient(b, t, h, kv, s, d):
     rng = np.random.default_rng(s)
     q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for shape in ((b, t, h, d), (b, kv, s, d), (b, kv, s, d)))
@@ -411,19 +412,20 @@ def test_prefill_attention_avx512_tiles_equal_the_avx2_tiles():
 
 
 def test_attention_between_decode_and_prefill_sizes_stays_in_xla():
-    q = jnp.ones((2, 12, 4, 8))  # 24 query rows, 12 positions each
-    k = jnp.ones((2, 2, 12, 8))
-    assert 24 > ops.NATIVE_MAX_ROWS["attention"] and 12 < native.PREFILL_ATTENTION_MIN_POSITIONS
+    q = jnp.ones((8, 12, 4, 8))  # 96 query rows, 12 positions each
+    k = jnp.ones((8, 2, 12, 8))
+    assert 96 > ops.NATIVE_MAX_ROWS["attention"] and 12 < native.PREFILL_ATTENTION_MIN_POSITIONS
     assert not attention.native_attention_ok(q, k, k)
-    # batch-16 decode (one position per row) takes the kernel
-    assert ops.NATIVE_MAX_ROWS["attention"] >= 16
-    assert attention.native_attention_ok(jnp.ones((16, 1, 4, 8)), jnp.ones((16, 2, 12, 8)), jnp.ones((16, 2, 12, 8)))
+    # batch-64 decode (one position per row) takes the kernel
+    assert ops.NATIVE_MAX_ROWS["attention"] >= 64
+    assert attention.native_attention_ok(jnp.ones((64, 1, 4, 8)), jnp.ones((64, 2, 12, 8)), jnp.ones((64, 2, 12, 8)))
 
 
 def test_prefill_attention_stays_in_xla_without_simd():
     """The scalar fallback of the kernel is for decode sizes only: a prefill without AVX2 runs XLA."""
-    q = jnp.ones((1, 32, 4, 8))
-    k = jnp.ones((1, 2, 32, 8))
+    q = jnp.ones((1, 80, 4, 8))  # past the decode limit in rows
+    k = jnp.ones((1, 2, 80, 8))
+    assert 80 > ops.NATIVE_MAX_ROWS["attention"]
     assert attention.native_attention_ok(q, k, k)
     with native.force_scalar():
         assert not attention.native_attention_ok(q, k, k)
