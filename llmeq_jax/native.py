@@ -442,9 +442,9 @@ def _xla_kn(x, w):
 
 
 def _xla_swiglu(x, w):
-    y = _xla_kn(x, w)
-    half = y.shape[-1] // 2
-    return jax.nn.silu(y[..., :half]) * y[..., half:]
+    from llmeq_jax.ops import gated
+
+    return gated(_xla_kn(x, w))
 
 
 def _xla_nk(x, w):
@@ -556,9 +556,10 @@ def _panel_forward(x: jax.Array, panels: jax.Array, n: int, swiglu: bool) -> jax
 
 def _panel_reference(x: jax.Array, panels: jax.Array, n: int, swiglu: bool) -> jax.Array:
     from llmeq_jax.decode_layout import unpack_panels
+    from llmeq_jax.ops import gated
 
     y = x @ unpack_panels(panels, n, swiglu=swiglu).astype(x.dtype)
-    return jax.nn.silu(y[..., :n]) * y[..., n:] if swiglu else y
+    return gated(y) if swiglu else y
 
 
 def panel_matmul(x: jax.Array, panels: jax.Array, n: int, *, swiglu: bool = False) -> jax.Array:

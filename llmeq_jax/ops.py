@@ -280,9 +280,7 @@ def swiglu(x: jax.Array, w: PanelKernel | QArray, *, backend: str = "auto") -> j
             from llmeq_jax import native
 
             return native.weight_only_swiglu(x, w)
-        y = linear(x, w, backend=backend)
-        half = w.shape[1] // 2
-        return jax.nn.silu(y[..., :half]) * y[..., half:]
+        return gated(linear(x, w, backend=backend))
     if not (isinstance(w, PanelKernel) and w.swiglu):
         raise ValueError("swiglu: expects a kernel packed by decode_layout.pack_swiglu_panels or a weight-only QArray")
     _check_shapes(x, w)
@@ -290,8 +288,13 @@ def swiglu(x: jax.Array, w: PanelKernel | QArray, *, backend: str = "auto") -> j
         from llmeq_jax import native
 
         return native.panel_matmul(x, w.panels, w.features, swiglu=True)
-    y = jnp.matmul(x, unpack_panels(w.panels, w.features, swiglu=True).astype(x.dtype))
-    return jax.nn.silu(y[..., : w.features]) * y[..., w.features :]
+    return gated(jnp.matmul(x, unpack_panels(w.panels, w.features, swiglu=True).astype(x.dtype)))
+
+
+def gated(y: jax.Array) -> jax.Array:
+    """``silu(gate) * up`` of a joined gate/up product ``y`` (gate the first half of its last axis)."""
+    half = y.shape[-1] // 2
+    return jax.nn.silu(y[..., :half]) * y[..., half:]
 
 
 def swiglu_fuses(x: jax.Array, w: Any) -> bool:
@@ -305,8 +308,8 @@ def swiglu_fuses(x: jax.Array, w: Any) -> bool:
         return False
     from llmeq_jax import native
 
-    return (_native_rows_ok(x, _native_kind(w, None)) and native.avx512() and native.enabled()
-            and native.supports_kn(w) is None)
+    # past NATIVE_PANEL_MIN_ROWS, _native_rows_ok holds only where the panels run (AVX-512, one device)
+    return _native_rows_ok(x, _native_kind(w, None)) and native.enabled() and native.supports_kn(w) is None
 
 
 def _linear_words(x, w: Int4WordKernel, backend, layer=None):
