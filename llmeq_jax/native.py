@@ -60,7 +60,7 @@ PANEL_COLS = 32
 # Query positions from which the attention kernel runs its blocked prefill path (kFlashMinT in
 # native/cpu_kernels.cc); between NATIVE_MAX_ROWS["attention"] and this, XLA's attention is used.
 PREFILL_ATTENTION_MIN_POSITIONS = 16
-_ABI_VERSION = 6
+_ABI_VERSION = 7
 _DISABLED = contextvars.ContextVar("llmeq_native_disabled", default=False)
 
 
@@ -606,28 +606,41 @@ def float_matmul(x: jax.Array, w: jax.Array, layer=None) -> jax.Array:
     return _with_xla_grad(_float_forward, _float_reference)(x, w, layer)
 
 
-def _attention_forward(q, k, v, mask, masked: float):
+def _attention_forward(q, k, v, mask, layer, masked: float):
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     call = jax.ffi.ffi_call(_ATTN_TARGET, out, vmap_method="sequential")
-    return call(q, k, v, mask, masked=np.float32(masked))
+    return call(q, k, v, mask, jnp.asarray(layer, jnp.int32), masked=np.float32(masked))
 
 
-def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, masked: float, reference) -> jax.Array:
+def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, masked: float, reference,
+                     layer=None) -> jax.Array:
     """Grouped-query attention of a few float32 query positions over a float32 cache, in one native call.
 
     q [B, T, H, D]; k, v [B, KV, S, D]; mask [B, T, S] bool -> [B, T, H, D]: scores
     ``q . k / sqrt(D)`` (``masked`` where the mask is False), softmax over S, weighted
     sum of v -- ``reference``'s math (its XLA code is also the backward pass).
+
+    ``layer`` (an int or a traced int32 scalar): k and v are a stack of caches [L, B, KV, S, D]
+    and the kernel reads ``k[layer]``, ``v[layer]`` in place (XLA's slice would copy them).
     """
     _require(None, "decode_attention")
-    for name, a in (("q", q), ("k", k), ("v", v)):
-        if a.ndim != 4 or a.dtype != jnp.float32:
-            raise ValueError(f"native.decode_attention: {name} must be a 4-D float32 array, got {a.shape} {a.dtype}")
-    if mask.shape != (q.shape[0], q.shape[1], k.shape[2]):
-        raise ValueError(f"native.decode_attention: mask must be [B, T, S] = {(q.shape[0], q.shape[1], k.shape[2])}, "
+    cache_ndim = 4 if layer is None else 5
+    for name, a, ndim in (("q", q, 4), ("k", k, cache_ndim), ("v", v, cache_ndim)):
+        if a.ndim != ndim or a.dtype != jnp.float32:
+            raise ValueError(f"native.decode_attention: {name} must be a {ndim}-D float32 array, "
+                             f"got {a.shape} {a.dtype}")
+    if mask.shape != (q.shape[0], q.shape[1], k.shape[-2]):
+        raise ValueError(f"native.decode_attention: mask must be [B, T, S] = {(q.shape[0], q.shape[1], k.shape[-2])}, "
                          f"got {mask.shape}")
-    f = _with_xla_grad(lambda a, b, c, m: _attention_forward(a, b, c, m.astype(jnp.bool_), masked), reference)
-    return f(q, k, v, mask)
+    if layer is None:
+        f = _with_xla_grad(lambda a, b, c, m: _attention_forward(a, b[None], c[None], m.astype(jnp.bool_), 0, masked),
+                           reference)
+        return f(q, k, v, mask)
+    if isinstance(layer, int) and not 0 <= layer < k.shape[0]:
+        raise ValueError(f"native.decode_attention: layer {layer} is outside the stack of {k.shape[0]} caches")
+    f = _with_xla_grad(lambda a, b, c, m, i: _attention_forward(a, b, c, m.astype(jnp.bool_), i, masked),
+                       lambda a, b, c, m, i: reference(a, b[i], c[i], m))
+    return f(q, k, v, mask, jnp.asarray(layer, jnp.int32))
 
 
 def _w8_int32_for_tests(xq2: jax.Array, q: jax.Array, group_size: int) -> jax.Array:

@@ -1,6 +1,7 @@
 """Softmax attention over cached keys/values (grouped-query layout), in float32.
 
-* :func:`dot_product_attention`: one key/value set (the float cache, the models' prefill).
+* :func:`dot_product_attention`: one key/value set (the models' prefill without a cache).
+* :func:`layer_attention`: one layer of a stacked float cache (decode, prefill into a cache).
 * :func:`split_attention`: one softmax over several key/value sets (the quantized cache's
   dequantized store, float sinks, float window), each with its own mask.
 * :func:`merge_attention`: combine two partial results by their log-sum-exp (the Pallas
@@ -31,6 +32,14 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Ar
     if native_attention_ok(q, k, v):
         return native.decode_attention(q, k, v, mask, masked=MASKED, reference=attention_xla)
     return attention_xla(q, k, v, mask)
+
+
+def layer_attention(q: jax.Array, k: jax.Array, v: jax.Array, layer, mask: jax.Array) -> jax.Array:
+    """:func:`dot_product_attention` over one layer of stacked caches k, v [L, B, KV, S, D] (``layer``
+    an int or a traced scalar): the native kernel reads the layer in place; XLA's path slices it."""
+    if native_attention_ok(q, k, v):
+        return native.decode_attention(q, k, v, mask, masked=MASKED, reference=attention_xla, layer=layer)
+    return attention_xla(q, k[layer], v[layer], mask)
 
 
 def native_attention_ok(q, k, v) -> bool:

@@ -34,7 +34,7 @@ from llmeq_jax import dispatch_table
 from llmeq_jax.core.rope import apply_rope
 from llmeq_jax.kv import grid as kvgrid
 from llmeq_jax.kv import spec as kvspec
-from llmeq_jax.kv.attention import dot_product_attention, merge_attention, split_attention
+from llmeq_jax.kv.attention import layer_attention, merge_attention, split_attention
 from llmeq_jax.kv.store_attention import store_attention
 from pallas_kernels import config as kernel_config
 from pallas_kernels import kv_cache as kv_kernels
@@ -131,8 +131,7 @@ def attend(cache, layer: int, q: jax.Array, k: jax.Array, v: jax.Array, mask: ja
         out, cache = _q_attend(cache, layer, q, k, v, mask, k_raw)
     else:
         cache = update(cache, layer, k, v)
-        keys, values = read(cache, layer)
-        out = dot_product_attention(q, keys, values, mask)
+        out = layer_attention(q, cache.k, cache.v, layer, mask)
     # In the queries' dtype whatever the cache holds: a bf16 model's residual stream stays bf16 (and a
     # scanned stack of blocks keeps one carry type) under a float32 cache too.
     return out.astype(q.dtype), cache
