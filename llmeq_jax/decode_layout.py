@@ -296,7 +296,7 @@ def fuse_linears(params):
 GPU_KMAJOR_MAX_ROWS = 16
 
 
-def _target(rows: int) -> str | None:
+def decode_target(rows: int) -> str | None:
     """Which decode kernels a decode loop of ``rows`` rows per step would use: "native" (CPU row-major),
     "pallas" (the Pallas kernels' K-major int8 and int4-word paths: a GPU, or interpret mode with native
     off), or None."""
@@ -342,7 +342,7 @@ def for_decode(params, rows: int):
     from llmeq_jax import native
     from llmeq_jax.models import stacked  # not at import time: the models import this module
 
-    target = _target(rows)
+    target = decode_target(rows)
     if target is None:
         return params
     if stacked.is_stacked(params):  # the same conversion for every stacked block (vmapped over the layer axis)
@@ -485,6 +485,6 @@ def _tied_head_table(params) -> jax.Array | None:
 
 
 __all__ = ["FUSED_LINEARS", "Int4WordKernel", "PREFILL_FUSE_MAX_OUT", "PREFILL_PACK_MAX_BYTES", "PanelKernel",
-           "RowMajorKernel", "for_decode", "for_prefill", "fuse_linears", "int4_word_kernel", "kernel_view",
-           "pack_float_kernels", "pack_panels", "pack_swiglu_panels", "scale_group", "stack_quantized", "stack_rows",
-           "transpose_kernel", "unpack_panels", "widen_int3"]
+           "RowMajorKernel", "decode_target", "for_decode", "for_prefill", "fuse_linears", "int4_word_kernel",
+           "kernel_view", "pack_float_kernels", "pack_panels", "pack_swiglu_panels", "scale_group",
+           "stack_quantized", "stack_rows", "transpose_kernel", "unpack_panels", "widen_int3"]

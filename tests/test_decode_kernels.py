@@ -302,6 +302,41 @@ def test_stacked_rows_give_exactly_the_separate_outputs(qparams):
     np.testing.assert_array_equal(np.asarray(fused), np.asarray(apart))
 
 
+def test_generate_lays_the_kernels_out_once_per_params(qparams):
+    """generate makes the decode layout outside its loop, once for the most recent params, batch size and
+    kernel switches; the loop's own for_decode leaves a laid-out tree as it is (same leaves); the tokens
+    are the ones the loop makes from the checkpoint's layout."""
+    gen.release_decode_layout()
+    laid = gen.decode_params(qparams, 1)
+    assert isinstance(laid["layers_0"]["attn"]["qkv_proj"]["kernel"], decode_layout.RowMajorKernel)
+    assert gen.decode_params(qparams, 1) is laid  # kept
+    again = decode_layout.for_decode(laid, rows=1)
+    assert jax.tree_util.tree_structure(again) == jax.tree_util.tree_structure(laid)
+    assert all(a is b for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(laid)))
+
+    prompt = jnp.array([[1, 5, 7, 9]])
+    tokens = gen.generate(CONFIG, qparams, prompt, 6)
+    assert gen.decode_params(qparams, 1) is laid  # generate used (and kept) the same copy
+    cache = gen.init_cache(CONFIG, 1, 4 + 6)
+    logits, cache = gen.prefill(CONFIG, qparams, prompt, jnp.ones_like(prompt), cache, kernels=gen.kernel_state())
+    from_checkpoint, _ = gen._decode_loop(CONFIG, qparams, logits, cache, jax.random.key(0), jnp.int32(6),
+                                          max_new_tokens=6, greedy=True, temperature=1.0, top_k=0, top_p=1.0,
+                                          kernels=gen.kernel_state())
+    np.testing.assert_array_equal(np.asarray(tokens), np.asarray(from_checkpoint))
+
+    copy = jax.tree.map(lambda a: a + 0, qparams)  # equal values, other arrays: laid out anew
+    assert gen.decode_params(copy, 1) is not laid
+    assert gen.decode_params(qparams, 2) is not gen.decode_params(qparams, 1)  # batch size is part of the key
+    with native.disabled():
+        assert gen.decode_params(qparams, 1) is qparams  # no native kernels: nothing to lay out
+    float_params = init_params(CONFIG, jax.random.key(1))
+    assert gen.decode_params(float_params, 1) is float_params
+    held = gen.decode_params(qparams, 1)
+    gen.release_decode_layout()
+    assert gen.decode_params(qparams, 1) is not held
+    gen.release_decode_layout()
+
+
 def test_siblings_with_different_grids_stay_apart(qparams):
     mixed = jax.tree.map(lambda a: a, qparams)
     k_float = init_params(CONFIG, jax.random.key(1))["layers_0"]["attn"]["k_proj"]["kernel"]
@@ -430,6 +465,47 @@ def test_prefill_attention_stays_in_xla_without_simd():
     with native.force_scalar():
         assert not attention.native_attention_ok(q, k, k)
         assert attention.native_attention_ok(q[:, :1], k, k)  # decode still native (scalar loop)
+
+
+@pytest.mark.parametrize("t,s", [(1, 40), (20, 48)])  # a decode step; a prefill into a longer cache
+def test_layer_attention_reads_one_layer_of_the_stack_in_place(t, s):
+    """The cache's attention reads layer ``i`` of the stacked [L, B, KV, S, D] cache by index (static in
+    unrolled blocks, traced in a scan) and equals XLA's attention over the sliced layer, gradient too;
+    the compiled program hands the whole stack to the kernel instead of slicing it."""
+    rng = np.random.default_rng(t)
+    L, b, h, kv, d = 4, 2, 6, 2, 16
+    q = jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.float32)
+    ks, vs = (jnp.asarray(rng.standard_normal((L, b, kv, s, d)), jnp.float32) for _ in range(2))
+    mask = jnp.asarray(rng.random((b, t, s)) < 0.7)
+    for layer in (0, 2, L - 1):
+        ref = attention.attention_xla(q, ks[layer], vs[layer], mask)
+        y = jax.jit(attention.layer_attention, static_argnums=3)(q, ks, vs, layer, mask)
+        np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=2e-5, atol=2e-5)
+        traced = jax.jit(attention.layer_attention)(q, ks, vs, jnp.int32(layer), mask)
+        np.testing.assert_allclose(np.asarray(traced), np.asarray(ref), rtol=2e-5, atol=2e-5)
+    hlo = jax.jit(attention.layer_attention, static_argnums=3).lower(q, ks, vs, 1, mask).compile().as_text()
+    assert "llmeq_decode_attention" in hlo and f"f32[{L},{b},{kv},{s},{d}]" in hlo.split("llmeq_decode_attention")[0]
+    assert " slice(" not in hlo and "dynamic-slice(" not in hlo
+
+    def loss(f):
+        return lambda q, ks, vs: jnp.sum(f(q, ks, vs) ** 2)
+
+    g = jax.jit(jax.grad(loss(lambda q, ks, vs: attention.layer_attention(q, ks, vs, jnp.int32(2), mask)),
+                         argnums=(0, 1, 2)))(q, ks, vs)
+    g_ref = jax.jit(jax.grad(loss(lambda q, ks, vs: attention.attention_xla(q, ks[2], vs[2], mask)),
+                             argnums=(0, 1, 2)))(q, ks, vs)
+    for a, r in zip(g, g_ref):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-4, atol=1e-4)
+
+
+def test_layer_attention_rejects_a_layer_outside_the_stack():
+    q, ks = jnp.ones((1, 1, 4, 8)), jnp.ones((3, 1, 2, 5, 8))
+    with pytest.raises(ValueError, match="layer 3 is outside the stack of 3"):
+        native.decode_attention(q, ks, ks, jnp.ones((1, 1, 5), bool), masked=-1e30,
+                                reference=attention.attention_xla, layer=3)
+    with pytest.raises(ValueError, match="5-D float32"):
+        native.decode_attention(q, ks[0], ks[0], jnp.ones((1, 1, 5), bool), masked=-1e30,
+                                reference=attention.attention_xla, layer=0)
 
 
 def test_decode_attention_rejects_bad_shapes():

@@ -34,6 +34,24 @@ def test_greedy_equals_argmax_of_full_forward(params):
         seq_mask = jnp.concatenate([seq_mask, jnp.ones((2, 1), jnp.int32)], axis=1)
 
 
+@pytest.mark.parametrize("case", ["random", "ties", "nan", "all_inf"])
+def test_greedy_tokens_are_argmax(case):
+    """greedy_tokens (max, then the first index holding it) picks what jnp.argmax picks: the first of
+    tied maxima, the first NaN of a row that has one, index 0 of a row of -inf."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((5, 300)).astype(np.float32)
+    if case == "ties":
+        x = np.round(x)  # many equal maxima per row
+    elif case == "nan":
+        x[1, 17] = x[1, 40] = np.nan
+        x[3, 299] = np.nan
+    elif case == "all_inf":
+        x[2] = -np.inf
+    got = jax.jit(gen.greedy_tokens)(jnp.asarray(x))
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
+
+
 def test_decode_step_compiles_once(params):
     cache = gen.init_cache(CONFIG, 1, 12)
     _, cache = gen.prefill(CONFIG, params, jnp.array([[1, 2, 3]]), jnp.ones((1, 3), jnp.int32), cache)
