@@ -5,10 +5,13 @@ speed is how fast the weights stream through the cores. The native row-major
 kernels (:func:`llmeq_jax.native.row_major_matmul`) compute each output as one
 contiguous integer dot product, so every thread reads whole weight rows in order;
 the checkpoint's ``(in, out)`` layout would make them read a short piece of every
-row instead. :func:`for_decode` transposes the quantized kernels once, at the start
-of a generate call's jitted decode loop (the loop then reads the transposed copy
-on every token), and wraps each in a :class:`RowMajorKernel` that ``ops.linear``
-recognises. Checkpoints, prefill and perplexity keep the ``(in, out)`` layout.
+row instead. :func:`for_decode` transposes the quantized kernels and wraps each in a
+:class:`RowMajorKernel` that ``ops.linear`` recognises. ``generate`` calls it once per
+params, outside its jitted decode loop, through ``generate.decode_params``, and keeps
+the copy for the most recent params (``generate.release_decode_layout`` frees it); the
+loop reads that copy on every token, and the loop's own ``for_decode`` call leaves
+laid-out params as they are (``for_decode`` is idempotent). Checkpoints, prefill and
+perplexity keep the ``(in, out)`` layout.
 
 Linears that read the same input (q/k/v, gate/up) are then fused into one
 row-major kernel (their rows stacked, :data:`FUSED_LINEARS`): one native call and
@@ -338,7 +341,11 @@ def for_decode(params, rows: int):
     ``ops.row_major_max_rows`` rows. Where the Pallas kernels run (a GPU), up to
     :data:`GPU_KMAJOR_MAX_ROWS` rows: int8-stored kernels, which the W8A8 and weight-only kernels then
     read K-major as stored, and int4 weight-only kernels as words (``pallas_kernels.int4_words``).
-    Unchanged otherwise. Call inside the jit: the copies are made once per call and read on every step."""
+    Unchanged otherwise. Idempotent: params laid out already come back as they are (same leaves).
+    ``generate.decode_params`` calls it once per params, jitted, outside the decode loop, and keeps the
+    copy (one more copy of the quantized kernels) for the most recent params, batch size and kernel
+    switches; the loop calls it again, a no-op on that copy, so a loop handed the checkpoint's layout
+    still gets the decode one."""
     from llmeq_jax import native
     from llmeq_jax.models import stacked  # not at import time: the models import this module
 
