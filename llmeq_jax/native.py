@@ -53,6 +53,7 @@ _W8_TARGET = "llmeq_w8a8_matmul"
 _RM_A16_TARGET = "llmeq_rm_a16"
 _RM_A8_TARGET = "llmeq_rm_a8"
 _ATTN_TARGET = "llmeq_decode_attention"
+_KV_STORE_TARGET = "llmeq_kv_store_attention"
 _PANEL_TARGET = "llmeq_panel_matmul"
 _FLOAT_TARGET = "llmeq_float_gemv"
 # Columns per panel of a packed float kernel (kPanelCols in native/cpu_kernels.cc).
@@ -60,7 +61,7 @@ PANEL_COLS = 32
 # Query positions from which the attention kernel runs its blocked prefill path (kFlashMinT in
 # native/cpu_kernels.cc); between NATIVE_MAX_ROWS["attention"] and this, XLA's attention is used.
 PREFILL_ATTENTION_MIN_POSITIONS = 16
-_ABI_VERSION = 7
+_ABI_VERSION = 8
 _DISABLED = contextvars.ContextVar("llmeq_native_disabled", default=False)
 
 
@@ -102,7 +103,7 @@ def _load() -> None:
         if lib.llmeq_native_abi_version() != _ABI_VERSION:
             raise OSError(f"ABI version {lib.llmeq_native_abi_version()} != {_ABI_VERSION}; rebuild the package")
         for name in (_WO_TARGET, _W8_TARGET, _RM_A16_TARGET, _RM_A8_TARGET, _ATTN_TARGET, _PANEL_TARGET,
-                     _FLOAT_TARGET):
+                     _FLOAT_TARGET, _KV_STORE_TARGET):
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
     except (OSError, AttributeError) as e:  # a stale or foreign build: XLA still works
         _state.reason = f"the native CPU library {path} could not be loaded: {e}"
@@ -643,6 +644,36 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, 
     return f(q, k, v, mask, jnp.asarray(layer, jnp.int32))
 
 
+def kv_store_attention(q, k_codes, v_codes, k_scale, k_lo, v_scale, v_lo, scan, *, bits: int, layer,
+                       allowed=None, rope_tables=None, sm_scale: float | None = None):
+    """One query per head over layer ``layer`` of a quantized KV store, read in place: ``(out [B, Hq, D]
+    float32, lse [B, Hq])``, lse the log-sum-exp of the scaled scores (-1e30 where no slot is read).
+
+    Codes ``[L, B, KV, T, D]`` int8 or ``[L, B, KV, T, D / 2]`` uint8 (int4, low nibble first) on
+    asymmetric grids, ``(code - qmin) * scale + lo`` (``kv.grid.dequantize_grid``): keys per channel,
+    ``[1 or B, KV, D]``; values per token, ``[L, B, KV, T, 1]`` float16 or float32. Slots ``0 .. scan - 1``
+    where ``allowed`` [B, T] is set (all of them without it). ``rope_tables``: ``(cos, sin)`` [B, T, D / 2]
+    of each slot's position for keys stored before RoPE (rotate-half). Forward only (decode).
+    """
+    _require(None, "kv_store_attention")
+    b, hq, d = q.shape
+    n_layers, bk, kv, t, row = k_codes.shape
+    if bits not in (4, 8) or row != (d if bits == 8 else d // 2) or v_codes.shape != k_codes.shape or bk != b:
+        raise ValueError(f"native.kv_store_attention: codes {k_codes.shape} / {v_codes.shape} do not hold "
+                         f"{bits}-bit rows of head dim {d} for batch {b}")
+    k_scale, k_lo = (jnp.asarray(a, jnp.float32).reshape(-1, kv, d) for a in (k_scale, k_lo))
+    dummy = jnp.zeros((1,), jnp.float32)
+    cos, sin = (dummy, dummy) if rope_tables is None else (a.astype(jnp.float32) for a in rope_tables)
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
+    out_types = (jax.ShapeDtypeStruct((b, hq, d), jnp.float32), jax.ShapeDtypeStruct((b, hq), jnp.float32))
+    call = jax.ffi.ffi_call(_KV_STORE_TARGET, out_types, vmap_method="sequential")
+    return call(
+        q.astype(jnp.float32) * scale, k_codes, v_codes, k_scale, k_lo, v_scale, v_lo,
+        jnp.zeros((1,), jnp.int8) if allowed is None else allowed.astype(jnp.int8), cos, sin,
+        jnp.asarray(scan, jnp.int32).reshape(()), jnp.asarray(layer, jnp.int32),
+        bits=np.int64(bits), masked=np.int64(allowed is not None), rope=np.int64(rope_tables is not None))
+
+
 def _w8_int32_for_tests(xq2: jax.Array, q: jax.Array, group_size: int) -> jax.Array:
     """The kernel's integer part alone, as float32 (exact: unit scales, sx = 1); for tests."""
     k, n = q.shape
@@ -663,6 +694,7 @@ __all__ = [
     "disabled",
     "enabled",
     "force_scalar",
+    "kv_store_attention",
     "library_path",
     "panel_matmul",
     "prefill_kernels_ok",

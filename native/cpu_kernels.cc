@@ -2698,6 +2698,382 @@ ffi::Error at_impl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
   return ffi::Error::Success();
 }
 
+// ----------------------------------------------------------------------------- quantized KV store attention
+//
+// One decode query per head over the quantized KV cache's store (llmeq_jax.kv.cache.QuantKVCache,
+// the contract of pallas_kernels.kv_cache.store_decode_attention): codes int8, or int4 two per byte
+// (low nibble first), asymmetric grids value = (code - qmin) * scale + lo, keys per channel
+// (ks, klo), values per token (vs, vlo: float16 or float32), keys optionally stored before RoPE (rotated here
+// by cos/sin tables of their slots' positions). Returns the attention output and the log-sum-exp
+// of the scaled scores, so the cache merges it with its float parts (window, sinks). XLA's path
+// dequantized and rotated the whole layer into memory every step: 0.37-0.69x the float cache's
+// decode speed on a 2-core Xeon.
+//
+// Tasks: (batch row, KV head, chunk of slots); each keeps a softmax partial (max, sum, G x D
+// accumulator) that the merge combines, so a batch-1 step over 3 KV heads still fills the cores.
+
+struct KVS {
+  int64_t B, Hq, KV, T, D, row_bytes, k_rows, G;
+  int bits;
+  const float* q;              // [B, Hq, D], already times sm_scale
+  const int8_t *kc, *vc;       // this layer's codes [B, KV, T, row_bytes]
+  const float *ks, *klo;       // key grid [k_rows, KV, D]
+  const void *vs, *vlo;        // value grid [B, KV, T]
+  bool v_half;
+  const int8_t* allowed;       // [B, T] or null
+  const float *cosv, *sinv;    // [B, T, D / 2] or null
+  int64_t scan;                // slots 0 .. scan - 1 may be read
+};
+
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: renormalize
+      int e = -1;
+      uint32_t m = man;
+      do { ++e; m <<= 1; } while (!(m & 0x400));
+      bits = sign | uint32_t(127 - 15 - e) << 23 | (m & 0x3ff) << 13;
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | man << 13;
+  } else {
+    bits = sign | (exp + 127 - 15) << 23 | man << 13;
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline float kvs_grid(const KVS& p, const void* g, int64_t i) {
+  return p.v_half ? half_to_float(static_cast<const uint16_t*>(g)[i]) : static_cast<const float*>(g)[i];
+}
+
+// Codes of one stored row as floats, minus qmin (0 .. 2^bits - 1): flipping the sign bit.
+void kvs_codes(const int8_t* row, int bits, int64_t d, float* out) {
+  const uint8_t* u = reinterpret_cast<const uint8_t*>(row);
+  if (bits == 8) {
+    for (int64_t i = 0; i < d; ++i) out[i] = float(u[i] ^ 0x80);
+    return;
+  }
+  for (int64_t j = 0; j < d / 2; ++j) {
+    out[2 * j] = float((u[j] & 15) ^ 8);
+    out[2 * j + 1] = float((u[j] >> 4) ^ 8);
+  }
+}
+
+#if LLMEQ_X86
+AVX2 void kvs_codes8_avx2(const int8_t* row, int64_t d, float* out) {
+  int64_t i = 0;
+  for (; i + 8 <= d; i += 8) {
+    __m128i b = _mm_xor_si128(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + i)), _mm_set1_epi8(char(0x80)));
+    _mm256_storeu_ps(out + i, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)));
+  }
+  for (; i < d; ++i) out[i] = float(uint8_t(row[i]) ^ 0x80);
+}
+
+// int4: 8 codes from 4 bytes (low nibble first), sign bit flipped.
+AVX2 void kvs_codes4_avx2(const int8_t* row, int64_t d, float* out) {
+  int64_t i = 0;
+  const __m128i m15 = _mm_set1_epi32(15), m8 = _mm_set1_epi32(8);
+  for (; i + 8 <= d; i += 8) {
+    int32_t word;
+    std::memcpy(&word, row + i / 2, 4);
+    const __m128i x = _mm_cvtepu8_epi32(_mm_cvtsi32_si128(word));
+    const __m128i lo = _mm_xor_si128(_mm_and_si128(x, m15), m8), hi = _mm_xor_si128(_mm_srli_epi32(x, 4), m8);
+    const __m256i v = _mm256_set_m128i(_mm_unpackhi_epi32(lo, hi), _mm_unpacklo_epi32(lo, hi));
+    _mm256_storeu_ps(out + i, _mm256_cvtepi32_ps(v));
+  }
+  if (i < d) kvs_codes(row + i / 2, 4, d - i, out + i);
+}
+
+// Rotate-half RoPE of x [2h] in place by cos/sin [h]; tmp [2h] scratch.
+AVX2 void kvs_rope_avx2(float* x, const float* c, const float* sn, int64_t h, float* tmp) {
+  std::memcpy(tmp, x, sizeof(float) * 2 * h);
+  int64_t i = 0;
+  for (; i + 8 <= h; i += 8) {
+    const __m256 a = _mm256_loadu_ps(tmp + i), b = _mm256_loadu_ps(tmp + h + i);
+    const __m256 cv = _mm256_loadu_ps(c + i), sv = _mm256_loadu_ps(sn + i);
+    _mm256_storeu_ps(x + i, _mm256_fnmadd_ps(b, sv, _mm256_mul_ps(a, cv)));
+    _mm256_storeu_ps(x + h + i, _mm256_fmadd_ps(a, sv, _mm256_mul_ps(b, cv)));
+  }
+  for (; i < h; ++i) {
+    x[i] = tmp[i] * c[i] - tmp[i + h] * sn[i];
+    x[i + h] = tmp[i + h] * c[i] + tmp[i] * sn[i];
+  }
+}
+
+AVX2 void kvs_affine_avx2(float* x, const float* s, const float* o, int64_t d) {
+  int64_t i = 0;
+  for (; i + 8 <= d; i += 8)
+    _mm256_storeu_ps(x + i, _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(s + i), _mm256_loadu_ps(o + i)));
+  for (; i < d; ++i) x[i] = x[i] * s[i] + o[i];
+}
+#endif
+
+// The dequantized (and rotated) key of slot t of (b, kvh) into kf [D]; tmp [D] scratch.
+void kvs_key(const KVS& p, int64_t b, int64_t kvh, int64_t t, bool simd, float* kf, float* tmp) {
+  const int8_t* row = p.kc + ((b * p.KV + kvh) * p.T + t) * p.row_bytes;
+  const int64_t grid = ((p.k_rows == 1 ? 0 : b) * p.KV + kvh) * p.D;
+  const float *s = p.ks + grid, *o = p.klo + grid;
+#if LLMEQ_X86
+  if (simd) {
+    if (p.bits == 8) kvs_codes8_avx2(row, p.D, kf);
+    else kvs_codes4_avx2(row, p.D, kf);
+    kvs_affine_avx2(kf, s, o, p.D);
+  } else
+#endif
+  {
+    kvs_codes(row, p.bits, p.D, kf);
+    for (int64_t i = 0; i < p.D; ++i) kf[i] = kf[i] * s[i] + o[i];
+  }
+  if (!p.cosv) return;
+  // rotate-half RoPE: x[i] cos - x[i + h] sin, x[i + h] cos + x[i] sin
+  const int64_t h = p.D / 2;
+  const float *c = p.cosv + (b * p.T + t) * h, *sn = p.sinv + (b * p.T + t) * h;
+#if LLMEQ_X86
+  if (simd) {
+    kvs_rope_avx2(kf, c, sn, h, tmp);
+    return;
+  }
+#endif
+  std::memcpy(tmp, kf, sizeof(float) * p.D);
+  for (int64_t i = 0; i < h; ++i) {
+    kf[i] = tmp[i] * c[i] - tmp[i + h] * sn[i];
+    kf[i + h] = tmp[i + h] * c[i] + tmp[i] * sn[i];
+  }
+}
+
+#if LLMEQ_X86
+// e[j] = exp(e[j] - m) for j < n (-inf, a slot not read, gives exactly 0); returns their sum.
+AVX2 float kvs_exp_sum_avx2(float* e, int64_t n, float m) {
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 x = exp256(_mm256_sub_ps(_mm256_loadu_ps(e + j), mv));
+    _mm256_storeu_ps(e + j, x);
+    acc = _mm256_add_ps(acc, x);
+  }
+  float sum = hsum(acc);
+  for (; j < n; ++j) {
+    e[j] = std::isinf(e[j]) ? 0.f : std::exp(e[j] - m);
+    sum += e[j];
+  }
+  return sum;
+}
+#endif
+
+// One task: slots [t0, t1) of (b, kvh) for the G query heads of the group. part = G x (D + 2):
+// per head the unnormalized output, then its max score and sum of exp.
+void kvs_task(const KVS& p, int64_t b, int64_t kvh, int64_t t0, int64_t t1, bool simd, float* part) {
+  const int64_t G = p.G, D = p.D, n = std::max<int64_t>(t1 - t0, 0);
+  std::vector<float> buf(2 * D + G * n + G * D);
+  float *kf = buf.data(), *tmp = kf + D, *sc = tmp + D, *qf = sc + G * n;  // sc [G, n], qf [G, D]
+  const float* qb = p.q + (b * p.Hq + kvh * G) * D;
+  const float kNeg = -std::numeric_limits<float>::infinity();
+  std::vector<float> mx(G, kNeg), q_lo(G, 0.f);
+  // Post-RoPE keys: the per-channel grid folded into the queries, q . (u * s + lo) = (q * s) . u + q . lo,
+  // so a key is only its codes. Pre-RoPE keys are dequantized and rotated (kvs_key).
+  const bool fold = !p.cosv;
+  const float* q_dot = qb;
+  if (fold) {
+    const int64_t grid = ((p.k_rows == 1 ? 0 : b) * p.KV + kvh) * D;
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t i = 0; i < D; ++i) {
+        qf[g * D + i] = qb[g * D + i] * p.ks[grid + i];
+        q_lo[g] += qb[g * D + i] * p.klo[grid + i];
+      }
+    q_dot = qf;
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t t = t0 + j;
+    if (p.allowed && !p.allowed[b * p.T + t]) {
+      for (int64_t g = 0; g < G; ++g) sc[g * n + j] = kNeg;
+      continue;
+    }
+    if (fold) {
+      const int8_t* row = p.kc + ((b * p.KV + kvh) * p.T + t) * p.row_bytes;
+#if LLMEQ_X86
+      if (simd) {
+        if (p.bits == 8) kvs_codes8_avx2(row, D, kf);
+        else kvs_codes4_avx2(row, D, kf);
+      } else
+#endif
+        kvs_codes(row, p.bits, D, kf);
+    } else {
+      kvs_key(p, b, kvh, t, simd, kf, tmp);
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      float d;
+#if LLMEQ_X86
+      if (simd) d = at_dot_avx2(q_dot + g * D, kf, D);
+      else
+#endif
+        d = at_dot_scalar(q_dot + g * D, kf, D);
+      d += q_lo[g];
+      sc[g * n + j] = d;
+      mx[g] = std::max(mx[g], d);
+    }
+  }
+  std::vector<float> vsum(G, 0.f);
+  for (int64_t g = 0; g < G; ++g) {
+    float* acc = part + g * (D + 2);
+    std::fill(acc, acc + D, 0.f);
+    float l = 0.f;
+    if (mx[g] != kNeg) {
+#if LLMEQ_X86
+      if (simd) {
+        l = kvs_exp_sum_avx2(sc + g * n, n, mx[g]);
+      } else
+#endif
+        for (int64_t j = 0; j < n; ++j) {
+          const float e = sc[g * n + j] == kNeg ? 0.f : std::exp(sc[g * n + j] - mx[g]);
+          sc[g * n + j] = e;
+          l += e;
+        }
+    }
+    acc[D] = mx[g];
+    acc[D + 1] = l;
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t t = t0 + j, slot = (b * p.KV + kvh) * p.T + t;
+    bool any = false;
+    for (int64_t g = 0; g < G; ++g) any |= mx[g] != kNeg && sc[g * n + j] != 0.f;
+    if (!any) continue;
+    const int8_t* row = p.vc + slot * p.row_bytes;
+#if LLMEQ_X86
+    if (simd) {
+      if (p.bits == 8) kvs_codes8_avx2(row, D, kf);
+      else kvs_codes4_avx2(row, D, kf);
+    } else
+#endif
+      kvs_codes(row, p.bits, D, kf);
+    const float vs = kvs_grid(p, p.vs, slot), vo = kvs_grid(p, p.vlo, slot);
+    for (int64_t g = 0; g < G; ++g) {
+      if (mx[g] == kNeg) continue;
+      const float w = sc[g * n + j];
+      if (w == 0.f) continue;
+      float* acc = part + g * (D + 2);
+#if LLMEQ_X86
+      if (simd) at_axpy_avx2(w * vs, kf, acc, D);
+      else
+#endif
+        for (int64_t i = 0; i < D; ++i) acc[i] += w * vs * kf[i];
+      vsum[g] += w * vo;
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* acc = part + g * (D + 2);
+    for (int64_t i = 0; i < D; ++i) acc[i] += vsum[g];  // sum_t w_t * vlo_t on every channel
+  }
+}
+
+ffi::Error kvs_impl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kc, ffi::AnyBuffer vc, ffi::Buffer<ffi::F32> ks,
+                    ffi::Buffer<ffi::F32> klo, ffi::AnyBuffer vs, ffi::AnyBuffer vlo, ffi::Buffer<ffi::S8> allowed,
+                    ffi::Buffer<ffi::F32> cosv, ffi::Buffer<ffi::F32> sinv, ffi::Buffer<ffi::S32> scan,
+                    ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse,
+                    int64_t bits, int64_t masked, int64_t rope) {
+  const char* name = "llmeq_kv_store_attention: ";
+  auto qd = q.dimensions(), kd = kc.dimensions(), vd = vc.dimensions(), sd = ks.dimensions();
+  if (qd.size() != 3 || kd.size() != 5 || vd.size() != 5 || sd.size() != 3 || klo.element_count() != ks.element_count())
+    return ffi::Error::InvalidArgument(std::string(name) + "q must be [B, Hq, D], codes [L, B, KV, T, bytes], "
+                                       "the key grid [1 or B, KV, D]");
+  if (bits != 4 && bits != 8) return ffi::Error::InvalidArgument(std::string(name) + "bits must be 4 or 8");
+  KVS p{};
+  p.bits = int(bits);
+  p.B = qd[0];
+  p.Hq = qd[1];
+  p.D = qd[2];
+  p.KV = kd[2];
+  p.T = kd[3];
+  p.row_bytes = kd[4];
+  p.k_rows = sd[0];
+  if (kd[1] != p.B || p.KV == 0 || p.Hq % p.KV || p.row_bytes != (bits == 8 ? p.D : p.D / 2) || (bits == 4 && p.D % 2))
+    return ffi::Error::InvalidArgument(std::string(name) + "codes must be [L, B, KV, T, D or D / 2] matching q");
+  for (int64_t i = 0; i < 5; ++i)
+    if (vd[i] != kd[i]) return ffi::Error::InvalidArgument(std::string(name) + "value codes must match key codes");
+  if ((p.k_rows != 1 && p.k_rows != p.B) || sd[1] != p.KV || sd[2] != p.D)
+    return ffi::Error::InvalidArgument(std::string(name) + "key grid must be [1 or B, KV, D]");
+  if (kc.element_type() != ffi::S8 && kc.element_type() != ffi::U8)
+    return ffi::Error::InvalidArgument(std::string(name) + "codes must be int8 or uint8");
+  const auto vt = vs.element_type();
+  if ((vt != ffi::F16 && vt != ffi::F32) || vlo.element_type() != vt || int64_t(vs.element_count()) != kd[0] * p.B * p.KV * p.T ||
+      vlo.element_count() != vs.element_count())
+    return ffi::Error::InvalidArgument(std::string(name) + "value grids must be [L, B, KV, T, 1] float16 or float32");
+  if (masked && int64_t(allowed.element_count()) != p.B * p.T)
+    return ffi::Error::InvalidArgument(std::string(name) + "allowed must be [B, T]");
+  if (rope && (int64_t(cosv.element_count()) != p.B * p.T * (p.D / 2) || sinv.element_count() != cosv.element_count() || p.D % 2))
+    return ffi::Error::InvalidArgument(std::string(name) + "RoPE tables must be [B, T, D / 2]");
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= kd[0]) return ffi::Error::InvalidArgument(std::string(name) + "layer out of range");
+  const int64_t per_layer = p.B * p.KV * p.T;
+  p.G = p.Hq / p.KV;
+  p.q = q.typed_data();
+  p.kc = static_cast<const int8_t*>(kc.untyped_data()) + l * per_layer * p.row_bytes;
+  p.vc = static_cast<const int8_t*>(vc.untyped_data()) + l * per_layer * p.row_bytes;
+  p.ks = ks.typed_data();
+  p.klo = klo.typed_data();
+  p.v_half = vt == ffi::F16;
+  const int64_t grid_bytes = p.v_half ? 2 : 4;
+  p.vs = static_cast<const char*>(vs.untyped_data()) + l * per_layer * grid_bytes;
+  p.vlo = static_cast<const char*>(vlo.untyped_data()) + l * per_layer * grid_bytes;
+  p.allowed = masked ? allowed.typed_data() : nullptr;
+  p.cosv = rope ? cosv.typed_data() : nullptr;
+  p.sinv = rope ? sinv.typed_data() : nullptr;
+  p.scan = std::min<int64_t>(std::max<int64_t>(scan.typed_data()[0], 0), p.T);
+  float* o = out->typed_data();
+  float* ls = lse->typed_data();
+  const bool simd = use_avx2();
+  // Chunks of slots: enough tasks to share between the cores, none shorter than kvs_min_chunk.
+  constexpr int64_t kMinChunk = 128;
+  const int64_t groups = p.B * p.KV, workers = std::max<int64_t>(1, SpinPool::get().workers() + 1);
+  int64_t chunks = std::max<int64_t>(1, std::min(cdiv(std::max<int64_t>(p.scan, 1), kMinChunk), cdiv(4 * workers, groups)));
+  const int64_t chunk = cdiv(std::max<int64_t>(p.scan, 1), chunks);
+  chunks = cdiv(std::max<int64_t>(p.scan, 1), chunk);
+  const int64_t part_size = p.G * (p.D + 2);
+  std::vector<float> parts(groups * chunks * part_size);
+  auto body = [&](int64_t i) {
+    const int64_t grp = i / chunks, c = i % chunks, t0 = c * chunk, t1 = std::min(p.scan, t0 + chunk);
+    kvs_task(p, grp / p.KV, grp % p.KV, t0, t1, simd, parts.data() + i * part_size);
+  };
+  const int64_t bytes = per_layer * p.row_bytes * 2;
+  if (bytes < min_parallel_bytes()) {
+    for (int64_t i = 0; i < groups * chunks; ++i) body(i);
+  } else {
+    SpinPool::get().run(groups * chunks, body);
+  }
+  const float kNeg = -std::numeric_limits<float>::infinity();
+  for (int64_t grp = 0; grp < groups; ++grp) {
+    const int64_t b = grp / p.KV, kvh = grp % p.KV;
+    for (int64_t g = 0; g < p.G; ++g) {
+      float m = kNeg;
+      for (int64_t c = 0; c < chunks; ++c) m = std::max(m, parts[(grp * chunks + c) * part_size + g * (p.D + 2) + p.D]);
+      const int64_t h = kvh * p.G + g;
+      float* dst = o + (b * p.Hq + h) * p.D;
+      std::fill(dst, dst + p.D, 0.f);
+      if (m == kNeg) {  // no slot allowed: nothing to merge (the cache's float parts carry the row)
+        ls[b * p.Hq + h] = -1e30f;
+        continue;
+      }
+      float l = 0.f;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const float* part = parts.data() + (grp * chunks + c) * part_size + g * (p.D + 2);
+        if (part[p.D] == kNeg) continue;
+        const float w = std::exp(part[p.D] - m);
+        l += w * part[p.D + 1];
+        for (int64_t i = 0; i < p.D; ++i) dst[i] += w * part[i];
+      }
+      const float inv = 1.f / l;
+      for (int64_t i = 0; i < p.D; ++i) dst[i] *= inv;
+      ls[b * p.Hq + h] = m + std::log(l);
+    }
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(llmeq_wo_matmul, wo_impl,
@@ -2775,6 +3151,26 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(llmeq_decode_attention, at_impl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("masked"));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(llmeq_kv_store_attention, kvs_impl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("bits")
+                                  .Attr<int64_t>("masked")
+                                  .Attr<int64_t>("rope"));
+
 // Plain C helpers for Python (ctypes): what the library was built for and what this CPU runs.
 extern "C" {
 __attribute__((visibility("default"))) int llmeq_native_simd() { return use_avx2() ? 1 : 0; }
@@ -2782,5 +3178,5 @@ __attribute__((visibility("default"))) void llmeq_native_force_scalar(int on) { 
 __attribute__((visibility("default"))) int llmeq_native_vnni() { return use_vnni() ? 1 : 0; }
 __attribute__((visibility("default"))) int llmeq_native_avx512() { return use_avx512() ? 1 : 0; }
 __attribute__((visibility("default"))) void llmeq_native_allow_vnni(int on) { g_allow_vnni.store(on ? 1 : 0); }
-__attribute__((visibility("default"))) int llmeq_native_abi_version() { return 7; }
+__attribute__((visibility("default"))) int llmeq_native_abi_version() { return 8; }
 }

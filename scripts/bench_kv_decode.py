@@ -9,17 +9,22 @@ tokens/s = batch x (new tokens - 1) / decode time. Static key ranges come from 2
 calibration windows (their values do not change the speed). Every quantized cache
 keeps 4 float sink tokens. On a GPU each quantized setting runs twice: through the
 Pallas decode kernel (the default there) and through XLA (``config.disabled()``),
-which dequantizes the whole store every step. On a CPU only XLA runs.
+which dequantizes the whole store every step. On a CPU the store is read by the native kernel
+(``native.kv_store_attention``) where it takes the setting, else by XLA; compare with XLA's path by
+running an older checkout (docs/cpu-speed.md).
+``--recipe`` quantizes the weights first (their share of a step shrinks, the cache's grows).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 import jax.numpy as jnp
 
-from llmeq_jax import calibrate, evaluate
+from llmeq_jax import calibrate, evaluate, pipeline
+from llmeq_jax.kv import cache as kvcache
 from llmeq_jax.kv import spec as kvspec
 from llmeq_jax.data import CALIB_TEXT, EVAL_TEXT, find_data_file
 from llmeq_jax.generate import generate
@@ -35,6 +40,17 @@ SETTINGS = [
 ]
 
 
+def _paths(spec, head_dim: int, on_gpu: bool) -> list:
+    """[(label, context manager factory)] of the paths a quantized cache's store is read by here: the
+    Pallas kernel and XLA on a GPU; on a CPU the one path it takes (the native kernel where it reads
+    the setting: ``native.disabled()`` would switch the weights' kernels off as well)."""
+    if spec is None:
+        return [("xla", contextlib.nullcontext)]
+    if on_gpu:
+        return [("kernel", lambda: kernel_config.interpret(False)), ("xla", kernel_config.disabled)]
+    return [("native" if kvcache.native_reads_store(spec, head_dim) else "xla", contextlib.nullcontext)]
+
+
 def decode_tok_s(config, params, prompt, new_tokens: int, kv, runs: int) -> float:
     t_one = evaluate.median_time(lambda: generate(config, params, prompt, 1, kv=kv), runs=runs)
     t_all = evaluate.median_time(lambda: generate(config, params, prompt, new_tokens, kv=kv), runs=runs)
@@ -48,22 +64,24 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--recipe", default="fp32", help="weights: fp32 or a recipe name (e.g. rtn-w4-g128)")
     args = p.parse_args(argv)
 
     config, params, tokenizer = load_model(args.model)
+    if args.recipe != "fp32":
+        params = pipeline.run_recipe(config, params, tokenizer, pipeline.read_recipe(args.recipe), None, 16, False)[0]
     ids = evaluate.tokenize_text(tokenizer, find_data_file(None, EVAL_TEXT, "evaluation text").read_text())
     prompt = jnp.asarray(evaluate.make_windows(ids, args.context, args.batch))
     calib_ids = evaluate.tokenize_text(tokenizer, find_data_file(None, CALIB_TEXT, "calibration text").read_text())
     calib = evaluate.make_windows(calib_ids, 512, 2)
     on_gpu = kernel_config.on_gpu()
-    print(f"# {args.model}, context {args.context}, batch {args.batch}, {args.new_tokens} new tokens, "
-          f"median of {args.runs}; {evaluate.machine()}", flush=True)
+    print(f"# {args.model} ({args.recipe} weights), context {args.context}, batch {args.batch}, "
+          f"{args.new_tokens} new tokens, median of {args.runs}; {evaluate.machine()}", flush=True)
     base = None
     for name, spec in SETTINGS:
         kv = calibrate.make_kv_quantizer(spec, config, params, calib)
-        paths = [("xla", True)] if spec is None or not on_gpu else [("kernel", False), ("xla", True)]
-        for path, off in paths:
-            with kernel_config.disabled() if off else kernel_config.interpret(False):
+        for path, switch in _paths(spec, config.head_dim, on_gpu):
+            with switch():
                 tok_s = decode_tok_s(config, params, prompt, args.new_tokens, kv, args.runs)
             base = base or tok_s
             label = name if spec is None else f"{name} ({path})"

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from llmeq_jax import calibrate
+from llmeq_jax import calibrate, native
 from llmeq_jax.kv import attention as kvattention
 from llmeq_jax.kv import cache as kvcache
 from llmeq_jax.kv import spec as kvspec
@@ -74,7 +74,8 @@ def test_decode_through_the_kernel_equals_xla(case):
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (2, 14)))
     calib = np.random.default_rng(1).integers(0, config.vocab_size, (4, 16))
     kv = calibrate.make_kv_quantizer(spec, config, params, calib)
-    xla, used, xla_cache = _decode(config, params, kv, tokens)
+    with native.disabled():  # the CPU's native kernel otherwise reads the store (test below)
+        xla, used, xla_cache = _decode(config, params, kv, tokens)
     assert not used  # no GPU here: the XLA path
     with kernel_config.interpret(True):
         kernel, used, kernel_cache = _decode(config, params, kv, tokens)
@@ -92,6 +93,39 @@ def test_decode_through_the_kernel_equals_xla(case):
     # The comparison means something: this cache moves the logits away from the float model's.
     float_logits = _decode(config, params, None, tokens)[0]
     assert float(jnp.max(jnp.abs(float_logits - xla))) > 100 * tol
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_decode_through_the_native_kernel_equals_xla(case):
+    """On a CPU the native kernel (native.kv_store_attention) reads the store in place -- int8/int4,
+    pre- and post-RoPE keys, static and online grids, windows, sinks, a sliding window, left padding --
+    and the logits equal XLA's dequantize-then-attend path's."""
+    config, spec = CASES[case]
+    params = _same_codes_model(config)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (2, 14)))
+    calib = np.random.default_rng(1).integers(0, config.vocab_size, (4, 16))
+    kv = calibrate.make_kv_quantizer(spec, config, params, calib)
+    assert kvcache.store_path(spec, config.head_dim, jnp.float32, 4, 14) == "native"
+    with native.disabled():
+        xla, _, xla_cache = _decode(config, params, kv, tokens)
+        assert kvcache.store_path(spec, config.head_dim, jnp.float32, 4, 14) != "native"
+    ours, _, our_cache = _decode(config, params, kv, tokens)
+    cache = init_cache(config, 2, 14, kv=kv)
+    step = lambda p, t, m, c: forward_step(config, p, t, m, c)  # noqa: E731
+    hlo = jax.jit(step).lower(params, tokens[:, :1], jnp.ones((2, 1), jnp.int32), cache).as_text()
+    assert hlo.count("llmeq_kv_store_attention") >= config.num_layers
+    for name in ("k", "v"):
+        np.testing.assert_array_equal(getattr(our_cache, name).q, getattr(xla_cache, name).q,
+                                      err_msg=f"{name} codes differ: the paths quantized different inputs")
+    tol = 5e-5 * float(jnp.max(jnp.abs(xla)))
+    np.testing.assert_allclose(ours, xla, atol=tol)
+    float_logits = _decode(config, params, None, tokens)[0]
+    assert float(jnp.max(jnp.abs(float_logits - xla))) > 100 * tol
+    if case == "int4-preRoPE-static":  # the scan over stacked blocks: the layer index traced
+        from llmeq_jax.models import stacked
+
+        scanned, _, _ = _decode(config, stacked.stack_blocks(config, params), kv, tokens)
+        np.testing.assert_allclose(scanned, xla, atol=tol)
 
 
 @pytest.mark.parametrize(
@@ -196,6 +230,7 @@ def test_decode_through_xlas_dots_over_the_codes_equals_dequantizing(bits, monke
     calls = []
     real = kvcache.store_attention
     monkeypatch.setattr(kvcache, "store_attention", lambda *a, **kw: calls.append(kw["layer"]) or real(*a, **kw))
+    monkeypatch.setattr(kvcache, "native_reads_store", lambda *a: False)  # the CPU's kernel: its own test
     dequantized, _, _ = _decode(config, params, kv, tokens)
     assert not calls
     tol = 5e-5 * float(jnp.max(jnp.abs(dequantized)))

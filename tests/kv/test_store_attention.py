@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from llmeq_jax import dispatch_table
+from llmeq_jax import dispatch_table, native
+from llmeq_jax.core.rope import rope_tables
 from llmeq_jax.core.qarray import int_range, pack
 from llmeq_jax.kv import cache as kvcache
 from llmeq_jax.kv import spec as kvspec
@@ -94,7 +95,9 @@ def _table(choice: str, spec, rows=2, slots=16, dtype=jnp.float32):
 def test_store_path_follows_the_measured_table():
     post, pre = kvspec.KVSpec(bits=8, pre_rope=False), kvspec.KVSpec(bits=8)
     path = lambda spec: kvcache.store_path(spec, 64, jnp.float32, 2, 16)  # noqa: E731
-    assert path(post) is None  # CPU, no kernel, no table: dequantize
+    assert path(post) == path(pre) == "native"  # a CPU with the native kernels: they read the store
+    with native.disabled():
+        assert path(post) is None  # CPU, no kernel, no table: dequantize
     with kernel_config.interpret(True):
         assert path(post) == "pallas"  # the static rule: the kernel where it runs
         with dispatch_table.use(_table("xla", post)):
@@ -105,6 +108,70 @@ def test_store_path_follows_the_measured_table():
             assert kvcache.store_path(post, 64, jnp.float32, 4, 16) == "pallas"  # nor at 4 query rows
         with dispatch_table.use(_table("pallas", post)):
             assert path(post) == "pallas"
-    with dispatch_table.use(_table("xla", post)):
+    with dispatch_table.use(_table("xla", post)), native.disabled():
         assert path(post) == "xla"  # measured faster here: no kernel needed
     assert kvcache.store_path(kvspec.KVSpec(bits=8, outlier_frac=0.02, pre_rope=False), 64, jnp.float32, 2, 16) is None
+
+
+# --------------------------------------------------------------------------- the native CPU kernel
+
+
+def _native_store(bits, d, key_rows, rng, L=3, b=2, kv=2, t=300):
+    lo_c, hi_c = int_range(bits)
+    codes_ = [jnp.asarray(rng.integers(lo_c, hi_c + 1, (L, b, kv, t, d)), jnp.int8) for _ in range(2)]
+    if bits == 4:
+        codes_ = [pack(c, 4, axis=-1) for c in codes_]
+    k_scale = jnp.asarray(rng.random((key_rows, kv, 1, d)) * 0.1 + 0.01, jnp.float32)
+    k_lo = jnp.asarray(rng.standard_normal((key_rows, kv, 1, d)), jnp.float32)
+    v_scale = jnp.asarray(rng.random((L, b, kv, t, 1)) * 0.1 + 0.01, jnp.float16)
+    v_lo = jnp.asarray(rng.standard_normal((L, b, kv, t, 1)), jnp.float16)
+    return (*codes_, k_scale, k_lo, v_scale, v_lo)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("d,rope,masked,key_rows", [(64, False, False, 1), (64, True, True, 1), (12, True, True, 2),
+                                                    (64, False, True, 2)])
+@pytest.mark.parametrize("scalar", [False, True])
+def test_native_store_attention_equals_the_reference(bits, d, rope, masked, key_rows, scalar):
+    """native.kv_store_attention (layer 1 of a stack read in place, slots up to ``scan``, float16 value
+    grids, static or per-row key grids, pre-RoPE keys rotated by tables) equals the dequantize-rotate-
+    attend reference, out and log-sum-exp; a row that may read no slot gives lse -1e30 and zeros."""
+    from pallas_kernels.kv_cache import store_decode_attention_reference
+
+    rng = np.random.default_rng(bits * d + rope)
+    kc, vc, ks, kl, vs, vl = _native_store(bits, d, key_rows, rng)
+    b, hq, t = 2, 6, kc.shape[3]
+    q = jnp.asarray(rng.standard_normal((b, hq, d)), jnp.float32)
+    allowed = jnp.asarray(rng.random((b, t)) < 0.7).at[1].set(False) if masked else None
+    slot_pos = jnp.asarray(rng.integers(0, 1000, (b, t)), jnp.int32)
+    inv_freq = jnp.asarray(1.0 / (10000 ** (np.arange(0, d, 2) / d)), jnp.float32)
+    extra = dict(slot_pos=slot_pos, inv_freq=inv_freq) if rope else {}
+    scan = 250
+    ref_out, ref_lse = store_decode_attention_reference(q, kc, vc, ks, kl, vs, vl, scan, bits=bits, allowed=allowed,
+                                                        layer=1, **extra)
+    tables = rope_tables(slot_pos, np.asarray(inv_freq)) if rope else None
+    run = jax.jit(lambda *a: native.kv_store_attention(*a, bits=bits, layer=jnp.int32(1), allowed=allowed,
+                                                       rope_tables=tables))
+    if scalar:
+        with native.force_scalar():
+            out, lse = run(q, kc, vc, ks, kl, vs, vl, scan)
+    else:
+        out, lse = run(q, kc, vc, ks, kl, vs, vl, scan)
+    seen = np.isfinite(np.asarray(ref_lse))
+    assert seen.any()
+    np.testing.assert_allclose(np.asarray(out)[seen], np.asarray(ref_out)[seen], rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(lse)[seen], np.asarray(ref_lse)[seen], rtol=1e-6, atol=1e-4)
+    if masked:
+        assert not seen[1].any()
+        np.testing.assert_array_equal(np.asarray(lse)[1], np.float32(-1e30))
+        np.testing.assert_array_equal(np.asarray(out)[1], 0.0)
+
+
+def test_native_store_attention_rejects_bad_shapes():
+    rng = np.random.default_rng(0)
+    kc, vc, ks, kl, vs, vl = _native_store(8, 16, 1, rng, t=8)
+    q = jnp.ones((2, 4, 16))
+    with pytest.raises(ValueError, match="do not hold 4-bit rows of head dim 16"):
+        native.kv_store_attention(q, kc, vc, ks, kl, vs, vl, 8, bits=4, layer=0)
+    with pytest.raises(ValueError, match="for batch 3"):
+        native.kv_store_attention(jnp.ones((3, 4, 16)), kc, vc, ks, kl, vs, vl, 8, bits=8, layer=0)
