@@ -141,7 +141,17 @@ def decode_params(params, rows: int):
     _decode_layout_memo.clear()  # the previous params' copy goes before this one is made
     laid_out = _laid_out_for_decode(params, rows=rows, kernels=kernel_state())
     _decode_layout_memo["params"] = (key, [_ref(a) for a in leaves], laid_out)
+    # the copy goes with the params it was made from (the memo holds them weakly)
+    first = next((a for a in leaves if isinstance(a, jax.Array)), None)
+    if first is not None:
+        weakref.finalize(first, _forget_decode_layout, key)
     return laid_out
+
+
+def _forget_decode_layout(key) -> None:
+    held = _decode_layout_memo.get("params")
+    if held is not None and held[0] is key:
+        _decode_layout_memo.clear()
 
 
 def release_decode_layout() -> None:

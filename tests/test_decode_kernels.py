@@ -335,6 +335,14 @@ def test_generate_lays_the_kernels_out_once_per_params(qparams):
     gen.release_decode_layout()
     assert gen.decode_params(qparams, 1) is not held
     gen.release_decode_layout()
+    # the kept copy goes when the params it was made from go
+    gen.decode_params(copy, 1)
+    assert gen._decode_layout_memo
+    del copy
+    import gc
+
+    gc.collect()
+    assert not gen._decode_layout_memo
 
 
 def test_siblings_with_different_grids_stay_apart(qparams):
