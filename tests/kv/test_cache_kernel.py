@@ -82,17 +82,24 @@ def test_decode_through_the_kernel_equals_xla(case):
     assert used, "the decode step did not go through the Pallas kernel"
     with kernel_config.interpret(True), kernel_config.disabled():
         assert not _decode(config, params, kv, tokens[:, :8])[1]  # the off switch (CLI --xla) holds
+    _assert_same_decode(config, params, tokens, (kernel, kernel_cache), (xla, xla_cache))
+
+
+def _assert_same_decode(config, params, tokens, ours, xla):
+    """Two paths' ``(logits, cache)`` of :func:`_decode` agree; returns the tolerance used."""
+    (logits, cache), (xla_logits, xla_cache) = ours, xla
     # The premise of the tolerance below: both paths stored the same codes (see _same_codes_model).
     for name in ("k", "v"):
-        np.testing.assert_array_equal(getattr(kernel_cache, name).q, getattr(xla_cache, name).q,
+        np.testing.assert_array_equal(getattr(cache, name).q, getattr(xla_cache, name).q,
                                       err_msg=f"{name} codes differ: the paths quantized different inputs")
     # Seen here: within 5.4e-6 of the logits' scale (float32 sums in another order); a wrong
     # rotation or log-sum-exp moves them by more than 1e-2 of it.
-    tol = 5e-5 * float(jnp.max(jnp.abs(xla)))
-    np.testing.assert_allclose(kernel, xla, atol=tol)
+    tol = 5e-5 * float(jnp.max(jnp.abs(xla_logits)))
+    np.testing.assert_allclose(logits, xla_logits, atol=tol)
     # The comparison means something: this cache moves the logits away from the float model's.
     float_logits = _decode(config, params, None, tokens)[0]
-    assert float(jnp.max(jnp.abs(float_logits - xla))) > 100 * tol
+    assert float(jnp.max(jnp.abs(float_logits - xla_logits))) > 100 * tol
+    return tol
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -114,13 +121,7 @@ def test_decode_through_the_native_kernel_equals_xla(case):
     step = lambda p, t, m, c: forward_step(config, p, t, m, c)  # noqa: E731
     hlo = jax.jit(step).lower(params, tokens[:, :1], jnp.ones((2, 1), jnp.int32), cache).as_text()
     assert hlo.count("llmeq_kv_store_attention") >= config.num_layers
-    for name in ("k", "v"):
-        np.testing.assert_array_equal(getattr(our_cache, name).q, getattr(xla_cache, name).q,
-                                      err_msg=f"{name} codes differ: the paths quantized different inputs")
-    tol = 5e-5 * float(jnp.max(jnp.abs(xla)))
-    np.testing.assert_allclose(ours, xla, atol=tol)
-    float_logits = _decode(config, params, None, tokens)[0]
-    assert float(jnp.max(jnp.abs(float_logits - xla))) > 100 * tol
+    tol = _assert_same_decode(config, params, tokens, (ours, our_cache), (xla, xla_cache))
     if case == "int4-preRoPE-static":  # the scan over stacked blocks: the layer index traced
         from llmeq_jax.models import stacked
 
