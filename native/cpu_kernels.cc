@@ -2706,8 +2706,8 @@ ffi::Error at_impl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
 // (ks, klo), values per token (vs, vlo: float16 or float32), keys optionally stored before RoPE (rotated here
 // by cos/sin tables of their slots' positions). Returns the attention output and the log-sum-exp
 // of the scaled scores, so the cache merges it with its float parts (window, sinks). XLA's path
-// dequantized and rotated the whole layer into memory every step: 0.37-0.69x the float cache's
-// decode speed on a 2-core Xeon.
+// dequantized and rotated the whole layer into memory every step: 0.40-0.61x the float cache's
+// decode speed on a 2-core Xeon (rtn-w4-g128 weights, 1024 cached tokens; docs/kv-cache.md).
 //
 // Tasks: (batch row, KV head, chunk of slots); each keeps a softmax partial (max, sum, G x D
 // accumulator) that the merge combines, so a batch-1 step over 3 KV heads still fills the cores.

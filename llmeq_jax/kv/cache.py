@@ -451,7 +451,8 @@ def store_path(spec: kvspec.KVSpec, head_dim: int, q_dtype, query_rows: int, slo
     the layer, then attend).
 
     On a CPU the native kernel wherever it reads the setting (pre-RoPE keys too): XLA's dequantized copy
-    of every layer made a quantized cache decode at 0.37-0.69x the float cache's speed there.
+    of every layer made a quantized cache decode at 0.40-0.61x the float cache's speed there (rtn-w4-g128
+    weights, 1024 cached tokens, docs/kv-cache.md).
 
     The kernel where it runs and takes the setting, unless the dispatch table measured XLA's dots
     faster on this device (kernel ``kv_attention``; ``query_rows`` = query heads per KV head times
