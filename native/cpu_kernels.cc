@@ -2644,6 +2644,225 @@ ffi::Error panel_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   return ffi::Error::Success();
 }
 
+// ----------------------------------------------------------------------------- AVX-512 decode attention blocks
+//
+// One query per head over a cache, 16 slots a step, for head dims D = 16 * DC (DC = 2, 4, 6, 8: 32-128).
+// Both decode kernels run on them: the float cache's (llmeq_decode_attention, its rows read in place)
+// and the quantized store's (llmeq_kv_store_attention, codes decoded into a 16-row tile in L1).
+// A block's 16 key rows give a query head's 16 scores with DC FMAs a row and one transposing
+// reduction (hsum16x16) instead of a horizontal sum per dot, and each value row is loaded once for
+// up to HB heads summed in registers. The older loops (a horizontal sum per dot, 8-lane axpys into
+// memory, a scalar exp in the float kernel) spent ~200 cycles per slot and head group: the int8
+// store read at ~2 GB/s on a 2-core Xeon, the float cache at 5.1 ms per SmolLM2 step at 1088 slots.
+
+constexpr int64_t kBlock = 16;  // slots per block
+// Chunks of slots a decode task reads at least (the tasks' merge costs a few microseconds each).
+constexpr int64_t kMinChunk = 128;
+
+// Slots per task of a decode kernel over `groups` (row, KV head) pairs: a multiple of kBlock, at least
+// kMinChunk, and where the slots allow a task count that splits evenly between the threads (a 3-head
+// batch-1 step on 2 cores: 12 tasks, not 9 that leave one thread idle for a ninth of the time).
+int64_t decode_chunk(int64_t groups, int64_t slots) {
+  const int64_t threads = SpinPool::get().workers() + 1, most = std::max<int64_t>(1, cdiv(slots, kMinChunk));
+  int64_t chunks = std::max<int64_t>(1, std::min(most, cdiv(4 * threads, groups)));
+  if ((groups * chunks) % threads && chunks < most) ++chunks;
+  return std::max<int64_t>(kBlock, cdiv(cdiv(std::max<int64_t>(slots, 1), chunks), kBlock) * kBlock);
+}
+
+#if LLMEQ_X86
+#define AVX512BW __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
+
+// Lane j = the sum of the 16 lanes of v[j] (a tree of unpacks and 128-bit shuffles: 15 adds in all).
+AVX512 inline __m512 hsum16x16(const __m512* v) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [x0 + x2, y0 + y2, x1 + x3, y1 + y3]
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: the lane's partial sum of v[4i .. 4i + 3]
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 c0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(c0, c1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// Scores of a block for G query heads q [G, D]: sc[g * stride + j] = (q_g . rows[j]) * scale + add[g] (add
+// may be null) where bit j of ok is set, else fill. rows: 16 rows, ld floats apart, all finite.
+template <int DC>
+AVX512 void block_scores512(const float* rows, int64_t ld, const float* q, int64_t G, float scale, const float* add,
+                            __mmask16 ok, __m512 fill, float* sc, int64_t stride) {
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 qv[DC];
+    for (int c = 0; c < DC; ++c) qv[c] = _mm512_loadu_ps(q + (g * DC + c) * 16);
+    __m512 acc[kBlock];
+    for (int r = 0; r < kBlock; ++r) {
+      const float* row = rows + r * ld;
+      __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(row));
+      for (int c = 1; c < DC; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(row + 16 * c), a);
+      acc[r] = a;
+    }
+    __m512 s = _mm512_mul_ps(hsum16x16(acc), _mm512_set1_ps(scale));
+    if (add) s = _mm512_add_ps(s, _mm512_set1_ps(add[g]));
+    _mm512_storeu_ps(sc + g * stride, _mm512_mask_blend_ps(ok, fill, s));
+  }
+}
+
+// acc[h * acc_ld ..][D] += sum_j w[h * w_ld + j] * rows[j] for HB heads (register accumulators).
+template <int DC, int HB>
+AVX512 void block_values512(const float* rows, int64_t ld, const float* w, int64_t w_ld, float* acc, int64_t acc_ld) {
+  __m512 a[HB][DC];
+  for (int h = 0; h < HB; ++h)
+    for (int c = 0; c < DC; ++c) a[h][c] = _mm512_loadu_ps(acc + h * acc_ld + 16 * c);
+  for (int r = 0; r < kBlock; ++r) {
+    __m512 wv[HB];
+    for (int h = 0; h < HB; ++h) wv[h] = _mm512_set1_ps(w[h * w_ld + r]);
+    for (int c = 0; c < DC; ++c) {
+      const __m512 v = _mm512_loadu_ps(rows + r * ld + 16 * c);
+      for (int h = 0; h < HB; ++h) a[h][c] = _mm512_fmadd_ps(wv[h], v, a[h][c]);
+    }
+  }
+  for (int h = 0; h < HB; ++h)
+    for (int c = 0; c < DC; ++c) _mm512_storeu_ps(acc + h * acc_ld + 16 * c, a[h][c]);
+}
+
+// block_values512 for all G heads, in register-sized groups of heads (HB * DC <= 24 accumulators).
+template <int DC>
+AVX512 void block_values_heads512(const float* rows, int64_t ld, const float* w, int64_t w_ld, int64_t G, float* acc,
+                                  int64_t acc_ld) {
+  constexpr int HB = DC <= 4 ? 4 : 3;
+  int64_t h = 0;
+  for (; h + HB <= G; h += HB) block_values512<DC, HB>(rows, ld, w + h * w_ld, w_ld, acc + h * acc_ld, acc_ld);
+  const float* wr = w + h * w_ld;
+  float* ar = acc + h * acc_ld;
+  if (G - h == 1) block_values512<DC, 1>(rows, ld, wr, w_ld, ar, acc_ld);
+  if (G - h == 2) block_values512<DC, 2>(rows, ld, wr, w_ld, ar, acc_ld);
+  if constexpr (HB > 3) {
+    if (G - h == 3) block_values512<DC, 3>(rows, ld, wr, w_ld, ar, acc_ld);
+  }
+}
+
+// Bit j set where ok[j] != 0, for the m <= 16 bytes at ok.
+AVX512BW inline __mmask16 block_bits(const void* ok, int64_t m) {
+  const uint8_t* o = static_cast<const uint8_t*>(ok);
+  if (m == kBlock) return _mm_test_epi8_mask(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o)), _mm_set1_epi8(-1));
+  __mmask16 bits = 0;
+  for (int64_t r = 0; r < m; ++r) bits |= __mmask16(o[r] != 0) << r;
+  return bits;
+}
+
+// Max of sc[0 .. n) (n a multiple of 16).
+AVX512 inline float row_max512(const float* sc, int64_t n) {
+  __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < n; j += kBlock) m = _mm512_max_ps(m, _mm512_loadu_ps(sc + j));
+  return _mm512_reduce_max_ps(m);
+}
+#endif
+
+// Head dims the blocks take (D = 16 * DC).
+inline bool blocks_take(int64_t d) { return d == 32 || d == 64 || d == 96 || d == 128; }
+
+#if LLMEQ_X86
+// The float cache's decode attention on blocks: slots [s0, s1) of (b, kvh), every query position and the
+// group's G heads. part [T, G, D + 2]: per head the unnormalized output, its max score and sum of exp
+// (merged across a row's chunks by at_merge). Scores as at_group's: q . k / sqrt(D) where the mask is set,
+// else the finite `masked` (a row masked everywhere averages its values, like the reference).
+template <int DC>
+AVX512BW void at_task512(const AT& p, int64_t b, int64_t kvh, int64_t s0, int64_t s1, float* part) {
+  constexpr int64_t D = 16 * DC;
+  const int64_t G = p.H / p.KV, n = std::max<int64_t>(s1 - s0, 0), padded = cdiv(n, kBlock) * kBlock;
+  const float kNeg = -std::numeric_limits<float>::infinity();
+  thread_local std::vector<float> buf;
+  buf.resize(kBlock * D + G * padded);
+  float *tile = buf.data(), *sc = tile + kBlock * D;
+  const float* kb = p.k + ((b * p.KV + kvh) * p.S + s0) * D;
+  const float* vb = p.v + ((b * p.KV + kvh) * p.S + s0) * D;
+  // A block's rows where they lie; the last, partial block copied into the tile with zero rows after it.
+  auto rows_at = [&](const float* base, int64_t j0) -> const float* {
+    const int64_t m = std::min<int64_t>(kBlock, n - j0);
+    if (m == kBlock) return base + j0 * D;
+    std::memcpy(tile, base + j0 * D, sizeof(float) * m * D);
+    std::fill(tile + m * D, tile + kBlock * D, 0.f);
+    return tile;
+  };
+  for (int64_t t = 0; t < p.T; ++t) {
+    const bool* mk = p.mask + (b * p.T + t) * p.S + s0;
+    const float* qb = p.q + ((b * p.T + t) * p.H + kvh * G) * D;
+    float* pt = part + t * G * (D + 2);
+    for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
+      const int64_t m = std::min<int64_t>(kBlock, n - j0);
+      block_scores512<DC>(rows_at(kb, j0), D, qb, G, p.inv_sqrt_d, nullptr, block_bits(mk + j0, m),
+                          _mm512_set1_ps(p.masked), sc + j0, padded);
+      for (int64_t g = 0; g < G; ++g)  // slots past the chunk weigh nothing
+        std::fill(sc + g * padded + j0 + m, sc + g * padded + j0 + kBlock, kNeg);
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      float* acc = pt + g * (D + 2);
+      std::fill(acc, acc + D, 0.f);
+      const float mx = n ? row_max512(sc + g * padded, padded) : kNeg;
+      acc[D] = mx;
+      acc[D + 1] = mx == kNeg ? 0.f : exp_row512(sc + g * padded, padded, mx);
+      if (mx == kNeg) std::fill(sc + g * padded, sc + (g + 1) * padded, 0.f);
+    }
+    for (int64_t j0 = 0; j0 < n; j0 += kBlock)
+      block_values_heads512<DC>(rows_at(vb, j0), D, sc + j0, padded, G, pt, D + 2);
+  }
+}
+#endif
+
+// out[b, t, h] from the chunks' parts [B * KV * chunks][T, G, D + 2]: sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c.
+void at_merge(const AT& p, int64_t chunks, const float* parts) {
+  const int64_t G = p.H / p.KV, part_size = p.T * G * (p.D + 2);
+  const float kNeg = -std::numeric_limits<float>::infinity();
+  for (int64_t b = 0; b < p.B; ++b)
+    for (int64_t kvh = 0; kvh < p.KV; ++kvh)
+      for (int64_t t = 0; t < p.T; ++t)
+        for (int64_t g = 0; g < G; ++g) {
+          auto at = [&](int64_t c) { return parts + ((b * p.KV + kvh) * chunks + c) * part_size + (t * G + g) * (p.D + 2); };
+          float m = kNeg;
+          for (int64_t c = 0; c < chunks; ++c) m = std::max(m, at(c)[p.D]);
+          float* dst = p.out + ((b * p.T + t) * p.H + kvh * G + g) * p.D;
+          std::fill(dst, dst + p.D, 0.f);
+          float l = 0.f;
+          for (int64_t c = 0; c < chunks; ++c) {
+            const float* part = at(c);
+            if (part[p.D] == kNeg) continue;
+            const float w = std::exp(part[p.D] - m);
+            l += w * part[p.D + 1];
+            for (int64_t i = 0; i < p.D; ++i) dst[i] += w * part[i];
+          }
+          const float inv = l > 0.f ? 1.f / l : 0.f;
+          for (int64_t i = 0; i < p.D; ++i) dst[i] *= inv;
+        }
+}
+
+#if LLMEQ_X86
+// The float decode attention on AVX-512 blocks: (row, KV head, chunk of slots) tasks, then their merge.
+void at_blocks(const AT& p) {
+  const int64_t groups = p.B * p.KV, chunk = decode_chunk(groups, p.S), chunks = cdiv(p.S, chunk);
+  const int64_t part_size = p.T * (p.H / p.KV) * (p.D + 2);
+  std::vector<float> parts(groups * chunks * part_size);
+  auto body = [&](int64_t i) {
+    const int64_t grp = i / chunks, s0 = (i % chunks) * chunk, s1 = std::min(p.S, s0 + chunk);
+    float* part = parts.data() + i * part_size;
+    switch (p.D / 16) {
+      case 2: at_task512<2>(p, grp / p.KV, grp % p.KV, s0, s1, part); break;
+      case 4: at_task512<4>(p, grp / p.KV, grp % p.KV, s0, s1, part); break;
+      case 6: at_task512<6>(p, grp / p.KV, grp % p.KV, s0, s1, part); break;
+      default: at_task512<8>(p, grp / p.KV, grp % p.KV, s0, s1, part); break;
+    }
+  };
+  if (2 * p.B * p.KV * p.S * p.D * 4 < min_parallel_bytes()) {
+    for (int64_t i = 0; i < groups * chunks; ++i) body(i);
+  } else {
+    SpinPool::get().run(groups * chunks, body);
+  }
+  at_merge(p, chunks, parts.data());
+}
+#endif
+
 // k, v are a stack of per-layer caches [L, B, KV, S, D] (a model's whole float KV cache) and
 // ``layer`` says which one to read: slicing the layer out in XLA copied it on every decode step
 // (at 512 cached positions ~2 ms of a 12 ms SmolLM2 step). A single cache is a stack of one.
@@ -2685,6 +2904,12 @@ ffi::Error at_impl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
       flash_task(p, bk / p.KV, bk % p.KV, qb * kFlashQ, std::min(p.T, (qb + 1) * kFlashQ));
     };
     SpinPool::get().run(nq * per, flash);
+    return ffi::Error::Success();
+  }
+#endif
+#if LLMEQ_X86
+  if (simd && use_avx512() && blocks_take(p.D)) {
+    at_blocks(p);
     return ffi::Error::Success();
   }
 #endif
@@ -2971,6 +3196,114 @@ void kvs_task(const KVS& p, int64_t b, int64_t kvh, int64_t t0, int64_t t1, bool
   }
 }
 
+#if LLMEQ_X86
+// Codes of one stored row as floats minus qmin (kvs_codes), D = 16 * DC: int8 16 a step; int4 16 from
+// 8 bytes, both nibbles' sign bits flipped by one xor, then interleaved low nibble first.
+template <int DC>
+AVX512BW inline void kvs_codes512(const int8_t* row, int bits, float* out) {
+  if (bits == 8) {
+    for (int c = 0; c < DC; ++c) {
+      const __m128i x = _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * c)),
+                                      _mm_set1_epi8(char(0x80)));
+      _mm512_storeu_ps(out + 16 * c, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(x)));
+    }
+    return;
+  }
+  const __m128i m15 = _mm_set1_epi8(15);
+  for (int c = 0; c < DC; ++c) {
+    const __m128i x = _mm_xor_si128(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * c)),
+                                    _mm_set1_epi8(char(0x88)));
+    const __m128i lo = _mm_and_si128(x, m15), hi = _mm_and_si128(_mm_srli_epi16(x, 4), m15);
+    _mm512_storeu_ps(out + 16 * c, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi))));
+  }
+}
+
+// The value grid (scale or offset) of 16 slots from `first`, zero past m.
+AVX512BW inline __m512 kvs_grid512(const KVS& p, const void* g, int64_t first, int64_t m) {
+  if (m == kBlock)
+    return p.v_half ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(g) + first)))
+                    : _mm512_loadu_ps(static_cast<const float*>(g) + first);
+  alignas(64) float x[kBlock] = {};
+  for (int64_t r = 0; r < m; ++r) x[r] = kvs_grid(p, g, first + r);
+  return _mm512_load_ps(x);
+}
+
+// kvs_task on AVX-512 blocks (same part layout): a block's key rows decoded into an L1 tile (post-RoPE:
+// the codes alone, the grid folded into the queries; pre-RoPE: dequantized and rotated), scored by
+// block_scores512; its value rows decoded once and summed for every head by block_values_heads512 with
+// weights p * scale, the offsets' share (sum p * lo) added per head at the end.
+template <int DC>
+AVX512BW void kvs_task512(const KVS& p, int64_t b, int64_t kvh, int64_t t0, int64_t t1, float* part) {
+  constexpr int64_t D = 16 * DC;
+  const int64_t G = p.G, n = std::max<int64_t>(t1 - t0, 0), padded = cdiv(n, kBlock) * kBlock;
+  const float kNeg = -std::numeric_limits<float>::infinity();
+  thread_local std::vector<float> buf;
+  buf.resize(kBlock * D + D + G * D + G * padded + 2 * G * kBlock + G);
+  float *tile = buf.data(), *tmp = tile + kBlock * D, *qf = tmp + D, *sc = qf + G * D, *w = sc + G * padded;
+  float *vsum = w + G * kBlock, *q_lo = vsum + G * kBlock;
+  const float* qb = p.q + (b * p.Hq + kvh * G) * D;
+  const int64_t grid = ((p.k_rows == 1 ? 0 : b) * p.KV + kvh) * D, first = (b * p.KV + kvh) * p.T + t0;
+  const float *ks = p.ks + grid, *klo = p.klo + grid;
+  const bool fold = !p.cosv;
+  for (int64_t g = 0; g < G; ++g) {
+    q_lo[g] = 0.f;
+    for (int64_t i = 0; i < D; ++i) {
+      qf[g * D + i] = fold ? qb[g * D + i] * ks[i] : qb[g * D + i];
+      q_lo[g] += qb[g * D + i] * klo[i];
+    }
+  }
+  const int64_t half = D / 2;
+  for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
+    const int64_t m = std::min<int64_t>(kBlock, n - j0);
+    __mmask16 ok = __mmask16((1u << m) - 1);
+    if (p.allowed) ok &= block_bits(p.allowed + b * p.T + t0 + j0, m);
+    if (!ok) {
+      for (int64_t g = 0; g < G; ++g) std::fill(sc + g * padded + j0, sc + g * padded + j0 + kBlock, kNeg);
+      continue;
+    }
+    for (int64_t r = 0; r < m; ++r) {
+      float* kf = tile + r * D;
+      kvs_codes512<DC>(p.kc + (first + j0 + r) * p.row_bytes, p.bits, kf);
+      if (fold) continue;
+      kvs_affine_avx2(kf, ks, klo, D);
+      const int64_t at = (b * p.T + t0 + j0 + r) * half;
+      kvs_rope_avx2(kf, p.cosv + at, p.sinv + at, half, tmp);
+    }
+    std::fill(tile + m * D, tile + kBlock * D, 0.f);
+    block_scores512<DC>(tile, D, qf, G, 1.f, fold ? q_lo : nullptr, ok, _mm512_set1_ps(kNeg), sc + j0, padded);
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* acc = part + g * (D + 2);
+    std::fill(acc, acc + D, 0.f);
+    const float mx = n ? row_max512(sc + g * padded, padded) : kNeg;
+    acc[D] = mx;
+    acc[D + 1] = mx == kNeg ? 0.f : exp_row512(sc + g * padded, padded, mx);
+    if (mx == kNeg) std::fill(sc + g * padded, sc + (g + 1) * padded, 0.f);
+    _mm512_storeu_ps(vsum + g * kBlock, _mm512_setzero_ps());
+  }
+  for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
+    const int64_t m = std::min<int64_t>(kBlock, n - j0);
+    __mmask16 any = 0;
+    for (int64_t g = 0; g < G; ++g)
+      any |= _mm512_cmp_ps_mask(_mm512_loadu_ps(sc + g * padded + j0), _mm512_setzero_ps(), _CMP_NEQ_OQ);
+    if (!any) continue;  // masked (or underflowed) slots only
+    const __m512 vs = kvs_grid512(p, p.vs, first + j0, m), vo = kvs_grid512(p, p.vlo, first + j0, m);
+    for (int64_t g = 0; g < G; ++g) {
+      const __m512 pv = _mm512_loadu_ps(sc + g * padded + j0);
+      _mm512_storeu_ps(w + g * kBlock, _mm512_mul_ps(pv, vs));
+      _mm512_storeu_ps(vsum + g * kBlock, _mm512_fmadd_ps(pv, vo, _mm512_loadu_ps(vsum + g * kBlock)));
+    }
+    for (int64_t r = 0; r < m; ++r) kvs_codes512<DC>(p.vc + (first + j0 + r) * p.row_bytes, p.bits, tile + r * D);
+    std::fill(tile + m * D, tile + kBlock * D, 0.f);
+    block_values_heads512<DC>(tile, D, w, kBlock, G, part, D + 2);
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const float off = _mm512_reduce_add_ps(_mm512_loadu_ps(vsum + g * kBlock));
+    for (int64_t i = 0; i < D; ++i) part[g * (D + 2) + i] += off;  // sum_t p_t * vlo_t on every channel
+  }
+}
+#endif
+
 ffi::Error kvs_impl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kc, ffi::AnyBuffer vc, ffi::Buffer<ffi::F32> ks,
                     ffi::Buffer<ffi::F32> klo, ffi::AnyBuffer vs, ffi::AnyBuffer vlo, ffi::Buffer<ffi::S8> allowed,
                     ffi::Buffer<ffi::F32> cosv, ffi::Buffer<ffi::F32> sinv, ffi::Buffer<ffi::S32> scan,
@@ -3027,17 +3360,31 @@ ffi::Error kvs_impl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kc, ffi::AnyBuffer v
   float* o = out->typed_data();
   float* ls = lse->typed_data();
   const bool simd = use_avx2();
-  // Chunks of slots: enough tasks to share between the cores, none shorter than kvs_min_chunk.
-  constexpr int64_t kMinChunk = 128;
-  const int64_t groups = p.B * p.KV, workers = std::max<int64_t>(1, SpinPool::get().workers() + 1);
-  int64_t chunks = std::max<int64_t>(1, std::min(cdiv(std::max<int64_t>(p.scan, 1), kMinChunk), cdiv(4 * workers, groups)));
-  const int64_t chunk = cdiv(std::max<int64_t>(p.scan, 1), chunks);
-  chunks = cdiv(std::max<int64_t>(p.scan, 1), chunk);
+  const int64_t groups = p.B * p.KV, reads = std::max<int64_t>(p.scan, 1);
+  const int64_t chunk = decode_chunk(groups, reads), chunks = cdiv(reads, chunk);
   const int64_t part_size = p.G * (p.D + 2);
   std::vector<float> parts(groups * chunks * part_size);
+#if LLMEQ_X86
+  const bool blocks = simd && use_avx512() && blocks_take(p.D);
+#else
+  const bool blocks = false;
+#endif
   auto body = [&](int64_t i) {
     const int64_t grp = i / chunks, c = i % chunks, t0 = c * chunk, t1 = std::min(p.scan, t0 + chunk);
-    kvs_task(p, grp / p.KV, grp % p.KV, t0, t1, simd, parts.data() + i * part_size);
+    const int64_t b = grp / p.KV, kvh = grp % p.KV;
+    float* part = parts.data() + i * part_size;
+#if LLMEQ_X86
+    if (blocks) {
+      switch (p.D / 16) {
+        case 2: kvs_task512<2>(p, b, kvh, t0, t1, part); break;
+        case 4: kvs_task512<4>(p, b, kvh, t0, t1, part); break;
+        case 6: kvs_task512<6>(p, b, kvh, t0, t1, part); break;
+        default: kvs_task512<8>(p, b, kvh, t0, t1, part); break;
+      }
+      return;
+    }
+#endif
+    kvs_task(p, b, kvh, t0, t1, simd, part);
   };
   const int64_t bytes = per_layer * p.row_bytes * 2;
   if (bytes < min_parallel_bytes()) {

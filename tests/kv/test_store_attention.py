@@ -128,34 +128,44 @@ def _native_store(bits, d, key_rows, rng, L=3, b=2, kv=2, t=300):
     return (*codes_, k_scale, k_lo, v_scale, v_lo)
 
 
+def _simd_path(path: str):
+    """The kernel's code path for a test: "blocks" (AVX-512, 16 slots a step, where the CPU has it), "avx2"
+    (the AVX2 loops) or "scalar" (the portable loops)."""
+    if path == "avx2":
+        return native.without_vnni()
+    return native.force_scalar(path == "scalar")
+
+
+# (d, hq): head dims of every block width (32 .. 128) and one the blocks do not take (12); query heads per
+# KV head 3, 5 and 7 (the value sums' register groups of 4 or 3 heads and their remainders).
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("d,rope,masked,key_rows", [(64, False, False, 1), (64, True, True, 1), (12, True, True, 2),
-                                                    (64, False, True, 2)])
-@pytest.mark.parametrize("scalar", [False, True])
-def test_native_store_attention_equals_the_reference(bits, d, rope, masked, key_rows, scalar):
+@pytest.mark.parametrize("d,hq,rope,masked,key_rows", [(64, 6, False, False, 1), (64, 6, True, True, 1),
+                                                       (12, 6, True, True, 2), (64, 6, False, True, 2),
+                                                       (128, 10, True, True, 1), (32, 14, False, True, 2),
+                                                       (96, 10, False, False, 1)])
+@pytest.mark.parametrize("path", ["blocks", "avx2", "scalar"])
+def test_native_store_attention_equals_the_reference(bits, d, hq, rope, masked, key_rows, path):
     """native.kv_store_attention (layer 1 of a stack read in place, slots up to ``scan``, float16 value
     grids, static or per-row key grids, pre-RoPE keys rotated by tables) equals the dequantize-rotate-
-    attend reference, out and log-sum-exp; a row that may read no slot gives lse -1e30 and zeros."""
+    attend reference, out and log-sum-exp, on each of its code paths; a row that may read no slot gives
+    lse -1e30 and zeros."""
     from pallas_kernels.kv_cache import store_decode_attention_reference
 
     rng = np.random.default_rng(bits * d + rope)
     kc, vc, ks, kl, vs, vl = _native_store(bits, d, key_rows, rng)
-    b, hq, t = 2, 6, kc.shape[3]
+    b, t = 2, kc.shape[3]
     q = jnp.asarray(rng.standard_normal((b, hq, d)), jnp.float32)
     allowed = jnp.asarray(rng.random((b, t)) < 0.7).at[1].set(False) if masked else None
     slot_pos = jnp.asarray(rng.integers(0, 1000, (b, t)), jnp.int32)
     inv_freq = jnp.asarray(1.0 / (10000 ** (np.arange(0, d, 2) / d)), jnp.float32)
     extra = dict(slot_pos=slot_pos, inv_freq=inv_freq) if rope else {}
-    scan = 250
+    scan = 250  # not a multiple of the 16-slot block; several tasks' chunks
     ref_out, ref_lse = store_decode_attention_reference(q, kc, vc, ks, kl, vs, vl, scan, bits=bits, allowed=allowed,
                                                         layer=1, **extra)
     tables = rope_tables(slot_pos, np.asarray(inv_freq)) if rope else None
     run = jax.jit(lambda *a: native.kv_store_attention(*a, bits=bits, layer=jnp.int32(1), allowed=allowed,
                                                        rope_tables=tables))
-    if scalar:
-        with native.force_scalar():
-            out, lse = run(q, kc, vc, ks, kl, vs, vl, scan)
-    else:
+    with _simd_path(path):
         out, lse = run(q, kc, vc, ks, kl, vs, vl, scan)
     seen = np.isfinite(np.asarray(ref_lse))
     assert seen.any()
