@@ -61,7 +61,7 @@ PANEL_COLS = 32
 # Query positions from which the attention kernel runs its blocked prefill path (kFlashMinT in
 # native/cpu_kernels.cc); between NATIVE_MAX_ROWS["attention"] and this, XLA's attention is used.
 PREFILL_ATTENTION_MIN_POSITIONS = 16
-_ABI_VERSION = 8
+_ABI_VERSION = 9
 _DISABLED = contextvars.ContextVar("llmeq_native_disabled", default=False)
 
 
@@ -645,7 +645,7 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, 
 
 
 def kv_store_attention(q, k_codes, v_codes, k_scale, k_lo, v_scale, v_lo, scan, *, bits: int, layer,
-                       allowed=None, rope_tables=None, sm_scale: float | None = None):
+                       allowed=None, rope_tables=None, extra=None, sm_scale: float | None = None):
     """One query per head over layer ``layer`` of a quantized KV store, read in place: ``(out [B, Hq, D]
     float32, lse [B, Hq])``, lse the log-sum-exp of the scaled scores (-1e30 where no slot is read).
 
@@ -653,7 +653,9 @@ def kv_store_attention(q, k_codes, v_codes, k_scale, k_lo, v_scale, v_lo, scan, 
     asymmetric grids, ``(code - qmin) * scale + lo`` (``kv.grid.dequantize_grid``): keys per channel,
     ``[1 or B, KV, D]``; values per token, ``[L, B, KV, T, 1]`` float16 or float32. Slots ``0 .. scan - 1``
     where ``allowed`` [B, T] is set (all of them without it). ``rope_tables``: ``(cos, sin)`` [B, T, D / 2]
-    of each slot's position for keys stored before RoPE (rotate-half). Forward only (decode).
+    of each slot's position for keys stored before RoPE (rotate-half). ``extra``: ``(k, v, seen)``, float32
+    keys and values ``[L, B, KV, N, D]`` (post-RoPE; layer ``layer`` is read) and ``seen`` [B, N]: a float
+    part (the cache's sinks) in the same softmax, so out and lse are over both. Forward only (decode).
     """
     _require(None, "kv_store_attention")
     b, hq, d = q.shape
@@ -666,12 +668,24 @@ def kv_store_attention(q, k_codes, v_codes, k_scale, k_lo, v_scale, v_lo, scan, 
     cos, sin = (dummy, dummy) if rope_tables is None else (a.astype(jnp.float32) for a in rope_tables)
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     out_types = (jax.ShapeDtypeStruct((b, hq, d), jnp.float32), jax.ShapeDtypeStruct((b, hq), jnp.float32))
+    if extra is None:
+        k_extra = v_extra = dummy
+        seen = jnp.zeros((1,), jnp.int8)
+    else:
+        k_extra, v_extra, seen = extra
+        if k_extra.ndim != 5 or k_extra.shape[:3] != (n_layers, b, kv) or k_extra.shape[4] != d \
+                or v_extra.shape != k_extra.shape or seen.shape != (b, k_extra.shape[3]):
+            raise ValueError(f"native.kv_store_attention: the float part must be [L, B, KV, N, D] = "
+                             f"[{n_layers}, {b}, {kv}, N, {d}] keys and values and [B, N] seen, got "
+                             f"{k_extra.shape} / {v_extra.shape} / {seen.shape}")
+        k_extra, v_extra, seen = k_extra.astype(jnp.float32), v_extra.astype(jnp.float32), seen.astype(jnp.int8)
     call = jax.ffi.ffi_call(_KV_STORE_TARGET, out_types, vmap_method="sequential")
     return call(
         q.astype(jnp.float32) * scale, k_codes, v_codes, k_scale, k_lo, v_scale, v_lo,
         jnp.zeros((1,), jnp.int8) if allowed is None else allowed.astype(jnp.int8), cos, sin,
-        jnp.asarray(scan, jnp.int32).reshape(()), jnp.asarray(layer, jnp.int32),
-        bits=np.int64(bits), masked=np.int64(allowed is not None), rope=np.int64(rope_tables is not None))
+        jnp.asarray(scan, jnp.int32).reshape(()), jnp.asarray(layer, jnp.int32), k_extra, v_extra, seen,
+        bits=np.int64(bits), masked=np.int64(allowed is not None), rope=np.int64(rope_tables is not None),
+        extra=np.int64(extra is not None))
 
 
 def _w8_int32_for_tests(xq2: jax.Array, q: jax.Array, group_size: int) -> jax.Array:

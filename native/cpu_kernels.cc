@@ -2948,6 +2948,9 @@ struct KVS {
   const int8_t* allowed;       // [B, T] or null
   const float *cosv, *sinv;    // [B, T, D / 2] or null
   int64_t scan;                // slots 0 .. scan - 1 may be read
+  const float *ke, *ve;        // this layer's float part (the cache's sinks) [B, KV, N, D], or null
+  const int8_t* extra_ok;      // [B, N]: which float entries the query sees
+  int64_t N;
 };
 
 inline float half_to_float(uint16_t h) {
@@ -3197,15 +3200,15 @@ void kvs_task(const KVS& p, int64_t b, int64_t kvh, int64_t t0, int64_t t1, bool
 }
 
 #if LLMEQ_X86
-// Codes of one stored row as floats minus qmin (kvs_codes), D = 16 * DC: int8 16 a step; int4 16 from
-// 8 bytes, both nibbles' sign bits flipped by one xor, then interleaved low nibble first.
+// Codes of one stored row as floats minus qmin (kvs_codes) in registers, D = 16 * DC: int8 16 a step; int4
+// 16 from 8 bytes, both nibbles' sign bits flipped by one xor, then interleaved low nibble first.
 template <int DC>
-AVX512BW inline void kvs_codes512(const int8_t* row, int bits, float* out) {
+AVX512BW inline void kvs_code_regs512(const int8_t* row, int bits, __m512* k) {
   if (bits == 8) {
     for (int c = 0; c < DC; ++c) {
       const __m128i x = _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * c)),
                                       _mm_set1_epi8(char(0x80)));
-      _mm512_storeu_ps(out + 16 * c, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(x)));
+      k[c] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(x));
     }
     return;
   }
@@ -3214,7 +3217,31 @@ AVX512BW inline void kvs_codes512(const int8_t* row, int bits, float* out) {
     const __m128i x = _mm_xor_si128(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * c)),
                                     _mm_set1_epi8(char(0x88)));
     const __m128i lo = _mm_and_si128(x, m15), hi = _mm_and_si128(_mm_srli_epi16(x, 4), m15);
-    _mm512_storeu_ps(out + 16 * c, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi))));
+    k[c] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)));
+  }
+}
+
+template <int DC>
+AVX512BW inline void kvs_codes512(const int8_t* row, int bits, float* out) {
+  __m512 k[DC];
+  kvs_code_regs512<DC>(row, bits, k);
+  for (int c = 0; c < DC; ++c) _mm512_storeu_ps(out + 16 * c, k[c]);
+}
+
+// A key stored before RoPE, dequantized ((code - qmin) * s + lo) and rotated (rotate-half by its slot's
+// cos/sin [D / 2]) in registers (D / 2 = 8 * DC is a multiple of 16 for every even DC).
+template <int DC>
+AVX512BW inline void kvs_rope_key512(const int8_t* row, int bits, const float* s, const float* lo, const float* cs,
+                                     const float* sn, float* out) {
+  static_assert(DC % 2 == 0, "rotate-half needs whole 16-lane halves");
+  constexpr int H = DC / 2;
+  __m512 k[DC];
+  kvs_code_regs512<DC>(row, bits, k);
+  for (int c = 0; c < DC; ++c) k[c] = _mm512_fmadd_ps(k[c], _mm512_loadu_ps(s + 16 * c), _mm512_loadu_ps(lo + 16 * c));
+  for (int c = 0; c < H; ++c) {
+    const __m512 cv = _mm512_loadu_ps(cs + 16 * c), sv = _mm512_loadu_ps(sn + 16 * c);
+    _mm512_storeu_ps(out + 16 * c, _mm512_fnmadd_ps(k[c + H], sv, _mm512_mul_ps(k[c], cv)));
+    _mm512_storeu_ps(out + 16 * (c + H), _mm512_fmadd_ps(k[c], sv, _mm512_mul_ps(k[c + H], cv)));
   }
 }
 
@@ -3238,8 +3265,8 @@ AVX512BW void kvs_task512(const KVS& p, int64_t b, int64_t kvh, int64_t t0, int6
   const int64_t G = p.G, n = std::max<int64_t>(t1 - t0, 0), padded = cdiv(n, kBlock) * kBlock;
   const float kNeg = -std::numeric_limits<float>::infinity();
   thread_local std::vector<float> buf;
-  buf.resize(kBlock * D + D + G * D + G * padded + 2 * G * kBlock + G);
-  float *tile = buf.data(), *tmp = tile + kBlock * D, *qf = tmp + D, *sc = qf + G * D, *w = sc + G * padded;
+  buf.resize(kBlock * D + G * D + G * padded + 2 * G * kBlock + G);
+  float *tile = buf.data(), *qf = tile + kBlock * D, *sc = qf + G * D, *w = sc + G * padded;
   float *vsum = w + G * kBlock, *q_lo = vsum + G * kBlock;
   const float* qb = p.q + (b * p.Hq + kvh * G) * D;
   const int64_t grid = ((p.k_rows == 1 ? 0 : b) * p.KV + kvh) * D, first = (b * p.KV + kvh) * p.T + t0;
@@ -3262,12 +3289,13 @@ AVX512BW void kvs_task512(const KVS& p, int64_t b, int64_t kvh, int64_t t0, int6
       continue;
     }
     for (int64_t r = 0; r < m; ++r) {
-      float* kf = tile + r * D;
-      kvs_codes512<DC>(p.kc + (first + j0 + r) * p.row_bytes, p.bits, kf);
-      if (fold) continue;
-      kvs_affine_avx2(kf, ks, klo, D);
+      const int8_t* row = p.kc + (first + j0 + r) * p.row_bytes;
+      if (fold) {
+        kvs_codes512<DC>(row, p.bits, tile + r * D);
+        continue;
+      }
       const int64_t at = (b * p.T + t0 + j0 + r) * half;
-      kvs_rope_avx2(kf, p.cosv + at, p.sinv + at, half, tmp);
+      kvs_rope_key512<DC>(row, p.bits, ks, klo, p.cosv + at, p.sinv + at, tile + r * D);
     }
     std::fill(tile + m * D, tile + kBlock * D, 0.f);
     block_scores512<DC>(tile, D, qf, G, 1.f, fold ? q_lo : nullptr, ok, _mm512_set1_ps(kNeg), sc + j0, padded);
@@ -3304,11 +3332,50 @@ AVX512BW void kvs_task512(const KVS& p, int64_t b, int64_t kvh, int64_t t0, int6
 }
 #endif
 
+// The float part (the cache's sinks: a few float keys and values of this layer, post-RoPE) as one more softmax
+// partial of (b, kvh), part laid out as kvs_task's: the kernel's result is then the attention over the store and
+// the sinks together, and the cache needs no merge of its own (XLA's was ~20 small ops per layer).
+void kvs_extra_part(const KVS& p, int64_t b, int64_t kvh, bool simd, float* part) {
+  const int64_t G = p.G, D = p.D, N = p.N;
+  const float kNeg = -std::numeric_limits<float>::infinity();
+  const float* kb = p.ke + (b * p.KV + kvh) * N * D;
+  const float* vb = p.ve + (b * p.KV + kvh) * N * D;
+  std::vector<float> sc(N);
+  for (int64_t g = 0; g < G; ++g) {
+    const float* qv = p.q + (b * p.Hq + kvh * G + g) * D;
+    float* acc = part + g * (D + 2);
+    std::fill(acc, acc + D, 0.f);
+    float m = kNeg, l = 0.f;
+    for (int64_t n = 0; n < N; ++n) {
+      float d = kNeg;
+      if (p.extra_ok[b * N + n]) {
+#if LLMEQ_X86
+        d = simd ? at_dot_avx2(qv, kb + n * D, D) : at_dot_scalar(qv, kb + n * D, D);
+#else
+        d = at_dot_scalar(qv, kb + n * D, D);
+#endif
+      }
+      sc[n] = d;
+      m = std::max(m, d);
+    }
+    if (m != kNeg)
+      for (int64_t n = 0; n < N; ++n) {
+        if (sc[n] == kNeg) continue;
+        const float e = std::exp(sc[n] - m);
+        l += e;
+        for (int64_t i = 0; i < D; ++i) acc[i] += e * vb[n * D + i];
+      }
+    acc[D] = m;
+    acc[D + 1] = l;
+  }
+}
+
 ffi::Error kvs_impl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kc, ffi::AnyBuffer vc, ffi::Buffer<ffi::F32> ks,
                     ffi::Buffer<ffi::F32> klo, ffi::AnyBuffer vs, ffi::AnyBuffer vlo, ffi::Buffer<ffi::S8> allowed,
                     ffi::Buffer<ffi::F32> cosv, ffi::Buffer<ffi::F32> sinv, ffi::Buffer<ffi::S32> scan,
-                    ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse,
-                    int64_t bits, int64_t masked, int64_t rope) {
+                    ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> ke, ffi::Buffer<ffi::F32> ve,
+                    ffi::Buffer<ffi::S8> extra_ok, ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse,
+                    int64_t bits, int64_t masked, int64_t rope, int64_t extra) {
   const char* name = "llmeq_kv_store_attention: ";
   auto qd = q.dimensions(), kd = kc.dimensions(), vd = vc.dimensions(), sd = ks.dimensions();
   if (qd.size() != 3 || kd.size() != 5 || vd.size() != 5 || sd.size() != 3 || klo.element_count() != ks.element_count())
@@ -3342,6 +3409,18 @@ ffi::Error kvs_impl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kc, ffi::AnyBuffer v
     return ffi::Error::InvalidArgument(std::string(name) + "RoPE tables must be [B, T, D / 2]");
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= kd[0]) return ffi::Error::InvalidArgument(std::string(name) + "layer out of range");
+  if (extra) {
+    auto ed = ke.dimensions();
+    if (ed.size() != 5 || ed[0] != kd[0] || ed[1] != p.B || ed[2] != p.KV || ed[4] != p.D ||
+        ve.element_count() != ke.element_count() || int64_t(extra_ok.element_count()) != p.B * ed[3])
+      return ffi::Error::InvalidArgument(std::string(name) + "the float part must be [L, B, KV, N, D] keys and values "
+                                         "matching the codes, and its mask [B, N]");
+    p.N = ed[3];
+    const int64_t per = p.B * p.KV * p.N * p.D;
+    p.ke = ke.typed_data() + l * per;
+    p.ve = ve.typed_data() + l * per;
+    p.extra_ok = extra_ok.typed_data();
+  }
   const int64_t per_layer = p.B * p.KV * p.T;
   p.G = p.Hq / p.KV;
   p.q = q.typed_data();
@@ -3362,8 +3441,9 @@ ffi::Error kvs_impl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kc, ffi::AnyBuffer v
   const bool simd = use_avx2();
   const int64_t groups = p.B * p.KV, reads = std::max<int64_t>(p.scan, 1);
   const int64_t chunk = decode_chunk(groups, reads), chunks = cdiv(reads, chunk);
-  const int64_t part_size = p.G * (p.D + 2);
-  std::vector<float> parts(groups * chunks * part_size);
+  // Per group: its chunks' partials, then the float part's (the sinks; an empty partial without them).
+  const int64_t part_size = p.G * (p.D + 2), per_group = chunks + 1;
+  std::vector<float> parts(groups * per_group * part_size);
 #if LLMEQ_X86
   const bool blocks = simd && use_avx512() && blocks_take(p.D);
 #else
@@ -3372,7 +3452,7 @@ ffi::Error kvs_impl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kc, ffi::AnyBuffer v
   auto body = [&](int64_t i) {
     const int64_t grp = i / chunks, c = i % chunks, t0 = c * chunk, t1 = std::min(p.scan, t0 + chunk);
     const int64_t b = grp / p.KV, kvh = grp % p.KV;
-    float* part = parts.data() + i * part_size;
+    float* part = parts.data() + (grp * per_group + c) * part_size;
 #if LLMEQ_X86
     if (blocks) {
       switch (p.D / 16) {
@@ -3395,9 +3475,15 @@ ffi::Error kvs_impl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kc, ffi::AnyBuffer v
   const float kNeg = -std::numeric_limits<float>::infinity();
   for (int64_t grp = 0; grp < groups; ++grp) {
     const int64_t b = grp / p.KV, kvh = grp % p.KV;
+    float* extra_part = parts.data() + (grp * per_group + chunks) * part_size;
+    if (p.ke) {
+      kvs_extra_part(p, b, kvh, simd, extra_part);
+    } else {
+      for (int64_t g = 0; g < p.G; ++g) extra_part[g * (p.D + 2) + p.D] = kNeg;
+    }
     for (int64_t g = 0; g < p.G; ++g) {
       float m = kNeg;
-      for (int64_t c = 0; c < chunks; ++c) m = std::max(m, parts[(grp * chunks + c) * part_size + g * (p.D + 2) + p.D]);
+      for (int64_t c = 0; c < per_group; ++c) m = std::max(m, parts[(grp * per_group + c) * part_size + g * (p.D + 2) + p.D]);
       const int64_t h = kvh * p.G + g;
       float* dst = o + (b * p.Hq + h) * p.D;
       std::fill(dst, dst + p.D, 0.f);
@@ -3406,8 +3492,8 @@ ffi::Error kvs_impl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kc, ffi::AnyBuffer v
         continue;
       }
       float l = 0.f;
-      for (int64_t c = 0; c < chunks; ++c) {
-        const float* part = parts.data() + (grp * chunks + c) * part_size + g * (p.D + 2);
+      for (int64_t c = 0; c < per_group; ++c) {
+        const float* part = parts.data() + (grp * per_group + c) * part_size + g * (p.D + 2);
         if (part[p.D] == kNeg) continue;
         const float w = std::exp(part[p.D] - m);
         l += w * part[p.D + 1];
@@ -3512,11 +3598,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(llmeq_kv_store_attention, kvs_impl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("bits")
                                   .Attr<int64_t>("masked")
-                                  .Attr<int64_t>("rope"));
+                                  .Attr<int64_t>("rope")
+                                  .Attr<int64_t>("extra"));
 
 // Plain C helpers for Python (ctypes): what the library was built for and what this CPU runs.
 extern "C" {
@@ -3525,5 +3615,5 @@ __attribute__((visibility("default"))) void llmeq_native_force_scalar(int on) { 
 __attribute__((visibility("default"))) int llmeq_native_vnni() { return use_vnni() ? 1 : 0; }
 __attribute__((visibility("default"))) int llmeq_native_avx512() { return use_avx512() ? 1 : 0; }
 __attribute__((visibility("default"))) void llmeq_native_allow_vnni(int on) { g_allow_vnni.store(on ? 1 : 0); }
-__attribute__((visibility("default"))) int llmeq_native_abi_version() { return 8; }
+__attribute__((visibility("default"))) int llmeq_native_abi_version() { return 9; }
 }

@@ -12,7 +12,7 @@ def _slot_leaves(cache) -> tuple[list, list]:
     """(leaves with a per-slot axis, the rest) of a cache."""
     if isinstance(cache, KVCache):
         return [cache.k, cache.v, cache.valid], [cache.length, cache.positions]
-    per_slot = jax.tree.leaves((cache.k, cache.v, cache.valid, cache.slot_pos))
+    per_slot = jax.tree.leaves((cache.k, cache.v, cache.valid, cache.slot_pos, cache.rope_cos, cache.rope_sin))
     fixed = jax.tree.leaves((cache.k_scale, cache.k_lo, cache.k_hi, cache.k_win, cache.v_win, cache.k_sink,
                              cache.v_sink, cache.sink_slot, cache.inv_freq, cache.length, cache.positions))
     return per_slot, fixed

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from llmeq_jax import native
 from llmeq_jax.kv import cache as kvcache
 from llmeq_jax.kv import grid as kvgrid
 from llmeq_jax.kv import memory as kvmemory
@@ -289,9 +290,14 @@ def test_bytes_per_token_from_packed_arrays(stories, bits):
     mem = kvmemory.memory(init_cache(config, 2, 24, kv=kv))
     heads = config.num_layers * config.num_kv_heads
     # keys: bits/8 bytes per element; values: the same + float16 scale and min per token and head;
-    # bookkeeping: the valid flag (1 byte) and the slot's position id (int32, for pre-RoPE keys).
-    expected = heads * (2 * config.head_dim * bits // 8 + 2 * 2) + 1 + 4
+    # bookkeeping: the valid flag (1 byte) and the slot's position id (int32, for pre-RoPE keys), and
+    # where the native CPU kernel reads the store (int8/int4 here), the slot's cos/sin (float32, D / 2 each).
+    tables = 4 * config.head_dim if kvcache.native_reads_store(kv.spec, config.head_dim) else 0
+    assert (tables > 0) == (bits != 2)
+    expected = heads * (2 * config.head_dim * bits // 8 + 2 * 2) + 1 + 4 + tables
     assert mem["bytes_per_token"] == expected
+    with native.disabled():  # no native kernel: no tables
+        assert kvmemory.memory(init_cache(config, 2, 24, kv=kv))["bytes_per_token"] == expected - tables
     float_mem = kvmemory.memory(init_cache(config, 2, 24))
     assert float_mem["bytes_per_token"] == heads * 2 * config.head_dim * 4 + 1
     assert kvmemory.longest_context(mem["bytes_per_token"], mem["fixed_bytes"], 2**20) > 2**20 // float_mem[

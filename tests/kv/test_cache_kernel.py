@@ -64,6 +64,7 @@ CASES = {
     "int8-postRoPE-w3-sinks2": (LLAMA, kvspec.KVSpec(bits=8, pre_rope=False, window=3, sink_tokens=2)),
     "int4-online-w4-sinks4": (LLAMA, kvspec.KVSpec(bits=4, key_range="online", prompt_tokens=6, window=4)),
     "int8-preRoPE-sliding5": (MISTRAL, kvspec.KVSpec(bits=8, window=2)),
+    "int8-preRoPE-sinks4": (LLAMA, kvspec.KVSpec(bits=8)),  # the default: no window, 4 float sinks
 }
 
 
@@ -121,6 +122,8 @@ def test_decode_through_the_native_kernel_equals_xla(case):
     step = lambda p, t, m, c: forward_step(config, p, t, m, c)  # noqa: E731
     hlo = jax.jit(step).lower(params, tokens[:, :1], jnp.ones((2, 1), jnp.int32), cache).as_text()
     assert hlo.count("llmeq_kv_store_attention") >= config.num_layers
+    if spec.sink_tokens and not spec.window:  # the kernel read the sinks too: no merge of two softmaxes after it
+        assert "log_plus_one" not in hlo
     tol = _assert_same_decode(config, params, tokens, (ours, our_cache), (xla, xla_cache))
     if case == "int4-preRoPE-static":  # the scan over stacked blocks: the layer index traced
         from llmeq_jax.models import stacked

@@ -177,6 +177,39 @@ def test_native_store_attention_equals_the_reference(bits, d, hq, rope, masked, 
         np.testing.assert_array_equal(np.asarray(out)[1], 0.0)
 
 
+@pytest.mark.parametrize("path", ["blocks", "scalar"])
+def test_native_store_attention_reads_a_float_part_in_the_same_softmax(path):
+    """``extra`` (the cache's float sinks [L, B, KV, N, D] and which of them each row sees): out and lse are
+    the attention over the store and those entries together, as merging the two parts' own softmaxes gives;
+    a row that sees no store slot still attends to its sinks."""
+    from llmeq_jax.kv.attention import merge_attention
+    from pallas_kernels.kv_cache import store_decode_attention_reference
+
+    rng = np.random.default_rng(3)
+    kc, vc, ks, kl, vs, vl = _native_store(8, 64, 1, rng)
+    b, hq, kv, n, layers = 2, 6, 2, 4, kc.shape[0]
+    q = jnp.asarray(rng.standard_normal((b, hq, 64)), jnp.float32)
+    allowed = jnp.asarray(rng.random((b, kc.shape[3])) < 0.7).at[1].set(False)
+    k_sink, v_sink = (jnp.asarray(rng.standard_normal((layers, b, kv, n, 64)), jnp.float32) for _ in range(2))
+    seen = jnp.asarray([[True, False, True, True], [True, True, False, True]])
+    with _simd_path(path):
+        out, lse = native.kv_store_attention(q, kc, vc, ks, kl, vs, vl, 250, bits=8, layer=jnp.int32(1),
+                                             allowed=allowed, extra=(k_sink, v_sink, seen))
+    store = store_decode_attention_reference(q, kc, vc, ks, kl, vs, vl, 250, bits=8, allowed=allowed, layer=1)
+    qg = q.reshape(b, kv, hq // kv, 64) / 8.0  # 1 / sqrt(D)
+    scores = jnp.where(seen[:, None, None, :], jnp.einsum("bkgd,bknd->bkgn", qg, k_sink[1]), -jnp.inf)
+    sink_out = jnp.einsum("bkgn,bknd->bkgd", jax.nn.softmax(scores, -1), v_sink[1]).reshape(b, hq, 64)
+    sink_lse = jax.nn.logsumexp(scores, -1).reshape(b, hq)
+    store = (jnp.nan_to_num(store[0]), jnp.where(jnp.isfinite(store[1]), store[1], -1e30))  # row 1 reads no slot
+    want, want_lse = merge_attention(store, (sink_out, sink_lse))
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-6, atol=1e-4)
+    np.testing.assert_allclose(out[1], sink_out[1], rtol=1e-5, atol=1e-5)  # row 1: its sinks alone
+    assert float(jnp.max(jnp.abs(out[0] - store[0][0]))) > 1e-2  # the sinks weigh in row 0 too
+    with pytest.raises(ValueError, match="the float part must be"):
+        native.kv_store_attention(q, kc, vc, ks, kl, vs, vl, 250, bits=8, layer=1, extra=(k_sink[1], v_sink[1], seen))
+
+
 def test_native_store_attention_rejects_bad_shapes():
     rng = np.random.default_rng(0)
     kc, vc, ks, kl, vs, vl = _native_store(8, 16, 1, rng, t=8)
