@@ -2759,6 +2759,21 @@ AVX512 inline float row_max512(const float* sc, int64_t n) {
   for (int64_t j = 0; j < n; j += kBlock) m = _mm512_max_ps(m, _mm512_loadu_ps(sc + j));
   return _mm512_reduce_max_ps(m);
 }
+
+// Each head's scores sc [G, padded] (n real slots) -> exp(score - max), and its partial in part [G, D + 2]:
+// a zeroed accumulator, the max and the sum of exp (a head with no slot read: max -inf, sum 0, weights 0).
+AVX512 void block_softmax512(float* sc, int64_t padded, int64_t n, int64_t G, int64_t D, float* part) {
+  const float kNeg = -std::numeric_limits<float>::infinity();
+  for (int64_t g = 0; g < G; ++g) {
+    float* acc = part + g * (D + 2);
+    float* row = sc + g * padded;
+    std::fill(acc, acc + D, 0.f);
+    const float mx = n ? row_max512(row, padded) : kNeg;
+    acc[D] = mx;
+    acc[D + 1] = mx == kNeg ? 0.f : exp_row512(row, padded, mx);
+    if (mx == kNeg) std::fill(row, row + padded, 0.f);
+  }
+}
 #endif
 
 // Head dims the blocks take (D = 16 * DC).
@@ -2798,14 +2813,7 @@ AVX512BW void at_task512(const AT& p, int64_t b, int64_t kvh, int64_t s0, int64_
       for (int64_t g = 0; g < G; ++g)  // slots past the chunk weigh nothing
         std::fill(sc + g * padded + j0 + m, sc + g * padded + j0 + kBlock, kNeg);
     }
-    for (int64_t g = 0; g < G; ++g) {
-      float* acc = pt + g * (D + 2);
-      std::fill(acc, acc + D, 0.f);
-      const float mx = n ? row_max512(sc + g * padded, padded) : kNeg;
-      acc[D] = mx;
-      acc[D + 1] = mx == kNeg ? 0.f : exp_row512(sc + g * padded, padded, mx);
-      if (mx == kNeg) std::fill(sc + g * padded, sc + (g + 1) * padded, 0.f);
-    }
+    block_softmax512(sc, padded, n, G, D, pt);
     for (int64_t j0 = 0; j0 < n; j0 += kBlock)
       block_values_heads512<DC>(rows_at(vb, j0), D, sc + j0, padded, G, pt, D + 2);
   }
@@ -3300,15 +3308,8 @@ AVX512BW void kvs_task512(const KVS& p, int64_t b, int64_t kvh, int64_t t0, int6
     std::fill(tile + m * D, tile + kBlock * D, 0.f);
     block_scores512<DC>(tile, D, qf, G, 1.f, fold ? q_lo : nullptr, ok, _mm512_set1_ps(kNeg), sc + j0, padded);
   }
-  for (int64_t g = 0; g < G; ++g) {
-    float* acc = part + g * (D + 2);
-    std::fill(acc, acc + D, 0.f);
-    const float mx = n ? row_max512(sc + g * padded, padded) : kNeg;
-    acc[D] = mx;
-    acc[D + 1] = mx == kNeg ? 0.f : exp_row512(sc + g * padded, padded, mx);
-    if (mx == kNeg) std::fill(sc + g * padded, sc + (g + 1) * padded, 0.f);
-    _mm512_storeu_ps(vsum + g * kBlock, _mm512_setzero_ps());
-  }
+  block_softmax512(sc, padded, n, G, D, part);
+  std::fill(vsum, vsum + G * kBlock, 0.f);
   for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
     const int64_t m = std::min<int64_t>(kBlock, n - j0);
     __mmask16 any = 0;
