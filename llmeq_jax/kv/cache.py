@@ -173,8 +173,9 @@ class QuantKVCache:
     * ``inv_freq``: RoPE inverse frequencies ``[D / 2]`` (None for models without RoPE).
     * ``valid``, ``length``, ``positions``: as in :class:`KVCache`.
     * ``rope_cos``, ``rope_sin``: ``[B, S, D / 2]`` cos/sin of each slot's position times ``inv_freq``, kept
-      where the native CPU kernel reads pre-RoPE keys (else None): written with the slot, instead of
-      computing the whole table again on every step (~0.7 ms of a SmolLM2 step at 1K cached tokens).
+      where the native CPU kernel reads pre-RoPE keys and they add at most :data:`TABLE_SHARE_MAX` to the
+      codes' bytes (else None): written with the slot, instead of computing the whole table again on every
+      step (~0.7 ms of a SmolLM2 step at 1K cached tokens).
 
     Each token is quantized once, when it is written (per-token ranges from the token
     itself, per-channel ranges calibrated): so its codes do not depend on how the
@@ -258,7 +259,7 @@ def init_quantized(
             k_lo = jnp.broadcast_to(kv.key_ranges.lo[:, None], rows).astype(jnp.float32)
             k_hi = jnp.broadcast_to(kv.key_ranges.hi[:, None], rows).astype(jnp.float32)
         k_scale = jnp.ones(rows, jnp.float32)
-    keep_tables = pre_rope and native_reads_store(spec, head_dim)
+    keep_tables = pre_rope and native_reads_store(spec, head_dim) and tables_are_cheap(num_layers, kv_heads, spec.bits)
     table = (batch, max_len, head_dim // 2)
     win = (num_layers, batch, kv_heads, spec.window, head_dim)
     n_sink = min(spec.sink_tokens, max_len)  # a shorter context is all sinks
@@ -453,6 +454,17 @@ def kernel_reads_store(spec: kvspec.KVSpec, head_dim: int, dtype) -> tuple[bool,
     if spec.n_outliers(head_dim):
         return False, "sparse outliers (the kernel reads dense codes only)"
     return kv_kernels.can_use(head_dim, spec.bits, dtype, rope=spec.pre_rope)
+
+
+# The most the kept cos/sin tables may add to a store's bytes per token (codes alone): they buy ~6 % of a
+# SmolLM2 decode step at 1K slots (+2 % bytes at int8, +4 % at int4); a cache is made for its bytes.
+TABLE_SHARE_MAX = 0.05
+
+
+def tables_are_cheap(num_layers: int, kv_heads: int, bits: int) -> bool:
+    """Whether a pre-RoPE store keeps its slots' cos/sin: 4 x D bytes per token (float32, D / 2 each) against
+    the codes' 2 x layers x heads x D x bits / 8, at most :data:`TABLE_SHARE_MAX` of them."""
+    return 16 <= TABLE_SHARE_MAX * num_layers * kv_heads * bits
 
 
 def native_reads_store(spec: kvspec.KVSpec, head_dim: int) -> bool:

@@ -273,6 +273,24 @@ def test_per_channel_keys_beat_per_token_keys_on_real_attention(stories):
     assert err_ch < 0.8 * err_tok, (err_ch, err_tok)
 
 
+@pytest.mark.parametrize("layers, heads, bits, kept", [(30, 3, 8, True), (30, 3, 4, True), (10, 3, 4, False),
+                                                       (5, 4, 8, False)])
+def test_cos_sin_tables_are_kept_where_they_are_cheap(layers, heads, bits, kept):
+    # Where the native kernel reads a pre-RoPE store, each slot's cos/sin (4 x D bytes per token) is kept
+    # when that adds at most 5 % to the codes' bytes: SmolLM2's 30 layers of 3 heads at int8/int4, not 10
+    # layers at int4 (+13 %) or 5 layers of 4 heads at int8 (+10 %).
+    d = 64
+    ranges = kvspec.KeyRanges(-jnp.ones((layers, heads, d)), jnp.ones((layers, heads, d)))
+    kv = kvspec.KVQuantizer(ranges, kvspec.KVSpec(bits=bits, pre_rope=True))
+    make = lambda: kvcache.init_quantized(layers, 2, heads, 16, d, kv, inv_freq=rope_inv_freq(d, 1e4, None))
+    cache = make()
+    assert (cache.rope_cos is not None) == kept and (cache.rope_sin is not None) == kept
+    with native.disabled():  # no native kernel: no tables
+        assert make().rope_cos is None
+        without = kvmemory.memory(make())["bytes_per_token"]
+    assert kvmemory.memory(cache)["bytes_per_token"] - without == (4 * d if kept else 0)
+
+
 def test_manual_keys_match_the_cache(stories):
     config, params, _, _, evals = stories
     tokens = jnp.asarray(evals[:1, :16])
@@ -290,14 +308,9 @@ def test_bytes_per_token_from_packed_arrays(stories, bits):
     mem = kvmemory.memory(init_cache(config, 2, 24, kv=kv))
     heads = config.num_layers * config.num_kv_heads
     # keys: bits/8 bytes per element; values: the same + float16 scale and min per token and head;
-    # bookkeeping: the valid flag (1 byte) and the slot's position id (int32, for pre-RoPE keys), and
-    # where the native CPU kernel reads the store (int8/int4 here), the slot's cos/sin (float32, D / 2 each).
-    tables = 4 * config.head_dim if kvcache.native_reads_store(kv.spec, config.head_dim) else 0
-    assert (tables > 0) == (bits != 2)
-    expected = heads * (2 * config.head_dim * bits // 8 + 2 * 2) + 1 + 4 + tables
-    assert mem["bytes_per_token"] == expected
-    with native.disabled():  # no native kernel: no tables
-        assert kvmemory.memory(init_cache(config, 2, 24, kv=kv))["bytes_per_token"] == expected - tables
+    # bookkeeping: the valid flag (1 byte) and the slot's position id (int32, for pre-RoPE keys). No cos/sin
+    # tables: for 5 layers of 4 heads they would add 10 % or more to the codes.
+    assert mem["bytes_per_token"] == heads * (2 * config.head_dim * bits // 8 + 2 * 2) + 1 + 4
     float_mem = kvmemory.memory(init_cache(config, 2, 24))
     assert float_mem["bytes_per_token"] == heads * 2 * config.head_dim * 4 + 1
     assert kvmemory.longest_context(mem["bytes_per_token"], mem["fixed_bytes"], 2**20) > 2**20 // float_mem[

@@ -103,11 +103,16 @@ def _assert_same_decode(config, params, tokens, ours, xla):
     return tol
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_decode_through_the_native_kernel_equals_xla(case):
+@pytest.mark.parametrize("case, tables", [(c, "computed") for c in sorted(CASES)] +
+                         [(c, "kept") for c in sorted(CASES) if CASES[c][1].pre_rope])
+def test_decode_through_the_native_kernel_equals_xla(case, tables, monkeypatch):
     """On a CPU the native kernel (native.kv_store_attention) reads the store in place -- int8/int4,
     pre- and post-RoPE keys, static and online grids, windows, sinks, a sliding window, left padding --
-    and the logits equal XLA's dequantize-then-attend path's."""
+    and the logits equal XLA's dequantize-then-attend path's. Pre-RoPE keys rotate with cos/sin computed
+    every step, or with the tables kept with the slots (models where they are cheap: forced here, this
+    2-layer model's would add 50-100 % to its codes)."""
+    if tables == "kept":
+        monkeypatch.setattr(kvcache, "TABLE_SHARE_MAX", 1.0)
     config, spec = CASES[case]
     params = _same_codes_model(config)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (2, 14)))
@@ -118,6 +123,7 @@ def test_decode_through_the_native_kernel_equals_xla(case):
         xla, _, xla_cache = _decode(config, params, kv, tokens)
         assert kvcache.store_path(spec, config.head_dim, jnp.float32, 4, 14) != "native"
     ours, _, our_cache = _decode(config, params, kv, tokens)
+    assert (our_cache.rope_cos is not None) == (tables == "kept")
     cache = init_cache(config, 2, 14, kv=kv)
     step = lambda p, t, m, c: forward_step(config, p, t, m, c)  # noqa: E731
     hlo = jax.jit(step).lower(params, tokens[:, :1], jnp.ones((2, 1), jnp.int32), cache).as_text()
