@@ -23,6 +23,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import offsets
+
 TINY = float(jnp.finfo(jnp.float32).tiny)
 # tl.dot needs every operand dim >= 16 on NVIDIA tensor cores.
 MIN_DOT = 16
@@ -268,6 +270,7 @@ def launch_matmul(kernel, args: list, *, m: int, n: int, k: int, blocks, bias, k
     body = functools.partial(kernel, m=m, n=n, k=k, blocks=blocks, has_bias=fused_bias, split_blocks=split_blocks,
                              split=splits > 1, stacked=layer is not None, **static)
     out_shape = (splits, m, n) if splits > 1 else (m, n)
+    offsets.check(args, name)
     y = pl.pallas_call(
         body,
         out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32 if splits > 1 else out_dtype),

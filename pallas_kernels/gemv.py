@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import offsets
 from pallas_kernels.blocks import Blocks
 from pallas_kernels.common import cdiv, compiler_params, load_tile, span, weight_operands
 
@@ -184,6 +185,7 @@ def weight_only_gemv(x, wq, w_scale, *, bits, w_zero_point=None, bias=None, grou
     body = functools.partial(_kernel, m=m, n=n, k=k, bits=bits, bn=bn, bk=bk, group=group,
                              has_zp=w_zero_point is not None, stacked=layer is not None, steps=steps, words=words,
                              fold=fold)
+    offsets.check(args, f"weight_only_int{bits}_gemv")
     y = pl.pallas_call(
         body,
         out_shape=jax.ShapeDtypeStruct((m, npad), jnp.float32),

@@ -40,7 +40,7 @@ from jax.experimental import pallas as pl
 from llmeq_jax.core.qarray import int_range, unpack
 from llmeq_jax.core.rope import apply_rope
 from llmeq_jax.kv.grid import dequantize_grid
-from pallas_kernels import config, kv_words
+from pallas_kernels import config, kv_words, offsets
 from pallas_kernels.common import (
     FLOAT_DTYPES,
     MIN_DOT,
@@ -431,6 +431,7 @@ def _decode(q, k_codes, v_codes, k_scale, k_off, v_scale, extra, length, lay: _L
     k_scale, k_off = _batched(k_scale, bsz), _batched(k_off, bsz)
     if lay.words:  # the codes as int32 words: a bitcast
         k_codes, v_codes = kv_words.as_words(k_codes, lay.bits), kv_words.as_words(v_codes, lay.bits)
+    offsets.check((k_codes, v_codes), "decode_attention")
     acc, m, l = pl.pallas_call(
         kernel,
         out_shape=(part, stat, stat),

@@ -315,6 +315,29 @@ def _stacked_layer():
             float(np.max([err4 / tol4, err8 / tol8])), 1.0, None)
 
 
+@case
+def _stack_past_2gib():
+    """The last layer of an int8 K-major stack of 2.9 GB, Llama-2-7B's fused gate/up ([32, 22016, 4096]):
+    its bytes lie past 2**31, where 32-bit offsets wrap (pallas_kernels.offsets; an illegal address on an
+    H200 before). Both int8 decode kernels and W8A8, against XLA on that layer's own array."""
+    layers, n, k = 32, 22016, 4096
+    w = jax.random.randint(jax.random.key(30), (layers, n, k), -127, 128, dtype=jnp.int8)
+    s = jax.random.uniform(jax.random.key(31), (layers, 1, n), minval=1e-3, maxval=1e-2)
+    x = jax.random.normal(jax.random.key(32), (1, k)).astype(BF16)
+    last = jnp.int32(layers - 1)
+    r = reference(lambda x, w, s: jnp.dot(x.astype(F32), w.astype(F32).T) * s, x, w[-1], s[-1])
+    worst = 0.0
+    for dequant in (None, "f16"):
+        y = jax.jit(lambda x, w, s, l, d=dequant: weight_only_matmul(
+            x, w, s, bits=8, layer=l, w_layout="nk", dequant=d, interpret=INTERPRET))(x, w, s, last)
+        worst = max(worst, np.divide(*compare(y, r, REL[BF16])))
+    y8 = jax.jit(lambda x, w, s, l: w8a8_matmul(x, w, s, layer=l, w_layout="nk", interpret=INTERPRET))(x, w, s, last)
+    r8 = jax.jit(lambda x, w, s: w8a8_matmul(x, w, s, w_layout="nk", interpret=INTERPRET))(x, w[-1], s[-1])
+    worst = max(worst, np.divide(*compare(y8, r8, 1e-6)))
+    del w
+    return "layer 31 of an int8 [32, 22016, 4096] stack (w8 K-major, int8_f16, W8A8), error / tolerance", worst, 1.0, None
+
+
 # --------------------------------------------------------------------------- KV cache
 
 STORE_CASES = [  # (B, H_kv, G, T, D, bits, pre-RoPE keys, dtype) of kv.cache.QuantKVCache's store
