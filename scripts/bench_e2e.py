@@ -43,6 +43,7 @@ import json
 import os
 import platform
 import resource
+import re
 import statistics
 import subprocess
 import sys
@@ -376,6 +377,19 @@ def report_of(args, rows: dict[str, dict]) -> dict:
             "rows": rows}
 
 
+# A runtime's log lines (glog: severity letter, MMDD, time, thread, file:line]) and the source traces XLA
+# appends to them: after a GPU fault, hundreds of them followed the Python traceback and hid it.
+_LOG_LINE = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ [\w.]+:\d+\]")
+_TRACE_LINE = re.compile(r"^(=== Source Location Trace: ===|\S+\.(cc|h):\d+)\s*$")
+
+
+def failure_of(stderr: str) -> str:
+    """A failed variant's stderr without runtime log lines: the traceback, its exception last."""
+    kept = [line for line in stderr.splitlines()
+            if line.strip() and not _LOG_LINE.match(line) and not _TRACE_LINE.match(line.strip())]
+    return "\n".join(kept) or stderr.strip()
+
+
 def run_all(args) -> None:
     rows: dict[str, dict] = {}
     out = Path(args.out)
@@ -386,9 +400,9 @@ def run_all(args) -> None:
             print(f"[bench_e2e] {v} ...", file=sys.stderr, flush=True)
             proc = subprocess.run(child_command(args, v, result), capture_output=True, text=True)
             if proc.returncode != 0:
-                last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-                rows[v] = {"error": last}
-                print(f"[bench_e2e] {v} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
+                message = failure_of(proc.stderr)
+                rows[v] = {"error": (message.splitlines() or ["no output"])[-1]}
+                print(f"[bench_e2e] {v} failed:\n{message[-3000:]}", file=sys.stderr)
             else:
                 rows[v] = json.loads(result.read_text())
             # After every variant: a run stopped by a time limit keeps the rows it finished.

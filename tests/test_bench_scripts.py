@@ -91,6 +91,22 @@ def test_bench_e2e_runs_the_other_frameworks_right_after_the_baseline(monkeypatc
     assert bench.variants_of(args) == ["fp32", "fp32+scan", "transformers-bf16-static", "rtn-w8", "rtn-w8+scan"]
 
 
+def test_bench_e2e_reports_a_failed_variants_traceback_without_the_runtimes_log():
+    """After a GPU fault the child's stderr ended in hundreds of XLA log lines (an H200 run): the row's error and
+    the printed message are the Python traceback's, its exception last."""
+    bench = _script("bench_e2e")
+    noise = ("E1128 20:33:10.291921    7022 cuda_event.cc:50] CUDA error: Error destroying CUDA event\n"
+             "E1128 20:33:10.293399    7022 cuda_host_allocator.cc:107] [0] Failed to free host memory\n"
+             "=== Source Location Trace: === \nexternal/xla+/xla/stream_executor/cuda/cuda_status.cc:50\n\n")
+    stderr = ("Traceback (most recent call last):\n  File \"bench_e2e.py\", line 9, in decode\n"
+              "jax.errors.JaxRuntimeError: INTERNAL: CUDA_ERROR_ILLEGAL_ADDRESS\n" + noise * 50)
+    message = bench.failure_of(stderr)
+    assert message.splitlines()[0] == "Traceback (most recent call last):"
+    assert message.splitlines()[-1] == "jax.errors.JaxRuntimeError: INTERNAL: CUDA_ERROR_ILLEGAL_ADDRESS"
+    assert "cuda_event" not in message and "cuda_status.cc" not in message
+    assert bench.failure_of(noise) == noise.strip()  # nothing else: the log as it was
+
+
 def test_bench_kernels_gpu_steps_run_through_in_interpret_mode(capsys, monkeypatch):
     """The kinds and sweeps scripts/gpu_session.sh's words and sweep steps time, run end to end on a tiny weight in
     interpret mode: a GPU's minutes are not spent finding a broken kind. (The times mean nothing here.)"""
