@@ -2820,30 +2820,37 @@ AVX512BW void at_task512(const AT& p, int64_t b, int64_t kvh, int64_t s0, int64_
 }
 #endif
 
-// out[b, t, h] from the chunks' parts [B * KV * chunks][T, G, D + 2]: sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c.
+// One output row from its chunks' partial softmaxes, chunk c's at parts + c * stride: [acc (D), max m_c, sum l_c].
+// dst = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c with M the largest m_c; returns the row's log-sum-exp
+// M + log(l), or -inf (dst zero) where no chunk saw a slot.
+float merge_parts(const float* parts, int64_t stride, int64_t chunks, int64_t D, float* dst) {
+  const float kNeg = -std::numeric_limits<float>::infinity();
+  float m = kNeg;
+  for (int64_t c = 0; c < chunks; ++c) m = std::max(m, parts[c * stride + D]);
+  std::fill(dst, dst + D, 0.f);
+  if (m == kNeg) return kNeg;
+  float l = 0.f;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const float* part = parts + c * stride;
+    if (part[D] == kNeg) continue;
+    const float w = std::exp(part[D] - m);
+    l += w * part[D + 1];
+    for (int64_t i = 0; i < D; ++i) dst[i] += w * part[i];
+  }
+  const float inv = 1.f / l;  // the chunk holding the max weighs 1 and its sum is >= 1
+  for (int64_t i = 0; i < D; ++i) dst[i] *= inv;
+  return m + std::log(l);
+}
+
+// out[b, t, h] from the chunks' parts [B * KV * chunks][T, G, D + 2] (merge_parts per row).
 void at_merge(const AT& p, int64_t chunks, const float* parts) {
   const int64_t G = p.H / p.KV, part_size = p.T * G * (p.D + 2);
-  const float kNeg = -std::numeric_limits<float>::infinity();
   for (int64_t b = 0; b < p.B; ++b)
     for (int64_t kvh = 0; kvh < p.KV; ++kvh)
       for (int64_t t = 0; t < p.T; ++t)
-        for (int64_t g = 0; g < G; ++g) {
-          auto at = [&](int64_t c) { return parts + ((b * p.KV + kvh) * chunks + c) * part_size + (t * G + g) * (p.D + 2); };
-          float m = kNeg;
-          for (int64_t c = 0; c < chunks; ++c) m = std::max(m, at(c)[p.D]);
-          float* dst = p.out + ((b * p.T + t) * p.H + kvh * G + g) * p.D;
-          std::fill(dst, dst + p.D, 0.f);
-          float l = 0.f;
-          for (int64_t c = 0; c < chunks; ++c) {
-            const float* part = at(c);
-            if (part[p.D] == kNeg) continue;
-            const float w = std::exp(part[p.D] - m);
-            l += w * part[p.D + 1];
-            for (int64_t i = 0; i < p.D; ++i) dst[i] += w * part[i];
-          }
-          const float inv = l > 0.f ? 1.f / l : 0.f;
-          for (int64_t i = 0; i < p.D; ++i) dst[i] *= inv;
-        }
+        for (int64_t g = 0; g < G; ++g)
+          merge_parts(parts + (b * p.KV + kvh) * chunks * part_size + (t * G + g) * (p.D + 2), part_size, chunks, p.D,
+                      p.out + ((b * p.T + t) * p.H + kvh * G + g) * p.D);
 }
 
 #if LLMEQ_X86
@@ -3483,26 +3490,11 @@ ffi::Error kvs_impl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kc, ffi::AnyBuffer v
       for (int64_t g = 0; g < p.G; ++g) extra_part[g * (p.D + 2) + p.D] = kNeg;
     }
     for (int64_t g = 0; g < p.G; ++g) {
-      float m = kNeg;
-      for (int64_t c = 0; c < per_group; ++c) m = std::max(m, parts[(grp * per_group + c) * part_size + g * (p.D + 2) + p.D]);
       const int64_t h = kvh * p.G + g;
-      float* dst = o + (b * p.Hq + h) * p.D;
-      std::fill(dst, dst + p.D, 0.f);
-      if (m == kNeg) {  // no slot allowed: nothing to merge (the cache's float parts carry the row)
-        ls[b * p.Hq + h] = -1e30f;
-        continue;
-      }
-      float l = 0.f;
-      for (int64_t c = 0; c < per_group; ++c) {
-        const float* part = parts.data() + (grp * per_group + c) * part_size + g * (p.D + 2);
-        if (part[p.D] == kNeg) continue;
-        const float w = std::exp(part[p.D] - m);
-        l += w * part[p.D + 1];
-        for (int64_t i = 0; i < p.D; ++i) dst[i] += w * part[i];
-      }
-      const float inv = 1.f / l;
-      for (int64_t i = 0; i < p.D; ++i) dst[i] *= inv;
-      ls[b * p.Hq + h] = m + std::log(l);
+      const float lse = merge_parts(parts.data() + grp * per_group * part_size + g * (p.D + 2), part_size, per_group,
+                                    p.D, o + (b * p.Hq + h) * p.D);
+      // no slot allowed: a zero row, weighed ~0 by the cache's float parts where it has any
+      ls[b * p.Hq + h] = lse == kNeg ? -1e30f : lse;
     }
   }
   return ffi::Error::Success();
