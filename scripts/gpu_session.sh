@@ -16,7 +16,8 @@
 # 2026-11-28 ran the two calls above (docs/kernels.md): rtn-w8 hit an illegal address (32-bit offsets over the
 # 2.9 GB int8 gate/up stack, fixed since) and rtn-w4-g128 did not finish in e2e's limit after bf16 and
 # transformers (both measured). Next session, one call (~7 min with the start; timeout_s 420):
-#     STEPS="gpu_tests e2e" TESTS="stack_past or stacked or int8_f16" TORCH=--no-torch bash scripts/gpu_session.sh
+#     STEPS="gpu_tests w8a8_sweep e2e" TESTS="stack_past or stacked or int8_f16" TORCH=--no-torch \
+#         bash scripts/gpu_session.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-runs/gpu}"
@@ -26,7 +27,7 @@ layers=(${LAYERS:+--layers "$LAYERS"})
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 start=$SECONDS
-steps="${STEPS:-gpu_tests words sweep attention fp8 e2e gemv prefill layout layout_dsf layout_float kernels}"  # STEPS: a subset
+steps="${STEPS:-gpu_tests words sweep attention fp8 w8a8_sweep e2e gemv prefill layout layout_dsf layout_float kernels}"  # STEPS: a subset
 step() {  # step NAME SECONDS CMD...: run CMD with a time limit, its output in $out/NAME.log
   local name=$1 limit=$2
   shift 2
@@ -83,6 +84,10 @@ step attention 70 "$py" scripts/bench_kernels.py --reps 10 --sweep --rows 1 --ki
 # w8a8/fp8 kinds transpose the weight per call).
 step fp8 80 "$py" scripts/bench_kernels.py --reps 10 --kinds bf16,fp8,w8a8,w8,fp8_nk,w8a8_nk,w8_nk \
     --weights 4096x11008 --no-attention --write-table "$out/dispatch_fp8.json"
+# W8A8 prefill, K-major (1.04-1.10x bf16 at M = 512-2048 on the H200 on 2026-11-28, with blocks tuned for the (K, N)
+# kernel on an H100; issue #15: >= 1.5x at M >= 1024): other tiles, warps and stages at M = 2048.
+step w8a8_sweep 60 "$py" scripts/bench_kernels.py --reps 10 --sweep --rows 2048 --kinds bf16,w8a8_nk \
+    --weights 4096x11008 --no-attention
 # bf16 decode of Llama-2-7B shapes ran at 90 tok/s scanned on an H200 (a third of the weights' bandwidth):
 # unrolled vs scanned on 4 layers says whether the scan's weight slicing costs it (docs/kernels.md).
 # Quantized kernels read their layer in place inside the scan since (llmeq_jax/layer_slice.py); bf16's XLA dot

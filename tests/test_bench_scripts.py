@@ -129,6 +129,25 @@ def test_bench_kernels_gpu_steps_run_through_in_interpret_mode(capsys, monkeypat
     assert out.count("sweep w8_nk_f16 M=1") == len(bench._int8_f16_sweep()) + 2
 
 
+def test_bench_kernels_prefill_sweep_tries_the_k_major_w8a8_settings(capsys, monkeypatch):
+    """--sweep at prefill rows with the K-major W8A8 kind timed: its block settings run (interpret mode, a tiny
+    weight); the transposing kernel's transpose_w setting means nothing for weights stored K-major."""
+    from pallas_kernels import config
+    from pallas_kernels.blocks import Blocks
+
+    bench = _script("bench_kernels")
+    monkeypatch.setattr(bench, "copies_for", lambda nbytes: 1)
+    monkeypatch.setattr(bench, "SWEEP_WEIGHT", (256, 128))
+    settings = [dict(transpose_w=False), dict(blocks=Blocks(128, 128, 128, 8, 3))]
+    monkeypatch.setattr(bench, "_sweep", lambda: {1024: settings})
+    with config.interpret(True):
+        bench.gpu_bench(1, sweep=True, kinds_wanted=("bf16", "w8a8_nk"), weights=((256, 128),), attention=False,
+                        rows=(1024,))
+    out = capsys.readouterr().out
+    assert out.count("sweep w8a8_nk M=1024") == 1 and "failed" not in out
+    assert "Blocks(bm=128, bn=128, bk=128" in out
+
+
 def test_bench_kernels_attention_step_times_the_kernel_and_xlas_dots(capsys, monkeypatch):
     """The attention step (a small cache here, interpret mode): the Pallas kernel and XLA's dots over the codes for
     int8 and int4 against bf16 attention at each length, and a kv_attention table entry of each; with --sweep, the
