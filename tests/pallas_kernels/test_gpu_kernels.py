@@ -316,11 +316,11 @@ def _stacked_layer():
 
 
 @case
-def _stack_past_2gib():
+def _stack_past_2gib(shape=(32, 22016, 4096)):
     """The last layer of an int8 K-major stack of 2.9 GB, Llama-2-7B's fused gate/up ([32, 22016, 4096]):
     its bytes lie past 2**31, where 32-bit offsets wrap (pallas_kernels.offsets; an illegal address on an
     H200 before). Both int8 decode kernels and W8A8, against XLA on that layer's own array."""
-    layers, n, k = 32, 22016, 4096
+    layers, n, k = shape
     w = jax.random.randint(jax.random.key(30), (layers, n, k), -127, 128, dtype=jnp.int8)
     s = jax.random.uniform(jax.random.key(31), (layers, 1, n), minval=1e-3, maxval=1e-2)
     x = jax.random.normal(jax.random.key(32), (1, k)).astype(BF16)
@@ -335,7 +335,7 @@ def _stack_past_2gib():
     r8 = jax.jit(lambda x, w, s: w8a8_matmul(x, w, s, w_layout="nk", interpret=INTERPRET))(x, w[-1], s[-1])
     worst = max(worst, np.divide(*compare(y8, r8, 1e-6)))
     del w
-    return "layer 31 of an int8 [32, 22016, 4096] stack (w8 K-major, int8_f16, W8A8), error / tolerance", worst, 1.0, None
+    return f"the last layer of an int8 {list(shape)} stack (w8 K-major, int8_f16, W8A8), error / tolerance", worst, 1.0, None
 
 
 # --------------------------------------------------------------------------- KV cache
