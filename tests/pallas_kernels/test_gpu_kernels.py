@@ -335,7 +335,8 @@ def _stack_past_2gib(shape=(32, 22016, 4096)):
     r8 = jax.jit(lambda x, w, s: w8a8_matmul(x, w, s, w_layout="nk", interpret=INTERPRET))(x, w[-1], s[-1])
     worst = max(worst, np.divide(*compare(y8, r8, 1e-6)))
     del w
-    return f"the last layer of an int8 {list(shape)} stack (w8 K-major, int8_f16, W8A8), error / tolerance", worst, 1.0, None
+    name = f"the last layer of an int8 {list(shape)} stack (w8 K-major, int8_f16, W8A8), error / tolerance"
+    return name, worst, 1.0, None
 
 
 # --------------------------------------------------------------------------- KV cache
