@@ -15,9 +15,10 @@
 # then, in a later session: layout layout_float kernels gemv prefill layout_dsf.
 # 2026-11-28 ran the two calls above (docs/kernels.md): rtn-w8 hit an illegal address (32-bit offsets over the
 # 2.9 GB int8 gate/up stack, fixed since) and rtn-w4-g128 did not finish in e2e's limit after bf16 and
-# transformers (both measured). Next session, one call (~7 min with the start; timeout_s 420):
-#     STEPS="gpu_tests w8a8_sweep e2e" TESTS="stack_past or stacked or int8_f16" TORCH=--no-torch \
-#         bash scripts/gpu_session.sh
+# transformers (both measured). Next session, two calls, the second at once (~10 min with the start):
+#     STEPS="gpu_tests probe w8a8_sweep" TESTS="stack_past or stacked or int8_f16" bash scripts/gpu_session.sh
+#         (timeout_s 280)
+#     STEPS="e2e" TORCH=--no-torch bash scripts/gpu_session.sh   (timeout_s 350)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-runs/gpu}"
@@ -27,7 +28,7 @@ layers=(${LAYERS:+--layers "$LAYERS"})
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 start=$SECONDS
-steps="${STEPS:-gpu_tests words sweep attention fp8 w8a8_sweep e2e gemv prefill layout layout_dsf layout_float kernels}"  # STEPS: a subset
+steps="${STEPS:-gpu_tests words sweep attention fp8 w8a8_sweep probe e2e gemv prefill layout layout_dsf layout_float kernels}"  # STEPS: a subset
 step() {  # step NAME SECONDS CMD...: run CMD with a time limit, its output in $out/NAME.log
   local name=$1 limit=$2
   shift 2
@@ -88,6 +89,10 @@ step fp8 80 "$py" scripts/bench_kernels.py --reps 10 --kinds bf16,fp8,w8a8,w8,fp
 # kernel on an H100; issue #15: >= 1.5x at M >= 1024): other tiles, warps and stages at M = 2048.
 step w8a8_sweep 60 "$py" scripts/bench_kernels.py --reps 10 --sweep --rows 2048 --kinds bf16,w8a8_nk \
     --weights 4096x11008 --no-attention
+# Where the word kernel's time goes (scripts/probe_words.py, new): its launch with the loop reduced to the loads,
+# then + the nibbles' dequantization and MMAs, then + the offset's sums, beside the kernel and the bf16 dot, and the
+# loads under other splits, stages, warps and widths -- whether the loop's work or the launch bounds int4 decode.
+step probe 75 "$py" scripts/probe_words.py --reps 10 --weights 4096x4096,4096x11008
 # bf16 decode of Llama-2-7B shapes ran at 90 tok/s scanned on an H200 (a third of the weights' bandwidth):
 # unrolled vs scanned on 4 layers says whether the scan's weight slicing costs it (docs/kernels.md).
 # Quantized kernels read their layer in place inside the scan since (llmeq_jax/layer_slice.py); bf16's XLA dot
