@@ -132,6 +132,51 @@ def test_w8a8_dynamic_per_token(model, tmp_path):
     assert _rel_diff(got, expected) <= 1e-5
 
 
+def test_w8a8_static_per_tensor_loads_with_our_input_scale(model, tmp_path):
+    """Static W8A8 (rtn-w8a8-static: calibrated per-tensor activation scales) -> int-quantized with input_scale;
+    transformers + compressed-tensors load it with our weights and our activation scale, and a layer on the same
+    inputs gives our static W8A8 product."""
+    from llmeq_jax import calibrate
+    from llmeq_jax.methods import quantize_model
+    from llmeq_jax.pipeline import read_recipe
+
+    config, params, tokenizer, ids = model
+    wins = calibrate.calibration_windows(tokenizer, shared_data_path("wikitext2_valid.txt"), 2, 64)
+    qparams, _ = quantize_model(config, params, read_recipe("rtn-w8a8-static"), wins)
+    out = write_compressed_tensors(config, qparams, tmp_path / "ct", tokenizer=tokenizer)
+    acts = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"][
+        "input_activations"]
+    assert (acts["type"], acts["strategy"], acts["dynamic"], acts["num_bits"]) == ("int", "tensor", False, 8)
+    w = qparams["layers_2"]["mlp"]["gate_proj"]["kernel"]
+    assert w.act_scale is not None
+    state = load_file(str(out / "model.safetensors"))
+    np.testing.assert_array_equal(state["model.layers.2.mlp.gate_proj.input_scale"].numpy(),
+                                  np.asarray(w.act_scale, np.float32).reshape(1))
+    m, logits = _hf_logits(out, ids)
+    assert np.all(np.isfinite(logits))
+    hf = m.model.layers[2].mlp.gate_proj
+    np.testing.assert_array_equal(hf.weight.detach().numpy(), kernel_grid("gate", w).dequantize())
+    np.testing.assert_allclose(hf.input_scale.detach().numpy().reshape(()), np.asarray(w.act_scale, np.float32))
+    scale, wd = float(w.act_scale), kernel_grid("gate", w).dequantize().T
+    x = np.random.default_rng(0).normal(size=(1, 7, config.hidden_size)).astype(np.float32)
+    x *= 127 * scale / np.abs(x).max()  # inside the calibrated range: the same product
+    with torch.no_grad():
+        got = hf(torch.from_numpy(x)).numpy()
+    ours = np.asarray(ops.linear(jnp.asarray(x), w))
+    assert _rel_diff(got, ours) <= 1e-5
+    assert _rel_diff(ours, x @ wd) > 1e-3  # the activations really are rounded: the check above can fail
+    # Past it, both clip, at one code apart: compressed-tensors (and vLLM's static int8) to [-128, 127], our
+    # symmetric grid to [-127, 127] (docs/export.md).
+    x *= 1.5
+    with torch.no_grad():
+        got = hf(torch.from_numpy(x)).numpy()
+    ours = np.asarray(ops.linear(jnp.asarray(x), w))
+    for lo, out in ((-128, got), (-127, ours)):
+        want = (np.clip(np.round(x / scale), lo, 127) * scale) @ wd
+        np.testing.assert_allclose(out, want, atol=1e-5 * np.abs(out).max())
+    assert _rel_diff(got, ours) > 1e-4
+
+
 @pytest.mark.parametrize("rules, message", [
     ([{"pattern": ".*/kernel", "weight": {"bits": 4, "granularity": "group", "group_size": 32}}],
      "layers_0/mlp/down_proj/kernel (int4 g32 sym): group size 32 does not divide the input dim 172"),

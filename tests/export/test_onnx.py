@@ -254,3 +254,45 @@ def test_write_is_atomic_and_loads(model, tmp_path):
     assert [i.name for i in loaded.graph.input] == ["input_ids"] + [n for pair in io_names(config)[0] for n in pair]
     session = ort.InferenceSession(str(out), session_options(), providers=["CPUExecutionProvider"])
     assert _rel_diff(_run(session, ids, empty_past(config, 1))["logits"], _ours(config, params, ids)) <= 1e-5
+
+
+# --------------------------------------------------------------------------- qwen2 / qwen3
+
+
+@pytest.fixture(scope="module", params=["qwen2", "qwen3"])
+def qwen(request, tmp_path_factory):
+    """A tiny random Qwen2 (q/k/v biases, tied head) or Qwen3 (q/k RMSNorms, head dim 24 != hidden / heads,
+    untied head) written by transformers and loaded by us."""
+    from tests.models.hf_fixtures import make_hf_model, save
+
+    name = request.param
+    directory = tmp_path_factory.mktemp(name)
+    save(make_hf_model(name), name, directory)
+    config, params, _ = load_model(str(directory))
+    ids = np.random.default_rng(0).integers(0, config.vocab_size, (2, 11)).astype(np.int64)
+    return name, config, params, ids
+
+
+@pytest.mark.parametrize("weights", [None, "int4-g32-asym", "int8-channel"])
+def test_qwen_graphs_give_our_logits_prefill_and_decode(qwen, weights):
+    """The qwen2 / qwen3 branches of the exporter against our forward: a prompt, then two one-token steps on the
+    present caches, float and quantized weights (the family's features are in the graph: biases, q/k norms)."""
+    name, config, params, ids = qwen
+    rule = {"pattern": ".*/kernel", "weight": WEIGHT_ONLY.get(weights)}
+    qparams = params if weights is None else _quantized(params, rule)
+    m = build_model(config, qparams)
+    inits = {t.name for t in m.graph.initializer}
+    family = ({f"layers_0/attn/{p}_proj/bias" for p in "qkv"} if name == "qwen2"
+              else {"layers_0/attn/q_norm/scale", "layers_0/attn/k_norm/scale"})
+    assert family <= inits
+    ref = _ours(config, qparams, ids)
+    session = _session(m)
+    t = ids.shape[1]
+    out = _run(session, ids[:, : t - 2], empty_past(config, 2))
+    assert _rel_diff(out["logits"], ref[:, : t - 2]) <= 1e-5
+    for pos in range(t - 2, t):
+        out = _run(session, ids[:, pos: pos + 1], next_past(config, out))
+        assert out["present.0.key"].shape == (2, config.num_kv_heads, pos + 1, config.head_dim)
+        assert _rel_diff(out["logits"][:, 0], ref[:, pos]) <= 1e-5
+    if weights is not None:  # the check can fail: quantization moves the logits far more than the tolerance
+        assert _rel_diff(_ours(config, params, ids), ref) > 1e-3
