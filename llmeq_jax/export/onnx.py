@@ -1,4 +1,4 @@
-"""ONNX export: the llama-family decoder as one onnxruntime graph, weights kept quantized.
+"""ONNX export: the decoder (llama family and GPT-2) as one onnxruntime graph, weights kept quantized.
 
 One graph serves prefill and decode (the optimum / onnxruntime-genai layout):
 
@@ -39,7 +39,7 @@ Not expressible (one ExportError naming the layer, nothing written): int2..int4
 per-channel or in groups that are not a power of two >= 16 (MatMulNBits' block
 rule), W8A8 with grouped weight scales (MatMulInteger has no per-group
 rescaling), sub-byte or grouped token tables, a quantized KV cache (past and
-present are float32 tensors), sliding-window attention, GPT-2 models.
+present are float32 tensors), sliding-window attention.
 
 Why the graph is built node by node with ``onnx.helper`` rather than traced
 from JAX (jax2onnx) or written in onnxscript: the point of the file is the
@@ -236,9 +236,9 @@ def linear(g: Graph, x: str, kernel: Any, bias: Any, hint: str) -> str:
 # --------------------------------------------------------------------------- token table
 
 
-def check_table(table: QArray) -> None:
-    """A token table we can gather from int8 bytes: int5..int8, one scale per row (or per tensor)."""
-    where = f"embed/embedding (int{table.bits} {table.granularity})"
+def check_table(table: QArray, name: str = "embed") -> None:
+    """A token (or position) table we can gather from int8 bytes: int5..int8, one scale per row (or per tensor)."""
+    where = f"{name}/embedding (int{table.bits} {table.granularity})"
     if table.bits <= 4:
         raise ExportError(f"{where}: ONNX Gather reads whole bytes; a sub-byte token table has no gatherable "
                           "layout (quantize the table int8 per row)")
@@ -257,20 +257,21 @@ class TableInit:
     per_row: bool = True
 
 
-def table_init(g: Graph, table: Any) -> TableInit:
-    """Add the token table once; the lookup and a tied head both read these bytes."""
+def table_init(g: Graph, table: Any, name: str = "embed") -> TableInit:
+    """Add a table (``name``: "embed" for tokens, "pos_embed" for GPT-2's positions) once; the lookup and a tied
+    head both read these bytes."""
     if not isinstance(table, QArray):
-        return TableInit(g.init("embed/table", np.asarray(table, np.float32)))
-    check_table(table)
+        return TableInit(g.init(f"{name}/table", np.asarray(table, np.float32)))
+    check_table(table, name)
     per_row = table.tile[0] == 1
     shape = (-1,) if per_row else ()  # DequantizeLinear takes a 1-D per-axis scale or a scalar
 
     def vec(a, dtype):
         return np.asarray(a, dtype).reshape(shape)
 
-    return TableInit(g.init("embed/qtable", np.asarray(table.values(), np.int8)),
-                     g.init("embed/scale", vec(table.scale, np.float32)),
-                     None if table.zero_point is None else g.init("embed/zero_point", vec(table.zero_point, np.int8)),
+    return TableInit(g.init(f"{name}/qtable", np.asarray(table.values(), np.int8)),
+                     g.init(f"{name}/scale", vec(table.scale, np.float32)),
+                     None if table.zero_point is None else g.init(f"{name}/zero_point", vec(table.zero_point, np.int8)),
                      per_row)
 
 
@@ -314,6 +315,13 @@ def rms_norm(g: Graph, x: str, scale: Any, eps: float, hint: str) -> str:
     return g.op("Mul", [g.op("Mul", [x, inv], hint), g.init(f"{hint}/scale", np.asarray(scale, np.float32))], hint)
 
 
+def layer_norm(g: Graph, x: str, p: dict, eps: float, hint: str) -> str:
+    """GPT-2's LayerNorm over the last axis (scale and bias), float32 as our model computes it."""
+    return g.op("LayerNormalization", [x, g.init(f"{hint}/scale", np.asarray(p["scale"], np.float32)),
+                                       g.init(f"{hint}/bias", np.asarray(p["bias"], np.float32))], hint,
+                axis=-1, epsilon=float(eps))
+
+
 def rope(g: Graph, x: str, cos: str, sin: str, hint: str) -> str:
     """Rotate-half RoPE on the last axis of ``x`` (as HF Llama and our model), cos/sin [T, D] broadcast."""
     x1, x2 = g.op("Split", [x], hint, outputs=2, axis=-1, num_outputs=2)
@@ -323,10 +331,12 @@ def rope(g: Graph, x: str, cos: str, sin: str, hint: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class StepInputs:
-    """What every layer shares: RoPE tables for the new positions and the causal mask over the cache."""
+    """What every layer shares: the new positions, their RoPE tables (None for GPT-2's learned positions) and the
+    causal mask over the cache."""
 
-    cos: str
-    sin: str
+    positions: str  # int64 [T]: past .. past + T - 1
+    cos: str | None
+    sin: str | None
     allowed: str  # bool [T, S]: query t may see key slot s
 
 
@@ -340,34 +350,56 @@ def step_inputs(g: Graph, config: ModelConfig, ids: str, past_key: str) -> StepI
     keys = g.op("Range", [g.const(0, np.int64), total, one], "pos")  # [S]
     allowed = g.op("LessOrEqual", [g.op("Unsqueeze", [keys, g.const([0], np.int64)], "mask"),
                                    g.op("Unsqueeze", [positions, g.const([1], np.int64)], "mask")], "mask")
+    if config.family == "gpt2":
+        return StepInputs(positions=positions, cos=None, sin=None, allowed=allowed)
     inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
     posf = g.op("Unsqueeze", [g.op("Cast", [positions], "rope", to=1), g.const([1], np.int64)], "rope")
     angles = g.op("Mul", [posf, g.init("rope/inv_freq", inv_freq[None, :].astype(np.float32))], "rope")
     angles = g.op("Concat", [angles, angles], "rope", axis=-1)  # [T, D]
-    return StepInputs(cos=g.op("Cos", [angles], "rope"), sin=g.op("Sin", [angles], "rope"), allowed=allowed)
+    return StepInputs(positions=positions, cos=g.op("Cos", [angles], "rope"), sin=g.op("Sin", [angles], "rope"),
+                      allowed=allowed)
 
 
-def attention(g: Graph, config: ModelConfig, p: dict, x: str, step: StepInputs, past: tuple[str, str],
-              hint: str) -> tuple[str, str, str]:
-    """GQA attention with RoPE over past + new keys: (output [B, T, hidden], present key, present value)."""
+def heads(g: Graph, x: str, n: int, d: int, hint: str) -> str:
+    """[B, T, n * d] -> [B, n, T, d]."""
+    return g.op("Transpose", [g.op("Reshape", [x, g.const([0, 0, n, d], np.int64)], hint)], hint, perm=[0, 2, 1, 3])
+
+
+def llama_qkv(g: Graph, config: ModelConfig, p: dict, x: str, step: StepInputs, hint: str) -> tuple[str, str, str]:
+    """Llama-family q [B, KV, G, T, D] (each KV head's query group), k, v [B, KV, T, D]: biases where the
+    checkpoint has them (Qwen2), q/k RMSNorms (Qwen3), RoPE."""
     c = config
     groups = c.num_heads // c.num_kv_heads
 
     def proj(name):
         return linear(g, x, p[name]["kernel"], p[name].get("bias"), f"{hint}/{name}")
 
-    # q as [B, KV, G, T, D]: each KV head's query group shares its keys through MatMul broadcasting.
     q = g.op("Reshape", [proj("q_proj"), g.const([0, 0, c.num_kv_heads, groups, c.head_dim], np.int64)], hint)
     q = g.op("Transpose", [q], hint, perm=[0, 2, 3, 1, 4])
-    k = g.op("Transpose", [g.op("Reshape", [proj("k_proj"), g.const([0, 0, c.num_kv_heads, c.head_dim], np.int64)],
-                                hint)], hint, perm=[0, 2, 1, 3])
-    v = g.op("Transpose", [g.op("Reshape", [proj("v_proj"), g.const([0, 0, c.num_kv_heads, c.head_dim], np.int64)],
-                                hint)], hint, perm=[0, 2, 1, 3])
+    k = heads(g, proj("k_proj"), c.num_kv_heads, c.head_dim, hint)
+    v = heads(g, proj("v_proj"), c.num_kv_heads, c.head_dim, hint)
     if c.qk_norm:  # Qwen3: RMSNorm over each head's features, before RoPE
         q = rms_norm(g, q, p["q_norm"]["scale"], c.norm_eps, f"{hint}/q_norm")
         k = rms_norm(g, k, p["k_norm"]["scale"], c.norm_eps, f"{hint}/k_norm")
-    q = rope(g, q, step.cos, step.sin, f"{hint}/rope_q")
-    k = rope(g, k, step.cos, step.sin, f"{hint}/rope_k")
+    return rope(g, q, step.cos, step.sin, f"{hint}/rope_q"), rope(g, k, step.cos, step.sin, f"{hint}/rope_k"), v
+
+
+def gpt2_qkv(g: Graph, config: ModelConfig, p: dict, x: str, hint: str) -> tuple[str, str, str]:
+    """GPT-2's fused projection (q | k | v along the output, as HF's c_attn) split into q [B, H, 1, T, D], k, v
+    [B, H, T, D]: every head its own KV head, no rotation (positions were added at the embedding)."""
+    c = config
+    qkv = linear(g, x, p["qkv_proj"]["kernel"], p["qkv_proj"].get("bias"), f"{hint}/qkv_proj")
+    q, k, v = (heads(g, t, c.num_heads, c.head_dim, hint)
+               for t in g.op("Split", [qkv], hint, outputs=3, axis=-1, num_outputs=3))
+    return g.op("Unsqueeze", [q, g.const([2], np.int64)], hint), k, v
+
+
+def attention(g: Graph, config: ModelConfig, p: dict, x: str, step: StepInputs, past: tuple[str, str],
+              hint: str) -> tuple[str, str, str]:
+    """Attention over past + new keys: (output [B, T, hidden], present key, present value)."""
+    c = config
+    # q as [B, KV, G, T, D]: each KV head's query group shares its keys through MatMul broadcasting.
+    q, k, v = gpt2_qkv(g, c, p, x, hint) if c.family == "gpt2" else llama_qkv(g, c, p, x, step, hint)
     present_k = g.op("Concat", [past[0], k], hint, axis=2)  # [B, KV, S, D]
     present_v = g.op("Concat", [past[1], v], hint, axis=2)
     axis2 = g.const([2], np.int64)
@@ -388,14 +420,18 @@ def swiglu(g: Graph, p: dict, x: str, hint: str) -> str:
     return linear(g, act, p["down_proj"]["kernel"], None, f"{hint}/down_proj")
 
 
+def gelu_mlp(g: Graph, config: ModelConfig, p: dict, x: str, hint: str) -> str:
+    """GPT-2's MLP: fc_in, GELU (tanh-approximated where the config says so, as our model), fc_out."""
+    h = linear(g, x, p["fc_in"]["kernel"], p["fc_in"].get("bias"), f"{hint}/fc_in")
+    h = g.op("Gelu", [h], hint, approximate="tanh" if config.act == "gelu_tanh" else "none")
+    return linear(g, h, p["fc_out"]["kernel"], p["fc_out"].get("bias"), f"{hint}/fc_out")
+
+
 # --------------------------------------------------------------------------- whole model
 
 
 def check_config(config: ModelConfig, kv: dict | None = None) -> None:
-    """An ExportError for what this graph does not compute: non-llama families, sliding windows, a quantized cache."""
-    if config.family != "llama":
-        raise ExportError(f"model_type {config.model_type!r} has no ONNX export; supported: the llama family "
-                          "(llama, mistral without sliding window, qwen2, qwen3)")
+    """An ExportError for what this graph does not compute: sliding windows, a quantized cache."""
     if config.sliding_window is not None:
         raise ExportError(f"{config.model_type}: sliding-window attention is not written by the ONNX exporter")
     if kv:
@@ -422,22 +458,30 @@ def build_model(config: ModelConfig, params: Any, *, kv: dict | None = None, met
     g = Graph()
     c = config
     past, present = io_names(c)
+    gpt2 = c.family == "gpt2"
     table = params["embed"]["embedding"]
     tab = table_init(g, table)
     h = embedding(g, "input_ids", tab)
     step = step_inputs(g, c, "input_ids", past[0][0])
+    if gpt2:  # learned positions, added once: rows past .. past + T - 1 of their table, broadcast over the batch
+        h = g.op("Add", [h, embedding(g, step.positions, table_init(g, params["pos_embed"]["embedding"],
+                                                                     "pos_embed"))], "embed")
+
+    def norm(x, p, hint):
+        return layer_norm(g, x, p, c.norm_eps, hint) if gpt2 else rms_norm(g, x, p["scale"], c.norm_eps, hint)
+
     for i in range(c.num_layers):
         p = params[f"layers_{i}"]
         hint = f"layers_{i}"
-        a, pk, pv = attention(g, c, p["attn"], rms_norm(g, h, p["input_norm"]["scale"], c.norm_eps,
-                                                           f"{hint}/input_norm"), step, past[i], f"{hint}/attn")
+        first, second = ("ln_1", "ln_2") if gpt2 else ("input_norm", "post_attn_norm")
+        a, pk, pv = attention(g, c, p["attn"], norm(h, p[first], f"{hint}/{first}"), step, past[i], f"{hint}/attn")
         h = g.op("Add", [h, a], hint)
-        m = swiglu(g, p["mlp"], rms_norm(g, h, p["post_attn_norm"]["scale"], c.norm_eps, f"{hint}/post_attn_norm"),
-                   f"{hint}/mlp")
+        x = norm(h, p[second], f"{hint}/{second}")
+        m = gelu_mlp(g, c, p["mlp"], x, f"{hint}/mlp") if gpt2 else swiglu(g, p["mlp"], x, f"{hint}/mlp")
         h = g.op("Add", [h, m], hint)
         g.nodes.append(helper.make_node("Identity", [pk], [present[i][0]], name=f"{hint}/present_key"))
         g.nodes.append(helper.make_node("Identity", [pv], [present[i][1]], name=f"{hint}/present_value"))
-    h = rms_norm(g, h, params["norm"]["scale"], c.norm_eps, "norm")
+    h = norm(h, params["norm"], "norm")
     if c.tie_word_embeddings:
         logits = tied_head(g, h, tab, c.hidden_size)
     else:

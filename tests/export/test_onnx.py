@@ -256,13 +256,14 @@ def test_write_is_atomic_and_loads(model, tmp_path):
     assert _rel_diff(_run(session, ids, empty_past(config, 1))["logits"], _ours(config, params, ids)) <= 1e-5
 
 
-# --------------------------------------------------------------------------- qwen2 / qwen3
+# --------------------------------------------------------------------------- qwen2 / qwen3 / gpt2
 
 
-@pytest.fixture(scope="module", params=["qwen2", "qwen3"])
-def qwen(request, tmp_path_factory):
-    """A tiny random Qwen2 (q/k/v biases, tied head) or Qwen3 (q/k RMSNorms, head dim 24 != hidden / heads,
-    untied head) written by transformers and loaded by us."""
+@pytest.fixture(scope="module", params=["qwen2", "qwen3", "gpt2"])
+def family(request, tmp_path_factory):
+    """A tiny random Qwen2 (q/k/v biases, tied head), Qwen3 (q/k RMSNorms, head dim 24 != hidden / heads, untied
+    head) or GPT-2 (learned positions, LayerNorm, fused QKV with biases, tanh GELU, tied head) written by
+    transformers and loaded by us."""
     from tests.models.hf_fixtures import make_hf_model, save
 
     name = request.param
@@ -273,18 +274,26 @@ def qwen(request, tmp_path_factory):
     return name, config, params, ids
 
 
+FAMILY_INITS = {  # initializers that only a graph with the family's own features holds
+    "qwen2": {f"layers_0/attn/{p}_proj/bias" for p in "qkv"},
+    "qwen3": {"layers_0/attn/q_norm/scale", "layers_0/attn/k_norm/scale"},
+    "gpt2": {"layers_0/ln_1/bias", "layers_0/attn/qkv_proj/bias", "layers_0/mlp/fc_in/bias", "norm/bias"},
+}
+
+
 @pytest.mark.parametrize("weights", [None, "int4-g32-asym", "int8-channel"])
-def test_qwen_graphs_give_our_logits_prefill_and_decode(qwen, weights):
-    """The qwen2 / qwen3 branches of the exporter against our forward: a prompt, then two one-token steps on the
-    present caches, float and quantized weights (the family's features are in the graph: biases, q/k norms)."""
-    name, config, params, ids = qwen
-    rule = {"pattern": ".*/kernel", "weight": WEIGHT_ONLY.get(weights)}
-    qparams = params if weights is None else _quantized(params, rule)
+def test_family_graphs_give_our_logits_prefill_and_decode(family, weights):
+    """The qwen2 / qwen3 / gpt2 branches of the exporter against our forward: a prompt, then two one-token steps on
+    the present caches, float and quantized weights; GPT-2's quantized variants also read an int8 token table
+    (tied head) beside the float position table."""
+    name, config, params, ids = family
+    rules = [{"pattern": ".*/kernel", "weight": WEIGHT_ONLY.get(weights)}] + ([TABLE_INT8] if name == "gpt2" else [])
+    qparams = params if weights is None else _quantized(params, *rules)
     m = build_model(config, qparams)
     inits = {t.name for t in m.graph.initializer}
-    family = ({f"layers_0/attn/{p}_proj/bias" for p in "qkv"} if name == "qwen2"
-              else {"layers_0/attn/q_norm/scale", "layers_0/attn/k_norm/scale"})
-    assert family <= inits
+    assert FAMILY_INITS[name] <= inits
+    if name == "gpt2":
+        assert {"embed/qtable" if weights else "embed/table", "pos_embed/table"} <= inits
     ref = _ours(config, qparams, ids)
     session = _session(m)
     t = ids.shape[1]
