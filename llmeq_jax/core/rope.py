@@ -13,12 +13,27 @@ import jax.numpy as jnp
 import numpy as np
 
 
+FREQ_FACTORS = "freq_factors"  # the rope_scaling key of per-frequency divisors (GGUF's rope_freqs.weight)
+
+
+def freq_factors_scaling(factors) -> tuple:
+    """A ``ModelConfig.rope_scaling`` of per-frequency divisors: frequency i is ``inv_freq[i] / factors[i]`` (what
+    llama.cpp computes from a GGUF file's ``rope_freqs.weight``; Llama-3.1 files carry their scaling so)."""
+    return ((FREQ_FACTORS, tuple(float(f) for f in np.asarray(factors, np.float32).reshape(-1))),)
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: tuple | None) -> np.ndarray:
-    """Inverse frequencies (head_dim/2,), with Llama-3 style scaling when configured."""
+    """Inverse frequencies (head_dim/2,), with Llama-3 style scaling or per-frequency divisors when configured."""
     inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
     if scaling is None:
         return inv_freq.astype(np.float32)
     s = dict(scaling)
+    if FREQ_FACTORS in s:
+        factors = np.asarray(s[FREQ_FACTORS], np.float64)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"rope {FREQ_FACTORS}: {factors.size} factors for head_dim {head_dim} "
+                             f"(expected {inv_freq.size})")
+        return (inv_freq / factors).astype(np.float32)
     factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
     old_len = s["original_max_position_embeddings"]
     wavelen = 2 * math.pi / inv_freq
@@ -28,6 +43,16 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: tuple | None) -> np.ndar
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
     return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def freq_factors(head_dim: int, theta: float, scaling: tuple) -> np.ndarray:
+    """The per-frequency divisors (head_dim/2,) float32 of a scaling (Llama-3 parameters or divisors already):
+    the unscaled inverse frequencies over the scaled ones, as llama.cpp's converter writes ``rope_freqs.weight``."""
+    s = dict(scaling)
+    if FREQ_FACTORS in s:
+        return np.asarray(s[FREQ_FACTORS], np.float32)
+    return (rope_inv_freq(head_dim, theta, None).astype(np.float64)
+            / rope_inv_freq(head_dim, theta, scaling).astype(np.float64)).astype(np.float32)
 
 
 # Positions per call from which the tables are computed apart from the rotation (prefill); a decode

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from llmeq_jax.core.qarray import QArray
+from llmeq_jax.core.rope import FREQ_FACTORS
 from llmeq_jax.export.common import ExportError, KernelGrid, atomic_output, flat_params, kernel_grid
 from llmeq_jax.models.config import ModelConfig
 
@@ -80,6 +81,9 @@ def hf_config(config: ModelConfig) -> dict:
         raise ExportError(f"{config.model_type}: qkv_bias={config.qkv_bias} with o_bias={config.o_bias} "
                           "has no Hugging Face config flag")
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_theta}
+    if config.rope_scaling is not None and FREQ_FACTORS in dict(config.rope_scaling):
+        raise ExportError("per-frequency RoPE factors (a GGUF file's rope_freqs.weight) have no Hugging Face "
+                          "rope_scaling; export a model loaded from its Hugging Face directory instead")
     if config.rope_scaling is not None:
         rope = {"rope_type": "llama3", "rope_theta": config.rope_theta, **dict(config.rope_scaling)}
         rope["original_max_position_embeddings"] = int(rope["original_max_position_embeddings"])

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from llmeq_jax.core.qarray import QArray
+from llmeq_jax.core.rope import freq_factors
 from llmeq_jax.export.common import ExportError, KernelGrid, atomic_output, flat_params, kernel_grid
 from llmeq_jax.models import gguf_loader
 from llmeq_jax.models.config import ModelConfig
@@ -163,8 +164,9 @@ def check_config(config: ModelConfig) -> str:
     arch = ARCHITECTURES.get(config.model_type)
     if arch is None:
         raise ExportError(f"model_type {config.model_type!r} has no GGUF export; supported: {', '.join(ARCHITECTURES)}")
-    if config.rope_scaling is not None:
-        raise ExportError("llama3 RoPE frequency scaling needs a rope_freqs tensor, which this exporter does not write")
+    if config.rope_scaling is not None and arch != "llama":
+        raise ExportError(f"{arch}: RoPE frequency scaling (rope_freqs.weight) is read by llama.cpp for the llama "
+                          "architecture only")
     if config.sliding_window is not None:
         raise ExportError("sliding-window attention has no GGUF metadata for this architecture")
     return arch
@@ -218,6 +220,9 @@ def gguf_tensors(config: ModelConfig, params: Any) -> list[tuple[str, np.ndarray
     permute = config.model_type == "llama"
     heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}
     out = []
+    if config.rope_scaling is not None:  # Llama-3 scaling as llama.cpp reads it: one divisor per frequency
+        factors = freq_factors(config.head_dim, config.rope_theta, config.rope_scaling)
+        out.append((gguf_loader.ROPE_FREQS, factors, None))
     for path, leaf in flat_params(params).items():
         name = tensor_name(path)
         proj = path.split("/")[-2]

@@ -39,7 +39,8 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     rope_theta: float = 10000.0
-    # Llama-3 style frequency scaling: a tuple of (key, value) pairs so the config stays hashable.
+    # Llama-3 style frequency scaling: a tuple of (key, value) pairs so the config stays hashable -- the llama3
+    # parameters (a Hugging Face config), or ("freq_factors", divisors) from a GGUF file's rope_freqs.weight.
     rope_scaling: tuple[tuple[str, Any], ...] | None = None
     sliding_window: int | None = None
     # Per layer: True where attention is limited to `sliding_window` (None: every layer is full).

@@ -6,6 +6,8 @@
 * llama.cpp's converter permutes the rows of Q and K of ``llama`` models so
   that its RoPE can rotate adjacent pairs; we undo that so our rotate-half
   RoPE (the HF layout) applies.
+* ``rope_freqs.weight`` (llama.cpp's per-frequency RoPE divisors: how Llama-3.1 files carry their frequency
+  scaling) becomes the config's ``rope_scaling`` (``core.rope.FREQ_FACTORS``), not a parameter.
 * Tokenizer: built by ``transformers``' own GGUF tokenizer converter from the
   ``tokenizer.ggml.*`` metadata. The metadata is read here rather than by
   ``AutoTokenizer.from_pretrained(gguf_file=...)`` because some files (e.g.
@@ -22,6 +24,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from llmeq_jax.core.rope import freq_factors_scaling
 from llmeq_jax.models.config import ModelConfig, ModelConfigError
 from llmeq_jax.models.params_tree import ModelLoadError, TreeBuilder
 
@@ -90,14 +93,16 @@ def config_from_gguf(reader, source: str) -> ModelConfig:
         raise ModelConfigError(f"{source}: cannot tell the vocabulary size (no {arch}.vocab_size, no token_embd)")
     eos = metadata(reader, "tokenizer.ggml.eos_token_id")
     bos = metadata(reader, "tokenizer.ggml.bos_token_id")
+    head_dim = int(metadata(reader, f"{arch}.attention.key_length", hidden // heads))
     return ModelConfig(
+        rope_scaling=rope_scaling_from_gguf(reader, head_dim, source),
         model_type=ARCHITECTURES[arch],
         vocab_size=int(vocab),
         hidden_size=hidden,
         num_layers=int(need("block_count")),
         num_heads=heads,
         num_kv_heads=int(metadata(reader, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(metadata(reader, f"{arch}.attention.key_length", hidden // heads)),
+        head_dim=head_dim,
         intermediate_size=int(need("feed_forward_length")),
         norm_eps=float(need("attention.layer_norm_rms_epsilon")),
         max_position_embeddings=int(metadata(reader, f"{arch}.context_length", 2048)),
@@ -119,6 +124,21 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     out = w.shape[0]
     head_dim = out // n_heads
     return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's per-frequency RoPE divisors (Llama-3.1 files carry their scaling so)
+
+
+def rope_scaling_from_gguf(reader, head_dim: int, source: str) -> tuple | None:
+    """The config's rope_scaling from the file's ``rope_freqs.weight`` (frequency i divided by factor i), or None."""
+    tensor = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if tensor is None:
+        return None
+    factors = tensor_as_float(tensor, source).reshape(-1)
+    if factors.size != head_dim // 2 or not np.all(np.isfinite(factors)) or np.any(factors <= 0):
+        raise ModelConfigError(f"{source}: {ROPE_FREQS} must hold {head_dim // 2} positive factors (one per RoPE "
+                               f"frequency of head_dim {head_dim}); got {factors.size} values")
+    return freq_factors_scaling(factors)
 
 
 def tensor_as_float(tensor, source: str) -> np.ndarray:
@@ -149,8 +169,8 @@ def load_params(reader, config: ModelConfig, dtype: Any, source: str) -> dict:
             path = f"layers_{int(m.group(1))}/{path}"
         elif name in _TOP:
             path, transpose = _TOP[name]
-        elif name == "rope_freqs.weight":
-            raise ModelLoadError(f"{source}: per-frequency RoPE factors (rope_freqs.weight) are not supported")
+        elif name == ROPE_FREQS:
+            continue  # read into the config (rope_scaling_from_gguf)
         else:
             raise ModelLoadError(f"{source}: tensor {name!r} is not a parameter of a {config.model_type} model")
         value = tensor_as_float(tensor, source)

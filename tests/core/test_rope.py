@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,3 +47,38 @@ def test_rope_tables_are_computed_once_per_call_not_per_head():
         fusions = hlo.split("\n\n")
         rotation = [f for f in fusions if "f32[1,32,9,64]" in f and "ROOT" in f and "fused_computation" in f]
         assert rotation and not any("cosine(" in f or "sine(" in f for f in rotation)
+
+
+LLAMA31 = (("factor", 8.0), ("low_freq_factor", 1.0), ("high_freq_factor", 4.0),
+           ("original_max_position_embeddings", 8192.0))
+
+
+def _converter_factors(head_dim, theta, factor, low, high, old_len):
+    """llama.cpp's convert_hf_to_gguf.py rope_freqs for llama3 scaling, as that script computes them."""
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi / (1.0 / theta ** (i / head_dim))
+        if wavelen < old_len / high:
+            out.append(1.0)
+        elif wavelen > old_len / low:
+            out.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, np.float32)
+
+
+def test_freq_factors_are_llama_cpps_rope_freqs_and_give_back_the_llama3_frequencies():
+    from llmeq_jax.core.rope import FREQ_FACTORS, freq_factors, freq_factors_scaling
+
+    factors = freq_factors(128, 500000.0, LLAMA31)
+    want = _converter_factors(128, 500000.0, 8.0, 1.0, 4.0, 8192.0)
+    np.testing.assert_allclose(factors, want, rtol=2e-7)
+    assert (factors == 1).any() and (factors == 8).any() and ((factors > 1) & (factors < 8)).any()  # all three bands
+    scaled = rope_inv_freq(128, 500000.0, LLAMA31)
+    scaling = freq_factors_scaling(factors)
+    assert scaling[0][0] == FREQ_FACTORS and hash(scaling)  # a ModelConfig field: hashable
+    np.testing.assert_allclose(rope_inv_freq(128, 500000.0, scaling), scaled, rtol=3e-7)
+    np.testing.assert_array_equal(freq_factors(128, 500000.0, scaling), factors)  # divisors stay as they are
+    with pytest.raises(ValueError, match="3 factors for head_dim 128"):
+        rope_inv_freq(128, 500000.0, freq_factors_scaling(factors[:3]))

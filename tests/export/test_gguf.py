@@ -184,3 +184,55 @@ def test_a_quantized_token_table_is_written_as_its_floats(model, tmp_path):
                                   np.asarray(qparams["embed"]["embedding"].dequantize()))
     expected = {**_fp16_scales(qparams), "embed": {"embedding": qparams["embed"]["embedding"].dequantize()}}
     assert _rel_diff(forward(config2, params2, tokens), forward(config, expected, tokens)) <= 2e-6
+
+
+# --------------------------------------------------------------------------- Llama-3 RoPE scaling
+
+
+# stories260K (head dim 8, theta 1e4: wavelengths 6.3, 63, 628, 6283) with a short original context so that the
+# scaling keeps one frequency, interpolates one and slows two (all three bands of llama3 scaling)
+LLAMA3 = (("factor", 8.0), ("low_freq_factor", 1.0), ("high_freq_factor", 4.0),
+          ("original_max_position_embeddings", 128.0))
+
+
+def test_llama3_scaling_round_trips_as_rope_freqs(model, tmp_path):
+    """Llama-3 scaling goes to llama.cpp's rope_freqs.weight (as its converter writes it: unscaled over scaled
+    frequencies) and comes back as per-frequency divisors that give the same logits; a file with such factors is
+    how Llama-3.1 GGUFs carry their scaling."""
+    from llmeq_jax.core.rope import FREQ_FACTORS, rope_inv_freq
+
+    config, params, _, tokens = model
+    scaled = dataclasses.replace(config, rope_scaling=LLAMA3)
+    out = write_gguf(scaled, params, tmp_path / "m.gguf", source=MODEL)
+    (freqs,) = [t for t in gguf.GGUFReader(str(out)).tensors if t.name == "rope_freqs.weight"]
+    assert freqs.tensor_type == Q.F32
+    unscaled, want = rope_inv_freq(8, config.rope_theta, None), rope_inv_freq(8, config.rope_theta, LLAMA3)
+    np.testing.assert_allclose(np.asarray(freqs.data), unscaled.astype(np.float64) / want, rtol=1e-6)
+    assert len(set(np.round(np.asarray(freqs.data), 4))) == 3  # kept, interpolated, slowed
+    config2, params2, _ = load_model(out)
+    assert dict(config2.rope_scaling).keys() == {FREQ_FACTORS} and "rope_freqs" not in str(params2.keys())
+    ref = forward(scaled, params, tokens)
+    assert _rel_diff(forward(config2, params2, tokens), ref) <= 1e-6
+    assert _rel_diff(forward(config, params, tokens), ref) > 1e-2  # the scaling matters here: the check can fail
+    # and written again from the divisors, the file holds the same factors
+    again = write_gguf(config2, params2, tmp_path / "again.gguf", source=MODEL)
+    assert load_model(again)[0].rope_scaling == config2.rope_scaling
+
+
+def test_rope_scaling_outside_llamas_and_bad_rope_freqs_are_refused(model, tmp_path):
+    from llmeq_jax.core.rope import freq_factors_scaling
+    from llmeq_jax.export.compressed_tensors import write_compressed_tensors
+    from llmeq_jax.models.config import ModelConfigError
+
+    config, params, _, _ = model
+    with pytest.raises(ExportError, match="qwen2: RoPE frequency scaling"):
+        write_gguf(dataclasses.replace(config, model_type="qwen2", rope_scaling=LLAMA3), params,
+                   tmp_path / "q.gguf", source=MODEL)
+    bad = write_gguf(dataclasses.replace(config, rope_scaling=freq_factors_scaling([1.0, 2.0, 3.0])), params,
+                     tmp_path / "bad.gguf", source=MODEL)
+    with pytest.raises(ModelConfigError, match="must hold 4 positive factors"):
+        load_model(bad)
+    divisors = dataclasses.replace(config, rope_scaling=freq_factors_scaling([1.0, 2.0, 4.0, 8.0]))
+    with pytest.raises(ExportError, match="per-frequency RoPE factors"):
+        write_compressed_tensors(divisors, params, tmp_path / "ct")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.gguf"]
