@@ -39,7 +39,9 @@ Not expressible (one ExportError naming the layer, nothing written): int2..int4
 per-channel or in groups that are not a power of two >= 16 (MatMulNBits' block
 rule), W8A8 with grouped weight scales (MatMulInteger has no per-group
 rescaling), sub-byte or grouped token tables, a quantized KV cache (past and
-present are float32 tensors), sliding-window attention.
+present are float32 tensors). Sliding-window layers (Mistral, Qwen2's
+per-layer windows) mask keys older than the window; the present caches keep
+every slot, as our own cache does.
 
 Why the graph is built node by node with ``onnx.helper`` rather than traced
 from JAX (jax2onnx) or written in onnxscript: the point of the file is the
@@ -338,6 +340,11 @@ class StepInputs:
     cos: str | None
     sin: str | None
     allowed: str  # bool [T, S]: query t may see key slot s
+    allowed_sliding: str | None = None  # the same within the last ``sliding_window`` slots (sliding layers)
+
+    def mask(self, config: ModelConfig, layer: int) -> str:
+        """The mask layer ``layer`` attends with."""
+        return self.allowed_sliding if config.is_sliding(layer) else self.allowed
 
 
 def step_inputs(g: Graph, config: ModelConfig, ids: str, past_key: str) -> StepInputs:
@@ -348,16 +355,21 @@ def step_inputs(g: Graph, config: ModelConfig, ids: str, past_key: str) -> StepI
     one = g.const(1, np.int64)
     positions = g.op("Range", [past, total, one], "pos")  # [T]
     keys = g.op("Range", [g.const(0, np.int64), total, one], "pos")  # [S]
-    allowed = g.op("LessOrEqual", [g.op("Unsqueeze", [keys, g.const([0], np.int64)], "mask"),
-                                   g.op("Unsqueeze", [positions, g.const([1], np.int64)], "mask")], "mask")
+    key_row = g.op("Unsqueeze", [keys, g.const([0], np.int64)], "mask")  # [1, S]
+    query_col = g.op("Unsqueeze", [positions, g.const([1], np.int64)], "mask")  # [T, 1]
+    allowed = g.op("LessOrEqual", [key_row, query_col], "mask")
+    sliding = None
+    if config.sliding_window is not None:  # as our model and HF: the last `window` slots, the query's own included
+        start = g.op("Sub", [query_col, g.const(config.sliding_window, np.int64)], "mask")
+        sliding = g.op("And", [allowed, g.op("Greater", [key_row, start], "mask")], "mask")
     if config.family == "gpt2":
-        return StepInputs(positions=positions, cos=None, sin=None, allowed=allowed)
+        return StepInputs(positions=positions, cos=None, sin=None, allowed=allowed, allowed_sliding=sliding)
     inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
     posf = g.op("Unsqueeze", [g.op("Cast", [positions], "rope", to=1), g.const([1], np.int64)], "rope")
     angles = g.op("Mul", [posf, g.init("rope/inv_freq", inv_freq[None, :].astype(np.float32))], "rope")
     angles = g.op("Concat", [angles, angles], "rope", axis=-1)  # [T, D]
     return StepInputs(positions=positions, cos=g.op("Cos", [angles], "rope"), sin=g.op("Sin", [angles], "rope"),
-                      allowed=allowed)
+                      allowed=allowed, allowed_sliding=sliding)
 
 
 def heads(g: Graph, x: str, n: int, d: int, hint: str) -> str:
@@ -395,8 +407,8 @@ def gpt2_qkv(g: Graph, config: ModelConfig, p: dict, x: str, hint: str) -> tuple
 
 
 def attention(g: Graph, config: ModelConfig, p: dict, x: str, step: StepInputs, past: tuple[str, str],
-              hint: str) -> tuple[str, str, str]:
-    """Attention over past + new keys: (output [B, T, hidden], present key, present value)."""
+              hint: str, layer: int = 0) -> tuple[str, str, str]:
+    """Attention of layer ``layer`` over past + new keys: (output [B, T, hidden], present key, present value)."""
     c = config
     # q as [B, KV, G, T, D]: each KV head's query group shares its keys through MatMul broadcasting.
     q, k, v = gpt2_qkv(g, c, p, x, hint) if c.family == "gpt2" else llama_qkv(g, c, p, x, step, hint)
@@ -405,7 +417,7 @@ def attention(g: Graph, config: ModelConfig, p: dict, x: str, step: StepInputs, 
     axis2 = g.const([2], np.int64)
     kt = g.op("Unsqueeze", [g.op("Transpose", [present_k], hint, perm=[0, 1, 3, 2]), axis2], hint)  # [B, KV, 1, D, S]
     scores = g.op("Div", [g.op("MatMul", [q, kt], hint), g.const(math.sqrt(c.head_dim))], hint)  # [B, KV, G, T, S]
-    scores = g.op("Where", [step.allowed, scores, g.const(MASKED)], hint)
+    scores = g.op("Where", [step.mask(c, layer), scores, g.const(MASKED)], hint)
     probs = g.op("Softmax", [scores], hint, axis=-1)
     out = g.op("MatMul", [probs, g.op("Unsqueeze", [present_v, axis2], hint)], hint)  # [B, KV, G, T, D]
     out = g.op("Reshape", [g.op("Transpose", [out], hint, perm=[0, 3, 1, 2, 4]), g.const([0, 0, -1], np.int64)], hint)
@@ -431,9 +443,7 @@ def gelu_mlp(g: Graph, config: ModelConfig, p: dict, x: str, hint: str) -> str:
 
 
 def check_config(config: ModelConfig, kv: dict | None = None) -> None:
-    """An ExportError for what this graph does not compute: sliding windows, a quantized cache."""
-    if config.sliding_window is not None:
-        raise ExportError(f"{config.model_type}: sliding-window attention is not written by the ONNX exporter")
+    """An ExportError for what this graph does not compute: a quantized cache."""
     if kv:
         raise ExportError(f"layers_*/attn (KV cache): the recipe quantizes the KV cache ({kv}); the ONNX graph's "
                           "past/present tensors are float32 and no standard op reads our quantized cache layout")
@@ -474,7 +484,8 @@ def build_model(config: ModelConfig, params: Any, *, kv: dict | None = None, met
         p = params[f"layers_{i}"]
         hint = f"layers_{i}"
         first, second = ("ln_1", "ln_2") if gpt2 else ("input_norm", "post_attn_norm")
-        a, pk, pv = attention(g, c, p["attn"], norm(h, p[first], f"{hint}/{first}"), step, past[i], f"{hint}/attn")
+        a, pk, pv = attention(g, c, p["attn"], norm(h, p[first], f"{hint}/{first}"), step, past[i], f"{hint}/attn",
+                              layer=i)
         h = g.op("Add", [h, a], hint)
         x = norm(h, p[second], f"{hint}/{second}")
         m = gelu_mlp(g, c, p["mlp"], x, f"{hint}/mlp") if gpt2 else swiglu(g, p["mlp"], x, f"{hint}/mlp")

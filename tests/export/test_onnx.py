@@ -229,14 +229,10 @@ def test_inexpressible_recipe_is_one_error_and_nothing_written(model, tmp_path, 
     assert list(tmp_path.iterdir()) == []
 
 
-def test_quantized_kv_cache_and_other_models_are_refused(model, tmp_path):
-    import dataclasses
-
+def test_quantized_kv_cache_is_refused(model, tmp_path):
     config, params, _ = model
     with pytest.raises(ExportError, match=r"^layers_\*/attn \(KV cache\): the recipe quantizes the KV cache"):
         write_onnx(config, params, tmp_path / "m.onnx", kv={"bits": 8})
-    with pytest.raises(ExportError, match="sliding-window attention"):
-        write_onnx(dataclasses.replace(config, model_type="mistral", sliding_window=16), params, tmp_path / "m.onnx")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -256,14 +252,14 @@ def test_write_is_atomic_and_loads(model, tmp_path):
     assert _rel_diff(_run(session, ids, empty_past(config, 1))["logits"], _ours(config, params, ids)) <= 1e-5
 
 
-# --------------------------------------------------------------------------- qwen2 / qwen3 / gpt2
+# --------------------------------------------------------------------------- qwen2 / qwen3 / mistral / gpt2
 
 
-@pytest.fixture(scope="module", params=["qwen2", "qwen3", "gpt2"])
+@pytest.fixture(scope="module", params=["qwen2", "qwen3", "mistral", "gpt2"])
 def family(request, tmp_path_factory):
     """A tiny random Qwen2 (q/k/v biases, tied head), Qwen3 (q/k RMSNorms, head dim 24 != hidden / heads, untied
-    head) or GPT-2 (learned positions, LayerNorm, fused QKV with biases, tanh GELU, tied head) written by
-    transformers and loaded by us."""
+    head), Mistral (a sliding window of 4 slots, shorter than the prompt) or GPT-2 (learned positions, LayerNorm,
+    fused QKV with biases, tanh GELU, tied head) written by transformers and loaded by us."""
     from tests.models.hf_fixtures import make_hf_model, save
 
     name = request.param
@@ -278,13 +274,14 @@ FAMILY_INITS = {  # initializers that only a graph with the family's own feature
     "qwen2": {f"layers_0/attn/{p}_proj/bias" for p in "qkv"},
     "qwen3": {"layers_0/attn/q_norm/scale", "layers_0/attn/k_norm/scale"},
     "gpt2": {"layers_0/ln_1/bias", "layers_0/attn/qkv_proj/bias", "layers_0/mlp/fc_in/bias", "norm/bias"},
+    "mistral": set(),  # its window is in the mask (an And of two comparisons), checked below
 }
 
 
 @pytest.mark.parametrize("weights", [None, "int4-g32-asym", "int8-channel"])
 def test_family_graphs_give_our_logits_prefill_and_decode(family, weights):
-    """The qwen2 / qwen3 / gpt2 branches of the exporter against our forward: a prompt, then two one-token steps on
-    the present caches, float and quantized weights; GPT-2's quantized variants also read an int8 token table
+    """The qwen2 / qwen3 / mistral / gpt2 branches of the exporter against our forward: a prompt, then two one-token
+    steps on the present caches, float and quantized weights; GPT-2's quantized variants also read an int8 token table
     (tied head) beside the float position table."""
     name, config, params, ids = family
     rules = [{"pattern": ".*/kernel", "weight": WEIGHT_ONLY.get(weights)}] + ([TABLE_INT8] if name == "gpt2" else [])
@@ -292,6 +289,7 @@ def test_family_graphs_give_our_logits_prefill_and_decode(family, weights):
     m = build_model(config, qparams)
     inits = {t.name for t in m.graph.initializer}
     assert FAMILY_INITS[name] <= inits
+    assert ("And" in _ops(m)) == (config.sliding_window is not None)
     if name == "gpt2":
         assert {"embed/qtable" if weights else "embed/table", "pos_embed/table"} <= inits
     ref = _ours(config, qparams, ids)
