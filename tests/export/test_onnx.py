@@ -58,6 +58,19 @@ def _ops(model_proto):
     return [n.op_type for n in model_proto.graph.node]
 
 
+def _check_prefill_then_steps(session, config, ids, ref, steps: int):
+    """The graph on ``ids`` minus its last ``steps`` tokens with empty past, then one token at a time on the present
+    caches: each call's logits are ``ref`` (our full-sequence logits) at its positions, the caches grow a slot a
+    step."""
+    b, t = ids.shape
+    out = _run(session, ids[:, : t - steps], empty_past(config, b))
+    assert _rel_diff(out["logits"], ref[:, : t - steps]) <= 1e-5
+    for pos in range(t - steps, t):
+        out = _run(session, ids[:, pos: pos + 1], next_past(config, out))
+        assert out["present.0.key"].shape == (b, config.num_kv_heads, pos + 1, config.head_dim)
+        assert _rel_diff(out["logits"][:, 0], ref[:, pos]) <= 1e-5
+
+
 def _init_dtypes(model_proto):
     return {t.name: t.data_type for t in model_proto.graph.initializer}
 
@@ -159,15 +172,8 @@ def test_decode_steps_match_full_sequence(model):
     logits are our full-sequence logits at that position, and the caches grow by one slot per step."""
     config, params, ids = model
     qparams = _quantized(params, TABLE_INT8, {"pattern": ".*/kernel", "weight": WEIGHT_ONLY["int4-g32-asym"]})
-    ref = _ours(config, qparams, ids)
     session = _session(build_model(config, qparams))
-    t = ids.shape[1]
-    out = _run(session, ids[:, : t - 3], empty_past(config, 1))
-    assert _rel_diff(out["logits"], ref[:, : t - 3]) <= 1e-5
-    for pos in range(t - 3, t):
-        out = _run(session, ids[:, pos: pos + 1], next_past(config, out))
-        assert out["present.0.key"].shape == (1, config.num_kv_heads, pos + 1, config.head_dim)
-        assert _rel_diff(out["logits"][:, 0], ref[:, pos]) <= 1e-5
+    _check_prefill_then_steps(session, config, ids, _ours(config, qparams, ids), steps=3)
     # A batch of two equal-length rows gives each row's logits.
     two = np.concatenate([ids, ids[:, ::-1]])
     got = _run(session, two, empty_past(config, 2))["logits"]
@@ -293,13 +299,6 @@ def test_family_graphs_give_our_logits_prefill_and_decode(family, weights):
     if name == "gpt2":
         assert {"embed/qtable" if weights else "embed/table", "pos_embed/table"} <= inits
     ref = _ours(config, qparams, ids)
-    session = _session(m)
-    t = ids.shape[1]
-    out = _run(session, ids[:, : t - 2], empty_past(config, 2))
-    assert _rel_diff(out["logits"], ref[:, : t - 2]) <= 1e-5
-    for pos in range(t - 2, t):
-        out = _run(session, ids[:, pos: pos + 1], next_past(config, out))
-        assert out["present.0.key"].shape == (2, config.num_kv_heads, pos + 1, config.head_dim)
-        assert _rel_diff(out["logits"][:, 0], ref[:, pos]) <= 1e-5
+    _check_prefill_then_steps(_session(m), config, ids, ref, steps=2)
     if weights is not None:  # the check can fail: quantization moves the logits far more than the tolerance
         assert _rel_diff(_ours(config, params, ids), ref) > 1e-3
