@@ -41,7 +41,9 @@ from llmeq_jax.models.config import ModelConfig
 
 BLOCK = 32
 # Our model_type -> GGUF architecture (the ones our loader reads back).
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# model_type -> GGUF architecture. Mistral (without a sliding window) is llama.cpp's llama, as its converter
+# writes it; our loader reads it back as llama, the same computation.
+ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 # Source keys not copied: the writer and our config own these.
 _OWN_KEYS = ("GGUF.", "general.architecture", "general.file_type", "general.quantization_version", "general.alignment")
 
@@ -217,7 +219,7 @@ def source_metadata(reader) -> dict[str, tuple[Any, Any, Any]]:
 
 def gguf_tensors(config: ModelConfig, params: Any) -> list[tuple[str, np.ndarray, Any]]:
     """``[(name, array, qtype or None)]``: every tensor in llama.cpp's layout, all checks done before writing."""
-    permute = config.model_type == "llama"
+    permute = ARCHITECTURES.get(config.model_type) == "llama"  # llama.cpp's llama pairs RoPE features
     heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}
     out = []
     if config.rope_scaling is not None:  # Llama-3 scaling as llama.cpp reads it: one divisor per frequency

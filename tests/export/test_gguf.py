@@ -236,3 +236,19 @@ def test_rope_scaling_outside_llamas_and_bad_rope_freqs_are_refused(model, tmp_p
     with pytest.raises(ExportError, match="per-frequency RoPE factors"):
         write_compressed_tensors(divisors, params, tmp_path / "ct")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.gguf"]
+
+
+def test_mistral_is_written_as_llama_cpps_llama(model, tmp_path):
+    """A Mistral model without a sliding window is llama.cpp's llama architecture (as its converter writes it):
+    Q/K rows permuted into llama.cpp's RoPE order, read back by our loader as llama with the same logits; with a
+    window it is refused."""
+    config, params, _, tokens = model
+    mistral = dataclasses.replace(config, model_type="mistral")
+    out = write_gguf(mistral, params, tmp_path / "m.gguf", source=MODEL)
+    assert gguf.GGUFReader(str(out)).fields["general.architecture"].contents() == "llama"
+    config2, params2, _ = load_model(out)
+    assert config2.model_type == "llama"
+    assert _rel_diff(forward(config2, params2, tokens), forward(mistral, params, tokens)) <= 1e-6
+    with pytest.raises(ExportError, match="sliding-window attention"):
+        write_gguf(dataclasses.replace(mistral, sliding_window=16), params, tmp_path / "w.gguf", source=MODEL)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
