@@ -54,6 +54,7 @@ _RM_A16_TARGET = "llmeq_rm_a16"
 _RM_A8_TARGET = "llmeq_rm_a8"
 _ATTN_TARGET = "llmeq_decode_attention"
 _KV_STORE_TARGET = "llmeq_kv_store_attention"
+_KV_APPEND_TARGET = "llmeq_kv_store_append"
 _PANEL_TARGET = "llmeq_panel_matmul"
 _FLOAT_TARGET = "llmeq_float_gemv"
 # Columns per panel of a packed float kernel (kPanelCols in native/cpu_kernels.cc).
@@ -61,7 +62,7 @@ PANEL_COLS = 32
 # Query positions from which the attention kernel runs its blocked prefill path (kFlashMinT in
 # native/cpu_kernels.cc); between NATIVE_MAX_ROWS["attention"] and this, XLA's attention is used.
 PREFILL_ATTENTION_MIN_POSITIONS = 16
-_ABI_VERSION = 9
+_ABI_VERSION = 10
 _DISABLED = contextvars.ContextVar("llmeq_native_disabled", default=False)
 
 
@@ -103,7 +104,7 @@ def _load() -> None:
         if lib.llmeq_native_abi_version() != _ABI_VERSION:
             raise OSError(f"ABI version {lib.llmeq_native_abi_version()} != {_ABI_VERSION}; rebuild the package")
         for name in (_WO_TARGET, _W8_TARGET, _RM_A16_TARGET, _RM_A8_TARGET, _ATTN_TARGET, _PANEL_TARGET,
-                     _FLOAT_TARGET, _KV_STORE_TARGET):
+                     _FLOAT_TARGET, _KV_STORE_TARGET, _KV_APPEND_TARGET):
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
     except (OSError, AttributeError) as e:  # a stale or foreign build: XLA still works
         _state.reason = f"the native CPU library {path} could not be loaded: {e}"
@@ -688,6 +689,33 @@ def kv_store_attention(q, k_codes, v_codes, k_scale, k_lo, v_scale, v_lo, scan, 
         extra=np.int64(extra is not None))
 
 
+def kv_store_append(k_codes, v_codes, v_scale, v_lo, k, v, k_scale, k_lo, start, *, bits: int, layer):
+    """A step's keys and values quantized and written into layer ``layer`` of a quantized KV store, in place:
+    ``(k_codes, v_codes, v_scale, v_lo)`` updated (the outputs alias those inputs, so XLA writes no copy).
+
+    Bit for bit ``kv.grid.quantize_per_channel`` (keys, on the per-channel grid ``k_scale`` / ``k_lo``
+    ``[1 or B, KV, D]``) and ``kv.grid.quantize_per_token`` (values, each token's own float16 grid) written
+    by ``dynamic_update_slice`` at slots ``start .. start + T - 1`` (the start clamped as it clamps): k, v
+    ``[B, KV, T, D]``; codes ``[L, B, KV, S, D or D / 2]``; value grids ``[L, B, KV, S, 1]`` float16 or
+    float32. No outliers. One call for what XLA runs as ~8 small ops a layer (~4 us of dispatch each on a
+    CPU: most of what a quantized cache's decode step lost to a float cache's)."""
+    _require(None, "kv_store_append")
+    n_layers, b, kv, s, row = k_codes.shape
+    d = k.shape[-1]
+    if bits not in (4, 8) or row != (d if bits == 8 else d // 2) or v_codes.shape != k_codes.shape \
+            or k.ndim != 4 or k.shape[:2] != (b, kv) or v.shape != k.shape or k.shape[2] > s \
+            or v_scale.shape != (n_layers, b, kv, s, 1) or v_lo.shape != v_scale.shape:
+        raise ValueError(f"native.kv_store_append: codes {k_codes.shape} / grids {v_scale.shape} do not hold "
+                         f"{bits}-bit rows of keys / values {k.shape} / {v.shape}")
+    k_scale, k_lo = (jnp.asarray(a, jnp.float32).reshape(-1, kv, d) for a in (k_scale, k_lo))
+    out_types = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (k_codes, v_codes, v_scale, v_lo))
+    call = jax.ffi.ffi_call(_KV_APPEND_TARGET, out_types, vmap_method="sequential",
+                            input_output_aliases={0: 0, 1: 1, 2: 2, 3: 3})
+    return call(k_codes, v_codes, v_scale, v_lo, k.astype(jnp.float32), v.astype(jnp.float32), k_scale, k_lo,
+                jnp.asarray(start, jnp.int32).reshape(()), jnp.asarray(layer, jnp.int32).reshape(()),
+                bits=np.int64(bits))
+
+
 def _w8_int32_for_tests(xq2: jax.Array, q: jax.Array, group_size: int) -> jax.Array:
     """The kernel's integer part alone, as float32 (exact: unit scales, sx = 1); for tests."""
     k, n = q.shape
@@ -708,6 +736,7 @@ __all__ = [
     "disabled",
     "enabled",
     "force_scalar",
+    "kv_store_append",
     "kv_store_attention",
     "library_path",
     "panel_matmul",

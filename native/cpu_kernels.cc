@@ -3502,6 +3502,123 @@ ffi::Error kvs_impl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kc, ffi::AnyBuffer v
 
 }  // namespace
 
+// ---------------------------------------------------------------------------------------------------------------
+// KV store append: a step's keys (on the calibrated per-channel grid) and values (each token on its own min/max
+// grid, float16 or float32) quantized and written into the stacked store in place (the outputs alias the store's
+// buffers). Bit for bit what llmeq_jax.kv.grid's quantize_per_channel / quantize_per_token and XLA's
+// dynamic_update_slice write; one call where XLA ran ~8 small ops a layer, each costing ~4 us of dispatch on a CPU.
+
+// float -> IEEE half bits, round to nearest even (XLA's convert), overflow to inf.
+inline uint16_t float_to_half(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint32_t sign = (x >> 16) & 0x8000u, a = x & 0x7fffffffu;
+  if (a >= 0x7f800000u) return uint16_t(sign | (a > 0x7f800000u ? 0x7e00u : 0x7c00u));
+  if (a >= 0x477ff000u) return uint16_t(sign | 0x7c00u);  // >= 65520 rounds to inf
+  if (a < 0x38800000u) {  // below 2^-14: a half subnormal, in units of 2^-24 (exact scaling, then ties to even)
+    float v;
+    std::memcpy(&v, &a, 4);
+    return uint16_t(sign | uint32_t(std::nearbyint(v * 16777216.0f)));
+  }
+  uint32_t h = ((((a >> 23) - 127 + 15) << 10) | ((a & 0x7fffffu) >> 13));
+  const uint32_t rest = a & 0x1fffu;
+  if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) ++h;  // a carry into the exponent is right
+  return uint16_t(sign | h);
+}
+
+// The next half towards -inf / +inf (finite, non-NaN inputs), as jnp.nextafter on float16.
+inline uint16_t half_down(uint16_t h) {
+  if ((h & 0x7fffu) == 0) return 0x8001u;
+  return (h & 0x8000u) ? uint16_t(h + 1) : uint16_t(h - 1);
+}
+inline uint16_t half_up(uint16_t h) {
+  if ((h & 0x7fffu) == 0) return 0x0001u;
+  return (h & 0x8000u) ? uint16_t(h - 1) : uint16_t(h + 1);
+}
+
+// Codes of x on the grid (scale, lo): clip(round((x - lo) / scale), 0, levels) + qmin, as kv.grid.quantize_grid.
+inline int8_t grid_code(float x, float scale, float lo, int bits) {
+  const float levels = float((1 << bits) - 1);
+  const float u = std::min(std::max(std::nearbyint((x - lo) / scale), 0.0f), levels);
+  return int8_t(int(u) - (1 << (bits - 1)));
+}
+
+// One row of D codes into the store's bytes: int8 as is, int4 two per byte, low nibble first.
+inline void put_codes(const int8_t* q, int64_t d, int bits, uint8_t* row) {
+  if (bits == 8) {
+    std::memcpy(row, q, d);
+    return;
+  }
+  for (int64_t j = 0; j < d / 2; ++j) row[j] = uint8_t((q[2 * j] & 0xf) | ((q[2 * j + 1] & 0xf) << 4));
+}
+
+ffi::Error kva_impl(ffi::AnyBuffer kc_in, ffi::AnyBuffer vc_in, ffi::AnyBuffer vs_in, ffi::AnyBuffer vlo_in,
+                    ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> ks,
+                    ffi::Buffer<ffi::F32> klo, ffi::Buffer<ffi::S32> start_buf, ffi::Buffer<ffi::S32> layer_buf,
+                    ffi::Result<ffi::AnyBuffer> kc, ffi::Result<ffi::AnyBuffer> vc, ffi::Result<ffi::AnyBuffer> vs,
+                    ffi::Result<ffi::AnyBuffer> vlo, int64_t bits) {
+  const char* name = "llmeq_kv_store_append: ";
+  auto cd = kc->dimensions(), xd = k.dimensions(), sd = ks.dimensions();
+  if (cd.size() != 5 || xd.size() != 4 || sd.size() != 3 || v.dimensions().size() != 4)
+    return ffi::Error::InvalidArgument(std::string(name) + "codes must be [L, B, KV, S, bytes], keys and values "
+                                       "[B, KV, T, D], the key grid [1 or B, KV, D]");
+  if (bits != 4 && bits != 8) return ffi::Error::InvalidArgument(std::string(name) + "bits must be 4 or 8");
+  const int64_t L = cd[0], B = cd[1], KV = cd[2], S = cd[3], row = cd[4], T = xd[2], D = xd[3];
+  if (xd[0] != B || xd[1] != KV || row != (bits == 8 ? D : D / 2) || (bits == 4 && D % 2) || T > S ||
+      v.element_count() != k.element_count() || (sd[0] != 1 && sd[0] != B) || sd[1] != KV || sd[2] != D ||
+      klo.element_count() != ks.element_count())
+    return ffi::Error::InvalidArgument(std::string(name) + "keys/values [B, KV, T, D] do not match the codes");
+  const auto vt = vs->element_type();
+  if ((vt != ffi::F16 && vt != ffi::F32) || vlo->element_type() != vt || int64_t(vs->element_count()) != L * B * KV * S)
+    return ffi::Error::InvalidArgument(std::string(name) + "value grids must be [L, B, KV, S, 1] float16 or float32");
+  const int64_t l = layer_buf.typed_data()[0];
+  if (l < 0 || l >= L) return ffi::Error::InvalidArgument(std::string(name) + "layer out of range");
+  // dynamic_update_slice's rule: the start is clamped so that the T new slots fit
+  const int64_t start = std::min<int64_t>(std::max<int64_t>(start_buf.typed_data()[0], 0), S - T);
+  // The outputs alias the inputs; where XLA did not alias them, start from a copy of the store.
+  const ffi::AnyBuffer* ins[4] = {&kc_in, &vc_in, &vs_in, &vlo_in};
+  void* outs[4] = {kc->untyped_data(), vc->untyped_data(), vs->untyped_data(), vlo->untyped_data()};
+  for (int i = 0; i < 4; ++i)
+    if (ins[i]->untyped_data() != outs[i]) std::memcpy(outs[i], ins[i]->untyped_data(), ins[i]->size_bytes());
+  const float *kx = k.typed_data(), *vx = v.typed_data(), *kscale = ks.typed_data(), *klow = klo.typed_data();
+  const int levels = (1 << bits) - 1;
+  std::vector<int8_t> q(D);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < KV; ++h) {
+      const int64_t grid = ((sd[0] == 1 ? 0 : b) * KV + h) * D;
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t src = ((b * KV + h) * T + t) * D, slot = ((l * B + b) * KV + h) * S + start + t;
+        for (int64_t j = 0; j < D; ++j) q[j] = grid_code(kx[src + j], kscale[grid + j], klow[grid + j], int(bits));
+        put_codes(q.data(), D, int(bits), static_cast<uint8_t*>(outs[0]) + slot * row);
+        // values: the token's own grid, rounded to the store's dtype as kv.grid.grid_from_range rounds it
+        float lo = vx[src], hi = vx[src];
+        for (int64_t j = 1; j < D; ++j) {
+          lo = std::min(lo, vx[src + j]);
+          hi = std::max(hi, vx[src + j]);
+        }
+        // (float16 whatever the store's dtype: a float32 store holds the float16 grid's values)
+        uint16_t lo_h = float_to_half(lo);
+        if (half_to_float(lo_h) > lo) lo_h = half_down(lo_h);
+        const float lo_s = half_to_float(lo_h), span = hi - lo_s;
+        float scale = span > 0 ? span / float(levels) : 1.0f;
+        scale = std::max(scale, 6.103515625e-05f);  // float16's smallest normal (grid_from_range's floor)
+        uint16_t scale_h = float_to_half(scale);
+        if (half_to_float(scale_h) < scale) scale_h = half_up(scale_h);
+        const float scale_s = half_to_float(scale_h);
+        for (int64_t j = 0; j < D; ++j) q[j] = grid_code(vx[src + j], scale_s, lo_s, int(bits));
+        put_codes(q.data(), D, int(bits), static_cast<uint8_t*>(outs[1]) + slot * row);
+        if (vt == ffi::F16) {
+          static_cast<uint16_t*>(outs[2])[slot] = scale_h;
+          static_cast<uint16_t*>(outs[3])[slot] = lo_h;
+        } else {
+          static_cast<float*>(outs[2])[slot] = scale_s;
+          static_cast<float*>(outs[3])[slot] = lo_s;
+        }
+      }
+    }
+  return ffi::Error::Success();
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(llmeq_wo_matmul, wo_impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -3601,6 +3718,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(llmeq_kv_store_attention, kvs_impl,
                                   .Attr<int64_t>("rope")
                                   .Attr<int64_t>("extra"));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(llmeq_kv_store_append, kva_impl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("bits"));
+
 // Plain C helpers for Python (ctypes): what the library was built for and what this CPU runs.
 extern "C" {
 __attribute__((visibility("default"))) int llmeq_native_simd() { return use_avx2() ? 1 : 0; }
@@ -3608,5 +3743,5 @@ __attribute__((visibility("default"))) void llmeq_native_force_scalar(int on) { 
 __attribute__((visibility("default"))) int llmeq_native_vnni() { return use_vnni() ? 1 : 0; }
 __attribute__((visibility("default"))) int llmeq_native_avx512() { return use_avx512() ? 1 : 0; }
 __attribute__((visibility("default"))) void llmeq_native_allow_vnni(int on) { g_allow_vnni.store(on ? 1 : 0); }
-__attribute__((visibility("default"))) int llmeq_native_abi_version() { return 9; }
+__attribute__((visibility("default"))) int llmeq_native_abi_version() { return 10; }
 }

@@ -359,11 +359,24 @@ def _q_update(cache: QuantKVCache, layer: int, k, v, k_raw) -> QuantKVCache:
         cache = _set_online_grid(cache, layer, keys)
     if cache.sink_slot is not None:
         cache = _write_sinks(cache, layer, k, v)
+    if native_reads_store(cache.spec, cache.head_dim):  # the native kernel's setting: one in-place native write
+        return _native_write(cache, layer, keys, v)
     return dataclasses.replace(
         cache,
         k=_write(cache.k, layer, _quantize_keys(cache, layer, keys), cache.length),
         v=_write(cache.v, layer, kvgrid.quantize_per_token(v, cache.spec.bits, n_out), cache.length),
     )
+
+
+def _native_write(cache: QuantKVCache, layer: int, keys, v) -> QuantKVCache:
+    """:func:`_q_update`'s codes and grids by one native call writing the store in place (``native.kv_store_append``,
+    bit for bit XLA's): XLA's quantize-and-write is ~8 small ops a layer, and on a CPU each op's dispatch (~4 us)
+    cost more than its work -- a quarter of a SmolLM2 decode step with the quantized cache (docs/kv-cache.md)."""
+    scale, lo, _ = _key_grid(cache, layer)
+    kq, vq, vs, vl = native.kv_store_append(cache.k.q, cache.v.q, cache.v.scale, cache.v.lo, keys, v, scale, lo,
+                                            cache.length, bits=cache.spec.bits, layer=layer)
+    return dataclasses.replace(cache, k=dataclasses.replace(cache.k, q=kq),
+                               v=dataclasses.replace(cache.v, q=vq, scale=vs, lo=vl))
 
 
 def _q_read(cache: QuantKVCache, layer: int):

@@ -93,6 +93,9 @@ def _assert_same_decode(config, params, tokens, ours, xla):
     for name in ("k", "v"):
         np.testing.assert_array_equal(getattr(cache, name).q, getattr(xla_cache, name).q,
                                       err_msg=f"{name} codes differ: the paths quantized different inputs")
+    for grid in ("scale", "lo"):  # the values' per-token grids, bit for bit (the native write makes its own)
+        np.testing.assert_array_equal(np.asarray(getattr(cache.v, grid)).view(np.uint16),
+                                      np.asarray(getattr(xla_cache.v, grid)).view(np.uint16))
     # Seen here: within 5.4e-6 of the logits' scale (float32 sums in another order); a wrong
     # rotation or log-sum-exp moves them by more than 1e-2 of it.
     tol = 5e-5 * float(jnp.max(jnp.abs(xla_logits)))
@@ -128,6 +131,7 @@ def test_decode_through_the_native_kernel_equals_xla(case, tables, monkeypatch):
     step = lambda p, t, m, c: forward_step(config, p, t, m, c)  # noqa: E731
     hlo = jax.jit(step).lower(params, tokens[:, :1], jnp.ones((2, 1), jnp.int32), cache).as_text()
     assert hlo.count("llmeq_kv_store_attention") >= config.num_layers
+    assert hlo.count("llmeq_kv_store_append") >= config.num_layers  # the codes and grids written by one call
     if spec.sink_tokens and not spec.window:  # the kernel read the sinks too: no merge of two softmaxes after it
         assert "log_plus_one" not in hlo
     tol = _assert_same_decode(config, params, tokens, (ours, our_cache), (xla, xla_cache))
