@@ -40,9 +40,8 @@ from llmeq_jax.models import gguf_loader
 from llmeq_jax.models.config import ModelConfig
 
 BLOCK = 32
-# Our model_type -> GGUF architecture (the ones our loader reads back).
-# model_type -> GGUF architecture. Mistral (without a sliding window) is llama.cpp's llama, as its converter
-# writes it; our loader reads it back as llama, the same computation.
+# Our model_type -> GGUF architecture (the ones our loader reads back). Mistral (without a sliding window) is
+# llama.cpp's llama, as its converter writes it; our loader reads it back as llama, the same computation.
 ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 # Source keys not copied: the writer and our config own these.
 _OWN_KEYS = ("GGUF.", "general.architecture", "general.file_type", "general.quantization_version", "general.alignment")

@@ -370,8 +370,8 @@ def _q_update(cache: QuantKVCache, layer: int, k, v, k_raw) -> QuantKVCache:
 
 def _native_write(cache: QuantKVCache, layer: int, keys, v) -> QuantKVCache:
     """:func:`_q_update`'s codes and grids by one native call writing the store in place (``native.kv_store_append``,
-    bit for bit XLA's): XLA's quantize-and-write is ~8 small ops a layer, and on a CPU each op's dispatch (~4 us)
-    cost more than its work -- a quarter of a SmolLM2 decode step with the quantized cache (docs/kv-cache.md)."""
+    bit for bit XLA's): XLA's quantize-and-write is ~8 small ops a layer, and on a CPU each op's dispatch (a few
+    us) costs more than its work -- ~7 fewer ops a layer, a few to ~10 % of SmolLM2's decode (docs/kv-cache.md)."""
     scale, lo, _ = _key_grid(cache, layer)
     kq, vq, vs, vl = native.kv_store_append(cache.k.q, cache.v.q, cache.v.scale, cache.v.lo, keys, v, scale, lo,
                                             cache.length, bits=cache.spec.bits, layer=layer)

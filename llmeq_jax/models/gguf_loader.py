@@ -95,7 +95,6 @@ def config_from_gguf(reader, source: str) -> ModelConfig:
     bos = metadata(reader, "tokenizer.ggml.bos_token_id")
     head_dim = int(metadata(reader, f"{arch}.attention.key_length", hidden // heads))
     return ModelConfig(
-        rope_scaling=rope_scaling_from_gguf(reader, head_dim, source),
         model_type=ARCHITECTURES[arch],
         vocab_size=int(vocab),
         hidden_size=hidden,
@@ -108,6 +107,7 @@ def config_from_gguf(reader, source: str) -> ModelConfig:
         max_position_embeddings=int(metadata(reader, f"{arch}.context_length", 2048)),
         tie_word_embeddings="output.weight" not in names,
         rope_theta=float(metadata(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling_from_gguf(reader, head_dim, source),
         qkv_bias=arch == "qwen2",
         qk_norm=arch == "qwen3",
         bos_token_id=None if bos in (None, _NO_TOKEN) else int(bos),
