@@ -50,10 +50,6 @@ def export_checkpoint(ckpt: str | Path, fmt: str, out: str | Path, *, source: st
     if Path(out).exists() and not overwrite:  # before the (slow) restore; atomic_output checks again
         raise ExportError(f"output {str(out)!r} already exists; pass --overwrite to replace it")
     src = source_of(ckpt, source)
-    if fmt == "gguf" and (src is None or src.suffix != ".gguf"):
-        found = "records no source on disk" if src is None else f"came from {str(src)!r}, not a .gguf file"
-        raise ExportError(f"GGUF export copies the tokenizer from the source GGUF file, and {str(ckpt)!r} {found}; "
-                          "give it with --source FILE.gguf")
     config, params, tokenizer, recipe = checkpoint.load_model_checkpoint(ckpt)
     if fmt == "onnx":
         from llmeq_jax.export.onnx import check_config, write_onnx
@@ -66,7 +62,12 @@ def export_checkpoint(ckpt: str | Path, fmt: str, out: str | Path, *, source: st
     if fmt == "gguf":
         from llmeq_jax.export.gguf import write_gguf
 
-        return write_gguf(config, params, out, source=src, overwrite=overwrite)
+        if src is not None and src.suffix == ".gguf":  # the source file's own tokenizer keys, copied as they are
+            return write_gguf(config, params, out, source=src, overwrite=overwrite)
+        if tokenizer is None:
+            raise ExportError(f"GGUF export needs a tokenizer: {str(ckpt)!r} holds none and came from no GGUF file "
+                              "on disk; give one with --source FILE.gguf")
+        return write_gguf(config, params, out, tokenizer=tokenizer, overwrite=overwrite)
     from llmeq_jax.export.compressed_tensors import write_compressed_tensors
 
     return write_compressed_tensors(config, params, out, tokenizer=tokenizer, overwrite=overwrite)

@@ -22,7 +22,8 @@ activations its own way and the file has no place for our activation spec).
 
 Our loader un-permutes Q/K rows of ``llama`` models (llama.cpp's RoPE pairs
 adjacent features); this writer permutes them back. Tokenizer and general
-metadata are copied from the source GGUF file; the architecture keys are
+metadata are copied from the source GGUF file, or the tokenizer is written
+from a Hugging Face one (``gguf_tokenizer``); the architecture keys are
 written from the ModelConfig.
 """
 
@@ -36,13 +37,14 @@ import numpy as np
 from llmeq_jax.core.qarray import QArray
 from llmeq_jax.core.rope import freq_factors
 from llmeq_jax.export.common import ExportError, KernelGrid, atomic_output, flat_params, kernel_grid
+from llmeq_jax.export.gguf_tokenizer import tokenizer_metadata
 from llmeq_jax.models import gguf_loader
 from llmeq_jax.models.config import ModelConfig
 
 BLOCK = 32
 # Our model_type -> GGUF architecture (the ones our loader reads back). Mistral (without a sliding window) is
 # llama.cpp's llama, as its converter writes it; our loader reads it back as llama, the same computation.
-ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2"}
 # Source keys not copied: the writer and our config own these.
 _OWN_KEYS = ("GGUF.", "general.architecture", "general.file_type", "general.quantization_version", "general.alignment")
 
@@ -50,15 +52,14 @@ _OWN_KEYS = ("GGUF.", "general.architecture", "general.file_type", "general.quan
 # --------------------------------------------------------------------------- names
 
 
-def _gguf_names() -> tuple[dict[str, str], dict[str, str]]:
+def _gguf_names(family: str) -> tuple[dict[str, str], dict[str, str]]:
     """Our param path (top level, inside a block) -> GGUF tensor name: the loader's maps inverted."""
-    top = {path: name for name, (path, _) in gguf_loader._TOP.items()}
-    layer = {path: name for name, (path, _) in gguf_loader._LAYER.items()}
-    return top, layer
+    top, layer = gguf_loader.TENSOR_NAMES[family]
+    return ({path: name for name, (path, _) in top.items()}, {path: name for name, (path, _) in layer.items()})
 
 
-def tensor_name(path: str) -> str:
-    top, layer = _gguf_names()
+def tensor_name(path: str, family: str) -> str:
+    top, layer = _gguf_names(family)
     if path in top:
         return top[path]
     head, _, rest = path.partition("/")
@@ -170,6 +171,8 @@ def check_config(config: ModelConfig) -> str:
                           "architecture only")
     if config.sliding_window is not None:
         raise ExportError("sliding-window attention has no GGUF metadata for this architecture")
+    if arch == "gpt2" and config.act != "gelu_tanh":
+        raise ExportError(f"gpt2 with activation {config.act!r}: llama.cpp's gpt2 computes the tanh GELU only")
     return arch
 
 
@@ -183,14 +186,19 @@ def config_metadata(config: ModelConfig, arch: str) -> dict[str, tuple[Any, Any]
         "block_count": (config.num_layers, T.UINT32),
         "feed_forward_length": (config.intermediate_size, T.UINT32),
         "attention.head_count": (config.num_heads, T.UINT32),
-        "attention.head_count_kv": (config.num_kv_heads, T.UINT32),
-        "attention.layer_norm_rms_epsilon": (config.norm_eps, T.FLOAT32),
-        "attention.key_length": (config.head_dim, T.UINT32),
-        "attention.value_length": (config.head_dim, T.UINT32),
-        "rope.dimension_count": (config.head_dim, T.UINT32),
-        "rope.freq_base": (config.rope_theta, T.FLOAT32),
         "vocab_size": (config.vocab_size, T.UINT32),
     }
+    if arch == "gpt2":  # LayerNorm; no RoPE, no grouped heads
+        keys["attention.layer_norm_epsilon"] = (config.norm_eps, T.FLOAT32)
+    else:
+        keys.update({
+            "attention.head_count_kv": (config.num_kv_heads, T.UINT32),
+            "attention.layer_norm_rms_epsilon": (config.norm_eps, T.FLOAT32),
+            "attention.key_length": (config.head_dim, T.UINT32),
+            "attention.value_length": (config.head_dim, T.UINT32),
+            "rope.dimension_count": (config.head_dim, T.UINT32),
+            "rope.freq_base": (config.rope_theta, T.FLOAT32),
+        })
     out = {f"{arch}.{k}": v for k, v in keys.items()}
     if config.bos_token_id is not None:
         out["tokenizer.ggml.bos_token_id"] = (config.bos_token_id, T.UINT32)
@@ -225,7 +233,7 @@ def gguf_tensors(config: ModelConfig, params: Any) -> list[tuple[str, np.ndarray
         factors = freq_factors(config.head_dim, config.rope_theta, config.rope_scaling)
         out.append((gguf_loader.ROPE_FREQS, factors, None))
     for path, leaf in flat_params(params).items():
-        name = tensor_name(path)
+        name = tensor_name(path, config.family)
         proj = path.split("/")[-2]
         rope_heads = heads.get(proj) if permute and path.split("/")[-3:-2] == ["attn"] else None
         if isinstance(leaf, QArray):
@@ -258,22 +266,24 @@ def file_type(qtypes: list[Any]) -> int:
 
 
 def write_gguf(config: ModelConfig, params: Any, out: str | Path, *, source: str | Path | None = None,
-               name: str | None = None, overwrite: bool = False) -> Path:
+               tokenizer: Any = None, name: str | None = None, overwrite: bool = False) -> Path:
     """Write ``params`` (float leaves and QArrays) as a GGUF file at ``out``.
 
-    ``source``: the GGUF file the model came from; its tokenizer and general
-    metadata are copied (without one the file holds no tokenizer, which our
-    loader and llama.cpp refuse, so it is required).
+    The file's tokenizer (which our loader and llama.cpp need): copied with the general metadata from
+    ``source``, the GGUF file the model came from, if given; else written from ``tokenizer``, the model's
+    Hugging Face tokenizer (byte-level BPE: ``gguf_tokenizer``).
     """
     import gguf
 
     arch = check_config(config)
-    if source is None:
-        raise ExportError("GGUF export needs the source GGUF file (tokenizer and metadata are copied from it); "
-                          "give it with source= / --source")
-    reader = gguf_loader.open_reader(Path(source))
+    if source is None and tokenizer is None:
+        raise ExportError("GGUF export needs the model's tokenizer: the source GGUF file (source= / --source) or "
+                          "its Hugging Face tokenizer (tokenizer=)")
     tensors = gguf_tensors(config, params)  # every ExportError is raised here, before a byte is written
-    meta = {k: (v, t, s) for k, (v, t, s) in source_metadata(reader).items()}
+    if source is not None:
+        meta = source_metadata(gguf_loader.open_reader(Path(source)))
+    else:
+        meta = tokenizer_metadata(tokenizer, config.vocab_size)
     meta.update({k: (v, t, None) for k, (v, t) in config_metadata(config, arch).items()})
     if name:
         meta["general.name"] = (name, gguf.GGUFValueType.STRING, None)

@@ -1,6 +1,7 @@
 """Load a GGUF file (llama.cpp format) through the ``gguf`` package.
 
-* Config from the ``{arch}.*`` metadata; architectures ``llama``, ``qwen2``, ``qwen3``.
+* Config from the ``{arch}.*`` metadata; architectures ``llama``, ``qwen2``, ``qwen3`` and ``gpt2`` (llama.cpp's
+  names: ``attn_qkv`` is GPT-2's fused q | k | v, ``position_embd`` its learned positions).
 * Tensors: F32/F16/BF16 as stored, quantized types (Q8_0, Q4_0, Q4_1, Q4_K,
   Q6_K, ...) dequantized by ``gguf.quants.dequantize`` one tensor at a time.
 * llama.cpp's converter permutes the rows of Q and K of ``llama`` models so
@@ -29,15 +30,16 @@ from llmeq_jax.models.config import ModelConfig, ModelConfigError
 from llmeq_jax.models.params_tree import ModelLoadError, TreeBuilder
 
 # GGUF architecture -> our model_type.
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2"}
 _NO_TOKEN = 2**32 - 1
 
-_TOP = {
+# GGUF tensor name (top level / inside block N) -> (our param path, transpose from GGUF's (out, in) rows).
+_LLAMA_TOP = {
     "token_embd.weight": ("embed/embedding", False),
     "output_norm.weight": ("norm/scale", False),
     "output.weight": ("lm_head/kernel", True),
 }
-_LAYER = {
+_LLAMA_LAYER = {
     "attn_norm.weight": ("input_norm/scale", False),
     "ffn_norm.weight": ("post_attn_norm/scale", False),
     "attn_q.weight": ("attn/q_proj/kernel", True),
@@ -53,6 +55,29 @@ _LAYER = {
     "ffn_up.weight": ("mlp/up_proj/kernel", True),
     "ffn_down.weight": ("mlp/down_proj/kernel", True),
 }
+_GPT2_TOP = {
+    "token_embd.weight": ("embed/embedding", False),
+    "position_embd.weight": ("pos_embed/embedding", False),
+    "output_norm.weight": ("norm/scale", False),
+    "output_norm.bias": ("norm/bias", False),
+    "output.weight": ("lm_head/kernel", True),
+}
+_GPT2_LAYER = {
+    "attn_norm.weight": ("ln_1/scale", False),
+    "attn_norm.bias": ("ln_1/bias", False),
+    "attn_qkv.weight": ("attn/qkv_proj/kernel", True),
+    "attn_qkv.bias": ("attn/qkv_proj/bias", False),
+    "attn_output.weight": ("attn/o_proj/kernel", True),
+    "attn_output.bias": ("attn/o_proj/bias", False),
+    "ffn_norm.weight": ("ln_2/scale", False),
+    "ffn_norm.bias": ("ln_2/bias", False),
+    "ffn_up.weight": ("mlp/fc_in/kernel", True),
+    "ffn_up.bias": ("mlp/fc_in/bias", False),
+    "ffn_down.weight": ("mlp/fc_out/kernel", True),
+    "ffn_down.bias": ("mlp/fc_out/bias", False),
+}
+# Our model family -> (top-level names, per-block names).
+TENSOR_NAMES = {"llama": (_LLAMA_TOP, _LLAMA_LAYER), "gpt2": (_GPT2_TOP, _GPT2_LAYER)}
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 
 
@@ -93,25 +118,32 @@ def config_from_gguf(reader, source: str) -> ModelConfig:
         raise ModelConfigError(f"{source}: cannot tell the vocabulary size (no {arch}.vocab_size, no token_embd)")
     eos = metadata(reader, "tokenizer.ggml.eos_token_id")
     bos = metadata(reader, "tokenizer.ggml.bos_token_id")
-    head_dim = int(metadata(reader, f"{arch}.attention.key_length", hidden // heads))
-    return ModelConfig(
+    common = dict(
         model_type=ARCHITECTURES[arch],
         vocab_size=int(vocab),
         hidden_size=hidden,
         num_layers=int(need("block_count")),
         num_heads=heads,
+        intermediate_size=int(need("feed_forward_length")),
+        tie_word_embeddings="output.weight" not in names,
+        bos_token_id=None if bos in (None, _NO_TOKEN) else int(bos),
+        eos_token_id=None if eos in (None, _NO_TOKEN) else int(eos),
+    )
+    if arch == "gpt2":  # LayerNorm, learned positions (one per context slot), llama.cpp's tanh GELU
+        return ModelConfig(**common, num_kv_heads=heads, head_dim=hidden // heads,
+                           norm_eps=float(need("attention.layer_norm_epsilon")),
+                           max_position_embeddings=int(need("context_length")), act="gelu_tanh")
+    head_dim = int(metadata(reader, f"{arch}.attention.key_length", hidden // heads))
+    return ModelConfig(
+        **common,
         num_kv_heads=int(metadata(reader, f"{arch}.attention.head_count_kv", heads)),
         head_dim=head_dim,
-        intermediate_size=int(need("feed_forward_length")),
         norm_eps=float(need("attention.layer_norm_rms_epsilon")),
         max_position_embeddings=int(metadata(reader, f"{arch}.context_length", 2048)),
-        tie_word_embeddings="output.weight" not in names,
         rope_theta=float(metadata(reader, f"{arch}.rope.freq_base", 10000.0)),
         rope_scaling=rope_scaling_from_gguf(reader, head_dim, source),
         qkv_bias=arch == "qwen2",
         qk_norm=arch == "qwen3",
-        bos_token_id=None if bos in (None, _NO_TOKEN) else int(bos),
-        eos_token_id=None if eos in (None, _NO_TOKEN) else int(eos),
     )
 
 
@@ -161,14 +193,15 @@ def tensor_as_float(tensor, source: str) -> np.ndarray:
 def load_params(reader, config: ModelConfig, dtype: Any, source: str) -> dict:
     builder = TreeBuilder(config, dtype, source)
     permute_qk = config.model_type == "llama"
+    top, layer = TENSOR_NAMES[config.family]
     for tensor in tqdm(reader.tensors, desc="load", unit="tensor", leave=False):
         name = tensor.name
         m = _BLOCK.fullmatch(name)
-        if m and m.group(2) in _LAYER:
-            path, transpose = _LAYER[m.group(2)]
+        if m and m.group(2) in layer:
+            path, transpose = layer[m.group(2)]
             path = f"layers_{int(m.group(1))}/{path}"
-        elif name in _TOP:
-            path, transpose = _TOP[name]
+        elif name in top:
+            path, transpose = top[name]
         elif name == ROPE_FREQS:
             continue  # read into the config (rope_scaling_from_gguf)
         else:

@@ -26,9 +26,11 @@ CASES = {
 }
 
 
-def make_hf_model(name: str, seed: int = 0) -> torch.nn.Module:
+def make_hf_model(name: str, seed: int = 0, vocab_size: int | None = None) -> torch.nn.Module:
     """A random fp32 model; every parameter (biases and norms too) drawn at random so all are tested."""
     config = CASES[name][0]()
+    if vocab_size is not None:  # to hold a real tokenizer's vocabulary
+        config.vocab_size = vocab_size
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
     with torch.no_grad():
