@@ -4,19 +4,28 @@
                                    [--recipes rtn-w8 ...]
 
 For each recipe: quantize (RTN), save our checkpoint, export it, reload the
-export (GGUF: our own GGUF loader; compressed-tensors: transformers +
-compressed-tensors on CPU; ONNX: onnxruntime CPU with ``session_options()``)
-and compare logits on one 128-token window of wikitext2_test.txt with our
-quantized model's. Speed: prefill tokens/s of the same window, warm, median of
-3, ours (jitted XLA) and the runtime's; for ONNX also decode tokens/s (batch 1,
-32 steps after the 128-token prefill, each step feeding the present caches
-back), ours through ``generate.decode_step``. Prints markdown tables.
+export (GGUF: llama.cpp through llama-cpp-python when it is installed, else our
+own GGUF loader; compressed-tensors: transformers + compressed-tensors on CPU;
+ONNX: onnxruntime CPU with ``session_options()``) and compare logits on one
+128-token window of wikitext2_test.txt with our quantized model's. Speed:
+prefill tokens/s of the same window, warm, median of 3, ours (jitted XLA) and
+the runtime's; for ONNX and llama.cpp also decode tokens/s (batch 1, 32 greedy
+steps after the 128-token prefill), ours through ``generate`` (t(33) - t(1)). In
+llama.cpp, also perplexity over ``--ppl-windows`` windows of 256 tokens beside
+ours (its quantized dot products quantize activations to 8 bits per block of
+32, so its logits differ from ours by more than the file's rounding). Prints
+markdown tables.
+
+llama-cpp-python is not a dependency (pip builds llama.cpp from source, ~15 min on 2 cores):
+``pip install llama-cpp-python``.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
+import os
 import shutil
 import time
 from pathlib import Path
@@ -34,7 +43,9 @@ from llmeq_jax.models import forward, load_model
 from llmeq_jax.models.registry import REGISTRY, resolve
 
 CASES = [  # (recipe, format)
+    ("fp32", "gguf"),
     ("rtn-w8", "gguf"),
+    ("rtn-w8-q8_0", "gguf"),
     ("rtn-w4-g32-q4_0", "gguf"),
     ("rtn-w4-g32-asym-q4_1", "gguf"),
     ("rtn-w8", "compressed-tensors"),
@@ -48,6 +59,7 @@ CASES = [  # (recipe, format)
     ("rtn-w8a8", "onnx"),
 ]
 DECODE_STEPS = 32
+RUNTIMES = {"gguf": "llama.cpp", "onnx": "onnxruntime", "compressed-tensors": "transformers"}
 
 
 def median_time(fn, runs=3):
@@ -96,23 +108,72 @@ def onnx_logits(config, path, ids, steps=DECODE_STEPS):
 
 
 def ours_decode_s(config, params, ids, steps=DECODE_STEPS):
-    """Seconds per decode token of our jitted decode_step (batch 1, greedy, after prefilling ``ids``)."""
-    from llmeq_jax import generate
+    """Seconds per decode token of our ``generate`` (batch 1, greedy, after prefilling ``ids``): generate(steps + 1)
+    minus generate(1), each warm and the median of 3, as scripts/bench_kv_decode.py measures it."""
+    from llmeq_jax.evaluate import median_time
+    from llmeq_jax.generate import generate
 
-    toks = jnp.asarray([ids], jnp.int32)
-    mask = jnp.ones_like(toks)
+    prompt = jnp.asarray([ids], jnp.int32)
+    t_one = median_time(lambda: generate(config, params, prompt, 1), runs=3)
+    t_all = median_time(lambda: generate(config, params, prompt, steps + 1), runs=3)
+    return max(t_all - t_one, 1e-9) / steps
+
+
+def has_llama_cpp() -> bool:
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def llama_cpp_model(path, n_ctx):
+    """A GGUF file in llama.cpp, float32 KV cache (its float16 default would add its own rounding), every core."""
+    from llama_cpp import Llama
+
+    return Llama(str(path), n_ctx=n_ctx, logits_all=True, verbose=False, n_threads=len(os.sched_getaffinity(0)),
+                 type_k=0, type_v=0)
+
+
+def llama_cpp_logits(path, ids, steps=DECODE_STEPS):
+    """(logits [1, T, V], prefill seconds, decode seconds per token) of a GGUF file in llama.cpp."""
+    llm = llama_cpp_model(path, len(ids) + steps + 1)
+
+    def prefill():
+        llm.reset()
+        llm.eval(ids)
+
+    prefill()
+    logits = np.asarray(llm.scores[: len(ids)], np.float32)[None]
+    prefill_s = median_time(prefill)
 
     def decode():
-        cache = generate.init_cache(config, 1, len(ids) + steps + 1)
-        logits, cache = generate.prefill(config, params, toks, mask, cache)
-        t0 = time.perf_counter()
         for _ in range(steps):
-            logits, cache = generate.decode_step(config, params, jnp.argmax(logits, -1).astype(jnp.int32), cache)
-        jax.block_until_ready(logits)
-        return time.perf_counter() - t0
+            llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
 
-    decode()
-    return float(np.median([decode() for _ in range(3)])) / steps
+    times = []
+    for _ in range(3):
+        prefill()
+        t0 = time.perf_counter()
+        decode()
+        times.append(time.perf_counter() - t0)
+    return logits, prefill_s, float(np.median(times)) / steps
+
+
+def mean_nll(logits, ids):
+    logits = np.asarray(logits, np.float64)
+    top = logits.max(-1, keepdims=True)
+    logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+    return float(-np.mean(logp[np.arange(len(ids) - 1), ids[1:]]))
+
+
+def perplexities(config, params, path, windows):
+    """(llama.cpp's, ours) perplexity of the GGUF file and our quantized model over the same token windows."""
+    llm = llama_cpp_model(path, len(windows[0]))
+    fwd = jax.jit(lambda p, t: forward(config, p, t))
+    theirs, ours = [], []
+    for w in windows:
+        llm.reset()
+        llm.eval(list(w))
+        theirs.append(mean_nll(llm.scores[: len(w)], w))
+        ours.append(mean_nll(fwd(params, jnp.asarray([w], jnp.int32))[0], w))
+    return float(np.exp(np.mean(theirs))), float(np.exp(np.mean(ours)))
 
 
 def runtime_logits(fmt, path, ids):
@@ -140,7 +201,12 @@ def main():
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--formats", nargs="+", default=["gguf", "compressed-tensors", "onnx"])
     ap.add_argument("--recipes", nargs="+", default=None, help="only these recipes (default: every case)")
+    ap.add_argument("--ppl-windows", type=int, default=8,
+                    help="GGUF in llama.cpp: perplexity over this many 256-token windows, ours beside it (0: none)")
     args = ap.parse_args()
+    llama_cpp = has_llama_cpp()
+    if "gguf" in args.formats and not llama_cpp:
+        print("llama-cpp-python is not installed: GGUF files are read back by our own loader, not run in llama.cpp")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     source = resolve(args.model) if args.model in REGISTRY else Path(args.model)
@@ -150,6 +216,9 @@ def main():
     toks = jnp.asarray([ids], jnp.int32)
     rows = []
     decode_rows = []
+    ppl_rows = []
+    ppl_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    ppl_windows = [np.asarray(ppl_ids[i * 256:(i + 1) * 256]) for i in range(args.ppl_windows)]
     quantized = {}
     cases = [c for c in CASES if c[1] in args.formats and (args.recipes is None or c[0] in args.recipes)]
     for recipe_name, fmt in cases:
@@ -169,11 +238,15 @@ def main():
         export_checkpoint(ckpt, fmt, target, source=source, overwrite=True)
         export_s = time.perf_counter() - t0
         size = checkpoint.disk_bytes(target) if target.is_dir() else target.stat().st_size
-        if fmt == "onnx":
-            logits, rt_s, rt_decode_s = onnx_logits(config, target, ids)
+        if fmt == "onnx" or (fmt == "gguf" and llama_cpp):
+            run = onnx_logits(config, target, ids) if fmt == "onnx" else llama_cpp_logits(target, ids)
+            logits, rt_s, rt_decode_s = run
             qparams = checkpoint.load_model_checkpoint(ckpt)[1]
-            decode_rows.append((recipe_name, 1 / ours_decode_s(config, qparams, ids), 1 / rt_decode_s))
+            decode_rows.append((fmt, recipe_name, 1 / ours_decode_s(config, qparams, ids), 1 / rt_decode_s))
             print(decode_rows[-1], flush=True)
+            if fmt == "gguf" and ppl_windows:
+                ppl_rows.append((recipe_name, *perplexities(config, qparams, target, ppl_windows)))
+                print(ppl_rows[-1], flush=True)
         else:
             logits, rt_s = runtime_logits(fmt, target, ids)
         rel = float(np.max(np.abs(logits - ref)) / np.max(np.abs(ref)))
@@ -186,17 +259,22 @@ def main():
           "| same, vs ours on float16 scales | export s | ours prefill tok/s | runtime prefill tok/s |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for fmt, name, size, ck, rel, rel16, ex, ours, rt in rows:
-        runtime = "n/a (read by our loader)" if rt is None else \
-            f"{rt:.0f} ({'onnxruntime' if fmt == 'onnx' else 'transformers'} CPU)"
+        runtime = "n/a (read by our loader)" if rt is None else f"{rt:.0f} ({RUNTIMES[fmt]} CPU)"
         r16 = "—" if rel16 is None else f"{rel16:.1e}"
         print(f"| {fmt} | {name} | {size / 1e6:.1f} | {ck / 1e6:.1f} | {rel:.1e} | {r16} | {ex:.1f} | {ours:.0f} "
               f"| {runtime} |")
     if decode_rows:
         print()
-        print("| recipe | ours decode tok/s | onnxruntime decode tok/s | onnxruntime / ours |")
+        print("| format | recipe | ours decode tok/s | runtime decode tok/s | runtime / ours |")
+        print("|---|---|---:|---:|---:|")
+        for fmt, name, ours, rt in decode_rows:
+            print(f"| {fmt} | {name} | {ours:.1f} | {rt:.1f} ({RUNTIMES[fmt]}) | {rt / ours:.2f} |")
+    if ppl_rows:
+        print()
+        print(f"| recipe (GGUF) | llama.cpp perplexity | ours | llama.cpp / ours |  ({args.ppl_windows} x 256 tokens)")
         print("|---|---:|---:|---:|")
-        for name, ours, rt in decode_rows:
-            print(f"| {name} | {ours:.1f} | {rt:.1f} | {rt / ours:.2f} |")
+        for name, theirs, ours in ppl_rows:
+            print(f"| {name} | {theirs:.4f} | {ours:.4f} | {theirs / ours:.4f} |")
     for p in out.glob("ckpt-*"):
         shutil.rmtree(p, ignore_errors=True)
 

@@ -1,19 +1,27 @@
 """A GGUF file's tokenizer keys (``tokenizer.ggml.*``) from a Hugging Face tokenizer, as llama.cpp reads them.
 
-Byte-level BPE vocabularies (GPT-2, Llama-3, Qwen2/3, SmolLM) are llama.cpp's ``gpt2`` tokenizer model: the
-tokens in id order with their types, the merges, the special ids and whether BOS/EOS are added, the chat
-template, and ``tokenizer.ggml.pre``, the name of the regex split llama.cpp applies before the merges. That
-name is found the way llama.cpp's own converter finds it: the SHA-256 of the token ids the tokenizer gives a
-fixed check text, looked up among known hashes (``KNOWN_PRE``, from llama.cpp's ``convert_hf_to_gguf.py``).
-An unknown hash writes no ``pre``: llama.cpp then splits with its default regex and warns, and so do we.
+Two kinds of vocabulary, told apart by the tokenizer's BPE model:
 
-SentencePiece-style vocabularies (Llama-2, Mistral v0.1: byte fallback, scores) are not written here; a GGUF
-file llama.cpp's converter made for the same tokenizer can be given as the export's source instead.
+* byte-level BPE (GPT-2, Llama-3, Qwen2/3, SmolLM) is llama.cpp's ``gpt2`` tokenizer model: the tokens in id
+  order with their types, the merges, and ``tokenizer.ggml.pre``, the name of the regex split llama.cpp applies
+  before the merges. That name is found the way llama.cpp's own converter finds it: the SHA-256 of the token ids
+  the tokenizer gives a fixed check text, looked up among known hashes (``KNOWN_PRE``, from llama.cpp's
+  ``convert_hf_to_gguf.py``). An unknown hash writes no ``pre``: llama.cpp then splits with its default regex
+  and warns, and so do we.
+* BPE with byte fallback (SentencePiece models as transformers converts them: Llama-2, Mistral v0.1,
+  TinyLlama) is llama.cpp's ``llama`` model, which merges the adjacent pair whose joined piece has the highest
+  score. SentencePiece's BPE vocabularies are sorted by that score (piece i scores -i after the control and
+  byte pieces), so the scores are rebuilt from the ids: stories260K's file comes back score for score.
+
+Both: special ids and the chat template (read by gguf's ``SpecialVocab``), whether BOS / EOS are added (and a
+leading space, for SentencePiece) as the tokenizer does it.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import re
 import tempfile
 import warnings
 from hashlib import sha256
@@ -37,7 +45,8 @@ KNOWN_PRE = {
     "d4540891389ea895b53b399da6ac824becc30f2fba0e9ddbb98f92e55ca0e97c": "qwen2",  # Qwen3
 }
 # gguf.TokenType values.
-NORMAL, CONTROL, USER_DEFINED = 1, 3, 4
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, BYTE = 1, 2, 3, 4, 6
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # SentencePiece's byte-fallback pieces
 
 
 def check_hash(tokenizer) -> str:
@@ -63,7 +72,17 @@ def _backend_model(tokenizer) -> dict:
     return json.loads(backend.to_str())["model"]
 
 
-def token_list(tokenizer, vocab_size: int) -> tuple[list[str], list[int]]:
+def vocabulary_kind(tokenizer) -> str:
+    """llama.cpp's tokenizer model for ``tokenizer``: ``gpt2`` (byte-level BPE) or ``llama`` (SentencePiece BPE)."""
+    model = _backend_model(tokenizer)
+    if model.get("type") == "BPE":
+        return "llama" if model.get("byte_fallback") else "gpt2"
+    raise ExportError(f"GGUF export writes BPE tokenizers (byte-level or SentencePiece-style); this one is "
+                      f"{model.get('type')}; give a GGUF file of the same tokenizer with --source to copy its "
+                      "vocabulary")
+
+
+def token_list(tokenizer, vocab_size: int, kind: str) -> tuple[list[str], list[int]]:
     """(tokens in id order, llama.cpp token types), padded with unused ``[PADi]`` ids up to ``vocab_size``."""
     by_id = {i: t for t, i in tokenizer.get_vocab().items()}
     added = tokenizer.added_tokens_decoder
@@ -73,36 +92,56 @@ def token_list(tokenizer, vocab_size: int) -> tuple[list[str], list[int]]:
         if i not in by_id:
             tokens.append(f"[PAD{i}]")
             types.append(USER_DEFINED)
+        elif kind == "llama" and i == tokenizer.unk_token_id:
+            tokens.append(by_id[i])
+            types.append(UNKNOWN)
         elif i in added:
             tokens.append(added[i].content)
             types.append(CONTROL if added[i].special else USER_DEFINED)
         else:
             tokens.append(by_id[i])
-            types.append(NORMAL)
+            types.append(BYTE if kind == "llama" and _BYTE_PIECE.fullmatch(by_id[i]) else NORMAL)
     return tokens, types
 
 
-def _special_keys(tokenizer, vocab_size: int) -> dict[str, tuple[Any, Any]]:
-    """Merges, special ids and the chat template (read by gguf's own ``SpecialVocab``), add-BOS/EOS."""
+def sentencepiece_scores(types: list[int]) -> list[float]:
+    """Scores in id order: SentencePiece's -rank for normal pieces (ranked from the first one), 0 for the rest."""
+    first = types.index(NORMAL) if NORMAL in types else 0
+    return [float(first - i) if t == NORMAL else 0.0 for i, t in enumerate(types)]
+
+
+def _special_keys(tokenizer, vocab_size: int, kind: str) -> dict[str, tuple[Any, Any]]:
+    """Merges (byte-level BPE), special ids and the chat template (read by gguf's own ``SpecialVocab``),
+    add-BOS/EOS (and the leading space of SentencePiece) as the tokenizer does them."""
     import gguf
     from gguf import GGUFValueType as T
 
-    with tempfile.TemporaryDirectory() as tmp:
-        tokenizer.save_pretrained(tmp)
-        special = gguf.SpecialVocab(tmp, load_merges=True, n_vocab=vocab_size)
+    vocab_log = logging.getLogger("gguf.vocab")  # its notes on add-BOS/EOS/SEP guesses, which we do not use
+    level = vocab_log.level
+    vocab_log.setLevel(logging.ERROR)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            tokenizer.save_pretrained(tmp)
+            special = gguf.SpecialVocab(tmp, load_merges=kind == "gpt2", n_vocab=vocab_size)
+    finally:
+        vocab_log.setLevel(level)
     K = gguf.Keys.Tokenizer
     out: dict[str, tuple[Any, Any]] = {}
-    if not special.merges:
-        raise ExportError("GGUF export: the BPE tokenizer has no merges to write")
-    out[K.MERGES] = (list(special.merges), T.ARRAY)
-    for kind, token_id in special.special_token_ids.items():
-        key = getattr(K, f"{kind.upper()}_ID", None)
+    if kind == "gpt2":
+        if not special.merges:
+            raise ExportError("GGUF export: the BPE tokenizer has no merges to write")
+        out[K.MERGES] = (list(special.merges), T.ARRAY)
+    for name, token_id in special.special_token_ids.items():
+        key = getattr(K, f"{name.upper()}_ID", None)
         if key is not None:
             out[key] = (int(token_id), T.UINT32)
-    # Whether BOS / EOS are added: what the tokenizer does, always written (llama.cpp's default differs by vocabulary).
+    # What the tokenizer does, always written: llama.cpp's defaults differ by vocabulary.
     ids = tokenizer.encode("a")
     out[K.ADD_BOS] = (tokenizer.bos_token_id is not None and ids[0] == tokenizer.bos_token_id, T.BOOL)
     out[K.ADD_EOS] = (tokenizer.eos_token_id is not None and ids[-1] == tokenizer.eos_token_id, T.BOOL)
+    if kind == "llama":
+        first = tokenizer.convert_ids_to_tokens(tokenizer.encode("a", add_special_tokens=False))[0]
+        out[K.ADD_PREFIX] = (first.startswith("\u2581"), T.BOOL)  # "▁a": a space is put before the text
     if isinstance(special.chat_template, str):
         out[K.CHAT_TEMPLATE] = (special.chat_template, T.STRING)
     return out
@@ -113,21 +152,21 @@ def tokenizer_metadata(tokenizer, vocab_size: int) -> dict[str, tuple[Any, Any, 
     import gguf
     from gguf import GGUFValueType as T
 
-    model = _backend_model(tokenizer)
-    if model.get("type") != "BPE" or model.get("byte_fallback"):
-        kind = f"{model.get('type')}{' with byte fallback (SentencePiece-style)' if model.get('byte_fallback') else ''}"
-        raise ExportError(f"GGUF export writes byte-level BPE tokenizers (GPT-2, Llama-3, Qwen, SmolLM); this one is "
-                          f"{kind}; give a GGUF file of the same tokenizer with --source to copy its vocabulary")
+    kind = vocabulary_kind(tokenizer)
     K = gguf.Keys.Tokenizer
-    tokens, types = token_list(tokenizer, vocab_size)
+    tokens, types = token_list(tokenizer, vocab_size, kind)
     out: dict[str, tuple[Any, Any, Any]] = {
-        K.MODEL: ("gpt2", T.STRING, None),
+        K.MODEL: (kind, T.STRING, None),
         K.LIST: (tokens, T.ARRAY, T.STRING),
         K.TOKEN_TYPE: (types, T.ARRAY, T.INT32),
     }
-    pre = pre_tokenizer_name(tokenizer)
-    if pre is not None:
-        out[K.PRE] = (pre, T.STRING, None)
-    for key, (value, vtype) in _special_keys(tokenizer, len(tokens)).items():
+    if kind == "llama":
+        out[K.PRE] = ("default", T.STRING, None)  # as llama.cpp's converter writes SentencePiece vocabularies
+        out[K.SCORES] = (sentencepiece_scores(types), T.ARRAY, T.FLOAT32)
+    else:
+        pre = pre_tokenizer_name(tokenizer)
+        if pre is not None:
+            out[K.PRE] = (pre, T.STRING, None)
+    for key, (value, vtype) in _special_keys(tokenizer, len(tokens), kind).items():
         out[key] = (value, vtype, T.STRING if vtype == T.ARRAY else None)
     return out

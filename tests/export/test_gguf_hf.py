@@ -20,6 +20,7 @@ from llmeq_jax.models import load_model
 from tests.models.hf_fixtures import make_hf_model, save
 from tests.shared_data import shared_data_path
 
+STORIES = shared_data_path("stories260K.gguf")
 VOCAB = 320  # 256 byte tokens, <|endoftext|> and 63 merges
 TEXT = "The tower is 324 metres tall , about the same height as an 81 @-@ storey building ."
 K = gguf.Keys.Tokenizer
@@ -82,14 +83,38 @@ def test_known_pre_tokenizer_is_named(byte_bpe, monkeypatch):
     assert gguf_tokenizer.check_hash(other) != digest
 
 
-def test_sentencepiece_style_tokenizer_is_refused(tmp_path):
-    """stories260K's tokenizer is SentencePiece-style (byte fallback, scores): one error saying what to do."""
-    config, params, tokenizer = load_model(shared_data_path("stories260K.gguf"))
-    with pytest.raises(ExportError, match="byte fallback.*--source"):
-        write_gguf(config, params, tmp_path / "m.gguf", tokenizer=tokenizer)
-    assert list(tmp_path.iterdir()) == []
+def test_sentencepiece_keys_are_stories260ks():
+    """stories260K's tokenizer (SentencePiece BPE, converted by transformers) written back: the file's tokens,
+    scores, types and ids, as llama.cpp's ``llama`` tokenizer model."""
+    config, _, tokenizer = load_model(STORIES)
+    meta = gguf_tokenizer.tokenizer_metadata(tokenizer, config.vocab_size)
+    fields = gguf.GGUFReader(str(STORIES)).fields
+    for key in (K.MODEL, K.LIST, K.SCORES, K.TOKEN_TYPE, K.BOS_ID, K.EOS_ID, K.UNK_ID):
+        assert meta[key][0] == fields[key].contents(), key
+    assert meta[K.PRE][0] == "default" and K.MERGES not in meta
+    assert meta[K.ADD_BOS][0] is True and meta[K.ADD_PREFIX][0] is True and meta[K.ADD_EOS][0] is False
+
+
+def test_sentencepiece_round_trip(tmp_path):
+    """stories260K written with its tokenizer rebuilt from transformers' (no source file): our loader reads back
+    the same tokens and logits."""
+    config, params, tokenizer = load_model(STORIES)
+    out = write_gguf(config, params, tmp_path / "m.gguf", tokenizer=tokenizer)
+    config2, params2, tokenizer2 = load_model(out)
+    text = shared_data_path("wikitext2_valid.txt").read_text(encoding="utf-8")[:4000]
+    assert tokenizer2(text)["input_ids"] == tokenizer(text)["input_ids"]
+    tokens = jnp.asarray([tokenizer(TEXT)["input_ids"]], jnp.int32)
+    assert _rel_diff(forward(config2, params2, tokens), forward(config, params, tokens)) <= 1e-6
+
+
+def test_other_tokenizers_are_refused(tmp_path):
+    config, params, _ = load_model(STORIES)
+    word_level = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, "[UNK]")))
+    with pytest.raises(ExportError, match="this one is WordLevel.*--source"):
+        write_gguf(config, params, tmp_path / "m.gguf", tokenizer=word_level)
     with pytest.raises(ExportError, match="needs the model's tokenizer"):
         write_gguf(config, params, tmp_path / "m.gguf")
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("family", ["gpt2", "qwen2", "llama"])
