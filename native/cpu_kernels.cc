@@ -1287,7 +1287,40 @@ VNNI512_VL void rm_tile_vnni(const RM& p, int64_t m0, int64_t n0) {
     xrow[m] = MODE == 2 ? static_cast<const void*>(p.x8 + (m0 + m) * p.xstride) : p.x16 + (m0 + m) * p.xstride;
   // The R rows are contiguous: walk the prefetch pointer through them at the rate they are read.
   const char* pf = reinterpret_cast<const char*>(p.q + n0 * p.Kb) + kRowMajorPrefetchBytes;
-  for (int64_t f = 0; f < p.FG; ++f) {
+  int64_t f = 0;
+  if (MODE == 1 && p.F == 32) {
+    // int4 in groups of 32 (llama.cpp's Q4_0 / Q4_1 grids): the loop below would run a masked half step
+    // and a group end per 32 values. One full step takes two groups instead: its 16-bit lanes 0-15 hold
+    // group f and 16-31 group f + 1, so vpdpwssd's int32 lanes 0-7 sum group f and 8-15 group f + 1, and
+    // one group end scales both with vectors holding the two groups' scales in their halves.
+    for (; f + 1 < p.FG; f += 2) {
+      __m512i acc[R][MT];
+      for (int r = 0; r < R; ++r)
+        for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_si512();
+      for (int64_t b = 0; b < 32 * R; b += 64) _mm_prefetch(pf + b, _MM_HINT_T0);
+      pf += 32 * R;
+      rm_vnni_step_at<MODE, MT, R>(p, wrow, xrow, f * 32, true, acc);
+      __m512 sav[MT];
+      float sx0[MT], sx1[MT];
+      for (int m = 0; m < MT; ++m) {
+        const float* sa = p.sa + (m0 + m) * p.FG + f;
+        const int32_t* xs = p.xsum + (m0 + m) * p.FG + f;
+        sav[m] = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(sa[0]), _mm512_set1_ps(sa[1]));
+        sx0[m] = sa[0] * static_cast<float>(xs[0]);
+        sx1[m] = sa[1] * static_cast<float>(xs[1]);
+      }
+      for (int r = 0; r < R; ++r) {
+        const float ws0 = rm_wscale(p, n0 + r, f), ws1 = rm_wscale(p, n0 + r, f + 1);
+        const float wo0 = ws0 * rm_offset(p, n0 + r, f), wo1 = ws1 * rm_offset(p, n0 + r, f + 1);
+        const __m512 wsv = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(ws0), _mm512_set1_ps(ws1));
+        for (int m = 0; m < MT; ++m) {
+          tot[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][m]), _mm512_mul_ps(wsv, sav[m]), tot[r][m]);
+          corr[r][m] += wo0 * sx0[m] + wo1 * sx1[m];
+        }
+      }
+    }
+  }
+  for (; f < p.FG; ++f) {  // (an odd last group of 32 above: one half step)
     const int64_t k0 = f * p.F, k1 = std::min(p.K, k0 + p.F);
     __m512i acc[R][MT];
     for (int r = 0; r < R; ++r)

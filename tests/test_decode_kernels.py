@@ -38,6 +38,7 @@ WEIGHTS = {
     "int8-g32-asym": Spec(bits=8, granularity="group", group_size=32, symmetric=False),
     "int4-channel": Spec(bits=4),
     "int4-g32": Spec(bits=4, granularity="group", group_size=32),
+    "int4-g32-asym": Spec(bits=4, granularity="group", group_size=32, symmetric=False),
     "int4-g64-asym": Spec(bits=4, granularity="group", group_size=64, symmetric=False),
     "int3-g32": Spec(bits=3, granularity="group", group_size=32),
 }
@@ -120,6 +121,28 @@ def test_vnni_tiles_give_the_avx2_tiles_sums(name):
         with native.without_vnni():
             avx2 = np.asarray(jax.jit(lambda a, b: native.row_major_matmul(a, b, act) * 1.0)(x, rm))
         np.testing.assert_allclose(vnni, avx2, rtol=1e-5, atol=1e-6 * np.abs(avx2).max(), err_msg=f"{rows} rows")
+
+
+@pytest.mark.parametrize("k", [288, 320])
+@pytest.mark.parametrize("name", ["int4-g32", "int4-g32-asym"])
+def test_int4_groups_of_32_pair_up(name, k):
+    """int4 in groups of 32 (llama.cpp's Q4_0 / Q4_1 grids): the VNNI tile takes two groups a step (int32 lanes
+    0-7 one group, 8-15 the next, each scaled by its own weight and activation scales) and an odd last group
+    (K = 288: 9 groups) as a half step. The reference's values, and the AVX2 tiles' sums where VNNI runs."""
+    w = _kernel(name, k)
+    rm = decode_layout.transpose_kernel(w)
+    f = jax.jit(lambda a, b: native.row_major_matmul(a, b))
+    for rows in (1, 2, 5):
+        x = _rand((rows, k), 60 + rows)
+        x[:, 32:64] *= 50  # activation scales that differ a lot between neighbouring groups
+        y = np.asarray(f(jnp.asarray(x), rm), np.float64)
+        ref = x.astype(np.float64) @ _dequant64(w)
+        bound = _a16_bound(x, w)
+        assert np.all(np.abs(y - ref) <= bound), f"{rows} rows: max err {np.abs(y - ref).max():.3g}"
+        if native.vnni():
+            with native.without_vnni():
+                avx2 = np.asarray(jax.jit(lambda a, b: native.row_major_matmul(a, b) * 1.0)(jnp.asarray(x), rm))
+            np.testing.assert_allclose(y, avx2, rtol=1e-5, atol=1e-6 * np.abs(avx2).max(), err_msg=f"{rows} rows")
 
 
 def test_a_nan_or_inf_activation_makes_its_row_nan_only():
