@@ -674,8 +674,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("ckpt", help="checkpoint directory from `llmeq quantize` / `llmeq convert`")
     p.add_argument("--format", required=True, choices=["gguf", "compressed-tensors", "onnx"])
     p.add_argument("--out", required=True, help="file (gguf, onnx) or directory (compressed-tensors) to write")
-    p.add_argument("--source", help="the model the checkpoint came from (GGUF: tokenizer and metadata are copied "
-                                    "from it); default: the source recorded in the checkpoint")
+    p.add_argument("--source", help="the model the checkpoint came from (GGUF: a .gguf source's tokenizer and "
+                                    "metadata are copied, else the checkpoint's own tokenizer is written); default: "
+                                    "the source recorded in the checkpoint")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     p.set_defaults(fn=cmd_export)

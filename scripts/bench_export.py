@@ -8,9 +8,11 @@ export (GGUF: llama.cpp through llama-cpp-python when it is installed, else our
 own GGUF loader; compressed-tensors: transformers + compressed-tensors on CPU;
 ONNX: onnxruntime CPU with ``session_options()``) and compare logits on one
 128-token window of wikitext2_test.txt with our quantized model's. Speed:
-prefill tokens/s of the same window, warm, median of 3, ours (jitted XLA) and
-the runtime's; for ONNX and llama.cpp also decode tokens/s (batch 1, 32 greedy
-steps after the 128-token prefill), ours through ``generate`` (t(33) - t(1)). In
+prefill tokens/s of the same window, warm, ours (jitted XLA) and the runtime's;
+for ONNX and llama.cpp also decode tokens/s (batch 1, 32 greedy steps after the
+128-token prefill), ours through ``generate`` (t(33) - t(1)); there the four
+timings run in turn for ``--rounds`` rounds and each is the median of its
+rounds (elsewhere, median of 3). In
 llama.cpp, also perplexity over ``--ppl-windows`` windows of 256 tokens beside
 ours (its quantized dot products quantize activations to 8 bits per block of
 32, so its logits differ from ours by more than the file's rounding). Prints
@@ -82,8 +84,8 @@ def fp16_scales(params):
     return jax.tree_util.tree_map(fix, params, is_leaf=is_qarray)
 
 
-def onnx_logits(config, path, ids, steps=DECODE_STEPS):
-    """(logits, prefill seconds, decode seconds per token) of the ONNX graph in onnxruntime (CPU)."""
+def onnx_runner(config, path, ids, steps=DECODE_STEPS):
+    """(logits, one prefill's seconds, one decode's seconds per token) of the ONNX graph in onnxruntime (CPU)."""
     import onnxruntime as ort
 
     from llmeq_jax.export.onnx import empty_past, next_past
@@ -96,27 +98,50 @@ def onnx_logits(config, path, ids, steps=DECODE_STEPS):
         return dict(zip(names, session.run(None, {"input_ids": tokens, **past})))
 
     first = run(x, empty_past(config, 1))
-    prefill_s = median_time(lambda: run(x, empty_past(config, 1)))
 
     def decode():
         out = first
+        t0 = time.perf_counter()
         for _ in range(steps):
             token = out["logits"][:, -1].argmax(-1).reshape(1, 1).astype(np.int64)
             out = run(token, next_past(config, out))
+        return (time.perf_counter() - t0) / steps
 
-    return first["logits"], prefill_s, median_time(decode) / steps
+    return first["logits"], lambda: seconds(lambda: run(x, empty_past(config, 1))), decode
 
 
-def ours_decode_s(config, params, ids, steps=DECODE_STEPS):
-    """Seconds per decode token of our ``generate`` (batch 1, greedy, after prefilling ``ids``): generate(steps + 1)
-    minus generate(1), each warm and the median of 3, as scripts/bench_kv_decode.py measures it."""
-    from llmeq_jax.evaluate import median_time
+def ours_runner(config, params, ids, steps=DECODE_STEPS):
+    """(one prefill's seconds: the jitted forward over ``ids``; one decode's seconds per token: our ``generate``
+    of steps + 1 tokens minus generate of 1, as scripts/bench_kv_decode.py measures it), both warm."""
     from llmeq_jax.generate import generate
 
     prompt = jnp.asarray([ids], jnp.int32)
-    t_one = median_time(lambda: generate(config, params, prompt, 1), runs=3)
-    t_all = median_time(lambda: generate(config, params, prompt, steps + 1), runs=3)
-    return max(t_all - t_one, 1e-9) / steps
+    fwd = jax.jit(lambda p, t: forward(config, p, t))
+
+    def prefill():
+        return seconds(lambda: jax.block_until_ready(fwd(params, prompt)))
+
+    def gen(n):
+        return seconds(lambda: jax.block_until_ready(generate(config, params, prompt, n)))
+
+    prefill(), gen(1), gen(steps + 1)  # compile
+    return prefill, lambda: max(gen(steps + 1) - gen(1), 1e-9) / steps
+
+
+def seconds(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def interleaved_medians(timers: dict, rounds: int) -> dict:
+    """Median of each timer over ``rounds`` rounds that call every timer once in turn: ours and the runtime's in
+    alternation, so that a slow minute of a shared machine lands on both."""
+    times = {name: [] for name in timers}
+    for _ in range(rounds):
+        for name, timer in timers.items():
+            times[name].append(timer())
+    return {name: float(np.median(t)) for name, t in times.items()}
 
 
 def has_llama_cpp() -> bool:
@@ -131,8 +156,8 @@ def llama_cpp_model(path, n_ctx):
                  type_k=0, type_v=0)
 
 
-def llama_cpp_logits(path, ids, steps=DECODE_STEPS):
-    """(logits [1, T, V], prefill seconds, decode seconds per token) of a GGUF file in llama.cpp."""
+def llama_cpp_runner(path, ids, steps=DECODE_STEPS):
+    """(logits [1, T, V], one prefill's seconds, one decode's seconds per token) of a GGUF file in llama.cpp."""
     llm = llama_cpp_model(path, len(ids) + steps + 1)
 
     def prefill():
@@ -141,19 +166,15 @@ def llama_cpp_logits(path, ids, steps=DECODE_STEPS):
 
     prefill()
     logits = np.asarray(llm.scores[: len(ids)], np.float32)[None]
-    prefill_s = median_time(prefill)
 
     def decode():
-        for _ in range(steps):
-            llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
-
-    times = []
-    for _ in range(3):
         prefill()
         t0 = time.perf_counter()
-        decode()
-        times.append(time.perf_counter() - t0)
-    return logits, prefill_s, float(np.median(times)) / steps
+        for _ in range(steps):
+            llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+        return (time.perf_counter() - t0) / steps
+
+    return logits, lambda: seconds(prefill), decode
 
 
 def mean_nll(logits, ids):
@@ -190,8 +211,8 @@ def runtime_logits(fmt, path, ids):
     x = torch.tensor([ids])
     with torch.no_grad():
         logits = model(x).logits.numpy()
-        seconds = median_time(lambda: model(x))
-    return logits, seconds
+        elapsed = median_time(lambda: model(x))
+    return logits, elapsed
 
 
 def main():
@@ -201,6 +222,8 @@ def main():
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--formats", nargs="+", default=["gguf", "compressed-tensors", "onnx"])
     ap.add_argument("--recipes", nargs="+", default=None, help="only these recipes (default: every case)")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="ONNX / llama.cpp: rounds of prefill and decode timings, ours and the runtime's in turn")
     ap.add_argument("--ppl-windows", type=int, default=8,
                     help="GGUF in llama.cpp: perplexity over this many 256-token windows, ours beside it (0: none)")
     args = ap.parse_args()
@@ -239,10 +262,14 @@ def main():
         export_s = time.perf_counter() - t0
         size = checkpoint.disk_bytes(target) if target.is_dir() else target.stat().st_size
         if fmt == "onnx" or (fmt == "gguf" and llama_cpp):
-            run = onnx_logits(config, target, ids) if fmt == "onnx" else llama_cpp_logits(target, ids)
-            logits, rt_s, rt_decode_s = run
+            logits, rt_prefill, rt_decode = (onnx_runner(config, target, ids) if fmt == "onnx"
+                                             else llama_cpp_runner(target, ids))
             qparams = checkpoint.load_model_checkpoint(ckpt)[1]
-            decode_rows.append((fmt, recipe_name, 1 / ours_decode_s(config, qparams, ids), 1 / rt_decode_s))
+            our_prefill, our_decode = ours_runner(config, qparams, ids)
+            med = interleaved_medians({"ours prefill": our_prefill, "prefill": rt_prefill, "ours decode": our_decode,
+                                       "decode": rt_decode}, args.rounds)
+            ours_s, rt_s = med["ours prefill"], med["prefill"]
+            decode_rows.append((fmt, recipe_name, 1 / med["ours decode"], 1 / med["decode"]))
             print(decode_rows[-1], flush=True)
             if fmt == "gguf" and ppl_windows:
                 ppl_rows.append((recipe_name, *perplexities(config, qparams, target, ppl_windows)))

@@ -124,11 +124,12 @@ def test_vnni_tiles_give_the_avx2_tiles_sums(name):
 
 
 @pytest.mark.parametrize("k", [288, 320])
-@pytest.mark.parametrize("name", ["int4-g32", "int4-g32-asym"])
-def test_int4_groups_of_32_pair_up(name, k):
-    """int4 in groups of 32 (llama.cpp's Q4_0 / Q4_1 grids): the VNNI tile takes two groups a step (int32 lanes
-    0-7 one group, 8-15 the next, each scaled by its own weight and activation scales) and an odd last group
-    (K = 288: 9 groups) as a half step. The reference's values, and the AVX2 tiles' sums where VNNI runs."""
+@pytest.mark.parametrize("name", ["int4-g32", "int4-g32-asym", "int3-g32", "int8-g32-asym"])
+def test_groups_of_32_pair_up(name, k):
+    """Weights in groups of 32 (llama.cpp's Q4_0 / Q4_1 / Q8_0 grids): for int4 / int3 the VNNI tile takes two
+    groups a step (int32 lanes 0-7 one group, 8-15 the next, each scaled by its own weight and activation scales)
+    and an odd last group (K = 288: 9 groups) alone; int8 goes group by group. The reference's values, and the
+    AVX2 tiles' sums where VNNI runs."""
     w = _kernel(name, k)
     rm = decode_layout.transpose_kernel(w)
     f = jax.jit(lambda a, b: native.row_major_matmul(a, b))
