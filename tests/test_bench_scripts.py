@@ -191,3 +191,25 @@ def test_bench_kernels_xla_int4_candidates_compute_the_product():
     np.testing.assert_allclose(rows, want, atol=tol)
     np.testing.assert_allclose(groups, want, atol=tol)
     assert float(jnp.max(jnp.abs(want))) > 10 * tol
+
+
+def test_bench_export_times_ours_and_the_runtime_in_turn():
+    """interleaved_medians calls every timer once a round, in turn, and reports each timer's median."""
+    be = _script("bench_export")
+    calls = []
+    values = {"ours": iter([5.0, 1.0, 3.0]), "runtime": iter([2.0, 9.0, 4.0])}
+
+    def timer(name):
+        return lambda: calls.append(name) or next(values[name])
+
+    med = be.interleaved_medians({"ours": timer("ours"), "runtime": timer("runtime")}, rounds=3)
+    assert calls == ["ours", "runtime"] * 3
+    assert med == {"ours": 3.0, "runtime": 4.0}
+
+
+def test_bench_export_perplexity_is_the_mean_next_token_nll():
+    be = _script("bench_export")
+    logits = np.random.default_rng(0).standard_normal((6, 11)) * 4
+    ids = np.array([3, 1, 4, 1, 5, 9])
+    want = -np.mean(np.asarray(jax.nn.log_softmax(jnp.asarray(logits, jnp.float32)))[np.arange(5), ids[1:]])
+    assert abs(be.mean_nll(logits, ids) - want) < 1e-5
