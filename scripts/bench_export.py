@@ -39,6 +39,7 @@ import numpy as np
 from llmeq_jax import checkpoint, data, pipeline
 from llmeq_jax.core.qarray import QArray, is_qarray
 from llmeq_jax.core.rules import quantize_params
+from llmeq_jax.evaluate import token_nll
 from llmeq_jax.export import export_checkpoint
 from llmeq_jax.export.onnx import session_options
 from llmeq_jax.models import forward, load_model
@@ -62,6 +63,11 @@ CASES = [  # (recipe, format)
 ]
 DECODE_STEPS = 32
 RUNTIMES = {"gguf": "llama.cpp", "onnx": "onnxruntime", "compressed-tensors": "transformers"}
+
+
+def jit_forward(config):
+    """The model's forward, jitted: ``fwd(params, tokens)``."""
+    return jax.jit(lambda p, t: forward(config, p, t))
 
 
 def median_time(fn, runs=3):
@@ -116,7 +122,7 @@ def ours_runner(config, params, ids, steps=DECODE_STEPS):
     from llmeq_jax.generate import generate
 
     prompt = jnp.asarray([ids], jnp.int32)
-    fwd = jax.jit(lambda p, t: forward(config, p, t))
+    fwd = jit_forward(config)
 
     def prefill():
         return seconds(lambda: jax.block_until_ready(fwd(params, prompt)))
@@ -178,16 +184,14 @@ def llama_cpp_runner(path, ids, steps=DECODE_STEPS):
 
 
 def mean_nll(logits, ids):
-    logits = np.asarray(logits, np.float64)
-    top = logits.max(-1, keepdims=True)
-    logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
-    return float(-np.mean(logp[np.arange(len(ids) - 1), ids[1:]]))
+    """Mean next-token NLL of one window's logits [T, V] (ours or llama.cpp's scores) and its ids [T]."""
+    return float(jnp.mean(token_nll(jnp.asarray(logits)[None], jnp.asarray(ids)[None])))
 
 
 def perplexities(config, params, path, windows):
     """(llama.cpp's, ours) perplexity of the GGUF file and our quantized model over the same token windows."""
     llm = llama_cpp_model(path, len(windows[0]))
-    fwd = jax.jit(lambda p, t: forward(config, p, t))
+    fwd = jit_forward(config)
     theirs, ours = [], []
     for w in windows:
         llm.reset()
@@ -201,7 +205,7 @@ def runtime_logits(fmt, path, ids):
     """(logits, prefill seconds) of the exported model in its runtime."""
     if fmt == "gguf":
         config, params, _ = load_model(path)
-        fwd = jax.jit(lambda p, t: forward(config, p, t))
+        fwd = jit_forward(config)
         toks = jnp.asarray([ids], jnp.int32)
         return np.asarray(fwd(params, toks)), None  # ours reading GGUF: no separate runtime here
     import torch
@@ -250,7 +254,7 @@ def main():
             qparams = quantize_params(params, recipe)
             ckpt = checkpoint.save_model_checkpoint(out / f"ckpt-{recipe_name}", config, qparams, tokenizer,
                                                     recipe=recipe, overwrite=True, extra={"source": str(source)})
-            fwd = jax.jit(lambda p, t: forward(config, p, t))
+            fwd = jit_forward(config)
             ref = np.asarray(fwd(qparams, toks))
             ours_s = median_time(lambda: jax.block_until_ready(fwd(qparams, toks)))
             ref16 = np.asarray(fwd(fp16_scales(qparams), toks))
