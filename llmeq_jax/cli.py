@@ -174,7 +174,7 @@ def cmd_eval(args) -> int:
 
     text = find_data_file(args.text, EVAL_TEXT, "evaluation text")
     t0 = time.perf_counter()
-    config, params, tokenizer, recipe = open_model(args.model, verify=args.verify)
+    config, params, tokenizer, recipe = open_model(args.model, verify=args.verify, keep_quantized=args.keep_quantized)
     load_s = time.perf_counter() - t0
     check_context(config, args.seq_len)
     kv = build_kv_quantizer(config, params, tokenizer, kv_mapping(args.kv, recipe), args.calib)
@@ -297,7 +297,7 @@ def cmd_generate(args) -> int:
 
     from llmeq_jax.generate import generate
 
-    config, params, tokenizer, recipe = open_model(args.model, verify=args.verify)
+    config, params, tokenizer, recipe = open_model(args.model, verify=args.verify, keep_quantized=args.keep_quantized)
     ids = tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
     if config.bos_token_id is not None and not args.no_bos:
         ids = [config.bos_token_id] + ids
@@ -361,7 +361,10 @@ def cmd_convert(args) -> int:
 
     out = Path(args.dst)
     check_writable_dir(out, args.overwrite)
-    config, params, tokenizer, _ = open_model(args.src, verify=args.verify)
+    if args.recipe and args.keep_quantized:
+        raise UsageError("--recipe quantizes float weights; --keep-quantized keeps the GGUF file's own grids: "
+                         "pass one of them")
+    config, params, tokenizer, _ = open_model(args.src, verify=args.verify, keep_quantized=args.keep_quantized)
     recipe = None
     if args.recipe:
         recipe = read_recipe(args.recipe)
@@ -577,6 +580,12 @@ def _add_xla_opt(p, default=False):
                    help="run everything through XLA: no Pallas kernels, even on a GPU")
 
 
+def _add_keep_opt(p):
+    p.add_argument("--keep-quantized", action="store_true",
+                   help="a GGUF MODEL's linear weights in Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K blocks "
+                        "stay quantized (the file's integers and scales) instead of being dequantized to float")
+
+
 def _add_verify_opt(p):
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="do not check a checkpoint MODEL against its sha256 hashes before loading it")
@@ -609,6 +618,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_kv_opts(p, budget=True)
     p.add_argument("--calib", help=f"calibration text for KV key ranges (default: {CALIB_TEXT})")
     p.add_argument("--speed", action="store_true", help="also measure prefill and decode tokens/s")
+    _add_keep_opt(p)
     _add_verify_opt(p)
     p.add_argument("--json", action="store_true", help="print the report as JSON, no progress bars")
     p.set_defaults(fn=cmd_eval)
@@ -652,6 +662,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_seed, default=0, help=f"sampling seed in [0, {SEED_MAX}] (default 0)")
     p.add_argument("--no-bos", action="store_true", help="do not prepend the BOS token (then --prompt must not be empty)")
     _add_scan_opt(p)
+    _add_keep_opt(p)
     _add_verify_opt(p)
     _add_kv_opts(p)
     p.add_argument("--calib", help=f"calibration text for KV key ranges (default: {CALIB_TEXT})")
@@ -662,6 +673,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src", help="Hugging Face directory, .gguf file or registry name to read")
     p.add_argument("dst", help="checkpoint directory to write")
     p.add_argument("--recipe", help="quantize with this recipe while converting")
+    _add_keep_opt(p)
     _add_calib_opts(p)
     p.add_argument("--overwrite", action="store_true",
                    help="replace DST if it exists and is an llmeq_jax checkpoint (never other directories)")

@@ -62,6 +62,9 @@ def plan(x_shape, x_dtype, w: QArray, act) -> tuple[str | None, str]:
         return None, "log2 codes (no kernel decodes them)"
     if w.grid == "fp8" and (act is None or act.grid != "fp8"):
         return None, "fp8 weights without fp8 activations (XLA dequantizes them)"
+    if w.zero_point is not None and not jnp.issubdtype(w.zero_point.dtype, jnp.integer):
+        # GGUF Q4_1 / K-quant grids kept as stored: the kernels subtract integer zero points in bf16/fp16 exactly.
+        return None, "float zero points (the kernels take integer ones)"
     k, n = w.shape
     rows = (math.prod(x_shape[:-1]), k)
     group, _, _, why = _layout(w)

@@ -27,17 +27,21 @@ MAIN_RECIPES = ("fp32", "rtn-w8", "rtn-w8a8", "smoothquant-w8a8", "rtn-w4-g128")
 # --------------------------------------------------------------------------- models and recipes
 
 
-def open_model(source: str, progress: bool = True, verify: bool = True):
+def open_model(source: str, progress: bool = True, verify: bool = True, keep_quantized: bool = False):
     """(config, params, tokenizer, recipe_dict or None) from any MODEL form; checkpoints are checked
-    against their content hashes unless ``verify`` is False."""
+    against their content hashes unless ``verify`` is False. ``keep_quantized``: a GGUF file's
+    quantized linear weights load as QArrays with its integers (``models.gguf_blocks``)."""
     from llmeq_jax import checkpoint
 
     p = Path(source)
     if p.is_dir() and (p / checkpoint.MANIFEST).is_file():
+        if keep_quantized:
+            raise UsageError(f"--keep-quantized reads a GGUF file's blocks; {source!r} is a checkpoint (it loads "
+                             "as it was saved)")
         return checkpoint.load_model_checkpoint(p, verify_hashes=verify)
     from llmeq_jax.models import load_model
 
-    config, params, tokenizer = load_model(source)
+    config, params, tokenizer = load_model(source, keep_quantized=keep_quantized)
     return config, params, tokenizer, None
 
 

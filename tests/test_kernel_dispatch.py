@@ -60,6 +60,23 @@ def test_ops_linear_pallas_equals_xla(pair):
     np.testing.assert_allclose(y, r, rtol=1e-5, atol=1e-5)
 
 
+def test_float_zero_points_stay_in_xla():
+    """GGUF Q4_1 / K-quant grids kept as stored have float zero points; the kernels subtract integer ones in
+    bf16/fp16, so auto falls back to XLA (which computes them exactly) and a required kernel says why."""
+    import dataclasses
+
+    q = _q((Spec(bits=4, granularity="group", group_size=32, symmetric=False), None))
+    fq = dataclasses.replace(q, zero_point=q.zero_point.astype(jnp.float32) + 0.25)
+    x = jax.random.normal(jax.random.key(1), (2, 200))
+    with config.interpret(True):
+        assert dispatch.plan(x.shape, x.dtype, q, None)[0] == "weight_only"
+        assert dispatch.plan(x.shape, x.dtype, fq, None) == (None, "float zero points (the kernels take integer ones)")
+        assert dispatch.linear(x, fq, None) is None
+        with pytest.raises(dispatch.KernelUnavailable, match="float zero points"):
+            ops.linear(x, fq, backend="pallas")
+    np.testing.assert_allclose(ops.linear(x, fq), x @ fq.dequantize(), rtol=1e-5, atol=1e-5)
+
+
 def test_required_kernel_that_cannot_apply_says_why():
     with config.interpret(True):
         for bits in (2, 3):  # four per byte / eight per three bytes: the kernel reads int8 or int4 only

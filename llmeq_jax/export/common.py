@@ -32,8 +32,9 @@ class KernelGrid:
     """One quantized kernel as a serving format sees it.
 
     ``q`` (out, in) int8 values; ``scale`` (out, groups) float32; ``zero_point``
-    (out, groups) int8 or None; ``group`` input features per scale (``in`` when
-    there is one scale per row). ``x[o, i] = (q - zp)[o, i] * scale[o, i // group]``.
+    (out, groups) int8 (float32 where ``kernel_grid`` let float zero points through) or None;
+    ``group`` input features per scale (``in`` when there is one scale per row).
+    ``x[o, i] = (q - zp)[o, i] * scale[o, i // group]``.
     ``grid="fp8"``: ``q`` holds E4M3 bit patterns and ``x = e4m3(q) * scale`` (no zero point).
     """
 
@@ -90,12 +91,20 @@ class KernelGrid:
         return q * self.scale[:, cols]
 
 
-def kernel_grid(path: str, w: QArray, grids: tuple[str, ...] = ("uniform",)) -> KernelGrid:
+def kernel_grid(path: str, w: QArray, grids: tuple[str, ...] = ("uniform",),
+                float_zero_points: bool = False) -> KernelGrid:
     """The (out, in) view of an ``(in, out)`` QArray kernel; an ExportError when no format could read it.
 
-    ``grids``: the value grids the calling format encodes (compressed-tensors also writes ``fp8``)."""
+    ``grids``: the value grids the calling format encodes (compressed-tensors also writes ``fp8``).
+    ``float_zero_points``: whether the format stores non-integer zero points (GGUF's block minimum does;
+    they come from GGUF Q4_1 / K-quant files loaded with ``keep_quantized``), else they are refused."""
     if w.ndim != 2:
         raise ExportError(f"{path}: expected an (in, out) kernel, got shape {w.shape}")
+    float_zp = w.zero_point is not None and not np.issubdtype(np.dtype(w.zero_point.dtype), np.integer)
+    if float_zp and not float_zero_points:
+        raise ExportError(f"{path}: float zero points (a GGUF Q4_1 / K-quant grid kept as stored) have no encoding "
+                          "in this format; export as GGUF, or load the GGUF without --keep-quantized and quantize "
+                          "with a recipe")
     if w.grid not in grids:
         raise ExportError(f"{path}: {w.grid} grid codes have no encoding in this format; expected "
                           + " or ".join({"uniform": "a uniform integer grid", "fp8": "an fp8 (E4M3) grid"}[g]
@@ -117,7 +126,7 @@ def kernel_grid(path: str, w: QArray, grids: tuple[str, ...] = ("uniform",)) -> 
         path=path,
         q=np.ascontiguousarray(np.asarray(w.values(), np.int8).T),
         scale=rows(w.scale, np.float32),
-        zero_point=None if w.zero_point is None else rows(w.zero_point, np.int8),
+        zero_point=None if w.zero_point is None else rows(w.zero_point, np.float32 if float_zp else np.int8),
         group=min(t_in, k),
         bits=w.bits,
         act_spec=w.act_spec,
@@ -126,17 +135,27 @@ def kernel_grid(path: str, w: QArray, grids: tuple[str, ...] = ("uniform",)) -> 
     )
 
 
-def flat_params(params: Any) -> dict[str, Any]:
+def flat_params(params: Any, keep_tables: bool = False) -> dict[str, Any]:
     """``{"layers_0/attn/q_proj/kernel": leaf}`` with QArrays kept whole.
 
-    A quantized token table comes back as its dequantized floats: neither format has
-    our per-row embedding grid (GGUF's blocks run along hidden in 32s, compressed-tensors
-    quantizes Linear modules only), and the floats are exactly the values our model reads.
+    A quantized token table comes back as its dequantized floats (the values our model reads) unless
+    ``keep_tables``: compressed-tensors and ONNX quantize Linear weights only; GGUF keeps it
+    (:func:`table_grid`).
     """
     import jax
 
     flat = {path_str(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(params, is_leaf=is_qarray)}
+    if keep_tables:
+        return flat
     return {p: (leaf.dequantize() if is_table(p) and is_qarray(leaf) else leaf) for p, leaf in flat.items()}
+
+
+def table_grid(path: str, table: QArray, float_zero_points: bool = False) -> KernelGrid:
+    """A quantized ``(vocab, hidden)`` token table as a KernelGrid: rows = vocabulary, groups along hidden."""
+    from llmeq_jax.decode_layout import kernel_view
+
+    grid = kernel_grid(path, kernel_view(table), float_zero_points=float_zero_points)
+    return dataclasses.replace(grid, bits=table.bits)  # kernel_view stores sub-byte values one per int8
 
 
 @contextlib.contextmanager

@@ -11,7 +11,8 @@ for value (a block is 32 consecutive input features of one output row):
   d = absmax/7 grid with q in [-7, 7] is read back unchanged.
 * asymmetric int2..int4 -> ``Q4_1``: ``x = d * u + m``; ours is
   ``x = (q - zp) * s`` with q in [-8, 7], so u = q + 8, d = s, m = -(zp + 8) * s.
-* float leaves (embeddings, norms, skipped kernels) -> F32.
+* float leaves (norms, skipped kernels, a float token table) -> F32; a quantized token table (rows of
+  the vocabulary, groups along hidden) takes the kernels' block types.
 
 The one rounding a GGUF file forces: d (and m) are stored as float16, so each
 scale moves by at most 2^-11 of itself (0.05 %); the integers are exact.
@@ -36,7 +37,8 @@ import numpy as np
 
 from llmeq_jax.core.qarray import QArray
 from llmeq_jax.core.rope import freq_factors
-from llmeq_jax.export.common import ExportError, KernelGrid, atomic_output, flat_params, kernel_grid
+from llmeq_jax.core.rules import is_table
+from llmeq_jax.export.common import ExportError, KernelGrid, atomic_output, flat_params, kernel_grid, table_grid
 from llmeq_jax.export.gguf_tokenizer import tokenizer_metadata
 from llmeq_jax.models import gguf_loader
 from llmeq_jax.models.config import ModelConfig
@@ -232,12 +234,20 @@ def gguf_tensors(config: ModelConfig, params: Any) -> list[tuple[str, np.ndarray
     if config.rope_scaling is not None:  # Llama-3 scaling as llama.cpp reads it: one divisor per frequency
         factors = freq_factors(config.head_dim, config.rope_theta, config.rope_scaling)
         out.append((gguf_loader.ROPE_FREQS, factors, None))
-    for path, leaf in flat_params(params).items():
+    for path, leaf in flat_params(params, keep_tables=True).items():
         name = tensor_name(path, config.family)
         proj = path.split("/")[-2]
         rope_heads = heads.get(proj) if permute and path.split("/")[-3:-2] == ["attn"] else None
+        if isinstance(leaf, QArray) and is_table(path):
+            # A quantized token table (a kept GGUF's, or a recipe's) is already (vocab, hidden) rows: its
+            # blocks where a block type holds its grid, else the floats our model reads from it.
+            try:
+                out.append((name, *encode(table_grid(path, leaf, float_zero_points=True))))
+                continue
+            except ExportError:
+                leaf = leaf.dequantize()
         if isinstance(leaf, QArray):
-            grid = kernel_grid(path, leaf)
+            grid = kernel_grid(path, leaf, float_zero_points=True)
             data, qtype = encode(grid)
             if rope_heads:
                 data = permute_rope_rows(data, rope_heads)  # whole rows (with their block scales) move

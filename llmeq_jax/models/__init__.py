@@ -27,10 +27,12 @@ from llmeq_jax.models.params_tree import ModelLoadError
 from llmeq_jax.models.registry import REGISTRY
 
 
-def load_model(path_or_name: str | Path, dtype: Any = jnp.float32):
+def load_model(path_or_name: str | Path, dtype: Any = jnp.float32, keep_quantized: bool = False):
     """``(config, params, tokenizer)`` from an HF directory, a ``.gguf`` file or a registry name.
 
     ``tokenizer`` is a ``transformers`` tokenizer, or None for an HF directory without one.
+    ``keep_quantized`` (GGUF only): linear weights stored in llama.cpp block types we read
+    (``gguf_blocks``) load as QArrays with the file's integers instead of float.
     """
     from llmeq_jax.models import gguf_loader, hf_loader, registry
 
@@ -38,9 +40,12 @@ def load_model(path_or_name: str | Path, dtype: Any = jnp.float32):
         path_or_name = registry.resolve(path_or_name)
     path = Path(path_or_name)
     if path.is_dir():
+        if keep_quantized:
+            raise ModelLoadError(f"{path}: keep_quantized reads GGUF files' quantized blocks; a Hugging Face "
+                                 "directory holds float weights (quantize it with a recipe)")
         return hf_loader.load_hf_directory(path, dtype)
     if path.suffix == ".gguf" or path.is_file():
-        return gguf_loader.load_gguf(path, dtype)
+        return gguf_loader.load_gguf(path, dtype, keep_quantized)
     raise ModelLoadError(
         f"{path_or_name!s}: not a model directory, a .gguf file or a registered name ({', '.join(REGISTRY)})"
     )

@@ -3,7 +3,10 @@
 * Config from the ``{arch}.*`` metadata; architectures ``llama``, ``qwen2``, ``qwen3`` and ``gpt2`` (llama.cpp's
   names: ``attn_qkv`` is GPT-2's fused q | k | v, ``position_embd`` its learned positions).
 * Tensors: F32/F16/BF16 as stored, quantized types (Q8_0, Q4_0, Q4_1, Q4_K,
-  Q6_K, ...) dequantized by ``gguf.quants.dequantize`` one tensor at a time.
+  Q6_K, ...) dequantized by ``gguf.quants.dequantize`` one tensor at a time; or, with
+  ``keep_quantized``, linear weights and the token table in the types :mod:`gguf_blocks` reads (Q8_0, Q4_0,
+  Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) kept as QArrays holding the file's integers (norms, biases and learned
+  positions are always float).
 * llama.cpp's converter permutes the rows of Q and K of ``llama`` models so
   that its RoPE can rotate adjacent pairs; we undo that so our rotate-half
   RoPE (the HF layout) applies.
@@ -26,6 +29,8 @@ import numpy as np
 from tqdm import tqdm
 
 from llmeq_jax.core.rope import freq_factors_scaling
+from llmeq_jax.core.rules import EMBEDDING_TABLE
+from llmeq_jax.models import gguf_blocks
 from llmeq_jax.models.config import ModelConfig, ModelConfigError
 from llmeq_jax.models.params_tree import ModelLoadError, TreeBuilder
 
@@ -190,7 +195,23 @@ def tensor_as_float(tensor, source: str) -> np.ndarray:
         ) from None
 
 
-def load_params(reader, config: ModelConfig, dtype: Any, source: str) -> dict:
+def kept_grid(tensor, heads: int | None) -> gguf_blocks.BlockGrid | None:
+    """A 2-D GGUF tensor whose block type :mod:`gguf_blocks` reads, as the file's integers in ``(rows, cols)``
+    order (Q/K rows un-permuted when ``heads`` is given); None for other types."""
+    name = tensor.tensor_type.name
+    if not gguf_blocks.keeps(name) or len(tensor.shape) != 2:
+        return None
+    cols, rows = (int(n) for n in tensor.shape)  # GGUF lists dims innermost first
+    grid = gguf_blocks.decode(tensor.data, name, rows, cols)
+    if heads is not None:
+        grid = grid.rows(unpermute_rope_rows(np.arange(rows), heads))
+    return grid
+
+
+def load_params(reader, config: ModelConfig, dtype: Any, source: str, keep_quantized: bool = False) -> dict:
+    """The param tree; ``keep_quantized``: linear weights and the token table in the block types
+    :mod:`gguf_blocks` reads stay quantized (QArrays with the file's integers), everything else is
+    dequantized to ``dtype``."""
     builder = TreeBuilder(config, dtype, source)
     permute_qk = config.model_type == "llama"
     top, layer = TENSOR_NAMES[config.family]
@@ -206,9 +227,16 @@ def load_params(reader, config: ModelConfig, dtype: Any, source: str) -> dict:
             continue  # read into the config (rope_scaling_from_gguf)
         else:
             raise ModelLoadError(f"{source}: tensor {name!r} is not a parameter of a {config.model_type} model")
-        value = tensor_as_float(tensor, source)
+        heads = None
         if permute_qk and m and m.group(2).startswith(("attn_q.", "attn_k.")):
             heads = config.num_heads if m.group(2).startswith("attn_q.") else config.num_kv_heads
+        # Linear weights become (in, out) kernels; the token table stays (vocab, hidden), rows whole.
+        kept = kept_grid(tensor, heads) if keep_quantized and (transpose or path == EMBEDDING_TABLE) else None
+        if kept is not None:
+            builder.put(path, kept.kernel(dtype) if transpose else kept.table(dtype), name)
+            continue
+        value = tensor_as_float(tensor, source)
+        if heads is not None:
             value = unpermute_rope_rows(value, heads)
         builder.put(path, value.T if transpose else value, name)
         del value
@@ -245,9 +273,9 @@ def tokenizer_from_gguf(reader, source: str):
     return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)
 
 
-def load_gguf(path: str | Path, dtype: Any):
+def load_gguf(path: str | Path, dtype: Any, keep_quantized: bool = False):
     path = Path(path)
     reader = open_reader(path)
     config = config_from_gguf(reader, str(path))
-    params = load_params(reader, config, dtype, str(path))
+    params = load_params(reader, config, dtype, str(path), keep_quantized)
     return config, params, tokenizer_from_gguf(reader, str(path))

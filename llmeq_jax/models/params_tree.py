@@ -9,12 +9,14 @@ and finally reports any param the file did not provide.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from llmeq_jax.core.qarray import QArray
 from llmeq_jax.models.config import ModelConfig
 
 
@@ -41,7 +43,7 @@ class TreeBuilder:
     def wants(self, path: str) -> bool:
         return path in self.shapes
 
-    def put(self, path: str, value: np.ndarray, file_name: str) -> None:
+    def put(self, path: str, value: np.ndarray | QArray, file_name: str) -> None:
         want = self.shapes.get(path)
         if want is None:
             raise ModelLoadError(f"{self.source}: tensor {file_name!r} maps to {path!r}, which this model has no use for")
@@ -50,6 +52,9 @@ class TreeBuilder:
                 f"{self.source}: tensor {file_name!r} has shape {tuple(value.shape)} but the config implies "
                 f"{want} for {path!r} (after conversion to our (in, out) layout)"
             )
+        if isinstance(value, QArray):  # a kernel kept quantized as the file stores it: dequantizes to `dtype`
+            self.flat[path] = dataclasses.replace(value, dtype=jnp.dtype(self.dtype))
+            return
         # Norm scales and biases stay float32: they are tiny and precision-sensitive.
         dtype = self.dtype if value.ndim >= 2 else jnp.float32
         self.flat[path] = jnp.asarray(value, dtype=dtype)

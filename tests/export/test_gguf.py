@@ -173,16 +173,28 @@ def test_existing_output_kept_without_overwrite(model, tmp_path):
     assert load_model(out)[0] is not None and sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
 
 
-def test_a_quantized_token_table_is_written_as_its_floats(model, tmp_path):
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_a_quantized_token_table_is_written_as_blocks_or_its_floats(model, tmp_path, symmetric):
+    """A token table quantized per row in int8 is Q8_0 rows of the vocabulary (read back kept quantized: the same
+    integers); an asymmetric int8 one has no block type and is written as the floats our model reads."""
     config, params, tokenizer, tokens = model
-    table_rule = {"pattern": "embed/embedding", "weight": {"bits": 8, "granularity": "channel"}}
+    table_rule = {"pattern": "embed/embedding", "weight": {"bits": 8, "granularity": "channel", "symmetric": symmetric}}
     qparams = quantize_params(params, _recipe(table_rule, SKIP_DOWN,
                                               {"pattern": ".*/kernel", "weight": {"bits": 8, "granularity": "channel"}}))
     out = write_gguf(config, qparams, tmp_path / "m.gguf", source=MODEL)
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(out).tensors}
+    T = gguf.GGMLQuantizationType
+    assert types["token_embd.weight"] == (T.Q8_0 if symmetric else T.F32)
     config2, params2, _ = load_model(out)
-    np.testing.assert_array_equal(np.asarray(params2["embed"]["embedding"]),
-                                  np.asarray(qparams["embed"]["embedding"].dequantize()))
-    expected = {**_fp16_scales(qparams), "embed": {"embedding": qparams["embed"]["embedding"].dequantize()}}
+    table = qparams["embed"]["embedding"]
+    expected = {**_fp16_scales(qparams), "embed": {"embedding": table.dequantize()}}
+    if symmetric:
+        table16 = _fp16_scales({"t": table})["t"]
+        expected["embed"]["embedding"] = table16.dequantize()
+        kept = load_model(out, keep_quantized=True)[1]["embed"]["embedding"]
+        assert isinstance(kept, QArray) and kept.shape == table.shape
+        np.testing.assert_array_equal(np.asarray(kept.values()), np.asarray(table.values()))
+    np.testing.assert_array_equal(np.asarray(params2["embed"]["embedding"]), np.asarray(expected["embed"]["embedding"]))
     assert _rel_diff(forward(config2, params2, tokens), forward(config, expected, tokens)) <= 2e-6
 
 
