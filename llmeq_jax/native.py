@@ -62,7 +62,7 @@ PANEL_COLS = 32
 # Query positions from which the attention kernel runs its blocked prefill path (kFlashMinT in
 # native/cpu_kernels.cc); between NATIVE_MAX_ROWS["attention"] and this, XLA's attention is used.
 PREFILL_ATTENTION_MIN_POSITIONS = 16
-_ABI_VERSION = 10
+_ABI_VERSION = 11
 _DISABLED = contextvars.ContextVar("llmeq_native_disabled", default=False)
 
 
@@ -283,8 +283,11 @@ def supports_row_major(w: QArray, act=None) -> str | None:
     if w.tile[0] not in (1, n):
         return "scales grouped along the output (row) dim"
     g = w.tile[1]
-    if g < k and (g % 32 or g > _RM_MAX_GROUP):
-        return f"groups along the contraction dim must be multiples of 32 up to {_RM_MAX_GROUP}, got {g}"
+    # Groups of 16 (llama.cpp's Q6_K blocks) only for int8-stored weight-only codes (the kernel pairs them up).
+    sixteen = g == 16 and not is_packed(w.bits) and act is None
+    if g < k and (g % 32 or g > _RM_MAX_GROUP) and not sixteen:
+        return (f"groups along the contraction dim must be multiples of 32 up to {_RM_MAX_GROUP} (or 16 for "
+                f"int5-int8 weight-only codes), got {g}")
     if act is not None:
         if act.grid != "uniform":
             return f"{act.grid} activations have no integer kernel"

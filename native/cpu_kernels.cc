@@ -1288,18 +1288,19 @@ VNNI512_VL void rm_tile_vnni(const RM& p, int64_t m0, int64_t n0) {
   // The R rows are contiguous: walk the prefetch pointer through them at the rate they are read.
   const char* pf = reinterpret_cast<const char*>(p.q + n0 * p.Kb) + kRowMajorPrefetchBytes;
   int64_t f = 0;
-  if (MODE == 1 && p.F == 32) {
+  if ((MODE == 1 && p.F == 32) || (MODE == 0 && p.F == 16)) {
     // int4 in groups of 32 (llama.cpp's Q4_0 / Q4_1 grids): the loop below would run a masked half step
     // and a group end per 32 values. One full step takes two groups instead: its 16-bit lanes 0-15 hold
     // group f and 16-31 group f + 1, so vpdpwssd's int32 lanes 0-7 sum group f and 8-15 group f + 1, and
     // one group end scales both with vectors holding the two groups' scales in their halves.
+    // int5-int8 in groups of 16 (llama.cpp's Q6_K) pair up the same way: a mode-0 step is 32 values.
     for (; f + 1 < p.FG; f += 2) {
       __m512i acc[R][MT];
       for (int r = 0; r < R; ++r)
         for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_si512();
       for (int64_t b = 0; b < 32 * R; b += 64) _mm_prefetch(pf + b, _MM_HINT_T0);
       pf += 32 * R;
-      rm_vnni_step_at<MODE, MT, R>(p, wrow, xrow, f * 32, true, acc);
+      rm_vnni_step_at<MODE, MT, R>(p, wrow, xrow, f * p.F, true, acc);
       __m512 sav[MT];
       float sx0[MT], sx1[MT];
       for (int m = 0; m < MT; ++m) {
@@ -1555,7 +1556,7 @@ AVX2 inline __m256i rm_round16(const float* x, __m256 inv, __m256i& sum) {
   return _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
 }
 
-// rm_round_scalar for n a multiple of 16 (flush groups are multiples of 32).
+// rm_round_scalar for n a multiple of 16 (flush groups are multiples of 32, or 16).
 AVX2 int32_t rm_round_avx2(const float* x, int64_t n, float inv, bool split, int16_t* q, int64_t half) {
   const __m256 vinv = _mm256_set1_ps(inv);
   // Per 128-bit lane of 8 int16: the 4 even-k values, then the 4 odd-k values.
@@ -1731,7 +1732,10 @@ ffi::Error rm_setup(RM& p, const char* name, int64_t M, int64_t K, ffi::Span<con
   if (sd[o] != p.N || sd[o + 1] != p.G) return bad("scale must be (N, ceil(K / group_size))");
   if (has_zp && (zd.size() != 2 || zd[0] != p.N || zd[1] != p.G)) return bad("zero point must have the scale's shape");
   if (p.G > 1) {
-    if (group_size % 32) return bad("groups must be multiples of 32 values");
+    // Groups of 16 (llama.cpp's Q6_K) only for int8-stored weight-only codes: their steps are 16 (AVX2)
+    // or pairs of groups (VNNI); K a multiple of 32 gives whole pairs.
+    if (group_size % 32 && !(group_size == 16 && p.mode == 0))
+      return bad("groups must be multiples of 32 values (or 16, int5-int8 weight-only)");
     if (group_size > max_flush) return bad("groups are too long for int32 sums");
     p.F = group_size;
   } else {
@@ -3776,5 +3780,5 @@ __attribute__((visibility("default"))) void llmeq_native_force_scalar(int on) { 
 __attribute__((visibility("default"))) int llmeq_native_vnni() { return use_vnni() ? 1 : 0; }
 __attribute__((visibility("default"))) int llmeq_native_avx512() { return use_avx512() ? 1 : 0; }
 __attribute__((visibility("default"))) void llmeq_native_allow_vnni(int on) { g_allow_vnni.store(on ? 1 : 0); }
-__attribute__((visibility("default"))) int llmeq_native_abi_version() { return 10; }
+__attribute__((visibility("default"))) int llmeq_native_abi_version() { return 11; }
 }

@@ -41,6 +41,7 @@ WEIGHTS = {
     "int4-g32-asym": Spec(bits=4, granularity="group", group_size=32, symmetric=False),
     "int4-g64-asym": Spec(bits=4, granularity="group", group_size=64, symmetric=False),
     "int3-g32": Spec(bits=3, granularity="group", group_size=32),
+    "int6-g16": Spec(bits=6, granularity="group", group_size=16),  # llama.cpp's Q6_K grid
 }
 # K = 320: per-channel weights flush int16 activation groups of 128, 128 and a short 64.
 K, N = 320, 37
@@ -124,18 +125,20 @@ def test_vnni_tiles_give_the_avx2_tiles_sums(name):
 
 
 @pytest.mark.parametrize("k", [288, 320])
-@pytest.mark.parametrize("name", ["int4-g32", "int4-g32-asym", "int3-g32", "int8-g32-asym"])
+@pytest.mark.parametrize("name", ["int4-g32", "int4-g32-asym", "int3-g32", "int8-g32-asym", "int6-g16"])
 def test_groups_of_32_pair_up(name, k):
     """Weights in groups of 32 (llama.cpp's Q4_0 / Q4_1 / Q8_0 grids): for int4 / int3 the VNNI tile takes two
     groups a step (int32 lanes 0-7 one group, 8-15 the next, each scaled by its own weight and activation scales)
-    and an odd last group (K = 288: 9 groups) alone; int8 goes group by group. The reference's values, and the
-    AVX2 tiles' sums where VNNI runs."""
+    and an odd last group (K = 288: 9 groups) alone; int8 goes group by group. int6 in groups of 16 (Q6_K) pairs
+    up the same way in the int8-stored step of 32. The reference's values, and the AVX2 tiles' sums where VNNI
+    runs."""
     w = _kernel(name, k)
     rm = decode_layout.transpose_kernel(w)
     f = jax.jit(lambda a, b: native.row_major_matmul(a, b))
+    g = w.tile[0]
     for rows in (1, 2, 5):
         x = _rand((rows, k), 60 + rows)
-        x[:, 32:64] *= 50  # activation scales that differ a lot between neighbouring groups
+        x[:, g:2 * g] *= 50  # activation scales that differ a lot between neighbouring groups
         y = np.asarray(f(jnp.asarray(x), rm), np.float64)
         ref = x.astype(np.float64) @ _dequant64(w)
         bound = _a16_bound(x, w)
@@ -227,6 +230,10 @@ def test_unsupported_weights_say_why_and_ops_linear_falls_back():
     g48 = decode_layout.transpose_kernel(
         quantize(jnp.asarray(_rand((96, 8), 1)), Spec(bits=4, granularity="group", group_size=48)))
     assert "multiples of 32" in native.supports_row_major(g48)
+    for spec, act in ((Spec(bits=4, granularity="group", group_size=16), None),  # g16: int8-stored weight-only
+                      (Spec(bits=8, granularity="group", group_size=16), Spec(bits=8, granularity="token"))):
+        g16 = decode_layout.transpose_kernel(quantize(jnp.asarray(_rand((96, 8), 1)), spec))
+        assert "or 16 for int5-int8 weight-only" in native.supports_row_major(g16, act)
     int4 = decode_layout.transpose_kernel(_kernel("int4-g32"))
     assert "W8A8" in native.supports_row_major(int4, Spec(bits=8, granularity="token"))
     with pytest.raises(ValueError, match="multiple of 32"):
