@@ -99,6 +99,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--recipe", default="fp32")
+    ap.add_argument("--keep-quantized", action="store_true", help="a GGUF --model's quantized blocks kept as stored")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=32)
@@ -109,7 +110,7 @@ def main(argv=None) -> None:
     from llmeq_jax.generate import generate
     from llmeq_jax.models import load_model
 
-    config, params, tokenizer = load_model(args.model)
+    config, params, tokenizer = load_model(args.model, keep_quantized=args.keep_quantized)
     if args.recipe != "fp32":
         params = pipeline.run_recipe(config, params, tokenizer, pipeline.read_recipe(args.recipe), None, 16, False)[0]
     prompt = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (args.batch, args.prompt_len)),

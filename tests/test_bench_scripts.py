@@ -213,3 +213,25 @@ def test_bench_export_perplexity_is_the_mean_next_token_nll():
     ids = np.array([3, 1, 4, 1, 5, 9])
     want = -np.mean(np.asarray(jax.nn.log_softmax(jnp.asarray(logits, jnp.float32)))[np.arange(5), ids[1:]])
     assert abs(be.mean_nll(logits, ids) - want) < 1e-5
+
+
+def test_bench_gguf_runs_a_file_kept_and_dequantized(tmp_path):
+    """bench_gguf on a real model written as Q8_0 blocks: kept quantized it is smaller, computes the dequantized
+    file's logits and perplexity, and both decode timings come back."""
+    from llmeq_jax.core.rules import quantize_params, recipe_from_dict
+    from llmeq_jax.export.gguf import write_gguf
+    from llmeq_jax.models import load_model
+    from tests.shared_data import shared_data_path
+
+    stories = shared_data_path("stories260K.gguf")
+    config, params, _ = load_model(stories)
+    recipe = recipe_from_dict({"name": "q8", "rules": [  # stories260K's down_proj is 172 wide: no 32-value blocks
+        {"pattern": ".*down_proj.*", "skip": True},
+        {"pattern": ".*/kernel", "weight": {"bits": 8, "granularity": "group", "group_size": 32}}]})
+    path = write_gguf(config, quantize_params(params, recipe), tmp_path / "q8.gguf", source=stories)
+    row = _script("bench_gguf").bench_file(path, rounds=1, n_tokens=16, n_windows=1)
+    assert row["types"].get("Q8_0", 0) > 0
+    assert row["kept_mb"] < 0.6 * row["float_mb"]
+    assert row["rel_logit_diff"] < 1e-5
+    assert abs(row["ppl_kept"] / row["ppl_float"] - 1) < 1e-5
+    assert row["kept_decode_tok_s"] > 0 and row["float_decode_tok_s"] > 0
