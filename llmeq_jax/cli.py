@@ -181,7 +181,8 @@ def cmd_eval(args) -> int:
     t0 = time.perf_counter()
     res = text_perplexity(config, params, tokenizer, text, args.seq_len, args.windows, args.batch_size, not args.json, kv,
                           recipe, scan_layers=args.scan_layers)
-    name = (recipe or {}).get("name", "as-loaded") + ("" if kv is None else f" + kv{kv.spec.bits}")
+    loaded = "gguf-as-stored" if args.keep_quantized else "as-loaded"
+    name = (recipe or {}).get("name", loaded) + ("" if kv is None else f" + kv{kv.spec.bits}")
     row = evaluate.Row(recipe=name, ppl=res["ppl"], nll=res["nll"],
                        param_bytes=param_bytes(params), load_s=load_s, eval_s=time.perf_counter() - t0)
     mem = kv_memory(config, args.seq_len, kv, args.kv_budget_gb)

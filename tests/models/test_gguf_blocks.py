@@ -188,5 +188,6 @@ def test_cli_keeps_a_gguf_quantized_and_exports_the_same_blocks(monkeypatch, tmp
         assert cli.main(["eval", str(path), "--text", str(text), "--seq-len", "64", "--windows", "4", "--json",
                          *flags]) == 0
         rows.append(json.loads(capsys.readouterr().out)["rows"][0])
+    assert [r["recipe"] for r in rows] == ["as-loaded", "gguf-as-stored"]
     assert rows[1]["param_bytes"] < 0.6 * rows[0]["param_bytes"]
     assert rows[1]["ppl"] == pytest.approx(rows[0]["ppl"], rel=1e-5)
