@@ -11,7 +11,10 @@ Layout (DESIGN §2):
   scale has ``ceil(shape[d] / tile[d])`` entries: ``tile[d] == shape[d]`` means
   one scale for the whole dim, ``1`` one per element, anything else a group.
   A group size need not divide the dim: the last group is shorter.
-* ``zero_point`` -- integer offset with the scale's shape (asymmetric), or None.
+* ``zero_point`` -- integer offset with the scale's shape (asymmetric), or None. Quantizers store
+  int8; a GGUF file kept quantized (``models.gguf_blocks``: Q4_1, Q5_1, K-quants) brings float32
+  zero points (its block minimum over its scale), which every formula here and the CPU kernels take
+  as they are (the GPU kernels do not: ``kernel_dispatch.plan``).
 
 ``dequantize(q) = (qvalue - zero_point) * scale`` broadcast over tiles.
 
