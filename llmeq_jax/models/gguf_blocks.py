@@ -58,22 +58,23 @@ class BlockGrid:
     def kernel(self, dtype) -> QArray:
         """Our ``(in, out)`` kernel of this ``(out, in)`` grid: groups of ``group`` along ``in``, int2-4
         values packed along it (as ``quantize`` packs a grouped kernel)."""
-        rows, cols = self.q.shape
-        return QArray(
-            qvalue=pack(jnp.asarray(self.q.T), self.bits, axis=0),
-            scale=jnp.asarray(self.scale.T),
-            zero_point=None if self.zero_point is None else jnp.asarray(self.zero_point.T),
-            bits=self.bits, shape=(cols, rows), tile=(self.group, 1), dtype=jnp.dtype(dtype), pack_axis=0,
-        )
+        return self._qarray(dtype, axis=0)
 
     def table(self, dtype) -> QArray:
         """Our ``(rows, cols)`` embedding table of this grid: scales per row and group along ``cols``,
         int2-4 values packed along them (as ``rules.quantize_table`` lays a table out: rows stay whole)."""
+        return self._qarray(dtype, axis=1)
+
+    def _qarray(self, dtype, axis: int) -> QArray:
+        """The grid as a QArray whose groups run along ``axis``: 0 transposes it, 1 keeps it."""
+        orient = (lambda a: a.T) if axis == 0 else (lambda a: a)  # noqa: E731 - applied to three arrays
+        q = orient(self.q)
+        tile = (self.group, 1) if axis == 0 else (1, self.group)
         return QArray(
-            qvalue=pack(jnp.asarray(self.q), self.bits, axis=1),
-            scale=jnp.asarray(self.scale),
-            zero_point=None if self.zero_point is None else jnp.asarray(self.zero_point),
-            bits=self.bits, shape=tuple(self.q.shape), tile=(1, self.group), dtype=jnp.dtype(dtype), pack_axis=1,
+            qvalue=pack(jnp.asarray(q), self.bits, axis=axis),
+            scale=jnp.asarray(orient(self.scale)),
+            zero_point=None if self.zero_point is None else jnp.asarray(orient(self.zero_point)),
+            bits=self.bits, shape=tuple(q.shape), tile=tile, dtype=jnp.dtype(dtype), pack_axis=axis,
         )
 
     def rows(self, order: np.ndarray) -> "BlockGrid":
@@ -119,8 +120,7 @@ def _asymmetric(u: np.ndarray, scale: np.ndarray, low: np.ndarray, bits: int, gr
     half = 1 << (bits - 1)
     q = u.astype(np.int16) - half
     zero = scale == 0
-    with np.errstate(divide="ignore", invalid="ignore"):
-        zp = np.where(zero, 0.0, -half - low / np.where(zero, 1.0, scale))
+    zp = -half - low / np.where(zero, 1.0, scale)  # zero-scale groups: set below
     if np.any(zero):
         q = np.where(np.repeat(zero, group, axis=1), -half, q)
         constant = low != 0
