@@ -256,7 +256,15 @@ def _tile_percentile(x: jax.Array, tile: tuple[int, ...], p: float) -> jax.Array
     nd = x.ndim
     b = jnp.transpose(b, tuple(range(0, 2 * nd, 2)) + _tile_axes(nd))
     b = b.reshape(*b.shape[:nd], -1)
-    return jnp.nanpercentile(b, p, axis=-1)
+    # jnp.nanpercentile's linear interpolation, lo * (1 - w) + hi * w, with the two products behind a
+    # barrier: left to the compiler, the sum became an FMA in some programs and not in others, and
+    # quantize and quantize_dequantize of the same x disagreed by an ulp of the scale.
+    lo = jnp.nanpercentile(b, p, axis=-1, method="lower")
+    hi = jnp.nanpercentile(b, p, axis=-1, method="higher")
+    pos = jnp.float32(p) / jnp.float32(100) * (jnp.sum(~jnp.isnan(b), axis=-1).astype(jnp.float32) - 1)
+    w = pos - jnp.floor(pos)
+    low_part, high_part = jax.lax.optimization_barrier((lo * (1 - w), hi * w))
+    return low_part + high_part
 
 
 # --------------------------------------------------------------------------- scales
