@@ -251,20 +251,40 @@ def tile_reduce(x: jax.Array, tile: tuple[int, ...], op: str) -> jax.Array:
     return jnp.sum(b, axis=axes)
 
 
+def _split_bits(x):
+    """``x`` as high + low float32 parts of at most 12 significant bits each (high is x with its low
+    mantissa bits cleared, so the split is exact), whose pairwise products are exact in float32."""
+    high_mask = np.uint32(0xFFFFF000)
+    if isinstance(x, np.ndarray):
+        high = (x.view(np.uint32) & high_mask).view(np.float32)
+    else:
+        high = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(x, jnp.uint32) & high_mask, jnp.float32)
+    return high, x - high
+
+
 def _tile_percentile(x: jax.Array, tile: tuple[int, ...], p: float) -> jax.Array:
+    """The ``p``-th percentile of |x| per tile, linear between the two order statistics around it.
+
+    Written out rather than jnp.nanpercentile so that every compiled program rounds it the same way
+    (quantize and quantize_dequantize of one x had disagreed by an ulp of the scale): the positions
+    and weights are numpy constants (the tile counts are static), and lo + (hi - lo) * w is summed
+    from products of 12-bit parts, which are exact, so whether XLA fuses a multiply and an add into
+    an FMA (it did in some programs and not in others) cannot change the result.
+    """
     b = _blocked(jnp.abs(x.astype(jnp.float32)), tile, jnp.nan)
     nd = x.ndim
     b = jnp.transpose(b, tuple(range(0, 2 * nd, 2)) + _tile_axes(nd))
-    b = b.reshape(*b.shape[:nd], -1)
-    # jnp.nanpercentile's linear interpolation, lo * (1 - w) + hi * w, with the two products behind a
-    # barrier: left to the compiler, the sum became an FMA in some programs and not in others, and
-    # quantize and quantize_dequantize of the same x disagreed by an ulp of the scale.
-    lo = jnp.nanpercentile(b, p, axis=-1, method="lower")
-    hi = jnp.nanpercentile(b, p, axis=-1, method="higher")
-    pos = jnp.float32(p) / jnp.float32(100) * (jnp.sum(~jnp.isnan(b), axis=-1).astype(jnp.float32) - 1)
-    w = pos - jnp.floor(pos)
-    low_part, high_part = jax.lax.optimization_barrier((lo * (1 - w), hi * w))
-    return low_part + high_part
+    ordered = jnp.sort(b.reshape(*b.shape[:nd], -1), axis=-1)  # the NaN padding sorts last
+    extents = [np.minimum(t, n - np.arange(0, n, t)) for n, t in zip(x.shape, tile)]
+    count = functools.reduce(np.multiply.outer, extents).astype(np.int64)  # values per tile
+    pos = p / 100.0 * (count - 1)
+    below = np.floor(pos)
+    lo_at = below.astype(np.int32)
+    hi_at = np.minimum(lo_at + 1, count - 1).astype(np.int32)
+    w_high, w_low = _split_bits((pos - below).astype(np.float32))
+    lo = jnp.take_along_axis(ordered, lo_at[..., None], axis=-1)[..., 0]
+    d_high, d_low = _split_bits(jnp.take_along_axis(ordered, hi_at[..., None], axis=-1)[..., 0] - lo)
+    return lo + ((d_high * w_high + (d_high * w_low + d_low * w_high)) + d_low * w_low)
 
 
 # --------------------------------------------------------------------------- scales
