@@ -1269,17 +1269,75 @@ VNNI512_VL inline void rm_vnni_step_at(const RM& p, const uint8_t* const* wrow, 
   }
 }
 
+// Lanes 0-7 <- v[0], lanes 8-15 <- v[1]: the scales of two consecutive groups for a paired step.
+VNNI512_VL inline __m512 rm_pair_halves(const float* v) {
+  const __m512i pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(v)));
+  return _mm512_permutexvar_ps(pick, _mm512_zextps128_ps512(two));
+}
+
+// The integer offsets of every flush group f, removed once per tile after its K loop:
+//   corr[r][m] = sum_f ws(r, f) * (base + zp(r, f)) * sa[m, f] * xsum[m, f]
+// with base 8 (mode 1's unsigned nibbles), 128 (mode 2's unsigned bytes) or 0, 16 groups a vector
+// (summed per group end it had cost as much as the group's dot products at groups of 32).
+template <int MODE, int MT, int R>
+VNNI512_VL void rm_offsets_vnni(const RM& p, int64_t m0, int64_t n0, float (&corr)[R][MT]) {
+  const float base = MODE == 1 ? 8.f : MODE == 2 ? 128.f : 0.f;
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MT; ++m) corr[r][m] = 0.f;
+  if (MODE == 0 && !p.zp) return;
+  if (p.G == 1) {  // one scale and zero point a row, several flush groups of 128
+    for (int m = 0; m < MT; ++m) {
+      float sx = 0.f;
+      for (int64_t f = 0; f < p.FG; ++f)
+        sx += p.sa[(m0 + m) * p.FG + f] * static_cast<float>(p.xsum[(m0 + m) * p.FG + f]);
+      for (int r = 0; r < R; ++r) corr[r][m] = p.scale[n0 + r] * (base + (p.zp ? p.zp[n0 + r] : 0.f)) * sx;
+    }
+    return;
+  }
+  __m512 c[R][MT];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MT; ++m) c[r][m] = _mm512_setzero_ps();
+  for (int64_t f = 0; f < p.FG; f += 16) {
+    const __mmask16 km = p.FG - f >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (p.FG - f)) - 1);
+    __m512 sx[MT];
+    for (int m = 0; m < MT; ++m) {
+      const int64_t at = (m0 + m) * p.FG + f;
+      sx[m] = _mm512_mul_ps(_mm512_maskz_loadu_ps(km, p.sa + at),
+                            _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(km, p.xsum + at)));
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (n0 + r) * p.G + f;
+      __m512 off = _mm512_set1_ps(base);
+      if (p.zp) off = _mm512_add_ps(off, _mm512_maskz_loadu_ps(km, p.zp + at));
+      const __m512 wo = _mm512_mul_ps(_mm512_maskz_loadu_ps(km, p.scale + at), off);
+      for (int m = 0; m < MT; ++m) c[r][m] = _mm512_fmadd_ps(wo, sx[m], c[r][m]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MT; ++m) corr[r][m] = _mm512_reduce_add_ps(c[r][m]);
+}
+
+// tot += acc * ws * sa for a step whose int32 lanes 0-7 sum group f and 8-15 group f + 1.
+template <int MT, int R>
+VNNI512_VL inline void rm_flush_pair(const RM& p, int64_t m0, int64_t n0, int64_t f, const __m512i (&acc)[R][MT],
+                                     __m512 (&tot)[R][MT]) {
+  __m512 sav[MT];
+  for (int m = 0; m < MT; ++m) sav[m] = rm_pair_halves(p.sa + (m0 + m) * p.FG + f);
+  for (int r = 0; r < R; ++r) {
+    const __m512 wsv = rm_pair_halves(p.scale + (n0 + r) * p.G + f);
+    for (int m = 0; m < MT; ++m)
+      tot[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][m]), _mm512_mul_ps(wsv, sav[m]), tot[r][m]);
+  }
+}
+
 template <int MODE, int MT, int R>
 VNNI512_VL void rm_tile_vnni(const RM& p, int64_t m0, int64_t n0) {
   constexpr int64_t step = rm_vnni_step<MODE>();
   constexpr int64_t step_bytes = MODE == 1 ? step / 2 : step;
   __m512 tot[R][MT];
-  float corr[R][MT];
   for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MT; ++m) {
-      tot[r][m] = _mm512_setzero_ps();
-      corr[r][m] = 0.f;
-    }
+    for (int m = 0; m < MT; ++m) tot[r][m] = _mm512_setzero_ps();
   const uint8_t* wrow[R];
   for (int r = 0; r < R; ++r) wrow[r] = p.q + (n0 + r) * p.Kb;
   const void* xrow[MT];
@@ -1289,10 +1347,10 @@ VNNI512_VL void rm_tile_vnni(const RM& p, int64_t m0, int64_t n0) {
   const char* pf = reinterpret_cast<const char*>(p.q + n0 * p.Kb) + kRowMajorPrefetchBytes;
   int64_t f = 0;
   if ((MODE == 1 && p.F == 32) || (MODE == 0 && p.F == 16)) {
-    // int4 in groups of 32 (llama.cpp's Q4_0 / Q4_1 grids): the loop below would run a masked half step
-    // and a group end per 32 values. One full step takes two groups instead: its 16-bit lanes 0-15 hold
-    // group f and 16-31 group f + 1, so vpdpwssd's int32 lanes 0-7 sum group f and 8-15 group f + 1, and
-    // one group end scales both with vectors holding the two groups' scales in their halves.
+    // int4 in groups of 32 (llama.cpp's Q4_0 / Q4_1 / Q4_K grids): the loop below would run a masked half
+    // step and a group end per 32 values. One full step takes two groups instead: its 16-bit lanes 0-15
+    // hold group f and 16-31 group f + 1, so vpdpwssd's int32 lanes 0-7 sum group f and 8-15 group f + 1,
+    // and one group end scales both with vectors holding the two groups' scales in their halves.
     // int5-int8 in groups of 16 (llama.cpp's Q6_K) pair up the same way: a mode-0 step is 32 values.
     for (; f + 1 < p.FG; f += 2) {
       __m512i acc[R][MT];
@@ -1301,24 +1359,7 @@ VNNI512_VL void rm_tile_vnni(const RM& p, int64_t m0, int64_t n0) {
       for (int64_t b = 0; b < 32 * R; b += 64) _mm_prefetch(pf + b, _MM_HINT_T0);
       pf += 32 * R;
       rm_vnni_step_at<MODE, MT, R>(p, wrow, xrow, f * p.F, true, acc);
-      __m512 sav[MT];
-      float sx0[MT], sx1[MT];
-      for (int m = 0; m < MT; ++m) {
-        const float* sa = p.sa + (m0 + m) * p.FG + f;
-        const int32_t* xs = p.xsum + (m0 + m) * p.FG + f;
-        sav[m] = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(sa[0]), _mm512_set1_ps(sa[1]));
-        sx0[m] = sa[0] * static_cast<float>(xs[0]);
-        sx1[m] = sa[1] * static_cast<float>(xs[1]);
-      }
-      for (int r = 0; r < R; ++r) {
-        const float ws0 = rm_wscale(p, n0 + r, f), ws1 = rm_wscale(p, n0 + r, f + 1);
-        const float wo0 = ws0 * rm_offset(p, n0 + r, f), wo1 = ws1 * rm_offset(p, n0 + r, f + 1);
-        const __m512 wsv = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(ws0), _mm512_set1_ps(ws1));
-        for (int m = 0; m < MT; ++m) {
-          tot[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][m]), _mm512_mul_ps(wsv, sav[m]), tot[r][m]);
-          corr[r][m] += wo0 * sx0[m] + wo1 * sx1[m];
-        }
-      }
+      rm_flush_pair<MT, R>(p, m0, n0, f, acc, tot);
     }
   }
   for (; f < p.FG; ++f) {  // (an odd last group of 32 above: one half step)
@@ -1336,21 +1377,15 @@ VNNI512_VL void rm_tile_vnni(const RM& p, int64_t m0, int64_t n0) {
     // Group end: scales broadcast once per row, not per (row, row) pair (at groups of 128 the
     // epilogue's per-pair scalar work had cost as much as the group's dot products).
     __m512 sav[MT];
-    float sx[MT];
-    for (int m = 0; m < MT; ++m) {
-      const float sa = p.sa[(m0 + m) * p.FG + f];
-      sav[m] = _mm512_set1_ps(sa);
-      sx[m] = sa * static_cast<float>(p.xsum[(m0 + m) * p.FG + f]);
-    }
+    for (int m = 0; m < MT; ++m) sav[m] = _mm512_set1_ps(p.sa[(m0 + m) * p.FG + f]);
     for (int r = 0; r < R; ++r) {
-      const float ws = rm_wscale(p, n0 + r, f), wo = ws * (rm_offset(p, n0 + r, f) + (MODE == 2 ? 128.f : 0.f));
-      const __m512 wsv = _mm512_set1_ps(ws);
-      for (int m = 0; m < MT; ++m) {
+      const __m512 wsv = _mm512_set1_ps(rm_wscale(p, n0 + r, f));
+      for (int m = 0; m < MT; ++m)
         tot[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][m]), _mm512_mul_ps(wsv, sav[m]), tot[r][m]);
-        corr[r][m] += wo * sx[m];
-      }
     }
   }
+  float corr[R][MT];
+  rm_offsets_vnni<MODE, MT, R>(p, m0, n0, corr);
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MT; ++m) p.y[(m0 + m) * p.N + n0 + r] = _mm512_reduce_add_ps(tot[r][m]) - corr[r][m];
 }
