@@ -174,14 +174,15 @@ def _transposed(w: QArray, qvalue, bits: int, pack_axis: int) -> QArray:
     )
 
 
-def widen_int3(w: QArray) -> QArray:
-    """A 3-bit QArray as the same values in int4 slots (two per byte along the same axis), else ``w``.
+def widen_to_int4(w: QArray) -> QArray:
+    """A 2- or 3-bit QArray as the same values in int4 slots (two per byte along the same axis), else ``w``.
 
-    The native kernels read int8 or int4 two per byte; a 3-bit value is an int4 value, so the
-    widened QArray dequantizes to exactly the same array, at a third more bytes than eight values
-    in three bytes. Checkpoints and the quantized tree keep the 3-bit packing.
+    The native kernels read int8 or int4 two per byte; a 2- or 3-bit value is an int4 value, so the
+    widened QArray dequantizes to exactly the same array, at a third more bytes than eight 3-bit
+    values in three bytes (twice four 2-bit values in one). Checkpoints and the quantized tree keep
+    the narrow packing.
     """
-    if w.bits != 3:
+    if w.bits not in (2, 3):
         return w
     return dataclasses.replace(w, qvalue=pack(w.values(), 4, w.pack_axis), bits=4)
 
@@ -190,13 +191,13 @@ def transpose_kernel(w: QArray) -> QArray:
     """The ``(out, in)`` QArray of an ``(in, out)`` one: same codes, scales and zero points.
 
     Sub-byte values are re-packed along ``in`` (``pack_axis=1``), the layout the
-    row-major kernels and ``ops.linear_nk`` read; 3-bit values into int4 slots
-    (:func:`widen_int3`), which those kernels read.
+    row-major kernels and ``ops.linear_nk`` read; 2- and 3-bit values into int4 slots
+    (:func:`widen_to_int4`), which those kernels read.
     """
     if len(w.shape) != 2:
         raise ValueError(f"transpose_kernel expects a 2-D kernel, got shape {w.shape}")
     values = w.values().T
-    bits = 4 if w.bits == 3 else w.bits
+    bits = 4 if w.bits in (2, 3) else w.bits
     qvalue = pack(values, bits, axis=1) if is_packed(bits) else values
     return _transposed(w, qvalue, bits, pack_axis=1)
 
@@ -467,8 +468,8 @@ def for_prefill(params):
     if stacked.is_stacked(params):
         raise ValueError("for_prefill: the blocks are stacked already; apply for_prefill before "
                          "models.stacked.stack_blocks")
-    if native.enabled():  # the native weight-only kernels read int4 slots, not eight values in three bytes
-        params = jax.tree_util.tree_map(lambda a: widen_int3(a) if isinstance(a, QArray) else a, params,
+    if native.enabled():  # the native weight-only kernels read int4 slots, not 2- or 3-bit packings
+        params = jax.tree_util.tree_map(lambda a: widen_to_int4(a) if isinstance(a, QArray) else a, params,
                                         is_leaf=lambda a: isinstance(a, QArray))
     fused = _fuse_for_prefill(params)
     if not (native.enabled() and native.avx512() and native.prefill_kernels_ok()):
@@ -494,4 +495,4 @@ def _tied_head_table(params) -> jax.Array | None:
 __all__ = ["FUSED_LINEARS", "Int4WordKernel", "PREFILL_FUSE_MAX_OUT", "PREFILL_PACK_MAX_BYTES", "PanelKernel",
            "RowMajorKernel", "decode_target", "for_decode", "for_prefill", "fuse_linears", "int4_word_kernel",
            "kernel_view", "pack_float_kernels", "pack_panels", "pack_swiglu_panels", "scale_group",
-           "stack_quantized", "stack_rows", "transpose_kernel", "unpack_panels", "widen_int3"]
+           "stack_quantized", "stack_rows", "transpose_kernel", "unpack_panels", "widen_to_int4"]

@@ -62,7 +62,7 @@ PANEL_COLS = 32
 # Query positions from which the attention kernel runs its blocked prefill path (kFlashMinT in
 # native/cpu_kernels.cc); between NATIVE_MAX_ROWS["attention"] and this, XLA's attention is used.
 PREFILL_ATTENTION_MIN_POSITIONS = 16
-_ABI_VERSION = 11
+_ABI_VERSION = 12
 _DISABLED = contextvars.ContextVar("llmeq_native_disabled", default=False)
 
 
@@ -217,10 +217,9 @@ def _grid_reason(w: QArray) -> str | None:
 
 def _sub_byte_reason(w: QArray) -> str | None:
     """Why the native kernels cannot read ``w``'s packed values (they read int8, or int4 two per byte)."""
-    if w.bits == 2:
-        return "2-bit weights have no native kernel"
-    if w.bits == 3:
-        return "3-bit values (eight per three bytes) have no native kernel (decode_layout.widen_int3 makes them int4)"
+    if w.bits in (2, 3):
+        return (f"{w.bits}-bit packings have no native kernel (decode_layout.widen_to_int4 makes them int4 "
+                "for decode and prefill)")
     return None
 
 
@@ -283,11 +282,12 @@ def supports_row_major(w: QArray, act=None) -> str | None:
     if w.tile[0] not in (1, n):
         return "scales grouped along the output (row) dim"
     g = w.tile[1]
-    # Groups of 16 (llama.cpp's Q6_K blocks) only for int8-stored weight-only codes (the kernel pairs them up).
-    sixteen = g == 16 and not is_packed(w.bits) and act is None
+    # Groups of 16 (llama.cpp's Q6_K; Q3_K / Q2_K widened to int4) weight-only: int8-stored codes on any SIMD
+    # tile, int4 on the VNNI one (four groups a step; the AVX2 tile steps 32 int4 values).
+    sixteen = g == 16 and act is None and (not is_packed(w.bits) or vnni())
     if g < k and (g % 32 or g > _RM_MAX_GROUP) and not sixteen:
         return (f"groups along the contraction dim must be multiples of 32 up to {_RM_MAX_GROUP} (or 16 for "
-                f"int5-int8 weight-only codes), got {g}")
+                f"weight-only int5-int8 codes, and int4 where AVX-512 VNNI runs), got {g}")
     if act is not None:
         if act.grid != "uniform":
             return f"{act.grid} activations have no integer kernel"

@@ -1269,11 +1269,14 @@ VNNI512_VL inline void rm_vnni_step_at(const RM& p, const uint8_t* const* wrow, 
   }
 }
 
-// Lanes 0-7 <- v[0], lanes 8-15 <- v[1]: the scales of two consecutive groups for a paired step.
-VNNI512_VL inline __m512 rm_pair_halves(const float* v) {
-  const __m512i pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(v)));
-  return _mm512_permutexvar_ps(pick, _mm512_zextps128_ps512(two));
+// Scales of `count` consecutive groups spread over the 16 lanes, 16 / LANES groups a vector: lanes
+// [i * LANES, (i + 1) * LANES) <- v[i] (zero for i >= count; only those are read).
+template <int LANES>
+VNNI512_VL inline __m512 rm_group_lanes(const float* v, int64_t count) {
+  const __m512i pick = _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                         LANES == 8 ? 3 : 2);
+  const __m128 some = _mm_maskz_loadu_ps(static_cast<__mmask8>((1u << count) - 1), v);
+  return _mm512_permutexvar_ps(pick, _mm512_zextps128_ps512(some));
 }
 
 // The integer offsets of every flush group f, removed once per tile after its K loop:
@@ -1318,14 +1321,15 @@ VNNI512_VL void rm_offsets_vnni(const RM& p, int64_t m0, int64_t n0, float (&cor
     for (int m = 0; m < MT; ++m) corr[r][m] = _mm512_reduce_add_ps(c[r][m]);
 }
 
-// tot += acc * ws * sa for a step whose int32 lanes 0-7 sum group f and 8-15 group f + 1.
-template <int MT, int R>
-VNNI512_VL inline void rm_flush_pair(const RM& p, int64_t m0, int64_t n0, int64_t f, const __m512i (&acc)[R][MT],
-                                     __m512 (&tot)[R][MT]) {
+// tot += acc * ws * sa for a step whose int32 lanes hold LANES-lane sums of `count` groups from f on
+// (LANES 8: lanes 0-7 group f, 8-15 group f + 1; LANES 4: four groups of 4 lanes).
+template <int LANES, int MT, int R>
+VNNI512_VL inline void rm_flush_groups(const RM& p, int64_t m0, int64_t n0, int64_t f, int64_t count,
+                                       const __m512i (&acc)[R][MT], __m512 (&tot)[R][MT]) {
   __m512 sav[MT];
-  for (int m = 0; m < MT; ++m) sav[m] = rm_pair_halves(p.sa + (m0 + m) * p.FG + f);
+  for (int m = 0; m < MT; ++m) sav[m] = rm_group_lanes<LANES>(p.sa + (m0 + m) * p.FG + f, count);
   for (int r = 0; r < R; ++r) {
-    const __m512 wsv = rm_pair_halves(p.scale + (n0 + r) * p.G + f);
+    const __m512 wsv = rm_group_lanes<LANES>(p.scale + (n0 + r) * p.G + f, count);
     for (int m = 0; m < MT; ++m)
       tot[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][m]), _mm512_mul_ps(wsv, sav[m]), tot[r][m]);
   }
@@ -1359,7 +1363,20 @@ VNNI512_VL void rm_tile_vnni(const RM& p, int64_t m0, int64_t n0) {
       for (int64_t b = 0; b < 32 * R; b += 64) _mm_prefetch(pf + b, _MM_HINT_T0);
       pf += 32 * R;
       rm_vnni_step_at<MODE, MT, R>(p, wrow, xrow, f * p.F, true, acc);
-      rm_flush_pair<MT, R>(p, m0, n0, f, acc, tot);
+      rm_flush_groups<8, MT, R>(p, m0, n0, f, 2, acc, tot);
+    }
+  } else if (MODE == 1 && p.F == 16) {
+    // int4 in groups of 16 (llama.cpp's Q3_K / Q2_K grids, widened to int4): a step's int32 lane i sums
+    // values 4i..4i+3 of its 64, so four groups take four lanes each; a last pair of groups, a half step.
+    for (; f < p.FG; f += 4) {
+      const int64_t count = std::min<int64_t>(4, p.FG - f);
+      __m512i acc[R][MT];
+      for (int r = 0; r < R; ++r)
+        for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_si512();
+      for (int64_t b = 0; b < 32 * R; b += 64) _mm_prefetch(pf + b, _MM_HINT_T0);
+      pf += 32 * R;
+      rm_vnni_step_at<MODE, MT, R>(p, wrow, xrow, f * p.F, count == 4, acc);
+      rm_flush_groups<4, MT, R>(p, m0, n0, f, count, acc, tot);
     }
   }
   for (; f < p.FG; ++f) {  // (an odd last group of 32 above: one half step)
@@ -1526,7 +1543,7 @@ void rm_run(const RM& p) {
       else rm_rows_vnni<2>(p, n0, n1);
       return;
     }
-    if (simd) {
+    if (simd && !(p.mode == 1 && p.F % 32)) {
       if (p.mode == 0) rm_rows_simd<0>(p, n0, n1);
       else if (p.mode == 1) rm_rows_simd<1>(p, n0, n1);
       else rm_rows_simd<2>(p, n0, n1);
@@ -1767,10 +1784,11 @@ ffi::Error rm_setup(RM& p, const char* name, int64_t M, int64_t K, ffi::Span<con
   if (sd[o] != p.N || sd[o + 1] != p.G) return bad("scale must be (N, ceil(K / group_size))");
   if (has_zp && (zd.size() != 2 || zd[0] != p.N || zd[1] != p.G)) return bad("zero point must have the scale's shape");
   if (p.G > 1) {
-    // Groups of 16 (llama.cpp's Q6_K) only for int8-stored weight-only codes: their steps are 16 (AVX2)
-    // or pairs of groups (VNNI); K a multiple of 32 gives whole pairs.
-    if (group_size % 32 && !(group_size == 16 && p.mode == 0))
-      return bad("groups must be multiples of 32 values (or 16, int5-int8 weight-only)");
+    // Groups of 16 (llama.cpp's Q6_K, and Q3_K / Q2_K widened to int4) weight-only: int8-stored codes step
+    // 16 values (AVX2) or pair groups (VNNI), int4 codes take four groups a VNNI step (AVX2 tiles step 32
+    // int4 values: the scalar loops run those); K a multiple of 32 gives whole pairs.
+    if (group_size % 32 && !(group_size == 16 && p.mode != 2))
+      return bad("groups must be multiples of 32 values (or 16, weight-only)");
     if (group_size > max_flush) return bad("groups are too long for int32 sums");
     p.F = group_size;
   } else {
@@ -3815,5 +3833,5 @@ __attribute__((visibility("default"))) void llmeq_native_force_scalar(int on) { 
 __attribute__((visibility("default"))) int llmeq_native_vnni() { return use_vnni() ? 1 : 0; }
 __attribute__((visibility("default"))) int llmeq_native_avx512() { return use_avx512() ? 1 : 0; }
 __attribute__((visibility("default"))) void llmeq_native_allow_vnni(int on) { g_allow_vnni.store(on ? 1 : 0); }
-__attribute__((visibility("default"))) int llmeq_native_abi_version() { return 11; }
+__attribute__((visibility("default"))) int llmeq_native_abi_version() { return 12; }
 }

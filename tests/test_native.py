@@ -19,7 +19,7 @@ import pytest
 
 from llmeq_jax import native, ops
 from llmeq_jax.core.qarray import expand_to
-from llmeq_jax.decode_layout import widen_int3
+from llmeq_jax.decode_layout import widen_to_int4
 from llmeq_jax.core.quantize import Spec, quantize
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="native kernels are CPU kernels")
@@ -97,13 +97,13 @@ def _weight(name, layout, k=K, n=N):
     spec = WEIGHTS[name]
     if spec.granularity == "group" and spec.group_size > k:
         spec = Spec(bits=spec.bits, symmetric=spec.symmetric)
-    # 3-bit values (eight per three bytes) reach the kernels in int4 slots (decode_layout.widen_int3,
+    # 3-bit values (eight per three bytes) reach the kernels in int4 slots (decode_layout.widen_to_int4,
     # as for_decode / for_prefill give them); the reference is the 3-bit QArray itself.
     if layout == "kn":
         w = _quantize(jnp.asarray(wf), spec)
-        return widen_int3(w), np.asarray(w.dequantize(), np.float64), _abs_weight(w)
+        return widen_to_int4(w), np.asarray(w.dequantize(), np.float64), _abs_weight(w)
     w = _quantize(jnp.asarray(wf.T), _nk_spec(spec), pack_axis=1)
-    return widen_int3(w), np.asarray(w.dequantize(), np.float64).T, _abs_weight(w).T
+    return widen_to_int4(w), np.asarray(w.dequantize(), np.float64).T, _abs_weight(w).T
 
 
 @pytest.mark.parametrize("layout", ["kn", "nk"])
