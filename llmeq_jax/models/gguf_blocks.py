@@ -13,12 +13,16 @@ the model computes what the file stores, in its bytes.
   Q4_K   256 = 8 sub-blocks of 32  d sc_j * u - dmin mn_j    int4, groups of 32, scale d sc_j
   Q5_K   as Q4_K, 5-bit u                                   int5, groups of 32
   Q6_K   256 = 16 sub-blocks of 16 d sc_j * (u - 32)        int6 symmetric, groups of 16
+  Q3_K   256 = 16 sub-blocks of 16 d sc_j * q, q in -4..3     int3 symmetric, groups of 16
+  Q2_K   256 = 16 sub-blocks of 16 d sc_j * u - dmin mn_j    int2, q = u - 2, groups of 16
 
-``d``, ``m``, ``dmin`` are float16; ``sc``/``mn`` 6-bit unsigned (Q4_K, Q5_K) or int8 (Q6_K, whose
-scales may be negative: dequantizing does not care). The asymmetric types' zero points are
+``d``, ``m``, ``dmin`` are float16; ``sc``/``mn`` 6-bit unsigned (Q4_K, Q5_K), 4-bit unsigned (Q2_K),
+6-bit minus 32 (Q3_K) or int8 (Q6_K); Q3_K's and Q6_K's scales may be negative (dequantizing does not
+care). The asymmetric types' zero points are
 floats (``m / d`` is not an integer): ``QArray.dequantize`` and the CPU kernels take
-``(q - zp) * scale`` in float32 as for integer zero points. Other types (Q2_K, Q3_K, the IQ
-family, ...) have no entry here: the loader dequantizes them.
+``(q - zp) * scale`` in float32 as for integer zero points. int2 / int3 values are packed as
+``quantize`` packs them (the decode layout widens them to int4 for the native kernels). Other types
+(the IQ family, ...) have no entry here: the loader dequantizes them.
 
 The block layouts are ggml's (``ggml-common.h``); the decoders are checked value for value against
 ``gguf.quants.dequantize`` in the tests.
@@ -192,6 +196,41 @@ def decode_q6_k(b: np.ndarray) -> BlockGrid:
     return BlockGrid(q.astype(np.int8), _f16(b, 208) * scales, None, 6, 16)
 
 
+def _two_bit_planes(qs: np.ndarray) -> np.ndarray:
+    """Q2_K/Q3_K's 64 bytes (nb, 64) of 2-bit fields -> 256 values: each 32-byte half gives 128, its bit
+    pairs 0-1, 2-3, 4-5, 6-7 in turn 32 values each (value l of a run: byte l)."""
+    shift = np.arange(0, 8, 2, dtype=np.uint8).reshape(1, 1, 4, 1)
+    return ((qs.reshape(-1, 2, 1, 32) >> shift) & 3).reshape(-1, 256)
+
+
+def decode_q2_k(b: np.ndarray) -> BlockGrid:
+    """Q2_K: 16 bytes of 4-bit scale / min pairs (low / high nibble), 64 bytes of 2-bit values, float16 d
+    and dmin: x = d sc_j * u - dmin mn_j in 16 groups of 16."""
+    sc = (b[:, 0:16] & 0x0F).astype(np.float32)
+    mn = (b[:, 0:16] >> 4).astype(np.float32)
+    return _asymmetric(_two_bit_planes(b[:, 16:80]), _f16(b, 80) * sc, -_f16(b, 82) * mn, 2, 16)
+
+
+def _q3_k_scales(packed: np.ndarray) -> np.ndarray:
+    """Q3_K's 12 bytes (nb, 12) -> 16 signed scales (six bits, minus 32): scale i takes its low 4 bits
+    from byte i % 8 (low nibble for i < 8, high for i >= 8) and its top 2 bits from byte 8 + i % 4, bits
+    2 (i // 4) and up."""
+    p = packed.astype(np.uint8)
+    i = np.arange(16)
+    low = (p[:, i % 8] >> (4 * (i // 8)).astype(np.uint8)) & 0x0F
+    high = (p[:, 8 + i % 4] >> (2 * (i // 4)).astype(np.uint8)) & 3
+    return ((low | (high << 4)).astype(np.int16) - 32).astype(np.float32)
+
+
+def decode_q3_k(b: np.ndarray) -> BlockGrid:
+    """Q3_K: 32 bytes of high bits, 64 bytes of 2-bit values, 12 bytes of 6-bit scales, float16 d:
+    x = d sc_j * q in 16 groups of 16, q = low 2 bits - 4 where the high bit is clear (int3, -4..3).
+    Value v takes its high bit from bit v // 32 of byte v % 32."""
+    hbit = (b[:, 0:32].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+    q = _two_bit_planes(b[:, 32:96]).astype(np.int16) - 4 * (1 - hbit.reshape(-1, 256).astype(np.int16))
+    return BlockGrid(q.astype(np.int8), _f16(b, 108) * _q3_k_scales(b[:, 96:108]), None, 3, 16)
+
+
 # GGML type name -> (values per block, bytes per block, decoder).
 DECODERS = {
     "Q8_0": (32, 34, decode_q8_0),
@@ -202,6 +241,8 @@ DECODERS = {
     "Q4_K": (256, 144, decode_q4_k),
     "Q5_K": (256, 176, decode_q5_k),
     "Q6_K": (256, 210, decode_q6_k),
+    "Q3_K": (256, 110, decode_q3_k),
+    "Q2_K": (256, 84, decode_q2_k),
 }
 
 

@@ -23,8 +23,9 @@ from tests.shared_data import shared_data_path
 T = gguf.GGMLQuantizationType
 # Byte offsets of each type's float16 block scale(s): filled with finite values in random blocks.
 F16_AT = {"Q8_0": (0,), "Q4_0": (0,), "Q5_0": (0,), "Q4_1": (0, 2), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2),
-          "Q6_K": (208,)}
-ASYMMETRIC = ("Q4_1", "Q5_1", "Q4_K", "Q5_K")
+          "Q6_K": (208,), "Q3_K": (108,), "Q2_K": (80, 82)}
+ASYMMETRIC = ("Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q2_K")
+K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 
 def random_blocks(rng, name: str, n_blocks: int, d_std: float = 0.05) -> np.ndarray:
@@ -37,7 +38,7 @@ def random_blocks(rng, name: str, n_blocks: int, d_std: float = 0.05) -> np.ndar
     first = F16_AT[name][0]
     b[0, first : first + 2] = 0
     if name in ASYMMETRIC:
-        b[1, 0:4] = 0
+        b[1, first : first + 4] = 0  # d and the minimum's scale
     return b
 
 
@@ -79,7 +80,7 @@ def _write_blocks(monkeypatch, path, config, params, source, type_of):
         out = []
         for name, data, qtype in plain(config, params):
             kind = type_of(name, data) if data.ndim == 2 and qtype is None else None
-            if kind in ("Q4_K", "Q5_K", "Q6_K"):
+            if kind in K_QUANTS:
                 n = data.size // 256
                 data = random_blocks(rng, kind, n, d_std=2e-3).reshape(data.shape[0], -1)
             elif kind is not None:
@@ -128,28 +129,32 @@ def test_stories260k_kept_quantized_computes_the_file(monkeypatch, tmp_path):
 
 
 def test_k_quants_kept_quantized_compute_the_file(monkeypatch, tmp_path):
-    """Q4_K, Q5_K and Q6_K (super-blocks of 256: a model 256 wide), Q/K rows un-permuted like the floats, a
-    Q4_K token table that is also the (tied) head."""
+    """Q2_K, Q3_K, Q4_K, Q5_K and Q6_K (super-blocks of 256: a model 256 wide), Q/K rows un-permuted like the
+    floats, a Q4_K token table that is also the (tied) head."""
     config = ModelConfig(model_type="llama", vocab_size=512, hidden_size=256, num_layers=2, num_heads=4,
                          num_kv_heads=2, head_dim=64, intermediate_size=512, max_position_embeddings=64,
                          norm_eps=1e-5, tie_word_embeddings=True)
     params = init_params(config, jax.random.key(0))
-    kinds = {"attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q6_K", "attn_output": "Q4_K", "ffn_gate": "Q5_K",
-             "ffn_up": "Q4_K", "ffn_down": "Q6_K", "token_embd": "Q4_K"}
+    kinds = {"attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q6_K", "attn_output": "Q3_K", "ffn_gate": "Q5_K",
+             "ffn_up": "Q2_K", "ffn_down": "Q6_K", "token_embd": "Q4_K"}
     path = _write_blocks(monkeypatch, tmp_path / "k.gguf", config, params, shared_data_path("stories260K.gguf"),
                          lambda name, data: kinds.get(name.split(".")[-2]))
     reader = gguf_loader.open_reader(path)
-    assert {t.tensor_type.name for t in reader.tensors if len(t.shape) == 2} >= {"Q4_K", "Q5_K", "Q6_K"}
+    assert {t.tensor_type.name for t in reader.tensors if len(t.shape) == 2} == set(K_QUANTS)
     _, floats, _ = load_model(path)
     _, kept, _ = load_model(path, keep_quantized=True)
     q = kept["layers_0"]["attn"]["q_proj"]["kernel"]
     assert isinstance(q, QArray) and q.bits == 4 and q.tile == (32, 1) and q.zero_point.dtype == jnp.float32
     assert kept["layers_0"]["attn"]["k_proj"]["kernel"].bits == 5
     assert kept["layers_0"]["attn"]["v_proj"]["kernel"].tile == (16, 1)  # Q6_K: int6 in groups of 16
+    o, up = kept["layers_0"]["attn"]["o_proj"]["kernel"], kept["layers_0"]["mlp"]["up_proj"]["kernel"]
+    assert (o.bits, o.tile, o.zero_point) == (3, (16, 1), None)  # Q3_K: int3, eight values in three bytes
+    assert (up.bits, up.tile, up.zero_point.dtype) == (2, (16, 1), jnp.float32)  # Q2_K: int2, float zero points
     assert kept["embed"]["embedding"].tile == (1, 32) and "lm_head" not in kept
     ids = jnp.arange(1, 25, dtype=jnp.int32)[None]
     assert _rel(forward(config, kept, ids), forward(config, floats, ids)) < 1e-5
-    # Decode: the row-major kernels (int6 in groups of 16 paired per step) and the quantized tied head.
+    # Decode: the row-major kernels (int6 in groups of 16 paired per step, int2 / int3 widened to int4 in groups
+    # of 16, four a step) and the quantized tied head.
     a, b = generate(config, kept, ids, max_new_tokens=8), generate(config, floats, ids, max_new_tokens=8)
     assert np.array_equal(np.asarray(a), np.asarray(b))
 
