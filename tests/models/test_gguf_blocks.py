@@ -128,15 +128,16 @@ def test_stories260k_kept_quantized_computes_the_file(monkeypatch, tmp_path):
     assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_k_quants_kept_quantized_compute_the_file(monkeypatch, tmp_path):
+@pytest.mark.parametrize("table", ["Q4_K", "Q2_K"])
+def test_k_quants_kept_quantized_compute_the_file(monkeypatch, tmp_path, table):
     """Q2_K, Q3_K, Q4_K, Q5_K and Q6_K (super-blocks of 256: a model 256 wide), Q/K rows un-permuted like the
-    floats, a Q4_K token table that is also the (tied) head."""
+    floats, a K-quant token table that is also the (tied) head."""
     config = ModelConfig(model_type="llama", vocab_size=512, hidden_size=256, num_layers=2, num_heads=4,
                          num_kv_heads=2, head_dim=64, intermediate_size=512, max_position_embeddings=64,
                          norm_eps=1e-5, tie_word_embeddings=True)
     params = init_params(config, jax.random.key(0))
     kinds = {"attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q6_K", "attn_output": "Q3_K", "ffn_gate": "Q5_K",
-             "ffn_up": "Q2_K", "ffn_down": "Q6_K", "token_embd": "Q4_K"}
+             "ffn_up": "Q2_K", "ffn_down": "Q6_K", "token_embd": table}
     path = _write_blocks(monkeypatch, tmp_path / "k.gguf", config, params, shared_data_path("stories260K.gguf"),
                          lambda name, data: kinds.get(name.split(".")[-2]))
     reader = gguf_loader.open_reader(path)
@@ -150,7 +151,7 @@ def test_k_quants_kept_quantized_compute_the_file(monkeypatch, tmp_path):
     o, up = kept["layers_0"]["attn"]["o_proj"]["kernel"], kept["layers_0"]["mlp"]["up_proj"]["kernel"]
     assert (o.bits, o.tile, o.zero_point) == (3, (16, 1), None)  # Q3_K: int3, eight values in three bytes
     assert (up.bits, up.tile, up.zero_point.dtype) == (2, (16, 1), jnp.float32)  # Q2_K: int2, float zero points
-    assert kept["embed"]["embedding"].tile == (1, 32) and "lm_head" not in kept
+    assert kept["embed"]["embedding"].tile == ((1, 32) if table == "Q4_K" else (1, 16)) and "lm_head" not in kept
     ids = jnp.arange(1, 25, dtype=jnp.int32)[None]
     assert _rel(forward(config, kept, ids), forward(config, floats, ids)) < 1e-5
     # Decode: the row-major kernels (int6 in groups of 16 paired per step, int2 / int3 widened to int4 in groups
