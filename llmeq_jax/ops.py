@@ -241,7 +241,14 @@ def _try_native(x, w, act):
         if act.bits > 8 or act.grid != "uniform" or native.supports_w8a8(w) is not None or not native.enabled():
             return None
         return native.w8a8_kn(x, w, act)
-    if native.supports_kn(w) is not None or not native.enabled():
+    if not native.enabled():
+        return None
+    if w.bits in (2, 3):  # (a full-sequence forward on params not laid out by decode_layout.for_prefill)
+        from llmeq_jax.decode_layout import widen_to_int4
+
+        # Re-packed into int4 slots in this call: less work than the XLA path's float copy of the weight.
+        w = widen_to_int4(w)
+    if native.supports_kn(w) is not None:
         return None
     return native.weight_only_kn(x, w)
 

@@ -320,11 +320,11 @@ def test_native_dispatch_and_its_switches(monkeypatch):
     monkeypatch.setenv("LLMEQ_NATIVE", "0")
     assert "llmeq_" not in _lowered(lambda a: ops.linear(a, w4), x1)
     monkeypatch.delenv("LLMEQ_NATIVE")
-    # 2-bit weights have no native kernel: XLA, silently.
+    # 2-bit weights are re-packed into int4 slots for the int4 kernel in the same call.
     w2 = make_weight("w2-channel-asym")  # made outside the trace (its finiteness check reads values)
-    assert "llmeq_" not in _lowered(lambda a: ops.linear(a, w2), x1)
+    assert "llmeq_wo_matmul" in _lowered(lambda a: ops.linear(a, w2), x1)
     # The results agree with XLA (float32 summation order only).
-    for w in (w4, w8a8):
+    for w in (w4, w8a8, w2):
         np.testing.assert_allclose(
             np.asarray(ops.linear(x1, w)), np.asarray(linear_xla(x1, w)), rtol=1e-5, atol=1e-5 * np.sqrt(K)
         )
