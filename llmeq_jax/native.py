@@ -282,12 +282,11 @@ def supports_row_major(w: QArray, act=None) -> str | None:
     if w.tile[0] not in (1, n):
         return "scales grouped along the output (row) dim"
     g = w.tile[1]
-    # Groups of 16 (llama.cpp's Q6_K; Q3_K / Q2_K widened to int4) weight-only: int8-stored codes on any SIMD
-    # tile, int4 on the VNNI one (four groups a step; the AVX2 tile steps 32 int4 values).
-    sixteen = g == 16 and act is None and (not is_packed(w.bits) or vnni())
+    # Groups of 16 (llama.cpp's Q6_K; Q3_K / Q2_K widened to int4) weight-only: the tiles take two or four a step.
+    sixteen = g == 16 and act is None
     if g < k and (g % 32 or g > _RM_MAX_GROUP) and not sixteen:
         return (f"groups along the contraction dim must be multiples of 32 up to {_RM_MAX_GROUP} (or 16 for "
-                f"weight-only int5-int8 codes, and int4 where AVX-512 VNNI runs), got {g}")
+                f"weight-only codes), got {g}")
     if act is not None:
         if act.grid != "uniform":
             return f"{act.grid} activations have no integer kernel"

@@ -1100,6 +1100,27 @@ AVX2 inline int32_t hsum_i32(__m256i v) {
   return _mm_cvtsi128_si32(a);
 }
 
+// One AVX2 step of int4 codes: values k..k+31 (16 bytes) of R weight rows x MT activation rows. The
+// int32 lane i sums values k + 4i .. k + 4i + 3 (even k from the low nibbles, odd from the high ones).
+template <int MT, int R>
+AVX2 inline void rm_int4_step(const RM& p, int64_t m0, const uint8_t* const* wrow, int64_t k, __m256i (&acc)[R][MT]) {
+  const __m128i low4 = _mm_set1_epi8(15), flip8 = _mm_set1_epi8(static_cast<char>(0x88));
+  const int64_t j = k / 2, half = p.K / 2;  // byte offset: 16 bytes hold k..k+31
+  __m256i xe[MT], xo[MT];
+  for (int m = 0; m < MT; ++m) {
+    const int16_t* xr = p.x16 + (m0 + m) * p.xstride;
+    xe[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + j));
+    xo[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + half + j));
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m128i b = _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wrow[r] + j)), flip8);
+    const __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(b, low4));
+    const __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), low4));
+    for (int m = 0; m < MT; ++m)
+      acc[r][m] = _mm256_add_epi32(acc[r][m], _mm256_add_epi32(_mm256_madd_epi16(lo, xe[m]), _mm256_madd_epi16(hi, xo[m])));
+  }
+}
+
 // R weight rows (n0..n0+R) x MT activation rows (m0..m0+MT), all of K. The weight
 // vectors are decoded once per step and used by every activation row.
 template <int MODE, int MT, int R>
@@ -1114,9 +1135,33 @@ AVX2 void rm_tile(const RM& p, int64_t m0, int64_t n0) {
   const uint8_t* wrow[R];
   for (int r = 0; r < R; ++r) wrow[r] = p.q + (n0 + r) * p.Kb;
   const char* pf = reinterpret_cast<const char*>(p.q + n0 * p.Kb) + kRowMajorPrefetchBytes;
-  const __m128i low4 = _mm_set1_epi8(15), flip8 = _mm_set1_epi8(static_cast<char>(0x88));
   const __m256i ones16 = _mm256_set1_epi16(1);
-  for (int64_t f = 0; f < p.FG; ++f) {
+  int64_t f = 0;
+  if (MODE == 1 && p.F == 16) {
+    // int4 in groups of 16 (Q3_K / Q2_K widened): a step of 32 values holds two groups, int32 lanes 0-3
+    // group f and 4-7 group f + 1, scaled by a vector holding the two groups' scales in its halves.
+    for (; f < p.FG; f += 2) {
+      __m256i acc[R][MT];
+      for (int r = 0; r < R; ++r)
+        for (int m = 0; m < MT; ++m) acc[r][m] = _mm256_setzero_si256();
+      _mm_prefetch(pf, _MM_HINT_T0);
+      pf += 16 * R;
+      rm_int4_step<MT, R>(p, m0, wrow, f * 16, acc);
+      for (int r = 0; r < R; ++r) {
+        const float ws0 = rm_wscale(p, n0 + r, f), ws1 = rm_wscale(p, n0 + r, f + 1);
+        const float off0 = rm_offset(p, n0 + r, f), off1 = rm_offset(p, n0 + r, f + 1);
+        for (int m = 0; m < MT; ++m) {
+          const float* sa = p.sa + (m0 + m) * p.FG + f;
+          const int32_t* xs = p.xsum + (m0 + m) * p.FG + f;
+          const float s0 = ws0 * sa[0], s1 = ws1 * sa[1];
+          const __m256 sv = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(s0)), _mm_set1_ps(s1), 1);
+          tot[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][m]), sv, tot[r][m]);
+          corr[r][m] += s0 * off0 * static_cast<float>(xs[0]) + s1 * off1 * static_cast<float>(xs[1]);
+        }
+      }
+    }
+  }
+  for (; f < p.FG; ++f) {
     const int64_t k0 = f * p.F, k1 = std::min(p.K, k0 + p.F);
     __m256i acc[R][MT];
     for (int r = 0; r < R; ++r)
@@ -1134,25 +1179,10 @@ AVX2 void rm_tile(const RM& p, int64_t m0, int64_t n0) {
         }
       }
     } else if (MODE == 1) {
-      const int64_t half = p.K / 2;
       for (int64_t k = k0; k < k1; k += 32) {
-        const int64_t j = k / 2;  // byte offset: 16 bytes hold k..k+31
-        __m256i xe[MT], xo[MT];
-        for (int m = 0; m < MT; ++m) {
-          const int16_t* xr = p.x16 + (m0 + m) * p.xstride;
-          xe[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + j));
-          xo[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + half + j));
-        }
         _mm_prefetch(pf, _MM_HINT_T0);
         pf += 16 * R;
-    for (int r = 0; r < R; ++r) {
-          __m128i b = _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wrow[r] + j)), flip8);
-          __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(b, low4));
-          __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), low4));
-        for (int m = 0; m < MT; ++m)
-            acc[r][m] = _mm256_add_epi32(acc[r][m],
-                                         _mm256_add_epi32(_mm256_madd_epi16(lo, xe[m]), _mm256_madd_epi16(hi, xo[m])));
-        }
+        rm_int4_step<MT, R>(p, m0, wrow, k, acc);
       }
     } else {
       for (int64_t k = k0; k < k1; k += 32) {
@@ -1543,7 +1573,7 @@ void rm_run(const RM& p) {
       else rm_rows_vnni<2>(p, n0, n1);
       return;
     }
-    if (simd && !(p.mode == 1 && p.F % 32)) {
+    if (simd) {
       if (p.mode == 0) rm_rows_simd<0>(p, n0, n1);
       else if (p.mode == 1) rm_rows_simd<1>(p, n0, n1);
       else rm_rows_simd<2>(p, n0, n1);
@@ -1785,8 +1815,8 @@ ffi::Error rm_setup(RM& p, const char* name, int64_t M, int64_t K, ffi::Span<con
   if (has_zp && (zd.size() != 2 || zd[0] != p.N || zd[1] != p.G)) return bad("zero point must have the scale's shape");
   if (p.G > 1) {
     // Groups of 16 (llama.cpp's Q6_K, and Q3_K / Q2_K widened to int4) weight-only: int8-stored codes step
-    // 16 values (AVX2) or pair groups (VNNI), int4 codes take four groups a VNNI step (AVX2 tiles step 32
-    // int4 values: the scalar loops run those); K a multiple of 32 gives whole pairs.
+    // 16 values (AVX2) or pair groups (VNNI), int4 codes take two groups an AVX2 step and four a VNNI
+    // step; K a multiple of 32 gives whole pairs.
     if (group_size % 32 && !(group_size == 16 && p.mode != 2))
       return bad("groups must be multiples of 32 values (or 16, weight-only)");
     if (group_size > max_flush) return bad("groups are too long for int32 sums");

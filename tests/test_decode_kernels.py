@@ -96,7 +96,7 @@ def test_weight_only_row_major_matches_reference(name, rows):
     assert bound.max() < 1e-2 * np.abs(ref).max()
 
 
-@pytest.mark.parametrize("name", ["int8-channel-asym", "int4-g64-asym", "int3-g32"])
+@pytest.mark.parametrize("name", ["int8-channel-asym", "int4-g64-asym", "int3-g32", "int2-g16-asym"])
 def test_portable_scalar_path_gives_the_same_sums(name):
     rm = decode_layout.transpose_kernel(_kernel(name))
     x = jnp.asarray(_rand((3, K), 7))
@@ -108,12 +108,11 @@ def test_portable_scalar_path_gives_the_same_sums(name):
 
 
 @pytest.mark.skipif(not native.vnni(), reason="the AVX-512 VNNI tiles run on a CPU with AVX-512 VNNI only")
-@pytest.mark.parametrize("name", sorted(n for n, s in WEIGHTS.items() if s.bits > 4 or s.group_size != 16) + ["w8a8"])
+@pytest.mark.parametrize("name", sorted(WEIGHTS) + ["w8a8"])
 def test_vnni_tiles_give_the_avx2_tiles_sums(name):
     """The AVX-512 VNNI row-major tiles (vpdpwssd / vpdpbusd, 4 activation rows a tile, then 3, 2 or
     1; a group's last 32 values as a masked half step) form the AVX2 tiles' integer sums: only the
-    float reduction of the lanes differs. Rows 1..9 cover every tile shape; N = 37 the weight-row tail.
-    (int4 in groups of 16, int2 / int3 widened, runs on the VNNI tile only.)"""
+    float reduction of the lanes differs. Rows 1..9 cover every tile shape; N = 37 the weight-row tail."""
     act = Spec(bits=8, granularity="token") if name == "w8a8" else None
     spec = Spec(bits=8, granularity="group", group_size=64, symmetric=False) if act else WEIGHTS[name]
     w = dataclasses.replace(quantize(jnp.asarray(_rand((K, N), 5)), spec), act_spec=act)
@@ -135,8 +134,8 @@ def test_groups_of_32_pair_up(name, k):
     groups a step (int32 lanes 0-7 one group, 8-15 the next, each scaled by its own weight and activation scales)
     and an odd last group (K = 288: 9 groups) alone; int8 goes group by group. int6 in groups of 16 (Q6_K) pairs
     up the same way in the int8-stored step of 32; int3 / int2 in groups of 16 (Q3_K / Q2_K), in int4 slots, take
-    four groups a step (four lanes each) and a last pair (K = 288: 18 groups) as a half step. The reference's
-    values, and the AVX2 tiles' sums where VNNI runs (int4 groups of 16 have no AVX2 tile)."""
+    four groups a step (four lanes each; the AVX2 tile two) and a last pair (K = 288: 18 groups) as a half step.
+    The reference's values, and the AVX2 tiles' sums where VNNI runs."""
     w = _kernel(name, k)
     rm = decode_layout.transpose_kernel(w)
     f = jax.jit(lambda a, b: native.row_major_matmul(a, b))
@@ -148,7 +147,7 @@ def test_groups_of_32_pair_up(name, k):
         ref = x.astype(np.float64) @ _dequant64(w)
         bound = _a16_bound(x, w)
         assert np.all(np.abs(y - ref) <= bound), f"{rows} rows: max err {np.abs(y - ref).max():.3g}"
-        if native.vnni() and not (rm.bits == 4 and g == 16):
+        if native.vnni():
             with native.without_vnni():
                 avx2 = np.asarray(jax.jit(lambda a, b: native.row_major_matmul(a, b) * 1.0)(jnp.asarray(x), rm))
             np.testing.assert_allclose(y, avx2, rtol=1e-5, atol=1e-6 * np.abs(avx2).max(), err_msg=f"{rows} rows")
@@ -235,11 +234,6 @@ def test_unsupported_weights_say_why_and_ops_linear_falls_back():
     g48 = decode_layout.transpose_kernel(
         quantize(jnp.asarray(_rand((96, 8), 1)), Spec(bits=4, granularity="group", group_size=48)))
     assert "multiples of 32" in native.supports_row_major(g48)
-    int4_g16 = decode_layout.transpose_kernel(
-        quantize(jnp.asarray(_rand((96, 8), 1)), Spec(bits=4, granularity="group", group_size=16)))
-    assert (native.supports_row_major(int4_g16) is None) == native.vnni()  # four groups a VNNI step
-    with native.without_vnni():
-        assert "int4 where AVX-512 VNNI runs" in native.supports_row_major(int4_g16)
     w8a8_g16 = decode_layout.transpose_kernel(
         quantize(jnp.asarray(_rand((96, 8), 1)), Spec(bits=8, granularity="group", group_size=16)))
     assert "or 16 for weight-only" in native.supports_row_major(w8a8_g16, Spec(bits=8, granularity="token"))
