@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import functools
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -151,6 +153,38 @@ def test_groups_of_32_pair_up(name, k):
             with native.without_vnni():
                 avx2 = np.asarray(jax.jit(lambda a, b: native.row_major_matmul(a, b) * 1.0)(jnp.asarray(x), rm))
             np.testing.assert_allclose(y, avx2, rtol=1e-5, atol=1e-6 * np.abs(avx2).max(), err_msg=f"{rows} rows")
+
+
+_THREADED_ROWS = """
+import sys, numpy as np, jax, jax.numpy as jnp
+from llmeq_jax import decode_layout, native
+from llmeq_jax.core.quantize import Spec, quantize
+rng = np.random.default_rng(3)
+w = quantize(jnp.asarray(rng.standard_normal((320, 1030)), jnp.float32), Spec(bits=4, granularity="group", group_size=32))
+x = jnp.asarray(rng.standard_normal((2, 320)), jnp.float32)
+np.save(sys.argv[1], np.asarray(jax.jit(native.row_major_matmul)(x, decode_layout.transpose_kernel(w))))
+"""
+
+
+@pytest.mark.parametrize("threads", ["1", "5"])
+def test_threads_share_the_rows_out_exactly_once(threads, tmp_path):
+    """Each thread walks its own contiguous share of the weight rows, then takes chunks from the far ends of
+    the others' (native SpinPool.run_ranges): with 5 threads on this machine's cores (20 chunks of 1030 rows)
+    a thread is preempted and its share taken over. Every row is computed once, by the same code: the
+    outputs equal the default pool's bit for bit (a chunk skipped or written twice by a wrong claim breaks it)."""
+    out = tmp_path / "y.npy"
+    env = {**os.environ, "LLMEQ_NATIVE_THREADS": threads, "LLMEQ_NATIVE_PARALLEL_KB": "0"}
+    proc = subprocess.run([sys.executable, "-c", _THREADED_ROWS, str(out)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rng = np.random.default_rng(3)
+    w = quantize(jnp.asarray(rng.standard_normal((320, 1030)), jnp.float32),
+                 Spec(bits=4, granularity="group", group_size=32))
+    x = rng.standard_normal((2, 320)).astype(np.float32)
+    here = np.asarray(jax.jit(native.row_major_matmul)(jnp.asarray(x), decode_layout.transpose_kernel(w)))
+    np.testing.assert_array_equal(np.load(out), here)
+    ref = x.astype(np.float64) @ _dequant64(w)
+    assert np.all(np.abs(here - ref) <= _a16_bound(x, w))
 
 
 def test_a_nan_or_inf_activation_makes_its_row_nan_only():
