@@ -34,6 +34,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from llmeq_jax import dispatch_table
 from llmeq_jax.core.qarray import QArray, is_packed, pack
@@ -41,10 +42,30 @@ from llmeq_jax.core.qarray import QArray, is_packed, pack
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class ScaleCodes:
+    """A row-major kernel's scales ``(out, groups)`` as int8 ``codes`` times float32 ``steps``, one step per
+    ``groups / steps.shape[-1]`` consecutive groups of a row: ``codes * steps`` (each step repeated over its
+    groups) equals the float scales exactly (:func:`scale_codes`). A stack [L, ...] like its kernel."""
+
+    codes: jax.Array
+    steps: jax.Array
+
+    def scales(self) -> jax.Array:
+        """The float32 scales these codes stand for."""
+        per_step = self.codes.shape[-1] // self.steps.shape[-1]
+        return self.codes.astype(jnp.float32) * jnp.repeat(self.steps, per_step, axis=-1)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class RowMajorKernel:
-    """An ``(in, out)`` kernel whose QArray ``w`` is stored transposed, ``(out, in)``."""
+    """An ``(in, out)`` kernel whose QArray ``w`` is stored transposed, ``(out, in)``.
+
+    ``codes``: ``w``'s scales again as :class:`ScaleCodes` (:func:`compact_scales`), which the native
+    weight-only kernel reads instead of ``w.scale``; every other path reads ``w``."""
 
     w: QArray
+    codes: ScaleCodes | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -78,6 +99,100 @@ class Int4WordKernel:
         from pallas_kernels.int4_words import unpack_words
 
         return dataclasses.replace(self.w, qvalue=pack(unpack_words(self.w.qvalue, self.w.shape[0]), 4, axis=-2))
+
+
+# Values a scale step covers (ScaleCodes): a GGUF K-quant's super-block, 8 sub-blocks of 32 or 16 of 16.
+SCALE_STEP_VALUES = 256
+
+# compact_scales leaves kernels whose groups are longer than this: their float scales are a small part of
+# their bytes (4 bytes a group of 64 int4 values: an eighth) and nothing we load stores them as codes.
+SCALE_CODES_MAX_GROUP = 32
+
+
+def _dyadic_codes(s: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """Integer codes and steps of float32 values ``s`` [..., blocks, S]: per block the largest float step
+    that divides every value (a greatest common divisor of the values as integers times one power of two,
+    negative where that keeps the codes in int8); None when a block's values would need codes outside
+    [-128, 127]."""
+    bits = np.ascontiguousarray(s, np.float32).view(np.int32)
+    field = (bits >> 23) & 0xFF  # s = m 2^e exactly: the 24-bit significand (23 stored bits, implicit 1)
+    m = np.where(field > 0, (bits & 0x7FFFFF) | 0x800000, bits & 0x7FFFFF).astype(np.int64)
+    m = np.where(bits < 0, -m, m)
+    e = np.maximum(field, 1).astype(np.int64) - 150
+    nonzero = m != 0
+    low = np.where(nonzero, e, np.iinfo(np.int64).max).min(axis=-1, keepdims=True)
+    low = np.where(nonzero.any(axis=-1, keepdims=True), low, 0)
+    shift = np.where(nonzero, e - low, 0)
+    if shift.size and shift.max() > 38:  # values 2^38 apart in one block: no int8 codes reach both
+        return None
+    ints = m << shift
+    g = np.gcd.reduce(ints, axis=-1, keepdims=True)
+    g = np.where(g == 0, 1, g)
+    codes = ints // g
+    # a block reaching +128 fits int8 with a negative step (Q6_K: a negative d times a code of -128)
+    flip = codes.max(axis=-1, keepdims=True) > 127
+    codes, g = np.where(flip, -codes, codes), np.where(flip, -g, g)
+    if codes.size and (codes.min() < -128 or codes.max() > 127):
+        return None
+    return codes.astype(np.int8), np.ldexp(g.astype(np.float64), low)[..., 0].astype(np.float32)
+
+
+def scale_codes(scale, per_step: int, rows_at_once: int = 4096) -> ScaleCodes | None:
+    """``scale`` (..., rows, groups) float32 as :class:`ScaleCodes` with one step per ``per_step`` groups,
+    when int8 codes times float32 steps give every scale exactly; else None.
+
+    A GGUF K-quant's scales are such codes by construction (``d * sc_j``: a float16 super-block scale
+    times six- or eight-bit sub-block scales), which this finds again from the float32 scales alone
+    (their per-block greatest common divisor); RTN's float scales almost never are. Checked value by
+    value: the kernel reading the codes computes exactly what it computes from the float scales."""
+    a = np.asarray(scale)
+    if a.dtype != np.float32 or a.ndim < 2 or a.shape[-1] % per_step or not np.isfinite(a).all():
+        return None
+    flat = a.reshape(-1, a.shape[-1] // per_step, per_step)
+    codes, steps = [], []
+    for r0 in range(0, flat.shape[0], rows_at_once):  # bounded temporaries (int64 / float64 copies)
+        part = flat[r0:r0 + rows_at_once]
+        found = _dyadic_codes(part)
+        if found is None:
+            return None
+        c, st = found
+        if not np.array_equal(c.astype(np.float32) * st[..., None], part):
+            return None
+        codes.append(c)
+        steps.append(st)
+    lead = a.shape[:-1]
+    return ScaleCodes(jnp.asarray(np.concatenate(codes).reshape(a.shape)),
+                      jnp.asarray(np.concatenate(steps).reshape(*lead, a.shape[-1] // per_step)))
+
+
+def _kernel_scale_codes(w: QArray) -> ScaleCodes | None:
+    """:func:`scale_codes` of a weight-only row-major kernel with groups of at most
+    :data:`SCALE_CODES_MAX_GROUP` values along ``in`` that whole super-blocks tile, else None."""
+    group = w.tile[1]
+    groups = w.scale.shape[-1]
+    if w.act_spec is not None or groups == 1 or group > SCALE_CODES_MAX_GROUP or SCALE_STEP_VALUES % group:
+        return None
+    per_step = SCALE_STEP_VALUES // group
+    if groups % per_step or isinstance(w.scale, jax.core.Tracer):
+        return None
+    return scale_codes(w.scale, per_step)
+
+
+def compact_scales(params):
+    """``params`` (laid out by :func:`for_decode` for the native kernels, concrete arrays) with each
+    :class:`RowMajorKernel` whose scales are int8 codes times one float step per super-block
+    (:func:`scale_codes`) carrying them as :class:`ScaleCodes`, which the native weight-only kernel
+    reads instead: a byte a group where a float scale takes four. GGUF K-quant files kept quantized
+    (Q6_K: 1.25 -> 1.08 bytes a weight; Q4_K: scales 0.125 -> 0.035) are what this finds. The
+    float scales stay beside the codes for every other path (a quarter byte a value at groups of 16)."""
+
+    def convert(leaf):
+        if not isinstance(leaf, RowMajorKernel) or leaf.codes is not None:
+            return leaf
+        codes = _kernel_scale_codes(leaf.w)
+        return leaf if codes is None else RowMajorKernel(leaf.w, codes)
+
+    return jax.tree_util.tree_map(convert, params, is_leaf=lambda a: isinstance(a, (RowMajorKernel, QArray)))
 
 
 def scale_group(w: QArray) -> int | None:
@@ -493,6 +608,7 @@ def _tied_head_table(params) -> jax.Array | None:
 
 
 __all__ = ["FUSED_LINEARS", "Int4WordKernel", "PREFILL_FUSE_MAX_OUT", "PREFILL_PACK_MAX_BYTES", "PanelKernel",
-           "RowMajorKernel", "decode_target", "for_decode", "for_prefill", "fuse_linears", "int4_word_kernel",
-           "kernel_view", "pack_float_kernels", "pack_panels", "pack_swiglu_panels", "scale_group",
-           "stack_quantized", "stack_rows", "transpose_kernel", "unpack_panels", "widen_to_int4"]
+           "RowMajorKernel", "SCALE_STEP_VALUES", "ScaleCodes", "compact_scales", "decode_target", "for_decode",
+           "for_prefill", "fuse_linears", "int4_word_kernel", "kernel_view", "pack_float_kernels", "pack_panels",
+           "pack_swiglu_panels", "scale_codes", "scale_group", "stack_quantized", "stack_rows", "transpose_kernel",
+           "unpack_panels", "widen_to_int4"]

@@ -62,7 +62,7 @@ PANEL_COLS = 32
 # Query positions from which the attention kernel runs its blocked prefill path (kFlashMinT in
 # native/cpu_kernels.cc); between NATIVE_MAX_ROWS["attention"] and this, XLA's attention is used.
 PREFILL_ATTENTION_MIN_POSITIONS = 16
-_ABI_VERSION = 12
+_ABI_VERSION = 13
 _DISABLED = contextvars.ContextVar("llmeq_native_disabled", default=False)
 
 
@@ -349,12 +349,16 @@ def _layer_arg(layer) -> jax.Array:
     return jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
 
 
-def _rm_a16_call(x2, q, scale, zp, *, bits: int, group_size: int, has_zp: bool, layer=None):
+def _rm_a16_call(x2, q, scale, zp, *, bits: int, group_size: int, has_zp: bool, layer=None, steps=None):
+    """``scale`` float32, or int8 codes with ``steps`` (one float32 per ``codes.shape[-1] // steps.shape[-1]``
+    groups: :class:`llmeq_jax.decode_layout.ScaleCodes`)."""
     _require(None, "row-major call")
     out = jax.ShapeDtypeStruct((x2.shape[0], q.shape[-2]), jnp.float32)
     call = jax.ffi.ffi_call(_RM_A16_TARGET, out, vmap_method="sequential")
-    return call(x2, q, scale, zp, _layer_arg(layer), bits=np.int64(bits), group_size=np.int64(group_size),
-                has_zp=np.int64(has_zp))
+    step_groups = 0 if steps is None else scale.shape[-1] // steps.shape[-1]
+    steps = jnp.zeros((1, 1), jnp.float32) if steps is None else steps
+    return call(x2, q, scale, zp, steps, _layer_arg(layer), bits=np.int64(bits), group_size=np.int64(group_size),
+                has_zp=np.int64(has_zp), step_groups=np.int64(step_groups))
 
 
 def _rm_a8_call(xq2, q, scale, zp, sx, *, group_size: int, has_zp: bool, layer=None):
@@ -408,10 +412,17 @@ def _w8_forward(x: jax.Array, w: QArray, act) -> jax.Array:
     return y.reshape(*x.shape[:-1], n).astype(x.dtype)
 
 
-def _rm_forward(x: jax.Array, w: QArray, act, layer=None) -> jax.Array:
+def _rm_forward(x: jax.Array, w: QArray, act, layer=None, codes=None) -> jax.Array:
     n, k = w.shape
     g = w.tile[1]
     groups = math.ceil(k / g)
+    if codes is not None:  # weight-only: the kernel reads the codes and steps, not w.scale
+        x2 = x.reshape(-1, k).astype(jnp.float32)
+        zp = _zp_arg(w if layer is None else dataclasses.replace(w, zero_point=take_layer(w.zero_point, layer)),
+                     n, groups)
+        y = _rm_a16_call(x2, w.qvalue, codes.codes, zp, bits=w.bits, group_size=g, has_zp=w.zero_point is not None,
+                         layer=layer, steps=codes.steps)
+        return y.reshape(*x.shape[:-1], n).astype(x.dtype)
     if layer is None:
         scale, zp, act_scale = _as_grid(w.scale, n, groups), _zp_arg(w, n, groups), w.act_scale
     else:  # a stack: codes and scales read in place by the kernel; zero points and act scale (small) sliced
@@ -524,7 +535,7 @@ def w8a8_kn(x: jax.Array, w: QArray, act) -> jax.Array:
     return f(x, w)
 
 
-def row_major_matmul(x: jax.Array, w: QArray, act=None, layer=None) -> jax.Array:
+def row_major_matmul(x: jax.Array, w: QArray, act=None, layer=None, codes=None) -> jax.Array:
     """``x @ dequantize(w).T`` for an ``(out, in)`` QArray by the row-major integer kernels.
 
     Weight-only (``act`` None): x is quantized on the fly to int16 per row and per
@@ -536,18 +547,24 @@ def row_major_matmul(x: jax.Array, w: QArray, act=None, layer=None) -> jax.Array
     With ``layer`` (an int32 scalar, traced inside a scan), ``w`` is a stack of such QArrays
     (arrays with a leading layer axis, ``llmeq_jax.layer_slice``) and the product is with
     layer ``layer``, whose codes and scales the kernel reads in place.
+
+    ``codes`` (weight-only): ``w``'s scales as :class:`llmeq_jax.decode_layout.ScaleCodes` (int8 codes
+    times one float step per super-block, equal to ``w.scale`` exactly), which the kernel reads instead
+    of ``w.scale``: the same products from fewer bytes.
     """
     _require(supports_row_major(w, act), "row_major_matmul")
     _check_x(x, w.shape[1], "row_major_matmul")
+    if codes is not None and act is not None:
+        raise ValueError("native.row_major_matmul: scale codes are for weight-only products (act=None)")
     if layer is not None:
         if w.qvalue.ndim != 3:
             raise ValueError(f"native.row_major_matmul: with layer=, w must be a stack [L, ...], got codes "
                              f"{w.qvalue.shape}")
-        f = _with_xla_grad(lambda a, b, l: _rm_forward(a, b, act, l),
-                           lambda a, b, l: _xla_row_major(a, LayerSlice(b, l).value(), act))
-        return f(x, w, layer)
-    f = _with_xla_grad(lambda a, b: _rm_forward(a, b, act), lambda a, b: _xla_row_major(a, b, act))
-    return f(x, w)
+        f = _with_xla_grad(lambda a, b, l, c: _rm_forward(a, b, act, l, c),
+                           lambda a, b, l, c: _xla_row_major(a, LayerSlice(b, l).value(), act))
+        return f(x, w, layer, codes)
+    f = _with_xla_grad(lambda a, b, c: _rm_forward(a, b, act, codes=c), lambda a, b, c: _xla_row_major(a, b, act))
+    return f(x, w, codes)
 
 
 def _panel_forward(x: jax.Array, panels: jax.Array, n: int, swiglu: bool) -> jax.Array:

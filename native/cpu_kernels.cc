@@ -1039,7 +1039,12 @@ struct RM {
   int64_t G;                // weight scale groups along K (1: per channel)
   int64_t F, FG;            // flush group size (values) and count
   const uint8_t* q;         // (N, Kb)
-  const float* scale;       // (N, G)
+  const float* scale;       // (N, G), or nullptr with scale codes
+  const int8_t* scode;      // (N, G) int8 scale codes, or nullptr: a row's scales are scode * sstep
+  const float* sstep;       // (N, G / S) one step per S consecutive groups
+  int64_t S;
+  float* sbuf;              // with scode: [4, G] the float scales of rows n & 3 of the tile being read
+  int sexp;                 // how rm_tile_scales expands codes: 0 scalar, 1 AVX2, 2 AVX-512
   const float* zp;          // (N, G) or nullptr
   const int16_t* x16;       // modes 0/1: [M, xs] int16 (int4: K/2 even-k values, then K/2 odd-k)
   const int8_t* x8;         // mode 2: [M, K]
@@ -1049,7 +1054,53 @@ struct RM {
   float* y;                 // [M, N]
 };
 
-inline float rm_wscale(const RM& p, int64_t n, int64_t f) { return p.scale[n * p.G + (p.G > 1 ? f : 0)]; }
+// Row n's float scales (with scale codes: of a row of the tile rm_tile_scales expanded last; a tile of
+// R <= 4 rows starts at a multiple of R, so its rows are n & 3 apart).
+inline const float* rm_scale_row(const RM& p, int64_t n) { return p.sbuf ? p.sbuf + (n & 3) * p.G : p.scale + n * p.G; }
+
+// Scale codes (a GGUF K-quant's sub-block scales, with its super-block scales as steps: found exact by
+// decode_layout.compact_scales) expanded to float for one tile's rows, just before the tile reads them:
+// code * step is the float scale exactly, so the products are those of the float scales, bit for bit,
+// from a byte a group instead of four (a fifth of a Q6_K row's bytes at groups of 16). Expanded per
+// tile, not per chunk: the few hundred instructions run between the tile's weight loads, which the
+// prefetches ahead of them keep in flight (per chunk, they stalled the weight stream).
+void rm_expand_row_scalar(const int8_t* c, const float* st, int64_t G, int64_t S, float* o) {
+  for (int64_t j = 0; j < G; ++j) o[j] = static_cast<float>(c[j]) * st[j / S];
+}
+
+#if LLMEQ_X86
+// S a multiple of 8 (groups of 16 or 32: 16 or 8 groups a step of 256 values).
+AVX2 void rm_expand_row_avx2(const int8_t* c, const float* st, int64_t G, int64_t S, float* o) {
+  for (int64_t j = 0; j < G; j += 8) {
+    const __m128i c8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + j));
+    _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c8)), _mm256_set1_ps(st[j / S])));
+  }
+}
+#endif
+
+void rm_expand_row_512(const int8_t* c, const float* st, int64_t G, int64_t S, float* o);
+
+inline void rm_tile_scales(const RM& p, int64_t n, int rows) {
+  if (!p.sbuf) return;
+  const int64_t steps = p.G / p.S;
+  for (int r = 0; r < rows; ++r) {
+    const int8_t* c = p.scode + (n + r) * p.G;
+    const float* st = p.sstep + (n + r) * steps;
+    float* o = p.sbuf + ((n + r) & 3) * p.G;
+#if LLMEQ_X86
+    if (p.sexp == 2) {
+      rm_expand_row_512(c, st, p.G, p.S, o);
+      continue;
+    }
+    if (p.sexp == 1) {
+      rm_expand_row_avx2(c, st, p.G, p.S, o);
+      continue;
+    }
+#endif
+    rm_expand_row_scalar(c, st, p.G, p.S, o);
+  }
+}
+inline float rm_wscale(const RM& p, int64_t n, int64_t f) { return rm_scale_row(p, n)[p.G > 1 ? f : 0]; }
 inline float rm_offset(const RM& p, int64_t n, int64_t f) {
   return (p.mode == 1 ? 8.f : 0.f) + (p.zp ? p.zp[n * p.G + (p.G > 1 ? f : 0)] : 0.f);
 }
@@ -1057,6 +1108,7 @@ inline float rm_offset(const RM& p, int64_t n, int64_t f) {
 // Portable loops over rows [n0, n1), all M: the same integer sums as the SIMD path.
 void rm_scalar(const RM& p, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
+    rm_tile_scales(p, n, 1);
     const uint8_t* w = p.q + n * p.Kb;
     for (int64_t m = 0; m < p.M; ++m) {
       float tot = 0.f;
@@ -1219,13 +1271,25 @@ AVX2 void rm_rows_simd(const RM& p, int64_t n0, int64_t n1) {
   int64_t m = 0;
   for (; m + 2 <= p.M; m += 2) {
     int64_t n = n0;
-    for (; n + 2 <= n1; n += 2) rm_tile<MODE, 2, 2>(p, m, n);
-    for (; n < n1; ++n) rm_tile<MODE, 2, 1>(p, m, n);
+    for (; n + 2 <= n1; n += 2) {
+      rm_tile_scales(p, n, 2);
+      rm_tile<MODE, 2, 2>(p, m, n);
+    }
+    for (; n < n1; ++n) {
+      rm_tile_scales(p, n, 1);
+      rm_tile<MODE, 2, 1>(p, m, n);
+    }
   }
   for (; m < p.M; ++m) {
     int64_t n = n0;
-    for (; n + 4 <= n1; n += 4) rm_tile<MODE, 1, 4>(p, m, n);
-    for (; n < n1; ++n) rm_tile<MODE, 1, 1>(p, m, n);
+    for (; n + 4 <= n1; n += 4) {
+      rm_tile_scales(p, n, 4);
+      rm_tile<MODE, 1, 4>(p, m, n);
+    }
+    for (; n < n1; ++n) {
+      rm_tile_scales(p, n, 1);
+      rm_tile<MODE, 1, 1>(p, m, n);
+    }
   }
 }
 
@@ -1240,6 +1304,20 @@ AVX2 void rm_rows_simd(const RM& p, int64_t n0, int64_t n1) {
 // 128 + zp (rm_tile_vnni's `off`), as mode 1 removes 8 + zp. The integer sums are the AVX2 tile's,
 // exactly; only the float reduction of the 16 lanes is ordered differently.
 #define VNNI512_VL __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")))
+
+// rm_expand_row_avx2 sixteen codes at a time: S = 8 takes two steps a vector (lanes 0-7, 8-15).
+VNNI512_VL void rm_expand_row_512(const int8_t* c, const float* st, int64_t G, int64_t S, float* o) {
+  const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  int64_t j = 0;
+  for (; j + 16 <= G; j += 16) {
+    const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + j))));
+    const __m512 step = S == 8 ? _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(_mm_castpd_ps(
+                                     _mm_load_sd(reinterpret_cast<const double*>(st + j / 8)))))
+                               : _mm512_set1_ps(st[j / S]);
+    _mm512_storeu_ps(o + j, _mm512_mul_ps(v, step));
+  }
+  if (j < G) rm_expand_row_avx2(c + j, st + j / S, G - j, S, o + j);
+}
 
 // acc += per-lane sums of 2 int16 x int16 products (see dpbusd on pinning the accumulator).
 VNNI512_VL inline __m512i dpwssd(__m512i acc, __m512i a, __m512i b) {
@@ -1324,7 +1402,7 @@ VNNI512_VL void rm_offsets_vnni(const RM& p, int64_t m0, int64_t n0, float (&cor
       float sx = 0.f;
       for (int64_t f = 0; f < p.FG; ++f)
         sx += p.sa[(m0 + m) * p.FG + f] * static_cast<float>(p.xsum[(m0 + m) * p.FG + f]);
-      for (int r = 0; r < R; ++r) corr[r][m] = p.scale[n0 + r] * (base + (p.zp ? p.zp[n0 + r] : 0.f)) * sx;
+      for (int r = 0; r < R; ++r) corr[r][m] = rm_wscale(p, n0 + r, 0) * (base + (p.zp ? p.zp[n0 + r] : 0.f)) * sx;
     }
     return;
   }
@@ -1343,7 +1421,7 @@ VNNI512_VL void rm_offsets_vnni(const RM& p, int64_t m0, int64_t n0, float (&cor
       const int64_t at = (n0 + r) * p.G + f;
       __m512 off = _mm512_set1_ps(base);
       if (p.zp) off = _mm512_add_ps(off, _mm512_maskz_loadu_ps(km, p.zp + at));
-      const __m512 wo = _mm512_mul_ps(_mm512_maskz_loadu_ps(km, p.scale + at), off);
+      const __m512 wo = _mm512_mul_ps(_mm512_maskz_loadu_ps(km, rm_scale_row(p, n0 + r) + f), off);
       for (int m = 0; m < MT; ++m) c[r][m] = _mm512_fmadd_ps(wo, sx[m], c[r][m]);
     }
   }
@@ -1359,7 +1437,7 @@ VNNI512_VL inline void rm_flush_groups(const RM& p, int64_t m0, int64_t n0, int6
   __m512 sav[MT];
   for (int m = 0; m < MT; ++m) sav[m] = rm_group_lanes<LANES>(p.sa + (m0 + m) * p.FG + f, count);
   for (int r = 0; r < R; ++r) {
-    const __m512 wsv = rm_group_lanes<LANES>(p.scale + (n0 + r) * p.G + f, count);
+    const __m512 wsv = rm_group_lanes<LANES>(rm_scale_row(p, n0 + r) + f, count);
     for (int m = 0; m < MT; ++m)
       tot[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][m]), _mm512_mul_ps(wsv, sav[m]), tot[r][m]);
   }
@@ -1441,8 +1519,14 @@ VNNI512_VL void rm_tile_vnni(const RM& p, int64_t m0, int64_t n0) {
 template <int MODE, int MT, int R>
 VNNI512_VL void rm_rows_vnni_mt(const RM& p, int64_t m0, int64_t n0, int64_t n1) {
   int64_t n = n0;
-  for (; n + R <= n1; n += R) rm_tile_vnni<MODE, MT, R>(p, m0, n);
-  for (; n < n1; ++n) rm_tile_vnni<MODE, MT, 1>(p, m0, n);
+  for (; n + R <= n1; n += R) {
+    rm_tile_scales(p, n, R);
+    rm_tile_vnni<MODE, MT, R>(p, m0, n);
+  }
+  for (; n < n1; ++n) {
+    rm_tile_scales(p, n, 1);
+    rm_tile_vnni<MODE, MT, 1>(p, m0, n);
+  }
 }
 
 // All activation rows in tiles of up to 4 (one pass over the chunk's weights per tile).
@@ -1607,29 +1691,43 @@ int64_t rm_chunk_rows(const RM& p) {
   return std::max<int64_t>(4, std::min(rows, even));
 }
 
+// Rows [n0, n1) of the product, by the widest tiles this CPU runs.
+void rm_run_rows(const RM& p, int64_t n0, int64_t n1, bool simd, bool vnni) {
+#if LLMEQ_X86
+  if (vnni) {
+    if (p.mode == 0) rm_rows_vnni<0>(p, n0, n1);
+    else if (p.mode == 1) rm_rows_vnni<1>(p, n0, n1);
+    else rm_rows_vnni<2>(p, n0, n1);
+    return;
+  }
+  if (simd) {
+    if (p.mode == 0) rm_rows_simd<0>(p, n0, n1);
+    else if (p.mode == 1) rm_rows_simd<1>(p, n0, n1);
+    else rm_rows_simd<2>(p, n0, n1);
+    return;
+  }
+#endif
+  (void)simd;
+  (void)vnni;
+  rm_scalar(p, n0, n1);
+}
+
 void rm_run(const RM& p) {
   const bool simd = use_avx2(), vnni = use_vnni();
   int64_t chunk = rm_chunk_rows(p);
   int64_t n_chunks = cdiv(p.N, chunk);
   auto body = [&p, chunk, simd, vnni](int64_t i) {
     int64_t n0 = i * chunk, n1 = std::min(p.N, n0 + chunk);
-#if LLMEQ_X86
-    if (vnni) {
-      if (p.mode == 0) rm_rows_vnni<0>(p, n0, n1);
-      else if (p.mode == 1) rm_rows_vnni<1>(p, n0, n1);
-      else rm_rows_vnni<2>(p, n0, n1);
-      return;
+    if (p.scode) {  // a per-thread buffer for rm_tile_scales
+      thread_local std::vector<float> tile_scales;
+      tile_scales.resize(4 * p.G);
+      RM view = p;
+      view.sbuf = tile_scales.data();
+      view.sexp = vnni && (p.S == 8 || p.S == 16) ? 2 : simd && p.S % 8 == 0 ? 1 : 0;
+      rm_run_rows(view, n0, n1, simd, vnni);
+    } else {
+      rm_run_rows(p, n0, n1, simd, vnni);
     }
-    if (simd) {
-      if (p.mode == 0) rm_rows_simd<0>(p, n0, n1);
-      else if (p.mode == 1) rm_rows_simd<1>(p, n0, n1);
-      else rm_rows_simd<2>(p, n0, n1);
-      return;
-    }
-#endif
-    (void)simd;
-    (void)vnni;
-    rm_scalar(p, n0, n1);
   };
   if (p.N * p.Kb < min_parallel_bytes()) {
     for (int64_t i = 0; i < n_chunks; ++i) body(i);
@@ -1881,13 +1979,39 @@ ffi::Error rm_pick_layer(RM& p, const char* name, ffi::Buffer<ffi::S32> layer) {
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= p.L) return ffi::Error::InvalidArgument(std::string(name) + ": layer index outside the stack");
   p.q += l * p.N * p.Kb;
-  p.scale += l * p.N * p.G;
+  if (p.scode) {
+    p.scode += l * p.N * p.G;
+    p.sstep += l * p.N * (p.G / p.S);
+  } else {
+    p.scale += l * p.N * p.G;
+  }
   return ffi::Error::Success();
 }
 
-ffi::Error rm_a16_impl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> zp,
-                       ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y, int64_t bits, int64_t group_size,
-                       int64_t has_zp) {
+// Scales as int8 codes (`scale` S8, shaped as float scales) times float32 `steps`, one per `step_groups`
+// consecutive groups of a row ((N, G / step_groups), or stacked as q): rm_tile_scales.
+ffi::Error rm_scale_codes(RM& p, const char* name, ffi::AnyBuffer scale, ffi::Buffer<ffi::F32> steps,
+                          int64_t step_groups) {
+  auto bad = [name](const char* why) { return ffi::Error::InvalidArgument(std::string(name) + ": " + why); };
+  if (scale.element_type() == ffi::DataType::F32) {
+    p.scale = static_cast<const float*>(scale.untyped_data());
+    return ffi::Error::Success();
+  }
+  if (scale.element_type() != ffi::DataType::S8) return bad("scale must be float32, or int8 codes with steps");
+  if (step_groups <= 0 || p.G % step_groups) return bad("step_groups must divide the scale groups of a row");
+  auto sd = steps.dimensions();
+  const size_t o = scale.dimensions().size() - 2;  // 1 for a stack (rm_setup matched it to q)
+  if (sd.size() != 2 + o || (o && sd[0] != p.L) || sd[o] != p.N || sd[o + 1] != p.G / step_groups)
+    return bad("steps must be (N, groups / step_groups), stacked as q");
+  p.scode = static_cast<const int8_t*>(scale.untyped_data());
+  p.sstep = steps.typed_data();
+  p.S = step_groups;
+  return ffi::Error::Success();
+}
+
+ffi::Error rm_a16_impl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::AnyBuffer scale, ffi::Buffer<ffi::F32> zp,
+                       ffi::Buffer<ffi::F32> steps, ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y,
+                       int64_t bits, int64_t group_size, int64_t has_zp, int64_t step_groups) {
   auto xd = x.dimensions();
   if (xd.size() != 2 || y->dimensions().size() != 2) return ffi::Error::InvalidArgument("llmeq_rm_a16: x and y must be 2-D");
   if (bits < 3 || bits > 8) return ffi::Error::InvalidArgument("llmeq_rm_a16: bits must be in 3..8");
@@ -1899,7 +2023,8 @@ ffi::Error rm_a16_impl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::Buffer<ff
   if (!err.success()) return err;
   if (y->dimensions()[0] != p.M || y->dimensions()[1] != p.N) return ffi::Error::InvalidArgument("llmeq_rm_a16: y must be (M, N)");
   p.q = static_cast<const uint8_t*>(q.untyped_data());
-  p.scale = scale.typed_data();
+  err = rm_scale_codes(p, "llmeq_rm_a16", scale, steps, step_groups);
+  if (!err.success()) return err;
   err = rm_pick_layer(p, "llmeq_rm_a16", layer);
   if (!err.success()) return err;
   p.zp = has_zp ? zp.typed_data() : nullptr;
@@ -3816,13 +3941,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(llmeq_rm_a16, rm_a16_impl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("bits")
                                   .Attr<int64_t>("group_size")
-                                  .Attr<int64_t>("has_zp"));
+                                  .Attr<int64_t>("has_zp")
+                                  .Attr<int64_t>("step_groups"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(llmeq_rm_a8, rm_a8_impl,
                               ffi::Ffi::Bind()
@@ -3910,5 +4037,5 @@ __attribute__((visibility("default"))) void llmeq_native_force_scalar(int on) { 
 __attribute__((visibility("default"))) int llmeq_native_vnni() { return use_vnni() ? 1 : 0; }
 __attribute__((visibility("default"))) int llmeq_native_avx512() { return use_avx512() ? 1 : 0; }
 __attribute__((visibility("default"))) void llmeq_native_allow_vnni(int on) { g_allow_vnni.store(on ? 1 : 0); }
-__attribute__((visibility("default"))) int llmeq_native_abi_version() { return 12; }
+__attribute__((visibility("default"))) int llmeq_native_abi_version() { return 13; }
 }

@@ -116,21 +116,33 @@ def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc.astype(np.float32), mn.astype(np.float32)
 
 
-def _asymmetric(u: np.ndarray, scale: np.ndarray, low: np.ndarray, bits: int, group: int) -> BlockGrid:
+def _asymmetric(u: np.ndarray, scale: np.ndarray, low: np.ndarray, bits: int, group: int,
+                unit: np.ndarray | None = None) -> BlockGrid:
     """``x = scale * u + low`` per group, u unsigned ``bits``-bit: q = u - 2^(bits-1), zp = -2^(bits-1) - low / scale.
 
-    A group with a zero scale holds the constant ``low``: its codes become the lowest one and its
-    scale ``low`` one step below it (or 1 and zp = the code for ``low == 0``), so it dequantizes exactly."""
+    A group with a zero scale holds the constant ``low``: its codes become the lowest one, its scale
+    ``unit`` (default: ``low``, or 1 where ``low`` is 0) and its zero point ``low / unit`` below them, so it
+    dequantizes to ``low``. K-quants pass their super-block scale as ``unit`` (``dmin`` where ``d`` is 0): the
+    group's scale is then one sub-block step like its neighbours', which keeps a super-block's scales int8
+    multiples of one step (``decode_layout.scale_codes``)."""
     half = 1 << (bits - 1)
     q = u.astype(np.int16) - half
     zero = scale == 0
     zp = -half - low / np.where(zero, 1.0, scale)  # zero-scale groups: set below
     if np.any(zero):
         q = np.where(np.repeat(zero, group, axis=1), -half, q)
-        constant = low != 0
-        zp = np.where(zero, np.where(constant, -half - 1.0, -half), zp)
-        scale = np.where(zero, np.where(constant, low, 1.0), scale)
+        if unit is None:
+            unit = np.where(low != 0, low, 1.0)
+        unit = np.broadcast_to(unit, scale.shape)
+        zp = np.where(zero, -half - low / np.where(zero, unit, 1.0), zp)
+        scale = np.where(zero, unit, scale)
     return BlockGrid(q.astype(np.int8), scale.astype(np.float32), zp.astype(np.float32), bits, group)
+
+
+def _k_unit(d: np.ndarray, dmin: np.ndarray) -> np.ndarray:
+    """The scale a K-quant's zero-scale sub-block takes (``_asymmetric``'s ``unit``): ``d``, or ``dmin``
+    where ``d`` is 0, or 1 where both are."""
+    return np.where(d != 0, d, np.where(dmin != 0, dmin, 1.0))
 
 
 def decode_q8_0(b: np.ndarray) -> BlockGrid:
@@ -159,7 +171,8 @@ def decode_q5_1(b: np.ndarray) -> BlockGrid:
 def _k_quant(b: np.ndarray, u: np.ndarray, bits: int) -> BlockGrid:
     """Q4_K / Q5_K: super-block scales d, dmin and six-bit sub-block scales / mins at bytes 0-15."""
     sc, mn = _k_scales(b[:, 4:16])
-    return _asymmetric(u, _f16(b, 0) * sc, -_f16(b, 2) * mn, bits, 32)
+    d, dmin = _f16(b, 0), _f16(b, 2)
+    return _asymmetric(u, d * sc, -dmin * mn, bits, 32, _k_unit(d, dmin))
 
 
 def _k_nibbles(qs: np.ndarray) -> np.ndarray:
@@ -208,7 +221,8 @@ def decode_q2_k(b: np.ndarray) -> BlockGrid:
     and dmin: x = d sc_j * u - dmin mn_j in 16 groups of 16."""
     sc = (b[:, 0:16] & 0x0F).astype(np.float32)
     mn = (b[:, 0:16] >> 4).astype(np.float32)
-    return _asymmetric(_two_bit_planes(b[:, 16:80]), _f16(b, 80) * sc, -_f16(b, 82) * mn, 2, 16)
+    d, dmin = _f16(b, 80), _f16(b, 82)
+    return _asymmetric(_two_bit_planes(b[:, 16:80]), d * sc, -dmin * mn, 2, 16, _k_unit(d, dmin))
 
 
 def _q3_k_scales(packed: np.ndarray) -> np.ndarray:

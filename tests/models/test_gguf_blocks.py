@@ -14,7 +14,8 @@ import pytest
 from llmeq_jax import cli
 from llmeq_jax.core.qarray import QArray, tree_nbytes
 from llmeq_jax.export import gguf as gguf_export
-from llmeq_jax.generate import generate
+from llmeq_jax.decode_layout import RowMajorKernel
+from llmeq_jax.generate import decode_params, generate
 from llmeq_jax.models import ModelConfig, forward, gguf_blocks, gguf_loader, load_model
 from llmeq_jax.models.model import init_params
 from llmeq_jax.models.params_tree import ModelLoadError
@@ -158,6 +159,12 @@ def test_k_quants_kept_quantized_compute_the_file(monkeypatch, tmp_path, table):
     # of 16, four a step) and the quantized tied head.
     a, b = generate(config, kept, ids, max_new_tokens=8), generate(config, floats, ids, max_new_tokens=8)
     assert np.array_equal(np.asarray(a), np.asarray(b))
+    # ... reading every K-quant's sub-block scales as int8 codes times its super-block scale (the generate
+    # above did), the head's too when it is Q2_K (groups of 16; Q4_K's table stays a per-row-scaled lookup)
+    laid_out = decode_params(kept, 1)
+    row_major = [leaf for leaf in jax.tree_util.tree_leaves(laid_out, is_leaf=lambda a: isinstance(a, RowMajorKernel))
+                 if isinstance(leaf, RowMajorKernel)]
+    assert len(row_major) >= 12 and all(leaf.codes is not None for leaf in row_major)
 
 
 def test_cli_keeps_a_gguf_quantized_and_exports_the_same_blocks(monkeypatch, tmp_path, capsys):
