@@ -875,3 +875,23 @@ def test_quantized_prefill_runs_the_activation_and_the_tied_head_natively(recipe
     with native.disabled():
         ref = f(decode_layout.for_prefill(qparams), toks)
     np.testing.assert_allclose(np.asarray(f(packed, toks)), np.asarray(ref), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("name,k", [("int4-g32-asym", 2048), ("int6-g16", 2048), ("int4-g64-asym", 4160),
+                                    ("int8-channel", 2080)])
+def test_long_rows_take_fewer_rows_a_tile(name, k):
+    """Rows of 1-2 KB go two a VNNI tile, longer ones one (rm_rows_vnni_by_len), for every activation tile
+    (rows 1-9): the reference's values, and the AVX2 tiles' sums (four rows a tile) where VNNI runs."""
+    w = _kernel(name, k, 21)
+    rm = decode_layout.transpose_kernel(w)
+    f = jax.jit(lambda a, b: native.row_major_matmul(a, b))
+    for rows in range(1, 10):
+        x = _rand((rows, k), 80 + rows)
+        y = np.asarray(f(jnp.asarray(x), rm), np.float64)
+        ref = x.astype(np.float64) @ _dequant64(w)
+        assert np.all(np.abs(y - ref) <= _a16_bound(x, w)), f"{rows} rows: max err {np.abs(y - ref).max():.3g}"
+        if native.vnni():
+            with native.without_vnni():
+                avx2 = np.asarray(jax.jit(lambda a, b: native.row_major_matmul(a, b) * 1.0)(jnp.asarray(x), rm))
+            # the same integer sums; the float ones (65 groups, zero points taken off at the end) in another order
+            np.testing.assert_allclose(y, avx2, rtol=1e-5, atol=1e-5 * np.abs(avx2).max(), err_msg=f"{rows} rows")
