@@ -1266,31 +1266,29 @@ AVX2 void rm_tile(const RM& p, int64_t m0, int64_t n0) {
     for (int m = 0; m < MT; ++m) p.y[(m0 + m) * p.N + n0 + r] = hsum(tot[r][m]) - corr[r][m];
 }
 
+// A tile: activation rows [m0, ...) times weight rows [n0, ...), as many as its template says.
+using RmTile = void (*)(const RM& p, int64_t m0, int64_t n0);
+
+// Weight rows [n0, n1) for one activation tile at m0: R rows a tile (`tile`), then one at a time (`one`),
+// each tile's scale codes expanded first where there are some.
+template <int R>
+void rm_walk_tiles(const RM& p, int64_t m0, int64_t n0, int64_t n1, RmTile tile, RmTile one) {
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    rm_tile_scales(p, n, R);
+    tile(p, m0, n);
+  }
+  for (; n < n1; ++n) {
+    rm_tile_scales(p, n, 1);
+    one(p, m0, n);
+  }
+}
+
 template <int MODE>
 AVX2 void rm_rows_simd(const RM& p, int64_t n0, int64_t n1) {
   int64_t m = 0;
-  for (; m + 2 <= p.M; m += 2) {
-    int64_t n = n0;
-    for (; n + 2 <= n1; n += 2) {
-      rm_tile_scales(p, n, 2);
-      rm_tile<MODE, 2, 2>(p, m, n);
-    }
-    for (; n < n1; ++n) {
-      rm_tile_scales(p, n, 1);
-      rm_tile<MODE, 2, 1>(p, m, n);
-    }
-  }
-  for (; m < p.M; ++m) {
-    int64_t n = n0;
-    for (; n + 4 <= n1; n += 4) {
-      rm_tile_scales(p, n, 4);
-      rm_tile<MODE, 1, 4>(p, m, n);
-    }
-    for (; n < n1; ++n) {
-      rm_tile_scales(p, n, 1);
-      rm_tile<MODE, 1, 1>(p, m, n);
-    }
-  }
+  for (; m + 2 <= p.M; m += 2) rm_walk_tiles<2>(p, m, n0, n1, rm_tile<MODE, 2, 2>, rm_tile<MODE, 2, 1>);
+  for (; m < p.M; ++m) rm_walk_tiles<4>(p, m, n0, n1, rm_tile<MODE, 1, 4>, rm_tile<MODE, 1, 1>);
 }
 
 // ---- The same products on AVX-512 VNNI: one vpdpwssd sums 32 int16 x int16 products (modes 0
@@ -1518,15 +1516,7 @@ VNNI512_VL void rm_tile_vnni(const RM& p, int64_t m0, int64_t n0) {
 // Weight rows [n0, n1) for activation rows [m0, m0 + MT): R rows a tile, then one at a time.
 template <int MODE, int MT, int R>
 VNNI512_VL void rm_rows_vnni_mt(const RM& p, int64_t m0, int64_t n0, int64_t n1) {
-  int64_t n = n0;
-  for (; n + R <= n1; n += R) {
-    rm_tile_scales(p, n, R);
-    rm_tile_vnni<MODE, MT, R>(p, m0, n);
-  }
-  for (; n < n1; ++n) {
-    rm_tile_scales(p, n, 1);
-    rm_tile_vnni<MODE, MT, 1>(p, m0, n);
-  }
+  rm_walk_tiles<R>(p, m0, n0, n1, rm_tile_vnni<MODE, MT, R>, rm_tile_vnni<MODE, MT, 1>);
 }
 
 // Weight rows a tile by row length: R rows side by side for rows under 1 KB, at most 2 up to 2 KB, one
