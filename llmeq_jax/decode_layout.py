@@ -150,7 +150,7 @@ def scale_codes(scale, per_step: int, rows_at_once: int = 4096) -> ScaleCodes | 
         return None
     flat = a.reshape(-1, a.shape[-1] // per_step, per_step)
     codes, steps = [], []
-    for r0 in range(0, flat.shape[0], rows_at_once):  # bounded temporaries (int64 / float64 copies)
+    for r0 in range(0, flat.shape[0], rows_at_once):  # bounded temporaries (int64 copies)
         part = flat[r0:r0 + rows_at_once]
         found = _dyadic_codes(part)
         if found is None:

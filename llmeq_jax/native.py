@@ -416,13 +416,6 @@ def _rm_forward(x: jax.Array, w: QArray, act, layer=None, codes=None) -> jax.Arr
     n, k = w.shape
     g = w.tile[1]
     groups = math.ceil(k / g)
-    if codes is not None:  # weight-only: the kernel reads the codes and steps, not w.scale
-        x2 = x.reshape(-1, k).astype(jnp.float32)
-        zp = _zp_arg(w if layer is None else dataclasses.replace(w, zero_point=take_layer(w.zero_point, layer)),
-                     n, groups)
-        y = _rm_a16_call(x2, w.qvalue, codes.codes, zp, bits=w.bits, group_size=g, has_zp=w.zero_point is not None,
-                         layer=layer, steps=codes.steps)
-        return y.reshape(*x.shape[:-1], n).astype(x.dtype)
     if layer is None:
         scale, zp, act_scale = _as_grid(w.scale, n, groups), _zp_arg(w, n, groups), w.act_scale
     else:  # a stack: codes and scales read in place by the kernel; zero points and act scale (small) sliced
@@ -430,10 +423,10 @@ def _rm_forward(x: jax.Array, w: QArray, act, layer=None, codes=None) -> jax.Arr
         scale = jnp.broadcast_to(w.scale.astype(jnp.float32), (*lead, n, groups))
         zp = _zp_arg(dataclasses.replace(w, zero_point=take_layer(w.zero_point, layer)), n, groups)
         act_scale = take_layer(w.act_scale, layer)
-    if act is None:
+    if act is None:  # with scale codes the kernel reads them (and their steps), not w.scale
         x2 = x.reshape(-1, k).astype(jnp.float32)
-        y = _rm_a16_call(x2, w.qvalue, scale, zp, bits=w.bits, group_size=g, has_zp=w.zero_point is not None,
-                         layer=layer)
+        y = _rm_a16_call(x2, w.qvalue, scale if codes is None else codes.codes, zp, bits=w.bits, group_size=g,
+                         has_zp=w.zero_point is not None, layer=layer, steps=None if codes is None else codes.steps)
     else:
         from llmeq_jax.ops import quantize_activations  # same activation numerics as the XLA path
 

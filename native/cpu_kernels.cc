@@ -1056,7 +1056,9 @@ struct RM {
 
 // Row n's float scales (with scale codes: of a row of the tile rm_tile_scales expanded last; a tile of
 // R <= 4 rows starts at a multiple of R, so its rows are n & 3 apart).
-inline const float* rm_scale_row(const RM& p, int64_t n) { return p.sbuf ? p.sbuf + (n & 3) * p.G : p.scale + n * p.G; }
+inline const float* rm_scale_row(const RM& p, int64_t n) {
+  return p.sbuf ? p.sbuf + (n & 3) * p.G : p.scale + n * p.G;
+}
 
 // Scale codes (a GGUF K-quant's sub-block scales, with its super-block scales as steps: found exact by
 // decode_layout.compact_scales) expanded to float for one tile's rows, just before the tile reads them:
@@ -1100,6 +1102,7 @@ inline void rm_tile_scales(const RM& p, int64_t n, int rows) {
     rm_expand_row_scalar(c, st, p.G, p.S, o);
   }
 }
+
 inline float rm_wscale(const RM& p, int64_t n, int64_t f) { return rm_scale_row(p, n)[p.G > 1 ? f : 0]; }
 inline float rm_offset(const RM& p, int64_t n, int64_t f) {
   return (p.mode == 1 ? 8.f : 0.f) + (p.zp ? p.zp[n * p.G + (p.G > 1 ? f : 0)] : 0.f);
