@@ -62,16 +62,26 @@ class RowMajorKernel:
     """An ``(in, out)`` kernel whose QArray ``w`` is stored transposed, ``(out, in)``.
 
     ``codes``: ``w``'s scales again as :class:`ScaleCodes` (:func:`compact_scales`), which the native
-    weight-only kernel reads instead of ``w.scale``; every other path reads ``w``."""
+    weight-only kernel reads instead of ``w.scale``; every other path reads ``w``.
+
+    ``split``: ``w.qvalue`` holds int5 / int6 codes as :func:`split_codes` bytes (:func:`split_rows`), which
+    only the native kernel reads; every other path reads :meth:`qarray`."""
 
     w: QArray
     codes: ScaleCodes | None = None
+    split: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, int]:
         """The kernel's logical ``(in, out)`` shape (what ``ops.linear`` checks)."""
         n, k = self.w.shape
         return k, n
+
+    def qarray(self) -> QArray:
+        """``w`` with its codes one int8 a value (joined again where ``split``)."""
+        if not self.split:
+            return self.w
+        return dataclasses.replace(self.w, qvalue=join_codes(self.w.qvalue, self.w.bits, self.w.shape[1]))
 
 
 @jax.tree_util.register_dataclass
@@ -190,7 +200,98 @@ def compact_scales(params):
         if not isinstance(leaf, RowMajorKernel) or leaf.codes is not None:
             return leaf
         codes = _kernel_scale_codes(leaf.w)
-        return leaf if codes is None else RowMajorKernel(leaf.w, codes)
+        return leaf if codes is None else RowMajorKernel(leaf.w, codes, leaf.split)
+
+    return jax.tree_util.tree_map(convert, params, is_leaf=lambda a: isinstance(a, (RowMajorKernel, QArray)))
+
+
+# Codes the native AVX-512 VNNI kernel reads split (split_codes): 5 or 6 bits a value instead of a byte.
+SPLIT_BITS = (5, 6)
+SPLIT_BLOCK = 64  # values a split block holds
+
+
+def split_block_bytes(bits: int) -> int:
+    """Bytes of one split block of :data:`SPLIT_BLOCK` ``bits``-bit values: low nibbles, then high bits."""
+    return 32 + 8 * (bits - 4)
+
+
+# Values a split row interleaves for the VNNI tile's int32 lanes (split_codes): a K-quant super-block.
+SPLIT_CHUNK = 256
+
+
+def _interleave(values: jax.Array, inverse: bool = False) -> jax.Array:
+    """Each whole :data:`SPLIT_CHUNK` values along the last axis reordered so that position ``64b + 4i + j``
+    holds value ``16i + 4b + j`` (``inverse``: back); the last ``K % 256`` stay as they are."""
+    lead, k = values.shape[:-1], values.shape[-1]
+    whole = k // SPLIT_CHUNK * SPLIT_CHUNK
+    order = (4, 16, 4) if inverse else (16, 4, 4)  # stored [b, i, j] / in order [i, b, j]
+    chunks = jnp.swapaxes(values[..., :whole].reshape(*lead, whole // SPLIT_CHUNK, *order), -3, -2)
+    chunks = chunks.reshape(*lead, whole)
+    return jnp.concatenate([chunks, values[..., whole:]], axis=-1)
+
+
+def split_codes(values: jax.Array, bits: int) -> jax.Array:
+    """int5 / int6 codes ``(..., K)`` (int8, K a multiple of 64) as split rows ``(..., K / 64 * (32 + 8h))``
+    uint8, ``h = bits - 4``, the native VNNI tile's layout. Values are stored unsigned
+    (``u = v + 2^(bits-1)``); each whole 256 of a row lane-interleaved (position ``64b + 4i + j`` holds
+    value ``16i + 4b + j``, so an int32 lane of the tile's sums gathers 16 consecutive values over four
+    blocks); then each block of 64 positions is 32 bytes of low nibbles (byte ``j``: position ``j`` low,
+    ``j + 32`` high) and ``8h`` bytes of high bits (byte ``j``, bits ``h*t`` up: position ``j + 8h*t``),
+    which the tile turns back into one byte a value with a broadcast and a rotation a qword
+    (llama.cpp's Q5_K / Q6_K also keep nibbles and high bits apart, in their own orders)."""
+    if bits not in SPLIT_BITS or values.shape[-1] % SPLIT_BLOCK:
+        raise ValueError(f"split_codes: int5 / int6 codes with a last dim that is a multiple of {SPLIT_BLOCK}, "
+                         f"got int{bits} of shape {values.shape}")
+    h = bits - 4
+    lead, k = values.shape[:-1], values.shape[-1]
+    u = (_interleave(values).astype(jnp.int32) + (1 << (bits - 1))).reshape(*lead, k // SPLIT_BLOCK, SPLIT_BLOCK)
+    low = u & 15
+    nibbles = low[..., :32] | (low[..., 32:] << 4)
+    high = (u >> 4).reshape(*u.shape[:-1], 8 // h, 8 * h)  # [..., t, j]: value j + 8h * t
+    planes = sum(high[..., t, :] << (h * t) for t in range(8 // h))
+    return jnp.concatenate([nibbles, planes], axis=-1).astype(jnp.uint8).reshape(
+        *lead, k // SPLIT_BLOCK * split_block_bytes(bits))
+
+
+def join_codes(split: jax.Array, bits: int, k: int) -> jax.Array:
+    """The int8 codes ``(..., k)`` of :func:`split_codes`' bytes."""
+    h = bits - 4
+    lead = split.shape[:-1]
+    b = split.astype(jnp.int32).reshape(*lead, k // SPLIT_BLOCK, split_block_bytes(bits))
+    nibbles, planes = b[..., :32], b[..., 32:]
+    low = jnp.concatenate([nibbles & 15, nibbles >> 4], axis=-1)
+    high = jnp.concatenate([(planes >> (h * t)) & ((1 << h) - 1) for t in range(8 // h)], axis=-1)
+    return _interleave(((low | (high << 4)) - (1 << (bits - 1))).astype(jnp.int8).reshape(*lead, k), inverse=True)
+
+
+def _splittable(w: QArray) -> bool:
+    """Whether the native kernel's split tile takes the row-major weight-only ``w``: int5 / int6 codes,
+    ``in`` a multiple of 64, groups of 16-256 values that divide 256, or multiples of 256 (or one scale a row)."""
+    k, group = w.shape[1], w.tile[1]
+    return (w.bits in SPLIT_BITS and w.act_spec is None and w.grid == "uniform" and k % SPLIT_BLOCK == 0
+            and (group >= k or (group >= 16 and (SPLIT_CHUNK % group == 0 or group % SPLIT_CHUNK == 0))))
+
+
+_split_jit = jax.jit(split_codes, static_argnums=1)
+
+
+def split_rows(params):
+    """``params`` (laid out by :func:`for_decode` for the native kernels) with each weight-only int5 /
+    int6 :class:`RowMajorKernel` the native AVX-512 VNNI kernel can read split holding its codes as
+    :func:`split_codes` bytes: 0.625 / 0.75 bytes a value instead of 1 (GGUF Q5_0 / Q5_1 / Q5_K / Q6_K
+    kept quantized, int5 / int6 recipes). Unchanged without that kernel (no AVX-512 VNNI, or native
+    off): its AVX2 tiles read int8 codes. The int8 codes are not kept: :meth:`RowMajorKernel.qarray`
+    joins them again for the other paths."""
+    from llmeq_jax import native
+
+    if not native.vnni():
+        return params
+
+    def convert(leaf):
+        if not isinstance(leaf, RowMajorKernel) or leaf.split or not _splittable(leaf.w):
+            return leaf
+        w = dataclasses.replace(leaf.w, qvalue=_split_jit(leaf.w.qvalue, leaf.w.bits))
+        return RowMajorKernel(w, leaf.codes, split=True)
 
     return jax.tree_util.tree_map(convert, params, is_leaf=lambda a: isinstance(a, (RowMajorKernel, QArray)))
 
@@ -608,7 +709,7 @@ def _tied_head_table(params) -> jax.Array | None:
 
 
 __all__ = ["FUSED_LINEARS", "Int4WordKernel", "PREFILL_FUSE_MAX_OUT", "PREFILL_PACK_MAX_BYTES", "PanelKernel",
-           "RowMajorKernel", "SCALE_STEP_VALUES", "ScaleCodes", "compact_scales", "decode_target", "for_decode",
-           "for_prefill", "fuse_linears", "int4_word_kernel", "kernel_view", "pack_float_kernels", "pack_panels",
-           "pack_swiglu_panels", "scale_codes", "scale_group", "stack_quantized", "stack_rows", "transpose_kernel",
-           "unpack_panels", "widen_to_int4"]
+           "RowMajorKernel", "SCALE_STEP_VALUES", "SPLIT_BITS", "ScaleCodes", "compact_scales", "decode_target",
+           "for_decode", "for_prefill", "fuse_linears", "int4_word_kernel", "join_codes", "kernel_view",
+           "pack_float_kernels", "pack_panels", "pack_swiglu_panels", "scale_codes", "scale_group", "split_codes",
+           "split_rows", "stack_quantized", "stack_rows", "transpose_kernel", "unpack_panels", "widen_to_int4"]

@@ -62,7 +62,7 @@ PANEL_COLS = 32
 # Query positions from which the attention kernel runs its blocked prefill path (kFlashMinT in
 # native/cpu_kernels.cc); between NATIVE_MAX_ROWS["attention"] and this, XLA's attention is used.
 PREFILL_ATTENTION_MIN_POSITIONS = 16
-_ABI_VERSION = 13
+_ABI_VERSION = 14
 _DISABLED = contextvars.ContextVar("llmeq_native_disabled", default=False)
 
 
@@ -349,16 +349,18 @@ def _layer_arg(layer) -> jax.Array:
     return jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
 
 
-def _rm_a16_call(x2, q, scale, zp, *, bits: int, group_size: int, has_zp: bool, layer=None, steps=None):
+def _rm_a16_call(x2, q, scale, zp, *, bits: int, group_size: int, has_zp: bool, layer=None, steps=None,
+                 split: bool = False):
     """``scale`` float32, or int8 codes with ``steps`` (one float32 per ``codes.shape[-1] // steps.shape[-1]``
-    groups: :class:`llmeq_jax.decode_layout.ScaleCodes`)."""
+    groups: :class:`llmeq_jax.decode_layout.ScaleCodes`). ``split``: ``q`` is int5 / int6 codes as
+    ``decode_layout.split_codes`` bytes."""
     _require(None, "row-major call")
     out = jax.ShapeDtypeStruct((x2.shape[0], q.shape[-2]), jnp.float32)
     call = jax.ffi.ffi_call(_RM_A16_TARGET, out, vmap_method="sequential")
     step_groups = 0 if steps is None else scale.shape[-1] // steps.shape[-1]
     steps = jnp.zeros((1, 1), jnp.float32) if steps is None else steps
     return call(x2, q, scale, zp, steps, _layer_arg(layer), bits=np.int64(bits), group_size=np.int64(group_size),
-                has_zp=np.int64(has_zp), step_groups=np.int64(step_groups))
+                has_zp=np.int64(has_zp), step_groups=np.int64(step_groups), split=np.int64(split))
 
 
 def _rm_a8_call(xq2, q, scale, zp, sx, *, group_size: int, has_zp: bool, layer=None):
@@ -412,7 +414,7 @@ def _w8_forward(x: jax.Array, w: QArray, act) -> jax.Array:
     return y.reshape(*x.shape[:-1], n).astype(x.dtype)
 
 
-def _rm_forward(x: jax.Array, w: QArray, act, layer=None, codes=None) -> jax.Array:
+def _rm_forward(x: jax.Array, w: QArray, act, layer=None, codes=None, split=False) -> jax.Array:
     n, k = w.shape
     g = w.tile[1]
     groups = math.ceil(k / g)
@@ -426,7 +428,8 @@ def _rm_forward(x: jax.Array, w: QArray, act, layer=None, codes=None) -> jax.Arr
     if act is None:  # with scale codes the kernel reads them (and their steps), not w.scale
         x2 = x.reshape(-1, k).astype(jnp.float32)
         y = _rm_a16_call(x2, w.qvalue, scale if codes is None else codes.codes, zp, bits=w.bits, group_size=g,
-                         has_zp=w.zero_point is not None, layer=layer, steps=None if codes is None else codes.steps)
+                         has_zp=w.zero_point is not None, layer=layer, steps=None if codes is None else codes.steps,
+                         split=split)
     else:
         from llmeq_jax.ops import quantize_activations  # same activation numerics as the XLA path
 
@@ -437,9 +440,11 @@ def _rm_forward(x: jax.Array, w: QArray, act, layer=None, codes=None) -> jax.Arr
     return y.reshape(*x.shape[:-1], n).astype(x.dtype)
 
 
-def _xla_row_major(x, w, act):
+def _xla_row_major(x, w, act, split=False):
+    from llmeq_jax.decode_layout import RowMajorKernel
     from llmeq_jax.ops import linear_nk_xla, w8a8_nk_xla
 
+    w = RowMajorKernel(w, split=split).qarray()
     return linear_nk_xla(x, w) if act is None else w8a8_nk_xla(x, w, act)
 
 
@@ -528,7 +533,7 @@ def w8a8_kn(x: jax.Array, w: QArray, act) -> jax.Array:
     return f(x, w)
 
 
-def row_major_matmul(x: jax.Array, w: QArray, act=None, layer=None, codes=None) -> jax.Array:
+def row_major_matmul(x: jax.Array, w: QArray, act=None, layer=None, codes=None, split: bool = False) -> jax.Array:
     """``x @ dequantize(w).T`` for an ``(out, in)`` QArray by the row-major integer kernels.
 
     Weight-only (``act`` None): x is quantized on the fly to int16 per row and per
@@ -544,19 +549,32 @@ def row_major_matmul(x: jax.Array, w: QArray, act=None, layer=None, codes=None) 
     ``codes`` (weight-only): ``w``'s scales as :class:`llmeq_jax.decode_layout.ScaleCodes` (int8 codes
     times one float step per super-block, equal to ``w.scale`` exactly), which the kernel reads instead
     of ``w.scale``: the same products from fewer bytes.
+
+    ``split`` (weight-only, int5 / int6): ``w.qvalue`` holds the codes as
+    :func:`llmeq_jax.decode_layout.split_codes` bytes (``decode_layout.split_rows``), read by the AVX-512
+    VNNI tile (the portable loop where that tile is off; there is no AVX2 one).
     """
     _require(supports_row_major(w, act), "row_major_matmul")
     _check_x(x, w.shape[1], "row_major_matmul")
     if codes is not None and act is not None:
         raise ValueError("native.row_major_matmul: scale codes are for weight-only products (act=None)")
+    if split:
+        from llmeq_jax.decode_layout import _splittable, split_block_bytes
+
+        rows = w.shape[1] // 64 * split_block_bytes(w.bits) if w.bits in (5, 6) else None
+        if act is not None or not _splittable(w) or w.qvalue.shape[-1] != rows or w.qvalue.dtype != jnp.uint8:
+            raise ValueError(f"native.row_major_matmul: split codes need a weight-only int5 / int6 kernel whose "
+                             f"qvalue is decode_layout.split_codes bytes (uint8, {rows} a row), got "
+                             f"int{w.bits} {w.qvalue.dtype}{list(w.qvalue.shape)} with act={act}")
     if layer is not None:
         if w.qvalue.ndim != 3:
             raise ValueError(f"native.row_major_matmul: with layer=, w must be a stack [L, ...], got codes "
                              f"{w.qvalue.shape}")
-        f = _with_xla_grad(lambda a, b, l, c: _rm_forward(a, b, act, l, c),
-                           lambda a, b, l, c: _xla_row_major(a, LayerSlice(b, l).value(), act))
+        f = _with_xla_grad(lambda a, b, l, c: _rm_forward(a, b, act, l, c, split),
+                           lambda a, b, l, c: _xla_row_major(a, LayerSlice(b, l).value(), act, split))
         return f(x, w, layer, codes)
-    f = _with_xla_grad(lambda a, b, c: _rm_forward(a, b, act, codes=c), lambda a, b, c: _xla_row_major(a, b, act))
+    f = _with_xla_grad(lambda a, b, c: _rm_forward(a, b, act, codes=c, split=split),
+                       lambda a, b, c: _xla_row_major(a, b, act, split))
     return f(x, w, codes)
 
 

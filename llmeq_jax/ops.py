@@ -116,7 +116,7 @@ def linear(
         raise ValueError(f"backend={backend!r} is not one of {list(BACKENDS)}")
     _check_shapes(x, w)
     if isinstance(w, RowMajorKernel):
-        y = _linear_row_major(x, w.w, act if act is not None else w.w.act_spec, backend, codes=w.codes)
+        y = _linear_row_major(x, w, act if act is not None else w.w.act_spec, backend)
         return y if bias is None else y + bias.astype(y.dtype)
     if isinstance(w, Int4WordKernel):
         y = _linear_words(x, w, backend)
@@ -158,8 +158,7 @@ def _linear_layer_slice(x, w: LayerSlice, act, backend):
         y = _try_native_float(x, w.stack, w.layer) if backend == "auto" else None
         return y if y is not None else linear(x, w.value(), act=act, backend=backend)
     if isinstance(w.stack, RowMajorKernel):
-        return _linear_row_major(x, w.stack.w, act if act is not None else w.stack.w.act_spec, backend, w.layer,
-                                 codes=w.stack.codes)
+        return _linear_row_major(x, w.stack, act if act is not None else w.stack.w.act_spec, backend, w.layer)
     if isinstance(w.stack, Int4WordKernel):
         return _linear_words(x, w.stack, backend, w.layer)
     if backend != "xla" and w.stack.grid != "log2":
@@ -332,14 +331,15 @@ def _linear_words(x, w: Int4WordKernel, backend, layer=None):
     return linear(x, w.packed(), backend=backend)
 
 
-def _linear_row_major(x, w: QArray, act, backend, layer=None, codes=None):
-    """``x @ kernel`` for a kernel stored row-major (``w`` is ``(out, in)``): a Pallas kernel reading it
-    K-major (int8 codes, where kernels run), else native, else XLA.
+def _linear_row_major(x, kernel: RowMajorKernel, act, backend, layer=None):
+    """``x @ kernel`` for a kernel stored row-major (``kernel.w`` is ``(out, in)``): a Pallas kernel reading
+    it K-major (int8 codes, where kernels run), else native, else XLA.
 
-    With ``layer``, ``w`` is a stack of such kernels: the kernels read that layer in place, XLA takes
-    its slice. ``codes``: ``w``'s scales as ``decode_layout.ScaleCodes``, which the native weight-only
-    kernel reads instead of ``w.scale``."""
-    if backend != "xla":
+    With ``layer``, the kernel is a stack of such kernels: the kernels read that layer in place, XLA takes
+    its slice. The native weight-only kernel reads ``kernel.codes`` (scales as ``decode_layout.ScaleCodes``)
+    instead of ``w.scale``, and split codes (``kernel.split``) as they are; the other paths, int8 codes."""
+    w = kernel.w
+    if backend != "xla" and not kernel.split:
         y = kernel_dispatch.linear(x, w, act, layer=layer, w_layout="nk")
         if y is not None:
             return y
@@ -348,8 +348,10 @@ def _linear_row_major(x, w: QArray, act, backend, layer=None, codes=None):
             and 0 < rows <= row_major_max_rows(act is not None)):
         from llmeq_jax import native
 
-        if native.enabled() and native.supports_row_major(w, act) is None:
-            return native.row_major_matmul(x, w, act, layer=layer, codes=None if act is not None else codes)
+        if native.enabled() and native.supports_row_major(w, act) is None and not (kernel.split and act is not None):
+            return native.row_major_matmul(x, w, act, layer=layer, codes=None if act is not None else kernel.codes,
+                                           split=kernel.split)
+    w = kernel.qarray()
     if layer is not None:
         w = LayerSlice(w, layer).value()
     return w8a8_nk_xla(x, w, act) if act is not None else linear_nk_xla(x, w)

@@ -1031,11 +1031,17 @@ void w8_run(W8& p, ffi::ThreadPool* pool) {
 //   sum_k (v_k - zp) x_k = sum_k u_k x_k - (8 + zp) sum_k x_k.
 // int32 headroom: a flush group holds at most 32768 values (checked); per lane a group
 // adds at most 2 * 32767 * 128 * (F / 16) for mode 0 (F <= 128 there: < 2^26).
+//
+//   modes 3 (int5) and 4 (int6), weight-only, "split" rows: mode 0's products from 5 / 6 bits a
+//     value instead of 8. Each 64 values of a row are 32 bytes of low nibbles (byte j: value j in
+//     its low half, value j + 32 in its high half) then 8 * hb bytes of their high hb = bits - 4 bits
+//     (byte j, bits hb * t ..: value j + 8 * hb * t); values are stored unsigned, u = v + 2^(bits-1),
+//     removed per group as mode 1 removes 8 (decode_layout.split_codes writes this layout).
 
 struct RM {
-  int mode;                 // 0, 1, 2 as above
+  int mode;                 // 0-4 as above
   int64_t L;                // layers in a stacked q / scale (1: a single weight)
-  int64_t M, N, K, Kb;      // Kb: stored bytes per weight row (K, or K / 2 for int4)
+  int64_t M, N, K, Kb;      // Kb: stored bytes per weight row (K; K / 2 for int4; K * bits / 8 split)
   int64_t G;                // weight scale groups along K (1: per channel)
   int64_t F, FG;            // flush group size (values) and count
   const uint8_t* q;         // (N, Kb)
@@ -1048,6 +1054,8 @@ struct RM {
   const float* zp;          // (N, G) or nullptr
   const int16_t* x16;       // modes 0/1: [M, xs] int16 (int4: K/2 even-k values, then K/2 odd-k)
   const int8_t* x8;         // mode 2: [M, K]
+  const int8_t* xh;         // modes 3, 4: [M, K] the int16 activations' high bytes (signed) ...
+  const uint8_t* xl;        // ... and low bytes: x16 = 256 xh + xl
   int64_t xstride;
   const float* sa;          // [M, FG] activation scale per flush group
   const int32_t* xsum;      // [M, FG] sums of the integer activations per flush group
@@ -1104,8 +1112,25 @@ inline void rm_tile_scales(const RM& p, int64_t n, int rows) {
 }
 
 inline float rm_wscale(const RM& p, int64_t n, int64_t f) { return rm_scale_row(p, n)[p.G > 1 ? f : 0]; }
+// The unsigned codes' offset: 8 (int4), 2^(bits-1) (split int5 / int6), 0 (signed int8 storage).
+inline float rm_code_base(int mode) { return mode == 1 ? 8.f : mode >= 3 ? static_cast<float>(8 << (mode - 2)) : 0.f; }
 inline float rm_offset(const RM& p, int64_t n, int64_t f) {
-  return (p.mode == 1 ? 8.f : 0.f) + (p.zp ? p.zp[n * p.G + (p.G > 1 ? f : 0)] : 0.f);
+  return rm_code_base(p.mode) + (p.zp ? p.zp[n * p.G + (p.G > 1 ? f : 0)] : 0.f);
+}
+
+// Split-row layout (modes 3, 4): bytes of one 64-value block; where value k of a row of K sits (each
+// whole 256 lane-interleaved: value 16i + 4b + j at 64b + 4i + j, rm_tile_split); value k, unsigned.
+inline int64_t rm_split_block_bytes(int hb) { return 32 + 8 * hb; }
+inline int64_t rm_split_position(int64_t K, int64_t k) {
+  const int64_t v = k % 256;
+  return k < K / 256 * 256 ? k - v + 64 * (v / 4 % 4) + 4 * (v / 16) + v % 4 : k;
+}
+inline int rm_split_value(const uint8_t* row, int hb, int64_t K, int64_t k) {
+  const int64_t pos = rm_split_position(K, k);
+  const uint8_t* b = row + (pos / 64) * rm_split_block_bytes(hb);
+  const int i = static_cast<int>(pos % 64), per = 8 * hb;
+  const int nib = i < 32 ? b[i] & 15 : b[i - 32] >> 4;
+  return nib | (((b[32 + i % per] >> (hb * (i / per))) & ((1 << hb) - 1)) << 4);
 }
 
 // Portable loops over rows [n0, n1), all M: the same integer sums as the SIMD path.
@@ -1126,6 +1151,9 @@ void rm_scalar(const RM& p, int64_t n0, int64_t n1) {
           } else if (p.mode == 0) {
             xv = p.x16[m * p.xstride + k];
             wv = static_cast<int8_t>(w[k]);
+          } else if (p.mode >= 3) {
+            xv = p.x16[m * p.xstride + k];
+            wv = rm_split_value(w, p.mode - 2, p.K, k);
           } else {
             xv = p.x16[m * p.xstride + (k & 1 ? p.K / 2 : 0) + k / 2];
             wv = ((w[k / 2] >> (k & 1 ? 4 : 0)) & 15) ^ 8;
@@ -1382,10 +1410,11 @@ VNNI512_VL inline void rm_vnni_step_at(const RM& p, const uint8_t* const* wrow, 
 // [i * LANES, (i + 1) * LANES) <- v[i] (zero for i >= count; only those are read).
 template <int LANES>
 VNNI512_VL inline __m512 rm_group_lanes(const float* v, int64_t count) {
-  const __m512i pick = _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                         LANES == 8 ? 3 : 2);
-  const __m128 some = _mm_maskz_loadu_ps(static_cast<__mmask8>((1u << count) - 1), v);
-  return _mm512_permutexvar_ps(pick, _mm512_zextps128_ps512(some));
+  const __m512 some = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << count) - 1), v);
+  if (LANES == 1) return some;
+  constexpr int log2 = LANES == 16 ? 4 : LANES == 8 ? 3 : LANES == 4 ? 2 : 1;
+  const __m512i pick = _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), log2);
+  return _mm512_permutexvar_ps(pick, some);
 }
 
 // The integer offsets of every flush group f, removed once per tile after its K loop:
@@ -1394,7 +1423,7 @@ VNNI512_VL inline __m512 rm_group_lanes(const float* v, int64_t count) {
 // (summed per group end it had cost as much as the group's dot products at groups of 32).
 template <int MODE, int MT, int R>
 VNNI512_VL void rm_offsets_vnni(const RM& p, int64_t m0, int64_t n0, float (&corr)[R][MT]) {
-  const float base = MODE == 1 ? 8.f : MODE == 2 ? 128.f : 0.f;
+  const float base = MODE == 2 ? 128.f : rm_code_base(MODE);
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MT; ++m) corr[r][m] = 0.f;
   if (MODE == 0 && !p.zp) return;
@@ -1437,8 +1466,9 @@ VNNI512_VL inline void rm_flush_groups(const RM& p, int64_t m0, int64_t n0, int6
                                        const __m512i (&acc)[R][MT], __m512 (&tot)[R][MT]) {
   __m512 sav[MT];
   for (int m = 0; m < MT; ++m) sav[m] = rm_group_lanes<LANES>(p.sa + (m0 + m) * p.FG + f, count);
-  for (int r = 0; r < R; ++r) {
-    const __m512 wsv = rm_group_lanes<LANES>(rm_scale_row(p, n0 + r) + f, count);
+  for (int r = 0; r < R; ++r) {  // (per-channel weights: one scale a row, flush groups of 128)
+    const __m512 wsv = p.G == 1 ? _mm512_set1_ps(rm_wscale(p, n0 + r, 0))
+                                : rm_group_lanes<LANES>(rm_scale_row(p, n0 + r) + f, count);
     for (int m = 0; m < MT; ++m)
       tot[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][m]), _mm512_mul_ps(wsv, sav[m]), tot[r][m]);
   }
@@ -1516,10 +1546,118 @@ VNNI512_VL void rm_tile_vnni(const RM& p, int64_t m0, int64_t n0) {
     for (int m = 0; m < MT; ++m) p.y[(m0 + m) * p.N + n0 + r] = _mm512_reduce_add_ps(tot[r][m]) - corr[r][m];
 }
 
+// One 64-value block of a split row (modes 3 / 4, HB = bits - 4) as 64 unsigned bytes, byte i = value i.
+// Both parts are loaded broadcast (the nibbles to both 256-bit halves, the high bits to every 128-bit
+// lane or qword), so one variable shift or rotation a qword brings each value's bits into its byte: no
+// lane crossing, four vector instructions a block (widening the codes to 16-bit lanes for vpdpwssd
+// instead took ten, two of them lane-crossing, and ran the tile at about int8's speed in values).
+template <int HB>
+VNNI512_VL inline __m512i rm_split_bytes(const uint8_t* block) {
+  const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block));
+  const __m512i nibbles = _mm512_srlv_epi64(_mm512_broadcast_i64x4(packed), _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0));
+  // Rotate each value's high bits to bits 4-5 (int6: 128-bit lane t holds values 16t.. at bits 2t) or bit 4
+  // (int5: qword q holds values 8q.. at bit q); the mask below drops what the rotation brought along.
+  __m512i high;
+  if constexpr (HB == 2) {
+    const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 32));
+    high = _mm512_rolv_epi64(_mm512_broadcast_i32x4(bits), _mm512_set_epi64(62, 62, 0, 0, 2, 2, 4, 4));
+  } else {
+    const __m128i bits = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 32));
+    high = _mm512_rolv_epi64(_mm512_broadcastq_epi64(bits), _mm512_set_epi64(61, 62, 63, 0, 1, 2, 3, 4));
+  }
+  // nibble | (high & top): ternary-logic table 0xF8 is a | (b & c)
+  return _mm512_ternarylogic_epi32(_mm512_and_si512(nibbles, _mm512_set1_epi8(15)), high,
+                                   _mm512_set1_epi8(HB == 2 ? 0x30 : 0x10), 0xF8);
+}
+
+// rm_tile_vnni for split rows, a 64-value block a step. The codes stay bytes: the int16 activations go
+// in as their two bytes, x = 256 xh + xl (xh signed, xl unsigned), and u x = 256 (u xh) + (xl u) is two
+// vpdpbusd (u <= 63 fits either operand's range), summed apart and joined at each group end.
+//
+// A step's int32 lane i sums the 4 values at bytes 4i..4i+3. Each whole 256 values of a row are stored
+// lane-interleaved (decode_layout.split_codes): byte 4i + j of its block b holds value 16i + 4b + j, so
+// after its four blocks lane i holds values 16i..16i+15 -- a group of 16 (Q6_K), half of one of 32 (Q5_0,
+// Q5_1, Q5_K) -- and the groups end once per 256 values with their scales loaded as one vector, where
+// ending them every block had cost as much as decoding it. The last K % 256 values keep their order and
+// end their groups every block.
+template <int HB, int MT, int R>
+VNNI512_VL void rm_tile_split(const RM& p, int64_t m0, int64_t n0) {
+  constexpr int64_t block = 32 + 8 * HB;
+  __m512 tot[R][MT];
+  __m512i acc_hi[R][MT], acc_lo[R][MT];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MT; ++m) {
+      tot[r][m] = _mm512_setzero_ps();
+      acc_hi[r][m] = acc_lo[r][m] = _mm512_setzero_si512();
+    }
+  const uint8_t* wrow[R];
+  for (int r = 0; r < R; ++r) wrow[r] = p.q + (n0 + r) * p.Kb;
+  const char* pf = reinterpret_cast<const char*>(p.q + n0 * p.Kb) + kRowMajorPrefetchBytes;
+  auto step = [&](int64_t k) VNNI512_VL {  // the 64 values from k: decode, multiply
+    for (int64_t b = 0; b < block * R; b += 64) _mm_prefetch(pf + b, _MM_HINT_T0);
+    pf += block * R;
+    __m512i xh[MT], xl[MT];
+    for (int m = 0; m < MT; ++m) {
+      xh[m] = _mm512_loadu_si512(p.xh + (m0 + m) * p.xstride + k);
+      xl[m] = _mm512_loadu_si512(p.xl + (m0 + m) * p.xstride + k);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512i u = rm_split_bytes<HB>(wrow[r] + (k / 64) * block);
+      for (int m = 0; m < MT; ++m) {
+        acc_hi[r][m] = dpbusd(acc_hi[r][m], u, xh[m]);
+        acc_lo[r][m] = dpbusd(acc_lo[r][m], xl[m], u);
+      }
+    }
+  };
+  auto join = [&]() VNNI512_VL {  // acc_lo <- 256 acc_hi + acc_lo
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MT; ++m) {
+        acc_lo[r][m] = _mm512_add_epi32(_mm512_slli_epi32(acc_hi[r][m], 8), acc_lo[r][m]);
+        acc_hi[r][m] = _mm512_setzero_si512();
+      }
+  };
+  auto done = [&]() VNNI512_VL {
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MT; ++m) acc_lo[r][m] = _mm512_setzero_si512();
+  };
+  const int64_t whole = p.K / 256 * 256;
+  for (int64_t k = 0; k < whole; k += 256) {  // lane i: values k + 16i .. k + 16i + 15
+    for (int64_t b = 0; b < 4; ++b) step(k + 64 * b);
+    if (p.F > 256 && (k + 256) % p.F && k + 256 != p.K) continue;  // a longer group goes on
+    join();
+    switch (p.F) {
+      case 16: rm_flush_groups<1, MT, R>(p, m0, n0, k / 16, 16, acc_lo, tot); break;
+      case 32: rm_flush_groups<2, MT, R>(p, m0, n0, k / 32, 8, acc_lo, tot); break;
+      case 64: rm_flush_groups<4, MT, R>(p, m0, n0, k / 64, 4, acc_lo, tot); break;
+      case 128: rm_flush_groups<8, MT, R>(p, m0, n0, k / 128, 2, acc_lo, tot); break;
+      default: rm_flush_groups<16, MT, R>(p, m0, n0, k / p.F, 1, acc_lo, tot); break;
+    }
+    done();
+  }
+  for (int64_t k = whole; k < p.K; k += 64) {  // lane i: values k + 4i .. k + 4i + 3
+    step(k);
+    if (p.F > 64 && (k + 64) % p.F && k + 64 != p.K) continue;
+    join();
+    if (p.F == 16) rm_flush_groups<4, MT, R>(p, m0, n0, k / 16, 4, acc_lo, tot);
+    else if (p.F == 32) rm_flush_groups<8, MT, R>(p, m0, n0, k / 32, 2, acc_lo, tot);
+    else rm_flush_groups<16, MT, R>(p, m0, n0, k / p.F, 1, acc_lo, tot);
+    done();
+  }
+  float corr[R][MT];
+  rm_offsets_vnni<HB + 2, MT, R>(p, m0, n0, corr);
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MT; ++m) p.y[(m0 + m) * p.N + n0 + r] = _mm512_reduce_add_ps(tot[r][m]) - corr[r][m];
+}
+
 // Weight rows [n0, n1) for activation rows [m0, m0 + MT): R rows a tile, then one at a time.
 template <int MODE, int MT, int R>
 VNNI512_VL void rm_rows_vnni_mt(const RM& p, int64_t m0, int64_t n0, int64_t n1) {
-  rm_walk_tiles<R>(p, m0, n0, n1, rm_tile_vnni<MODE, MT, R>, rm_tile_vnni<MODE, MT, 1>);
+  if constexpr (MODE >= 3) {  // two accumulators a (row, row) pair: at most 16 of them
+    constexpr int RS = MT > 2 && R > 2 ? 2 : R;
+    rm_walk_tiles<RS>(p, m0, n0, n1, rm_tile_split<MODE - 2, MT, RS>, rm_tile_split<MODE - 2, MT, 1>);
+  }
+  else
+    rm_walk_tiles<R>(p, m0, n0, n1, rm_tile_vnni<MODE, MT, R>, rm_tile_vnni<MODE, MT, 1>);
 }
 
 // Weight rows a tile by row length: R rows side by side for rows under 1 KB, at most 2 up to 2 KB, one
@@ -1706,10 +1844,12 @@ void rm_run_rows(const RM& p, int64_t n0, int64_t n1, bool simd, bool vnni) {
   if (vnni) {
     if (p.mode == 0) rm_rows_vnni<0>(p, n0, n1);
     else if (p.mode == 1) rm_rows_vnni<1>(p, n0, n1);
-    else rm_rows_vnni<2>(p, n0, n1);
+    else if (p.mode == 2) rm_rows_vnni<2>(p, n0, n1);
+    else if (p.mode == 3) rm_rows_vnni<3>(p, n0, n1);
+    else rm_rows_vnni<4>(p, n0, n1);
     return;
   }
-  if (simd) {
+  if (simd && p.mode <= 2) {  // split rows (modes 3, 4) have no AVX2 tile: decode_layout splits for VNNI only
     if (p.mode == 0) rm_rows_simd<0>(p, n0, n1);
     else if (p.mode == 1) rm_rows_simd<1>(p, n0, n1);
     else rm_rows_simd<2>(p, n0, n1);
@@ -1857,6 +1997,22 @@ void rm_quantize_x16(const float* x, RM& p, std::vector<int16_t>& xq, std::vecto
   p.xsum = xsum.data();
 }
 
+// The split tiles' activations (modes 3, 4): each int16 value as its high byte (signed) and low byte, in
+// the weights' order (rm_tile_split): each whole 256 lane-interleaved, value 16i + 4b + j at 64b + 4i + j.
+void rm_split_activations(RM& p, std::vector<int8_t>& xh, std::vector<uint8_t>& xl) {
+  xh.resize(p.M * p.K);
+  xl.resize(p.M * p.K);
+  for (int64_t m = 0; m < p.M; ++m)
+    for (int64_t k = 0; k < p.K; ++k) {
+      const int64_t at = rm_split_position(p.K, k);
+      const int16_t v = p.x16[m * p.K + k];
+      xh[m * p.K + at] = static_cast<int8_t>(v >> 8);
+      xl[m * p.K + at] = static_cast<uint8_t>(v & 0xFF);
+    }
+  p.xh = xh.data();
+  p.xl = xl.data();
+}
+
 // ----------------------------------------------------------------------------- FFI handlers
 
 ffi::Error wo_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::Buffer<ffi::F32> scale,
@@ -1960,9 +2116,10 @@ ffi::Error rm_setup(RM& p, const char* name, int64_t M, int64_t K, ffi::Span<con
   p.M = M;
   p.K = K;
   p.N = qd[o];
-  p.Kb = p.mode == 1 ? K / 2 : K;
+  p.Kb = p.mode == 1 ? K / 2 : p.mode >= 3 ? K / 64 * rm_split_block_bytes(p.mode - 2) : K;
   if (K % 32) return bad("K must be a multiple of 32");
-  if (qd[o + 1] != p.Kb) return bad("q must be (N, K) int8 or (N, K/2) packed int4");
+  if (p.mode >= 3 && K % 64) return bad("split rows need K a multiple of 64");
+  if (qd[o + 1] != p.Kb) return bad("q must be (N, K) int8, (N, K/2) packed int4 or (N, K * bits / 8) split rows");
   if (group_size <= 0) return bad("bad group size");
   p.G = cdiv(K, group_size);
   if (sd[o] != p.N || sd[o + 1] != p.G) return bad("scale must be (N, ceil(K / group_size))");
@@ -1974,6 +2131,8 @@ ffi::Error rm_setup(RM& p, const char* name, int64_t M, int64_t K, ffi::Span<con
     if (group_size % 32 && !(group_size == 16 && p.mode != 2))
       return bad("groups must be multiples of 32 values (or 16, weight-only)");
     if (group_size > max_flush) return bad("groups are too long for int32 sums");
+    if (p.mode >= 3 && (group_size > 256 ? group_size % 256 : 256 % group_size))
+      return bad("split rows need groups of 16, 32, 64, 128, 256 or a multiple of 256 values");
     p.F = group_size;
   } else {
     p.F = std::min<int64_t>(K, max_flush);
@@ -2020,12 +2179,13 @@ ffi::Error rm_scale_codes(RM& p, const char* name, ffi::AnyBuffer scale, ffi::Bu
 
 ffi::Error rm_a16_impl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::AnyBuffer scale, ffi::Buffer<ffi::F32> zp,
                        ffi::Buffer<ffi::F32> steps, ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y,
-                       int64_t bits, int64_t group_size, int64_t has_zp, int64_t step_groups) {
+                       int64_t bits, int64_t group_size, int64_t has_zp, int64_t step_groups, int64_t split) {
   auto xd = x.dimensions();
   if (xd.size() != 2 || y->dimensions().size() != 2) return ffi::Error::InvalidArgument("llmeq_rm_a16: x and y must be 2-D");
   if (bits < 3 || bits > 8) return ffi::Error::InvalidArgument("llmeq_rm_a16: bits must be in 3..8");
   RM p{};
-  p.mode = bits <= 4 ? 1 : 0;
+  if (split && bits != 5 && bits != 6) return ffi::Error::InvalidArgument("llmeq_rm_a16: split rows are int5 or int6");
+  p.mode = split ? static_cast<int>(bits) - 2 : bits <= 4 ? 1 : 0;
   // Per-channel weights flush every 128 values (the activations' int16 groups).
   auto err = rm_setup(p, "llmeq_rm_a16", xd[0], xd[1], q.dimensions(), scale.dimensions(), zp.dimensions(), has_zp,
                       group_size, group_size >= xd[1] ? 128 : 2048);
@@ -2047,6 +2207,9 @@ ffi::Error rm_a16_impl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::AnyBuffer
   std::vector<float> sa;
   std::vector<int32_t> xsum;
   rm_quantize_x16(x.typed_data(), p, xq, sa, xsum);
+  std::vector<int8_t> xh;
+  std::vector<uint8_t> xl;
+  if (p.mode >= 3) rm_split_activations(p, xh, xl);
   rm_run(p);
   return ffi::Error::Success();
 }
@@ -3958,7 +4121,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(llmeq_rm_a16, rm_a16_impl,
                                   .Attr<int64_t>("bits")
                                   .Attr<int64_t>("group_size")
                                   .Attr<int64_t>("has_zp")
-                                  .Attr<int64_t>("step_groups"));
+                                  .Attr<int64_t>("step_groups")
+                                  .Attr<int64_t>("split"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(llmeq_rm_a8, rm_a8_impl,
                               ffi::Ffi::Bind()
@@ -4046,5 +4210,5 @@ __attribute__((visibility("default"))) void llmeq_native_force_scalar(int on) { 
 __attribute__((visibility("default"))) int llmeq_native_vnni() { return use_vnni() ? 1 : 0; }
 __attribute__((visibility("default"))) int llmeq_native_avx512() { return use_avx512() ? 1 : 0; }
 __attribute__((visibility("default"))) void llmeq_native_allow_vnni(int on) { g_allow_vnni.store(on ? 1 : 0); }
-__attribute__((visibility("default"))) int llmeq_native_abi_version() { return 13; }
+__attribute__((visibility("default"))) int llmeq_native_abi_version() { return 14; }
 }
