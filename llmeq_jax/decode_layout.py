@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from llmeq_jax import dispatch_table
-from llmeq_jax.core.qarray import QArray, is_packed, pack
+from llmeq_jax.core.qarray import QArray, is_packed, pack, unpack
 
 
 @jax.tree_util.register_dataclass
@@ -64,7 +64,7 @@ class RowMajorKernel:
     ``codes``: ``w``'s scales again as :class:`ScaleCodes` (:func:`compact_scales`), which the native
     weight-only kernel reads instead of ``w.scale``; every other path reads ``w``.
 
-    ``split``: ``w.qvalue`` holds int5 / int6 codes as :func:`split_codes` bytes (:func:`split_rows`), which
+    ``split``: ``w.qvalue`` holds int4-int6 codes as :func:`split_codes` bytes (:func:`split_rows`), which
     only the native kernel reads; every other path reads :meth:`qarray`."""
 
     w: QArray
@@ -78,10 +78,10 @@ class RowMajorKernel:
         return k, n
 
     def qarray(self) -> QArray:
-        """``w`` with its codes one int8 a value (joined again where ``split``)."""
+        """``w`` with its codes stored as a QArray stores them (joined again where ``split``)."""
         if not self.split:
             return self.w
-        return dataclasses.replace(self.w, qvalue=join_codes(self.w.qvalue, self.w.bits, self.w.shape[1]))
+        return dataclasses.replace(self.w, qvalue=joined_qvalue(self.w.qvalue, self.w.bits, self.w.shape[1]))
 
 
 @jax.tree_util.register_dataclass
@@ -205,8 +205,8 @@ def compact_scales(params):
     return jax.tree_util.tree_map(convert, params, is_leaf=lambda a: isinstance(a, (RowMajorKernel, QArray)))
 
 
-# Codes the native AVX-512 VNNI kernel reads split (split_codes): 5 or 6 bits a value instead of a byte.
-SPLIT_BITS = (5, 6)
+# Codes the native AVX-512 VNNI kernel reads split (split_codes): 4-6 bits a value in its own order.
+SPLIT_BITS = (4, 5, 6)
 SPLIT_BLOCK = 64  # values a split block holds
 
 
@@ -231,7 +231,7 @@ def _interleave(values: jax.Array, inverse: bool = False) -> jax.Array:
 
 
 def split_codes(values: jax.Array, bits: int) -> jax.Array:
-    """int5 / int6 codes ``(..., K)`` (int8, K a multiple of 64) as split rows ``(..., K / 64 * (32 + 8h))``
+    """int4-int6 codes ``(..., K)`` (int8, K a multiple of 64) as split rows ``(..., K / 64 * (32 + 8h))``
     uint8, ``h = bits - 4``, the native VNNI tile's layout. Values are stored unsigned
     (``u = v + 2^(bits-1)``); each whole 256 of a row lane-interleaved (position ``64b + 4i + j`` holds
     value ``16i + 4b + j``, so an int32 lane of the tile's sums gathers 16 consecutive values over four
@@ -240,16 +240,17 @@ def split_codes(values: jax.Array, bits: int) -> jax.Array:
     which the tile turns back into one byte a value with a broadcast and a rotation a qword
     (llama.cpp's Q5_K / Q6_K also keep nibbles and high bits apart, in their own orders)."""
     if bits not in SPLIT_BITS or values.shape[-1] % SPLIT_BLOCK:
-        raise ValueError(f"split_codes: int5 / int6 codes with a last dim that is a multiple of {SPLIT_BLOCK}, "
+        raise ValueError(f"split_codes: int4-int6 codes with a last dim that is a multiple of {SPLIT_BLOCK}, "
                          f"got int{bits} of shape {values.shape}")
     h = bits - 4
     lead, k = values.shape[:-1], values.shape[-1]
     u = (_interleave(values).astype(jnp.int32) + (1 << (bits - 1))).reshape(*lead, k // SPLIT_BLOCK, SPLIT_BLOCK)
     low = u & 15
-    nibbles = low[..., :32] | (low[..., 32:] << 4)
-    high = (u >> 4).reshape(*u.shape[:-1], 8 // h, 8 * h)  # [..., t, j]: value j + 8h * t
-    planes = sum(high[..., t, :] << (h * t) for t in range(8 // h))
-    return jnp.concatenate([nibbles, planes], axis=-1).astype(jnp.uint8).reshape(
+    parts = [low[..., :32] | (low[..., 32:] << 4)]  # the nibbles, then (int5 / int6) the high bits
+    if h:
+        high = (u >> 4).reshape(*u.shape[:-1], 8 // h, 8 * h)  # [..., t, j]: value j + 8h * t
+        parts.append(sum(high[..., t, :] << (h * t) for t in range(8 // h)))
+    return jnp.concatenate(parts, axis=-1).astype(jnp.uint8).reshape(
         *lead, k // SPLIT_BLOCK * split_block_bytes(bits))
 
 
@@ -259,29 +260,44 @@ def join_codes(split: jax.Array, bits: int, k: int) -> jax.Array:
     lead = split.shape[:-1]
     b = split.astype(jnp.int32).reshape(*lead, k // SPLIT_BLOCK, split_block_bytes(bits))
     nibbles, planes = b[..., :32], b[..., 32:]
-    low = jnp.concatenate([nibbles & 15, nibbles >> 4], axis=-1)
-    high = jnp.concatenate([(planes >> (h * t)) & ((1 << h) - 1) for t in range(8 // h)], axis=-1)
-    return _interleave(((low | (high << 4)) - (1 << (bits - 1))).astype(jnp.int8).reshape(*lead, k), inverse=True)
+    u = jnp.concatenate([nibbles & 15, nibbles >> 4], axis=-1)
+    if h:
+        u = u | (jnp.concatenate([(planes >> (h * t)) & ((1 << h) - 1) for t in range(8 // h)], axis=-1) << 4)
+    return _interleave((u - (1 << (bits - 1))).astype(jnp.int8).reshape(*lead, k), inverse=True)
+
+
+def split_qvalue(qvalue: jax.Array, bits: int, k: int) -> jax.Array:
+    """A row-major kernel's stored codes (..., N, Kb) (int4 two a byte along ``in``, else int8) as
+    :func:`split_codes` bytes."""
+    values = unpack(qvalue, bits, qvalue.ndim - 1, k) if is_packed(bits) else qvalue
+    return split_codes(values, bits)
+
+
+def joined_qvalue(split: jax.Array, bits: int, k: int) -> jax.Array:
+    """:func:`split_qvalue`'s inverse: the codes as a row-major kernel stores them."""
+    values = join_codes(split, bits, k)
+    return pack(values, bits, values.ndim - 1) if is_packed(bits) else values
 
 
 def _splittable(w: QArray) -> bool:
-    """Whether the native kernel's split tile takes the row-major weight-only ``w``: int5 / int6 codes,
+    """Whether the native kernel's split tile takes the row-major weight-only ``w``: int4-int6 codes,
     ``in`` a multiple of 64, groups of 16-256 values that divide 256, or multiples of 256 (or one scale a row)."""
     k, group = w.shape[1], w.tile[1]
     return (w.bits in SPLIT_BITS and w.act_spec is None and w.grid == "uniform" and k % SPLIT_BLOCK == 0
             and (group >= k or (group >= 16 and (SPLIT_CHUNK % group == 0 or group % SPLIT_CHUNK == 0))))
 
 
-_split_jit = jax.jit(split_codes, static_argnums=1)
+_split_jit = jax.jit(split_qvalue, static_argnums=(1, 2))
 
 
 def split_rows(params):
-    """``params`` (laid out by :func:`for_decode` for the native kernels) with each weight-only int5 /
-    int6 :class:`RowMajorKernel` the native AVX-512 VNNI kernel can read split holding its codes as
-    :func:`split_codes` bytes: 0.625 / 0.75 bytes a value instead of 1 (GGUF Q5_0 / Q5_1 / Q5_K / Q6_K
-    kept quantized, int5 / int6 recipes). Unchanged without that kernel (no AVX-512 VNNI, or native
-    off): its AVX2 tiles read int8 codes. The int8 codes are not kept: :meth:`RowMajorKernel.qarray`
-    joins them again for the other paths."""
+    """``params`` (laid out by :func:`for_decode` for the native kernels) with each weight-only int4-int6
+    :class:`RowMajorKernel` the native AVX-512 VNNI kernel can read split holding its codes as
+    :func:`split_codes` bytes: int5 / int6 in 0.625 / 0.75 bytes a value instead of 1 (GGUF Q5_0 / Q5_1 /
+    Q5_K / Q6_K kept quantized, int5 / int6 recipes), int4 in the same half byte as before but in the
+    order the split tile reads (Q4_0 / Q4_1 / Q4_K, Q2_K / Q3_K in int4 slots, int4 recipes). Unchanged
+    without that tile (no AVX-512 VNNI, or native off): the AVX2 tiles read the stored codes. The stored
+    codes are not kept: :meth:`RowMajorKernel.qarray` joins them again for the other paths."""
     from llmeq_jax import native
 
     if not native.vnni():
@@ -290,7 +306,7 @@ def split_rows(params):
     def convert(leaf):
         if not isinstance(leaf, RowMajorKernel) or leaf.split or not _splittable(leaf.w):
             return leaf
-        w = dataclasses.replace(leaf.w, qvalue=_split_jit(leaf.w.qvalue, leaf.w.bits))
+        w = dataclasses.replace(leaf.w, qvalue=_split_jit(leaf.w.qvalue, leaf.w.bits, leaf.w.shape[1]))
         return RowMajorKernel(w, leaf.codes, split=True)
 
     return jax.tree_util.tree_map(convert, params, is_leaf=lambda a: isinstance(a, (RowMajorKernel, QArray)))

@@ -352,7 +352,7 @@ def _layer_arg(layer) -> jax.Array:
 def _rm_a16_call(x2, q, scale, zp, *, bits: int, group_size: int, has_zp: bool, layer=None, steps=None,
                  split: bool = False):
     """``scale`` float32, or int8 codes with ``steps`` (one float32 per ``codes.shape[-1] // steps.shape[-1]``
-    groups: :class:`llmeq_jax.decode_layout.ScaleCodes`). ``split``: ``q`` is int5 / int6 codes as
+    groups: :class:`llmeq_jax.decode_layout.ScaleCodes`). ``split``: ``q`` is int4-int6 codes as
     ``decode_layout.split_codes`` bytes."""
     _require(None, "row-major call")
     out = jax.ShapeDtypeStruct((x2.shape[0], q.shape[-2]), jnp.float32)
@@ -550,7 +550,7 @@ def row_major_matmul(x: jax.Array, w: QArray, act=None, layer=None, codes=None, 
     times one float step per super-block, equal to ``w.scale`` exactly), which the kernel reads instead
     of ``w.scale``: the same products from fewer bytes.
 
-    ``split`` (weight-only, int5 / int6): ``w.qvalue`` holds the codes as
+    ``split`` (weight-only, int4-int6): ``w.qvalue`` holds the codes as
     :func:`llmeq_jax.decode_layout.split_codes` bytes (``decode_layout.split_rows``), read by the AVX-512
     VNNI tile (the portable loop where that tile is off; there is no AVX2 one).
     """
@@ -561,9 +561,9 @@ def row_major_matmul(x: jax.Array, w: QArray, act=None, layer=None, codes=None, 
     if split:
         from llmeq_jax.decode_layout import _splittable, split_block_bytes
 
-        rows = w.shape[1] // 64 * split_block_bytes(w.bits) if w.bits in (5, 6) else None
+        rows = w.shape[1] // 64 * split_block_bytes(w.bits) if w.bits in (4, 5, 6) else None
         if act is not None or not _splittable(w) or w.qvalue.shape[-1] != rows or w.qvalue.dtype != jnp.uint8:
-            raise ValueError(f"native.row_major_matmul: split codes need a weight-only int5 / int6 kernel whose "
+            raise ValueError(f"native.row_major_matmul: split codes need a weight-only int4-int6 kernel whose "
                              f"qvalue is decode_layout.split_codes bytes (uint8, {rows} a row), got "
                              f"int{w.bits} {w.qvalue.dtype}{list(w.qvalue.shape)} with act={act}")
     if layer is not None:

@@ -1032,14 +1032,15 @@ void w8_run(W8& p, ffi::ThreadPool* pool) {
 // int32 headroom: a flush group holds at most 32768 values (checked); per lane a group
 // adds at most 2 * 32767 * 128 * (F / 16) for mode 0 (F <= 128 there: < 2^26).
 //
-//   modes 3 (int5) and 4 (int6), weight-only, "split" rows: mode 0's products from 5 / 6 bits a
-//     value instead of 8. Each 64 values of a row are 32 bytes of low nibbles (byte j: value j in
-//     its low half, value j + 32 in its high half) then 8 * hb bytes of their high hb = bits - 4 bits
-//     (byte j, bits hb * t ..: value j + 8 * hb * t); values are stored unsigned, u = v + 2^(bits-1),
+//   mode 3, weight-only, "split" rows of int4, int5 or int6 codes (mode 0 / 1's products from 4-6 bits
+//     a value). Each 64 values of a row are 32 bytes of low nibbles (byte j: value j in its low half,
+//     value j + 32 in its high half) then 8 * hb bytes of their high hb = bits - 4 bits (byte j, bits
+//     hb * t ..: value j + 8 * hb * t; none for int4); values are stored unsigned, u = v + 2^(bits-1),
 //     removed per group as mode 1 removes 8 (decode_layout.split_codes writes this layout).
 
 struct RM {
-  int mode;                 // 0-4 as above
+  int mode;                 // 0-3 as above
+  int hb;                   // mode 3: high bits a value beside its nibble (bits - 4)
   int64_t L;                // layers in a stacked q / scale (1: a single weight)
   int64_t M, N, K, Kb;      // Kb: stored bytes per weight row (K; K / 2 for int4; K * bits / 8 split)
   int64_t G;                // weight scale groups along K (1: per channel)
@@ -1054,7 +1055,7 @@ struct RM {
   const float* zp;          // (N, G) or nullptr
   const int16_t* x16;       // modes 0/1: [M, xs] int16 (int4: K/2 even-k values, then K/2 odd-k)
   const int8_t* x8;         // mode 2: [M, K]
-  const int8_t* xh;         // modes 3, 4: [M, K] the int16 activations' high bytes (signed) ...
+  const int8_t* xh;         // mode 3: [M, K] the int16 activations' high bytes (signed) ...
   const uint8_t* xl;        // ... and low bytes: x16 = 256 xh + xl
   int64_t xstride;
   const float* sa;          // [M, FG] activation scale per flush group
@@ -1112,13 +1113,13 @@ inline void rm_tile_scales(const RM& p, int64_t n, int rows) {
 }
 
 inline float rm_wscale(const RM& p, int64_t n, int64_t f) { return rm_scale_row(p, n)[p.G > 1 ? f : 0]; }
-// The unsigned codes' offset: 8 (int4), 2^(bits-1) (split int5 / int6), 0 (signed int8 storage).
-inline float rm_code_base(int mode) { return mode == 1 ? 8.f : mode >= 3 ? static_cast<float>(8 << (mode - 2)) : 0.f; }
+// The unsigned codes' offset: 8 (int4), 2^(bits-1) (split rows), 0 (signed int8 storage).
+inline float rm_code_base(const RM& p) { return p.mode == 1 ? 8.f : p.mode == 3 ? static_cast<float>(8 << p.hb) : 0.f; }
 inline float rm_offset(const RM& p, int64_t n, int64_t f) {
-  return rm_code_base(p.mode) + (p.zp ? p.zp[n * p.G + (p.G > 1 ? f : 0)] : 0.f);
+  return rm_code_base(p) + (p.zp ? p.zp[n * p.G + (p.G > 1 ? f : 0)] : 0.f);
 }
 
-// Split-row layout (modes 3, 4): bytes of one 64-value block; where value k of a row of K sits (each
+// Split-row layout (mode 3): bytes of one 64-value block; where value k of a row of K sits (each
 // whole 256 lane-interleaved: value 16i + 4b + j at 64b + 4i + j, rm_tile_split); value k, unsigned.
 inline int64_t rm_split_block_bytes(int hb) { return 32 + 8 * hb; }
 inline int64_t rm_split_position(int64_t K, int64_t k) {
@@ -1130,7 +1131,7 @@ inline int rm_split_value(const uint8_t* row, int hb, int64_t K, int64_t k) {
   const uint8_t* b = row + (pos / 64) * rm_split_block_bytes(hb);
   const int i = static_cast<int>(pos % 64), per = 8 * hb;
   const int nib = i < 32 ? b[i] & 15 : b[i - 32] >> 4;
-  return nib | (((b[32 + i % per] >> (hb * (i / per))) & ((1 << hb) - 1)) << 4);
+  return hb ? nib | (((b[32 + i % per] >> (hb * (i / per))) & ((1 << hb) - 1)) << 4) : nib;
 }
 
 // Portable loops over rows [n0, n1), all M: the same integer sums as the SIMD path.
@@ -1151,9 +1152,9 @@ void rm_scalar(const RM& p, int64_t n0, int64_t n1) {
           } else if (p.mode == 0) {
             xv = p.x16[m * p.xstride + k];
             wv = static_cast<int8_t>(w[k]);
-          } else if (p.mode >= 3) {
+          } else if (p.mode == 3) {
             xv = p.x16[m * p.xstride + k];
-            wv = rm_split_value(w, p.mode - 2, p.K, k);
+            wv = rm_split_value(w, p.hb, p.K, k);
           } else {
             xv = p.x16[m * p.xstride + (k & 1 ? p.K / 2 : 0) + k / 2];
             wv = ((w[k / 2] >> (k & 1 ? 4 : 0)) & 15) ^ 8;
@@ -1423,7 +1424,7 @@ VNNI512_VL inline __m512 rm_group_lanes(const float* v, int64_t count) {
 // (summed per group end it had cost as much as the group's dot products at groups of 32).
 template <int MODE, int MT, int R>
 VNNI512_VL void rm_offsets_vnni(const RM& p, int64_t m0, int64_t n0, float (&corr)[R][MT]) {
-  const float base = MODE == 2 ? 128.f : rm_code_base(MODE);
+  const float base = MODE == 2 ? 128.f : rm_code_base(p);
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MT; ++m) corr[r][m] = 0.f;
   if (MODE == 0 && !p.zp) return;
@@ -1546,7 +1547,7 @@ VNNI512_VL void rm_tile_vnni(const RM& p, int64_t m0, int64_t n0) {
     for (int m = 0; m < MT; ++m) p.y[(m0 + m) * p.N + n0 + r] = _mm512_reduce_add_ps(tot[r][m]) - corr[r][m];
 }
 
-// One 64-value block of a split row (modes 3 / 4, HB = bits - 4) as 64 unsigned bytes, byte i = value i.
+// One 64-value block of a split row (mode 3, HB = bits - 4) as 64 unsigned bytes, byte i = value i.
 // Both parts are loaded broadcast (the nibbles to both 256-bit halves, the high bits to every 128-bit
 // lane or qword), so one variable shift or rotation a qword brings each value's bits into its byte: no
 // lane crossing, four vector instructions a block (widening the codes to 16-bit lanes for vpdpwssd
@@ -1557,6 +1558,7 @@ VNNI512_VL inline __m512i rm_split_bytes(const uint8_t* block) {
   const __m512i nibbles = _mm512_srlv_epi64(_mm512_broadcast_i64x4(packed), _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0));
   // Rotate each value's high bits to bits 4-5 (int6: 128-bit lane t holds values 16t.. at bits 2t) or bit 4
   // (int5: qword q holds values 8q.. at bit q); the mask below drops what the rotation brought along.
+  if constexpr (HB == 0) return _mm512_and_si512(nibbles, _mm512_set1_epi8(15));
   __m512i high;
   if constexpr (HB == 2) {
     const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 32));
@@ -1576,10 +1578,11 @@ VNNI512_VL inline __m512i rm_split_bytes(const uint8_t* block) {
 //
 // A step's int32 lane i sums the 4 values at bytes 4i..4i+3. Each whole 256 values of a row are stored
 // lane-interleaved (decode_layout.split_codes): byte 4i + j of its block b holds value 16i + 4b + j, so
-// after its four blocks lane i holds values 16i..16i+15 -- a group of 16 (Q6_K), half of one of 32 (Q5_0,
-// Q5_1, Q5_K) -- and the groups end once per 256 values with their scales loaded as one vector, where
-// ending them every block had cost as much as decoding it. The last K % 256 values keep their order and
-// end their groups every block.
+// after its four blocks lane i holds values 16i..16i+15 -- a group of 16 (Q6_K; Q3_K, Q2_K in int4 slots),
+// half of one of 32 (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K) -- and the groups end once per 256 values with
+// their scales loaded as one vector, where ending them every block had cost as much as decoding it. The
+// last K % 256 values keep their order and end their groups every block. int4 in groups of 16 or 32 ran
+// 1.12-1.23x mode 1's tiles (one matrix of 2048-5632 rows, 1-4 activation rows), in groups of 128 as fast.
 template <int HB, int MT, int R>
 VNNI512_VL void rm_tile_split(const RM& p, int64_t m0, int64_t n0) {
   constexpr int64_t block = 32 + 8 * HB;
@@ -1644,7 +1647,7 @@ VNNI512_VL void rm_tile_split(const RM& p, int64_t m0, int64_t n0) {
     done();
   }
   float corr[R][MT];
-  rm_offsets_vnni<HB + 2, MT, R>(p, m0, n0, corr);
+  rm_offsets_vnni<3, MT, R>(p, m0, n0, corr);
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MT; ++m) p.y[(m0 + m) * p.N + n0 + r] = _mm512_reduce_add_ps(tot[r][m]) - corr[r][m];
 }
@@ -1652,9 +1655,11 @@ VNNI512_VL void rm_tile_split(const RM& p, int64_t m0, int64_t n0) {
 // Weight rows [n0, n1) for activation rows [m0, m0 + MT): R rows a tile, then one at a time.
 template <int MODE, int MT, int R>
 VNNI512_VL void rm_rows_vnni_mt(const RM& p, int64_t m0, int64_t n0, int64_t n1) {
-  if constexpr (MODE >= 3) {  // two accumulators a (row, row) pair: at most 16 of them
+  if constexpr (MODE == 3) {  // two accumulators a (row, row) pair: at most 16 of them
     constexpr int RS = MT > 2 && R > 2 ? 2 : R;
-    rm_walk_tiles<RS>(p, m0, n0, n1, rm_tile_split<MODE - 2, MT, RS>, rm_tile_split<MODE - 2, MT, 1>);
+    if (p.hb == 0) rm_walk_tiles<RS>(p, m0, n0, n1, rm_tile_split<0, MT, RS>, rm_tile_split<0, MT, 1>);
+    else if (p.hb == 1) rm_walk_tiles<RS>(p, m0, n0, n1, rm_tile_split<1, MT, RS>, rm_tile_split<1, MT, 1>);
+    else rm_walk_tiles<RS>(p, m0, n0, n1, rm_tile_split<2, MT, RS>, rm_tile_split<2, MT, 1>);
   }
   else
     rm_walk_tiles<R>(p, m0, n0, n1, rm_tile_vnni<MODE, MT, R>, rm_tile_vnni<MODE, MT, 1>);
@@ -1845,11 +1850,10 @@ void rm_run_rows(const RM& p, int64_t n0, int64_t n1, bool simd, bool vnni) {
     if (p.mode == 0) rm_rows_vnni<0>(p, n0, n1);
     else if (p.mode == 1) rm_rows_vnni<1>(p, n0, n1);
     else if (p.mode == 2) rm_rows_vnni<2>(p, n0, n1);
-    else if (p.mode == 3) rm_rows_vnni<3>(p, n0, n1);
-    else rm_rows_vnni<4>(p, n0, n1);
+    else rm_rows_vnni<3>(p, n0, n1);
     return;
   }
-  if (simd && p.mode <= 2) {  // split rows (modes 3, 4) have no AVX2 tile: decode_layout splits for VNNI only
+  if (simd && p.mode <= 2) {  // split rows (mode 3) have no AVX2 tile: decode_layout splits for VNNI only
     if (p.mode == 0) rm_rows_simd<0>(p, n0, n1);
     else if (p.mode == 1) rm_rows_simd<1>(p, n0, n1);
     else rm_rows_simd<2>(p, n0, n1);
@@ -1997,7 +2001,7 @@ void rm_quantize_x16(const float* x, RM& p, std::vector<int16_t>& xq, std::vecto
   p.xsum = xsum.data();
 }
 
-// The split tiles' activations (modes 3, 4): each int16 value as its high byte (signed) and low byte, in
+// The split tiles' activations (mode 3): each int16 value as its high byte (signed) and low byte, in
 // the weights' order (rm_tile_split): each whole 256 lane-interleaved, value 16i + 4b + j at 64b + 4i + j,
 // i.e. the 4-value quads of a 256 transposed as a 16 x 4 matrix.
 void rm_split_activations(RM& p, std::vector<int8_t>& xh, std::vector<uint8_t>& xl) {
@@ -2123,9 +2127,9 @@ ffi::Error rm_setup(RM& p, const char* name, int64_t M, int64_t K, ffi::Span<con
   p.M = M;
   p.K = K;
   p.N = qd[o];
-  p.Kb = p.mode == 1 ? K / 2 : p.mode >= 3 ? K / 64 * rm_split_block_bytes(p.mode - 2) : K;
+  p.Kb = p.mode == 1 ? K / 2 : p.mode == 3 ? K / 64 * rm_split_block_bytes(p.hb) : K;
   if (K % 32) return bad("K must be a multiple of 32");
-  if (p.mode >= 3 && K % 64) return bad("split rows need K a multiple of 64");
+  if (p.mode == 3 && K % 64) return bad("split rows need K a multiple of 64");
   if (qd[o + 1] != p.Kb) return bad("q must be (N, K) int8, (N, K/2) packed int4 or (N, K * bits / 8) split rows");
   if (group_size <= 0) return bad("bad group size");
   p.G = cdiv(K, group_size);
@@ -2138,7 +2142,7 @@ ffi::Error rm_setup(RM& p, const char* name, int64_t M, int64_t K, ffi::Span<con
     if (group_size % 32 && !(group_size == 16 && p.mode != 2))
       return bad("groups must be multiples of 32 values (or 16, weight-only)");
     if (group_size > max_flush) return bad("groups are too long for int32 sums");
-    if (p.mode >= 3 && (group_size > 256 ? group_size % 256 : 256 % group_size))
+    if (p.mode == 3 && (group_size > 256 ? group_size % 256 : 256 % group_size))
       return bad("split rows need groups of 16, 32, 64, 128, 256 or a multiple of 256 values");
     p.F = group_size;
   } else {
@@ -2191,8 +2195,9 @@ ffi::Error rm_a16_impl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::AnyBuffer
   if (xd.size() != 2 || y->dimensions().size() != 2) return ffi::Error::InvalidArgument("llmeq_rm_a16: x and y must be 2-D");
   if (bits < 3 || bits > 8) return ffi::Error::InvalidArgument("llmeq_rm_a16: bits must be in 3..8");
   RM p{};
-  if (split && bits != 5 && bits != 6) return ffi::Error::InvalidArgument("llmeq_rm_a16: split rows are int5 or int6");
-  p.mode = split ? static_cast<int>(bits) - 2 : bits <= 4 ? 1 : 0;
+  if (split && (bits < 4 || bits > 6)) return ffi::Error::InvalidArgument("llmeq_rm_a16: split rows are int4-int6");
+  p.mode = split ? 3 : bits <= 4 ? 1 : 0;
+  p.hb = split ? static_cast<int>(bits) - 4 : 0;
   // Per-channel weights flush every 128 values (the activations' int16 groups).
   auto err = rm_setup(p, "llmeq_rm_a16", xd[0], xd[1], q.dimensions(), scale.dimensions(), zp.dimensions(), has_zp,
                       group_size, group_size >= xd[1] ? 128 : 2048);
@@ -2216,7 +2221,7 @@ ffi::Error rm_a16_impl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::AnyBuffer
   rm_quantize_x16(x.typed_data(), p, xq, sa, xsum);
   std::vector<int8_t> xh;
   std::vector<uint8_t> xl;
-  if (p.mode >= 3) rm_split_activations(p, xh, xl);
+  if (p.mode == 3) rm_split_activations(p, xh, xl);
   rm_run(p);
   return ffi::Error::Success();
 }

@@ -1,6 +1,6 @@
-"""Split codes: int5 / int6 row-major kernels stored as 5 / 6 bits a value (low nibbles and high bits apart,
+"""Split codes: int4-int6 row-major kernels stored as 4-6 bits a value (low nibbles and high bits apart,
 each 256 values lane-interleaved) for the native AVX-512 VNNI decode tile, which reads them with the
-same integer sums as the int8-stored codes."""
+same integer sums as the int8-stored (int4: two a byte) codes."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from llmeq_jax import decode_layout, native, ops
-from llmeq_jax.core.qarray import QArray
+from llmeq_jax.core.qarray import QArray, pack
 from llmeq_jax.decode_layout import RowMajorKernel, join_codes, split_codes, split_rows
 from llmeq_jax.layer_slice import LayerSlice
 
@@ -27,21 +27,23 @@ def _codes(rng, shape, bits: int) -> np.ndarray:
 
 
 def _kernel(rng, n: int, k: int, bits: int, group: int, zero_point: bool, lead=()) -> QArray:
-    """An (out, in) weight-only kernel with int8-stored codes, as decode_layout lays one out."""
+    """An (out, in) weight-only kernel with its codes stored as decode_layout lays one out (int4 two a byte
+    along ``in``, else int8)."""
     groups = -(-k // group)
     zp = jnp.asarray(rng.uniform(-3, 3, (*lead, n, groups)).astype(np.float32)) if zero_point else None
-    return QArray(qvalue=jnp.asarray(_codes(rng, (*lead, n, k), bits)),
+    codes = jnp.asarray(_codes(rng, (*lead, n, k), bits))
+    return QArray(qvalue=pack(codes, 4, axis=codes.ndim - 1) if bits == 4 else codes,
                   scale=jnp.asarray(rng.uniform(0.5, 2.0, (*lead, n, groups)).astype(np.float32)), zero_point=zp,
                   bits=bits, shape=(n, k), tile=(1, min(group, k)), dtype=jnp.float32, pack_axis=1)
 
 
 def _split(w: QArray) -> QArray:
-    return dataclasses.replace(w, qvalue=split_codes(w.qvalue, w.bits))
+    return dataclasses.replace(w, qvalue=decode_layout.split_qvalue(w.qvalue, w.bits, w.shape[1]))
 
 
 def _stored_value(row: np.ndarray, bits: int, k: int) -> int:
     """Value ``k`` of one split row, read from the layout as documented (independent of join_codes)."""
-    h, block = bits - 4, 32 + 8 * (bits - 4)
+    h, block = bits - 4, 32 + 8 * (bits - 4)  # (int4: no high bits)
     whole = len(row) // block * 64 // 256 * 256
     if k < whole:  # value 16i + 4b + j sits at position 64b + 4i + j of its 256
         c, v = divmod(k, 256)
@@ -51,11 +53,11 @@ def _stored_value(row: np.ndarray, bits: int, k: int) -> int:
     b, q = divmod(pos, 64)
     base = row[b * block:(b + 1) * block].astype(np.int32)
     nibble = base[q] & 15 if q < 32 else base[q - 32] >> 4
-    high = (base[32 + q % (8 * h)] >> (h * (q // (8 * h)))) & ((1 << h) - 1)
+    high = (base[32 + q % (8 * h)] >> (h * (q // (8 * h)))) & ((1 << h) - 1) if h else 0
     return int(nibble | (high << 4)) - 2 ** (bits - 1)
 
 
-@pytest.mark.parametrize("bits", [5, 6])
+@pytest.mark.parametrize("bits", [4, 5, 6])
 @pytest.mark.parametrize("k", [64, 256, 576, 1024])
 def test_split_codes_store_bits_per_value_in_the_documented_layout(bits, k):
     rng = np.random.default_rng(k + bits)
@@ -71,7 +73,7 @@ def test_split_codes_store_bits_per_value_in_the_documented_layout(bits, k):
 
 
 def test_split_codes_refuse_other_widths_and_lengths():
-    with pytest.raises(ValueError, match="int5 / int6"):
+    with pytest.raises(ValueError, match="int4-int6"):
         split_codes(jnp.zeros((2, 64), jnp.int8), 8)
     with pytest.raises(ValueError, match="multiple of 64"):
         split_codes(jnp.zeros((2, 96), jnp.int8), 6)
@@ -79,6 +81,9 @@ def test_split_codes_refuse_other_widths_and_lengths():
 
 CASES = [  # n, k, bits, group, zero point
     (37, 256, 6, 16, False),   # Q6_K's grid
+    (21, 512, 4, 32, True),    # Q4_K / Q4_1's
+    (11, 576, 4, 16, False),   # Q3_K / Q2_K's in int4 slots, a 256 tail of 64 values
+    (6, 1024, 4, 128, True),
     (16, 512, 5, 32, True),    # Q5_K / Q5_1's
     (9, 576, 5, 32, False),    # a 256 tail of 64 values
     (12, 320, 6, 64, True),
@@ -136,10 +141,11 @@ def test_split_rows_converts_only_what_the_split_tile_takes():
     rng = np.random.default_rng(4)
     six = RowMajorKernel(_kernel(rng, 8, 256, 6, 16, False))
     eight = RowMajorKernel(_kernel(rng, 8, 256, 8, 16, False))
+    four = RowMajorKernel(_kernel(rng, 8, 256, 4, 32, True))
     odd_group = RowMajorKernel(_kernel(rng, 8, 384, 5, 96, False))  # 96 does not divide 256
     short = RowMajorKernel(_kernel(rng, 8, 96, 5, 32, False))  # K not a multiple of 64
     tree = {"a": {"kernel": six}, "b": {"kernel": eight}, "c": {"kernel": odd_group}, "d": {"kernel": short},
-            "n": jnp.ones(3)}
+            "e": {"kernel": four}, "n": jnp.ones(3)}
     if not native.vnni():
         assert split_rows(tree) is tree or split_rows(tree)["a"]["kernel"] is six
         return
@@ -147,6 +153,9 @@ def test_split_rows_converts_only_what_the_split_tile_takes():
     a = out["a"]["kernel"]
     assert a.split and a.w.qvalue.dtype == jnp.uint8 and a.w.qvalue.shape == (8, 192)
     np.testing.assert_array_equal(np.asarray(a.qarray().qvalue), np.asarray(six.w.qvalue))
+    e = out["e"]["kernel"]  # int4: two a byte again for the other paths
+    assert e.split and e.w.qvalue.shape == (8, 128)
+    np.testing.assert_array_equal(np.asarray(e.qarray().qvalue), np.asarray(four.w.qvalue))
     assert all(out[key]["kernel"] is tree[key]["kernel"] for key in "bcd")
     assert split_rows(out)["a"]["kernel"] is a  # idempotent
     with native.without_vnni():  # only the VNNI tile reads split rows: nothing is split without it

@@ -165,10 +165,8 @@ def test_k_quants_kept_quantized_compute_the_file(monkeypatch, tmp_path, table):
     row_major = [leaf for leaf in jax.tree_util.tree_leaves(laid_out, is_leaf=lambda a: isinstance(a, RowMajorKernel))
                  if isinstance(leaf, RowMajorKernel)]
     assert len(row_major) >= 12 and all(leaf.codes is not None for leaf in row_major)
-    # ... and, where the VNNI tile runs, the int5 / int6 codes (Q5_K, Q6_K) as 5 / 6 bits a value
-    six_or_five = [leaf for leaf in row_major if leaf.w.bits in (5, 6)]
-    assert len(six_or_five) >= 6 and all(leaf.split == native.vnni() for leaf in six_or_five)
-    assert not any(leaf.split for leaf in row_major if leaf.w.bits not in (5, 6))
+    # ... and, where the VNNI tile runs, every one split (int4 slots, Q5_K, Q6_K: 4-6 bits a value)
+    assert all(leaf.split == native.vnni() for leaf in row_major) and {leaf.w.bits for leaf in row_major} == {4, 5, 6}
 
 
 def test_cli_keeps_a_gguf_quantized_and_exports_the_same_blocks(monkeypatch, tmp_path, capsys):
