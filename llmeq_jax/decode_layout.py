@@ -208,6 +208,13 @@ def compact_scales(params):
 # Codes the native AVX-512 VNNI kernel reads split (split_codes): 4-6 bits a value in its own order.
 SPLIT_BITS = (4, 5, 6)
 SPLIT_BLOCK = 64  # values a split block holds
+# int4 codes are split only in groups of at most this many values (Q4_*, Q2_K / Q3_K in int4 slots), for
+# decode loops of at most SPLIT_INT4_MAX_ROWS rows: there the int4 tile ended a group every 32 values and the
+# split tile ran 1.12-1.23x it (one matrix), 1.06-1.16x end to end at batch 1; at groups of 128 it measured the
+# same on 4096-11008-row matrices and 0.83-0.92x on SmolLM2-135M end to end (batch 8 / 1), and at batch 8 in
+# groups of 32 0.94-1.03x. int5 / int6 codes, a quarter to three eighths fewer bytes, are split at any size.
+SPLIT_INT4_MAX_GROUP = 32
+SPLIT_INT4_MAX_ROWS = 4
 
 
 def split_block_bytes(bits: int) -> int:
@@ -287,24 +294,34 @@ def _splittable(w: QArray) -> bool:
             and (group >= k or (group >= 16 and (SPLIT_CHUNK % group == 0 or group % SPLIT_CHUNK == 0))))
 
 
+def _worth_splitting(w: QArray, rows: int) -> bool:
+    """Whether :func:`split_rows` splits ``w`` for a decode loop of ``rows`` rows: int5 / int6 whenever the split
+    tile takes them, int4 in groups of at most :data:`SPLIT_INT4_MAX_GROUP` for at most
+    :data:`SPLIT_INT4_MAX_ROWS` rows."""
+    if w.bits == 4 and (w.tile[1] > SPLIT_INT4_MAX_GROUP or rows > SPLIT_INT4_MAX_ROWS):
+        return False
+    return _splittable(w)
+
+
 _split_jit = jax.jit(split_qvalue, static_argnums=(1, 2))
 
 
-def split_rows(params):
+def split_rows(params, rows: int = 1):
     """``params`` (laid out by :func:`for_decode` for the native kernels) with each weight-only int4-int6
     :class:`RowMajorKernel` the native AVX-512 VNNI kernel can read split holding its codes as
     :func:`split_codes` bytes: int5 / int6 in 0.625 / 0.75 bytes a value instead of 1 (GGUF Q5_0 / Q5_1 /
     Q5_K / Q6_K kept quantized, int5 / int6 recipes), int4 in the same half byte as before but in the
     order the split tile reads (Q4_0 / Q4_1 / Q4_K, Q2_K / Q3_K in int4 slots, int4 recipes). Unchanged
     without that tile (no AVX-512 VNNI, or native off): the AVX2 tiles read the stored codes. The stored
-    codes are not kept: :meth:`RowMajorKernel.qarray` joins them again for the other paths."""
+    codes are not kept: :meth:`RowMajorKernel.qarray` joins them again for the other paths. ``rows``: the
+    decode loop's rows a step (:func:`_worth_splitting`)."""
     from llmeq_jax import native
 
     if not native.vnni():
         return params
 
     def convert(leaf):
-        if not isinstance(leaf, RowMajorKernel) or leaf.split or not _splittable(leaf.w):
+        if not isinstance(leaf, RowMajorKernel) or leaf.split or not _worth_splitting(leaf.w, rows):
             return leaf
         w = dataclasses.replace(leaf.w, qvalue=_split_jit(leaf.w.qvalue, leaf.w.bits, leaf.w.shape[1]))
         return RowMajorKernel(w, leaf.codes, split=True)

@@ -141,7 +141,7 @@ def decode_params(params, rows: int):
     _decode_layout_memo.clear()  # the previous params' copy goes before this one is made
     laid_out = _laid_out_for_decode(params, rows=rows, kernels=kernel_state())
     if decode_layout.decode_target(rows) == "native":  # host-side: which kernels' scales are int8 codes
-        laid_out = decode_layout.split_rows(decode_layout.compact_scales(laid_out))
+        laid_out = decode_layout.split_rows(decode_layout.compact_scales(laid_out), rows)
     _decode_layout_memo["params"] = (key, [_ref(a) for a in leaves], laid_out)
     # the copy goes with the params it was made from (the memo holds them weakly)
     first = next((a for a in leaves if isinstance(a, jax.Array)), None)

@@ -142,10 +142,11 @@ def test_split_rows_converts_only_what_the_split_tile_takes():
     six = RowMajorKernel(_kernel(rng, 8, 256, 6, 16, False))
     eight = RowMajorKernel(_kernel(rng, 8, 256, 8, 16, False))
     four = RowMajorKernel(_kernel(rng, 8, 256, 4, 32, True))
+    four_g128 = RowMajorKernel(_kernel(rng, 8, 256, 4, 128, False))  # measured no faster split
     odd_group = RowMajorKernel(_kernel(rng, 8, 384, 5, 96, False))  # 96 does not divide 256
     short = RowMajorKernel(_kernel(rng, 8, 96, 5, 32, False))  # K not a multiple of 64
     tree = {"a": {"kernel": six}, "b": {"kernel": eight}, "c": {"kernel": odd_group}, "d": {"kernel": short},
-            "e": {"kernel": four}, "n": jnp.ones(3)}
+            "e": {"kernel": four}, "f": {"kernel": four_g128}, "n": jnp.ones(3)}
     if not native.vnni():
         assert split_rows(tree) is tree or split_rows(tree)["a"]["kernel"] is six
         return
@@ -156,7 +157,9 @@ def test_split_rows_converts_only_what_the_split_tile_takes():
     e = out["e"]["kernel"]  # int4: two a byte again for the other paths
     assert e.split and e.w.qvalue.shape == (8, 128)
     np.testing.assert_array_equal(np.asarray(e.qarray().qvalue), np.asarray(four.w.qvalue))
-    assert all(out[key]["kernel"] is tree[key]["kernel"] for key in "bcd")
+    assert all(out[key]["kernel"] is tree[key]["kernel"] for key in "bcdf")
+    wide = split_rows(tree, rows=8)  # int4 splits for decode loops of up to 4 rows; int5 / int6 for any
+    assert wide["e"]["kernel"] is four and wide["a"]["kernel"].split
     assert split_rows(out)["a"]["kernel"] is a  # idempotent
     with native.without_vnni():  # only the VNNI tile reads split rows: nothing is split without it
         assert split_rows(tree)["a"]["kernel"] is six
