@@ -200,7 +200,7 @@ def compact_scales(params):
         if not isinstance(leaf, RowMajorKernel) or leaf.codes is not None:
             return leaf
         codes = _kernel_scale_codes(leaf.w)
-        return leaf if codes is None else RowMajorKernel(leaf.w, codes, leaf.split)
+        return leaf if codes is None else dataclasses.replace(leaf, codes=codes)
 
     return jax.tree_util.tree_map(convert, params, is_leaf=lambda a: isinstance(a, (RowMajorKernel, QArray)))
 
@@ -286,7 +286,7 @@ def joined_qvalue(split: jax.Array, bits: int, k: int) -> jax.Array:
     return pack(values, bits, values.ndim - 1) if is_packed(bits) else values
 
 
-def _splittable(w: QArray) -> bool:
+def split_tile_takes(w: QArray) -> bool:
     """Whether the native kernel's split tile takes the row-major weight-only ``w``: int4-int6 codes,
     ``in`` a multiple of 64, groups of 16-256 values that divide 256, or multiples of 256 (or one scale a row)."""
     k, group = w.shape[1], w.tile[1]
@@ -300,7 +300,7 @@ def _worth_splitting(w: QArray, rows: int) -> bool:
     :data:`SPLIT_INT4_MAX_ROWS` rows."""
     if w.bits == 4 and (w.tile[1] > SPLIT_INT4_MAX_GROUP or rows > SPLIT_INT4_MAX_ROWS):
         return False
-    return _splittable(w)
+    return split_tile_takes(w)
 
 
 _split_jit = jax.jit(split_qvalue, static_argnums=(1, 2))
@@ -745,4 +745,5 @@ __all__ = ["FUSED_LINEARS", "Int4WordKernel", "PREFILL_FUSE_MAX_OUT", "PREFILL_P
            "RowMajorKernel", "SCALE_STEP_VALUES", "SPLIT_BITS", "ScaleCodes", "compact_scales", "decode_target",
            "for_decode", "for_prefill", "fuse_linears", "int4_word_kernel", "join_codes", "kernel_view",
            "pack_float_kernels", "pack_panels", "pack_swiglu_panels", "scale_codes", "scale_group", "split_codes",
-           "split_rows", "stack_quantized", "stack_rows", "transpose_kernel", "unpack_panels", "widen_to_int4"]
+           "split_rows", "split_tile_takes", "stack_quantized", "stack_rows", "transpose_kernel", "unpack_panels",
+           "widen_to_int4"]

@@ -559,12 +559,13 @@ def row_major_matmul(x: jax.Array, w: QArray, act=None, layer=None, codes=None, 
     if codes is not None and act is not None:
         raise ValueError("native.row_major_matmul: scale codes are for weight-only products (act=None)")
     if split:
-        from llmeq_jax.decode_layout import _splittable, split_block_bytes
+        from llmeq_jax.decode_layout import SPLIT_BLOCK, split_block_bytes, split_tile_takes
 
-        rows = w.shape[1] // 64 * split_block_bytes(w.bits) if w.bits in (4, 5, 6) else None
-        if act is not None or not _splittable(w) or w.qvalue.shape[-1] != rows or w.qvalue.dtype != jnp.uint8:
+        takes = act is None and split_tile_takes(w)
+        row_bytes = w.shape[1] // SPLIT_BLOCK * split_block_bytes(w.bits) if takes else None
+        if not takes or w.qvalue.shape[-1] != row_bytes or w.qvalue.dtype != jnp.uint8:
             raise ValueError(f"native.row_major_matmul: split codes need a weight-only int4-int6 kernel whose "
-                             f"qvalue is decode_layout.split_codes bytes (uint8, {rows} a row), got "
+                             f"qvalue is decode_layout.split_codes bytes (uint8, {row_bytes} a row), got "
                              f"int{w.bits} {w.qvalue.dtype}{list(w.qvalue.shape)} with act={act}")
     if layer is not None:
         if w.qvalue.ndim != 3:

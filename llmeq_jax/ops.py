@@ -337,7 +337,8 @@ def _linear_row_major(x, kernel: RowMajorKernel, act, backend, layer=None):
 
     With ``layer``, the kernel is a stack of such kernels: the kernels read that layer in place, XLA takes
     its slice. The native weight-only kernel reads ``kernel.codes`` (scales as ``decode_layout.ScaleCodes``)
-    instead of ``w.scale``, and split codes (``kernel.split``) as they are; the other paths, int8 codes."""
+    instead of ``w.scale``, and split codes (``kernel.split``) as they are; the other paths, the codes as a
+    QArray stores them (``kernel.qarray()``)."""
     w = kernel.w
     if backend != "xla" and not kernel.split:
         y = kernel_dispatch.linear(x, w, act, layer=layer, w_layout="nk")

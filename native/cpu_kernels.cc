@@ -1121,7 +1121,7 @@ inline float rm_offset(const RM& p, int64_t n, int64_t f) {
 
 // Split-row layout (mode 3): bytes of one 64-value block; where value k of a row of K sits (each
 // whole 256 lane-interleaved: value 16i + 4b + j at 64b + 4i + j, rm_tile_split); value k, unsigned.
-inline int64_t rm_split_block_bytes(int hb) { return 32 + 8 * hb; }
+constexpr int64_t rm_split_block_bytes(int hb) { return 32 + 8 * hb; }
 inline int64_t rm_split_position(int64_t K, int64_t k) {
   const int64_t v = k % 256;
   return k < K / 256 * 256 ? k - v + 64 * (v / 4 % 4) + 4 * (v / 16) + v % 4 : k;
@@ -1556,9 +1556,9 @@ template <int HB>
 VNNI512_VL inline __m512i rm_split_bytes(const uint8_t* block) {
   const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block));
   const __m512i nibbles = _mm512_srlv_epi64(_mm512_broadcast_i64x4(packed), _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0));
+  if constexpr (HB == 0) return _mm512_and_si512(nibbles, _mm512_set1_epi8(15));
   // Rotate each value's high bits to bits 4-5 (int6: 128-bit lane t holds values 16t.. at bits 2t) or bit 4
   // (int5: qword q holds values 8q.. at bit q); the mask below drops what the rotation brought along.
-  if constexpr (HB == 0) return _mm512_and_si512(nibbles, _mm512_set1_epi8(15));
   __m512i high;
   if constexpr (HB == 2) {
     const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 32));
@@ -1585,7 +1585,7 @@ VNNI512_VL inline __m512i rm_split_bytes(const uint8_t* block) {
 // 1.12-1.23x mode 1's tiles (one matrix of 2048-5632 rows, 1-4 activation rows), in groups of 128 as fast.
 template <int HB, int MT, int R>
 VNNI512_VL void rm_tile_split(const RM& p, int64_t m0, int64_t n0) {
-  constexpr int64_t block = 32 + 8 * HB;
+  constexpr int64_t block = rm_split_block_bytes(HB);
   __m512 tot[R][MT];
   __m512i acc_hi[R][MT], acc_lo[R][MT];
   for (int r = 0; r < R; ++r)
@@ -1660,9 +1660,9 @@ VNNI512_VL void rm_rows_vnni_mt(const RM& p, int64_t m0, int64_t n0, int64_t n1)
     if (p.hb == 0) rm_walk_tiles<RS>(p, m0, n0, n1, rm_tile_split<0, MT, RS>, rm_tile_split<0, MT, 1>);
     else if (p.hb == 1) rm_walk_tiles<RS>(p, m0, n0, n1, rm_tile_split<1, MT, RS>, rm_tile_split<1, MT, 1>);
     else rm_walk_tiles<RS>(p, m0, n0, n1, rm_tile_split<2, MT, RS>, rm_tile_split<2, MT, 1>);
-  }
-  else
+  } else {
     rm_walk_tiles<R>(p, m0, n0, n1, rm_tile_vnni<MODE, MT, R>, rm_tile_vnni<MODE, MT, 1>);
+  }
 }
 
 // Weight rows a tile by row length: R rows side by side for rows under 1 KB, at most 2 up to 2 KB, one
