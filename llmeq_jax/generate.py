@@ -86,7 +86,7 @@ def prefill(config: ModelConfig, params, tokens, attention_mask, cache, kernels=
     """Fill the cache with the prompt; returns (logits of the last prompt position [B, V], cache).
 
     ``kernels``: pass :func:`kernel_state` (only keys the compile cache)."""
-    logits, cache = forward_step(config, params, tokens, attention_mask, cache)
+    logits, cache = forward_step(config, params, tokens, attention_mask, cache, last_only=True)
     return logits[:, -1], cache
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -32,6 +34,30 @@ def test_greedy_equals_argmax_of_full_forward(params):
         np.testing.assert_array_equal(out[:, i], want)
         seq = jnp.concatenate([seq, want[:, None]], axis=1)
         seq_mask = jnp.concatenate([seq_mask, jnp.ones((2, 1), jnp.int32)], axis=1)
+
+
+def test_prefill_runs_the_head_on_the_last_position_only(params):
+    """prefill's logits are the full step's last position, and its traced program multiplies one
+    position per row by the head (vocab-wide products of [B, 1, hidden] only), not every prompt position."""
+    prompt = jnp.array([[0, 5, 7, 9, 2], [3, 4, 5, 6, 1]])
+    mask = jnp.array([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]])
+    full, _ = jax.jit(gen.forward_step, static_argnums=0)(CONFIG, params, prompt, mask, gen.init_cache(CONFIG, 2, 8))
+    got, _ = gen.prefill(CONFIG, params, prompt, mask, gen.init_cache(CONFIG, 2, 8))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(full[:, -1]), rtol=1e-5, atol=1e-5)
+
+    jaxpr = jax.make_jaxpr(gen.prefill.__wrapped__, static_argnums=0)(CONFIG, params, prompt, mask,
+                                                                      gen.init_cache(CONFIG, 2, 8))
+    head_shapes = [e.outvars[0].aval.shape for e in _equations(jaxpr.jaxpr)
+                   if e.primitive.name == "dot_general" and e.outvars[0].aval.shape[-1] == CONFIG.vocab_size]
+    assert head_shapes and all(math.prod(s[:-1]) == 2 for s in head_shapes), head_shapes
+
+
+def _equations(jaxpr):
+    """Every equation of ``jaxpr`` and of the jaxprs nested in it (pjit, scan, custom calls)."""
+    for e in jaxpr.eqns:
+        yield e
+        for sub in jax.extend.core.jaxprs_in_params(e.params):
+            yield from _equations(sub)
 
 
 @pytest.mark.parametrize("case", ["random", "ties", "nan", "all_inf"])
