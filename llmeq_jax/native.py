@@ -62,7 +62,7 @@ PANEL_COLS = 32
 # Query positions from which the attention kernel runs its blocked prefill path (kFlashMinT in
 # native/cpu_kernels.cc); between NATIVE_MAX_ROWS["attention"] and this, XLA's attention is used.
 PREFILL_ATTENTION_MIN_POSITIONS = 16
-_ABI_VERSION = 14
+_ABI_VERSION = 15
 _DISABLED = contextvars.ContextVar("llmeq_native_disabled", default=False)
 
 
@@ -159,6 +159,22 @@ def without_vnni():
         yield
     finally:
         _state.lib.llmeq_native_allow_vnni(1)
+
+
+@contextlib.contextmanager
+def float_panels():
+    """Run weight-only products of more than ``ops.NATIVE_PANEL_MIN_ROWS`` rows on AVX-512 float panels (the
+    codes dequantized to float32, exact float products) even where the integer panels run (int16
+    activations, ``vpdpwssd``); for tests and A/B measurements; process-wide, read when a kernel runs (JAX
+    dispatches asynchronously: block on results computed before the switch)."""
+    if not available():
+        yield
+        return
+    _state.lib.llmeq_native_allow_int_panels(0)
+    try:
+        yield
+    finally:
+        _state.lib.llmeq_native_allow_int_panels(1)
 
 
 @contextlib.contextmanager
@@ -766,6 +782,7 @@ __all__ = [
     "decode_attention",
     "disabled",
     "enabled",
+    "float_panels",
     "force_scalar",
     "kv_store_append",
     "kv_store_attention",

@@ -82,6 +82,9 @@ std::atomic<int> g_allow_simd{1};
 bool use_avx2() { return g_allow_simd.load(std::memory_order_relaxed) && cpu_has_avx2_fma(); }
 // Set to 0 by llmeq_native_allow_vnni(0) so tests can check the AVX2 code on an AVX-512 CPU too.
 std::atomic<int> g_allow_vnni{1};
+// Set to 0 by llmeq_native_allow_int_panels(0): weight-only products of many rows on float panels even where
+// the integer ones run (tests, A/B measurements).
+std::atomic<int> g_allow_int_panels{1};
 bool use_vnni() { return use_avx2() && g_allow_vnni.load(std::memory_order_relaxed) && cpu_has_avx512_vnni(); }
 // The AVX-512 float tiles of the prefill attention: on the same switch (every AVX-512 VNNI CPU has AVX-512F).
 bool use_avx512() { return use_vnni(); }
@@ -508,6 +511,8 @@ int64_t min_parallel_bytes() {
 
 #if LLMEQ_X86
 void wo_panel_run(const WO& p, ffi::ThreadPool* pool);
+void wo_int_panel_run(const WO& p, ffi::ThreadPool* pool);
+bool wo_int_panels_ok(const WO& p);
 #endif
 
 // silu(gate) * up of a joined product h [M, 2F] into y [M, F].
@@ -522,7 +527,8 @@ void swiglu_rows(const float* h, float* y, int64_t M, int64_t F) {
 void wo_run(WO& p, ffi::ThreadPool* pool) {
 #if LLMEQ_X86
   if (p.M > kWoPanelMinRows && use_avx512()) {
-    wo_panel_run(p, pool);
+    if (g_allow_int_panels.load(std::memory_order_relaxed) && wo_int_panels_ok(p)) wo_int_panel_run(p, pool);
+    else wo_panel_run(p, pool);
     return;
   }
 #endif
@@ -2939,6 +2945,200 @@ void wo_panel_run(const WO& p, ffi::ThreadPool* pool) {
   });
 }
 
+// ---- Weight-only products of many rows on integer panels (AVX-512 VNNI)
+//
+// The float panels above multiply at the FMA rate, 16 multiply-adds an instruction; vpdpwssd does 32
+// (pairs of int16 products summed into int32 lanes). Here x is quantized to int16 per row and per flush
+// group along K exactly as the decode kernels quantize it (rm_quantize_x16: the weight's groups, or 128
+// values per-channel; scale absmax / 32767, so at most 2^-16 of the group's absmax off). A 32-column slice
+// of the codes is widened once per call into int16 pairs, [K/2][32] dwords holding (code at k, code at
+// k + 1); a tile of 4 rows broadcasts a row's pair against the slice's two vectors of 16 columns, sums a
+// group exactly in int32, then adds it times the weight scale and the activation scale in float, the zero
+// points taken off with the group's activation sums. Per call, x's quantization and each slice's widening
+// are once; the tile is vpdpwssd-bound with long groups (per-channel int8 ran at ~93 % of its 64 flops a
+// cycle a core) and pays one convert + two float ops a group per 16 columns with short ones (g16 / g32).
+constexpr int kIntPanelTileRows = 4;
+
+struct WOI {
+  const WO* p;
+  const int16_t* x16;  // [M, Kp] int16, K padded with zeros to Kp (even)
+  const float* sa;     // [M, A] activation scale per flush group
+  const float* xsum;   // [M, A] sum of the quantized activations of each group (times sa), with zero points
+  int64_t Kp, F, A;
+};
+
+// The activations' flush groups: the decode kernels' (rm_setup), so that a prompt's products and the decode
+// steps' quantize x alike -- the weight's groups, or 128 values for one group a row.
+inline int64_t wo_int_flush(const WO& p) { return p.G > 1 ? p.gs : std::min<int64_t>(p.K, 128); }
+
+// Whether a weight-only product runs on the integer panels: the kn layout, groups that pair up (even, or
+// one flush group in all), and int32 sums that cannot overflow -- a lane sums a whole group of one column,
+// at most F * 32767 * 128 for int8 codes (F <= 256), F * 32767 * 8 for int4 ones (F <= 4096).
+bool wo_int_panels_ok(const WO& p) {
+  const int64_t F = wo_int_flush(p);
+  return !p.nk && (F % 2 == 0 || F >= p.K) && F <= (p.int4 ? 4096 : 256);
+}
+
+// Slice pidx's codes as int16 pairs (see above), columns past the kernel's end zero; with swiglu its
+// 16 gate columns then the 16 matching up columns.
+VNNI512 void wo_int_panel(const WO& p, int64_t pidx, int64_t Kp, int32_t* panel, int64_t* c0, int64_t* cols) {
+  for (int h = 0; h < 2; ++h) {
+    c0[h] = p.swiglu ? h * (p.N / 2) + pidx * 16 : pidx * kPanelCols + 16 * h;
+    cols[h] = std::clamp<int64_t>((p.swiglu ? (h + 1) * (p.N / 2) : p.N) - c0[h], 0, 16);
+  }
+  uint8_t tail[2][16];
+  const __m512i lo16 = _mm512_set1_epi32(0xFFFF);
+  for (int64_t k = 0; k < Kp; k += 2) {
+    for (int h = 0; h < 2; ++h) {
+      __m512i a, b;
+      auto bytes = [&](int64_t kk) -> const uint8_t* {  // 16 codes of row kk (int4: the byte of kk and kk + 1)
+        const uint8_t* src = p.q + (p.int4 ? kk / 2 : kk) * p.N + c0[h];
+        if (cols[h] == 16) return src;
+        std::memset(tail[h], 0, 16);
+        std::memcpy(tail[h], src, cols[h]);
+        return tail[h];
+      };
+      if (p.int4) {  // k even: its code is the low nibble, k + 1's the high one
+        const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes(k))));
+        a = _mm512_srai_epi32(_mm512_slli_epi32(v, 28), 28);
+        b = k + 1 < p.K ? _mm512_srai_epi32(_mm512_slli_epi32(v, 24), 28) : _mm512_setzero_si512();
+      } else {
+        a = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes(k))));
+        b = k + 1 < p.K ? _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes(k + 1))))
+                        : _mm512_setzero_si512();
+      }
+      _mm512_storeu_si512(panel + (k / 2) * kPanelCols + 16 * h,
+                          _mm512_or_si512(_mm512_and_si512(a, lo16), _mm512_slli_epi32(b, 16)));
+    }
+  }
+}
+
+// Rows [0, R) of x16 (row stride Kp) times one integer panel into y (row stride ldy; 32 columns, or 16 with
+// SWIGLU), `cols` of them stored.
+template <int R, bool SWIGLU>
+VNNI512 __attribute__((noinline)) void wo_int_tile(const WOI& c, const int32_t* panel, const float* s,
+                                                    const float* sz, int64_t m0, float* y, int64_t ldy, int cols) {
+  const WO& p = *c.p;
+  __m512 t0[R], t1[R];
+  for (int i = 0; i < R; ++i) t0[i] = t1[i] = _mm512_setzero_ps();
+  const int16_t* x = c.x16 + m0 * c.Kp;
+  for (int64_t a = 0; a < c.A; ++a) {
+    const int64_t k0 = a * c.F, k1 = std::min(c.Kp, k0 + c.F);
+    __m512i a0[R], a1[R];
+    for (int i = 0; i < R; ++i) a0[i] = a1[i] = _mm512_setzero_si512();
+    for (int64_t k = k0; k < k1; k += 2) {
+      const __m512i w0 = _mm512_loadu_si512(panel + (k / 2) * kPanelCols);
+      const __m512i w1 = _mm512_loadu_si512(panel + (k / 2) * kPanelCols + 16);
+      for (int i = 0; i < R; ++i) {
+        int32_t pair;
+        std::memcpy(&pair, x + i * c.Kp + k, 4);
+        const __m512i xb = _mm512_set1_epi32(pair);
+        a0[i] = _mm512_dpwssd_epi32(a0[i], w0, xb);
+        a1[i] = _mm512_dpwssd_epi32(a1[i], w1, xb);
+      }
+    }
+    const int64_t g = p.G > 1 ? a : 0;  // flush groups are the weight's groups, or all in its one group
+    const __m512 s0 = _mm512_loadu_ps(s + g * kPanelCols), s1 = _mm512_loadu_ps(s + g * kPanelCols + 16);
+    for (int i = 0; i < R; ++i) {
+      const __m512 f = _mm512_set1_ps(c.sa[(m0 + i) * c.A + a]);
+      t0[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0[i]), _mm512_mul_ps(s0, f), t0[i]);
+      t1[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1[i]), _mm512_mul_ps(s1, f), t1[i]);
+    }
+    if (sz) {
+      const __m512 z0 = _mm512_loadu_ps(sz + g * kPanelCols), z1 = _mm512_loadu_ps(sz + g * kPanelCols + 16);
+      for (int i = 0; i < R; ++i) {
+        const __m512 xs = _mm512_set1_ps(c.xsum[(m0 + i) * c.A + a]);
+        t0[i] = _mm512_fnmadd_ps(z0, xs, t0[i]);
+        t1[i] = _mm512_fnmadd_ps(z1, xs, t1[i]);
+      }
+    }
+  }
+  const __mmask16 keep = cols >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);
+  for (int i = 0; i < R; ++i) {
+    if constexpr (SWIGLU) {
+      _mm512_mask_storeu_ps(y + i * ldy, keep, swiglu512(t0[i], t1[i]));
+    } else {
+      _mm512_mask_storeu_ps(y + i * ldy, keep, t0[i]);
+      if (cols > 16) _mm512_mask_storeu_ps(y + i * ldy + 16, __mmask16((1u << (cols - 16)) - 1), t1[i]);
+    }
+  }
+}
+
+template <bool SWIGLU>
+VNNI512 void wo_int_rows(const WOI& c, const int32_t* panel, const float* s, const float* sz, int64_t r0,
+                         int64_t r1, float* y, int64_t ldy, int cols) {
+  int64_t r = r0;
+  for (; r + kIntPanelTileRows <= r1; r += kIntPanelTileRows)
+    wo_int_tile<kIntPanelTileRows, SWIGLU>(c, panel, s, sz, r, y + r * ldy, ldy, cols);
+  switch (r1 - r) {
+    case 3: wo_int_tile<3, SWIGLU>(c, panel, s, sz, r, y + r * ldy, ldy, cols); break;
+    case 2: wo_int_tile<2, SWIGLU>(c, panel, s, sz, r, y + r * ldy, ldy, cols); break;
+    case 1: wo_int_tile<1, SWIGLU>(c, panel, s, sz, r, y + r * ldy, ldy, cols); break;
+    default: break;
+  }
+}
+
+// One task: rows [r0, r1) times slice pidx.
+VNNI512 void wo_int_task(const WOI& c, int64_t pidx, int64_t r0, int64_t r1) {
+  const WO& p = *c.p;
+  thread_local std::vector<int32_t> panel;
+  thread_local std::vector<float> s, sz;
+  panel.resize(c.Kp / 2 * kPanelCols);
+  s.assign(p.G * kPanelCols, 0.f);
+  if (p.zp) sz.assign(p.G * kPanelCols, 0.f);
+  int64_t c0[2], cols[2];
+  wo_int_panel(p, pidx, c.Kp, panel.data(), c0, cols);
+  for (int64_t g = 0; g < p.G; ++g)
+    for (int h = 0; h < 2; ++h)
+      for (int64_t j = 0; j < cols[h]; ++j) {
+        const float sc = p.scale[g * p.N + c0[h] + j];
+        s[g * kPanelCols + 16 * h + j] = sc;
+        if (p.zp) sz[g * kPanelCols + 16 * h + j] = sc * p.zp[g * p.N + c0[h] + j];
+      }
+  const float* zs = p.zp ? sz.data() : nullptr;
+  if (p.swiglu) {
+    const int64_t F = p.N / 2;
+    wo_int_rows<true>(c, panel.data(), s.data(), zs, r0, r1, p.y + pidx * 16, F, static_cast<int>(cols[0]));
+  } else {
+    wo_int_rows<false>(c, panel.data(), s.data(), zs, r0, r1, p.y + pidx * kPanelCols, p.N,
+                       static_cast<int>(cols[0] + cols[1]));
+  }
+}
+
+VNNI512 void wo_int_panel_run(const WO& p, ffi::ThreadPool* pool) {
+  WOI c{&p, nullptr, nullptr, nullptr, cdiv(p.K, 2) * 2, wo_int_flush(p), 0};
+  c.A = cdiv(p.K, c.F);
+  std::vector<int16_t> x16(p.M * c.Kp, 0);
+  std::vector<float> sa(p.M * c.A), xsum(p.zp ? p.M * c.A : 0);
+  for (int64_t m = 0; m < p.M; ++m)
+    for (int64_t a = 0; a < c.A; ++a) {  // as rm_quantize_x16 (the decode kernels' activations)
+      const int64_t k0 = a * c.F, n = std::min(p.K, k0 + c.F) - k0;
+      const float* x = p.x + m * p.K + k0;
+      const bool wide = n % 16 == 0;
+      const float amax = wide ? rm_abs_max_avx2(x, n) : rm_abs_max(x, n);
+      int32_t sum = 0;
+      if (amax > 0.f && std::isfinite(amax)) {
+        int16_t* q = x16.data() + m * c.Kp + k0;
+        const float inv = 32767.f / amax;
+        sum = wide ? rm_round_avx2(x, n, inv, false, q, 0) : rm_round_scalar(x, n, inv, false, q, 0);
+        sa[m * c.A + a] = amax / 32767.f;
+      } else {  // a zero group adds nothing; a non-finite one makes its outputs NaN, as a float product would
+        sa[m * c.A + a] = amax > 0.f || std::isnan(amax) ? std::numeric_limits<float>::quiet_NaN() : 0.f;
+      }
+      if (p.zp) xsum[m * c.A + a] = static_cast<float>(sum) * sa[m * c.A + a];
+    }
+  c.x16 = x16.data();
+  c.sa = sa.data();
+  c.xsum = p.zp ? xsum.data() : nullptr;
+  const int64_t P = p.swiglu ? cdiv(p.N / 2, kPanelCols / 2) : cdiv(p.N, kPanelCols);
+  const int64_t blocks = p.M * c.Kp * 2 <= kPanelBlockBytes ? 1 : panel_row_blocks(p.M, c.Kp / 2);
+  const int64_t rows = cdiv(cdiv(p.M, blocks), kIntPanelTileRows) * kIntPanelTileRows;
+  parallel_for(pool, blocks * P, [&c, P, blocks, rows](int64_t i) {
+    const int64_t r0 = (i % blocks) * rows, r1 = std::min(c.p->M, r0 + rows);
+    if (r0 < r1) wo_int_task(c, i / blocks, r0, r1);
+  });
+}
+
 // c[R][N] (+)= a[R][K] . b[K][N], N a multiple of 16, in 4-row tiles (and a remainder).
 AVX2 void flash_gemm(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t R, int64_t K, int64_t N,
                      float* c, int64_t ldc, bool accumulate) {
@@ -4222,5 +4422,6 @@ __attribute__((visibility("default"))) void llmeq_native_force_scalar(int on) { 
 __attribute__((visibility("default"))) int llmeq_native_vnni() { return use_vnni() ? 1 : 0; }
 __attribute__((visibility("default"))) int llmeq_native_avx512() { return use_avx512() ? 1 : 0; }
 __attribute__((visibility("default"))) void llmeq_native_allow_vnni(int on) { g_allow_vnni.store(on ? 1 : 0); }
-__attribute__((visibility("default"))) int llmeq_native_abi_version() { return 14; }
+__attribute__((visibility("default"))) void llmeq_native_allow_int_panels(int on) { g_allow_int_panels.store(on ? 1 : 0); }
+__attribute__((visibility("default"))) int llmeq_native_abi_version() { return 15; }
 }

@@ -1,0 +1,34 @@
+"""The error bound of a weight-only product whose activations are quantized to int16 per flush group.
+
+The native decode kernels (row-major) and the integer prefill panels quantize x per row and per flush
+group -- the weight's groups along ``in``, or 128 values for one group a row -- with scale absmax / 32767,
+then sum exactly in int32. Their error is that rounding (at most half a step per value, times the weights
+it meets) plus float32 summation; a wrong nibble, offset, scale or group index moves a result by orders more.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from llmeq_jax.core.qarray import QArray, expand_to
+
+EPS = np.finfo(np.float32).eps
+
+
+def a16_bound(x: np.ndarray, w_kn: QArray) -> np.ndarray:
+    """Per output [rows, out]: int16 rounding of x per flush group (half a step times sum |w|) + float32
+    summation, from the actual magnitudes of ``x`` [rows, in] and the ``(in, out)`` kernel ``w_kn``."""
+    k = w_kn.shape[0]
+    g = w_kn.tile[0] if w_kn.tile[0] < k else 128
+    absw = np.abs(np.asarray(w_kn.dequantize(), np.float64))
+    if w_kn.zero_point is not None:  # the kernels fold zp * sum(x) separately: its terms count too
+        absw = absw + np.abs(np.asarray(expand_to(w_kn.zero_point.astype(jnp.float32) * w_kn.scale, w_kn.shape,
+                                                  w_kn.tile), np.float64))
+    bound = np.zeros((x.shape[0], w_kn.shape[1]))
+    for k0 in range(0, k, g):
+        xs = np.abs(x[:, k0:k0 + g].astype(np.float64))
+        step = xs.max(axis=1, keepdims=True) / 32767
+        bound += 0.5 * step * absw[k0:k0 + g].sum(axis=0)[None] * (1 + 1e-3)
+    mag = np.abs(x.astype(np.float64)) @ absw
+    return bound + 4 * (k + 8) * EPS * mag + 1e-30

@@ -1,0 +1,129 @@
+"""Weight-only products of many rows on integer panels (native/cpu_kernels.cc, AVX-512 VNNI).
+
+Past ``ops.NATIVE_PANEL_MIN_ROWS`` rows an ``(in, out)`` weight-only product on a VNNI CPU quantizes x to
+int16 per flush group as the decode kernels do and sums int16 x code pairs exactly in int32
+(``vpdpwssd``); ``native.float_panels()`` runs the float panels (dequantized codes, float32 FMAs) instead.
+The bound is the int16 rounding plus float32 summation (tests/a16_bound.py); with activations that
+int16 represents exactly, only the float summation is left.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from llmeq_jax import native
+from llmeq_jax.core.quantize import Spec, quantize
+from llmeq_jax.decode_layout import widen_to_int4
+from tests.a16_bound import EPS, a16_bound
+
+pytestmark = pytest.mark.skipif(not (jax.default_backend() == "cpu" and native.available() and native.vnni()),
+                                reason="the integer panels run on CPUs with AVX-512 VNNI")
+
+WEIGHTS = {
+    "int8-channel": Spec(bits=8),
+    "int8-channel-asym": Spec(bits=8, symmetric=False),
+    "int8-tensor": Spec(bits=8, granularity="tensor"),
+    "int8-g48-asym": Spec(bits=8, granularity="group", group_size=48, symmetric=False),
+    "int6-g16": Spec(bits=6, granularity="group", group_size=16),
+    "int4-channel": Spec(bits=4),
+    "int4-g32": Spec(bits=4, granularity="group", group_size=32),
+    "int4-g32-asym": Spec(bits=4, granularity="group", group_size=32, symmetric=False),
+    "int3-g16": Spec(bits=3, granularity="group", group_size=16),
+}
+# (K, N): K not a multiple of 16 and odd (one flush group a row, an int4 byte's spare nibble), several
+# per-channel flush groups of 128 with a short last one, N past whole 32-column slices.
+SHAPES = [(96, 37), (67, 40), (600, 70)]
+
+
+def _kernel(name: str, k: int, n: int, seed: int = 0):
+    spec = WEIGHTS[name]
+    if spec.granularity == "group" and k % spec.group_size:
+        k = k // spec.group_size * spec.group_size + spec.group_size  # whole groups (K odd: per-channel only)
+    w = jax.jit(quantize, static_argnums=1)(jnp.asarray(np.random.default_rng(seed).standard_normal((k, n)),
+                                                        jnp.float32), spec)
+    return widen_to_int4(w), k
+
+
+def _x(rows: int, k: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((rows, k)).astype(np.float32)
+
+
+def _check(y, ref, bound):
+    err = np.abs(np.asarray(y, np.float64) - ref)
+    assert np.all(err <= bound), f"max err {err.max():.3g}, bound there {bound.flat[np.argmax(err)]:.3g}"
+
+
+@pytest.mark.parametrize("k,n", SHAPES)
+@pytest.mark.parametrize("name", sorted(WEIGHTS))
+def test_integer_panels_match_the_reference(name, k, n):
+    rows = {96: 9, 67: 14, 600: 51}[k]  # remainders 1, 2 and 3 past 4-row tiles
+    w, k = _kernel(name, k, n)
+    x = _x(rows, k, rows)
+    y = np.asarray(native.weight_only_kn(jnp.asarray(x), w))  # computed now, before the switch below
+    ref = x.astype(np.float64) @ np.asarray(w.dequantize(), np.float64)
+    bound = a16_bound(x, w)
+    _check(y, ref, bound)
+    assert bound.max() < 1e-2 * np.abs(ref).max()  # the bound is a small fraction of the outputs
+    with native.float_panels():
+        y_float = np.asarray(native.weight_only_kn(jnp.asarray(x), w))
+    assert not np.array_equal(y, y_float)  # the switch picks the other path
+
+
+@pytest.mark.parametrize("name", ["int8-g48-asym", "int4-g32-asym", "int8-channel"])
+def test_activations_int16_represents_are_summed_exactly(name):
+    """x = integers times 2^-8 with each flush group's absmax 32767 * 2^-8: int16 holds them exactly, so
+    the outputs are the float64 products to within float32 summation alone."""
+    w, k = _kernel(name, 336, 70)
+    flush = w.tile[0] if w.tile[0] < k else 128
+    rng = np.random.default_rng(3)
+    ints = rng.integers(-32767, 32768, (20, k))
+    for k0 in range(0, k, flush):
+        ints[:, k0] = rng.choice([-32767, 32767], 20)
+    x = (ints * 2.0 ** -8).astype(np.float32)
+    y = native.weight_only_kn(jnp.asarray(x), w)
+    wd = np.asarray(w.dequantize(), np.float64)
+    mag = np.abs(x.astype(np.float64)) @ np.abs(wd)
+    if w.zero_point is not None:
+        mag = mag + np.abs(x.astype(np.float64)).sum(axis=1, keepdims=True) * np.abs(wd).max()
+    _check(y, x.astype(np.float64) @ wd, 4 * (k + 8) * EPS * mag + 1e-30)
+
+
+def test_swiglu_in_the_integer_tile():
+    """A joined gate/up kernel: silu(gate) * up from the integer sums, 16 output columns a slice (the last
+    partial), equal to the activation applied to the plain product's two halves to float rounding."""
+    w, k = _kernel("int4-g32-asym", 128, 2 * 37)
+    x = jnp.asarray(_x(30, k, 5))
+    joined = np.asarray(native.weight_only_kn(x, w), np.float64)
+    gate, up = joined[:, :37], joined[:, 37:]
+    want = gate / (1 + np.exp(-gate)) * up
+    got = np.asarray(native.weight_only_swiglu(x, w), np.float64)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_nan_and_zero_rows():
+    """A row holding a NaN gives NaN outputs and leaves the other rows alone; a zero row gives zeros."""
+    w, k = _kernel("int4-g32-asym", 96, 40)
+    x = _x(12, k, 9)
+    x[4, 17] = np.nan
+    x[7] = 0.0
+    y = np.asarray(native.weight_only_kn(jnp.asarray(x), w))
+    assert np.isnan(y[4]).all() and np.isfinite(np.delete(y, 4, axis=0)).all()
+    np.testing.assert_array_equal(y[7], 0.0)
+    rest = [r for r in range(12) if r not in (4, 7)]
+    ref = x[rest].astype(np.float64) @ np.asarray(w.dequantize(), np.float64)
+    _check(y[rest], ref, a16_bound(x[rest], w))
+
+
+@pytest.mark.parametrize("name,k,spec", [
+    ("odd groups", 100, Spec(bits=8, granularity="group", group_size=25)),   # pairs would cross groups
+    ("long int8 groups", 1024, Spec(bits=8, granularity="group", group_size=512)),  # int32 headroom
+])
+def test_float_panels_where_the_integer_ones_cannot(name, k, spec):
+    w = quantize(jnp.asarray(_x(k, 40, 1)), spec)
+    x = jnp.asarray(_x(16, k, 2))
+    y = np.asarray(native.weight_only_kn(x, w))  # computed now, before the switch below
+    with native.float_panels():
+        np.testing.assert_array_equal(y, np.asarray(native.weight_only_kn(x, w)))
