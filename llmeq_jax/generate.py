@@ -85,8 +85,13 @@ def kernel_state() -> tuple[bool, bool, bool]:
 def prefill(config: ModelConfig, params, tokens, attention_mask, cache, kernels=None):
     """Fill the cache with the prompt; returns (logits of the last prompt position [B, V], cache).
 
-    ``kernels``: pass :func:`kernel_state` (only keys the compile cache)."""
-    logits, cache = forward_step(config, params, tokens, attention_mask, cache, last_only=True)
+    ``kernels``: pass :func:`kernel_state` (only keys the compile cache). Weight-only products of many
+    prompt positions run on the native integer panels where they exist (``native.integer_panels``: the
+    decode steps' int16 activations), not the exact float ones a perplexity run takes."""
+    from llmeq_jax import native
+
+    with native.integer_panels():
+        logits, cache = forward_step(config, params, tokens, attention_mask, cache, last_only=True)
     return logits[:, -1], cache
 
 
@@ -170,6 +175,8 @@ def _decode_loop(config, params, first_logits, cache, key, steps, *, max_new_tok
     """Tokens ``[B, max_new_tokens]``: the first sampled from ``first_logits``, then ``steps - 1`` decode
     steps (``steps`` is traced, <= max_new_tokens, later slots stay 0): one compiled loop serves any
     number of steps, which is how ``decode_seconds`` times the steps alone."""
+    from llmeq_jax import native
+
     sample = functools.partial(sample_logits, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p)
     b = first_logits.shape[0]
     # Quantized kernels in the decode kernels' layout; a no-op on params decode_params laid out already.
@@ -185,7 +192,8 @@ def _decode_loop(config, params, first_logits, cache, key, steps, *, max_new_tok
         key, sub = jax.random.split(key)
         return out.at[:, i].set(sample(logits[:, 0], sub)), cache, key
 
-    out, cache, _ = jax.lax.fori_loop(1, steps, body, (out, cache, key))
+    with native.integer_panels():  # batches past the row-major kernels' rows: int16 activations as below them
+        out, cache, _ = jax.lax.fori_loop(1, steps, body, (out, cache, key))
     return out, cache
 
 

@@ -64,6 +64,7 @@ PANEL_COLS = 32
 PREFILL_ATTENTION_MIN_POSITIONS = 16
 _ABI_VERSION = 15
 _DISABLED = contextvars.ContextVar("llmeq_native_disabled", default=False)
+_INT_PANELS = contextvars.ContextVar("llmeq_native_int_panels", default=False)
 
 
 class _State:
@@ -162,19 +163,20 @@ def without_vnni():
 
 
 @contextlib.contextmanager
-def float_panels():
-    """Run weight-only products of more than ``ops.NATIVE_PANEL_MIN_ROWS`` rows on AVX-512 float panels (the
-    codes dequantized to float32, exact float products) even where the integer panels run (int16
-    activations, ``vpdpwssd``); for tests and A/B measurements; process-wide, read when a kernel runs (JAX
-    dispatches asynchronously: block on results computed before the switch)."""
-    if not available():
-        yield
-        return
-    _state.lib.llmeq_native_allow_int_panels(0)
+def integer_panels(on: bool = True):
+    """Weight-only products of more than ``ops.NATIVE_PANEL_MIN_ROWS`` rows traced inside run on the
+    integer panels where the CPU has AVX-512 VNNI: x quantized to int16 per flush group as the decode
+    kernels quantize it (at most 2^-16 of each group's absmax off), int16 x code pairs summed exactly by
+    ``vpdpwssd`` -- 1.4-1.9x the float panels' speed. Outside (the default) they run on float panels,
+    the codes dequantized in cache: the dequantized model's products to float rounding, which perplexity
+    and the exports' comparisons rely on. :func:`llmeq_jax.generate.generate` traces its prompt's prefill
+    and its decode loop inside (the decode kernels already take int16 activations). Read at trace time:
+    a function jitted outside keeps what it was traced with."""
+    token = _INT_PANELS.set(bool(on))
     try:
         yield
     finally:
-        _state.lib.llmeq_native_allow_int_panels(1)
+        _INT_PANELS.reset(token)
 
 
 @contextlib.contextmanager
@@ -349,7 +351,7 @@ def _wo_call(x2, q, scale, zp, *, layout: int, bits: int, group_size: int, has_z
     return call(
         x2, q, scale, zp,
         layout=np.int64(layout), bits=np.int64(bits), group_size=np.int64(group_size), has_zp=np.int64(has_zp),
-        swiglu=np.int64(swiglu),
+        swiglu=np.int64(swiglu), int_panels=np.int64(_INT_PANELS.get()),
     )  # fmt: skip
 
 
@@ -782,8 +784,8 @@ __all__ = [
     "decode_attention",
     "disabled",
     "enabled",
-    "float_panels",
     "force_scalar",
+    "integer_panels",
     "kv_store_append",
     "kv_store_attention",
     "library_path",

@@ -82,9 +82,6 @@ std::atomic<int> g_allow_simd{1};
 bool use_avx2() { return g_allow_simd.load(std::memory_order_relaxed) && cpu_has_avx2_fma(); }
 // Set to 0 by llmeq_native_allow_vnni(0) so tests can check the AVX2 code on an AVX-512 CPU too.
 std::atomic<int> g_allow_vnni{1};
-// Set to 0 by llmeq_native_allow_int_panels(0): weight-only products of many rows on float panels even where
-// the integer ones run (tests, A/B measurements).
-std::atomic<int> g_allow_int_panels{1};
 bool use_vnni() { return use_avx2() && g_allow_vnni.load(std::memory_order_relaxed) && cpu_has_avx512_vnni(); }
 // The AVX-512 float tiles of the prefill attention: on the same switch (every AVX-512 VNNI CPU has AVX-512F).
 bool use_avx512() { return use_vnni(); }
@@ -170,6 +167,7 @@ struct WO {
   bool int4;
   bool nk;
   bool swiglu;         // kn only: W is a joined gate/up kernel (gate first), y = silu(x @ gate) * (x @ up), N / 2 columns
+  bool int_panels;     // past kWoPanelMinRows on AVX-512 VNNI: the integer panels (int16 x), else the float ones
   int64_t Kb;          // stored length of the K axis: K (int8) or ceil(K/2) (int4)
   // Prepared on the calling thread:
   const float* xsum;   // [M, G] sums of x per group (only with zp)
@@ -527,7 +525,7 @@ void swiglu_rows(const float* h, float* y, int64_t M, int64_t F) {
 void wo_run(WO& p, ffi::ThreadPool* pool) {
 #if LLMEQ_X86
   if (p.M > kWoPanelMinRows && use_avx512()) {
-    if (g_allow_int_panels.load(std::memory_order_relaxed) && wo_int_panels_ok(p)) wo_int_panel_run(p, pool);
+    if (p.int_panels && use_vnni() && wo_int_panels_ok(p)) wo_int_panel_run(p, pool);
     else wo_panel_run(p, pool);
     return;
   }
@@ -2034,7 +2032,7 @@ void rm_split_activations(RM& p, std::vector<int8_t>& xh, std::vector<uint8_t>& 
 
 ffi::Error wo_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::Buffer<ffi::F32> scale,
                    ffi::Buffer<ffi::F32> zp, ffi::ResultBuffer<ffi::F32> y, int64_t layout, int64_t bits,
-                   int64_t group_size, int64_t has_zp, int64_t swiglu) {
+                   int64_t group_size, int64_t has_zp, int64_t swiglu, int64_t int_panels) {
   auto xd = x.dimensions();
   auto qd = q.dimensions();
   auto yd = y->dimensions();
@@ -2048,6 +2046,7 @@ ffi::Error wo_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
   p.K = xd[1];
   p.nk = layout == 1;
   p.swiglu = swiglu != 0;
+  p.int_panels = int_panels != 0;
   if (p.swiglu && p.nk) return ffi::Error::InvalidArgument("llmeq_wo_matmul: swiglu needs the kn layout");
   p.N = p.swiglu ? 2 * yd[1] : yd[1];
   p.int4 = bits <= 4;
@@ -2971,33 +2970,32 @@ struct WOI {
 // steps' quantize x alike -- the weight's groups, or 128 values for one group a row.
 inline int64_t wo_int_flush(const WO& p) { return p.G > 1 ? p.gs : std::min<int64_t>(p.K, 128); }
 
-// Whether a weight-only product runs on the integer panels: the kn layout, groups that pair up (even, or
-// one flush group in all), and int32 sums that cannot overflow -- a lane sums a whole group of one column,
+// Whether a weight-only product runs on the integer panels: groups that pair up (even, or one flush group
+// in all), and int32 sums that cannot overflow -- a lane sums a whole group of one column,
 // at most F * 32767 * 128 for int8 codes (F <= 256), F * 32767 * 8 for int4 ones (F <= 4096).
 bool wo_int_panels_ok(const WO& p) {
   const int64_t F = wo_int_flush(p);
-  return !p.nk && (F % 2 == 0 || F >= p.K) && F <= (p.int4 ? 4096 : 256);
+  return (F % 2 == 0 || F >= p.K) && F <= (p.int4 ? 4096 : 256);
 }
 
-// Slice pidx's codes as int16 pairs (see above), columns past the kernel's end zero; with swiglu its
-// 16 gate columns then the 16 matching up columns.
-VNNI512 void wo_int_panel(const WO& p, int64_t pidx, int64_t Kp, int32_t* panel, int64_t* c0, int64_t* cols) {
-  for (int h = 0; h < 2; ++h) {
-    c0[h] = p.swiglu ? h * (p.N / 2) + pidx * 16 : pidx * kPanelCols + 16 * h;
-    cols[h] = std::clamp<int64_t>((p.swiglu ? (h + 1) * (p.N / 2) : p.N) - c0[h], 0, 16);
-  }
-  uint8_t tail[2][16];
-  const __m512i lo16 = _mm512_set1_epi32(0xFFFF);
+// (a, b) int32 lanes holding int16 values as the dwords (a, b): vpdpwssd's pair of a lane.
+VNNI512 inline __m512i int16_pairs(__m512i a, __m512i b) {
+  return _mm512_or_si512(_mm512_and_si512(a, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(b, 16));
+}
+
+// kn: slice pidx's codes, a pair of kernel rows at a time, 16 columns a vector (see wo_int_panel).
+VNNI512 void wo_int_panel_kn(const WO& p, int64_t Kp, const int64_t* c0, const int64_t* cols, int32_t* panel) {
+  uint8_t tail[16];
   for (int64_t k = 0; k < Kp; k += 2) {
     for (int h = 0; h < 2; ++h) {
-      __m512i a, b;
       auto bytes = [&](int64_t kk) -> const uint8_t* {  // 16 codes of row kk (int4: the byte of kk and kk + 1)
         const uint8_t* src = p.q + (p.int4 ? kk / 2 : kk) * p.N + c0[h];
         if (cols[h] == 16) return src;
-        std::memset(tail[h], 0, 16);
-        std::memcpy(tail[h], src, cols[h]);
-        return tail[h];
+        std::memset(tail, 0, 16);
+        std::memcpy(tail, src, cols[h]);
+        return tail;
       };
+      __m512i a, b;
       if (p.int4) {  // k even: its code is the low nibble, k + 1's the high one
         const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes(k))));
         a = _mm512_srai_epi32(_mm512_slli_epi32(v, 28), 28);
@@ -3007,10 +3005,54 @@ VNNI512 void wo_int_panel(const WO& p, int64_t pidx, int64_t Kp, int32_t* panel,
         b = k + 1 < p.K ? _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes(k + 1))))
                         : _mm512_setzero_si512();
       }
-      _mm512_storeu_si512(panel + (k / 2) * kPanelCols + 16 * h,
-                          _mm512_or_si512(_mm512_and_si512(a, lo16), _mm512_slli_epi32(b, 16)));
+      _mm512_storeu_si512(panel + (k / 2) * kPanelCols + 16 * h, int16_pairs(a, b));
     }
   }
+}
+
+// nk: the slice's 32 (out, in) rows (from c0[0]) widened into pairs row by row, 16 pairs a vector, then
+// transposed 16 x 16 into the panel (transpose16 only moves bits: the dwords pass through it as they
+// are). Rows past N and pairs past K are zero; the panel holds `pairs` rows, a multiple of 16.
+VNNI512 void wo_int_panel_nk(const WO& p, int64_t pairs, int64_t cols, int64_t n0, int32_t* panel) {
+  thread_local std::vector<int32_t> rows;
+  rows.assign(kPanelCols * pairs, 0);
+  for (int64_t j = 0; j < cols; ++j) {
+    const uint8_t* q = p.q + (n0 + j) * p.Kb;
+    int32_t* row = rows.data() + j * pairs;
+    int64_t t = 0;
+    for (; 2 * (t + 16) <= p.K; t += 16) {  // 16 whole pairs
+      __m512i v;
+      if (p.int4) {  // one byte a pair: value 2t in its low nibble, 2t + 1 in its high one
+        const __m512i b = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + t)));
+        v = int16_pairs(_mm512_srai_epi32(_mm512_slli_epi32(b, 28), 28), _mm512_srai_epi32(_mm512_slli_epi32(b, 24), 28));
+      } else {  // two bytes a pair: widened to int16 they are the pair's dword already
+        v = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 2 * t)));
+      }
+      _mm512_storeu_si512(row + t, v);
+    }
+    for (; 2 * t < p.K; ++t) {
+      const int32_t lo = static_cast<int32_t>(wo_weight(p, 2 * t, n0 + j));
+      const int32_t hi = 2 * t + 1 < p.K ? static_cast<int32_t>(wo_weight(p, 2 * t + 1, n0 + j)) : 0;
+      row[t] = static_cast<int32_t>((static_cast<uint32_t>(lo) & 0xFFFFu) | (static_cast<uint32_t>(hi) << 16));
+    }
+  }
+  for (int64_t t = 0; t < pairs; t += 16)
+    for (int64_t j = 0; j < kPanelCols; j += 16)
+      transpose16(reinterpret_cast<const float*>(rows.data() + j * pairs + t), pairs,
+                  reinterpret_cast<float*>(panel + t * kPanelCols + j), kPanelCols);
+}
+
+// Slice pidx's codes as int16 pairs, [pairs][32] dwords (code at 2t, code at 2t + 1) per column; columns
+// past the kernel's end and pairs past K zero; with swiglu (kn) its 16 gate columns then the 16 matching
+// up columns. c0 / cols: where each half's columns start and how many exist.
+VNNI512 void wo_int_panel(const WO& p, int64_t pidx, int64_t Kp, int64_t pairs, int32_t* panel, int64_t* c0,
+                          int64_t* cols) {
+  for (int h = 0; h < 2; ++h) {
+    c0[h] = p.swiglu ? h * (p.N / 2) + pidx * 16 : pidx * kPanelCols + 16 * h;
+    cols[h] = std::clamp<int64_t>((p.swiglu ? (h + 1) * (p.N / 2) : p.N) - c0[h], 0, 16);
+  }
+  if (p.nk) wo_int_panel_nk(p, pairs, cols[0] + cols[1], c0[0], panel);
+  else wo_int_panel_kn(p, Kp, c0, cols, panel);
 }
 
 // Rows [0, R) of x16 (row stride Kp) times one integer panel into y (row stride ldy; 32 columns, or 16 with
@@ -3083,17 +3125,18 @@ VNNI512 void wo_int_task(const WOI& c, int64_t pidx, int64_t r0, int64_t r1) {
   const WO& p = *c.p;
   thread_local std::vector<int32_t> panel;
   thread_local std::vector<float> s, sz;
-  panel.resize(c.Kp / 2 * kPanelCols);
+  const int64_t pairs = cdiv(c.Kp / 2, 16) * 16;  // nk transposes 16 pairs at a time
+  panel.resize(pairs * kPanelCols);
   s.assign(p.G * kPanelCols, 0.f);
   if (p.zp) sz.assign(p.G * kPanelCols, 0.f);
   int64_t c0[2], cols[2];
-  wo_int_panel(p, pidx, c.Kp, panel.data(), c0, cols);
+  wo_int_panel(p, pidx, c.Kp, pairs, panel.data(), c0, cols);
   for (int64_t g = 0; g < p.G; ++g)
     for (int h = 0; h < 2; ++h)
       for (int64_t j = 0; j < cols[h]; ++j) {
-        const float sc = p.scale[g * p.N + c0[h] + j];
+        const float sc = p.scale[sidx(p, g, c0[h] + j)];
         s[g * kPanelCols + 16 * h + j] = sc;
-        if (p.zp) sz[g * kPanelCols + 16 * h + j] = sc * p.zp[g * p.N + c0[h] + j];
+        if (p.zp) sz[g * kPanelCols + 16 * h + j] = sc * p.zp[sidx(p, g, c0[h] + j)];
       }
   const float* zs = p.zp ? sz.data() : nullptr;
   if (p.swiglu) {
@@ -4307,7 +4350,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(llmeq_wo_matmul, wo_impl,
                                   .Attr<int64_t>("bits")
                                   .Attr<int64_t>("group_size")
                                   .Attr<int64_t>("has_zp")
-                                  .Attr<int64_t>("swiglu"));
+                                  .Attr<int64_t>("swiglu")
+                                  .Attr<int64_t>("int_panels"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(llmeq_w8a8_matmul, w8_impl,
                               ffi::Ffi::Bind()
@@ -4422,6 +4466,5 @@ __attribute__((visibility("default"))) void llmeq_native_force_scalar(int on) { 
 __attribute__((visibility("default"))) int llmeq_native_vnni() { return use_vnni() ? 1 : 0; }
 __attribute__((visibility("default"))) int llmeq_native_avx512() { return use_avx512() ? 1 : 0; }
 __attribute__((visibility("default"))) void llmeq_native_allow_vnni(int on) { g_allow_vnni.store(on ? 1 : 0); }
-__attribute__((visibility("default"))) void llmeq_native_allow_int_panels(int on) { g_allow_int_panels.store(on ? 1 : 0); }
 __attribute__((visibility("default"))) int llmeq_native_abi_version() { return 15; }
 }

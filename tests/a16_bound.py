@@ -16,16 +16,17 @@ from llmeq_jax.core.qarray import QArray, expand_to
 EPS = np.finfo(np.float32).eps
 
 
-def a16_bound(x: np.ndarray, w_kn: QArray) -> np.ndarray:
+def a16_bound(x: np.ndarray, w: QArray, nk: bool = False) -> np.ndarray:
     """Per output [rows, out]: int16 rounding of x per flush group (half a step times sum |w|) + float32
-    summation, from the actual magnitudes of ``x`` [rows, in] and the ``(in, out)`` kernel ``w_kn``."""
-    k = w_kn.shape[0]
-    g = w_kn.tile[0] if w_kn.tile[0] < k else 128
-    absw = np.abs(np.asarray(w_kn.dequantize(), np.float64))
-    if w_kn.zero_point is not None:  # the kernels fold zp * sum(x) separately: its terms count too
-        absw = absw + np.abs(np.asarray(expand_to(w_kn.zero_point.astype(jnp.float32) * w_kn.scale, w_kn.shape,
-                                                  w_kn.tile), np.float64))
-    bound = np.zeros((x.shape[0], w_kn.shape[1]))
+    summation, from the actual magnitudes of ``x`` [rows, in] and the ``(in, out)`` kernel ``w`` (``nk``:
+    an ``(out, in)`` one)."""
+    view = (lambda a: np.asarray(a, np.float64).T) if nk else (lambda a: np.asarray(a, np.float64))
+    k, tile = (w.shape[1], w.tile[1]) if nk else (w.shape[0], w.tile[0])
+    g = tile if tile < k else 128
+    absw = np.abs(view(w.dequantize()))
+    if w.zero_point is not None:  # the kernels fold zp * sum(x) separately: its terms count too
+        absw = absw + np.abs(view(expand_to(w.zero_point.astype(jnp.float32) * w.scale, w.shape, w.tile)))
+    bound = np.zeros((x.shape[0], absw.shape[1]))
     for k0 in range(0, k, g):
         xs = np.abs(x[:, k0:k0 + g].astype(np.float64))
         step = xs.max(axis=1, keepdims=True) / 32767

@@ -1,13 +1,16 @@
 """Weight-only products of many rows on integer panels (native/cpu_kernels.cc, AVX-512 VNNI).
 
-Past ``ops.NATIVE_PANEL_MIN_ROWS`` rows an ``(in, out)`` weight-only product on a VNNI CPU quantizes x to
-int16 per flush group as the decode kernels do and sums int16 x code pairs exactly in int32
-(``vpdpwssd``); ``native.float_panels()`` runs the float panels (dequantized codes, float32 FMAs) instead.
+Past ``ops.NATIVE_PANEL_MIN_ROWS`` rows a weight-only product (``(in, out)`` or ``(out, in)``) traced inside
+``native.integer_panels()`` on a VNNI CPU quantizes x to int16 per flush group as the decode kernels do and
+sums int16 x code pairs exactly in int32 (``vpdpwssd``); outside, it runs the float panels (dequantized codes,
+float32 FMAs). ``generate`` traces its prefill and decode loop inside.
 The bound is the int16 rounding plus float32 summation (tests/a16_bound.py); with activations that
 int16 represents exactly, only the float summation is left.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -38,13 +41,28 @@ WEIGHTS = {
 SHAPES = [(96, 37), (67, 40), (600, 70)]
 
 
-def _kernel(name: str, k: int, n: int, seed: int = 0):
+_quantize = jax.jit(quantize, static_argnums=1, static_argnames=("pack_axis",))
+
+
+def _kernel(name: str, k: int, n: int, layout: str = "kn"):
+    """(QArray in ``layout``, K after rounding up to whole groups, float64 (in, out) reference matrix)."""
     spec = WEIGHTS[name]
     if spec.granularity == "group" and k % spec.group_size:
         k = k // spec.group_size * spec.group_size + spec.group_size  # whole groups (K odd: per-channel only)
-    w = jax.jit(quantize, static_argnums=1)(jnp.asarray(np.random.default_rng(seed).standard_normal((k, n)),
-                                                        jnp.float32), spec)
-    return widen_to_int4(w), k
+    wf = jnp.asarray(np.random.default_rng(0).standard_normal((k, n)), jnp.float32)
+    if layout == "kn":
+        w = widen_to_int4(_quantize(wf, spec))
+        return w, k, np.asarray(w.dequantize(), np.float64)
+    # (out, in): per row, or groups along in; int4 packed along in
+    spec = dataclasses.replace(spec, axis={"group": 1, "channel": 0}.get(spec.granularity, spec.axis))
+    w = widen_to_int4(_quantize(wf.T, spec, pack_axis=1))
+    return w, k, np.asarray(w.dequantize(), np.float64).T
+
+
+def _product(x: np.ndarray, w, layout: str, integer: bool = True) -> np.ndarray:
+    f = native.weight_only_kn if layout == "kn" else native.weight_only_nk
+    with native.integer_panels(integer):
+        return np.asarray(f(jnp.asarray(x), w))
 
 
 def _x(rows: int, k: int, seed: int) -> np.ndarray:
@@ -56,35 +74,36 @@ def _check(y, ref, bound):
     assert np.all(err <= bound), f"max err {err.max():.3g}, bound there {bound.flat[np.argmax(err)]:.3g}"
 
 
+@pytest.mark.parametrize("layout", ["kn", "nk"])
 @pytest.mark.parametrize("k,n", SHAPES)
 @pytest.mark.parametrize("name", sorted(WEIGHTS))
-def test_integer_panels_match_the_reference(name, k, n):
+def test_integer_panels_match_the_reference(name, k, n, layout):
+    """kn: the kernel's rows widened a pair at a time; nk (the tied head's table): its rows widened and
+    transposed 16 x 16 into the panel."""
     rows = {96: 9, 67: 14, 600: 51}[k]  # remainders 1, 2 and 3 past 4-row tiles
-    w, k = _kernel(name, k, n)
+    w, k, wd = _kernel(name, k, n, layout)
     x = _x(rows, k, rows)
-    y = np.asarray(native.weight_only_kn(jnp.asarray(x), w))  # computed now, before the switch below
-    ref = x.astype(np.float64) @ np.asarray(w.dequantize(), np.float64)
-    bound = a16_bound(x, w)
+    y = _product(x, w, layout)
+    ref = x.astype(np.float64) @ wd
+    bound = a16_bound(x, w, nk=layout == "nk")
     _check(y, ref, bound)
     assert bound.max() < 1e-2 * np.abs(ref).max()  # the bound is a small fraction of the outputs
-    with native.float_panels():
-        y_float = np.asarray(native.weight_only_kn(jnp.asarray(x), w))
-    assert not np.array_equal(y, y_float)  # the switch picks the other path
+    assert not np.array_equal(y, _product(x, w, layout, integer=False))  # the switch picks the other path
 
 
+@pytest.mark.parametrize("layout", ["kn", "nk"])
 @pytest.mark.parametrize("name", ["int8-g48-asym", "int4-g32-asym", "int8-channel"])
-def test_activations_int16_represents_are_summed_exactly(name):
+def test_activations_int16_represents_are_summed_exactly(name, layout):
     """x = integers times 2^-8 with each flush group's absmax 32767 * 2^-8: int16 holds them exactly, so
     the outputs are the float64 products to within float32 summation alone."""
-    w, k = _kernel(name, 336, 70)
-    flush = w.tile[0] if w.tile[0] < k else 128
+    w, k, wd = _kernel(name, 336, 70, layout)
+    flush = WEIGHTS[name].group_size if WEIGHTS[name].granularity == "group" else 128
     rng = np.random.default_rng(3)
     ints = rng.integers(-32767, 32768, (20, k))
     for k0 in range(0, k, flush):
         ints[:, k0] = rng.choice([-32767, 32767], 20)
     x = (ints * 2.0 ** -8).astype(np.float32)
-    y = native.weight_only_kn(jnp.asarray(x), w)
-    wd = np.asarray(w.dequantize(), np.float64)
+    y = _product(x, w, layout)
     mag = np.abs(x.astype(np.float64)) @ np.abs(wd)
     if w.zero_point is not None:
         mag = mag + np.abs(x.astype(np.float64)).sum(axis=1, keepdims=True) * np.abs(wd).max()
@@ -94,27 +113,27 @@ def test_activations_int16_represents_are_summed_exactly(name):
 def test_swiglu_in_the_integer_tile():
     """A joined gate/up kernel: silu(gate) * up from the integer sums, 16 output columns a slice (the last
     partial), equal to the activation applied to the plain product's two halves to float rounding."""
-    w, k = _kernel("int4-g32-asym", 128, 2 * 37)
-    x = jnp.asarray(_x(30, k, 5))
-    joined = np.asarray(native.weight_only_kn(x, w), np.float64)
+    w, k, _ = _kernel("int4-g32-asym", 128, 2 * 37)
+    x = _x(30, k, 5)
+    joined = _product(x, w, "kn").astype(np.float64)
     gate, up = joined[:, :37], joined[:, 37:]
     want = gate / (1 + np.exp(-gate)) * up
-    got = np.asarray(native.weight_only_swiglu(x, w), np.float64)
+    with native.integer_panels():
+        got = np.asarray(native.weight_only_swiglu(jnp.asarray(x), w), np.float64)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-5 * np.abs(want).max())
 
 
 def test_nan_and_zero_rows():
     """A row holding a NaN gives NaN outputs and leaves the other rows alone; a zero row gives zeros."""
-    w, k = _kernel("int4-g32-asym", 96, 40)
+    w, k, wd = _kernel("int4-g32-asym", 96, 40)
     x = _x(12, k, 9)
     x[4, 17] = np.nan
     x[7] = 0.0
-    y = np.asarray(native.weight_only_kn(jnp.asarray(x), w))
+    y = _product(x, w, "kn")
     assert np.isnan(y[4]).all() and np.isfinite(np.delete(y, 4, axis=0)).all()
     np.testing.assert_array_equal(y[7], 0.0)
     rest = [r for r in range(12) if r not in (4, 7)]
-    ref = x[rest].astype(np.float64) @ np.asarray(w.dequantize(), np.float64)
-    _check(y[rest], ref, a16_bound(x[rest], w))
+    _check(y[rest], x[rest].astype(np.float64) @ wd, a16_bound(x[rest], w))
 
 
 @pytest.mark.parametrize("name,k,spec", [
@@ -123,7 +142,27 @@ def test_nan_and_zero_rows():
 ])
 def test_float_panels_where_the_integer_ones_cannot(name, k, spec):
     w = quantize(jnp.asarray(_x(k, 40, 1)), spec)
-    x = jnp.asarray(_x(16, k, 2))
-    y = np.asarray(native.weight_only_kn(x, w))  # computed now, before the switch below
-    with native.float_panels():
-        np.testing.assert_array_equal(y, np.asarray(native.weight_only_kn(x, w)))
+    x = _x(16, k, 2)
+    np.testing.assert_array_equal(_product(x, w, "kn"), _product(x, w, "kn", integer=False))
+
+
+def test_generate_takes_the_integer_panels_and_a_full_forward_the_float_ones():
+    """The weight-only products of a prompt's prefill and of the decode loop are traced with the integer
+    panels; a full forward (perplexity, the exports' comparisons) with the float ones."""
+    import re
+
+    from llmeq_jax import generate as gen
+    from llmeq_jax.models import ModelConfig, forward, init_params
+
+    config = ModelConfig("llama", 64, 32, 2, 4, 2, 8, 48, 1e-5, 64, False)
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, a: quantize(a, Spec(bits=8)) if "kernel" in jax.tree_util.keystr(path) else a,
+        init_params(config, jax.random.key(0)))
+    tokens = jnp.zeros((1, 12), jnp.int32)  # 12 rows: past the row kernels' 8
+
+    def flags(text):
+        return set(re.findall(r"int_panels = (\d)", text))
+
+    cache = gen.init_cache(config, 1, 16)
+    assert flags(gen.prefill.lower(config, params, tokens, jnp.ones((1, 12), jnp.int32), cache).as_text()) == {"1"}
+    assert flags(jax.jit(lambda p, t: forward(config, p, t)).lower(params, tokens).as_text()) == {"0"}

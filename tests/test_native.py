@@ -132,9 +132,7 @@ CASES = [(name, ROWS[i % len(ROWS)]) for i, name in enumerate(sorted(WEIGHTS))] 
 def test_weight_only_matches_reference(name, rows, layout):
     w, wd, absw = _weight(name, layout)
     x = np.asarray(_rand((rows, K), rows))
-    with native.float_panels():  # past 8 rows, float products (the integer panels: tests/test_int_panels.py)
-        f = native.weight_only_kn if layout == "kn" else native.weight_only_nk
-        y = np.asarray(f(jnp.asarray(x), w))
+    y = native.weight_only_kn(jnp.asarray(x), w) if layout == "kn" else native.weight_only_nk(jnp.asarray(x), w)
     _assert_close(y, x.astype(np.float64) @ wd, _bound(x, absw, K))
 
 
@@ -144,15 +142,12 @@ def test_weight_only_matches_reference(name, rows, layout):
 def test_many_row_weight_only_matches_reference(name, layout):
     """Products of more than 8 rows (batched decode, prefill, the tied head): on AVX-512 they run the
     float panel GEMM on slices dequantized in cache (groups across the K tail, partial last panel, int4
-    nibbles; nk rows transposed 16 x 16 into the panel; one row block below 12 rows, several above). On a
-    VNNI CPU the kn products take the integer panels unless switched off (tests/test_int_panels.py)."""
+    nibbles; nk rows transposed 16 x 16 into the panel; one row block below 12 rows, several above)."""
     rows = {0: 9, 1: 20, 2: 65, 3: 100, 4: 300}[(sorted(WEIGHTS).index(name) + (layout == "nk")) % 5]
     w, wd, absw = _weight(name, layout)
     x = np.asarray(_rand((rows, K), rows))
     f = native.weight_only_kn if layout == "kn" else native.weight_only_nk
-    with native.float_panels():
-        y = np.asarray(f(jnp.asarray(x), w))
-    _assert_close(y, x.astype(np.float64) @ wd, _bound(x, absw, K))
+    _assert_close(f(jnp.asarray(x), w), x.astype(np.float64) @ wd, _bound(x, absw, K))
 
 
 @needs_native
