@@ -3140,8 +3140,7 @@ VNNI512 void wo_int_task(const WOI& c, int64_t pidx, int64_t r0, int64_t r1) {
       }
   const float* zs = p.zp ? sz.data() : nullptr;
   if (p.swiglu) {
-    const int64_t F = p.N / 2;
-    wo_int_rows<true>(c, panel.data(), s.data(), zs, r0, r1, p.y + pidx * 16, F, static_cast<int>(cols[0]));
+    wo_int_rows<true>(c, panel.data(), s.data(), zs, r0, r1, p.y + pidx * 16, p.N / 2, static_cast<int>(cols[0]));
   } else {
     wo_int_rows<false>(c, panel.data(), s.data(), zs, r0, r1, p.y + pidx * kPanelCols, p.N,
                        static_cast<int>(cols[0] + cols[1]));
