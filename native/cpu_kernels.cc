@@ -1961,42 +1961,43 @@ AVX2 int32_t rm_round_avx2(const float* x, int64_t n, float inv, bool split, int
 }
 #endif
 
+// One flush group of n activations to int16 codes q (rm_round_*'s layout; simd: n a multiple of 16) with
+// scale absmax / 32767, which it returns, their sum in `sum`. A zero group gets scale 0 and no codes; a
+// non-finite one scale NaN, so that its outputs are NaN as a float matmul's would be.
+float rm_quantize_group(const float* x, int64_t n, bool simd, bool split, int16_t* q, int64_t half, int32_t& sum) {
+  float amax;
+#if LLMEQ_X86
+  amax = simd ? rm_abs_max_avx2(x, n) : rm_abs_max(x, n);
+#else
+  (void)simd;
+  amax = rm_abs_max(x, n);
+#endif
+  sum = 0;
+  if (!(amax > 0.f) || !std::isfinite(amax))
+    return amax > 0.f || std::isnan(amax) ? std::numeric_limits<float>::quiet_NaN() : 0.f;
+  const float inv = 32767.f / amax;
+#if LLMEQ_X86
+  sum = simd ? rm_round_avx2(x, n, inv, split, q, half) : rm_round_scalar(x, n, inv, split, q, half);
+#else
+  sum = rm_round_scalar(x, n, inv, split, q, half);
+#endif
+  return amax / 32767.f;
+}
+
 // Weight-only activations: int16 per (row, flush group) with scale absmax / 32767 (RM::x16's layout).
 void rm_quantize_x16(const float* x, RM& p, std::vector<int16_t>& xq, std::vector<float>& sa,
                      std::vector<int32_t>& xsum) {
   xq.assign(p.M * p.K, 0);
   sa.assign(p.M * p.FG, 0.f);
   xsum.assign(p.M * p.FG, 0);
-  const bool split = p.mode == 1;
-#if LLMEQ_X86
-  const bool simd = use_avx2();
-#endif
+  const bool split = p.mode == 1, simd = use_avx2();
   for (int64_t m = 0; m < p.M; ++m) {
     const float* xr = x + m * p.K;
     for (int64_t f = 0; f < p.FG; ++f) {
       const int64_t k0 = f * p.F, n = std::min(p.K, k0 + p.F) - k0;
-      float amax;
-#if LLMEQ_X86
-      amax = simd ? rm_abs_max_avx2(xr + k0, n) : rm_abs_max(xr + k0, n);
-#else
-      amax = rm_abs_max(xr + k0, n);
-#endif
-      if (!(amax > 0.f) || !std::isfinite(amax)) {
-        // Zero group: nothing to add. A non-finite one is passed on as NaN, as a float matmul would.
-        sa[m * p.FG + f] = amax > 0.f || std::isnan(amax) ? std::numeric_limits<float>::quiet_NaN() : 0.f;
-        continue;
-      }
       // k0 is even: in mode 1 the group's even k start at k0 / 2, its odd k at K / 2 + k0 / 2.
       int16_t* q = xq.data() + m * p.K + (split ? k0 / 2 : k0);
-      const float inv = 32767.f / amax;
-      int32_t s;
-#if LLMEQ_X86
-      s = simd ? rm_round_avx2(xr + k0, n, inv, split, q, p.K / 2) : rm_round_scalar(xr + k0, n, inv, split, q, p.K / 2);
-#else
-      s = rm_round_scalar(xr + k0, n, inv, split, q, p.K / 2);
-#endif
-      xsum[m * p.FG + f] = s;
-      sa[m * p.FG + f] = amax / 32767.f;
+      sa[m * p.FG + f] = rm_quantize_group(xr + k0, n, simd, split, q, p.K / 2, xsum[m * p.FG + f]);
     }
   }
   p.x16 = xq.data();
@@ -3155,18 +3156,8 @@ VNNI512 void wo_int_panel_run(const WO& p, ffi::ThreadPool* pool) {
   for (int64_t m = 0; m < p.M; ++m)
     for (int64_t a = 0; a < c.A; ++a) {  // as rm_quantize_x16 (the decode kernels' activations)
       const int64_t k0 = a * c.F, n = std::min(p.K, k0 + c.F) - k0;
-      const float* x = p.x + m * p.K + k0;
-      const bool wide = n % 16 == 0;
-      const float amax = wide ? rm_abs_max_avx2(x, n) : rm_abs_max(x, n);
-      int32_t sum = 0;
-      if (amax > 0.f && std::isfinite(amax)) {
-        int16_t* q = x16.data() + m * c.Kp + k0;
-        const float inv = 32767.f / amax;
-        sum = wide ? rm_round_avx2(x, n, inv, false, q, 0) : rm_round_scalar(x, n, inv, false, q, 0);
-        sa[m * c.A + a] = amax / 32767.f;
-      } else {  // a zero group adds nothing; a non-finite one makes its outputs NaN, as a float product would
-        sa[m * c.A + a] = amax > 0.f || std::isnan(amax) ? std::numeric_limits<float>::quiet_NaN() : 0.f;
-      }
+      int32_t sum;
+      sa[m * c.A + a] = rm_quantize_group(p.x + m * p.K + k0, n, n % 16 == 0, false, x16.data() + m * c.Kp + k0, 0, sum);
       if (p.zp) xsum[m * c.A + a] = static_cast<float>(sum) * sa[m * c.A + a];
     }
   c.x16 = x16.data();

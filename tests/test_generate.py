@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+
 import jax
 import jax.extend
 import jax.numpy as jnp
