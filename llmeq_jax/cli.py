@@ -316,6 +316,9 @@ def cmd_generate(args) -> int:
         raise UsageError(f"prompt ({len(ids)} tokens) + --max-new-tokens {args.max_new_tokens} exceeds the model's "
                        f"context of {config.max_position_embeddings}")
     greedy = not args.temperature  # None (no --temperature) or 0: argmax, as --temperature 0 means elsewhere
+    if alphas and args.prompt_activation_bits != 16:
+        raise UsageError("a recipe with online activation scales (act_ema) runs its own prefill; "
+                         "drop --prompt-activation-bits")
     if alphas and args.scan_layers:
         raise UsageError("a recipe with online activation scales (act_ema) generates with unrolled blocks; "
                          "drop --scan-layers")
@@ -328,7 +331,8 @@ def cmd_generate(args) -> int:
             params = stacked.stack_blocks_or_warn(config, params)
         out = generate(config, params, jnp.asarray([ids], jnp.int32), args.max_new_tokens,
                        greedy=greedy, temperature=args.temperature if not greedy else 1.0,
-                       top_k=args.top_k, top_p=args.top_p, seed=args.seed, kv=kv)
+                       top_k=args.top_k, top_p=args.top_p, seed=args.seed, kv=kv,
+                       prompt_activation_bits=args.prompt_activation_bits)
     new = [int(t) for t in out[0]]
     if config.eos_ids:
         for i, t in enumerate(new):
@@ -662,6 +666,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=TOP_P, default=1.0, help="nucleus sampling mass in (0, 1] (1.0 = off)")
     p.add_argument("--seed", type=_seed, default=0, help=f"sampling seed in [0, {SEED_MAX}] (default 0)")
     p.add_argument("--no-bos", action="store_true", help="do not prepend the BOS token (then --prompt must not be empty)")
+    p.add_argument("--prompt-activation-bits", type=int, choices=(16, 8), default=16,
+                   help="activations of the prompt's weight-only products on AVX-512 VNNI CPUs: 16 (default, the "
+                        "decode steps' int16) or 8 (int8 as llama.cpp: a faster first token, a little accuracy)")
     _add_scan_opt(p)
     _add_keep_opt(p)
     _add_verify_opt(p)

@@ -62,9 +62,9 @@ PANEL_COLS = 32
 # Query positions from which the attention kernel runs its blocked prefill path (kFlashMinT in
 # native/cpu_kernels.cc); between NATIVE_MAX_ROWS["attention"] and this, XLA's attention is used.
 PREFILL_ATTENTION_MIN_POSITIONS = 16
-_ABI_VERSION = 15
+_ABI_VERSION = 16
 _DISABLED = contextvars.ContextVar("llmeq_native_disabled", default=False)
-_INT_PANELS = contextvars.ContextVar("llmeq_native_int_panels", default=False)
+_INT_PANELS = contextvars.ContextVar("llmeq_native_int_panels", default=0)  # activation bits, 0: float panels
 
 
 class _State:
@@ -163,16 +163,20 @@ def without_vnni():
 
 
 @contextlib.contextmanager
-def integer_panels(on: bool = True):
+def integer_panels(on: bool = True, activation_bits: int = 16):
     """Weight-only products of more than ``ops.NATIVE_PANEL_MIN_ROWS`` rows traced inside run on the
-    integer panels where the CPU has AVX-512 VNNI: x quantized to int16 per flush group as the decode
-    kernels quantize it (at most 2^-16 of each group's absmax off), int16 x code pairs summed exactly by
-    ``vpdpwssd`` -- 1.4-1.9x the float panels' speed. Outside (the default) they run on float panels,
-    the codes dequantized in cache: the dequantized model's products to float rounding, which perplexity
-    and the exports' comparisons rely on. :func:`llmeq_jax.generate.generate` traces its prompt's prefill
-    and its decode loop inside (the decode kernels already take int16 activations). Read at trace time:
-    a function jitted outside keeps what it was traced with."""
-    token = _INT_PANELS.set(bool(on))
+    integer panels where the CPU has AVX-512 VNNI: x quantized per flush group as the decode kernels
+    group it, the integer products summed exactly. ``activation_bits`` 16: int16 x, as the decode kernels
+    quantize it (at most 2^-16 of each group's absmax off), pairs summed by ``vpdpwssd`` -- 1.4-1.9x the
+    float panels' speed; 8: int8 x (scale absmax / 127, up to 2^-8 off, as llama.cpp quantizes a prompt's
+    activations), quads summed by ``vpdpbusd`` at twice the products an instruction. Outside (the default)
+    they run on float panels, the codes dequantized in cache: the dequantized model's products to float
+    rounding, which perplexity and the exports' comparisons rely on. :func:`llmeq_jax.generate.generate`
+    traces its prompt's prefill (int8) and its decode loop (int16: the decode kernels' activations) inside.
+    Read at trace time: a function jitted outside keeps what it was traced with."""
+    if activation_bits not in (8, 16):
+        raise ValueError(f"integer_panels: activation_bits must be 8 or 16, got {activation_bits!r}")
+    token = _INT_PANELS.set(activation_bits if on else 0)
     try:
         yield
     finally:

@@ -167,7 +167,8 @@ struct WO {
   bool int4;
   bool nk;
   bool swiglu;         // kn only: W is a joined gate/up kernel (gate first), y = silu(x @ gate) * (x @ up), N / 2 columns
-  bool int_panels;     // past kWoPanelMinRows on AVX-512 VNNI: the integer panels (int16 x), else the float ones
+  int int_bits;        // past kWoPanelMinRows on AVX-512 VNNI: the integer panels with int16 (16) or int8 (8) x,
+                       // else (0) the float ones
   int64_t Kb;          // stored length of the K axis: K (int8) or ceil(K/2) (int4)
   // Prepared on the calling thread:
   const float* xsum;   // [M, G] sums of x per group (only with zp)
@@ -525,7 +526,7 @@ void swiglu_rows(const float* h, float* y, int64_t M, int64_t F) {
 void wo_run(WO& p, ffi::ThreadPool* pool) {
 #if LLMEQ_X86
   if (p.M > kWoPanelMinRows && use_avx512()) {
-    if (p.int_panels && use_vnni() && wo_int_panels_ok(p)) wo_int_panel_run(p, pool);
+    if (p.int_bits && use_vnni() && wo_int_panels_ok(p)) wo_int_panel_run(p, pool);
     else wo_panel_run(p, pool);
     return;
   }
@@ -2047,7 +2048,7 @@ ffi::Error wo_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
   p.K = xd[1];
   p.nk = layout == 1;
   p.swiglu = swiglu != 0;
-  p.int_panels = int_panels != 0;
+  p.int_bits = int_panels == 8 ? 8 : int_panels ? 16 : 0;
   if (p.swiglu && p.nk) return ffi::Error::InvalidArgument("llmeq_wo_matmul: swiglu needs the kn layout");
   p.N = p.swiglu ? 2 * yd[1] : yd[1];
   p.int4 = bits <= 4;
@@ -2957,25 +2958,34 @@ void wo_panel_run(const WO& p, ffi::ThreadPool* pool) {
 // points taken off with the group's activation sums. Per call, x's quantization and each slice's widening
 // are once; the tile is vpdpwssd-bound with long groups (per-channel int8 ran at ~93 % of its 64 flops a
 // cycle a core) and pays one convert + two float ops a group per 16 columns with short ones (g16 / g32).
+//
+// With int8 activations (`int_bits` 8, llama.cpp's prompt arithmetic: scale absmax / 127, so up to 2^-8 of
+// the group's absmax off) the slice becomes signed byte quads, [K/4][32] dwords of the codes at k..k+3, and
+// vpdpbusd sums 64 products an instruction, twice vpdpwssd's 32: x goes in unsigned, u = x + 128, and each
+// group's sums start at -128 times the group's code sums of their column, which takes the offset off exactly.
 constexpr int kIntPanelTileRows = 4;
 
 struct WOI {
   const WO* p;
-  const int16_t* x16;  // [M, Kp] int16, K padded with zeros to Kp (even)
+  const uint8_t* xq;   // [M, Kp]: int16 codes (2 bytes each), or int8 codes + 128 (1 byte each); K padded to Kp
+                       // (a multiple of the values a dword holds) with zero codes
   const float* sa;     // [M, A] activation scale per flush group
   const float* xsum;   // [M, A] sum of the quantized activations of each group (times sa), with zero points
   int64_t Kp, F, A;
+  int bytes;           // bytes an activation code: 2 (int16 pairs) or 1 (uint8 quads)
 };
 
 // The activations' flush groups: the decode kernels' (rm_setup), so that a prompt's products and the decode
 // steps' quantize x alike -- the weight's groups, or 128 values for one group a row.
 inline int64_t wo_int_flush(const WO& p) { return p.G > 1 ? p.gs : std::min<int64_t>(p.K, 128); }
 
-// Whether a weight-only product runs on the integer panels: groups that pair up (even, or one flush group
-// in all), and int32 sums that cannot overflow -- a lane sums a whole group of one column,
-// at most F * 32767 * 128 for int8 codes (F <= 256), F * 32767 * 8 for int4 ones (F <= 4096).
+// Whether a weight-only product runs on the integer panels: groups that fill whole dwords (pairs or quads, or
+// one flush group in all), and int32 sums that cannot overflow -- a lane sums a whole group of one column,
+// at most F * 32767 * 128 for int8 codes (F <= 256), F * 32767 * 8 for int4 ones (F <= 4096); with int8 x
+// at most F * 255 * 128 plus the offset's F * 128 * 128 (F <= 4096).
 bool wo_int_panels_ok(const WO& p) {
   const int64_t F = wo_int_flush(p);
+  if (p.int_bits == 8) return (F % 4 == 0 || F >= p.K) && F <= 4096;
   return (F % 2 == 0 || F >= p.K) && F <= (p.int4 ? 4096 : 256);
 }
 
@@ -2988,6 +2998,10 @@ VNNI512 inline __m512i int16_pairs(__m512i a, __m512i b) {
 VNNI512 void wo_int_panel_kn(const WO& p, int64_t Kp, const int64_t* c0, const int64_t* cols, int32_t* panel) {
   uint8_t tail[16];
   for (int64_t k = 0; k < Kp; k += 2) {
+    if (k >= p.K) {  // the padding up to a whole quad
+      std::memset(panel + (k / 2) * kPanelCols, 0, kPanelCols * sizeof(int32_t));
+      continue;
+    }
     for (int h = 0; h < 2; ++h) {
       auto bytes = [&](int64_t kk) -> const uint8_t* {  // 16 codes of row kk (int4: the byte of kk and kk + 1)
         const uint8_t* src = p.q + (p.int4 ? kk / 2 : kk) * p.N + c0[h];
@@ -3056,28 +3070,62 @@ VNNI512 void wo_int_panel(const WO& p, int64_t pidx, int64_t Kp, int64_t pairs, 
   else wo_int_panel_kn(p, Kp, c0, cols, panel);
 }
 
-// Rows [0, R) of x16 (row stride Kp) times one integer panel into y (row stride ldy; 32 columns, or 16 with
-// SWIGLU), `cols` of them stored.
-template <int R, bool SWIGLU>
-VNNI512 __attribute__((noinline)) void wo_int_tile(const WOI& c, const int32_t* panel, const float* s,
-                                                    const float* sz, int64_t m0, float* y, int64_t ldy, int cols) {
+// The pair panel's first `quads` * 2 rows as byte quads, in place: quad row t (codes at 4t .. 4t + 3) from pair
+// rows 2t and 2t + 1 (their int16 codes fit a byte); `corr` [A][32] gets each flush group's column sums of the
+// codes times -128, where the tile's sums of a group start (they take off the activations' offset of 128).
+VNNI512 void wo_int_panel_quads(int32_t* panel, int64_t quads, int64_t F, int64_t A, int32_t* corr) {
+  const __m512i byte = _mm512_set1_epi32(0xFF), byte1 = _mm512_set1_epi32(0xFF00);
+  for (int64_t t = 0; t < quads; ++t)
+    for (int64_t j = 0; j < kPanelCols; j += 16) {
+      const __m512i p0 = _mm512_loadu_si512(panel + 2 * t * kPanelCols + j);
+      const __m512i p1 = _mm512_loadu_si512(panel + (2 * t + 1) * kPanelCols + j);
+      const __m512i h0 = _mm512_or_si512(_mm512_and_si512(p0, byte), _mm512_and_si512(_mm512_srli_epi32(p0, 8), byte1));
+      const __m512i h1 = _mm512_or_si512(_mm512_and_si512(p1, byte), _mm512_and_si512(_mm512_srli_epi32(p1, 8), byte1));
+      _mm512_storeu_si512(panel + t * kPanelCols + j, _mm512_or_si512(h0, _mm512_slli_epi32(h1, 16)));
+    }
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int64_t a = 0; a < A; ++a) {
+    const int64_t t1 = a + 1 == A ? quads : std::min(quads, (a + 1) * F / 4);  // (one group of K % 4 != 0 values)
+    for (int64_t j = 0; j < kPanelCols; j += 16) {
+      __m512i sum = _mm512_setzero_si512();
+      for (int64_t t = a * F / 4; t < t1; ++t) sum = dpbusd(sum, ones, _mm512_loadu_si512(panel + t * kPanelCols + j));
+      _mm512_storeu_si512(corr + a * kPanelCols + j, _mm512_mullo_epi32(sum, _mm512_set1_epi32(-128)));
+    }
+  }
+}
+
+// Rows [0, R) of xq (row stride Kp) times one integer panel into y (row stride ldy; 32 columns, or 16 with
+// SWIGLU), `cols` of them stored. U8: uint8 activations on a quad panel, the sums started at corr (see above).
+template <int R, bool SWIGLU, bool U8>
+VNNI512 __attribute__((noinline)) void wo_int_tile(const WOI& c, const int32_t* panel, const int32_t* corr,
+                                                    const float* s, const float* sz, int64_t m0, float* y, int64_t ldy,
+                                                    int cols) {
+  constexpr int64_t per = U8 ? 4 : 2;  // values a dword
   const WO& p = *c.p;
   __m512 t0[R], t1[R];
   for (int i = 0; i < R; ++i) t0[i] = t1[i] = _mm512_setzero_ps();
-  const int16_t* x = c.x16 + m0 * c.Kp;
+  const uint8_t* x = c.xq + m0 * c.Kp * c.bytes;
   for (int64_t a = 0; a < c.A; ++a) {
     const int64_t k0 = a * c.F, k1 = std::min(c.Kp, k0 + c.F);
     __m512i a0[R], a1[R];
-    for (int i = 0; i < R; ++i) a0[i] = a1[i] = _mm512_setzero_si512();
-    for (int64_t k = k0; k < k1; k += 2) {
-      const __m512i w0 = _mm512_loadu_si512(panel + (k / 2) * kPanelCols);
-      const __m512i w1 = _mm512_loadu_si512(panel + (k / 2) * kPanelCols + 16);
+    for (int i = 0; i < R; ++i) {
+      a0[i] = U8 ? _mm512_loadu_si512(corr + a * kPanelCols) : _mm512_setzero_si512();
+      a1[i] = U8 ? _mm512_loadu_si512(corr + a * kPanelCols + 16) : _mm512_setzero_si512();
+    }
+    for (int64_t k = k0; k < k1; k += per) {
+      const __m512i w0 = _mm512_loadu_si512(panel + (k / per) * kPanelCols);
+      const __m512i w1 = _mm512_loadu_si512(panel + (k / per) * kPanelCols + 16);
       for (int i = 0; i < R; ++i) {
-        int32_t pair;
-        std::memcpy(&pair, x + i * c.Kp + k, 4);
-        const __m512i xb = _mm512_set1_epi32(pair);
-        a0[i] = _mm512_dpwssd_epi32(a0[i], w0, xb);
-        a1[i] = _mm512_dpwssd_epi32(a1[i], w1, xb);
+        int32_t word;
+        std::memcpy(&word, x + (i * c.Kp + k) * c.bytes, 4);
+        const __m512i xb = _mm512_set1_epi32(word);
+        if constexpr (U8) {
+          a0[i] = dpbusd(a0[i], xb, w0);
+          a1[i] = dpbusd(a1[i], xb, w1);
+        } else {
+          a0[i] = _mm512_dpwssd_epi32(a0[i], w0, xb);
+          a1[i] = _mm512_dpwssd_epi32(a1[i], w1, xb);
+        }
       }
     }
     const int64_t g = p.G > 1 ? a : 0;  // flush groups are the weight's groups, or all in its one group
@@ -3107,16 +3155,16 @@ VNNI512 __attribute__((noinline)) void wo_int_tile(const WOI& c, const int32_t* 
   }
 }
 
-template <bool SWIGLU>
-VNNI512 void wo_int_rows(const WOI& c, const int32_t* panel, const float* s, const float* sz, int64_t r0,
-                         int64_t r1, float* y, int64_t ldy, int cols) {
+template <bool SWIGLU, bool U8>
+VNNI512 void wo_int_rows(const WOI& c, const int32_t* panel, const int32_t* corr, const float* s, const float* sz,
+                         int64_t r0, int64_t r1, float* y, int64_t ldy, int cols) {
   int64_t r = r0;
   for (; r + kIntPanelTileRows <= r1; r += kIntPanelTileRows)
-    wo_int_tile<kIntPanelTileRows, SWIGLU>(c, panel, s, sz, r, y + r * ldy, ldy, cols);
+    wo_int_tile<kIntPanelTileRows, SWIGLU, U8>(c, panel, corr, s, sz, r, y + r * ldy, ldy, cols);
   switch (r1 - r) {
-    case 3: wo_int_tile<3, SWIGLU>(c, panel, s, sz, r, y + r * ldy, ldy, cols); break;
-    case 2: wo_int_tile<2, SWIGLU>(c, panel, s, sz, r, y + r * ldy, ldy, cols); break;
-    case 1: wo_int_tile<1, SWIGLU>(c, panel, s, sz, r, y + r * ldy, ldy, cols); break;
+    case 3: wo_int_tile<3, SWIGLU, U8>(c, panel, corr, s, sz, r, y + r * ldy, ldy, cols); break;
+    case 2: wo_int_tile<2, SWIGLU, U8>(c, panel, corr, s, sz, r, y + r * ldy, ldy, cols); break;
+    case 1: wo_int_tile<1, SWIGLU, U8>(c, panel, corr, s, sz, r, y + r * ldy, ldy, cols); break;
     default: break;
   }
 }
@@ -3124,14 +3172,19 @@ VNNI512 void wo_int_rows(const WOI& c, const int32_t* panel, const float* s, con
 // One task: rows [r0, r1) times slice pidx.
 VNNI512 void wo_int_task(const WOI& c, int64_t pidx, int64_t r0, int64_t r1) {
   const WO& p = *c.p;
-  thread_local std::vector<int32_t> panel;
+  thread_local std::vector<int32_t> panel, corr;
   thread_local std::vector<float> s, sz;
-  const int64_t pairs = cdiv(c.Kp / 2, 16) * 16;  // nk transposes 16 pairs at a time
+  const int64_t pairs = cdiv(c.Kp / 2, 16) * 16;  // nk transposes 16 pairs at a time (c.Kp: even)
   panel.resize(pairs * kPanelCols);
   s.assign(p.G * kPanelCols, 0.f);
   if (p.zp) sz.assign(p.G * kPanelCols, 0.f);
   int64_t c0[2], cols[2];
   wo_int_panel(p, pidx, c.Kp, pairs, panel.data(), c0, cols);
+  const bool u8 = c.bytes == 1;
+  if (u8) {
+    corr.resize(c.A * kPanelCols);
+    wo_int_panel_quads(panel.data(), c.Kp / 4, c.F, c.A, corr.data());
+  }
   for (int64_t g = 0; g < p.G; ++g)
     for (int h = 0; h < 2; ++h)
       for (int64_t j = 0; j < cols[h]; ++j) {
@@ -3140,27 +3193,59 @@ VNNI512 void wo_int_task(const WOI& c, int64_t pidx, int64_t r0, int64_t r1) {
         if (p.zp) sz[g * kPanelCols + 16 * h + j] = sc * p.zp[sidx(p, g, c0[h] + j)];
       }
   const float* zs = p.zp ? sz.data() : nullptr;
-  if (p.swiglu) {
-    wo_int_rows<true>(c, panel.data(), s.data(), zs, r0, r1, p.y + pidx * 16, p.N / 2, static_cast<int>(cols[0]));
-  } else {
-    wo_int_rows<false>(c, panel.data(), s.data(), zs, r0, r1, p.y + pidx * kPanelCols, p.N,
-                       static_cast<int>(cols[0] + cols[1]));
+  const int32_t* cs = u8 ? corr.data() : nullptr;
+  float* y = p.y + pidx * (p.swiglu ? kPanelCols / 2 : kPanelCols);
+  const int64_t ldy = p.swiglu ? p.N / 2 : p.N;
+  const int n = static_cast<int>(p.swiglu ? cols[0] : cols[0] + cols[1]);
+  if (p.swiglu && u8) wo_int_rows<true, true>(c, panel.data(), cs, s.data(), zs, r0, r1, y, ldy, n);
+  else if (p.swiglu) wo_int_rows<true, false>(c, panel.data(), cs, s.data(), zs, r0, r1, y, ldy, n);
+  else if (u8) wo_int_rows<false, true>(c, panel.data(), cs, s.data(), zs, r0, r1, y, ldy, n);
+  else wo_int_rows<false, false>(c, panel.data(), cs, s.data(), zs, r0, r1, y, ldy, n);
+}
+
+// One flush group of n activations to int8 codes stored plus 128 (u, a byte each) with scale absmax / 127,
+// which it returns, their sum (of the signed codes) in `sum`; rm_quantize_group's rules otherwise (a zero
+// group: scale 0, codes 0; a non-finite one: scale NaN).
+VNNI512 float wo_quantize_group_u8(const float* x, int64_t n, uint8_t* u, int32_t& sum) {
+  const float amax = n % 8 == 0 ? rm_abs_max_avx2(x, n) : rm_abs_max(x, n);
+  sum = 0;
+  std::memset(u, 128, n);
+  if (!(amax > 0.f) || !std::isfinite(amax))
+    return amax > 0.f || std::isnan(amax) ? std::numeric_limits<float>::quiet_NaN() : 0.f;
+  const float inv = 127.f / amax;
+  int64_t i = 0;
+  __m512i acc = _mm512_setzero_si512();
+  for (; i + 16 <= n; i += 16) {  // round to nearest even, as lrintf below
+    const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i), _mm512_set1_ps(inv)));
+    acc = _mm512_add_epi32(acc, v);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(u + i), _mm512_cvtepi32_epi8(_mm512_add_epi32(v, _mm512_set1_epi32(128))));
   }
+  sum = _mm512_reduce_add_epi32(acc);
+  for (; i < n; ++i) {
+    const int32_t v = static_cast<int32_t>(std::lrintf(x[i] * inv));
+    sum += v;
+    u[i] = static_cast<uint8_t>(v + 128);
+  }
+  return amax / 127.f;
 }
 
 VNNI512 void wo_int_panel_run(const WO& p, ffi::ThreadPool* pool) {
-  WOI c{&p, nullptr, nullptr, nullptr, cdiv(p.K, 2) * 2, wo_int_flush(p), 0};
+  const bool u8 = p.int_bits == 8;
+  WOI c{&p, nullptr, nullptr, nullptr, cdiv(p.K, u8 ? 4 : 2) * (u8 ? 4 : 2), wo_int_flush(p), 0, u8 ? 1 : 2};
   c.A = cdiv(p.K, c.F);
-  std::vector<int16_t> x16(p.M * c.Kp, 0);
+  std::vector<int16_t> x16(u8 ? 0 : p.M * c.Kp, 0);
+  std::vector<uint8_t> xu(u8 ? p.M * c.Kp : 0, 128);
   std::vector<float> sa(p.M * c.A), xsum(p.zp ? p.M * c.A : 0);
   for (int64_t m = 0; m < p.M; ++m)
-    for (int64_t a = 0; a < c.A; ++a) {  // as rm_quantize_x16 (the decode kernels' activations)
+    for (int64_t a = 0; a < c.A; ++a) {  // int16: as rm_quantize_x16 (the decode kernels' activations)
       const int64_t k0 = a * c.F, n = std::min(p.K, k0 + c.F) - k0;
+      const float* xr = p.x + m * p.K + k0;
       int32_t sum;
-      sa[m * c.A + a] = rm_quantize_group(p.x + m * p.K + k0, n, n % 16 == 0, false, x16.data() + m * c.Kp + k0, 0, sum);
+      sa[m * c.A + a] = u8 ? wo_quantize_group_u8(xr, n, xu.data() + m * c.Kp + k0, sum)
+                           : rm_quantize_group(xr, n, n % 16 == 0, false, x16.data() + m * c.Kp + k0, 0, sum);
       if (p.zp) xsum[m * c.A + a] = static_cast<float>(sum) * sa[m * c.A + a];
     }
-  c.x16 = x16.data();
+  c.xq = u8 ? xu.data() : reinterpret_cast<const uint8_t*>(x16.data());
   c.sa = sa.data();
   c.xsum = p.zp ? xsum.data() : nullptr;
   const int64_t P = p.swiglu ? cdiv(p.N / 2, kPanelCols / 2) : cdiv(p.N, kPanelCols);
@@ -4456,5 +4541,5 @@ __attribute__((visibility("default"))) void llmeq_native_force_scalar(int on) { 
 __attribute__((visibility("default"))) int llmeq_native_vnni() { return use_vnni() ? 1 : 0; }
 __attribute__((visibility("default"))) int llmeq_native_avx512() { return use_avx512() ? 1 : 0; }
 __attribute__((visibility("default"))) void llmeq_native_allow_vnni(int on) { g_allow_vnni.store(on ? 1 : 0); }
-__attribute__((visibility("default"))) int llmeq_native_abi_version() { return 15; }
+__attribute__((visibility("default"))) int llmeq_native_abi_version() { return 16; }
 }

@@ -134,6 +134,21 @@ def ours_runner(config, params, ids, steps=DECODE_STEPS):
     return prefill, lambda: max(gen(steps + 1) - gen(1), 1e-9) / steps
 
 
+def ours_first_token(config, params, ids, prompt_activation_bits=16):
+    """Timer of one prompt's seconds to its first new token, warm: our ``generate`` of one token, the
+    prefill a request takes (the head on the last position only, integer panels where they exist)."""
+    from llmeq_jax.generate import generate
+
+    prompt = jnp.asarray([ids], jnp.int32)
+
+    def first_token():
+        return seconds(lambda: jax.block_until_ready(
+            generate(config, params, prompt, 1, prompt_activation_bits=prompt_activation_bits)))
+
+    first_token()  # compile
+    return first_token
+
+
 def seconds(fn) -> float:
     t0 = time.perf_counter()
     fn()
@@ -154,11 +169,12 @@ def has_llama_cpp() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
-def llama_cpp_model(path, n_ctx):
-    """A GGUF file in llama.cpp, float32 KV cache (its float16 default would add its own rounding), every core."""
+def llama_cpp_model(path, n_ctx, logits_all=True):
+    """A GGUF file in llama.cpp, float32 KV cache (its float16 default would add its own rounding), every core.
+    ``logits_all``: every position's logits (False: the last position's only, as a request computes them)."""
     from llama_cpp import Llama
 
-    return Llama(str(path), n_ctx=n_ctx, logits_all=True, verbose=False, n_threads=len(os.sched_getaffinity(0)),
+    return Llama(str(path), n_ctx=n_ctx, logits_all=logits_all, verbose=False, n_threads=len(os.sched_getaffinity(0)),
                  type_k=0, type_v=0)
 
 
@@ -181,6 +197,25 @@ def llama_cpp_runner(path, ids, steps=DECODE_STEPS):
         return (time.perf_counter() - t0) / steps
 
     return logits, lambda: seconds(prefill), decode
+
+
+def llama_cpp_first_token(path, ids):
+    """Timer of one prompt's seconds to its first new token in llama.cpp, warm: the prompt evaluated without
+    ``logits_all`` (the head on the last position only, as llama.cpp serves a request), then that position's
+    greedy token."""
+    llm = llama_cpp_model(path, len(ids) + 1, logits_all=False)
+    vocab = llm.n_vocab()
+
+    def first_token():
+        def run():
+            llm.reset()
+            llm.eval(ids)
+            return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(vocab,))))
+
+        return seconds(run)
+
+    first_token()
+    return first_token
 
 
 def mean_nll(logits, ids):

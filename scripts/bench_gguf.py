@@ -6,7 +6,10 @@ to float32 and, when llama-cpp-python is installed, llama.cpp running it.
 Per file: bytes of the weights (ours kept / ours float), max |Δlogit| / max |logit| of kept against float on
 a 128-token window of wikitext2_test.txt, perplexity (``--ppl-windows`` windows of 256 tokens) of ours kept,
 ours float and llama.cpp, and prefill (128 tokens) / decode (batch 1, 32 greedy steps, ours through
-``generate``: t(33) - t(1)) tokens/s, all timers run in turn for ``--rounds`` rounds, medians.
+``generate``: t(33) - t(1)) tokens/s, and the prompt's time to its first token (ours kept: ``generate`` of one
+token, with int16 and with int8 prompt activations; llama.cpp without ``logits_all``: both compute the head on
+the last position only, where the prefill column's full forwards compute every position's logits), all timers
+run in turn for ``--rounds`` rounds, medians.
 
 ``--make TYPE ...`` (llama-cpp-python needed) writes the ``--model`` as a float32 GGUF and has llama.cpp's
 own quantizer (``llama_model_quantize``) turn it into each llama.cpp file type (Q4_K_M, Q5_K_M, Q6_K,
@@ -36,7 +39,8 @@ from llmeq_jax.models.registry import REGISTRY, resolve
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_export import (  # noqa: E402 - the sibling script's runners, timed the same way
-    has_llama_cpp, interleaved_medians, jit_forward, llama_cpp_model, llama_cpp_runner, mean_nll, ours_runner,
+    has_llama_cpp, interleaved_medians, jit_forward, llama_cpp_first_token, llama_cpp_model, llama_cpp_runner,
+    mean_nll, ours_first_token, ours_runner,
 )
 
 
@@ -103,6 +107,8 @@ def bench_file(path: Path, rounds: int, n_tokens: int, n_windows: int) -> dict:
     timers = {}
     for name, params in (("kept", kept), ("float", floats)):
         timers[f"{name} prefill"], timers[f"{name} decode"] = ours_runner(config, params, ids)
+    timers["kept first token"] = ours_first_token(config, kept, ids)
+    timers["kept int8 first token"] = ours_first_token(config, kept, ids, prompt_activation_bits=8)
     if has_llama_cpp():
         llm = llama_cpp_model(path, 256)
 
@@ -114,9 +120,13 @@ def bench_file(path: Path, rounds: int, n_tokens: int, n_windows: int) -> dict:
         row["ppl_llama_cpp"] = perplexity(theirs, windows)
         del llm
         _, timers["llama.cpp prefill"], timers["llama.cpp decode"] = llama_cpp_runner(path, ids)
+        timers["llama.cpp first token"] = llama_cpp_first_token(path, ids)
     med = interleaved_medians(timers, rounds)
     for name, seconds in med.items():
-        row[name.replace(" ", "_") + "_tok_s"] = (len(ids) if name.endswith("prefill") else 1) / seconds
+        if name.endswith("first token"):
+            row[name.replace(" ", "_") + "_ms"] = 1e3 * seconds
+        else:
+            row[name.replace(" ", "_") + "_tok_s"] = (len(ids) if name.endswith("prefill") else 1) / seconds
     print(row, flush=True)
     return row
 
@@ -150,9 +160,10 @@ def main():
     print("| file | tensor types | weights MB kept / float | Δlogit kept vs float | ppl kept | ppl float"
           + (" | ppl llama.cpp" if cpp else "") + " | decode tok/s kept | float | kept / float"
           + (" | llama.cpp | kept / llama.cpp" if cpp else "") + " | prefill tok/s kept | float"
-          + (" | llama.cpp" if cpp else "") + " |")
+          + (" | llama.cpp" if cpp else "") + " | first token ms kept | int8 prompt" + (" | llama.cpp | kept / llama.cpp" if cpp else "")
+          + " |")
     print("|---|---|---|---:|---:|---:|" + ("---:|" if cpp else "") + "---:|---:|---:|" + ("---:|---:|" if cpp else "")
-          + "---:|---:|" + ("---:|" if cpp else ""))
+          + "---:|---:|" + ("---:|" if cpp else "") + "---:|---:|" + ("---:|---:|" if cpp else ""))
     for r in rows:
         types = ", ".join(f"{k} {v}" for k, v in sorted(r["types"].items(), key=lambda kv: -kv[1]))
         line = (f"| {r['file']} | {types} | {r['kept_mb']:.0f} / {r['float_mb']:.0f} | {r['rel_logit_diff']:.1e} "
@@ -166,6 +177,10 @@ def main():
         line += f" {r['kept_prefill_tok_s']:.0f} | {r['float_prefill_tok_s']:.0f} |"
         if cpp:
             line += f" {r['llama.cpp_prefill_tok_s']:.0f} |"
+        line += f" {r['kept_first_token_ms']:.1f} | {r['kept_int8_first_token_ms']:.1f} |"
+        if cpp:  # (speed ratios: llama.cpp's time over ours, int16 / int8 prompt activations)
+            ms = r["llama.cpp_first_token_ms"]
+            line += f" {ms:.1f} | {ms / r['kept_first_token_ms']:.2f}x / {ms / r['kept_int8_first_token_ms']:.2f}x |"
         print(line)
 
 

@@ -217,7 +217,7 @@ def test_bench_export_perplexity_is_the_mean_next_token_nll():
 
 def test_bench_gguf_runs_a_file_kept_and_dequantized(tmp_path):
     """bench_gguf on a real model written as Q8_0 blocks: kept quantized it is smaller, computes the dequantized
-    file's logits and perplexity, and both decode timings come back."""
+    file's logits and perplexity, and both decode timings and the time to a first token come back."""
     from llmeq_jax.core.rules import quantize_params, recipe_from_dict
     from llmeq_jax.export.gguf import write_gguf
     from llmeq_jax.models import load_model
@@ -235,3 +235,5 @@ def test_bench_gguf_runs_a_file_kept_and_dequantized(tmp_path):
     assert row["rel_logit_diff"] < 1e-5
     assert abs(row["ppl_kept"] / row["ppl_float"] - 1) < 1e-5
     assert row["kept_decode_tok_s"] > 0 and row["float_decode_tok_s"] > 0
+    assert 0 < row["kept_first_token_ms"] < 1e3 * 16 / row["kept_prefill_tok_s"] + 1e3
+    assert 0 < row["kept_int8_first_token_ms"] < 1e3 * 16 / row["kept_prefill_tok_s"] + 1e3

@@ -58,6 +58,11 @@ def test_quantize_inspect_eval_generate(w8_checkpoint):
 
     text = llmeq("generate", str(out), "--prompt", "Once upon a time", "--max-new-tokens", "12").stdout
     assert text.startswith("Once upon a time") and len(text.strip()) > len("Once upon a time")
+    fast = llmeq("generate", str(out), "--prompt", "Once upon a time", "--max-new-tokens", "12",
+                 "--prompt-activation-bits", "8").stdout
+    assert fast.startswith("Once upon a time") and len(fast.strip()) > len("Once upon a time")
+    bad = llmeq("generate", str(out), "--prompt", "x", "--prompt-activation-bits", "4", check=False)
+    assert bad.returncode == 2 and "--prompt-activation-bits" in bad.stderr
 
 
 def test_compare_writes_report_and_plots(tmp_path):
