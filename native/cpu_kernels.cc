@@ -3218,7 +3218,8 @@ VNNI512 float wo_quantize_group_u8(const float* x, int64_t n, uint8_t* u, int32_
   for (; i + 16 <= n; i += 16) {  // round to nearest even, as lrintf below
     const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i), _mm512_set1_ps(inv)));
     acc = _mm512_add_epi32(acc, v);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(u + i), _mm512_cvtepi32_epi8(_mm512_add_epi32(v, _mm512_set1_epi32(128))));
+    const __m128i bytes = _mm512_cvtepi32_epi8(_mm512_add_epi32(v, _mm512_set1_epi32(128)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(u + i), bytes);
   }
   sum = _mm512_reduce_add_epi32(acc);
   for (; i < n; ++i) {

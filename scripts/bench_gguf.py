@@ -160,8 +160,8 @@ def main():
     print("| file | tensor types | weights MB kept / float | Δlogit kept vs float | ppl kept | ppl float"
           + (" | ppl llama.cpp" if cpp else "") + " | decode tok/s kept | float | kept / float"
           + (" | llama.cpp | kept / llama.cpp" if cpp else "") + " | prefill tok/s kept | float"
-          + (" | llama.cpp" if cpp else "") + " | first token ms kept | int8 prompt" + (" | llama.cpp | kept / llama.cpp" if cpp else "")
-          + " |")
+          + (" | llama.cpp" if cpp else "") + " | first token ms kept | int8 prompt"
+          + (" | llama.cpp | kept / llama.cpp" if cpp else "") + " |")
     print("|---|---|---|---:|---:|---:|" + ("---:|" if cpp else "") + "---:|---:|---:|" + ("---:|---:|" if cpp else "")
           + "---:|---:|" + ("---:|" if cpp else "") + "---:|---:|" + ("---:|---:|" if cpp else ""))
     for r in rows:
