@@ -158,3 +158,12 @@ def test_help_names_defaults_positionals_and_the_main_recipes(capsys):
                  "--json print"):
         assert flag in text, flag
     assert cli.build_parser().parse_args(["convert", "a", "b", "--json"]).json
+
+
+def test_generate_refuses_int8_prompt_activations_with_online_scales(tmp_path):
+    """An act_ema recipe runs its own prefill (EMA state), which has no int8 prompt path: one clear error."""
+    out = tmp_path / "online"
+    llmeq("quantize", MODEL, "--recipe", "rtn-w8a8-online", "--out", str(out))
+    bad = llmeq("generate", str(out), "--prompt", "Once", "--prompt-activation-bits", "8", check=False)
+    assert bad.returncode == 2 and "act_ema" in bad.stderr and "--prompt-activation-bits" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
