@@ -172,7 +172,8 @@ def integer_panels(on: bool = True, activation_bits: int = 16):
     activations), quads summed by ``vpdpbusd`` at twice the products an instruction. Outside (the default)
     they run on float panels, the codes dequantized in cache: the dequantized model's products to float
     rounding, which perplexity and the exports' comparisons rely on. :func:`llmeq_jax.generate.generate`
-    traces its prompt's prefill (int8) and its decode loop (int16: the decode kernels' activations) inside.
+    traces its prompt's prefill (int16, or int8 with ``prompt_activation_bits=8``) and its decode loop (int16:
+    the decode kernels' activations) inside.
     Read at trace time: a function jitted outside keeps what it was traced with."""
     if activation_bits not in (8, 16):
         raise ValueError(f"integer_panels: activation_bits must be 8 or 16, got {activation_bits!r}")

@@ -160,6 +160,12 @@ def test_float_panels_where_the_integer_ones_cannot(name, k, spec, bits):
     np.testing.assert_array_equal(_product(x, w, "kn", bits=bits), _product(x, w, "kn", integer=False))
 
 
+def test_activation_bits_are_8_or_16():
+    with pytest.raises(ValueError, match="activation_bits must be 8 or 16"):
+        with native.integer_panels(activation_bits=4):
+            pass
+
+
 def test_int8_activations_take_groups_of_four():
     """Groups of 4 values are whole quads: the int8 panels take them (groups of 6 above they do not)."""
     w = quantize(jnp.asarray(_x(96, 40, 1)), Spec(bits=8, granularity="group", group_size=4))
