@@ -1965,6 +1965,14 @@ AVX2 int32_t rm_round_avx2(const float* x, int64_t n, float inv, bool split, int
 // One flush group of n activations to int16 codes q (rm_round_*'s layout; simd: n a multiple of 16) with
 // scale absmax / 32767, which it returns, their sum in `sum`. A zero group gets scale 0 and no codes; a
 // non-finite one scale NaN, so that its outputs are NaN as a float matmul's would be.
+// Whether a group's absmax leaves nothing to quantize -- zero (scale 0, no codes) or not finite (scale NaN, so
+// that its outputs are NaN as a float matmul's would be) -- with that scale in `scale`.
+inline bool rm_degenerate_group(float amax, float& scale) {
+  if (amax > 0.f && std::isfinite(amax)) return false;
+  scale = amax > 0.f || std::isnan(amax) ? std::numeric_limits<float>::quiet_NaN() : 0.f;
+  return true;
+}
+
 float rm_quantize_group(const float* x, int64_t n, bool simd, bool split, int16_t* q, int64_t half, int32_t& sum) {
   float amax;
 #if LLMEQ_X86
@@ -1974,8 +1982,7 @@ float rm_quantize_group(const float* x, int64_t n, bool simd, bool split, int16_
   amax = rm_abs_max(x, n);
 #endif
   sum = 0;
-  if (!(amax > 0.f) || !std::isfinite(amax))
-    return amax > 0.f || std::isnan(amax) ? std::numeric_limits<float>::quiet_NaN() : 0.f;
+  if (float scale; rm_degenerate_group(amax, scale)) return scale;
   const float inv = 32767.f / amax;
 #if LLMEQ_X86
   sum = simd ? rm_round_avx2(x, n, inv, split, q, half) : rm_round_scalar(x, n, inv, split, q, half);
@@ -3074,14 +3081,15 @@ VNNI512 void wo_int_panel(const WO& p, int64_t pidx, int64_t Kp, int64_t pairs, 
 // rows 2t and 2t + 1 (their int16 codes fit a byte); `corr` [A][32] gets each flush group's column sums of the
 // codes times -128, where the tile's sums of a group start (they take off the activations' offset of 128).
 VNNI512 void wo_int_panel_quads(int32_t* panel, int64_t quads, int64_t F, int64_t A, int32_t* corr) {
-  const __m512i byte = _mm512_set1_epi32(0xFF), byte1 = _mm512_set1_epi32(0xFF00);
+  auto low_bytes = [](const int32_t* pairs) VNNI512 {  // each dword's two int16 codes -> its low two bytes
+    const __m512i p = _mm512_loadu_si512(pairs);
+    return _mm512_or_si512(_mm512_and_si512(p, _mm512_set1_epi32(0xFF)),
+                           _mm512_and_si512(_mm512_srli_epi32(p, 8), _mm512_set1_epi32(0xFF00)));
+  };
   for (int64_t t = 0; t < quads; ++t)
     for (int64_t j = 0; j < kPanelCols; j += 16) {
-      const __m512i p0 = _mm512_loadu_si512(panel + 2 * t * kPanelCols + j);
-      const __m512i p1 = _mm512_loadu_si512(panel + (2 * t + 1) * kPanelCols + j);
-      const __m512i h0 = _mm512_or_si512(_mm512_and_si512(p0, byte), _mm512_and_si512(_mm512_srli_epi32(p0, 8), byte1));
-      const __m512i h1 = _mm512_or_si512(_mm512_and_si512(p1, byte), _mm512_and_si512(_mm512_srli_epi32(p1, 8), byte1));
-      _mm512_storeu_si512(panel + t * kPanelCols + j, _mm512_or_si512(h0, _mm512_slli_epi32(h1, 16)));
+      const __m512i lo = low_bytes(panel + 2 * t * kPanelCols + j), hi = low_bytes(panel + (2 * t + 1) * kPanelCols + j);
+      _mm512_storeu_si512(panel + t * kPanelCols + j, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
     }
   const __m512i ones = _mm512_set1_epi8(1);
   for (int64_t a = 0; a < A; ++a) {
@@ -3210,8 +3218,7 @@ VNNI512 float wo_quantize_group_u8(const float* x, int64_t n, uint8_t* u, int32_
   const float amax = n % 8 == 0 ? rm_abs_max_avx2(x, n) : rm_abs_max(x, n);
   sum = 0;
   std::memset(u, 128, n);
-  if (!(amax > 0.f) || !std::isfinite(amax))
-    return amax > 0.f || std::isnan(amax) ? std::numeric_limits<float>::quiet_NaN() : 0.f;
+  if (float scale; rm_degenerate_group(amax, scale)) return scale;
   const float inv = 127.f / amax;
   int64_t i = 0;
   __m512i acc = _mm512_setzero_si512();
