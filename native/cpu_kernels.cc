@@ -3088,7 +3088,8 @@ VNNI512 void wo_int_panel_quads(int32_t* panel, int64_t quads, int64_t F, int64_
   };
   for (int64_t t = 0; t < quads; ++t)
     for (int64_t j = 0; j < kPanelCols; j += 16) {
-      const __m512i lo = low_bytes(panel + 2 * t * kPanelCols + j), hi = low_bytes(panel + (2 * t + 1) * kPanelCols + j);
+      const __m512i lo = low_bytes(panel + 2 * t * kPanelCols + j);
+      const __m512i hi = low_bytes(panel + (2 * t + 1) * kPanelCols + j);
       _mm512_storeu_si512(panel + t * kPanelCols + j, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
     }
   const __m512i ones = _mm512_set1_epi8(1);
