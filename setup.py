@@ -8,6 +8,7 @@ the failure is printed as a warning and the package runs everything through XLA.
 
 from __future__ import annotations
 
+import glob
 import os
 import sys
 
@@ -61,6 +62,7 @@ class OptionalNativeBuild(build_ext):
 native = Extension(
     "llmeq_jax._native_cpu",
     sources=["native/cpu_kernels.cc"],
+    depends=sorted(glob.glob("native/*.inc")),  # the parts cpu_kernels.cc includes
     language="c++",
     extra_compile_args=["-O3", "-g0", "-std=c++17", "-Wno-attributes", "-Wno-return-type",
                         # GCC 12 flags its own AVX-512 headers (_mm512_undefined_ps) as maybe-uninitialized.
