@@ -31,6 +31,7 @@ panels (:class:`PanelKernel`), the layout that GEMM streams at the FMA ports' pa
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -64,8 +65,9 @@ class RowMajorKernel:
     ``codes``: ``w``'s scales again as :class:`ScaleCodes` (:func:`compact_scales`), which the native
     weight-only kernel reads instead of ``w.scale``; every other path reads ``w``.
 
-    ``split``: ``w.qvalue`` holds int4-int6 codes as :func:`split_codes` bytes (:func:`split_rows`), which
-    only the native kernel reads; every other path reads :meth:`qarray`."""
+    ``split``: ``w.qvalue`` holds int2-int6 codes as :func:`split_codes` bytes (:func:`split_rows`), which
+    only the native kernel reads; every other path reads :meth:`qarray`. ``w.bits`` is then the split codes'
+    width: 2 or 3 where the kernel's int4 slots held 2- or 3-bit values (GGUF Q2_K / Q3_K)."""
 
     w: QArray
     codes: ScaleCodes | None = None
@@ -78,10 +80,12 @@ class RowMajorKernel:
         return k, n
 
     def qarray(self) -> QArray:
-        """``w`` with its codes stored as a QArray stores them (joined again where ``split``)."""
+        """``w`` with its codes stored as a QArray stores them (joined again where ``split``; 2- and 3-bit
+        codes in int4 slots, as :func:`transpose_kernel` leaves them)."""
         if not self.split:
             return self.w
-        return dataclasses.replace(self.w, qvalue=joined_qvalue(self.w.qvalue, self.w.bits, self.w.shape[1]))
+        qvalue = joined_qvalue(self.w.qvalue, self.w.bits, self.w.shape[1])
+        return dataclasses.replace(self.w, qvalue=qvalue, bits=max(self.w.bits, 4))
 
 
 @jax.tree_util.register_dataclass
@@ -205,8 +209,8 @@ def compact_scales(params):
     return jax.tree_util.tree_map(convert, params, is_leaf=lambda a: isinstance(a, (RowMajorKernel, QArray)))
 
 
-# Codes the native AVX-512 VNNI kernel reads split (split_codes): 4-6 bits a value in its own order.
-SPLIT_BITS = (4, 5, 6)
+# Codes the native AVX-512 VNNI kernel reads split (split_codes): 2-6 bits a value in its own order.
+SPLIT_BITS = (2, 3, 4, 5, 6)
 SPLIT_BLOCK = 64  # values a split block holds
 # int4 codes are split only in groups of at most this many values (Q4_*, Q2_K / Q3_K in int4 slots), for
 # decode loops of at most SPLIT_INT4_MAX_ROWS rows: there the int4 tile ended a group every 32 values and the
@@ -218,8 +222,13 @@ SPLIT_INT4_MAX_ROWS = 4
 
 
 def split_block_bytes(bits: int) -> int:
-    """Bytes of one split block of :data:`SPLIT_BLOCK` ``bits``-bit values: low nibbles, then high bits."""
-    return 32 + 8 * (bits - 4)
+    """Bytes of one split block of :data:`SPLIT_BLOCK` ``bits``-bit values: their low bits, then high bits."""
+    return SPLIT_BLOCK * bits // 8
+
+
+def _split_low_bits(bits: int) -> int:
+    """Bits of a split code in its block's first part: nibbles for int4-int6, 2-bit crumbs for int2 / int3."""
+    return 4 if bits >= 4 else 2
 
 
 # Values a split row interleaves for the VNNI tile's int32 lanes (split_codes): a K-quant super-block.
@@ -237,57 +246,70 @@ def _interleave(values: jax.Array, inverse: bool = False) -> jax.Array:
     return jnp.concatenate([chunks, values[..., whole:]], axis=-1)
 
 
+def _bit_planes(u: jax.Array, width: int) -> jax.Array:
+    """``u`` (``[..., 64]``, each value ``width`` bits) as ``8 * width`` bytes: byte ``j``, bits ``width * t``
+    up, holds value ``j + 8 * width * t``."""
+    per = 8 * width
+    planes = u.reshape(*u.shape[:-1], 8 // width, per)  # [..., t, j]
+    return sum(planes[..., t, :] << (width * t) for t in range(8 // width))
+
+
+def _from_bit_planes(b: jax.Array, width: int) -> jax.Array:
+    """:func:`_bit_planes`' inverse: ``[..., 8 * width]`` bytes -> ``[..., 64]`` values."""
+    return jnp.concatenate([(b >> (width * t)) & ((1 << width) - 1) for t in range(8 // width)], axis=-1)
+
+
 def split_codes(values: jax.Array, bits: int) -> jax.Array:
-    """int4-int6 codes ``(..., K)`` (int8, K a multiple of 64) as split rows ``(..., K / 64 * (32 + 8h))``
-    uint8, ``h = bits - 4``, the native VNNI tile's layout. Values are stored unsigned
-    (``u = v + 2^(bits-1)``); each whole 256 of a row lane-interleaved (position ``64b + 4i + j`` holds
-    value ``16i + 4b + j``, so an int32 lane of the tile's sums gathers 16 consecutive values over four
-    blocks); then each block of 64 positions is 32 bytes of low nibbles (byte ``j``: position ``j`` low,
-    ``j + 32`` high) and ``8h`` bytes of high bits (byte ``j``, bits ``h*t`` up: position ``j + 8h*t``),
-    which the tile turns back into one byte a value with a broadcast and a rotation a qword
-    (llama.cpp's Q5_K / Q6_K also keep nibbles and high bits apart, in their own orders)."""
+    """int2-int6 codes ``(..., K)`` (int8, K a multiple of 64) as split rows ``(..., K / 64 * 8 * bits)``
+    uint8, the native VNNI tile's layout. Values are stored unsigned (``u = v + 2^(bits-1)``); each whole
+    256 of a row lane-interleaved (position ``64b + 4i + j`` holds value ``16i + 4b + j``, so an int32 lane
+    of the tile's sums gathers 16 consecutive values over four blocks); then each block of 64 positions is
+    its values' low ``l`` bits (``l = 4`` for int4-int6, 2 for int2 / int3) in ``8l`` bytes (byte ``j``,
+    bits ``l*t`` up: position ``j + 8l*t``) and their high ``h = bits - l`` bits in ``8h`` bytes (byte
+    ``j``, bits ``h*t`` up: position ``j + 8h*t``), which the tile turns back into one byte a value with a
+    broadcast and a shift or rotation a qword (llama.cpp's K-quants also keep low and high bits apart, in
+    their own orders)."""
     if bits not in SPLIT_BITS or values.shape[-1] % SPLIT_BLOCK:
-        raise ValueError(f"split_codes: int4-int6 codes with a last dim that is a multiple of {SPLIT_BLOCK}, "
+        raise ValueError(f"split_codes: int2-int6 codes with a last dim that is a multiple of {SPLIT_BLOCK}, "
                          f"got int{bits} of shape {values.shape}")
-    h = bits - 4
+    low_bits = _split_low_bits(bits)
     lead, k = values.shape[:-1], values.shape[-1]
     u = (_interleave(values).astype(jnp.int32) + (1 << (bits - 1))).reshape(*lead, k // SPLIT_BLOCK, SPLIT_BLOCK)
-    low = u & 15
-    parts = [low[..., :32] | (low[..., 32:] << 4)]  # the nibbles, then (int5 / int6) the high bits
-    if h:
-        high = (u >> 4).reshape(*u.shape[:-1], 8 // h, 8 * h)  # [..., t, j]: value j + 8h * t
-        parts.append(sum(high[..., t, :] << (h * t) for t in range(8 // h)))
+    parts = [_bit_planes(u & ((1 << low_bits) - 1), low_bits)]
+    if bits > low_bits:
+        parts.append(_bit_planes(u >> low_bits, bits - low_bits))
     return jnp.concatenate(parts, axis=-1).astype(jnp.uint8).reshape(
         *lead, k // SPLIT_BLOCK * split_block_bytes(bits))
 
 
 def join_codes(split: jax.Array, bits: int, k: int) -> jax.Array:
     """The int8 codes ``(..., k)`` of :func:`split_codes`' bytes."""
-    h = bits - 4
+    low_bits = _split_low_bits(bits)
     lead = split.shape[:-1]
     b = split.astype(jnp.int32).reshape(*lead, k // SPLIT_BLOCK, split_block_bytes(bits))
-    nibbles, planes = b[..., :32], b[..., 32:]
-    u = jnp.concatenate([nibbles & 15, nibbles >> 4], axis=-1)
-    if h:
-        u = u | (jnp.concatenate([(planes >> (h * t)) & ((1 << h) - 1) for t in range(8 // h)], axis=-1) << 4)
+    u = _from_bit_planes(b[..., :8 * low_bits], low_bits)
+    if bits > low_bits:
+        u = u | (_from_bit_planes(b[..., 8 * low_bits:], bits - low_bits) << low_bits)
     return _interleave((u - (1 << (bits - 1))).astype(jnp.int8).reshape(*lead, k), inverse=True)
 
 
-def split_qvalue(qvalue: jax.Array, bits: int, k: int) -> jax.Array:
+def split_qvalue(qvalue: jax.Array, bits: int, k: int, split_bits: int | None = None) -> jax.Array:
     """A row-major kernel's stored codes (..., N, Kb) (int4 two a byte along ``in``, else int8) as
-    :func:`split_codes` bytes."""
+    :func:`split_codes` bytes of ``split_bits`` (default ``bits``) a value."""
     values = unpack(qvalue, bits, qvalue.ndim - 1, k) if is_packed(bits) else qvalue
-    return split_codes(values, bits)
+    return split_codes(values, split_bits or bits)
 
 
 def joined_qvalue(split: jax.Array, bits: int, k: int) -> jax.Array:
-    """:func:`split_qvalue`'s inverse: the codes as a row-major kernel stores them."""
+    """:func:`split_qvalue`'s inverse: the codes as a row-major kernel stores them (2- and 3-bit codes in
+    int4 slots, as :func:`transpose_kernel` leaves them)."""
     values = join_codes(split, bits, k)
-    return pack(values, bits, values.ndim - 1) if is_packed(bits) else values
+    stored = max(bits, 4)
+    return pack(values, stored, values.ndim - 1) if is_packed(stored) else values
 
 
 def split_tile_takes(w: QArray) -> bool:
-    """Whether the native kernel's split tile takes the row-major weight-only ``w``: int4-int6 codes,
+    """Whether the native kernel's split tile takes the row-major weight-only ``w``: int2-int6 codes,
     ``in`` a multiple of 64, groups of 16-256 values that divide 256, or multiples of 256 (or one scale a row)."""
     k, group = w.shape[1], w.tile[1]
     return (w.bits in SPLIT_BITS and w.act_spec is None and w.grid == "uniform" and k % SPLIT_BLOCK == 0
@@ -296,14 +318,30 @@ def split_tile_takes(w: QArray) -> bool:
 
 def _worth_splitting(w: QArray, rows: int) -> bool:
     """Whether :func:`split_rows` splits ``w`` for a decode loop of ``rows`` rows: int5 / int6 whenever the split
-    tile takes them, int4 in groups of at most :data:`SPLIT_INT4_MAX_GROUP` for at most
+    tile takes them, int4 slots in groups of at most :data:`SPLIT_INT4_MAX_GROUP` for at most
     :data:`SPLIT_INT4_MAX_ROWS` rows."""
     if w.bits == 4 and (w.tile[1] > SPLIT_INT4_MAX_GROUP or rows > SPLIT_INT4_MAX_ROWS):
         return False
     return split_tile_takes(w)
 
 
-_split_jit = jax.jit(split_qvalue, static_argnums=(1, 2))
+@functools.partial(jax.jit, static_argnums=1)
+def _int4_code_range(qvalue: jax.Array, k: int) -> jax.Array:
+    values = unpack(qvalue, 4, qvalue.ndim - 1, k)
+    return jnp.stack([values.min(), values.max()])
+
+
+def narrowest_split_bits(w: QArray) -> int:
+    """The split width of a row-major kernel's codes: ``w.bits``, or for int4 slots the fewest bits (2-4)
+    that hold every code -- GGUF Q2_K / Q3_K weights load as 2- / 3-bit values and reach the row-major
+    kernels widened to int4 (:func:`transpose_kernel`), where split rows keep them in 2 / 3 bits."""
+    if w.bits != 4:
+        return w.bits
+    lo, hi = (int(v) for v in _int4_code_range(w.qvalue, w.shape[1]))
+    return next(b for b in (2, 3, 4) if -(1 << (b - 1)) <= lo and hi < (1 << (b - 1)))
+
+
+_split_jit = jax.jit(split_qvalue, static_argnums=(1, 2, 3))
 
 
 def split_rows(params, rows: int = 1):
@@ -311,7 +349,8 @@ def split_rows(params, rows: int = 1):
     :class:`RowMajorKernel` the native AVX-512 VNNI kernel can read split holding its codes as
     :func:`split_codes` bytes: int5 / int6 in 0.625 / 0.75 bytes a value instead of 1 (GGUF Q5_0 / Q5_1 /
     Q5_K / Q6_K kept quantized, int5 / int6 recipes), int4 in the same half byte as before but in the
-    order the split tile reads (Q4_0 / Q4_1 / Q4_K, Q2_K / Q3_K in int4 slots, int4 recipes). Unchanged
+    order the split tile reads (Q4_0 / Q4_1 / Q4_K, int4 recipes), and int4 slots that hold 2- or 3-bit
+    values (GGUF Q2_K / Q3_K) in 0.25 / 0.375 bytes a value (:func:`narrowest_split_bits`). Unchanged
     without that tile (no AVX-512 VNNI, or native off): the AVX2 tiles read the stored codes. The stored
     codes are not kept: :meth:`RowMajorKernel.qarray` joins them again for the other paths. ``rows``: the
     decode loop's rows a step (:func:`_worth_splitting`)."""
@@ -323,8 +362,9 @@ def split_rows(params, rows: int = 1):
     def convert(leaf):
         if not isinstance(leaf, RowMajorKernel) or leaf.split or not _worth_splitting(leaf.w, rows):
             return leaf
-        w = dataclasses.replace(leaf.w, qvalue=_split_jit(leaf.w.qvalue, leaf.w.bits, leaf.w.shape[1]))
-        return RowMajorKernel(w, leaf.codes, split=True)
+        bits = narrowest_split_bits(leaf.w)
+        qvalue = _split_jit(leaf.w.qvalue, leaf.w.bits, leaf.w.shape[1], bits)
+        return RowMajorKernel(dataclasses.replace(leaf.w, qvalue=qvalue, bits=bits), leaf.codes, split=True)
 
     return jax.tree_util.tree_map(convert, params, is_leaf=lambda a: isinstance(a, (RowMajorKernel, QArray)))
 
@@ -742,8 +782,8 @@ def _tied_head_table(params) -> jax.Array | None:
 
 
 __all__ = ["FUSED_LINEARS", "Int4WordKernel", "PREFILL_FUSE_MAX_OUT", "PREFILL_PACK_MAX_BYTES", "PanelKernel",
-           "RowMajorKernel", "SCALE_STEP_VALUES", "SPLIT_BITS", "ScaleCodes", "compact_scales", "decode_target",
-           "for_decode", "for_prefill", "fuse_linears", "int4_word_kernel", "join_codes", "kernel_view",
-           "pack_float_kernels", "pack_panels", "pack_swiglu_panels", "scale_codes", "scale_group", "split_codes",
-           "split_rows", "split_tile_takes", "stack_quantized", "stack_rows", "transpose_kernel", "unpack_panels",
-           "widen_to_int4"]
+           "RowMajorKernel", "SCALE_STEP_VALUES", "SPLIT_BITS", "ScaleCodes", "compact_scales",
+           "decode_target", "for_decode", "for_prefill", "fuse_linears", "int4_word_kernel", "join_codes",
+           "kernel_view", "narrowest_split_bits", "pack_float_kernels", "pack_panels", "pack_swiglu_panels",
+           "scale_codes", "scale_group", "split_codes", "split_rows", "split_tile_takes", "stack_quantized",
+           "stack_rows", "transpose_kernel", "unpack_panels", "widen_to_int4"]

@@ -289,14 +289,15 @@ def supports_w8a8(w: QArray) -> str | None:
 _RM_MAX_GROUP = 2048
 
 
-def supports_row_major(w: QArray, act=None) -> str | None:
-    """None when :func:`row_major_matmul` takes the ``(out, in)`` QArray ``w`` (with activation spec ``act``)."""
+def supports_row_major(w: QArray, act=None, split: bool = False) -> str | None:
+    """None when :func:`row_major_matmul` takes the ``(out, in)`` QArray ``w`` (with activation spec ``act``;
+    ``split``: its codes as ``decode_layout.split_codes`` bytes, which hold 2- and 3-bit codes too)."""
     if not isinstance(w, QArray) or len(w.shape) != 2:
         return "needs a 2-D QArray"
     if (why := _grid_reason(w)) is not None:
         return why
     n, k = w.shape
-    if (why := _sub_byte_reason(w)) is not None:
+    if not split and (why := _sub_byte_reason(w)) is not None:
         return why
     if w.bits == 4 and w.pack_axis % 2 != 1:
         return f"int{w.bits} values must be packed along the contraction dim (pack_axis=1)"
@@ -375,7 +376,7 @@ def _layer_arg(layer) -> jax.Array:
 def _rm_a16_call(x2, q, scale, zp, *, bits: int, group_size: int, has_zp: bool, layer=None, steps=None,
                  split: bool = False):
     """``scale`` float32, or int8 codes with ``steps`` (one float32 per ``codes.shape[-1] // steps.shape[-1]``
-    groups: :class:`llmeq_jax.decode_layout.ScaleCodes`). ``split``: ``q`` is int4-int6 codes as
+    groups: :class:`llmeq_jax.decode_layout.ScaleCodes`). ``split``: ``q`` is int2-int6 codes as
     ``decode_layout.split_codes`` bytes."""
     _require(None, "row-major call")
     out = jax.ShapeDtypeStruct((x2.shape[0], q.shape[-2]), jnp.float32)
@@ -573,11 +574,11 @@ def row_major_matmul(x: jax.Array, w: QArray, act=None, layer=None, codes=None, 
     times one float step per super-block, equal to ``w.scale`` exactly), which the kernel reads instead
     of ``w.scale``: the same products from fewer bytes.
 
-    ``split`` (weight-only, int4-int6): ``w.qvalue`` holds the codes as
+    ``split`` (weight-only, int2-int6): ``w.qvalue`` holds the codes as
     :func:`llmeq_jax.decode_layout.split_codes` bytes (``decode_layout.split_rows``), read by the AVX-512
     VNNI tile (the portable loop where that tile is off; there is no AVX2 one).
     """
-    _require(supports_row_major(w, act), "row_major_matmul")
+    _require(supports_row_major(w, act, split), "row_major_matmul")
     _check_x(x, w.shape[1], "row_major_matmul")
     if codes is not None and act is not None:
         raise ValueError("native.row_major_matmul: scale codes are for weight-only products (act=None)")
@@ -587,7 +588,7 @@ def row_major_matmul(x: jax.Array, w: QArray, act=None, layer=None, codes=None, 
         takes = act is None and split_tile_takes(w)
         row_bytes = w.shape[1] // SPLIT_BLOCK * split_block_bytes(w.bits) if takes else None
         if not takes or w.qvalue.shape[-1] != row_bytes or w.qvalue.dtype != jnp.uint8:
-            raise ValueError(f"native.row_major_matmul: split codes need a weight-only int4-int6 kernel whose "
+            raise ValueError(f"native.row_major_matmul: split codes need a weight-only int2-int6 kernel whose "
                              f"qvalue is decode_layout.split_codes bytes (uint8, {row_bytes} a row), got "
                              f"int{w.bits} {w.qvalue.dtype}{list(w.qvalue.shape)} with act={act}")
     if layer is not None:

@@ -349,7 +349,8 @@ def _linear_row_major(x, kernel: RowMajorKernel, act, backend, layer=None):
             and 0 < rows <= row_major_max_rows(act is not None)):
         from llmeq_jax import native
 
-        if native.enabled() and native.supports_row_major(w, act) is None and not (kernel.split and act is not None):
+        if (native.enabled() and native.supports_row_major(w, act, kernel.split) is None
+                and not (kernel.split and act is not None)):
             return native.row_major_matmul(x, w, act, layer=layer, codes=None if act is not None else kernel.codes,
                                            split=kernel.split)
     w = kernel.qarray()

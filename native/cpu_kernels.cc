@@ -17,7 +17,7 @@
 //   weight_only.inc        llmeq_wo_matmul: x @ dequant(W), W column-major or row-major, int8 / int4 codes
 //   w8a8.inc               llmeq_w8a8_matmul: int8 x int8 GEMMs (AVX2 panels, AVX-512 VNNI)
 //   row_major.inc          decode: few rows against (N, K) weights (int16 / int8 activations), portable + AVX2
-//   row_major_vnni.inc     the same on AVX-512 VNNI, and the split rows' tile (int4-int6 codes in 4-6 bits)
+//   row_major_vnni.inc     the same on AVX-512 VNNI, and the split rows' tile (int2-int6 codes in 2-6 bits)
 //   row_major_run.inc      a row-major product's run: chunks over the threads, the activations quantized
 //   matmul_ffi.inc         the FFI handlers of the three products above
 //   float_gemv.inc         llmeq_float_gemv: float32 / bfloat16 decode products, a layer of a stack in place

@@ -1,6 +1,6 @@
-"""Split codes: int4-int6 row-major kernels stored as 4-6 bits a value (low nibbles and high bits apart,
+"""Split codes: int2-int6 row-major kernels stored as 2-6 bits a value (low bits and high bits apart,
 each 256 values lane-interleaved) for the native AVX-512 VNNI decode tile, which reads them with the
-same integer sums as the int8-stored (int4: two a byte) codes."""
+same integer sums as the int8-stored (int4: two a byte; int2 / int3 in int4 slots) codes."""
 
 from __future__ import annotations
 
@@ -27,23 +27,26 @@ def _codes(rng, shape, bits: int) -> np.ndarray:
 
 
 def _kernel(rng, n: int, k: int, bits: int, group: int, zero_point: bool, lead=()) -> QArray:
-    """An (out, in) weight-only kernel with its codes stored as decode_layout lays one out (int4 two a byte
-    along ``in``, else int8)."""
+    """An (out, in) weight-only kernel with ``bits``-bit codes stored as decode_layout lays one out (int4 two a
+    byte along ``in``, 2- and 3-bit codes in int4 slots as GGUF Q2_K / Q3_K reach it, else int8)."""
     groups = -(-k // group)
     zp = jnp.asarray(rng.uniform(-3, 3, (*lead, n, groups)).astype(np.float32)) if zero_point else None
     codes = jnp.asarray(_codes(rng, (*lead, n, k), bits))
-    return QArray(qvalue=pack(codes, 4, axis=codes.ndim - 1) if bits == 4 else codes,
+    return QArray(qvalue=pack(codes, 4, axis=codes.ndim - 1) if bits <= 4 else codes,
                   scale=jnp.asarray(rng.uniform(0.5, 2.0, (*lead, n, groups)).astype(np.float32)), zero_point=zp,
-                  bits=bits, shape=(n, k), tile=(1, min(group, k)), dtype=jnp.float32, pack_axis=1)
+                  bits=max(bits, 4), shape=(n, k), tile=(1, min(group, k)), dtype=jnp.float32, pack_axis=1)
 
 
-def _split(w: QArray) -> QArray:
-    return dataclasses.replace(w, qvalue=decode_layout.split_qvalue(w.qvalue, w.bits, w.shape[1]))
+def _split(w: QArray, bits: int | None = None) -> QArray:
+    """``w`` with its codes split in ``bits`` (default ``w.bits``) a value."""
+    bits = bits or w.bits
+    return dataclasses.replace(w, qvalue=decode_layout.split_qvalue(w.qvalue, w.bits, w.shape[1], bits), bits=bits)
 
 
 def _stored_value(row: np.ndarray, bits: int, k: int) -> int:
     """Value ``k`` of one split row, read from the layout as documented (independent of join_codes)."""
-    h, block = bits - 4, 32 + 8 * (bits - 4)  # (int4: no high bits)
+    low = 4 if bits >= 4 else 2  # low bits: nibbles (int4-int6) or crumbs (int2 / int3), then the high ones
+    h, block = bits - low, 8 * bits
     whole = len(row) // block * 64 // 256 * 256
     if k < whole:  # value 16i + 4b + j sits at position 64b + 4i + j of its 256
         c, v = divmod(k, 256)
@@ -52,12 +55,12 @@ def _stored_value(row: np.ndarray, bits: int, k: int) -> int:
         pos = k
     b, q = divmod(pos, 64)
     base = row[b * block:(b + 1) * block].astype(np.int32)
-    nibble = base[q] & 15 if q < 32 else base[q - 32] >> 4
-    high = (base[32 + q % (8 * h)] >> (h * (q // (8 * h)))) & ((1 << h) - 1) if h else 0
-    return int(nibble | (high << 4)) - 2 ** (bits - 1)
+    bits_low = (base[q % (8 * low)] >> (low * (q // (8 * low)))) & ((1 << low) - 1)
+    high = (base[8 * low + q % (8 * h)] >> (h * (q // (8 * h)))) & ((1 << h) - 1) if h else 0
+    return int(bits_low | (high << low)) - 2 ** (bits - 1)
 
 
-@pytest.mark.parametrize("bits", [4, 5, 6])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6])
 @pytest.mark.parametrize("k", [64, 256, 576, 1024])
 def test_split_codes_store_bits_per_value_in_the_documented_layout(bits, k):
     rng = np.random.default_rng(k + bits)
@@ -73,8 +76,10 @@ def test_split_codes_store_bits_per_value_in_the_documented_layout(bits, k):
 
 
 def test_split_codes_refuse_other_widths_and_lengths():
-    with pytest.raises(ValueError, match="int4-int6"):
+    with pytest.raises(ValueError, match="int2-int6"):
         split_codes(jnp.zeros((2, 64), jnp.int8), 8)
+    with pytest.raises(ValueError, match="int2-int6"):
+        split_codes(jnp.zeros((2, 64), jnp.int8), 1)
     with pytest.raises(ValueError, match="multiple of 64"):
         split_codes(jnp.zeros((2, 96), jnp.int8), 6)
 
@@ -92,6 +97,11 @@ CASES = [  # n, k, bits, group, zero point
     (6, 1536, 6, 512, False),  # a group over two interleaved 256s
     (5, 576, 6, 576, True),    # one scale a row: flush groups of 128, the last 64
     (4, 64, 5, 64, False),
+    (11, 576, 2, 16, True),    # Q2_K's grid: 2-bit codes (in int4 slots) split in 2 bits
+    (13, 512, 3, 16, False),   # Q3_K's: 3 bits
+    (7, 1024, 2, 32, True),
+    (6, 320, 3, 64, True),     # a 256 tail of 64 values
+    (5, 512, 3, 512, False),   # one scale a row
 ]
 
 
@@ -99,7 +109,7 @@ CASES = [  # n, k, bits, group, zero point
 def test_split_rows_give_the_int8_kernels_products(n, k, bits, group, zp):
     rng = np.random.default_rng(n * k)
     w = _kernel(rng, n, k, bits, group, zp)
-    s = _split(w)
+    s = _split(w, bits)
     f = jax.jit(lambda x, a: native.row_major_matmul(x, a))
     g = jax.jit(lambda x, a: native.row_major_matmul(x, a, split=True))
     deq = np.asarray(w.dequantize())
@@ -145,8 +155,11 @@ def test_split_rows_converts_only_what_the_split_tile_takes():
     four_g128 = RowMajorKernel(_kernel(rng, 8, 256, 4, 128, False))  # measured no faster split
     odd_group = RowMajorKernel(_kernel(rng, 8, 384, 5, 96, False))  # 96 does not divide 256
     short = RowMajorKernel(_kernel(rng, 8, 96, 5, 32, False))  # K not a multiple of 64
+    two = RowMajorKernel(_kernel(rng, 8, 256, 2, 16, True))  # Q2_K: 2-bit codes in int4 slots
+    three = RowMajorKernel(_kernel(rng, 8, 256, 3, 16, False))  # Q3_K: 3-bit codes in int4 slots
     tree = {"a": {"kernel": six}, "b": {"kernel": eight}, "c": {"kernel": odd_group}, "d": {"kernel": short},
-            "e": {"kernel": four}, "f": {"kernel": four_g128}, "n": jnp.ones(3)}
+            "e": {"kernel": four}, "f": {"kernel": four_g128}, "g": {"kernel": two}, "h": {"kernel": three},
+            "n": jnp.ones(3)}
     if not native.vnni():
         assert split_rows(tree) is tree or split_rows(tree)["a"]["kernel"] is six
         return
@@ -155,8 +168,19 @@ def test_split_rows_converts_only_what_the_split_tile_takes():
     assert a.split and a.w.qvalue.dtype == jnp.uint8 and a.w.qvalue.shape == (8, 192)
     np.testing.assert_array_equal(np.asarray(a.qarray().qvalue), np.asarray(six.w.qvalue))
     e = out["e"]["kernel"]  # int4: two a byte again for the other paths
-    assert e.split and e.w.qvalue.shape == (8, 128)
+    assert e.split and e.w.bits == 4 and e.w.qvalue.shape == (8, 128)
     np.testing.assert_array_equal(np.asarray(e.qarray().qvalue), np.asarray(four.w.qvalue))
+    for key, source, bits in (("g", two, 2), ("h", three, 3)):  # int4 slots holding 2 / 3 bits: split that narrow
+        narrow = out[key]["kernel"]
+        assert narrow.split and narrow.w.bits == bits and narrow.w.qvalue.shape == (8, 256 * bits // 8)
+        joined = narrow.qarray()  # back in int4 slots for the other paths
+        assert joined.bits == 4
+        np.testing.assert_array_equal(np.asarray(joined.qvalue), np.asarray(source.w.qvalue))
+        x = jnp.asarray(rng.standard_normal((3, 256)).astype(np.float32))
+        want = np.asarray(ops.linear(x, source))
+        for backend in ("auto", "xla"):
+            got = np.asarray(jax.jit(lambda v, k: ops.linear(v, k, backend=backend))(x, narrow))
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
     assert all(out[key]["kernel"] is tree[key]["kernel"] for key in "bcdf")
     wide = split_rows(tree, rows=8)  # int4 splits for decode loops of up to 4 rows; int5 / int6 for any
     assert wide["e"]["kernel"] is four and wide["a"]["kernel"].split

@@ -155,8 +155,8 @@ def test_k_quants_kept_quantized_compute_the_file(monkeypatch, tmp_path, table):
     assert kept["embed"]["embedding"].tile == ((1, 32) if table == "Q4_K" else (1, 16)) and "lm_head" not in kept
     ids = jnp.arange(1, 25, dtype=jnp.int32)[None]
     assert _rel(forward(config, kept, ids), forward(config, floats, ids)) < 1e-5
-    # Decode: the row-major kernels (int6 in groups of 16 paired per step, int2 / int3 widened to int4 in groups
-    # of 16, four a step) and the quantized tied head.
+    # Decode: the row-major kernels (int6 in groups of 16 paired per step; int2 / int3 split in 2 / 3 bits where the
+    # VNNI tile runs, else widened to int4 in groups of 16, four a step) and the quantized tied head.
     a, b = generate(config, kept, ids, max_new_tokens=8), generate(config, floats, ids, max_new_tokens=8)
     assert np.array_equal(np.asarray(a), np.asarray(b))
     # ... reading every K-quant's sub-block scales as int8 codes times its super-block scale (the generate
@@ -165,8 +165,10 @@ def test_k_quants_kept_quantized_compute_the_file(monkeypatch, tmp_path, table):
     row_major = [leaf for leaf in jax.tree_util.tree_leaves(laid_out, is_leaf=lambda a: isinstance(a, RowMajorKernel))
                  if isinstance(leaf, RowMajorKernel)]
     assert len(row_major) >= 12 and all(leaf.codes is not None for leaf in row_major)
-    # ... and, where the VNNI tile runs, every one split (int4 slots, Q5_K, Q6_K: 4-6 bits a value)
-    assert all(leaf.split == native.vnni() for leaf in row_major) and {leaf.w.bits for leaf in row_major} == {4, 5, 6}
+    # ... and, where the VNNI tile runs, every one split in as many bits as its codes take (Q2_K 2, Q3_K 3 -- int4
+    # slots holding them -- Q4_K 4, Q5_K 5, Q6_K 6); without it, int2 / int3 stay in int4 slots
+    widths = {2, 3, 4, 5, 6} if native.vnni() else {4, 5, 6}
+    assert all(leaf.split == native.vnni() for leaf in row_major) and {leaf.w.bits for leaf in row_major} == widths
 
 
 def test_cli_keeps_a_gguf_quantized_and_exports_the_same_blocks(monkeypatch, tmp_path, capsys):
