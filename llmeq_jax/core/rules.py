@@ -190,6 +190,21 @@ def path_str(path: tuple) -> str:
     return "/".join(key_name(k) for k in path)
 
 
+def get_path(tree: dict, path: str) -> Any:
+    """The node of nested dicts ``tree`` at ``path`` ("layers_0/mlp/up_proj/kernel": :func:`path_str`'s form)."""
+    for key in path.split("/"):
+        tree = tree[key]
+    return tree
+
+
+def set_path(tree: dict, path: str, value: Any) -> dict:
+    """A copy of ``tree`` with the node at ``path`` replaced (the dicts along the way copied, nothing else)."""
+    head, _, rest = path.partition("/")
+    out = dict(tree)
+    out[head] = value if not rest else set_path(tree[head], rest, value)
+    return out
+
+
 def is_table(path: str) -> bool:
     """True for the token embedding table (quantized as the transposed head kernel)."""
     return path == EMBEDDING_TABLE

@@ -38,7 +38,8 @@ import jax
 import numpy as np
 
 from llmeq_jax import calibrate
-from llmeq_jax.core.rules import Recipe, RecipeError, is_table, map_rules, quantize_leaf, quantize_params
+from llmeq_jax.core.rules import (Recipe, RecipeError, get_path, is_table, map_rules, quantize_leaf, quantize_params,
+                                  set_path)
 from llmeq_jax.methods import autoround, awq, distill, folding, gptq, rotate, sampled_text, smoothquant, zeroquant
 
 # The calibrated methods by recipe name (a static table: adding a method is adding a line).
@@ -202,7 +203,7 @@ def _apply_method(config, params: dict, recipe: Recipe, windows: np.ndarray | No
         if rule.act_static:
             raise RecipeError(f"{recipe.method}: {path} is outside the decoder blocks, so calibration has no "
                               "input statistics for its static activation scale; skip it or use per-token act")
-        out = _set_path(out, path, quantize_leaf(path, _get_path(out, path), rule))
+        out = set_path(out, path, quantize_leaf(path, get_path(out, path), rule))
     info["seconds"] = time.perf_counter() - t0
     return out, info
 
@@ -211,19 +212,6 @@ def _rule_reaches_blocks(recipe: Recipe, path: str, chosen: list[str]) -> bool:
     """Whether the rule that quantizes ``path`` is also the rule of a quantized kernel inside the blocks."""
     rule = recipe.rule_for(path)
     return any(recipe.rule_for(p) is rule for p in chosen if p.startswith("layers_"))
-
-
-def _get_path(tree, path):
-    for k in path.split("/"):
-        tree = tree[k]
-    return tree
-
-
-def _set_path(tree, path, value):
-    head, _, rest = path.partition("/")
-    out = dict(tree)
-    out[head] = value if not rest else _set_path(tree[head], rest, value)
-    return out
 
 
 __all__ = ["BLOCK_ONLY", "CALIBRATED", "METHODS", "check_method", "needs_calibration", "quantize_model"]

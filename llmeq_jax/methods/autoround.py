@@ -35,8 +35,7 @@ import optax
 
 from llmeq_jax.core.qarray import int_range
 from llmeq_jax.core.quantize import Spec, tile_for
-from llmeq_jax.core.rules import RecipeError
-from llmeq_jax.methods import folding
+from llmeq_jax.core.rules import RecipeError, get_path, set_path
 from llmeq_jax.methods.blockwise import block_kernel_paths, option, options_from_args, quant_rule
 from llmeq_jax.models.model import same_block_layer
 
@@ -181,7 +180,7 @@ def _student_out(config, layer, block, kernels, learned, specs, hidden, position
 
     for rel, w in kernels.items():
         p = learned[rel]
-        block = folding.set_leaf(block, rel, fake_quant_rounded(w, p["v"], p["alpha"], p["beta"], specs[rel]))
+        block = set_path(block, rel, fake_quant_rounded(w, p["v"], p["alpha"], p["beta"], specs[rel]))
     return apply_block(config, block, hidden, positions, layer=layer)
 
 
@@ -246,7 +245,7 @@ def train_block(config, layer: int, block: dict, specs: dict, inputs: list,
     them (default: the float block's outputs on them). ``info`` holds the mean loss over all
     inputs before (RTN) and after training.
     """
-    kernels = {r: folding.get_leaf(block, r).astype(jnp.float32) for r in specs}
+    kernels = {r: get_path(block, r).astype(jnp.float32) for r in specs}
     learned = {r: init_params(w, specs[r]) for r, w in kernels.items()}
     kw = dict(config=config, layer=same_block_layer(config, layer), specs=tuple(sorted(specs.items())),
               per_token=opts.loss == "per_token")
@@ -314,7 +313,7 @@ def block_processor(config, recipe, opts: AutoRoundOptions, info: dict):
         learned, res = train_block(config, layer, block, specs, inputs, opts, targets)
         info["autoround"][layer] = res
         for rel, spec in specs.items():
-            block = folding.set_leaf(block, rel, to_qarray(folding.get_leaf(block, rel), learned[rel], spec))
+            block = set_path(block, rel, to_qarray(get_path(block, rel), learned[rel], spec))
         return block
 
     return process

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from llmeq_jax.core.quantize import Spec, quantize, quantize_dequantize, scale_from_range, tile_for
-from llmeq_jax.core.rules import RecipeError
+from llmeq_jax.core.rules import RecipeError, get_path, set_path
 from llmeq_jax.methods import folding
 from llmeq_jax.methods.blockwise import block_kernel_paths, option, options_from_args, quant_rule
 
@@ -196,7 +196,7 @@ def block_processor(config, recipe, opts: AWQOptions, info: dict):
             for r, rule in zip(rels, rules):
                 check_rule(f"layers_{layer}/{r}", rule)
             st = block_stats[rels[0]]
-            kernels = [folding.get_leaf(block, r) for r in rels]
+            kernels = [get_path(block, r) for r in rels]
             s, a, _ = search_scale(config, g, samples[rels[0]], st["abs_sum"] / st["count"], kernels,
                                    [r.weight for r in rules], opts.n_grid)
             block = folding.fold(config, block, g, s)
@@ -212,12 +212,12 @@ def block_processor(config, recipe, opts: AWQOptions, info: dict):
             if rule is None:
                 continue
             check_rule(f"layers_{layer}/{rel}", rule)
-            w = folding.get_leaf(block, rel)
+            w = get_path(block, rel)
             if opts.gptq:
                 q = quantize_gptq(hessians[rel], w, rule, opts.damp, f"layers_{layer}/{rel}")
             else:
                 q = quantize_clipped(samples[rel], w, rule, opts.n_clip, opts.min_clip, opts.clip)
-            block = folding.set_leaf(block, rel, q)
+            block = set_path(block, rel, q)
         return block
 
     return process

@@ -38,19 +38,19 @@ def quant_rule(recipe: Recipe, layer: int, rel: str) -> Rule | None:
 
 def rtn_block(block: dict, layer: int, recipe: Recipe, block_stats: dict | None, done: dict | None = None) -> dict:
     """Quantize every kernel of a block its rule quantizes; ``done`` maps paths already quantized to QArrays."""
-    from llmeq_jax.methods.folding import get_leaf, set_leaf
+    from llmeq_jax.core.rules import get_path, set_path
 
     done = done or {}
     for rel in block_kernel_paths(block):
         if rel in done:
-            block = set_leaf(block, rel, done[rel])
+            block = set_path(block, rel, done[rel])
             continue
         rule = quant_rule(recipe, layer, rel)
         if rule is None:
             continue
         full = f"layers_{layer}/{rel}"
         stats = None if block_stats is None or rel not in block_stats else {full: block_stats[rel]}
-        block = set_leaf(block, rel, quantize_leaf(full, get_leaf(block, rel), rule, stats))
+        block = set_path(block, rel, quantize_leaf(full, get_path(block, rel), rule, stats))
     return block
 
 

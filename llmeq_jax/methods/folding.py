@@ -33,6 +33,8 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+from llmeq_jax.core.rules import get_path, set_path
+
 
 @dataclasses.dataclass(frozen=True)
 class ScaleGroup:
@@ -99,20 +101,6 @@ def expand_scales(config, group: ScaleGroup, s: jnp.ndarray) -> jnp.ndarray:
     return s if idx is None else s[idx]
 
 
-def _get(tree: dict, path: str):
-    for k in path.split("/"):
-        tree = tree[k]
-    return tree
-
-
-def _set(tree: dict, path: str, value) -> dict:
-    """A copy of ``tree`` with the leaf at ``path`` replaced (nested dicts copied along the way)."""
-    head, _, rest = path.partition("/")
-    out = dict(tree)
-    out[head] = value if not rest else _set(tree[head], rest, value)
-    return out
-
-
 def fold(config, block: dict, group: ScaleGroup, s: jnp.ndarray) -> dict:
     """Divide the producer's output by ``s`` and multiply the consumers' kernel rows by it.
 
@@ -123,25 +111,22 @@ def fold(config, block: dict, group: ScaleGroup, s: jnp.ndarray) -> dict:
     if group.kind == "norm":
         for leaf in ("scale", "bias"):
             if leaf in block[group.producer]:
-                block = _set(block, f"{group.producer}/{leaf}", _get(block, f"{group.producer}/{leaf}") / s)
+                block = set_path(block, f"{group.producer}/{leaf}", get_path(block, f"{group.producer}/{leaf}") / s)
     else:
-        lo, hi = group.columns or (0, _get(block, f"{group.producer}/kernel").shape[1])
+        lo, hi = group.columns or (0, get_path(block, f"{group.producer}/kernel").shape[1])
         for leaf in ("kernel", "bias"):
             path = f"{group.producer}/{leaf}"
-            if leaf in _get(block, group.producer):
-                w = _get(block, path)
-                block = _set(block, path, w.at[..., lo:hi].set(w[..., lo:hi] / s))
+            if leaf in get_path(block, group.producer):
+                w = get_path(block, path)
+                block = set_path(block, path, w.at[..., lo:hi].set(w[..., lo:hi] / s))
     rows = expand_scales(config, group, s)
     for c in group.consumers:
         path = f"{c}/kernel"
-        block = _set(block, path, _get(block, path) * rows[:, None])
+        block = set_path(block, path, get_path(block, path) * rows[:, None])
     return block
 
 
 def group_weight_absmax(block: dict, group: ScaleGroup) -> jnp.ndarray:
     """max |W| per input row over all consumer kernels of the group."""
-    return jnp.max(jnp.stack([jnp.max(jnp.abs(_get(block, f"{c}/kernel")), axis=1) for c in group.consumers]), axis=0)
+    return jnp.max(jnp.stack([jnp.max(jnp.abs(get_path(block, f"{c}/kernel")), axis=1) for c in group.consumers]), axis=0)
 
-
-get_leaf = _get
-set_leaf = _set

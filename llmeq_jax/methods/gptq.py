@@ -386,7 +386,7 @@ def shared_input_groups(rels: list[str], hessians: dict, specs: dict) -> list[li
 def block_processor(config, recipe, opts: GPTQOptions, info: dict):
     """process_block for calibrate: GPTQ on every kernel its rule quantizes, Hessians from this block's inputs."""
     from llmeq_jax.core.rules import static_act_scale
-    from llmeq_jax.methods.folding import get_leaf, set_leaf
+    from llmeq_jax.core.rules import get_path, set_path
 
     info.setdefault("damp", {})
 
@@ -396,7 +396,7 @@ def block_processor(config, recipe, opts: GPTQOptions, info: dict):
         rules = {rel: r for rel, r in rules.items() if r is not None}
         hessians = {rel: block_stats[rel]["hessian"] for rel in rules}
         for group in shared_input_groups(list(rules), hessians, {rel: r.weight for rel, r in rules.items()}):
-            ws = [get_leaf(block, rel) for rel in group]
+            ws = [get_path(block, rel) for rel in group]
             names = ", ".join(f"layers_{layer}/{rel}" for rel in group)
             spec = rules[group[0]].weight
             q, scale, zp, res = gptq_quantize(jnp.concatenate(ws, axis=1) if len(ws) > 1 else ws[0],
@@ -408,7 +408,7 @@ def block_processor(config, recipe, opts: GPTQOptions, info: dict):
                 rule, full = rules[rel], f"layers_{layer}/{rel}"
                 act_scale = (static_act_scale(full, {full: block_stats[rel]}, rule.act_clip, rule.act)
                              if rule.act_static else None)
-                block = set_leaf(block, rel, to_qarray(q_i, s_i, z_i, rule.weight, w.dtype, rule.act, act_scale))
+                block = set_path(block, rel, to_qarray(q_i, s_i, z_i, rule.weight, w.dtype, rule.act, act_scale))
                 if res["damp"] != opts.damp:
                     info["damp"][full] = res["damp"]
         return block

@@ -42,19 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from llmeq_jax.core.quantize import quantize_dequantize
-
-
-def _get(tree, path):
-    for k in path.split("/"):
-        tree = tree[k]
-    return tree
-
-
-def _set(tree, path, value):
-    head, _, rest = path.partition("/")
-    out = dict(tree)
-    out[head] = value if not rest else _set(tree[head], rest, value)
-    return out
+from llmeq_jax.core.rules import get_path, set_path
 
 
 # --------------------------------------------------------------------------- proxy
@@ -89,7 +77,7 @@ def weighted_error(w: jax.Array, h_diag: jax.Array, *, spec) -> jax.Array:
 def proxy_table(params: dict, diags: dict[str, jax.Array], paths: Sequence[str], candidates: Sequence[int],
                 spec_for: Callable[[int], Any]) -> dict[str, dict[int, float]]:
     """``E[l][b]`` for every path and candidate width."""
-    return {p: {b: float(weighted_error(_get(params, p), diags[p], spec=spec_for(b))) for b in candidates}
+    return {p: {b: float(weighted_error(get_path(params, p), diags[p], spec=spec_for(b))) for b in candidates}
             for p in paths}
 
 
@@ -151,7 +139,7 @@ def measured_deltas(config, params: dict, windows: np.ndarray, paths: Sequence[s
         layer, _, rel = p.partition("/")
         i = int(layer.split("_")[1])
         block = params[layer]
-        block_q = _set(block, rel, quantize_dequantize(_get(block, rel), spec))
+        block_q = set_path(block, rel, quantize_dequantize(get_path(block, rel), spec))
         out[p] = float(_tail_nll(config, params, stacked, block_q, hs[i], tokens, i)) - base
     return out
 
@@ -245,7 +233,7 @@ def measured_kl(config, params: dict, windows: np.ndarray, paths: Sequence[str],
     for p, k in items:
         layer, _, rel = p.partition("/")
         i = int(layer.split("_")[1])
-        block_q = _set(ref[layer], rel, qdq(_get(params[layer], rel), spec=specs[k]))
+        block_q = set_path(ref[layer], rel, qdq(get_path(params[layer], rel), spec=specs[k]))
         out[p][k] = float(_tail_kl(config, ref, stacked, rows, bias, block_q, hs[i], ref_p, ref_logp, i))
     return out
 
@@ -257,7 +245,7 @@ def reference_params(params: dict, paths: Sequence[str], spec) -> dict:
     """``params`` with every kernel in ``paths`` quantize-dequantized under ``spec``: the uniform reference model."""
     out = params
     for p in paths:
-        out = _set(out, p, qdq(_get(params, p), spec=spec))
+        out = set_path(out, p, qdq(get_path(params, p), spec=spec))
     return out
 
 
@@ -284,10 +272,10 @@ def nll_gradient(config, params: dict, windows: np.ndarray, paths: Sequence[str]
         from tqdm import tqdm
 
         starts = tqdm(starts, desc="gradient", unit="batch", leave=False)
-    total = {p: jnp.zeros_like(_get(params, p)) for p in paths}
+    total = {p: jnp.zeros_like(get_path(params, p)) for p in paths}
     for i in starts:
         g = _summed_nll_grad(config, params, jnp.asarray(windows[i:i + batch]))
-        total = {p: total[p] + _get(g, p) for p in paths}
+        total = {p: total[p] + get_path(g, p) for p in paths}
     n = windows.shape[0] * (windows.shape[1] - 1)
     return {p: t / n for p, t in total.items()}
 
@@ -317,7 +305,7 @@ def local_nll_table(config, params: dict, kl_windows: np.ndarray, grad_windows: 
     grads = nll_gradient(config, ref, grad_windows, paths, progress=progress)
     out = {}
     for p in paths:
-        w, w_ref = _get(params, p), _get(ref, p)
+        w, w_ref = get_path(params, p), get_path(ref, p)
         row = {reference: 0.0}
         for k, spec in others.items():
             row[k] = kl[p][k] + first_order * float(_first_order(grads[p], qdq(w, spec=spec), w_ref))

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from llmeq_jax.core.quantize import quantize_dequantize
+from llmeq_jax.core.rules import get_path
 from llmeq_jax.methods import folding
 from llmeq_jax.methods.blockwise import fake_quant_act, option, options_from_args, quant_rule, rtn_block
 
@@ -93,7 +94,7 @@ def _w8a8_error(config, block, block_stats, g, alpha, min_scale, rules):
         if rule is None:
             continue
         x = block_stats[f"{c}/kernel"]["sample"]
-        w = folding.get_leaf(block, f"{c}/kernel")
+        w = get_path(block, f"{c}/kernel")
         ref = x @ w
         xs = fake_quant_act(x / rows, rule, block_stats[f"{c}/kernel"]["absmax"] / rows)
         err += float(jnp.sum((ref - xs @ quantize_dequantize(w * rows[:, None], rule.weight)) ** 2))

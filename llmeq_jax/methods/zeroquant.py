@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import optax
 
 from llmeq_jax.core.quantize import Spec, fake_quant
-from llmeq_jax.methods import folding
+from llmeq_jax.core.rules import get_path, set_path
 from llmeq_jax.methods.blockwise import block_kernel_paths, option, options_from_args, quant_rule, rtn_block
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +59,7 @@ def _student_block(config, layer, block, kernels, specs, act_rules, hidden, posi
 
     specs = dict(specs)
     for rel, w in kernels.items():
-        block = folding.set_leaf(block, rel, fake_quant(w, specs[rel]))
+        block = set_path(block, rel, fake_quant(w, specs[rel]))
 
     def interceptor(next_fun, args, kwargs, context):
         if context.method_name == "__call__" and isinstance(context.module, Linear):
@@ -90,7 +90,7 @@ def distill_block(config, layer: int, block: dict, recipe, inputs: list, steps: 
     rels = [r for r in block_kernel_paths(block) if quant_rule(recipe, layer, r) is not None]
     specs = {r: quant_rule(recipe, layer, r).weight for r in rels}
     act_rules = frozenset(r for r in rels if quant_rule(recipe, layer, r).act is not None)
-    kernels = {r: folding.get_leaf(block, r) for r in rels}
+    kernels = {r: get_path(block, r) for r in rels}
     targets = [jax.jit(apply_block, static_argnums=0, static_argnames="layer")(config, block, h, p, layer=layer)
                for h, p in inputs]
     # Sequences for the minibatches: every row of every input batch.
@@ -120,7 +120,7 @@ def distill_block(config, layer: int, block: dict, recipe, inputs: list, steps: 
         kernels, state, _ = step(kernels, state, h, p, t)
     after = first_batch_mse(kernels)
     for r, w in kernels.items():
-        block = folding.set_leaf(block, r, w)
+        block = set_path(block, r, w)
     return block, {"mse_before": before, "mse_after": after}
 
 

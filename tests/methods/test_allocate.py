@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from llmeq_jax.core.quantize import Spec, quantize, quantize_dequantize
-from llmeq_jax.core.rules import load_recipe
+from llmeq_jax.core.rules import get_path, load_recipe, set_path
 from llmeq_jax.methods import allocate as A
 from llmeq_jax.methods import sensitivity as S
 from tests.shared_data import shared_data_path
@@ -176,7 +176,7 @@ def test_measured_delta_equals_a_full_forward_with_that_layer_quantized(stories)
     base = float(jnp.mean(token_nll(forward(config, params, toks), toks)))
     for p in paths:
         layer, _, rel = p.partition("/")
-        q = S._set(params, p, quantize_dequantize(S._get(params, p), spec))
+        q = set_path(params, p, quantize_dequantize(get_path(params, p), spec))
         direct = float(jnp.mean(token_nll(forward(config, q, toks), toks))) - base
         assert np.isclose(deltas[p], direct, rtol=1e-3, atol=1e-5), (p, deltas[p], direct)
         assert abs(direct) > 1e-3  # a real change (stories260K on wikitext can even gain from noise: no sign test)
@@ -196,7 +196,7 @@ def test_measured_kl_equals_a_full_forward_with_that_layer_quantized(stories):
     ref = jax.nn.log_softmax(forward(config, params, toks).astype(jnp.float32), axis=-1)
     for p in paths:
         for k, spec in specs.items():
-            q = S._set(params, p, quantize_dequantize(S._get(params, p), spec))
+            q = set_path(params, p, quantize_dequantize(get_path(params, p), spec))
             logp = jax.nn.log_softmax(forward(config, q, toks).astype(jnp.float32), axis=-1)
             direct = float(jnp.mean(jnp.sum(jnp.exp(ref) * (ref - logp), axis=-1)))
             assert np.isclose(kl[p][k], direct, rtol=1e-3, atol=1e-7), (p, k, kl[p][k], direct)
@@ -219,7 +219,7 @@ def test_measured_kl_around_a_reference_model_keeps_the_other_layers_at_the_refe
     toks = jnp.asarray(wins)
     logp = lambda q: jax.nn.log_softmax(forward(config, q, toks).astype(jnp.float32), axis=-1)  # noqa: E731
     lr = logp(ref)
-    moved = S._set(ref, p, quantize_dequantize(S._get(params, p), spec))  # quantized from the float kernel
+    moved = set_path(ref, p, quantize_dequantize(get_path(params, p), spec))  # quantized from the float kernel
     direct = float(jnp.mean(jnp.sum(jnp.exp(lr) * (lr - logp(moved)), axis=-1)))
     assert np.isclose(kl, direct, rtol=1e-3, atol=1e-7) and direct > 0, (kl, direct)
 
@@ -236,7 +236,7 @@ def test_nll_gradient_is_the_mean_nll_gradient_over_every_window(stories):
     toks = jnp.asarray(wins)
     want = jax.grad(lambda q: jnp.mean(token_nll(forward(config, q, toks), toks)))(params)
     for p in paths:
-        w = S._get(want, p)
+        w = get_path(want, p)
         scale = float(jnp.max(jnp.abs(w)))
         assert scale > 0 and np.allclose(got[p], w, rtol=1e-3, atol=1e-4 * scale), p
 
@@ -258,7 +258,7 @@ def test_nll_table_predicts_the_real_nll_change_of_each_move_from_the_reference(
     base = nll(ref)
     for key in ("8c", "4g16"):
         est = np.array([table[p][key] for p in paths])
-        real = np.array([nll(S._set(ref, p, quantize_dequantize(S._get(params, p), specs[key]))) - base
+        real = np.array([nll(set_path(ref, p, quantize_dequantize(get_path(params, p), specs[key]))) - base
                          for p in paths])
         # stories260K (width 64, 4-bit g32 reference): correlation 0.92, mean error 0.6 of the mean change
         assert np.corrcoef(est, real)[0, 1] > 0.85, (key, est, real)

@@ -9,9 +9,8 @@ import pytest
 
 from llmeq_jax import calibrate, ops
 from llmeq_jax.core.quantize import Spec, quantize
-from llmeq_jax.core.rules import RecipeError, Rule
+from llmeq_jax.core.rules import RecipeError, Rule, get_path
 from llmeq_jax.methods import autoround as ar
-from llmeq_jax.methods.folding import get_leaf
 
 SPECS = [Spec(4, "group", group_size=16, symmetric=False), Spec(3, "group", group_size=12, symmetric=True),
          Spec(2, "channel", symmetric=False)]
@@ -79,7 +78,7 @@ def test_training_lowers_the_block_error_below_rtn_and_gives_a_checkpoint_ops_ru
         assert 0.5 <= float(p["alpha"].min()) and float(p["alpha"].max()) <= 1.0
         assert 0.5 <= float(p["beta"].min()) and float(p["beta"].max()) <= 1.0
     rel = "attn/q_proj/kernel"
-    w = get_leaf(block, rel)
+    w = get_path(block, rel)
     qa = ar.to_qarray(w, learned[rel], spec)
     assert qa.bits == 4 and qa.zero_point is not None and qa.tile == (32, 1)
     zp = np.asarray(qa.zero_point)
@@ -154,7 +153,7 @@ def test_per_token_loss_is_each_tokens_error_relative_to_its_target_rms(stories_
 
     spec = Spec(4, "group", group_size=32, symmetric=False)
     specs = {r: spec for r in block_kernel_paths(block)}
-    kernels = {r: get_leaf(block, r).astype(jnp.float32) for r in specs}
+    kernels = {r: get_path(block, r).astype(jnp.float32) for r in specs}
     learned = {r: ar.init_params(w, spec) for r, w in kernels.items()}
     hidden, positions = inputs[0]
     target = ar.float_outputs(config, 0, block, [inputs[0]])[0]

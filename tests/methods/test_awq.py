@@ -8,7 +8,7 @@ import pytest
 
 from llmeq_jax import calibrate
 from llmeq_jax.core.quantize import Spec, quantize
-from llmeq_jax.core.rules import Recipe, RecipeError, Rule
+from llmeq_jax.core.rules import Recipe, RecipeError, Rule, get_path
 from llmeq_jax.methods import awq, folding, quantize_model
 from llmeq_jax.models import forward
 from tests.methods.tiny_models import tiny_model, tiny_windows
@@ -33,7 +33,7 @@ def test_scale_search_lowers_block_error(producer):
     g = next(g for g in folding.scale_groups(config) if g.producer == producer)
     st = stats[f"layers_0/{g.consumers[0]}/kernel"]
     x = np.asarray(st["sample"])
-    kernels = [np.asarray(folding.get_leaf(params["layers_0"], f"{c}/kernel")) for c in g.consumers]
+    kernels = [np.asarray(get_path(params["layers_0"], f"{c}/kernel")) for c in g.consumers]
     s, a, errs = awq.search_scale(config, g, jnp.asarray(x), st["abs_sum"] / st["count"],
                                   [jnp.asarray(k) for k in kernels], [SPEC] * len(kernels), n_grid=20)
     ones = np.ones(s.shape, np.float32)
