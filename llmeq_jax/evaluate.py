@@ -126,22 +126,35 @@ def perplexity(
     else:
         jitted = jax.jit(lambda p, toks: jnp.sum(nll_fn(p, toks), axis=-1))
         step = lambda toks: jitted(params, toks)  # noqa: E731
-    n = len(windows)
     total = 0.0
-    batches = range(0, n, batch_size)
+    for chunk, real in padded_batches(windows, batch_size, progress, "perplexity"):
+        total += float(np.sum(np.asarray(step(jnp.asarray(chunk)))[:real], dtype=np.float64))
+    return perplexity_summary(total, windows)
+
+
+def padded_batches(windows: np.ndarray, batch_size: int, progress: bool = False, desc: str = "perplexity"):
+    """``(batch, real)`` for each ``batch_size`` consecutive windows in order: the last batch padded with copies
+    of its last window to keep one compiled shape, ``real`` the rows to count. Copies also leave any absmax of
+    the batch as its real windows make it (online activation scales)."""
+    batches = range(0, len(windows), batch_size)
     if progress:
         from tqdm import tqdm
 
-        batches = tqdm(batches, desc="perplexity", unit="batch", leave=False)
+        batches = tqdm(batches, desc=desc, unit="batch", leave=False)
     for start in batches:
         chunk = windows[start : start + batch_size]
         real = len(chunk)
         if real < batch_size:
             chunk = np.concatenate([chunk, np.repeat(chunk[-1:], batch_size - real, axis=0)])
-        total += float(np.sum(np.asarray(step(jnp.asarray(chunk)))[:real], dtype=np.float64))
-    count = n * (windows.shape[1] - 1)
-    mean = total / count
-    return {"ppl": math.exp(mean), "nll": mean, "tokens": count, "windows": n, "seq_len": int(windows.shape[1])}
+        yield chunk, real
+
+
+def perplexity_summary(total_nll: float, windows: np.ndarray) -> dict:
+    """The perplexity dict of a summed next-token NLL over every position of ``windows`` [n, T] after its first."""
+    count = len(windows) * (windows.shape[1] - 1)
+    mean = total_nll / count
+    return {"ppl": math.exp(mean), "nll": mean, "tokens": count, "windows": len(windows),
+            "seq_len": int(windows.shape[1])}
 
 
 # --------------------------------------------------------------------------- speed

@@ -143,29 +143,15 @@ def perplexity(config, params, windows: np.ndarray, alphas: dict[str, float], ba
     The last batch is padded with copies of its last window, which leaves every absmax
     (and so the state) as the real windows alone would make it.
     """
-    from llmeq_jax.evaluate import token_nll
+    from llmeq_jax.evaluate import padded_batches, perplexity_summary, token_nll
 
     state = init_state(alphas)
-    total, n = 0.0, len(windows)
-    batches = range(0, n, batch_size)
-    if progress:
-        from tqdm import tqdm
-
-        batches = tqdm(batches, desc="perplexity (online act)", unit="batch", leave=False)
-    for start in batches:
-        chunk = windows[start : start + batch_size]
-        real = len(chunk)
-        if real < batch_size:
-            chunk = np.concatenate([chunk, np.repeat(chunk[-1:], batch_size - real, axis=0)])
+    total = 0.0
+    for chunk, real in padded_batches(windows, batch_size, progress, "perplexity (online act)"):
         toks = jnp.asarray(chunk)
         logits, state = forward(config, params, toks, state, alphas)
         total += float(np.sum(np.asarray(jnp.sum(token_nll(logits, toks), axis=-1))[:real], dtype=np.float64))
-    count = n * (windows.shape[1] - 1)
-    mean = total / count
-    import math
-
-    return {"ppl": math.exp(mean), "nll": mean, "tokens": count, "windows": n, "seq_len": int(windows.shape[1]),
-            "state": {p: float(v) for p, v in state.items()}}
+    return {**perplexity_summary(total, windows), "state": {p: float(v) for p, v in state.items()}}
 
 
 @functools.partial(jax.jit, static_argnames=("config", "alphas_items"))
