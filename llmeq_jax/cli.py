@@ -596,6 +596,15 @@ def _add_verify_opt(p):
                    help="do not check a checkpoint MODEL against its sha256 hashes before loading it")
 
 
+def _add_checkpoint_out_opts(p):
+    """--out, --overwrite, --no-verify and --json of the commands that write a checkpoint directory."""
+    p.add_argument("--out", required=True, help="checkpoint directory to write")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --out if it exists and is an llmeq_jax checkpoint (never other directories)")
+    _add_verify_opt(p)
+    p.add_argument("--json", action="store_true", help="print a JSON summary, no progress bars")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="llmeq",
@@ -610,11 +619,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recipe", required=True, help="recipe YAML (path, or a shipped recipe name, e.g. rtn-w8)")
     _add_calib_opts(p)
     _add_kv_opts(p)
-    p.add_argument("--out", required=True, help="checkpoint directory to write")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace --out if it exists and is an llmeq_jax checkpoint (never other directories)")
-    _add_verify_opt(p)
-    p.add_argument("--json", action="store_true", help="print a JSON summary, no progress bars")
+    _add_checkpoint_out_opts(p)
     p.set_defaults(fn=cmd_quantize)
 
     p = sub.add_parser("eval", help="perplexity (and optionally speed) of MODEL on a text")
@@ -773,11 +778,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scale-lr", type=_finite_float(0.0, None, "a learning rate > 0", low_open=True), default=1e-3,
                    help="Adam step of the log scale multipliers with --learn-scales (default 1e-3)")
     _add_calib_opts(p)
-    p.add_argument("--out", required=True, help="checkpoint directory to write")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace --out if it exists and is an llmeq_jax checkpoint (never other directories)")
-    _add_verify_opt(p)
-    p.add_argument("--json", action="store_true", help="print a JSON summary, no progress bars")
+    _add_checkpoint_out_opts(p)
     p.set_defaults(fn=cmd_qat)
 
     p = sub.add_parser("inspect", help="list a checkpoint's leaves: bits, granularity, bytes")
