@@ -62,7 +62,7 @@ PANEL_COLS = 32
 # Query positions from which the attention kernel runs its blocked prefill path (kFlashMinT in
 # native/cpu_kernels.cc); between NATIVE_MAX_ROWS["attention"] and this, XLA's attention is used.
 PREFILL_ATTENTION_MIN_POSITIONS = 16
-_ABI_VERSION = 16
+_ABI_VERSION = 17
 _DISABLED = contextvars.ContextVar("llmeq_native_disabled", default=False)
 _INT_PANELS = contextvars.ContextVar("llmeq_native_int_panels", default=0)  # activation bits, 0: float panels
 
@@ -141,6 +141,12 @@ def avx512() -> bool:
     return available() and bool(_state.lib.llmeq_native_avx512())
 
 
+def amx() -> bool:
+    """The integer panels with int8 activations run 16 rows at a time on AMX-INT8 tiles on this CPU
+    (``tdpbusd``, 16x ``vpdpbusd``'s products an instruction; the same bits as the VNNI tiles)."""
+    return available() and bool(_state.lib.llmeq_native_amx())
+
+
 def prefill_kernels_ok() -> bool:
     """Prefill-sized native products (the panel GEMMs, the VNNI GEMM past a few rows) may be traced:
     only with one device. XLA's SPMD partitioner runs a custom call replicated, its inputs
@@ -160,6 +166,28 @@ def without_vnni():
         yield
     finally:
         _state.lib.llmeq_native_allow_vnni(1)
+
+
+def amx_blocks() -> int:
+    """16-row blocks the AMX tiles have multiplied in this process so far (0 where they never run)."""
+    if not available():
+        return 0
+    _state.lib.llmeq_native_amx_blocks.restype = ctypes.c_int64
+    return int(_state.lib.llmeq_native_amx_blocks())
+
+
+@contextlib.contextmanager
+def without_amx():
+    """Run the integer panels' int8 products on the AVX-512 VNNI tiles even on an AMX CPU (tests of that
+    path, A/B timings); process-wide."""
+    if not available():
+        yield
+        return
+    _state.lib.llmeq_native_allow_amx(0)
+    try:
+        yield
+    finally:
+        _state.lib.llmeq_native_allow_amx(1)
 
 
 @contextlib.contextmanager

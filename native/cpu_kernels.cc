@@ -12,10 +12,11 @@
 // namespace, so the compiler sees every kernel's helpers and inlines across parts (a later part
 // uses what an earlier one defines); it then binds the FFI handlers.
 //
-//   cpu_features.inc       which SIMD paths this CPU runs (AVX2+FMA, AVX-512 VNNI), and their off switches
+//   cpu_features.inc       which SIMD paths this CPU runs (AVX2+FMA, AVX-512 VNNI, AMX), and their off switches
 //   threads.inc            work split over XLA's intra-op pool (parallel_for) and the decode kernels' SpinPool
+//   amx.inc                AMX-INT8 tiles (where the CPU has them): their configuration and operands
 //   weight_only.inc        llmeq_wo_matmul: x @ dequant(W), W column-major or row-major, int8 / int4 codes
-//   w8a8.inc               llmeq_w8a8_matmul: int8 x int8 GEMMs (AVX2 panels, AVX-512 VNNI)
+//   w8a8.inc               llmeq_w8a8_matmul: int8 x int8 GEMMs (AVX2 panels, AVX-512 VNNI, AMX)
 //   row_major.inc          decode: few rows against (N, K) weights (int16 / int8 activations), portable + AVX2
 //   row_major_vnni.inc     the same on AVX-512 VNNI, and the split rows' tile (int2-int6 codes in 2-6 bits)
 //   row_major_run.inc      a row-major product's run: chunks over the threads, the activations quantized
@@ -24,7 +25,7 @@
 //   decode_attention.inc   llmeq_decode_attention: a few query positions over a float KV cache
 //   prefill_attention.inc  the same for many positions, blocked, exp on AVX2 / AVX-512
 //   float_panels.inc       llmeq_panel_matmul: float GEMMs on kernels packed once into 32-column panels
-//   int_panels.inc         weight-only products of many rows on integer panels (AVX-512 VNNI)
+//   int_panels.inc         weight-only products of many rows on integer panels (AVX-512 VNNI, AMX)
 //   attention_blocks.inc   AVX-512 decode attention, 16 cache slots a step
 //   kv_store.inc           the quantized KV store: attention over its codes, appending a step
 //
@@ -64,7 +65,12 @@
 
 #if defined(__x86_64__) || defined(_M_X64)
 #define LLMEQ_X86 1
+#include <cpuid.h>
 #include <immintrin.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #else
 #define LLMEQ_X86 0
 #endif
@@ -75,6 +81,7 @@ namespace {
 
 #include "cpu_features.inc"
 #include "threads.inc"
+#include "amx.inc"
 #include "weight_only.inc"
 #include "w8a8.inc"
 #include "row_major.inc"
@@ -219,5 +226,8 @@ __attribute__((visibility("default"))) void llmeq_native_force_scalar(int on) { 
 __attribute__((visibility("default"))) int llmeq_native_vnni() { return use_vnni() ? 1 : 0; }
 __attribute__((visibility("default"))) int llmeq_native_avx512() { return use_avx512() ? 1 : 0; }
 __attribute__((visibility("default"))) void llmeq_native_allow_vnni(int on) { g_allow_vnni.store(on ? 1 : 0); }
-__attribute__((visibility("default"))) int llmeq_native_abi_version() { return 16; }
+__attribute__((visibility("default"))) int llmeq_native_amx() { return use_amx() ? 1 : 0; }
+__attribute__((visibility("default"))) void llmeq_native_allow_amx(int on) { g_allow_amx.store(on ? 1 : 0); }
+__attribute__((visibility("default"))) int64_t llmeq_native_amx_blocks() { return g_amx_blocks.load(); }
+__attribute__((visibility("default"))) int llmeq_native_abi_version() { return 17; }
 }
