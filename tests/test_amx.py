@@ -19,16 +19,9 @@ import pytest
 
 from llmeq_jax import native
 from llmeq_jax.core.quantize import Spec, quantize
+from tests.cpu_flags import cpu_flags
 
 needs_amx = pytest.mark.skipif(not native.amx(), reason="the AMX tiles run on CPUs with AMX-INT8 (Sapphire Rapids on)")
-
-
-def _cpu_flags() -> set[str]:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    return set()
 
 
 def _x(rows: int, k: int, seed: int) -> jnp.ndarray:
@@ -52,7 +45,7 @@ def _with_and_without_amx(f, x, blocks: int):
 @pytest.mark.skipif(not (native.available() and os.path.exists("/proc/cpuinfo")),
                     reason="reads the CPU flags from /proc/cpuinfo (Linux), with the native library")
 def test_amx_is_on_exactly_where_the_cpu_has_it():
-    expect = native.vnni() and {"amx_tile", "amx_int8"} <= _cpu_flags()
+    expect = native.vnni() and {"amx_tile", "amx_int8"} <= cpu_flags()
     assert native.amx() == expect
     with native.without_amx():
         assert not native.amx()

@@ -21,6 +21,7 @@ from llmeq_jax import native, ops
 from llmeq_jax.core.qarray import expand_to
 from llmeq_jax.decode_layout import widen_to_int4
 from llmeq_jax.core.quantize import Spec, quantize
+from tests.cpu_flags import cpu_flags
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="native kernels are CPU kernels")
 
@@ -253,18 +254,10 @@ def test_w8a8_matches_xla(wname, aname, rows):
     _assert_close(y, ref, 8 * EPS * mag + 1e-30)
 
 
-def _cpu_flags() -> set[str]:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    return set()
-
-
 @needs_native
 @pytest.mark.skipif(not os.path.exists("/proc/cpuinfo"), reason="reads the CPU flags from /proc/cpuinfo (Linux)")
 def test_vnni_gemm_is_on_exactly_where_the_cpu_has_it():
-    flags = _cpu_flags()
+    flags = cpu_flags()
     expect = native.simd() and {"avx512f", "avx512bw", "avx512_vnni"} <= flags
     assert native.vnni() == expect
     with native.without_vnni():
