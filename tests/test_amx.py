@@ -53,7 +53,8 @@ def test_amx_is_on_exactly_where_the_cpu_has_it():
 
 
 # (spec, K, N, rows): per-channel groups of 128 with a short last one (600 = 4 x 128 + 88: chunks of 64 and a
-# padded 24), one group of K % 4 != 0 values (67), groups of 64 and 96 (a chunk and a half), rows past whole
+# padded 24), one group of K % 4 != 0 values (67), groups of 64 and 96 (a chunk and a half) and of 192 / 256
+# (three and four chunks: a chunk's quad rows are at most 16, which the first build copied past), rows past whole
 # 16-row blocks; N past whole 32-column slices (even: SwiGLU halves it).
 PANEL_CASES = [
     (Spec(bits=8), 600, 70, 51),
@@ -62,6 +63,8 @@ PANEL_CASES = [
     (Spec(bits=4, granularity="group", group_size=64, symmetric=False), 512, 96, 48),
     (Spec(bits=8, granularity="group", group_size=96), 288, 34, 16),
     (Spec(bits=4, granularity="group", group_size=128, symmetric=False), 2048, 200, 37),
+    (Spec(bits=8, granularity="group", group_size=256), 512, 70, 24),  # four chunks a group, two groups
+    (Spec(bits=8, granularity="group", group_size=192, symmetric=False), 768, 32, 16),
 ]
 
 
