@@ -107,6 +107,7 @@ def _load() -> None:
         for name in (_WO_TARGET, _W8_TARGET, _RM_A16_TARGET, _RM_A8_TARGET, _ATTN_TARGET, _PANEL_TARGET,
                      _FLOAT_TARGET, _KV_STORE_TARGET, _KV_APPEND_TARGET):
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
+        lib.llmeq_native_amx_blocks.restype = ctypes.c_int64
     except (OSError, AttributeError) as e:  # a stale or foreign build: XLA still works
         _state.reason = f"the native CPU library {path} could not be loaded: {e}"
         return
@@ -142,8 +143,9 @@ def avx512() -> bool:
 
 
 def amx() -> bool:
-    """The integer panels with int8 activations run 16 rows at a time on AMX-INT8 tiles on this CPU
-    (``tdpbusd``, 16x ``vpdpbusd``'s products an instruction; the same bits as the VNNI tiles)."""
+    """The W8A8 GEMM and the integer panels with int8 activations run 16 rows at a time on AMX-INT8 tiles
+    on this CPU (``tdpbsud`` / ``tdpbusd``, 16x ``vpdpbusd``'s products an instruction; the same bits as the
+    VNNI tiles)."""
     return available() and bool(_state.lib.llmeq_native_amx())
 
 
@@ -172,14 +174,13 @@ def amx_blocks() -> int:
     """16-row blocks the AMX tiles have multiplied in this process so far (0 where they never run)."""
     if not available():
         return 0
-    _state.lib.llmeq_native_amx_blocks.restype = ctypes.c_int64
     return int(_state.lib.llmeq_native_amx_blocks())
 
 
 @contextlib.contextmanager
 def without_amx():
-    """Run the integer panels' int8 products on the AVX-512 VNNI tiles even on an AMX CPU (tests of that
-    path, A/B timings); process-wide."""
+    """Run the W8A8 GEMM and the integer panels' int8 products on the AVX-512 VNNI tiles even on an AMX CPU
+    (tests of that path, A/B timings); process-wide."""
     if not available():
         yield
         return
