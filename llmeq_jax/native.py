@@ -62,7 +62,7 @@ PANEL_COLS = 32
 # Query positions from which the attention kernel runs its blocked prefill path (kFlashMinT in
 # native/cpu_kernels.cc); between NATIVE_MAX_ROWS["attention"] and this, XLA's attention is used.
 PREFILL_ATTENTION_MIN_POSITIONS = 16
-_ABI_VERSION = 17
+_ABI_VERSION = 18
 _DISABLED = contextvars.ContextVar("llmeq_native_disabled", default=False)
 _INT_PANELS = contextvars.ContextVar("llmeq_native_int_panels", default=0)  # activation bits, 0: float panels
 
@@ -368,6 +368,17 @@ def _zp_arg(w: QArray, rows: int, cols: int) -> jax.Array:
     return _as_grid(w.zero_point, rows, cols)
 
 
+def _rm_zp_arg(w: QArray, lead: tuple, n: int, groups: int) -> jax.Array:
+    """The row-major kernels' zero points ``(*lead, n, groups)``: int8 and float32 ones as stored (a stack
+    read in place at the layer the kernel is given), other types as float32. Converting int8 zero points
+    here, on every call of a decode step, had cost as much as the product itself (one 11264 x 2048 int4
+    matrix in groups of 128: 1.06 ms against 0.60 ms with the zero points already float32)."""
+    if w.zero_point is None:
+        return jnp.zeros((1, 1), jnp.float32)
+    zp = w.zero_point if w.zero_point.dtype in (jnp.int8, jnp.float32) else w.zero_point.astype(jnp.float32)
+    return jnp.broadcast_to(zp, (*lead, n, groups))
+
+
 def _check_x(x: jax.Array, k: int, what: str) -> None:
     if x.shape[-1] != k:
         raise ValueError(f"native.{what}: x has {x.shape[-1]} features, the weight contracts {k}")
@@ -471,12 +482,12 @@ def _rm_forward(x: jax.Array, w: QArray, act, layer=None, codes=None, split=Fals
     n, k = w.shape
     g = w.tile[1]
     groups = math.ceil(k / g)
+    lead = () if layer is None else w.qvalue.shape[:1]
+    zp = _rm_zp_arg(w, lead, n, groups)
     if layer is None:
-        scale, zp, act_scale = _as_grid(w.scale, n, groups), _zp_arg(w, n, groups), w.act_scale
-    else:  # a stack: codes and scales read in place by the kernel; zero points and act scale (small) sliced
-        lead = w.qvalue.shape[:1]
+        scale, act_scale = _as_grid(w.scale, n, groups), w.act_scale
+    else:  # a stack: codes, scales and zero points read in place by the kernel; the act scale (small) sliced
         scale = jnp.broadcast_to(w.scale.astype(jnp.float32), (*lead, n, groups))
-        zp = _zp_arg(dataclasses.replace(w, zero_point=take_layer(w.zero_point, layer)), n, groups)
         act_scale = take_layer(w.act_scale, layer)
     if act is None:  # with scale codes the kernel reads them (and their steps), not w.scale
         x2 = x.reshape(-1, k).astype(jnp.float32)

@@ -130,7 +130,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(llmeq_rm_a16, rm_a16_impl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
@@ -145,7 +145,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(llmeq_rm_a8, rm_a8_impl,
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
@@ -229,5 +229,5 @@ __attribute__((visibility("default"))) void llmeq_native_allow_vnni(int on) { g_
 __attribute__((visibility("default"))) int llmeq_native_amx() { return use_amx() ? 1 : 0; }
 __attribute__((visibility("default"))) void llmeq_native_allow_amx(int on) { g_allow_amx.store(on ? 1 : 0); }
 __attribute__((visibility("default"))) int64_t llmeq_native_amx_blocks() { return g_amx_blocks.load(); }
-__attribute__((visibility("default"))) int llmeq_native_abi_version() { return 17; }
+__attribute__((visibility("default"))) int llmeq_native_abi_version() { return 18; }
 }
