@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
 import functools
 import ctypes
 import glob
