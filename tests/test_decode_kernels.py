@@ -271,7 +271,7 @@ def _ffi_calls(jaxpr) -> list:
                                       ("int8-g32-asym", Spec(bits=8, granularity="token"))])
 def test_integer_zero_points_go_to_the_kernel_as_stored(name, act):
     """Our quantizers' int8 zero points reach the row-major kernels as int8 (no float32 copy made on every
-    decode step: that conversion had cost as much as the product) and give the float32 zero points' result
+    decode step) and give the float32 zero points' result
     bit for bit, on the VNNI and the AVX2 tiles; other integer types are converted."""
     w = decode_layout.transpose_kernel(jax.jit(quantize, static_argnums=1)(jnp.asarray(_rand((K, N), 11)),
                                                                            WEIGHTS[name]))
