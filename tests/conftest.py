@@ -15,12 +15,22 @@ Property tests (hypothesis) draw the same examples on every run of a commit (``d
 CI passes or fails a commit on what was tested before it was pushed, not on a fresh draw.
 ``LLMEQ_HYPOTHESIS=explore`` draws new examples on each run: use it when touching numerics (it is
 how the percentile rounding cases pinned in tests/core/test_quantize.py were found).
+
+Each test process keeps the programs it compiles in a persistent compilation cache of its own (a
+temporary directory removed at exit): many tests compile the same program again -- the float model
+a quantized path is compared against, one decode step under a fresh ``jax.jit`` -- and reading it
+back is cheaper than compiling it (tests/kv/test_cache_kernel.py: 203 -> 158 s). One directory per
+process, because JAX writes an entry in place and another worker could read it half-written.
+``LLMEQ_TEST_COMPILE_CACHE=0`` compiles everything afresh.
 """
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
+import shutil
+import tempfile
 
 import jax
 import pytest
@@ -29,6 +39,18 @@ from hypothesis import settings
 settings.register_profile("fixed", derandomize=True)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile("explore" if os.environ.get("LLMEQ_HYPOTHESIS") == "explore" else "fixed")
+
+
+def _use_a_compilation_cache_of_this_process():
+    directory = tempfile.mkdtemp(prefix="llmeq-test-xla-cache-")
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # the default keeps only >= 1 s compiles
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+if os.environ.get("LLMEQ_TEST_COMPILE_CACHE", "1") != "0":
+    _use_a_compilation_cache_of_this_process()
 
 
 @pytest.fixture(autouse=True, scope="module")

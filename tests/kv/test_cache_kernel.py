@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -45,6 +46,13 @@ def _same_codes_model(config):
                                                                    "o_proj": jax.tree.map(jnp.zeros_like, o_proj)}}}
 
 
+def _step_uses_pallas(config, params, kv, tokens) -> bool:
+    """Whether a decode step traced under the current switches calls a Pallas kernel (nothing compiled)."""
+    cache = init_cache(config, 2, tokens.shape[1], kv=kv)
+    step = lambda p, t, m, c: forward_step(config, p, t, m, c)  # noqa: E731  (traced under this context)
+    return "pallas_call" in str(jax.make_jaxpr(step)(params, tokens[:, 6:7], jnp.ones((2, 1), jnp.int32), cache))
+
+
 def _decode(config, params, kv, tokens):
     """Logits of a 6-token prompt then one token per step, whether a Pallas kernel ran, the last cache."""
     step = lambda p, t, m, c: forward_step(config, p, t, m, c)  # a fresh function: traced under this context
@@ -52,11 +60,10 @@ def _decode(config, params, kv, tokens):
     logits, cache = jax.jit(step)(params, tokens[:, :6], jnp.asarray(PROMPT_MASK), cache)
     outs, one = [logits[:, -1:]], jnp.ones((2, 1), jnp.int32)
     decode = jax.jit(step)
-    used_kernel = "pallas_call" in str(jax.make_jaxpr(step)(params, tokens[:, 6:7], one, cache))
     for i in range(6, tokens.shape[1]):
         logits, cache = decode(params, tokens[:, i : i + 1], one, cache)
         outs.append(logits)
-    return jnp.concatenate(outs, axis=1), used_kernel, cache
+    return jnp.concatenate(outs, axis=1), _step_uses_pallas(config, params, kv, tokens), cache
 
 
 CASES = {
@@ -68,25 +75,35 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_decode_through_the_kernel_equals_xla(case):
+@functools.lru_cache(maxsize=None)
+def _reference(case):
+    """A case's model, tokens and quantizer, with what the kernels are compared against: XLA's decode
+    (native kernel off) and the float model's logits. Built once for the tests of a case (one process
+    runs this file)."""
     config, spec = CASES[case]
     params = _same_codes_model(config)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (2, 14)))
     calib = np.random.default_rng(1).integers(0, config.vocab_size, (4, 16))
     kv = calibrate.make_kv_quantizer(spec, config, params, calib)
-    with native.disabled():  # the CPU's native kernel otherwise reads the store (test below)
-        xla, used, xla_cache = _decode(config, params, kv, tokens)
+    with native.disabled():  # the CPU's native kernel otherwise reads the store
+        xla_logits, used, xla_cache = _decode(config, params, kv, tokens)
     assert not used  # no GPU here: the XLA path
+    float_logits = _decode(config, params, None, tokens)[0]
+    return config, params, tokens, kv, (xla_logits, xla_cache), float_logits
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_decode_through_the_kernel_equals_xla(case):
+    config, params, tokens, kv, xla, float_logits = _reference(case)
     with kernel_config.interpret(True):
         kernel, used, kernel_cache = _decode(config, params, kv, tokens)
     assert used, "the decode step did not go through the Pallas kernel"
     with kernel_config.interpret(True), kernel_config.disabled():
-        assert not _decode(config, params, kv, tokens[:, :8])[1]  # the off switch (CLI --xla) holds
-    _assert_same_decode(config, params, tokens, (kernel, kernel_cache), (xla, xla_cache))
+        assert not _step_uses_pallas(config, params, kv, tokens)  # the off switch (CLI --xla) holds
+    _assert_same_decode((kernel, kernel_cache), xla, float_logits)
 
 
-def _assert_same_decode(config, params, tokens, ours, xla):
+def _assert_same_decode(ours, xla, float_logits):
     """Two paths' ``(logits, cache)`` of :func:`_decode` agree; returns the tolerance used."""
     (logits, cache), (xla_logits, xla_cache) = ours, xla
     # The premise of the tolerance below: both paths stored the same codes (see _same_codes_model).
@@ -101,7 +118,6 @@ def _assert_same_decode(config, params, tokens, ours, xla):
     tol = 5e-5 * float(jnp.max(jnp.abs(xla_logits)))
     np.testing.assert_allclose(logits, xla_logits, atol=tol)
     # The comparison means something: this cache moves the logits away from the float model's.
-    float_logits = _decode(config, params, None, tokens)[0]
     assert float(jnp.max(jnp.abs(float_logits - xla_logits))) > 100 * tol
     return tol
 
@@ -114,16 +130,12 @@ def test_decode_through_the_native_kernel_equals_xla(case, tables, monkeypatch):
     and the logits equal XLA's dequantize-then-attend path's. Pre-RoPE keys rotate with cos/sin computed
     every step, or with the tables kept with the slots (models where they are cheap: forced here, this
     2-layer model's would add 50-100 % to its codes)."""
+    config, params, tokens, kv, xla, float_logits = _reference(case)  # XLA's path keeps no tables either way
     if tables == "kept":
         monkeypatch.setattr(kvcache, "TABLE_SHARE_MAX", 1.0)
-    config, spec = CASES[case]
-    params = _same_codes_model(config)
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (2, 14)))
-    calib = np.random.default_rng(1).integers(0, config.vocab_size, (4, 16))
-    kv = calibrate.make_kv_quantizer(spec, config, params, calib)
+    spec = CASES[case][1]
     assert kvcache.store_path(spec, config.head_dim, jnp.float32, 4, 14) == "native"
     with native.disabled():
-        xla, _, xla_cache = _decode(config, params, kv, tokens)
         assert kvcache.store_path(spec, config.head_dim, jnp.float32, 4, 14) != "native"
     ours, _, our_cache = _decode(config, params, kv, tokens)
     assert (our_cache.rope_cos is not None) == (tables == "kept")
@@ -134,12 +146,12 @@ def test_decode_through_the_native_kernel_equals_xla(case, tables, monkeypatch):
     assert hlo.count("llmeq_kv_store_append") >= config.num_layers  # the codes and grids written by one call
     if spec.sink_tokens and not spec.window:  # the kernel read the sinks too: no merge of two softmaxes after it
         assert "log_plus_one" not in hlo
-    tol = _assert_same_decode(config, params, tokens, (ours, our_cache), (xla, xla_cache))
+    tol = _assert_same_decode((ours, our_cache), xla, float_logits)
     if case == "int4-preRoPE-static":  # the scan over stacked blocks: the layer index traced
         from llmeq_jax.models import stacked
 
         scanned, _, _ = _decode(config, stacked.stack_blocks(config, params), kv, tokens)
-        np.testing.assert_allclose(scanned, xla, atol=tol)
+        np.testing.assert_allclose(scanned, xla[0], atol=tol)
 
 
 @pytest.mark.parametrize(
@@ -181,9 +193,7 @@ def test_generate_compiles_once_per_kernel_switch_state():
     a loop compiled earlier with kernels on, and greedy text through the kernel equals XLA's."""
     from llmeq_jax import generate as gen
 
-    config, spec = CASES["int4-preRoPE-static"]
-    params = _same_codes_model(config)  # greedy tokens equal only if no code flips between the paths
-    kv = calibrate.make_kv_quantizer(spec, config, params, np.random.default_rng(1).integers(0, config.vocab_size, (4, 16)))
+    config, params, _, kv, _, _ = _reference("int4-preRoPE-static")  # greedy tokens equal only if no code flips
     prompt = jnp.asarray(np.random.default_rng(2).integers(0, config.vocab_size, (2, 5)))
     before = gen._decode_loop._cache_size()
     with kernel_config.interpret(True):
@@ -209,10 +219,8 @@ def test_stacked_decode_reads_each_layers_store_in_place():
     the unrolled model's logits. The XLA path (kernels off) does slice it, which is what the count detects."""
     from llmeq_jax.models import stacked
 
-    config, spec = CASES["int8-postRoPE-w3-sinks2"]
-    params = _same_codes_model(config)
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (2, 10)))
-    kv = calibrate.make_kv_quantizer(spec, config, params, np.random.default_rng(1).integers(0, config.vocab_size, (4, 16)))
+    config, params, tokens, kv, _, _ = _reference("int8-postRoPE-w3-sinks2")
+    tokens = tokens[:, :10]
     scanned_params = stacked.stack_blocks(config, params)
     with kernel_config.interpret(True):
         unrolled, _, _ = _decode(config, params, kv, tokens)
