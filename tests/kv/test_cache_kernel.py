@@ -171,21 +171,26 @@ def test_settings_the_kernel_cannot_read_fall_back_to_xla(spec, why):
 
 
 def test_merge_attention_equals_one_softmax_over_both_parts():
-    ks = jax.random.split(jax.random.key(0), 6)
-    q = jax.random.normal(ks[0], (2, 1, 4, 8))
-    part = lambda i, s: (jax.random.normal(ks[i], (2, 2, s, 8)) * 2, jax.random.normal(ks[i + 1], (2, 2, s, 8)),
-                         jax.random.bernoulli(ks[i + 2], 0.8, (2, 1, s)).at[:, :, 0].set(True))
-    a, b = part(1, 5), part(3, 7)
-    want, want_lse = kvattention.split_attention(q, [a, b], with_lse=True)
-    got, lse = kvattention.merge_attention(kvattention.split_attention(q, [a], with_lse=True),
-                                       kvattention.split_attention(q, [b], with_lse=True))
+    split = jax.jit(kvattention.split_attention, static_argnames="with_lse")  # compiled: faster than op by op
+    merge = jax.jit(kvattention.merge_attention)
+    rng = np.random.default_rng(0)  # numpy draws: each eager jax.random call compiles a program
+    q = jnp.asarray(rng.normal(size=(2, 1, 4, 8)), jnp.float32)
+
+    def part(s):
+        mask = rng.random((2, 1, s)) < 0.8
+        mask[:, :, 0] = True
+        return (jnp.asarray(rng.normal(size=(2, 2, s, 8)) * 2, jnp.float32),
+                jnp.asarray(rng.normal(size=(2, 2, s, 8)), jnp.float32), jnp.asarray(mask))
+
+    a, b = part(5), part(7)
+    want, want_lse = split(q, [a, b], with_lse=True)
+    got, lse = merge(split(q, [a], with_lse=True), split(q, [b], with_lse=True))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(lse, want_lse, rtol=1e-6)
     # An empty part (everything masked) weighs nothing.
     empty = (a[0], a[1], jnp.zeros_like(a[2]))
-    got, _ = kvattention.merge_attention(kvattention.split_attention(q, [empty], with_lse=True),
-                                     kvattention.split_attention(q, [b], with_lse=True))
-    np.testing.assert_allclose(got, kvattention.split_attention(q, [b]), rtol=1e-5, atol=1e-6)
+    got, _ = merge(split(q, [empty], with_lse=True), split(q, [b], with_lse=True))
+    np.testing.assert_allclose(got, split(q, [b]), rtol=1e-5, atol=1e-6)
 
 
 def test_generate_compiles_once_per_kernel_switch_state():
