@@ -16,12 +16,15 @@ CI passes or fails a commit on what was tested before it was pushed, not on a fr
 ``LLMEQ_HYPOTHESIS=explore`` draws new examples on each run: use it when touching numerics (it is
 how the percentile rounding cases pinned in tests/core/test_quantize.py were found).
 
-Each test process keeps the programs it compiles in a persistent compilation cache of its own (a
-temporary directory removed at exit): many tests compile the same program again -- the float model
-a quantized path is compared against, one decode step under a fresh ``jax.jit`` -- and reading it
-back is cheaper than compiling it (tests/kv/test_cache_kernel.py: 203 -> 158 s). One directory per
-process, because JAX writes an entry in place and another worker could read it half-written.
-``LLMEQ_TEST_COMPILE_CACHE=0`` compiles everything afresh.
+The whole run keeps the programs it compiles in one persistent compilation cache (a temporary directory
+made by the run's first pytest process -- xdist's controller -- and removed when it exits; its workers and
+every process a test starts inherit it through the environment): many tests compile the same program again
+-- the float model a quantized path is compared against, one decode step under a fresh ``jax.jit``, the CLI
+runs of one model in separate processes -- and reading it back is cheaper than compiling it. Whole suite, two
+workers: 1505 -> 1278 s against a cache of each process's own (2103 s with none). JAX writes an entry in
+place, so a process may find one another is still writing; such an entry is a truncated compressed stream,
+which JAX fails to decompress, warns about and compiles instead of using (tried). ``LLMEQ_TEST_COMPILE_CACHE=0`` compiles
+everything afresh.
 """
 
 from __future__ import annotations
@@ -41,16 +44,26 @@ settings.register_profile("explore", derandomize=False)
 settings.load_profile("explore" if os.environ.get("LLMEQ_HYPOTHESIS") == "explore" else "fixed")
 
 
-def _use_a_compilation_cache_of_this_process():
-    directory = tempfile.mkdtemp(prefix="llmeq-test-xla-cache-")
-    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+def _use_a_compilation_cache_of_this_run():
+    directory = os.environ.get(_RUN_CACHE)  # set by the run's first pytest process (xdist's controller)
+    if not directory:
+        directory = tempfile.mkdtemp(prefix="llmeq-test-xla-cache-")
+        atexit.register(shutil.rmtree, directory, ignore_errors=True)
+        os.environ[_RUN_CACHE] = directory
+    # In the environment, so that the processes tests start (CLI runs, multi-process launches) use it too.
+    os.environ.update({
+        "JAX_COMPILATION_CACHE_DIR": directory,
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",  # the default keeps only >= 1 s compiles
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    })
     jax.config.update("jax_compilation_cache_dir", directory)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # the default keeps only >= 1 s compiles
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+_RUN_CACHE = "LLMEQ_TEST_COMPILE_CACHE_DIR"
 if os.environ.get("LLMEQ_TEST_COMPILE_CACHE", "1") != "0":
-    _use_a_compilation_cache_of_this_process()
+    _use_a_compilation_cache_of_this_run()
 
 
 @pytest.fixture(autouse=True, scope="module")
