@@ -19,13 +19,14 @@ SHAPES = [
 
 
 def _operands(m, k, n, group, zp, bias, dtype=jnp.float32, seed=0):
-    ks = jax.random.split(jax.random.key(seed), 5)
-    x = (jax.random.normal(ks[0], (m, k)) * 2).astype(dtype)
-    wq = jax.random.randint(ks[1], (k, n), -127, 128).astype(jnp.int8)
+    # numpy draws: an eager jax.random draw compiles once per shape (about 0.3 s each here)
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((m, k), np.float32) * 2).astype(dtype)
+    wq = jnp.asarray(rng.integers(-127, 128, (k, n)), jnp.int8)
     groups = 1 if group is None else -(-k // group)
-    s = jax.random.uniform(ks[2], (groups, n), minval=1e-3, maxval=1e-2)
-    z = jax.random.randint(ks[3], (groups, n), -4, 5).astype(jnp.int8) if zp else None
-    b = jax.random.normal(ks[4], (n,)) if bias else None
+    s = jnp.asarray(rng.uniform(1e-3, 1e-2, (groups, n)), jnp.float32)
+    z = jnp.asarray(rng.integers(-4, 5, (groups, n)), jnp.int8) if zp else None
+    b = jnp.asarray(rng.standard_normal(n, np.float32)) if bias else None
     return x, wq, s, z, b
 
 
@@ -151,11 +152,12 @@ def test_a_layer_of_a_stack_is_read_in_place(group, zp, transpose):
 def _fp8_operands(m, k, n, group, seed=0):
     from llmeq_jax.core import fp8grid
 
-    ks = jax.random.split(jax.random.key(seed), 3)
-    x = jax.random.normal(ks[0], (m, k)) * 2
-    wq = fp8grid.encode(jax.random.normal(ks[1], (k, n)) * 100)  # E4M3 bit patterns, spread over the range
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((m, k), np.float32) * 2)
+    # E4M3 bit patterns, spread over the range
+    wq = fp8grid.encode(jnp.asarray(rng.standard_normal((k, n), np.float32) * 100))
     groups = 1 if group is None else -(-k // group)
-    s = jax.random.uniform(ks[2], (groups, n), minval=1e-3, maxval=1e-2)
+    s = jnp.asarray(rng.uniform(1e-3, 1e-2, (groups, n)), jnp.float32)
     return x, wq, s
 
 
