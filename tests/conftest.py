@@ -23,8 +23,8 @@ every process a test starts inherit it through the environment): many tests comp
 runs of one model in separate processes -- and reading it back is cheaper than compiling it. Whole suite, two
 workers: 1505 -> 1278 s against a cache of each process's own (2103 s with none). JAX writes an entry in
 place, so a process may find one another is still writing; such an entry is a truncated compressed stream,
-which JAX fails to decompress, warns about and compiles instead of using (tried). ``LLMEQ_TEST_COMPILE_CACHE=0`` compiles
-everything afresh.
+which JAX fails to decompress, warns about and compiles instead of using (tried).
+``LLMEQ_TEST_COMPILE_CACHE=0`` compiles everything afresh.
 """
 
 from __future__ import annotations
@@ -44,24 +44,25 @@ settings.register_profile("explore", derandomize=False)
 settings.load_profile("explore" if os.environ.get("LLMEQ_HYPOTHESIS") == "explore" else "fixed")
 
 
+_RUN_CACHE = "LLMEQ_TEST_COMPILE_CACHE_DIR"
+
+
 def _use_a_compilation_cache_of_this_run():
     directory = os.environ.get(_RUN_CACHE)  # set by the run's first pytest process (xdist's controller)
     if not directory:
         directory = tempfile.mkdtemp(prefix="llmeq-test-xla-cache-")
         atexit.register(shutil.rmtree, directory, ignore_errors=True)
         os.environ[_RUN_CACHE] = directory
-    # In the environment, so that the processes tests start (CLI runs, multi-process launches) use it too.
-    os.environ.update({
-        "JAX_COMPILATION_CACHE_DIR": directory,
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",  # the default keeps only >= 1 s compiles
-        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-    })
-    jax.config.update("jax_compilation_cache_dir", directory)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    options = {
+        "jax_compilation_cache_dir": directory,
+        "jax_persistent_cache_min_compile_time_secs": 0.0,  # the default keeps only >= 1 s compiles
+        "jax_persistent_cache_min_entry_size_bytes": 0,
+    }
+    for name, value in options.items():
+        jax.config.update(name, value)  # this process: jax is imported already
+        os.environ[name.upper()] = str(value)  # the processes tests start (CLI runs, multi-process launches)
 
 
-_RUN_CACHE = "LLMEQ_TEST_COMPILE_CACHE_DIR"
 if os.environ.get("LLMEQ_TEST_COMPILE_CACHE", "1") != "0":
     _use_a_compilation_cache_of_this_run()
 
