@@ -269,20 +269,22 @@ def generate(
     return (out, cache) if return_cache else out
 
 
-def decode_timing(config: ModelConfig, params, prompt_tokens, new_tokens: int, runs: int = 3) -> tuple[float, float]:
+def decode_timing(config: ModelConfig, params, prompt_tokens, new_tokens: int, runs: int = 3,
+                  kv=None) -> tuple[float, float]:
     """(warm seconds of ``new_tokens - 1`` greedy decode steps after ``prompt_tokens`` [B, T], seconds of the
     first call of the loop): the median over ``runs`` of time(loop of new_tokens - 1 steps) - time(loop of
     none), both on ONE compiled loop and one prefilled cache (what ``generate(new_tokens)`` -
     ``generate(1)`` measures, with one compilation instead of two and no prefill in the timed calls). The
     first call compiles the loop: minus a warm full loop, what compiling it took. The cache is the model's
-    activation dtype, as :func:`generate` makes it."""
+    activation dtype, as :func:`generate` makes it, or quantized by ``kv`` (a
+    :class:`llmeq_jax.kv.spec.KVQuantizer`, as ``generate(kv=...)``)."""
     import statistics
     import time
 
     prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
     b, t = prompt_tokens.shape
     kernels = kernel_state()
-    cache = init_cache(config, b, t + new_tokens, activation_dtype(params))
+    cache = init_cache(config, b, t + new_tokens, activation_dtype(params), kv=kv)
     first_logits, cache = prefill(config, params, prompt_tokens, jnp.ones((b, t), jnp.int32), cache, kernels=kernels)
     loop = functools.partial(_decode_loop, config, decode_params(params, b), first_logits, cache, jax.random.key(0),
                              max_new_tokens=new_tokens, greedy=True, temperature=1.0, top_k=0, top_p=1.0,

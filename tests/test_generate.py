@@ -109,13 +109,18 @@ def test_decode_loop_runs_the_steps_asked_with_one_compile(params):
 
 
 def test_decode_timing_uses_the_models_cache_dtype_and_reports_the_first_call(params, monkeypatch):
-    """decode_timing (what bench_e2e and the CLI time decode with) fills the cache generate would: bf16 for a
-    bf16 model (it was float32 whatever the model); its first call, which compiles the loop, is reported."""
-    made = []
+    """decode_timing (what bench_e2e, bench_kv_decode and the CLI time decode with) fills the cache generate would:
+    bf16 for a bf16 model (it was float32 whatever the model), quantized by ``kv`` where given; its first call,
+    which compiles the loop, is reported."""
+    from llmeq_jax import calibrate
+    from llmeq_jax.kv import spec as kvspec
+
+    made, quantizers = [], []
     real = gen.init_cache
 
     def spy(config, batch, max_len, dtype=jnp.float32, **kw):
         made.append(jnp.dtype(dtype))
+        quantizers.append(kw.get("kv"))
         return real(config, batch, max_len, dtype, **kw)
 
     monkeypatch.setattr(gen, "init_cache", spy)
@@ -123,7 +128,10 @@ def test_decode_timing_uses_the_models_cache_dtype_and_reports_the_first_call(pa
     seconds, first = gen.decode_timing(CONFIG, bf16, jnp.array([[1, 5, 7]]), 6, runs=1)
     assert made == [jnp.dtype(jnp.bfloat16)] and 0 < seconds and first > 0
     gen.decode_seconds(CONFIG, params, jnp.array([[1, 5, 7]]), 4, runs=1)
-    assert made[-1] == jnp.dtype(jnp.float32)
+    assert made[-1] == jnp.dtype(jnp.float32) and quantizers == [None, None]
+    kv = calibrate.make_kv_quantizer(kvspec.KVSpec(bits=8, key_range="online", prompt_tokens=3))
+    seconds, _ = gen.decode_timing(CONFIG, params, jnp.array([[1, 5, 7]]), 4, runs=1, kv=kv)
+    assert quantizers[-1] is kv and seconds > 0
 
 
 def test_sampling_is_seeded_and_varies(params):
