@@ -428,11 +428,29 @@ def _q_attend(cache: QuantKVCache, layer: int, q, k, v, mask, k_raw):
     store = None if path is None else _kernel_store_part(cache, layer, q, quantized, path, sinks_seen)
     if store is None:
         k_deq, v_deq = _q_read(cache, layer)
+        if t > 1 and not w:  # a prompt: one float layer for the blocked prefill attention
+            k_deq, v_deq = _with_sinks(cache, layer, k_deq, v_deq)
+            return layer_attention(q, k_deq[None], v_deq[None], 0, mask & ~in_window[None]), cache
         return split_attention(q, [(k_deq, v_deq, quantized)] + float_parts), cache
     if not float_parts:
         return store[0].astype(q.dtype), cache
     out, _ = merge_attention(store, split_attention(q, float_parts, with_lse=True))
     return out.astype(q.dtype), cache
+
+
+def _with_sinks(cache: QuantKVCache, layer: int, k_deq, v_deq):
+    """The dequantized layer [B, KV, S, D] with the float sinks written over the slots they hold: one float layer
+    that a prompt's queries attend to in one blocked attention (the native kernel on a CPU), where XLA's split
+    attention over the store and the sinks materialized the [T, S] scores (3-4x the float cache's prefill time at
+    2K-4K tokens)."""
+    if cache.sink_slot is None:
+        return k_deq, v_deq
+    key_slots = jnp.arange(cache.max_len, dtype=jnp.int32)
+    for n in range(cache.sink_slot.shape[1]):
+        at = (cache.sink_slot[:, n, None] == key_slots[None, :])[:, None, :, None]  # [B, 1, S, 1]; -1 matches none
+        k_deq = jnp.where(at, cache.k_sink[layer][:, :, n, None].astype(k_deq.dtype), k_deq)
+        v_deq = jnp.where(at, cache.v_sink[layer][:, :, n, None].astype(v_deq.dtype), v_deq)
+    return k_deq, v_deq
 
 
 def _window_part(cache: QuantKVCache, layer: int, k, v, mask, query_slots):
