@@ -405,13 +405,16 @@ def _q_attend(cache: QuantKVCache, layer: int, q, k, v, mask, k_raw):
     is float; else a sink slot is float; else it is dequantized. A one-token step reads
     the store where it lies through a kernel or XLA's dots when one takes it (:func:`store_path`);
     the native CPU kernel also reads the float sinks in its softmax (without a window), so nothing
-    is merged after it.
+    is merged after it. A prompt without a float window attends to one float layer (:func:`_with_sinks`).
     """
     w, t = cache.spec.window, k.shape[2]
     cache = _q_update(cache, layer, k, v, k_raw)
     query_slots = slots(cache, t)
     key_slots = jnp.arange(cache.max_len, dtype=jnp.int32)
     in_window = query_slots[:, None] - key_slots[None, :] < w  # [T, S]
+    if t > 1 and not w:  # a prompt: one float layer (sinks over their slots) for the blocked prefill attention
+        k_deq, v_deq = _with_sinks(cache, layer, *_q_read(cache, layer))
+        return layer_attention(q, k_deq[None], v_deq[None], 0, mask & ~in_window[None]), cache
     quantized = mask & ~in_window[None]
     float_parts, sinks_seen = [], None
     path = _store_path(cache, q) if t == 1 else None
@@ -428,9 +431,6 @@ def _q_attend(cache: QuantKVCache, layer: int, q, k, v, mask, k_raw):
     store = None if path is None else _kernel_store_part(cache, layer, q, quantized, path, sinks_seen)
     if store is None:
         k_deq, v_deq = _q_read(cache, layer)
-        if t > 1 and not w:  # a prompt: one float layer for the blocked prefill attention
-            k_deq, v_deq = _with_sinks(cache, layer, k_deq, v_deq)
-            return layer_attention(q, k_deq[None], v_deq[None], 0, mask & ~in_window[None]), cache
         return split_attention(q, [(k_deq, v_deq, quantized)] + float_parts), cache
     if not float_parts:
         return store[0].astype(q.dtype), cache
