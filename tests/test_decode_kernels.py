@@ -138,10 +138,10 @@ def _offset_rounding(x, w: QArray) -> np.ndarray:
 def test_groups_of_32_pair_up(name, k):
     """Weights in groups of 32 (llama.cpp's Q4_0 / Q4_1 / Q8_0 grids): for int4 / int3 the VNNI tile takes two
     groups a step (int32 lanes 0-7 one group, 8-15 the next, each scaled by its own weight and activation scales)
-    and an odd last group (K = 288: 9 groups) alone; int8 goes group by group. int6 in groups of 16 (Q6_K) pairs
-    up the same way in the int8-stored step of 32; int3 / int2 in groups of 16 (Q3_K / Q2_K), in int4 slots, take
-    four groups a step (four lanes each; the AVX2 tile two) and a last pair (K = 288: 18 groups) as a half step.
-    The reference's values, and the AVX2 tiles' sums where VNNI runs."""
+    and an odd last group (K = 288: 9 groups) alone; int8 goes group by group, into two sums a row in turn. int6 in
+    groups of 16 (Q6_K) pairs up the same way in the int8-stored step of 32; int3 / int2 in groups of 16 (Q3_K /
+    Q2_K), in int4 slots, take four groups a step (four lanes each; the AVX2 tile two) and a last pair (K = 288: 18
+    groups) as a half step. The reference's values, and the AVX2 tiles' sums where VNNI runs."""
     w = _kernel(name, k)
     rm = decode_layout.transpose_kernel(w)
     f = jax.jit(lambda a, b: native.row_major_matmul(a, b))
