@@ -159,6 +159,30 @@ def test_groups_of_32_pair_up(name, k):
             np.testing.assert_allclose(y, avx2, rtol=1e-5, atol=1e-6 * np.abs(avx2).max(), err_msg=f"{rows} rows")
 
 
+@pytest.mark.parametrize("spec", [Spec(bits=4, granularity="group", group_size=128),
+                                  Spec(bits=8, granularity="group", group_size=64, symmetric=False)],
+                         ids=["int4-g128", "int8-g64-asym"])
+def test_groups_of_whole_steps(spec):
+    """Groups that are whole VNNI steps with K a multiple of the group (int4 in groups of 128: two 64-value steps a
+    group; int8 in groups of 64: two 32-value steps) take the tile's loop for whole groups, one integer sum a group:
+    the reference's values, and the AVX2 tiles' sums where VNNI runs. Rows 1, 2 and 5: tiles of 1-4 rows."""
+    k = 512
+    w = quantize(jnp.asarray(_rand((k, N), 11)), spec)
+    rm = decode_layout.transpose_kernel(w)
+    f = jax.jit(lambda a, b: native.row_major_matmul(a, b))
+    for rows in (1, 2, 5):
+        x = _rand((rows, k), 80 + rows)
+        x[:, 128:256] *= 50  # activation scales that differ a lot between groups
+        y = np.asarray(f(jnp.asarray(x), rm), np.float64)
+        ref = x.astype(np.float64) @ _dequant64(w)
+        assert np.all(np.abs(y - ref) <= _a16_bound(x, w)), f"{rows} rows: max err {np.abs(y - ref).max():.3g}"
+        if native.vnni():
+            with native.without_vnni():
+                avx2 = np.asarray(jax.jit(lambda a, b: native.row_major_matmul(a, b) * 1.0)(jnp.asarray(x), rm))
+            tol = 1e-5 * np.abs(avx2) + 1e-6 * np.abs(avx2).max() + _offset_rounding(x, w)
+            assert np.all(np.abs(y - avx2) <= tol), f"{rows} rows"
+
+
 _THREADED_ROWS = """
 import sys, numpy as np, jax, jax.numpy as jnp
 from llmeq_jax import decode_layout, native
