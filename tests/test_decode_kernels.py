@@ -68,6 +68,19 @@ def _dequant64(w: QArray) -> np.ndarray:
     return np.asarray(w.dequantize(), np.float64)
 
 
+def _row_major_checked(x: np.ndarray, w: QArray, rm: QArray) -> tuple[np.ndarray, np.ndarray | None]:
+    """(x @ w by the native row-major kernel, checked against the float64 reference within the int16 activations'
+    bound; the AVX2 tiles' result of the same call where the VNNI tiles run, else None)."""
+    y = np.asarray(jax.jit(native.row_major_matmul)(jnp.asarray(x), rm), np.float64)
+    ref = x.astype(np.float64) @ _dequant64(w)
+    assert np.all(np.abs(y - ref) <= _a16_bound(x, w)), f"{len(x)} rows: max err {np.abs(y - ref).max():.3g}"
+    if not native.vnni():
+        return y, None
+    with native.without_vnni():
+        avx2 = np.asarray(jax.jit(lambda a, b: native.row_major_matmul(a, b) * 1.0)(jnp.asarray(x), rm))
+    return y, avx2
+
+
 @pytest.mark.parametrize("rows", [1, 3, 8])
 @pytest.mark.parametrize("name", sorted(WEIGHTS))
 def test_weight_only_row_major_matches_reference(name, rows):
@@ -144,18 +157,12 @@ def test_groups_of_32_pair_up(name, k):
     groups) as a half step. The reference's values, and the AVX2 tiles' sums where VNNI runs."""
     w = _kernel(name, k)
     rm = decode_layout.transpose_kernel(w)
-    f = jax.jit(lambda a, b: native.row_major_matmul(a, b))
     g = w.tile[0]
     for rows in (1, 2, 5):
         x = _rand((rows, k), 60 + rows)
         x[:, g:2 * g] *= 50  # activation scales that differ a lot between neighbouring groups
-        y = np.asarray(f(jnp.asarray(x), rm), np.float64)
-        ref = x.astype(np.float64) @ _dequant64(w)
-        bound = _a16_bound(x, w)
-        assert np.all(np.abs(y - ref) <= bound), f"{rows} rows: max err {np.abs(y - ref).max():.3g}"
-        if native.vnni():
-            with native.without_vnni():
-                avx2 = np.asarray(jax.jit(lambda a, b: native.row_major_matmul(a, b) * 1.0)(jnp.asarray(x), rm))
+        y, avx2 = _row_major_checked(x, w, rm)
+        if avx2 is not None:
             np.testing.assert_allclose(y, avx2, rtol=1e-5, atol=1e-6 * np.abs(avx2).max(), err_msg=f"{rows} rows")
 
 
@@ -169,16 +176,11 @@ def test_groups_of_whole_steps(spec):
     k = 512
     w = quantize(jnp.asarray(_rand((k, N), 11)), spec)
     rm = decode_layout.transpose_kernel(w)
-    f = jax.jit(lambda a, b: native.row_major_matmul(a, b))
     for rows in (1, 2, 5):
         x = _rand((rows, k), 80 + rows)
         x[:, 128:256] *= 50  # activation scales that differ a lot between groups
-        y = np.asarray(f(jnp.asarray(x), rm), np.float64)
-        ref = x.astype(np.float64) @ _dequant64(w)
-        assert np.all(np.abs(y - ref) <= _a16_bound(x, w)), f"{rows} rows: max err {np.abs(y - ref).max():.3g}"
-        if native.vnni():
-            with native.without_vnni():
-                avx2 = np.asarray(jax.jit(lambda a, b: native.row_major_matmul(a, b) * 1.0)(jnp.asarray(x), rm))
+        y, avx2 = _row_major_checked(x, w, rm)
+        if avx2 is not None:
             tol = 1e-5 * np.abs(avx2) + 1e-6 * np.abs(avx2).max() + _offset_rounding(x, w)
             assert np.all(np.abs(y - avx2) <= tol), f"{rows} rows"
 
@@ -947,14 +949,8 @@ def test_long_rows_take_fewer_rows_a_tile(name, k):
     (rows 1-9): the reference's values, and the AVX2 tiles' sums (four rows a tile) where VNNI runs."""
     w = _kernel(name, k, 21)
     rm = decode_layout.transpose_kernel(w)
-    f = jax.jit(lambda a, b: native.row_major_matmul(a, b))
     for rows in range(1, 10):
-        x = _rand((rows, k), 80 + rows)
-        y = np.asarray(f(jnp.asarray(x), rm), np.float64)
-        ref = x.astype(np.float64) @ _dequant64(w)
-        assert np.all(np.abs(y - ref) <= _a16_bound(x, w)), f"{rows} rows: max err {np.abs(y - ref).max():.3g}"
-        if native.vnni():
-            with native.without_vnni():
-                avx2 = np.asarray(jax.jit(lambda a, b: native.row_major_matmul(a, b) * 1.0)(jnp.asarray(x), rm))
+        y, avx2 = _row_major_checked(_rand((rows, k), 80 + rows), w, rm)
+        if avx2 is not None:
             # the same integer sums; the float ones (65 groups, zero points taken off at the end) in another order
             np.testing.assert_allclose(y, avx2, rtol=1e-5, atol=1e-5 * np.abs(avx2).max(), err_msg=f"{rows} rows")
