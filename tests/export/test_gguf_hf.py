@@ -17,6 +17,7 @@ from llmeq_jax.export import ExportError, gguf_tokenizer
 from llmeq_jax.export.gguf import write_gguf
 from llmeq_jax.models import forward as _forward
 from llmeq_jax.models import load_model
+from llmeq_jax.pipeline import read_recipe
 from tests.models.hf_fixtures import make_hf_model, save
 from tests.shared_data import shared_data_path
 
@@ -157,6 +158,26 @@ def test_gpt2_quantized_round_trip(weight, qtype, byte_bpe, tmp_path):
                                           norm_eps=float(np.float32(config.norm_eps)))
     ref = forward(config, qparams, tokens)
     assert _rel_diff(forward(config2, params2, tokens), ref) <= (2e-6 if qtype == Q.Q4_1 else 1e-3)
+
+
+@pytest.mark.parametrize("recipe, qtype", [
+    ("rtn-w8-q8_0", Q.Q8_0), ("rtn-w4-g32-q4_0", Q.Q4_0), ("rtn-w4-g32-asym-q4_1", Q.Q4_1)])
+def test_gguf_grid_recipes_write_every_matrix_as_blocks(recipe, qtype, byte_bpe, tmp_path):
+    """The shipped GGUF-grid recipes: kernels in their block type and the tied token table in Q8_0, as
+    llama.cpp's own quantizer writes a file, each holding our grid exactly (float32 summation order apart)."""
+    config, params, tokenizer = load_model(_hf_dir("gpt2", byte_bpe, tmp_path / "hf"))
+    tokens = jnp.asarray([tokenizer(TEXT)["input_ids"]], jnp.int32)
+    qparams = quantize_params(params, read_recipe(recipe))
+    with pytest.warns(UserWarning):
+        out = write_gguf(config, qparams, tmp_path / "m.gguf", tokenizer=tokenizer)
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(str(out)).tensors}
+    assert types["token_embd.weight"] == Q.Q8_0
+    assert {types[f"blk.{i}.{n}.weight"] for i in range(2) for n in ("attn_qkv", "attn_output", "ffn_up", "ffn_down")} \
+        == {qtype}
+    kept = load_model(out, keep_quantized=True)[1]["embed"]["embedding"]
+    np.testing.assert_array_equal(np.asarray(kept.values()), np.asarray(qparams["embed"]["embedding"].values()))
+    config2, params2, _ = load_model(out)
+    assert _rel_diff(forward(config2, params2, tokens), forward(config, qparams, tokens)) <= 2e-6
 
 
 def test_gpt2_exact_gelu_is_refused(byte_bpe, tmp_path):
