@@ -325,7 +325,7 @@ def map_rules(
     return out
 
 
-# The separate LM head a rule may be written for (every ready recipe has ".*lm_head.*": skip).
+# The separate LM head a rule may be written for (the ready recipes quantize it int8 per row by a rule of its own).
 HEAD_KERNEL = "lm_head/kernel"
 
 

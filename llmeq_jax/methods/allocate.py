@@ -338,13 +338,14 @@ def allocation_recipe(choice: dict[str, int], method: str, group_size: int | Non
                       finetune: dict | None = None, calibration: dict | None = None) -> Recipe:
     """A recipe with one exact rule per allocated linear (``re.escape``d path), after ``base_rules``.
 
-    The default base rules are the ready recipes' (the embedding table int8 per row, no
-    untied lm_head quantization). ``clip`` goes into every allocated linear's spec;
+    The default base rules are the ready recipes' (the embedding table and an untied lm_head
+    int8 per row, round-to-nearest). ``clip`` goes into every allocated linear's spec;
     ``rotate`` and ``finetune`` are the recipe's pre- and post-step, ``calibration`` its sampled
     calibration sequences (:func:`base_settings`).
     """
     if base_rules is None:
-        base_rules = (Rule("embed/embedding", weight=Spec(8, "channel")), Rule(".*lm_head.*", skip=True))
+        base_rules = (Rule("embed/embedding", weight=Spec(8, "channel")),
+                      Rule("lm_head/kernel", weight=Spec(8, "channel")))
     rules = list(base_rules)
     for path, bits in choice.items():
         spec = dataclasses.replace(candidate_spec(bits, group_size, symmetric), clip=clip)
