@@ -27,19 +27,18 @@ def results():
     windows = calibrate.calibration_windows(tok, shared_data_path("wikitext2_valid.txt"), 8, 128)
     ids = evaluate.tokenize_text(tok, shared_data_path("wikitext2_test.txt").read_text())
     ev = evaluate.make_windows(ids, 128, 8)
+    def ppl(q):  # params as an argument of the jitted step, not closure constants (XLA would constant-fold them)
+        return evaluate.perplexity(lambda p, t: forward(config, p, t), ev, batch_size=4, params=q)["ppl"]
+
     out = {}
     for name in RECIPES:
         q, info = methods.quantize_model(config, params, read_recipe(name), windows)
-        # params as an argument of the jitted step, not closure constants (XLA would constant-fold every weight)
-        ppl = evaluate.perplexity(lambda p, t: forward(config, p, t), ev, batch_size=4, params=q)["ppl"]
-        out[name] = {"ppl": ppl, "bytes": tree_nbytes(q), "info": info, "params": q}
+        out[name] = {"ppl": ppl(q), "bytes": tree_nbytes(q), "info": info, "params": q}
     # The float model with the recipes' int8 head (every recipe rounds the untied head the same way): the
     # reference for what the block kernels' quantization costs.
     head = out["rtn-w4-g128-sym"]["params"]["lm_head"]
     assert isinstance(head["kernel"], QArray) and head["kernel"].bits == 8
-    fp_head = {**params, "lm_head": head}
-    out["fp32+int8 head"] = {"ppl": evaluate.perplexity(lambda p, t: forward(config, p, t), ev, batch_size=4,
-                                                        params=fp_head)["ppl"]}
+    out["fp32+int8 head"] = {"ppl": ppl({**params, "lm_head": head})}
     return out
 
 
