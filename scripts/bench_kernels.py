@@ -467,7 +467,7 @@ def _sweep():
     return {  # other settings tried by --sweep on SWEEP_WEIGHT (the defaults come from pallas_kernels/blocks.py)
         1: [dict(k_splits=1), dict(blocks=Blocks(16, 64, 128, 4, 3)), dict(blocks=Blocks(16, 256, 128, 4, 3))],
         16: [dict(k_splits=1), dict(blocks=Blocks(16, 64, 128, 4, 3))],
-        2048: [dict(transpose_w=False), dict(blocks=Blocks(128, 128, 128, 8, 3)), dict(blocks=Blocks(128, 256, 128, 8, 3)),
+        2048: [dict(transpose_w=False), dict(blocks=Blocks(256, 128, 128, 8, 3)), dict(blocks=Blocks(128, 256, 128, 8, 3)),
                dict(blocks=Blocks(256, 128, 128, 8, 4)), dict(blocks=Blocks(128, 256, 128, 8, 4)),
                dict(blocks=Blocks(256, 128, 256, 8, 3))],
     }
