@@ -159,6 +159,23 @@ def profile_table(name: str, profile: dict) -> str:
     return "\n".join(lines)
 
 
+# A child's progress lines start with this; the parent echoes them as they come (run_all), so a run stopped by
+# its time limit still shows which phase of which variant the time went to.
+PROGRESS = "[bench_e2e]   "
+
+
+def phase_clock(variant: str):
+    """``done(what)``: print a progress line -- ``what`` and the seconds since the previous one -- to stderr."""
+    last = [time.perf_counter()]
+
+    def done(what: str) -> None:
+        now = time.perf_counter()
+        print(f"{PROGRESS}{variant}: {what} ({now - last[0]:.1f} s)", file=sys.stderr, flush=True)
+        last[0] = now
+
+    return done
+
+
 def measure_ours(args, variant: str) -> dict:
     import jax
     import jax.numpy as jnp
@@ -169,11 +186,15 @@ def measure_ours(args, variant: str) -> dict:
     from llmeq_jax.models import forward, stacked
 
     recipe_name, scan = variant.removesuffix(SCAN_SUFFIX), variant.endswith(SCAN_SUFFIX)
+    done = phase_clock(variant)
     config, params, tokenizer, quantize_s = our_model(args, recipe_name)
+    done(f"weights ready (quantizing took {quantize_s:.1f} s)")
     out = {"quantize_s": quantize_s, "param_mb": pipeline.param_bytes(params) / 1e6}
     prefill_params = pipeline.run_layout(config, params, scan)  # what llmeq eval / compare run
     if scan:
         params = stacked.stack_blocks(config, params)
+    jax.block_until_ready((prefill_params, params))
+    done("prefill layout and stacked blocks")
     rng = np.random.default_rng(0)
 
     def decode(batch: int) -> tuple[float, float]:
@@ -188,16 +209,19 @@ def measure_ours(args, variant: str) -> dict:
     for i, batch in enumerate(args.batches):
         out[f"decode_b{batch}"], compiled = decode(batch)
         compile_s += compiled if i == 0 else 0.0
+        done(f"decode at batch {batch}: {out[f'decode_b{batch}']:.1f} tok/s")
     if args.profile:  # after the measurements: a profiler that fails (no CUPTI) costs the profile, not the row
         try:
             out["profile"] = profile_decode_kernels(args, config, params, rng, out[f"decode_b{args.batches[0]}"])
         except Exception as e:  # noqa: BLE001 -- whatever the profiler raised, the row's figures stand
             out["profile"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        done("decode profiled")
     fwd = jax.jit(lambda p, t: forward(config, p, t))
     long = jnp.asarray(rng.integers(0, config.vocab_size, (1, args.prefill_len)), jnp.int32)
     first, warm = median_seconds(lambda: jax.block_until_ready(fwd(prefill_params, long)), args.repeats)
     out["prefill"] = args.prefill_len / warm
     out["compile_s"] = compile_s + first - warm
+    done(f"prefill of {args.prefill_len}: {out['prefill']:.0f} tok/s")
 
     if args.windows and tokenizer is not None:
         t0 = time.perf_counter()
@@ -390,6 +414,17 @@ def failure_of(stderr: str) -> str:
     return "\n".join(kept) or stderr.strip()
 
 
+def run_child(command: list[str]) -> tuple[int, str]:
+    """Run one variant's process: (exit code, its stderr); its progress lines echoed to ours as they come."""
+    lines = []
+    with subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) as proc:
+        for line in proc.stderr:
+            lines.append(line)
+            if line.startswith(PROGRESS):
+                print(line, end="", file=sys.stderr, flush=True)
+    return proc.returncode, "".join(lines)
+
+
 def run_all(args) -> None:
     rows: dict[str, dict] = {}
     out = Path(args.out)
@@ -398,9 +433,9 @@ def run_all(args) -> None:
         for v in variants_of(args):
             result = Path(tmp) / f"{v}.json"
             print(f"[bench_e2e] {v} ...", file=sys.stderr, flush=True)
-            proc = subprocess.run(child_command(args, v, result), capture_output=True, text=True)
-            if proc.returncode != 0:
-                message = failure_of(proc.stderr)
+            returncode, stderr = run_child(child_command(args, v, result))
+            if returncode != 0:
+                message = failure_of(stderr)
                 rows[v] = {"error": (message.splitlines() or ["no output"])[-1]}
                 print(f"[bench_e2e] {v} failed:\n{message[-3000:]}", file=sys.stderr)
             else:

@@ -4,6 +4,7 @@ scripts/bench_kernels.py (its GPU steps run through in interpret mode, its XLA c
 import gzip
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -105,6 +106,21 @@ def test_bench_e2e_reports_a_failed_variants_traceback_without_the_runtimes_log(
     assert message.splitlines()[-1] == "jax.errors.JaxRuntimeError: INTERNAL: CUDA_ERROR_ILLEGAL_ADDRESS"
     assert "cuda_event" not in message and "cuda_status.cc" not in message
     assert bench.failure_of(noise) == noise.strip()  # nothing else: the log as it was
+
+
+def test_bench_e2e_echoes_a_variants_progress_as_it_comes(capsys):
+    """A variant's phases (phase_clock) reach the parent's stderr line by line, the runtime's log does not; the
+    whole stderr and the exit code come back for the failure message (an H200 run was stopped by its limit inside
+    one variant with nothing to say which phase took the time)."""
+    bench = _script("bench_e2e")
+    child = (f"import sys; sys.path.insert(0, {str(SCRIPTS)!r}); import bench_e2e as b; done = b.phase_clock('v');"
+             "print('I1128 20:33:10.291921 7022 x.cc:1] log', file=sys.stderr, flush=True); done('quantized');"
+             "print('to stdout'); sys.exit(3)")
+    code, stderr = bench.run_child([sys.executable, "-c", child])
+    echoed = capsys.readouterr()
+    assert code == 3
+    assert re.fullmatch(r"\[bench_e2e\]   v: quantized \(\d+\.\d s\)\n", echoed.err)
+    assert "x.cc:1] log" in stderr and "v: quantized" in stderr and "to stdout" not in echoed.out
 
 
 def test_bench_kernels_gpu_steps_run_through_in_interpret_mode(capsys, monkeypatch):
