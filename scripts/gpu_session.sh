@@ -19,6 +19,10 @@
 #     STEPS="gpu_tests probe w8a8_sweep" TESTS="stack_past or stacked or int8_f16" bash scripts/gpu_session.sh
 #         (timeout_s 280)
 #     STEPS="e2e" TORCH=--no-torch bash scripts/gpu_session.sh   (timeout_s 350)
+# 2026-12-04 ran both (docs/kernels.md): the tests pass, the probe put the int4 kernel's bound in its loads, rtn-w8
+# end to end 1.49x bf16; rtn-w4-g128 did not finish in e2e's limit twice (bench_e2e now echoes each phase's seconds).
+# Next session, first (~6 min; the phases say where rtn-w4-g128's time goes; rtn-w8a8 if time is left):
+#     STEPS="e2e" RECIPES="rtn-w4-g128 rtn-w8a8" TORCH=--no-torch bash scripts/gpu_session.sh   (timeout_s 350)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-runs/gpu}"
@@ -119,8 +123,9 @@ LLMEQ_DISPATCH_TABLE="$out/dispatch_words.json" step layout_float 60 "$py" scrip
     --scan-layers --no-torch --out "$out/layout_float.json"
 # ~100 s a variant at 32 layers last time (quantizing, and compiling the decode loop and the prompt's prefill twice:
 # now once, generate.decode_timing): bf16, transformers bf16 with a static cache, then the recipes (RECIPES;
-# rtn-w8 first: never measured end to end, now with the float16-operand int8 kernel). BATCHES: decode batch
-# sizes (16 adds a compile a variant). A run cut by its limit keeps the rows it finished. --profile: where each
+# rtn-w4-g128 first: rtn-w8 ran end to end on 2026-12-04, rtn-w4-g128 did not finish since 2026-11-27). BATCHES:
+# decode batch sizes (16 adds a compile a variant). A run cut by its limit keeps the rows it finished and its log
+# the phases of the variant it stopped in (bench_e2e's progress lines). --profile: where each
 # of our variants' decode step goes, per GPU kernel (one decode traced after the timings; the Pallas matmuls,
 # norms, RoPE, attention, cache updates, split-K sums) against the step's wall time.
 # Tables this machine measured in an earlier call (kept under runs/tables: ignored paths survive between calls
@@ -135,7 +140,7 @@ if [[ " $steps " == *" e2e "* && -e "${tables[0]}" ]]; then
   "$py" -m llmeq_jax.dispatch_table merge "${tables[@]}" --into "$merged" && export LLMEQ_DISPATCH_TABLE="$merged"
 fi
 step e2e 340 "$py" scripts/bench_e2e.py --shapes "$shapes" "${layers[@]}" --dtype bfloat16 \
-    --recipes ${RECIPES:-rtn-w8 rtn-w4-g128} --batches ${BATCHES:-1} --prefill-len 2048 --new-tokens 32 --repeats 2 \
+    --recipes ${RECIPES:-rtn-w4-g128 rtn-w8} --batches ${BATCHES:-1} --prefill-len 2048 --new-tokens 32 --repeats 2 \
     --scan-only ${TORCH:---torch} --profile --out "$out/e2e.json"
 step kernels 90 "$py" scripts/bench_kernels.py --reps 10 --kinds bf16,w8a8,fp8,w8,w4g128,w8a8_nk,fp8_nk,w8_nk \
     --write-table "$out/dispatch.json"
