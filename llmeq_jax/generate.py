@@ -62,9 +62,10 @@ def sample_logits(
 
 
 def activation_dtype(params):
-    """The float dtype the model computes in: its final norm's (float32, or bfloat16 for a bf16 model;
-    quantized kernels keep the activations in this dtype)."""
-    return params["norm"]["scale"].dtype
+    """The float dtype the model computes in: its token table's (float32, or bfloat16 for a bf16 model).
+    Activations start as the table's rows and every norm gives back its input's dtype; quantized
+    kernels keep it. (Not the norms' own: loaders keep norm scales in float32 in a bf16 model.)"""
+    return jnp.dtype(params["embed"]["embedding"].dtype)
 
 
 def kernel_state() -> tuple[bool, bool, bool]:

@@ -134,6 +134,17 @@ def test_decode_timing_uses_the_models_cache_dtype_and_reports_the_first_call(pa
     assert quantizers[-1] is kv and seconds > 0
 
 
+def test_a_bf16_model_with_float32_norms_decodes_in_bf16(params):
+    """The loaders keep 1-D params (norm scales, biases) in float32 in a bfloat16 model (--dtype bfloat16): its
+    activations are still bf16 (the token table's rows; norms return their input's dtype), and so is the cache
+    generate fills (it was float32, read off the final norm's scale)."""
+    loaded = jax.tree.map(lambda a: a.astype(jnp.bfloat16 if a.ndim >= 2 else jnp.float32), params)
+    assert loaded["norm"]["scale"].dtype == jnp.float32
+    assert gen.activation_dtype(loaded) == jnp.bfloat16
+    _, cache = gen.generate(CONFIG, loaded, jnp.array([[1, 5, 7]]), 3, return_cache=True)
+    assert cache.k.dtype == jnp.bfloat16
+
+
 def test_sampling_is_seeded_and_varies(params):
     prompt = jnp.array([[1, 2, 3]])
     a = gen.generate(CONFIG, params, prompt, 12, greedy=False, temperature=2.0, seed=0)
