@@ -22,7 +22,7 @@ from typing import Any
 
 from llmeq_jax.data import CALIB_TEXT, EVAL_TEXT, HELD_OUT_TEXT, extra_eval_text, find_data_file, windows_of
 from llmeq_jax.errors import UsageError
-from llmeq_jax.pipeline import (MAIN_RECIPES, build_kv_quantizer, first_kernel_path, kv_mapping, kv_memory,
+from llmeq_jax.pipeline import (LOAD_DTYPES, MAIN_RECIPES, build_kv_quantizer, first_kernel_path, kv_mapping, kv_memory,
                                 layer_values, measure_speed, open_model, param_bytes, read_recipe, recipe_path,
                                 run_recipe, text_perplexity, windows_perplexity)
 
@@ -151,7 +151,7 @@ def cmd_quantize(args) -> int:
     out = Path(args.out)
     check_writable_dir(out, args.overwrite)
     recipe = read_recipe(args.recipe)
-    config, params, tokenizer, _ = open_model(args.model, verify=args.verify)
+    config, params, tokenizer, _ = open_model(args.model, verify=args.verify, dtype=args.dtype)
     qparams, q_s, c_s, n = run_recipe(config, params, tokenizer, recipe, args.calib, args.calib_samples,
                                           not args.json, args.calib_seq_len)
     kv = build_kv_quantizer(config, qparams, tokenizer, kv_mapping(args.kv, recipe.to_dict()), args.calib)
@@ -171,10 +171,12 @@ def cmd_quantize(args) -> int:
 
 def cmd_eval(args) -> int:
     from llmeq_jax import checkpoint, evaluate
+    from llmeq_jax.generate import activation_dtype
 
     text = find_data_file(args.text, EVAL_TEXT, "evaluation text")
     t0 = time.perf_counter()
-    config, params, tokenizer, recipe = open_model(args.model, verify=args.verify, keep_quantized=args.keep_quantized)
+    config, params, tokenizer, recipe = open_model(args.model, verify=args.verify, keep_quantized=args.keep_quantized,
+                                                   dtype=args.dtype)
     load_s = time.perf_counter() - t0
     check_context(config, args.seq_len)
     kv = build_kv_quantizer(config, params, tokenizer, kv_mapping(args.kv, recipe), args.calib)
@@ -185,7 +187,7 @@ def cmd_eval(args) -> int:
     name = (recipe or {}).get("name", loaded) + ("" if kv is None else f" + kv{kv.spec.bits}")
     row = evaluate.Row(recipe=name, ppl=res["ppl"], nll=res["nll"],
                        param_bytes=param_bytes(params), load_s=load_s, eval_s=time.perf_counter() - t0)
-    mem = kv_memory(config, args.seq_len, kv, args.kv_budget_gb)
+    mem = kv_memory(config, args.seq_len, kv, args.kv_budget_gb, activation_dtype(params).name)
     row.extra.update(mem)
     if Path(args.model).is_dir() and (Path(args.model) / checkpoint.MANIFEST).is_file():
         row.disk_bytes = checkpoint.disk_bytes(args.model)
@@ -194,11 +196,13 @@ def cmd_eval(args) -> int:
     report = evaluate.Report(model=args.model, text=str(text), seq_len=args.seq_len, n_windows=res["windows"],
                              rows=[row], peak_host_mb=evaluate.peak_host_memory_mb())
     report.rows[0].extra["tokens"] = res["tokens"]
+    if args.dtype:
+        report.notes.append(f"float weights and activations in {args.dtype} (--dtype)")
     report.notes.append(
         f"KV cache ({mem['kv']}): {mem['kv_bytes_per_token']:.0f} bytes/token "
-        f"({mem['kv_x_smaller_than_float']:.2f}x smaller than float32) + {mem['kv_fixed_bytes']} fixed bytes; "
+        f"({mem['kv_x_smaller_than_float']:.2f}x smaller than {mem['float_kv']}) + {mem['kv_fixed_bytes']} fixed bytes; "
         f"longest context in {mem['kv_budget_gb']:g} GiB: {mem['kv_longest_context']} tokens "
-        f"(float32 cache: {mem['float_kv_longest_context']}; the model's own limit: {mem['model_max_context']})")
+        f"({mem['float_kv']} cache: {mem['float_kv_longest_context']}; the model's own limit: {mem['model_max_context']})")
     if args.json:
         print(json.dumps(report.to_dict(), indent=1))
     else:
@@ -219,7 +223,7 @@ def cmd_compare(args) -> int:
     if out_dir.exists() and not out_dir.is_dir():
         raise UsageError(f"--out-dir {str(out_dir)!r} exists and is not a directory")
     t0 = time.perf_counter()
-    config, params, tokenizer, _ = open_model(args.model, verify=args.verify)
+    config, params, tokenizer, _ = open_model(args.model, verify=args.verify, dtype=args.dtype)
     load_s = time.perf_counter() - t0
     check_context(config, args.seq_len)
     created = _missing_dirs(out_dir)
@@ -279,6 +283,9 @@ def _compare_into(args, text, extra_windows, recipes, ckpts, out_dir, config, pa
         _log(args, f"   ppl {row.ppl:.3f}  bytes {row.param_bytes / 1e6:.2f} MB  quantize {q_s:.1f} s")
     report.peak_host_mb = evaluate.peak_host_memory_mb()
     report.notes.append(f"load {load_s:.1f} s; calibration text {args.calib or CALIB_TEXT} where a recipe needs it")
+    if args.dtype and args.dtype != "float32":  # the unquantized row is named after its recipe (fp32)
+        report.notes.append(f"float weights and activations in {args.dtype} (--dtype): a recipe that quantizes "
+                            f"nothing (fp32) gives the {args.dtype} model")
     report.save_json(out_dir / "report.json")
     (out_dir / "report.md").write_text(report.to_markdown() + "\n")
     plots.ppl_vs_size(report, out_dir / "ppl_vs_size.png")
@@ -298,7 +305,8 @@ def cmd_generate(args) -> int:
 
     from llmeq_jax.generate import generate
 
-    config, params, tokenizer, recipe = open_model(args.model, verify=args.verify, keep_quantized=args.keep_quantized)
+    config, params, tokenizer, recipe = open_model(args.model, verify=args.verify, keep_quantized=args.keep_quantized,
+                                                   dtype=args.dtype)
     ids = tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
     if config.bos_token_id is not None and not args.no_bos:
         ids = [config.bos_token_id] + ids
@@ -369,7 +377,8 @@ def cmd_convert(args) -> int:
     if args.recipe and args.keep_quantized:
         raise UsageError("--recipe quantizes float weights; --keep-quantized keeps the GGUF file's own grids: "
                          "pass one of them")
-    config, params, tokenizer, _ = open_model(args.src, verify=args.verify, keep_quantized=args.keep_quantized)
+    config, params, tokenizer, _ = open_model(args.src, verify=args.verify, keep_quantized=args.keep_quantized,
+                                              dtype=args.dtype)
     recipe = None
     if args.recipe:
         recipe = read_recipe(args.recipe)
@@ -591,6 +600,13 @@ def _add_keep_opt(p):
                         "stay quantized (the file's integers and scales) instead of being dequantized to float")
 
 
+def _add_dtype_opt(p):
+    p.add_argument("--dtype", choices=LOAD_DTYPES,
+                   help="the float dtype an HF directory, GGUF file or registry name MODEL loads in (default "
+                        "float32); bfloat16 halves the float weights' memory and is what GPUs run fast, and the "
+                        "activations follow it. A checkpoint loads in the dtypes it was saved with")
+
+
 def _add_verify_opt(p):
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="do not check a checkpoint MODEL against its sha256 hashes before loading it")
@@ -620,6 +636,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_calib_opts(p)
     _add_kv_opts(p)
     _add_checkpoint_out_opts(p)
+    _add_dtype_opt(p)
     p.set_defaults(fn=cmd_quantize)
 
     p = sub.add_parser("eval", help="perplexity (and optionally speed) of MODEL on a text")
@@ -630,6 +647,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speed", action="store_true", help="also measure prefill and decode tokens/s")
     _add_keep_opt(p)
     _add_verify_opt(p)
+    _add_dtype_opt(p)
     p.add_argument("--json", action="store_true", help="print the report as JSON, no progress bars")
     p.set_defaults(fn=cmd_eval)
 
@@ -656,6 +674,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--keep-checkpoints", action="store_true",
                        help="keep each recipe's checkpoint in --out-dir (as ckpt-<recipe name>)")
         _add_verify_opt(p)
+        _add_dtype_opt(p)
         p.add_argument("--json", action="store_true", help="print the report as JSON, no progress bars")
         p.set_defaults(fn=fn)
 
@@ -677,6 +696,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_scan_opt(p)
     _add_keep_opt(p)
     _add_verify_opt(p)
+    _add_dtype_opt(p)
     _add_kv_opts(p)
     p.add_argument("--calib", help=f"calibration text for KV key ranges (default: {CALIB_TEXT})")
     p.add_argument("--json", action="store_true", help="print the prompt, new token ids and text as JSON")
@@ -691,6 +711,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true",
                    help="replace DST if it exists and is an llmeq_jax checkpoint (never other directories)")
     _add_verify_opt(p)
+    _add_dtype_opt(p)
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     p.set_defaults(fn=cmd_convert)
 

@@ -27,21 +27,34 @@ MAIN_RECIPES = ("fp32", "rtn-w8", "rtn-w8a8", "smoothquant-w8a8", "rtn-w4-g128")
 # --------------------------------------------------------------------------- models and recipes
 
 
-def open_model(source: str, progress: bool = True, verify: bool = True, keep_quantized: bool = False):
+# The float dtypes a model may load in (``open_model(dtype=...)``, the CLI's --dtype): float32, or bfloat16 for
+# half the float weights' memory and the dtype GPUs run fast (activations follow the weights' dtype).
+LOAD_DTYPES = ("float32", "bfloat16")
+
+
+def open_model(source: str, progress: bool = True, verify: bool = True, keep_quantized: bool = False,
+               dtype: str | None = None):
     """(config, params, tokenizer, recipe_dict or None) from any MODEL form; checkpoints are checked
     against their content hashes unless ``verify`` is False. ``keep_quantized``: a GGUF file's
-    quantized linear weights load as QArrays with its integers (``models.gguf_blocks``)."""
+    quantized linear weights load as QArrays with its integers (``models.gguf_blocks``). ``dtype``
+    (one of :data:`LOAD_DTYPES`, default float32): the float weights of an HF directory, a GGUF file or a
+    registry name; a checkpoint loads in the dtypes it was saved with."""
     from llmeq_jax import checkpoint
 
+    if dtype is not None and dtype not in LOAD_DTYPES:
+        raise UsageError(f"dtype {dtype!r}: expected one of {', '.join(LOAD_DTYPES)}")
     p = Path(source)
     if p.is_dir() and (p / checkpoint.MANIFEST).is_file():
         if keep_quantized:
             raise UsageError(f"--keep-quantized reads a GGUF file's blocks; {source!r} is a checkpoint (it loads "
                              "as it was saved)")
+        if dtype is not None:
+            raise UsageError(f"--dtype sets the dtype an HF directory, GGUF file or registry name loads in; "
+                             f"{source!r} is a checkpoint (it loads in the dtypes it was saved with)")
         return checkpoint.load_model_checkpoint(p, verify_hashes=verify)
     from llmeq_jax.models import load_model
 
-    config, params, tokenizer = load_model(source, keep_quantized=keep_quantized)
+    config, params, tokenizer = load_model(source, dtype or "float32", keep_quantized=keep_quantized)
     return config, params, tokenizer, None
 
 
@@ -273,8 +286,9 @@ def build_kv_quantizer(config, params, tokenizer, kv: dict | None, calib: str | 
     return quantizer
 
 
-def kv_memory(config, seq_len: int, kv, budget_gb: float) -> dict:
+def kv_memory(config, seq_len: int, kv, budget_gb: float, dtype: str = "float32") -> dict:
     """Cache bytes per token (one row, all layers) of ``kv`` and of the float cache; longest context in budget.
+    ``dtype``: the model's activations, which a float cache (and a quantized cache's float part) holds.
 
     The longest context is also capped by the model's own (``max_position_embeddings``): a cache
     that would fit more tokens than the model can attend to does not make the model take them.
@@ -284,11 +298,12 @@ def kv_memory(config, seq_len: int, kv, budget_gb: float) -> dict:
     from llmeq_jax.kv import memory as kvmemory
     from llmeq_jax.models import init_cache
 
-    mem = kvmemory.memory(jax.eval_shape(lambda: init_cache(config, 1, seq_len, kv=kv)))
-    flt = kvmemory.memory(jax.eval_shape(lambda: init_cache(config, 1, seq_len)))
+    mem = kvmemory.memory(jax.eval_shape(lambda: init_cache(config, 1, seq_len, dtype, kv=kv)))
+    flt = kvmemory.memory(jax.eval_shape(lambda: init_cache(config, 1, seq_len, dtype)))
     budget = budget_gb * 2**30
     return {
-        "kv": "float32" if kv is None else kv.spec.describe(),
+        "kv": dtype if kv is None else kv.spec.describe(),
+        "float_kv": dtype,
         "kv_bytes_per_token": mem["bytes_per_token"],
         "kv_fixed_bytes": mem["fixed_bytes"],
         "kv_x_smaller_than_float": flt["bytes_per_token"] / mem["bytes_per_token"],
