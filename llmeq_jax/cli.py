@@ -171,7 +171,7 @@ def cmd_quantize(args) -> int:
 
 def cmd_eval(args) -> int:
     from llmeq_jax import checkpoint, evaluate
-    from llmeq_jax.generate import activation_dtype
+    from llmeq_jax.generate import cache_dtype_for
 
     text = find_data_file(args.text, EVAL_TEXT, "evaluation text")
     t0 = time.perf_counter()
@@ -187,7 +187,7 @@ def cmd_eval(args) -> int:
     name = (recipe or {}).get("name", loaded) + ("" if kv is None else f" + kv{kv.spec.bits}")
     row = evaluate.Row(recipe=name, ppl=res["ppl"], nll=res["nll"],
                        param_bytes=param_bytes(params), load_s=load_s, eval_s=time.perf_counter() - t0)
-    mem = kv_memory(config, args.seq_len, kv, args.kv_budget_gb, activation_dtype(params).name)
+    mem = kv_memory(config, args.seq_len, kv, args.kv_budget_gb, cache_dtype_for(params).name)
     row.extra.update(mem)
     if Path(args.model).is_dir() and (Path(args.model) / checkpoint.MANIFEST).is_file():
         row.disk_bytes = checkpoint.disk_bytes(args.model)

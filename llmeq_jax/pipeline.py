@@ -288,7 +288,7 @@ def build_kv_quantizer(config, params, tokenizer, kv: dict | None, calib: str | 
 
 def kv_memory(config, seq_len: int, kv, budget_gb: float, dtype: str = "float32") -> dict:
     """Cache bytes per token (one row, all layers) of ``kv`` and of the float cache; longest context in budget.
-    ``dtype``: the model's activations, which a float cache (and a quantized cache's float part) holds.
+    ``dtype``: what a float cache (and a quantized cache's float part) holds (``generate.cache_dtype_for``).
 
     The longest context is also capped by the model's own (``max_position_embeddings``): a cache
     that would fit more tokens than the model can attend to does not make the model take them.

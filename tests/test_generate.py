@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from llmeq_jax import generate as gen
+from llmeq_jax import native
 from llmeq_jax.models import ModelConfig, init_params
 from llmeq_jax.models import forward as _forward
 
@@ -125,7 +126,8 @@ def test_decode_timing_uses_the_models_cache_dtype_and_reports_the_first_call(pa
 
     monkeypatch.setattr(gen, "init_cache", spy)
     bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
-    seconds, first = gen.decode_timing(CONFIG, bf16, jnp.array([[1, 5, 7]]), 6, runs=1)
+    with native.disabled():  # as on a GPU
+        seconds, first = gen.decode_timing(CONFIG, bf16, jnp.array([[1, 5, 7]]), 6, runs=1)
     assert made == [jnp.dtype(jnp.bfloat16)] and 0 < seconds and first > 0
     gen.decode_seconds(CONFIG, params, jnp.array([[1, 5, 7]]), 4, runs=1)
     assert made[-1] == jnp.dtype(jnp.float32) and quantizers == [None, None]
@@ -137,12 +139,19 @@ def test_decode_timing_uses_the_models_cache_dtype_and_reports_the_first_call(pa
 def test_a_bf16_model_with_float32_norms_decodes_in_bf16(params):
     """The loaders keep 1-D params (norm scales, biases) in float32 in a bfloat16 model (--dtype bfloat16): its
     activations are still bf16 (the token table's rows; norms return their input's dtype), and so is the cache
-    generate fills (it was float32, read off the final norm's scale)."""
+    generate fills without native kernels (a GPU; it was float32, read off the final norm's scale). Where the
+    native kernels run the cache is float32, which their decode attention reads, and the tokens are the same."""
     loaded = jax.tree.map(lambda a: a.astype(jnp.bfloat16 if a.ndim >= 2 else jnp.float32), params)
     assert loaded["norm"]["scale"].dtype == jnp.float32
     assert gen.activation_dtype(loaded) == jnp.bfloat16
-    _, cache = gen.generate(CONFIG, loaded, jnp.array([[1, 5, 7]]), 3, return_cache=True)
+    prompt = jnp.array([[1, 5, 7]])
+    with native.disabled():
+        want, cache = gen.generate(CONFIG, loaded, prompt, 3, return_cache=True)
     assert cache.k.dtype == jnp.bfloat16
+    assert native.available(), native.unavailable_reason()
+    got, cache = gen.generate(CONFIG, loaded, prompt, 3, return_cache=True)
+    assert cache.k.dtype == jnp.float32 and gen.cache_dtype_for(loaded) == jnp.float32
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_sampling_is_seeded_and_varies(params):

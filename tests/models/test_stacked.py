@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from llmeq_jax import decode_layout, ops, pipeline
+from llmeq_jax import decode_layout, native, ops, pipeline
 from llmeq_jax.core.qarray import QArray
 from llmeq_jax.generate import generate
 from llmeq_jax.kv import spec as kvspec
@@ -165,16 +165,19 @@ def test_stacked_blocks_hand_the_kernels_the_stack_not_a_copy(stories, stories_w
 
 
 def test_bf16_model_generates_with_a_bf16_cache_stacked_or_not():
-    """The cache follows the model's dtype by default and attention returns the queries' dtype, so a bf16
-    residual stream stays bf16 (a scan's carry must keep one type)."""
+    """Without native kernels (as on a GPU) the cache follows the model's dtype by default and attention returns
+    the queries' dtype, so a bf16 residual stream stays bf16 (a scan's carry must keep one type); under a float32
+    cache (the default where native kernels run) too, stacked or not."""
     params = jax.tree.map(lambda a: (a * 5).astype(jnp.bfloat16), init_params(LLAMA, jax.random.key(2)))
     prompt = TOKENS[:, :5]
-    want, cache = generate(LLAMA, params, prompt, 6, return_cache=True)
-    assert cache.k.dtype == jnp.bfloat16
-    got = generate(LLAMA, stacked.stack_blocks(LLAMA, params), prompt, 6)
+    with native.disabled():
+        want, cache = generate(LLAMA, params, prompt, 6, return_cache=True)
+        assert cache.k.dtype == jnp.bfloat16
+        got = generate(LLAMA, stacked.stack_blocks(LLAMA, params), prompt, 6)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    _, f32_cache = generate(LLAMA, params, prompt, 2, cache_dtype=jnp.float32, return_cache=True)
-    assert f32_cache.k.dtype == jnp.float32
+    for p in (params, stacked.stack_blocks(LLAMA, params)):
+        _, f32_cache = generate(LLAMA, p, prompt, 2, cache_dtype=jnp.float32, return_cache=True)
+        assert f32_cache.k.dtype == jnp.float32
 
 
 def test_published_shapes():
