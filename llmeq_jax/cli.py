@@ -198,11 +198,12 @@ def cmd_eval(args) -> int:
     report.rows[0].extra["tokens"] = res["tokens"]
     if args.dtype:
         report.notes.append(f"float weights and activations in {args.dtype} (--dtype)")
+    flt = mem["float_kv"]
     report.notes.append(
         f"KV cache ({mem['kv']}): {mem['kv_bytes_per_token']:.0f} bytes/token "
-        f"({mem['kv_x_smaller_than_float']:.2f}x smaller than {mem['float_kv']}) + {mem['kv_fixed_bytes']} fixed bytes; "
+        f"({mem['kv_x_smaller_than_float']:.2f}x smaller than {flt}) + {mem['kv_fixed_bytes']} fixed bytes; "
         f"longest context in {mem['kv_budget_gb']:g} GiB: {mem['kv_longest_context']} tokens "
-        f"({mem['float_kv']} cache: {mem['float_kv_longest_context']}; the model's own limit: {mem['model_max_context']})")
+        f"({flt} cache: {mem['float_kv_longest_context']}; the model's own limit: {mem['model_max_context']})")
     if args.json:
         print(json.dumps(report.to_dict(), indent=1))
     else:
