@@ -213,23 +213,41 @@ def _step_hidden(config, params, tokens, attention_mask, cache):
     return h, kvcache.advance(cache, attention_mask)
 
 
-def init_params(config: ModelConfig, rng: jax.Array) -> Params:
-    """Random float32 params with the tree layout the loaders produce (for tests and smoke runs)."""
-    return _init_params_jit(config, rng)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _init_params_jit(config: ModelConfig, rng: jax.Array) -> Params:
-    keys = iter(jax.random.split(rng, config.num_layers + 4))
-    one = jnp.zeros((1, 1), jnp.int32)
-    params: Params = {"embed": Embed(config.vocab_size, config.hidden_size).init(next(keys), one)["params"]}
+def init_params(config: ModelConfig, rng: jax.Array, dtype=jnp.float32) -> Params:
+    """Random params in ``dtype`` (float32 by default) with the tree layout the loaders produce (for tests,
+    smoke runs and random-weight benchmarks). Each part is compiled on its own and the blocks share one
+    program (a block's params do not depend on its index), so a 32-layer 7B model compiles a few small
+    programs and never holds more than one block in float32."""
+    dtype = jnp.dtype(dtype)
+    keys = list(jax.random.split(rng, config.num_layers + 4))
+    params: Params = {"embed": _init_embed(config.vocab_size, config.hidden_size, keys.pop(0), dtype)}
     if config.family == "gpt2":
-        params["pos_embed"] = Embed(config.max_position_embeddings, config.hidden_size).init(next(keys), one)["params"]
-    x = jnp.zeros((1, 1, config.hidden_size), jnp.float32)
+        params["pos_embed"] = _init_embed(config.max_position_embeddings, config.hidden_size, keys.pop(0), dtype)
     for i in range(config.num_layers):
-        mask = jnp.ones((1, 1, 1), bool)
-        params[f"layers_{i}"] = _block_module(config, i).init(next(keys), x, one, mask, None)["params"]
-    params["norm"] = _norm_module(config).init(next(keys), x)["params"]
-    if not config.tie_word_embeddings:
-        params["lm_head"] = Linear(config.vocab_size).init(next(keys), x)["params"]
+        params[f"layers_{i}"] = _init_block(config, keys.pop(0), dtype)
+    params.update(_init_head(config, keys.pop(0), keys.pop(0), dtype))
     return params
+
+
+def _cast(tree, dtype):
+    return jax.tree.map(lambda a: a.astype(dtype), tree)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 3))
+def _init_embed(rows: int, width: int, key: jax.Array, dtype) -> Params:
+    return _cast(Embed(rows, width).init(key, jnp.zeros((1, 1), jnp.int32))["params"], dtype)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _init_block(config: ModelConfig, key: jax.Array, dtype) -> Params:
+    x, one, mask = jnp.zeros((1, 1, config.hidden_size)), jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1, 1), bool)
+    return _cast(_block_module(config, 0).init(key, x, one, mask, None)["params"], dtype)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _init_head(config: ModelConfig, norm_key: jax.Array, head_key: jax.Array, dtype) -> Params:
+    x = jnp.zeros((1, 1, config.hidden_size))
+    params = {"norm": _norm_module(config).init(norm_key, x)["params"]}
+    if not config.tie_word_embeddings:
+        params["lm_head"] = Linear(config.vocab_size).init(head_key, x)["params"]
+    return _cast(params, dtype)

@@ -41,8 +41,7 @@ def shape_config(name: str, num_layers: int | None = None) -> ModelConfig:
 
 def random_params(config: ModelConfig, dtype=jnp.float32, seed: int = 0):
     """Random params of ``config``'s shapes in ``dtype``, built on the default device."""
-    params = init_params(config, jax.random.key(seed))
-    return params if dtype == jnp.float32 else jax.tree.map(lambda a: a.astype(dtype), params)
+    return init_params(config, jax.random.key(seed), dtype)
 
 
 __all__ = ["PUBLISHED", "random_params", "shape_config"]
