@@ -7,6 +7,7 @@ cache (pre-RoPE keys rotated after dequantization, and the kernels' references).
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -60,11 +61,20 @@ def freq_factors(head_dim: int, theta: float, scaling: tuple) -> np.ndarray:
 _TABLES_APART_FROM = 16
 
 
-def _tables(angles: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return jnp.cos(angles), jnp.sin(angles)
+class RopeTables(NamedTuple):
+    """``cos`` / ``sin`` of each position's angles, [B, T, head_dim / 2] each: computed once per forward and
+    passed to every layer in place of the positions (else a scanned decode step evaluated them again in
+    each layer: two GPU kernels a layer, 76 µs of a 2.5 ms Llama-2-7B step on an H200)."""
+
+    cos: jax.Array
+    sin: jax.Array
 
 
-def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+def _tables(angles: jax.Array) -> RopeTables:
+    return RopeTables(jnp.cos(angles), jnp.sin(angles))
+
+
+def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> RopeTables:
     """``(cos, sin)`` of ``positions`` [B, T] times ``inv_freq``: [B, T, head_dim / 2] each."""
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
     from pallas_kernels import config  # the backend traced for (compiling_for may name a GPU from a CPU)
@@ -80,14 +90,15 @@ def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, 
     return jax.lax.cond(positions.reshape(-1)[0] >= 0, _tables, _tables, angles)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, *, heads_axis: int = 2) -> jax.Array:
-    """Rotate ``x`` by ``positions`` [B, T] (rotate-half layout, as in HF Llama).
+def apply_rope(x: jax.Array, positions: jax.Array | RopeTables, inv_freq: np.ndarray, *,
+               heads_axis: int = 2) -> jax.Array:
+    """Rotate ``x`` by ``positions`` [B, T] or their :class:`RopeTables` (rotate-half layout, as in HF Llama).
 
     ``x`` is [B, T, H, D] (``heads_axis=2``, the models' layout) or [B, H, T, D]
     (``heads_axis=1``, the KV cache's layout).
     """
     cos, sin = (jnp.expand_dims(jnp.concatenate([a, a], axis=-1), heads_axis)  # [B, T, 1, D] / [B, 1, T, D]
-                for a in rope_tables(positions, inv_freq))
+                for a in (positions if isinstance(positions, RopeTables) else rope_tables(positions, inv_freq)))
     xf = x.astype(jnp.float32)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from llmeq_jax import ops
-from llmeq_jax.core.rope import rope_inv_freq
+from llmeq_jax.core.rope import rope_inv_freq, rope_tables
 from llmeq_jax.kv import cache as kvcache
 from llmeq_jax.kv.spec import KVQuantizer
 from llmeq_jax.models import stacked
@@ -103,6 +103,8 @@ def head(config: ModelConfig, params: Params, hidden: jax.Array) -> jax.Array:
 
 
 def _run_blocks(config, params, h, positions, query_slots, valid, cache):
+    if config.family != "gpt2":  # every layer rotates by the same angles: their cos / sin once for all
+        positions = rope_tables(positions, rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling))
     if stacked.is_stacked(params):  # one scan body for all blocks (models/stacked.py: all of one kind)
         window = config.sliding_window if config.is_sliding(0) else None
         mask = attention_mask(query_slots, valid, window)
