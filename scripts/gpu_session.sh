@@ -139,7 +139,7 @@ if [[ " $steps " == *" e2e "* && -e "${tables[0]}" ]]; then
   cp "$shipped" "$merged" 2>/dev/null || true
   "$py" -m llmeq_jax.dispatch_table merge "${tables[@]}" --into "$merged" && export LLMEQ_DISPATCH_TABLE="$merged"
 fi
-step e2e 340 "$py" scripts/bench_e2e.py --shapes "$shapes" "${layers[@]}" --dtype bfloat16 \
+step e2e "${E2E_LIMIT:-340}" "$py" scripts/bench_e2e.py --shapes "$shapes" "${layers[@]}" --dtype bfloat16 \
     --recipes ${RECIPES:-rtn-w4-g128 rtn-w8} --batches ${BATCHES:-1} --prefill-len 2048 --new-tokens 32 --repeats 2 \
     --scan-only ${TORCH:---torch} --profile --out "$out/e2e.json"
 step kernels 90 "$py" scripts/bench_kernels.py --reps 10 --kinds bf16,w8a8,fp8,w8,w4g128,w8a8_nk,fp8_nk,w8_nk \
