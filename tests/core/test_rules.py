@@ -195,6 +195,17 @@ def test_nan_or_inf_weight_names_the_leaf():
         quantize_params(params, Recipe(rules=(Rule(".*", weight=W8),)))
 
 
+def test_an_accelerators_weights_are_counted_where_they_live():
+    """Off the host the count runs on the device (one number comes back): it agrees with NumPy's."""
+    from llmeq_jax.core import rules
+
+    a = np.random.default_rng(0).normal(size=(64, 48)).astype(np.float32)
+    a[[1, 5, 9], [2, 2, 40]] = [np.nan, np.inf, -np.inf]
+    for dtype in (jnp.float32, jnp.bfloat16):
+        assert int(rules._nonfinite(jnp.asarray(a, dtype))) == 3
+    assert int(rules._nonfinite(jnp.ones((3, 3), jnp.bfloat16))) == 0
+
+
 def test_nan_in_a_skipped_or_float_leaf_is_not_an_error():
     params = tiny_params()
     params["final_norm"]["scale"] = jnp.full(16, jnp.nan)
