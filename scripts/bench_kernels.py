@@ -484,6 +484,8 @@ def _words_sweep(k: int, n: int):
     # 8 warps, 64 columns and 1-2 splits lost clearly on the H200 (0.4-0.8x the defaults) and are left out.
     tiles = [(16, 128, 128, 4, 3), (16, 256, 128, 4, 3), (16, 128, 128, 2, 3), (16, 128, 128, 4, 2),
              (16, 128, 128, 4, 4)]
+    if n < 4096:  # a small model's product (SmolLM2-135M: 8 programs of 128 columns at N = 960): narrower tiles
+        tiles.append((16, 64, 128, 4, 3))
     configs = [dict(blocks=Blocks(*t)) for t in tiles] + [dict(k_splits=s) for s in (4, 16)]
     # K blocks of 256 and 512 take two and four word blocks an iteration: more bytes a pipeline stage (the
     # bf16 float kernel, which streams at a plain dot's speed, stages 32 KB; the words 8-16 KB) and fewer

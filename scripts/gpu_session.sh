@@ -21,8 +21,10 @@
 #     STEPS="e2e" TORCH=--no-torch bash scripts/gpu_session.sh   (timeout_s 350)
 # 2026-12-04 ran both (docs/kernels.md): the tests pass, the probe put the int4 kernel's bound in its loads, rtn-w8
 # end to end 1.49x bf16; rtn-w4-g128 did not finish in e2e's limit twice (bench_e2e now echoes each phase's seconds).
-# Next session, first (~6 min; the phases say where rtn-w4-g128's time goes; rtn-w8a8 if time is left):
-#     STEPS="e2e" RECIPES="rtn-w4-g128 rtn-w8a8" TORCH=--no-torch bash scripts/gpu_session.sh   (timeout_s 350)
+# The next session ran that (docs/kernels.md, "the next session"): the random weights took 97 s a variant (fixed);
+# then e2e with rtn-w8, rtn-w4-g128, rtn-w8a8 at batches 1 and 16 in 184 s, and Llama-3-8B / SmolLM2-135M shapes.
+# SmolLM2's quantized decode ran at 0.34-0.50x bf16. Next session, first (~5 min with the start):
+#     STEPS="small small_e2e" bash scripts/gpu_session.sh   (timeout_s 240)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-runs/gpu}"
@@ -32,7 +34,7 @@ layers=(${LAYERS:+--layers "$LAYERS"})
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 start=$SECONDS
-steps="${STEPS:-gpu_tests words sweep attention fp8 w8a8_sweep probe e2e gemv prefill layout layout_dsf layout_float kernels}"  # STEPS: a subset
+steps="${STEPS:-gpu_tests words sweep attention fp8 w8a8_sweep probe small small_e2e e2e gemv prefill layout layout_dsf layout_float kernels}"  # STEPS: a subset
 step() {  # step NAME SECONDS CMD...: run CMD with a time limit, its output in $out/NAME.log
   local name=$1 limit=$2
   shift 2
@@ -131,14 +133,27 @@ LLMEQ_DISPATCH_TABLE="$out/dispatch_words.json" step layout_float 60 "$py" scrip
 # Tables this machine measured in an earlier call (kept under runs/tables: ignored paths survive between calls
 # while the machine is warm), merged over the shipped table, so that e2e decodes with the choices a user of this
 # GPU would get once they ship; none here: the shipped table as it is.
-tables=(runs/tables/dispatch_*.json)
-if [[ " $steps " == *" e2e "* && -e "${tables[0]}" ]]; then
+merge_tables() {  # LLMEQ_DISPATCH_TABLE = the shipped table with those measured so far on this machine merged over it
+  local tables=(runs/tables/dispatch_*.json) kind shipped merged="$out/merged_table.json"
+  [[ -e "${tables[0]}" ]] || return 0
   kind=$("$py" -c "import jax; print(jax.devices()[0].device_kind)")
   shipped=$("$py" -c "from llmeq_jax import dispatch_table as t; print(t.shipped_path('$kind'))")
-  merged="$out/merged_table.json"
   cp "$shipped" "$merged" 2>/dev/null || true
   "$py" -m llmeq_jax.dispatch_table merge "${tables[@]}" --into "$merged" && export LLMEQ_DISPATCH_TABLE="$merged"
-fi
+}
+# A small model's products (SmolLM2-135M: q/k/v fused 576x960, o 576x576, gate/up fused 576x3072, down 1536x576;
+# K = 576 is not a multiple of the 128-value groups), which the shipped table never measured: on 2026-12-04 its
+# quantized decode ran at 0.34-0.50x bf16 with the kernels the static rule gave it. Each kind against XLA's path
+# and bf16, and the word kernel's sweep (narrower tiles, a split per K step) -> their table entries; then its
+# decode end to end with them merged over the shipped table (--profile: each kernel's µs).
+step small 110 "$py" scripts/bench_kernels.py --reps 10 --sweep --rows 1,16 \
+    --kinds bf16,w4_words,w4g128,w8,w8_nk,w8_nk_f16,bf16_stack --weights 576x960,576x576,576x3072,1536x576 \
+    --no-attention --write-table "$out/dispatch_small.json"
+[[ " $steps " == *" small_e2e "* ]] && merge_tables
+step small_e2e 90 "$py" scripts/bench_e2e.py --shapes smollm2-135m --dtype bfloat16 --recipes rtn-w8 rtn-w4-g128 \
+    --batches 1 --prefill-len 2048 --new-tokens 32 --repeats 2 --scan-only --no-torch --profile \
+    --out "$out/small_e2e.json"
+[[ " $steps " == *" e2e "* ]] && merge_tables
 step e2e "${E2E_LIMIT:-340}" "$py" scripts/bench_e2e.py --shapes "$shapes" "${layers[@]}" --dtype bfloat16 \
     --recipes ${RECIPES:-rtn-w4-g128 rtn-w8} --batches ${BATCHES:-1} --prefill-len 2048 --new-tokens 32 --repeats 2 \
     --scan-only ${TORCH:---torch} --profile --out "$out/e2e.json"
