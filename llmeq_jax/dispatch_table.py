@@ -15,8 +15,13 @@ kind, e.g. ``NVIDIA_H200.json``) and apply by themselves on that device when no 
 ``LLMEQ_DISPATCH_TABLE=none`` turns them off (the static rule everywhere).
 
 Rows are bucketed to the next power of two (M = 3 reads the M = 4 entry; the benchmark measures
-powers of two). A table measured on another device kind is ignored, with one warning: kernel
-speed ratios do not carry from one GPU to another.
+powers of two). A product the table did not measure takes the path its measured neighbours agree on:
+the same kernel, width and activation dtype on other weight shapes, at the nearest measured row buckets
+on either side of its own (:meth:`Table.inferred`) -- where at least two shapes were measured there and
+all chose one path. (The H200's weight-only kernels lost to XLA by 2.3-3.3x at every prefill row count
+and shape measured, yet a Llama-3-8B's unmeasured shapes took them: its int4 prefill ran at 0.47x bf16.)
+Where they disagree, or fewer were measured, the static rule stays. A table measured on another device
+kind is ignored, with one warning: kernel speed ratios do not carry from one GPU to another.
 """
 
 from __future__ import annotations
@@ -42,7 +47,13 @@ ENV = "LLMEQ_DISPATCH_TABLE"
 # (pallas_kernels.kv_cache) against XLA's dots over the codes (llmeq_jax.kv.store_attention); bits = the codes'
 # width, k = head_dim, n = the cache's slots (a power-of-two bucket), rows = query heads per KV head times the
 # batch (bucketed), dtype the query's.
-KERNELS = ("weight_only", "w8a8", "fp8_w8a8", "int4_words", "float", "int8_f16", "kv_attention")
+# weight_only_nk / w8a8_nk / fp8_w8a8_nk: the int8 kernels on weights stored K-major (decode_layout.for_decode's
+# layout for decode rows on a GPU) against XLA's path: another kernel than the (K, N) one of the same name, whose
+# verdicts do not apply to it (the K-major W8A8 kernel ran at 1.29x bf16 at M = 16 where the (K, N) one lost to XLA).
+KERNELS = ("weight_only", "w8a8", "fp8_w8a8", "int4_words", "float", "int8_f16", "kv_attention", "weight_only_nk",
+           "w8a8_nk", "fp8_w8a8_nk")
+# Measured weight shapes that must agree on a path before an unmeasured product follows them (Table.inferred).
+MIN_AGREEING_SHAPES = 2
 PATHS = ("pallas", "xla")
 
 
@@ -78,11 +89,29 @@ class Table:
     source: str = ""
 
     def choice(self, key: Key) -> str | None:
-        """"pallas" or "xla", whichever was measured faster for ``key``; None without a measurement."""
+        """"pallas" or "xla", whichever was measured faster for ``key``, else the one its measured neighbours
+        agree on (:meth:`inferred`); None without either."""
         e = self.entries.get(key)
-        if e is None:
-            return None
-        return "pallas" if e["pallas_s"] <= e["xla_s"] else "xla"
+        return _faster(e) if e is not None else self.inferred(key)
+
+    def inferred(self, key: Key) -> str | None:
+        """The path every measurement of ``key``'s kernel, width and activation dtype (any group, any shape)
+        chose at the nearest measured row buckets around ``key.rows`` (the nearest at or below it and the
+        nearest at or above it; outside the measured buckets, the nearest one), over at least
+        :data:`MIN_AGREEING_SHAPES` weight shapes; None where they disagree or fewer were measured."""
+        kin = [(k, e) for k, e in self.entries.items()
+               if (k.kernel, k.bits, k.dtype, k.device) == (key.kernel, key.bits, key.dtype, key.device)]
+        below = [k.rows for k, _ in kin if k.rows <= key.rows]
+        above = [k.rows for k, _ in kin if k.rows >= key.rows]
+        around = {max(below, default=None), min(above, default=None)} - {None}
+        near = [(k, e) for k, e in kin if k.rows in around]
+        paths = {_faster(e) for _, e in near}
+        shapes = {(k.k, k.n) for k, _ in near}
+        return paths.pop() if len(paths) == 1 and len(shapes) >= MIN_AGREEING_SHAPES else None
+
+
+def _faster(times: dict) -> str:
+    return "pallas" if times["pallas_s"] <= times["xla_s"] else "xla"
 
 
 def _entry_key(device: str, raw: dict, where: str) -> tuple[Key, dict]:

@@ -186,7 +186,8 @@ def linear(x, w: QArray, act=None, require: bool = False, layer=None, *, w_layou
     k, n = view.shape
     x2 = x.reshape(-1, k)
     group, scale, zp, _ = _layout(view)
-    if not require and dispatch_table.choice(table_key(kind, x2.shape[0], x.dtype, view, group)) == "xla":
+    measured_as = f"{kind}_nk" if w_layout == "nk" else kind  # K-major: another kernel, measured apart
+    if not require and dispatch_table.choice(table_key(measured_as, x2.shape[0], x.dtype, view, group)) == "xla":
         return None  # measured on this device: XLA's path is the faster one for this product
     if kind in ("w8a8", "fp8_w8a8"):
         y = w8a8.w8a8_matmul(x2, w.qvalue, scale, w_zero_point=zp, act_scale=_act_scale(w, layer), group=group,

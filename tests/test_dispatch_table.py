@@ -113,6 +113,55 @@ def test_the_table_sends_a_product_to_the_measured_faster_path():
             assert _uses_kernel(x, w)
 
 
+XLA_FASTER, KERNEL_FASTER = TIMES, TIMES | {"pallas_s": 5e-6}
+
+
+def test_an_unmeasured_product_follows_its_measured_neighbours():
+    """Two shapes measured at 512 and 2048 rows, XLA faster on both: a third shape takes XLA at those buckets,
+    between them and past them; one shape's dissent, a single shape, or another kernel / width / dtype: no
+    inference (the static rule)."""
+    measured = [(_key(rows=r, k=k), XLA_FASTER) for r in (512, 2048) for k in (256, 512)]
+    table = dt.from_json(dt.to_json(DEVICE, measured))
+    for rows in (2048, 1024, 512, 8192, 4):
+        assert table.choice(_key(rows=rows, k=1024, n=128)) == "xla", rows
+    assert table.choice(_key(rows=2048, k=256)) == "xla"  # measured itself
+    dissent = dt.from_json(dt.to_json(DEVICE, measured + [(_key(rows=2048, k=768), KERNEL_FASTER)]))
+    assert dissent.choice(_key(rows=2048, k=1024)) is None and dissent.choice(_key(rows=1024, k=1024)) is None
+    assert dissent.choice(_key(rows=512, k=1024)) == "xla"  # the dissenting shape was not measured at 512 rows
+    lone = dt.from_json(dt.to_json(DEVICE, [(_key(rows=2048, k=256), XLA_FASTER)]))
+    assert lone.choice(_key(rows=2048, k=1024)) is None
+    for other in (dict(kernel="w8a8", bits=8), dict(bits=8), dict(dtype="bfloat16")):
+        assert table.choice(_key(rows=2048, k=1024, **other)) is None, other
+    agree = dt.from_json(dt.to_json(DEVICE, [(_key(rows=16, k=k), KERNEL_FASTER) for k in (256, 512)]))
+    assert agree.choice(_key(rows=8, k=4096, group=None)) == "pallas"
+
+
+def test_dispatch_follows_the_inferred_path():
+    x, w = _product(rows=3)
+    neighbours = [(_key(k=k, n=n), XLA_FASTER) for k, n in ((512, 64), (256, 128))]
+    with config.interpret(True):
+        with dt.use(dt.from_json(dt.to_json(DEVICE, neighbours))):
+            assert not _uses_kernel(x, w)
+        with dt.use(dt.from_json(dt.to_json(DEVICE, neighbours[:1]))):
+            assert _uses_kernel(x, w)
+
+
+def test_k_major_products_are_measured_apart_from_the_n_major_kernel():
+    """An int8 product stored K-major (the decode layout on a GPU) is another kernel: the (K, N) kernel's
+    verdict does not send it to XLA; its own ("weight_only_nk") does."""
+    from llmeq_jax import decode_layout
+
+    w = quantize(jax.random.normal(jax.random.key(0), (256, 64)) * 0.1, Spec(bits=8, granularity="channel"))
+    x, w_nk = jnp.ones((3, 256)), decode_layout.transpose_kernel(w)
+    with config.interpret(True):
+        with dt.use(_table(XLA_FASTER, _key(bits=8, group=None))):
+            assert kernel_dispatch.linear(x, w) is None
+            assert kernel_dispatch.linear(x, w_nk, w_layout="nk") is not None
+        with dt.use(_table(XLA_FASTER, _key(kernel="weight_only_nk", bits=8, group=None))):
+            assert kernel_dispatch.linear(x, w) is not None
+            assert kernel_dispatch.linear(x, w_nk, w_layout="nk") is None
+
+
 def test_a_table_of_another_device_is_ignored_with_a_warning():
     x, w = _product()
     other = dt.from_json(dt.to_json("Other GPU", [(_key(device="Other GPU"), TIMES)]), "other.json")
