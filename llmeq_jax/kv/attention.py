@@ -39,7 +39,37 @@ def layer_attention(q: jax.Array, k: jax.Array, v: jax.Array, layer, mask: jax.A
     an int or a traced scalar): the native kernel reads the layer in place; XLA's path slices it."""
     if native_attention_ok(q, k, v):
         return native.decode_attention(q, k, v, mask, masked=MASKED, reference=attention_xla, layer=layer)
+    if sums_read_in_place(q, k):
+        return attention_sums(q, k[layer], v[layer], mask)
     return attention_xla(q, k[layer], v[layer], mask)
+
+
+# Query rows per KV head (T x the group) up to which a GPU's grouped-query decode attention is written as sums.
+SUMS_MAX_ROWS = 16
+
+
+def sums_read_in_place(q: jax.Array, k: jax.Array) -> bool:
+    """Whether one layer of a stacked cache is attended by :func:`attention_sums`: on a GPU, for a few query
+    rows per KV head, several of them (grouped-query attention). There XLA runs :func:`attention_xla`'s dots
+    as GEMM fusions, which take whole operands: it copied the layer's keys and values out of the stacked
+    cache before them every decode step (``scripts/gpu_aot.py``, Llama-3-8B shapes: 2 x 4 MiB a layer at 2048
+    slots, 2 x 64 MiB at 32K). Sums are reductions, which XLA fuses with the slice: the layer is read in
+    place, as it always was with one query head per KV head (those dots already became reductions)."""
+    b, t, h, _ = q.shape
+    group = h // k.shape[-3]
+    return kernel_config.target_backend() == "gpu" and group > 1 and t * group <= SUMS_MAX_ROWS
+
+
+def attention_sums(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """:func:`attention_xla` with the two products as multiplies and sums over D and S (float32)."""
+    b, t, h, d = q.shape
+    kv = k.shape[1]
+    qg = q.reshape(b, t, kv, h // kv, 1, d).astype(jnp.float32)
+    scores = jnp.sum(qg * k[:, None, :, None].astype(jnp.float32), axis=-1) / math.sqrt(d)  # [B, T, KV, G, S]
+    scores = jnp.where(mask[:, :, None, None, :], scores, MASKED)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.sum(probs[..., None] * v[:, None, :, None].astype(jnp.float32), axis=-2)  # [B, T, KV, G, D]
+    return out.astype(v.dtype).reshape(b, t, h, d)
 
 
 def native_attention_ok(q, k, v) -> bool:
