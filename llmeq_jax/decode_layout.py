@@ -37,7 +37,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from llmeq_jax import dispatch_table
 from llmeq_jax.core.qarray import QArray, is_packed, pack, unpack
 
 
@@ -616,12 +615,14 @@ def _candidate(target: str, leaf: QArray, rows: int) -> bool:
     # N-major bytes are gathered one at a time into MMA operands (scripts/kernel_sass.py: W8A8 at
     # M = 16 issues 4.3x the instructions of the K-major loop). Packed int4 weight-only kernels go
     # to the word layout (2.1-2.5 instructions per weight against 5.4), unless a measured table says XLA.
+    # Either only where that kernel takes the product (kernel_dispatch.kernel_takes: not a small product no table
+    # measured, on a GPU), else XLA reads the layout it has.
     kind, _ = kernel_dispatch.plan((rows, leaf.shape[0]), leaf.dtype, leaf, leaf.act_spec)
-    if kind is None or not is_packed(leaf.bits):
-        return kind is not None
+    if kind is None:
+        return False
     # a plan for packed codes is weight-only int4 (plan refuses int2/int3 and packed W8A8)
-    key = kernel_dispatch.table_key("int4_words", rows, leaf.dtype, leaf, scale_group(leaf))
-    return dispatch_table.choice(key) != "xla"
+    measured_as = "int4_words" if is_packed(leaf.bits) else f"{kind}_nk"
+    return kernel_dispatch.kernel_takes(measured_as, rows, leaf.dtype, leaf, scale_group(leaf))
 
 
 def for_decode(params, rows: int):

@@ -98,7 +98,8 @@ class Table:
         """The path every measurement of ``key``'s kernel, width and activation dtype (any group, any shape)
         chose at the nearest measured row buckets around ``key.rows`` (the nearest at or below it and the
         nearest at or above it; outside the measured buckets, the nearest one), over at least
-        :data:`MIN_AGREEING_SHAPES` weight shapes; None where they disagree or fewer were measured."""
+        :data:`MIN_AGREEING_SHAPES` weight shapes; None where they disagree, fewer were measured, or ``key``'s
+        weight is under half the smallest of theirs."""
         kin = [(k, e) for k, e in self.entries.items()
                if (k.kernel, k.bits, k.dtype, k.device) == (key.kernel, key.bits, key.dtype, key.device)]
         below = [k.rows for k, _ in kin if k.rows <= key.rows]
@@ -107,7 +108,9 @@ class Table:
         near = [(k, e) for k, e in kin if k.rows in around]
         paths = {_faster(e) for _, e in near}
         shapes = {(k.k, k.n) for k, _ in near}
-        return paths.pop() if len(paths) == 1 and len(shapes) >= MIN_AGREEING_SHAPES else None
+        if len(paths) != 1 or len(shapes) < MIN_AGREEING_SHAPES or key.k * key.n < min(k * n for k, n in shapes) / 2:
+            return None  # no agreement, or a product far smaller than any measured (launch-bound: another regime)
+        return paths.pop()
 
 
 def _faster(times: dict) -> str:

@@ -98,6 +98,24 @@ def table_key(kind: str, rows: int, x_dtype, w: QArray, group: int | None) -> di
                               dispatch_table.row_bucket(rows), jnp.dtype(x_dtype).name)
 
 
+# On a GPU, a quantized product no dispatch table measured (nor inferred from its neighbours) goes to its kernel
+# only from this many weights on. A small model's products (SmolLM2-135M's: 0.3-1.8 M weights) decoded at
+# 0.34-0.50x bf16 through the kernels on an H200 (2026-12-04: grids of 5-24 programs on 132 SMs), where XLA's
+# path had given 0.77-0.78x on an H100 (issue #15); the smallest product any table measured, 4096 x 4096 (16.8 M),
+# is about where the decode kernels start to win. In interpret mode (no GPU) every product goes to its kernel.
+MIN_KERNEL_WEIGHTS = 1 << 23
+
+
+def kernel_takes(kind: str, rows: int, x_dtype, w: QArray, group: int | None) -> bool:
+    """Whether a product of ``rows`` rows with the (in, out) QArray ``w`` goes to kernel ``kind`` (a
+    :data:`dispatch_table.KERNELS` name) rather than XLA: the dispatch table's measured or inferred path where
+    it has one; else, on a GPU, a weight of at least :data:`MIN_KERNEL_WEIGHTS` values."""
+    measured = dispatch_table.choice(table_key(kind, rows, x_dtype, w, group))
+    if measured is not None:
+        return measured == "pallas"
+    return not config.on_gpu() or math.prod(w.shape) >= MIN_KERNEL_WEIGHTS
+
+
 def _act_scale(w: QArray, layer):
     """The static activation scale of ``w`` (of its layer ``layer`` in a stack), or None (dynamic)."""
     return w.act_scale if layer is None else take_layer(w.act_scale, layer)
@@ -187,8 +205,8 @@ def linear(x, w: QArray, act=None, require: bool = False, layer=None, *, w_layou
     x2 = x.reshape(-1, k)
     group, scale, zp, _ = _layout(view)
     measured_as = f"{kind}_nk" if w_layout == "nk" else kind  # K-major: another kernel, measured apart
-    if not require and dispatch_table.choice(table_key(measured_as, x2.shape[0], x.dtype, view, group)) == "xla":
-        return None  # measured on this device: XLA's path is the faster one for this product
+    if not require and not kernel_takes(measured_as, x2.shape[0], x.dtype, view, group):
+        return None  # XLA's path: measured faster on this device, or a small product no table measured
     if kind in ("w8a8", "fp8_w8a8"):
         y = w8a8.w8a8_matmul(x2, w.qvalue, scale, w_zero_point=zp, act_scale=_act_scale(w, layer), group=group,
                              layer=layer, fp8=kind == "fp8_w8a8", w_layout=w_layout)

@@ -25,6 +25,8 @@
 # then e2e with rtn-w8, rtn-w4-g128, rtn-w8a8 at batches 1 and 16 in 184 s, and Llama-3-8B / SmolLM2-135M shapes.
 # SmolLM2's quantized decode ran at 0.34-0.50x bf16. Next session, first (~5 min with the start):
 #     STEPS="small small_e2e" bash scripts/gpu_session.sh   (timeout_s 240)
+#     SHAPES=llama-3-8b STEPS=e2e RECIPES="rtn-w4-g128 rtn-w8" BATCHES="1 16" TORCH=--no-torch E2E_LIMIT=200 \
+#         bash scripts/gpu_session.sh   (timeout_s 220; prefill by inferred dispatch, GQA attention as sums)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-runs/gpu}"

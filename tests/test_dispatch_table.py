@@ -259,3 +259,9 @@ def test_bench_kernels_int4_rows_in_xla_equal_the_dequantized_product():
     x = jax.random.normal(jax.random.key(1), (3, 256), jnp.float32)
     got = bench.xla_int4_rows(x, q.values().T.astype(jnp.int4), q.scale.T)
     np.testing.assert_allclose(np.asarray(got), np.asarray(x @ q.dequantize(jnp.float32)), rtol=1e-5, atol=1e-5)
+
+
+def test_no_inference_for_a_product_far_smaller_than_those_measured():
+    table = dt.from_json(dt.to_json(DEVICE, [(_key(rows=16, k=k, n=256), KERNEL_FASTER) for k in (1024, 2048)]))
+    assert table.choice(_key(rows=16, k=512, n=256)) == "pallas"  # half the smallest: still inferred
+    assert table.choice(_key(rows=16, k=256, n=256)) is None

@@ -378,3 +378,27 @@ def test_float_stack_goes_to_the_kernel_on_a_gpu_unless_a_table_measured_xla_fas
     with pytest.raises(ValueError, match="compiling_for expects a jax Device"):
         with config.compiling_for("gpu"):
             pass
+
+
+def test_a_small_product_no_table_measured_goes_to_xla_on_a_gpu():
+    """Traced for a GPU with no table: a product under MIN_KERNEL_WEIGHTS weights keeps XLA's path and its
+    layout (decode_layout.for_decode leaves it as stored), a larger one goes to the kernel and the decode
+    layout; in interpret mode on a CPU every product goes to its kernel."""
+    from llmeq_jax import decode_layout
+
+    w4 = Spec(bits=4, granularity="group", group_size=128)
+    small = jax.eval_shape(lambda: quantize(jnp.zeros((576, 960)), w4))
+    large = jax.eval_shape(lambda: quantize(jnp.zeros((4096, 4096)), w4))
+    w8 = jax.eval_shape(lambda: quantize(jnp.zeros((576, 960)), Spec(bits=8, granularity="channel")))
+    assert 576 * 960 < dispatch.MIN_KERNEL_WEIGHTS <= 4096 * 4096
+    with config.compiling_for(FAKE_H100):
+        assert not dispatch.kernel_takes("weight_only", 1, jnp.bfloat16, small, 128)
+        assert dispatch.kernel_takes("weight_only", 1, jnp.bfloat16, large, 128)
+        laid = jax.eval_shape(lambda p: decode_layout.for_decode(p, rows=1),
+                              {"a": {"kernel": small}, "b": {"kernel": large}, "c": {"kernel": w8}})
+        assert type(laid["a"]["kernel"]).__name__ == "QArray" and type(laid["c"]["kernel"]).__name__ == "QArray"
+        assert type(laid["b"]["kernel"]).__name__ == "Int4WordKernel"
+        x = jax.ShapeDtypeStruct((1, 576), jnp.bfloat16)
+        assert "pallas_call" not in str(jax.make_jaxpr(lambda x, w: ops.linear(x, w))(x, small))
+    with config.interpret(True):
+        assert dispatch.kernel_takes("weight_only", 1, jnp.bfloat16, small, 128)
