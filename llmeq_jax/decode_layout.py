@@ -614,9 +614,9 @@ def _candidate(target: str, leaf: QArray, rows: int) -> bool:
     # Pallas: int8-stored codes (W8A8 int8/fp8, int8 weight-only) that a kernel would take. Their
     # N-major bytes are gathered one at a time into MMA operands (scripts/kernel_sass.py: W8A8 at
     # M = 16 issues 4.3x the instructions of the K-major loop). Packed int4 weight-only kernels go
-    # to the word layout (2.1-2.5 instructions per weight against 5.4), unless a measured table says XLA.
-    # Either only where that kernel takes the product (kernel_dispatch.kernel_takes: not a small product no table
-    # measured, on a GPU), else XLA reads the layout it has.
+    # to the word layout (2.1-2.5 instructions per weight against 5.4). Both only where that kernel takes the
+    # product (kernel_dispatch.kernel_takes: the table's measured or inferred path, else on a GPU not a small
+    # product); otherwise XLA's path reads the product in the layout it has.
     kind, _ = kernel_dispatch.plan((rows, leaf.shape[0]), leaf.dtype, leaf, leaf.act_spec)
     if kind is None:
         return False
