@@ -108,7 +108,7 @@ class Table:
         near = [(k, e) for k, e in kin if k.rows in around]
         paths = {_faster(e) for _, e in near}
         shapes = {(k.k, k.n) for k, _ in near}
-        if len(paths) != 1 or len(shapes) < MIN_AGREEING_SHAPES or key.k * key.n < min(k * n for k, n in shapes) / 2:
+        if len(paths) != 1 or len(shapes) < MIN_AGREEING_SHAPES or key.k * key.n < min(a * b for a, b in shapes) / 2:
             return None  # no agreement, or a product far smaller than any measured (launch-bound: another regime)
         return paths.pop()
 

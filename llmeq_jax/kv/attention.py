@@ -55,7 +55,7 @@ def sums_read_in_place(q: jax.Array, k: jax.Array) -> bool:
     cache before them every decode step (``scripts/gpu_aot.py``, Llama-3-8B shapes: 2 x 4 MiB a layer at 2048
     slots, 2 x 64 MiB at 32K). Sums are reductions, which XLA fuses with the slice: the layer is read in
     place, as it always was with one query head per KV head (those dots already became reductions)."""
-    b, t, h, _ = q.shape
+    t, h = q.shape[1:3]
     group = h // k.shape[-3]
     return kernel_config.target_backend() == "gpu" and group > 1 and t * group <= SUMS_MAX_ROWS
 
