@@ -78,18 +78,24 @@ def cache_dtype_for(params):
     return jnp.dtype(jnp.float32) if native.enabled() else activation_dtype(params)
 
 
-def kernel_state() -> tuple[bool, bool, bool]:
+def kernel_state() -> tuple:
     """The kernel switches a trace depends on (Pallas interpret mode, Pallas kernels disabled,
-    native CPU kernels enabled).
+    native CPU kernels enabled, the kernels' launch settings overridden: ``pallas_kernels.settings``).
 
     The jitted steps below take it as a static argument, so a step traced with kernels
     on is not reused inside ``pallas_kernels.config.disabled()`` or ``native.disabled()``
-    (or the other way round).
+    (or the other way round), nor one traced under other launch settings.
     """
     from llmeq_jax import native
-    from pallas_kernels import config as kernel_config
+    from pallas_kernels import config as kernel_config, settings
 
-    return kernel_config.interpret_enabled(), kernel_config.is_disabled(), native.enabled()
+    return kernel_config.interpret_enabled(), kernel_config.is_disabled(), native.enabled(), settings.current()
+
+
+def _layout_state() -> tuple:
+    """:func:`kernel_state` without the launch settings: which kernels run (hence the decode layout) does not
+    depend on their tiles, so a sweep over settings keeps one copy of the layout."""
+    return kernel_state()[:3]
 
 
 PROMPT_ACTIVATION_BITS = (16, 8)
@@ -161,12 +167,12 @@ def decode_params(params, rows: int):
     if decode_layout.decode_target(rows) is None or not any(isinstance(a, QArray) for a in leaves):
         return params
     leaves = jax.tree_util.tree_leaves(params)
-    key = (rows, kernel_state(), jax.tree_util.tree_structure(params), tuple(map(id, leaves)))
+    key = (rows, _layout_state(), jax.tree_util.tree_structure(params), tuple(map(id, leaves)))
     held = _decode_layout_memo.get("params")
     if held is not None and held[0] == key and all(ref() is a for ref, a in zip(held[1], leaves)):
         return held[2]
     _decode_layout_memo.clear()  # the previous params' copy goes before this one is made
-    laid_out = _laid_out_for_decode(params, rows=rows, kernels=kernel_state())
+    laid_out = _laid_out_for_decode(params, rows=rows, kernels=_layout_state())
     if decode_layout.decode_target(rows) == "native":  # host-side: which kernels' scales are int8 codes
         laid_out = decode_layout.split_rows(decode_layout.compact_scales(laid_out), rows)
     _decode_layout_memo["params"] = (key, [_ref(a) for a in leaves], laid_out)

@@ -9,11 +9,12 @@ in :mod:`llmeq_jax.kernel_dispatch`.
 * :mod:`pallas_kernels.float_matmul` a float kernel's layer read in place from its stack (decode in the scan)
 * :mod:`pallas_kernels.kv_cache`     single-query decode attention over the quantized KV cache's store
 * :mod:`pallas_kernels.config`       the interpret-mode switch for running kernels on CPU
+* :mod:`pallas_kernels.settings`     the matmul kernels' launch settings at decode rows, overridden for a block
 * :mod:`pallas_kernels.offsets`      64-bit pointer offsets for one-byte arrays of 2-4 GiB (a lowering fix)
 """
 
-from pallas_kernels import config, offsets
+from pallas_kernels import config, offsets, settings
 
 offsets.install()  # before any kernel is lowered: int8 stacks of 2-4 GiB would be read out of bounds
 
-__all__ = ["config", "offsets"]
+__all__ = ["config", "offsets", "settings"]

@@ -247,21 +247,23 @@ def store_matmul(o_ref, b_ref, acc, program: MatmulProgram, *, split: bool, has_
 
 
 def launch_matmul(kernel, args: list, *, m: int, n: int, k: int, blocks, bias, k_splits: int | None, out_dtype,
-                  interpret: bool, name: str, layer=None, **static):
+                  interpret: bool, name: str, layer=None, programs: int | None = None, **static):
     """Run a tiled ``(M, N)`` matmul kernel over the grid ``(M / bm, N / bn, K splits)``: the launch
     shared by the W8A8 and weight-only kernels.
 
     The K loop is split over programs when the (M, N) grid is too small to fill the GPU
-    (:func:`splits_for`, or ``k_splits``); split programs write float32 partials that
-    :func:`sum_splits` adds. ``bias`` is fused into the kernel (appended as the last operand)
-    only without splits, else added after the sum. With ``layer`` (an integer scalar, the weights
-    being stacks [L, ...]) a (1,) int32 operand holding it goes first, and ``stacked=True``.
+    (:func:`splits_for` aiming at ``programs``, default :data:`TARGET_PROGRAMS`, or ``k_splits``); split
+    programs write float32 partials that :func:`sum_splits` adds. ``bias`` is fused into the kernel
+    (appended as the last operand) only without splits, else added after the sum. With ``layer`` (an
+    integer scalar, the weights being stacks [L, ...]) a (1,) int32 operand holding it goes first, and
+    ``stacked=True``.
     ``kernel`` gets ``m, n, k, blocks, has_bias, split_blocks, split, stacked`` and ``static`` as
     keyword arguments.
     """
     grid_mn = (cdiv(m, blocks.bm), cdiv(n, blocks.bn))
     k_blocks = cdiv(k, blocks.bk)
-    splits, split_blocks = fit_splits(k_blocks, k_splits or splits_for(grid_mn[0] * grid_mn[1], k_blocks))
+    wanted = k_splits or splits_for(grid_mn[0] * grid_mn[1], k_blocks, target=programs or TARGET_PROGRAMS)
+    splits, split_blocks = fit_splits(k_blocks, wanted)
     fused_bias = bias is not None and splits == 1
     if fused_bias:
         args = [*args, bias.astype(jnp.float32).reshape(1, n)]

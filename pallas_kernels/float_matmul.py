@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import config
+from pallas_kernels import config, settings
 from pallas_kernels.blocks import Blocks
 from pallas_kernels.common import (
     FLOAT_DTYPES,
@@ -79,12 +79,15 @@ def float_matmul(x, w, *, bias=None, layer=None, blocks: Blocks | None = None, k
     m, k = x.shape
     n = w.shape[-1]
     bm, bn, bk, warps, stages = DECODE_BLOCKS
-    blocks = blocks or Blocks(bm if m <= bm else min(64, next_pow2(m)), max(MIN_DOT, min(bn, next_pow2(n))),
-                              max(MIN_DOT, min(bk, next_pow2(k))), warps, stages)
+    chosen = settings.of("float_matmul", m)
+    own = Blocks(bm if m <= bm else min(64, next_pow2(m)), max(MIN_DOT, min(bn, next_pow2(n))),
+                 max(MIN_DOT, min(bk, next_pow2(k))), warps, stages)
+    blocks = blocks or chosen.blocks(own)
     interpret = config.resolve_interpret(interpret)
     precision = f32_dot_precision(interpret) if jnp.dtype(x.dtype) == jnp.float32 else None
-    return launch_matmul(_kernel, [x, w], m=m, n=n, k=k, blocks=blocks, bias=bias, k_splits=k_splits,
-                         out_dtype=x.dtype, interpret=interpret, name="float_matmul", layer=layer,
+    return launch_matmul(_kernel, [x, w], m=m, n=n, k=k, blocks=blocks, bias=bias,
+                         k_splits=k_splits or chosen.k_splits, out_dtype=x.dtype, interpret=interpret,
+                         name="float_matmul", layer=layer, programs=chosen.programs,
                          precision=precision)
 
 

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import config
+from pallas_kernels import config, settings
 from pallas_kernels.blocks import Blocks
 from pallas_kernels.common import (
     FLOAT_DTYPES,
@@ -277,8 +277,8 @@ EPILOGUES = ("rows", "mma")
 
 
 def int4_words_matmul(x, words, w_scale, *, group: int | None = None, w_zero_point=None, bias=None,
-                      blocks: Blocks | None = None, k_splits: int | None = None, layer=None, epilogue: str = "rows",
-                      interpret: bool | None = None):
+                      blocks: Blocks | None = None, k_splits: int | None = None, layer=None,
+                      epilogue: str | None = None, interpret: bool | None = None):
     """``x @ dequantize(w)`` for int4 weights stored as :func:`pack_words` words (see the module doc).
 
     ``layer`` (an int32 scalar): ``words``, ``w_scale`` and the zero point are stacks [L, ...] and
@@ -289,11 +289,15 @@ def int4_words_matmul(x, words, w_scale, *, group: int | None = None, w_zero_poi
     ``epilogue``: how a scale group's scale and zero-point rows reach the accumulator -- "rows" (float32
     scales, loaded one K step ahead and converted to the accumulator's layout) or "mma" (the rows in x's
     dtype, loaded where used as products with a constant tile: no layout conversion; see the kernel). With
-    half activations "mma" rounds the scales to x's dtype; which is faster is for a GPU to say."""
+    half activations "mma" rounds the scales to x's dtype; which is faster is for a GPU to say. Default:
+    "rows", or a :mod:`pallas_kernels.settings` override's (as for ``blocks`` and ``k_splits``)."""
     _check(x, words, w_scale, w_zero_point, group, layer)
     m, k = x.shape
     n = words.shape[-1]
-    blocks = blocks or default_blocks(m, n, group)
+    chosen = settings.of("int4_words", m)
+    blocks = blocks or chosen.blocks(default_blocks(m, n, group))
+    k_splits = k_splits or chosen.k_splits
+    epilogue = epilogue or chosen.epilogue or "rows"
     step = k_step(group)
     if blocks.bk % step or not is_pow2(blocks.bk // step):
         raise ValueError(f"int4_words_matmul: the K block must be {step} (k_step(group={group})) times a power of "
@@ -305,8 +309,8 @@ def int4_words_matmul(x, words, w_scale, *, group: int | None = None, w_zero_poi
     if epilogue == "mma" and group is not None:  # scales and zero points as x's dtype: dot operands beside x
         args[2:] = [a.astype(x.dtype) for a in args[2:]]
     return launch_matmul(_kernel, args, m=m, n=n, k=k, blocks=blocks, bias=bias, k_splits=k_splits, out_dtype=x.dtype,
-                         interpret=interpret, name="int4_words_matmul", layer=layer, group=group,
-                         has_zp=w_zero_point is not None, precision=f32_dot_precision(interpret) if
+                         interpret=interpret, name="int4_words_matmul", layer=layer, programs=chosen.programs,
+                         group=group, has_zp=w_zero_point is not None, precision=f32_dot_precision(interpret) if
                          jnp.dtype(x.dtype) == jnp.float32 else None, interpreted=interpret, epilogue=epilogue)
 
 

@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import settings
 from pallas_kernels.blocks import Blocks
 from pallas_kernels.common import (
     launch_matmul,
@@ -117,10 +118,12 @@ def int8_f16_matmul(x, wq, w_scale, *, w_zero_point=None, bias=None, blocks: Blo
     # loop, it cost 0.3 instructions per weight: each warp converts the whole x tile, sm_90 SASS)
     x16 = x if x.dtype == jnp.float16 else (x.astype(jnp.float32) * x_scale).astype(jnp.float16)
     bm, bn, bk, warps, stages = DEFAULT_BLOCKS
-    blocks = blocks or Blocks(bm if m <= bm else 64, bn, bk, warps, stages)
+    chosen = settings.of("int8_f16", m)
+    blocks = blocks or chosen.blocks(Blocks(bm if m <= bm else 64, bn, bk, warps, stages))
     args = [x16, *weight_operands(wq, w_scale, w_zero_point)]
-    return launch_matmul(_kernel, args, m=m, n=n, k=k, blocks=blocks, bias=bias, k_splits=k_splits, out_dtype=x.dtype,
-                         interpret=interpret, name="weight_only_int8_f16_matmul", layer=layer,
+    return launch_matmul(_kernel, args, m=m, n=n, k=k, blocks=blocks, bias=bias, k_splits=k_splits or chosen.k_splits,
+                         out_dtype=x.dtype, interpret=interpret, name="weight_only_int8_f16_matmul", layer=layer,
+                         programs=chosen.programs,
                          has_zp=w_zero_point is not None, x_scale=x_scale, interpreted=interpret)
 
 

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from llmeq_jax.core import fp8grid
-from pallas_kernels import config, fp8_dot
+from pallas_kernels import config, fp8_dot, settings
 from pallas_kernels.blocks import Blocks, matmul_blocks
 from pallas_kernels.common import (
     FLOAT_DTYPES,
@@ -204,7 +204,9 @@ def w8a8_matmul(
     _check(x, logical, w_scale, w_zero_point, group, layer, fp8)
     m, k = x.shape
     n = logical.shape[-1]
-    blocks = blocks or matmul_blocks(m, n, k, group, int8=True)
+    chosen = settings.of("w8a8", m)
+    blocks = blocks or chosen.blocks(matmul_blocks(m, n, k, group, int8=True))
+    k_splits = k_splits or chosen.k_splits
     if group is not None and blocks.bk != group:
         raise ValueError(f"w8a8_matmul: with per-group scales the K block must equal the group ({group}), got {blocks.bk}")
     xq, sx = quantize_rows(x, act_scale, fp8)
@@ -220,7 +222,8 @@ def w8a8_matmul(
     args = [xq, sx, *weight_operands(wk, w_scale, w_zero_point)]
     return launch_matmul(_kernel, args, m=m, n=n, k=k, blocks=blocks, bias=bias, k_splits=k_splits, out_dtype=x.dtype,
                          interpret=config.resolve_interpret(interpret), name="w8a8_matmul", group=group,
-                         has_zp=w_zero_point is not None, w_kmajor=w_kmajor, layer=layer, fp8=fp8)
+                         has_zp=w_zero_point is not None, w_kmajor=w_kmajor, layer=layer, fp8=fp8,
+                         programs=chosen.programs)
 
 
 def w8a8_reference(x, wq, w_scale, *, w_zero_point=None, bias=None, act_scale=None, group=None, fp8=False):

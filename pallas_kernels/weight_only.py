@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import config
+from pallas_kernels import config, settings
 from pallas_kernels.blocks import Blocks, matmul_blocks
 from pallas_kernels.common import (
     FLOAT_DTYPES,
@@ -301,7 +301,9 @@ def weight_only_matmul(
     if blocks is None and dequant == "scaled" and m >= SCALED_WIDE_M:
         blocks = Blocks(256, 128, group, 8, 3)  # no epilogue per K step: room for 256-row tiles (no spills)
     # int4 splits the K tile in halves that feed dots: each half needs >= 16.
-    blocks = blocks or matmul_blocks(m, n, k, group, min_bk=32 if bits == 4 else 16)
+    chosen = settings.of("weight_only", m)
+    blocks = blocks or chosen.blocks(matmul_blocks(m, n, k, group, min_bk=32 if bits == 4 else 16))
+    k_splits = k_splits or chosen.k_splits
     if group is not None and blocks.bk % group:
         raise ValueError(f"weight_only_matmul: with per-group scales the K block ({blocks.bk}) must be a multiple "
                          f"of the group ({group})")
@@ -310,7 +312,8 @@ def weight_only_matmul(
     return launch_matmul(_kernel, args, m=m, n=n, k=k, blocks=blocks, bias=bias, k_splits=k_splits, out_dtype=x.dtype,
                          interpret=interpret, name=f"weight_only_int{bits}_matmul", bits=bits, group=group,
                          has_zp=w_zero_point is not None, precision=f32_dot_precision(interpret), dequant=dequant,
-                         strided_x=bool(strided_x) and not interpret, layer=layer, kmajor=kmajor, interpreted=interpret)
+                         strided_x=bool(strided_x) and not interpret, layer=layer, kmajor=kmajor, interpreted=interpret,
+                         programs=chosen.programs)
 
 
 def default_dequant(x_dtype) -> str:

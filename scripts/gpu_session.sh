@@ -27,6 +27,9 @@
 #     STEPS="small small_e2e" bash scripts/gpu_session.sh   (timeout_s 240)
 #     SHAPES=llama-3-8b STEPS=e2e RECIPES="rtn-w4-g128 rtn-w8" BATCHES="1 16" TORCH=--no-torch E2E_LIMIT=200 \
 #         bash scripts/gpu_session.sh   (timeout_s 220; prefill by inferred dispatch, GQA attention as sums)
+# The session after (no GPU) added the end-to-end sweep of the kernels' launch settings; first in the next GPU
+# session, as it bears on #15's end-to-end targets directly (~6 min with the start):
+#     STEPS="decode_sweep decode_sweep_w8" bash scripts/gpu_session.sh   (timeout_s 380)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-runs/gpu}"
@@ -36,7 +39,8 @@ layers=(${LAYERS:+--layers "$LAYERS"})
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 start=$SECONDS
-all_steps="gpu_tests words sweep attention fp8 w8a8_sweep probe small small_e2e e2e gemv prefill layout layout_dsf"
+all_steps="gpu_tests words sweep attention fp8 w8a8_sweep probe small small_e2e e2e"
+all_steps+=" decode_sweep decode_sweep_w8 decode_sweep_bf16 gemv prefill layout layout_dsf"
 steps="${STEPS:-$all_steps layout_float kernels}"  # STEPS: a subset
 step() {  # step NAME SECONDS CMD...: run CMD with a time limit, its output in $out/NAME.log
   local name=$1 limit=$2
@@ -160,6 +164,16 @@ step small_e2e 90 "$py" scripts/bench_e2e.py --shapes smollm2-135m --dtype bfloa
 step e2e "${E2E_LIMIT:-340}" "$py" scripts/bench_e2e.py --shapes "$shapes" "${layers[@]}" --dtype bfloat16 \
     --recipes ${RECIPES:-rtn-w4-g128 rtn-w8} --batches ${BATCHES:-1} --prefill-len 2048 --new-tokens 32 --repeats 2 \
     --scan-only ${TORCH:---torch} --profile --out "$out/e2e.json"
+# Kernel launch settings timed end to end (scripts/sweep_decode.py, new): the quantized model's decode under its
+# kernels' defaults and under each setting (split targets, tiles, K steps, stages, warps; the word kernel's mma
+# epilogue) in turns, beside bf16, two rounds, one process -- where timing the kernels alone could not tell the
+# settings apart (their run-to-run spread was as large). ~35 s of weights, then ~6 s a setting (its compile).
+step decode_sweep "${SWEEP_LIMIT:-200}" "$py" scripts/sweep_decode.py --shapes "$shapes" "${layers[@]}" \
+    --recipe rtn-w4-g128 --out "$out/sweep_w4.json"
+step decode_sweep_w8 "${SWEEP_LIMIT:-150}" "$py" scripts/sweep_decode.py --shapes "$shapes" "${layers[@]}" \
+    --recipe rtn-w8 --out "$out/sweep_w8.json"
+step decode_sweep_bf16 90 "$py" scripts/sweep_decode.py --shapes "$shapes" "${layers[@]}" --recipe bf16 \
+    --out "$out/sweep_bf16.json"
 step kernels 90 "$py" scripts/bench_kernels.py --reps 10 --kinds bf16,w8a8,fp8,w8,w4g128,w8a8_nk,fp8_nk,w8_nk \
     --write-table "$out/dispatch.json"
 echo "== [$(( SECONDS - start ))s] done; results in $out"

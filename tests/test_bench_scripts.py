@@ -11,6 +11,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 SCRIPTS = Path(__file__).parents[1] / "scripts"
 
@@ -253,3 +254,39 @@ def test_bench_gguf_runs_a_file_kept_and_dequantized(tmp_path):
     assert row["kept_decode_tok_s"] > 0 and row["float_decode_tok_s"] > 0
     assert 0 < row["kept_first_token_ms"] < 1e3 * 16 / row["kept_prefill_tok_s"] + 1e3
     assert 0 < row["kept_int8_first_token_ms"] < 1e3 * 16 / row["kept_prefill_tok_s"] + 1e3
+
+
+def test_sweep_decode_times_each_setting_in_turns_and_reports_the_ones_that_fail(tmp_path, capsys, monkeypatch):
+    """scripts/sweep_decode.py end to end on one layer of SmolLM2-135M shapes in interpret mode: the bf16 model,
+    the recipe's defaults and each setting decode in every round, each under its own override (a setting the
+    kernel refuses is reported once and skipped after); the JSON holds the rounds' rates and their medians."""
+    from pallas_kernels import settings
+
+    sweep = _script("sweep_decode")
+    seen = []
+    real = sweep.decode_rate
+
+    def recording(config, params, prompt, args):
+        seen.append(settings.current())
+        return real(config, params, prompt, args)
+
+    monkeypatch.setattr(sweep, "decode_rate", recording)
+    out = tmp_path / "sweep.json"
+    sweep.main(["--shapes", "smollm2-135m", "--layers", "1", "--interpret", "--new-tokens", "4", "--repeats", "1",
+                "--settings", "int4_words:bn=64,k_splits=2", "int4_words:bk=192", "--out", str(out)])
+    report = json.loads(out.read_text())
+    rows = report["rows"]
+    assert list(rows) == ["bf16", "defaults", "int4_words:bn=64,k_splits=2", "int4_words:bk=192"]
+    assert all(len(rows[name]["tok_s"]) == 2 and rows[name]["median"] > 0 for name in list(rows)[:3])
+    assert "K block must be 128" in rows["int4_words:bk=192"]["error"] and rows["int4_words:bk=192"]["tok_s"] == []
+    tried = {"int4_words": settings.Settings(bn=64, k_splits=2)}
+    # per round: bf16 and the defaults with no override, then each setting under its own (the failed one once)
+    assert [dict(s) for s in seen] == [{}, {}, tried, {"int4_words": settings.Settings(bk=192)}, {}, {}, tried]
+    printed = capsys.readouterr().out
+    assert "| int4_words:bn=64,k_splits=2 |" in printed and "failed: ValueError" in printed
+
+
+def test_sweep_decode_refuses_a_bad_setting_before_making_weights():
+    sweep = _script("sweep_decode")
+    with pytest.raises(SystemExit, match=r"unknown field\(s\) tile"):
+        sweep.main(["--shapes", "smollm2-135m", "--interpret", "--settings", "int4_words:tile=3"])

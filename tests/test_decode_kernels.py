@@ -28,6 +28,7 @@ from llmeq_jax.core.qarray import QArray
 from llmeq_jax.core.quantize import Spec, quantize
 from llmeq_jax.kv import attention
 from llmeq_jax.models import ModelConfig, init_params
+from pallas_kernels import settings
 from tests.a16_bound import a16_bound as _a16_bound
 from tests.cpu_flags import cpu_flags
 
@@ -461,6 +462,10 @@ def test_generate_lays_the_kernels_out_once_per_params(qparams):
     copy = jax.tree.map(lambda a: a + 0, qparams)  # equal values, other arrays: laid out anew
     assert gen.decode_params(copy, 1) is not laid
     assert gen.decode_params(qparams, 2) is not gen.decode_params(qparams, 1)  # batch size is part of the key
+    kept, outside = gen.decode_params(qparams, 1), gen.kernel_state()
+    with settings.override("int4_words", bn=64):  # launch settings key the loop's trace, not the layout
+        assert gen.kernel_state() != outside
+        assert gen.decode_params(qparams, 1) is kept
     with native.disabled():
         assert gen.decode_params(qparams, 1) is qparams  # no native kernels: nothing to lay out
     float_params = init_params(CONFIG, jax.random.key(1))

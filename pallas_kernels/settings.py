@@ -1,0 +1,131 @@
+"""Launch settings of the matmul kernels at decode rows, overridden for a block of code.
+
+Why: a kernel's tiles, stages and K splits were chosen by timing it alone, call after call, where the
+run-to-run spread on an H200 (1.24x bf16 in one run, 1.58x in the next, same settings) is as large as the
+differences between settings. A decode step of a 7B model (~2.5 ms, 128 such calls) averages that away:
+``scripts/sweep_decode.py`` times whole decode loops, one per setting, and this is how it changes a
+kernel's settings without touching the dispatch::
+
+    with pallas_kernels.settings.override("int4_words", bn=256, stages=4):
+        tokens = generate(...)      # every int4 word-kernel launch of <= 16 rows uses them
+
+Each field replaces the kernel's own choice where given (None: keep it); an argument passed to the kernel
+explicitly still wins. Rows beyond :data:`DECODE_ROWS` (prefill) keep their defaults. A setting the kernel
+cannot take (a K block that is not a whole number of scale groups, ...) fails the kernel's own checks.
+Like the other switches (:mod:`pallas_kernels.config`) the override is read when a function is traced and
+is part of ``llmeq_jax.generate.kernel_state``, so a decode loop traced under one setting is not reused
+under another.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+
+from pallas_kernels.blocks import Blocks
+
+# The kernels that take settings, by the name used here (their modules).
+KERNELS = ("int4_words", "int8_f16", "weight_only", "w8a8", "float_matmul")
+# Rows a launch may have for its settings to apply: a decode step's batch (the kernels' 16-row tiles).
+DECODE_ROWS = 16
+EPILOGUES = ("rows", "mma")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """One kernel's launch settings; None keeps the kernel's own choice.
+
+    ``bn`` / ``bk``: the column tile and the K step; ``warps`` / ``stages``: Triton's warps and pipeline
+    stages; ``programs``: the programs a split K loop aims for (``common.splits_for``'s target, 2 per
+    SM of an H100 by default); ``k_splits``: the splits themselves (wins over ``programs``);
+    ``epilogue``: the int4 word kernel's scale epilogue (``int4_words.EPILOGUES``)."""
+
+    bn: int | None = None
+    bk: int | None = None
+    warps: int | None = None
+    stages: int | None = None
+    programs: int | None = None
+    k_splits: int | None = None
+    epilogue: str | None = None
+
+    def blocks(self, default: Blocks) -> Blocks:
+        """``default`` with the fields this setting gives."""
+        given = {"bn": self.bn, "bk": self.bk, "num_warps": self.warps, "num_stages": self.stages}
+        return dataclasses.replace(default, **{k: v for k, v in given.items() if v is not None})
+
+    def given(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+
+
+NONE = Settings()
+_OVERRIDES = contextvars.ContextVar("pallas_kernels_settings", default=())
+
+
+def _checked(kernel: str, fields: dict) -> Settings:
+    if kernel not in KERNELS:
+        raise ValueError(f"settings: unknown kernel {kernel!r}; known: {', '.join(KERNELS)}")
+    names = {f.name for f in dataclasses.fields(Settings)}
+    unknown = sorted(set(fields) - names)
+    if unknown:
+        raise ValueError(f"settings: unknown field(s) {', '.join(unknown)} for {kernel}; "
+                         f"known: {', '.join(sorted(names))}")
+    for name, value in fields.items():
+        if name == "epilogue":
+            if kernel != "int4_words" or value not in EPILOGUES:
+                raise ValueError(f"settings: epilogue is the int4_words kernel's, one of {EPILOGUES}; "
+                                 f"got {value!r} for {kernel}")
+        elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"settings: {kernel}.{name} must be a positive integer, got {value!r}")
+    return Settings(**fields)
+
+
+@contextlib.contextmanager
+def override(kernel: str, **fields):
+    """Inside this block, ``kernel``'s launches of at most :data:`DECODE_ROWS` rows take ``fields``
+    (:class:`Settings`) in place of their own choices. Nested blocks add to (and for one kernel
+    replace) the outer ones."""
+    setting = _checked(kernel, fields)
+    held = dict(_OVERRIDES.get())
+    held[kernel] = setting
+    token = _OVERRIDES.set(tuple(sorted(held.items())))
+    try:
+        yield
+    finally:
+        _OVERRIDES.reset(token)
+
+
+def of(kernel: str, m: int) -> Settings:
+    """The settings of ``kernel`` for a launch of ``m`` rows: the override's, else :data:`NONE`."""
+    if m > DECODE_ROWS:
+        return NONE
+    return dict(_OVERRIDES.get()).get(kernel, NONE)
+
+
+def current() -> tuple:
+    """Every override in force, hashable (a static argument of the jitted decode steps)."""
+    return _OVERRIDES.get()
+
+
+def parse(text: str) -> tuple[str, dict]:
+    """``"int4_words:bn=256,stages=4"`` -> ``("int4_words", {"bn": 256, "stages": 4})`` (a sweep's command line);
+    ``"int4_words"`` alone is the kernel's defaults."""
+    kernel, _, rest = text.partition(":")
+    fields = {}
+    for item in filter(None, rest.split(",")):
+        name, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"settings: {item!r} in {text!r} is not name=value")
+        fields[name.strip()] = value.strip() if name.strip() == "epilogue" else _int(value, text)
+    _checked(kernel.strip(), fields)
+    return kernel.strip(), fields
+
+
+def _int(value: str, text: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"settings: {value!r} in {text!r} is not an integer") from None
+
+
+__all__ = ["DECODE_ROWS", "KERNELS", "NONE", "Settings", "current", "of", "override", "parse"]
