@@ -172,12 +172,16 @@ def _is_float_kernel(path, leaf) -> bool:
 def scan_blocks(run_block, blocks, carry, num_layers: int):
     """``carry`` through ``run_block(block_params, layer, carry) -> carry`` for every stacked block,
     as one ``lax.scan`` (the layer index traced). The stack is closed over, not scanned over: each
-    step takes its block with :func:`block_at`, so kernels that can read a layer in place do."""
+    step takes its block with :func:`block_at`, so kernels that can read a layer in place do. The layer
+    index rides in the carry rather than being scanned over (an index array): XLA sliced that array with a
+    dynamic-slice fusion every layer, on a GPU a thunk of its own that command buffers cannot hold, which
+    split each layer's kernels into several launches from the host."""
     in_place = in_place_kernels()
     floats = float_views(in_place)
 
-    def body(c, layer):
-        return run_block(block_at(blocks, layer, in_place, floats), layer, c), None
+    def body(state, _):
+        c, layer = state
+        return (run_block(block_at(blocks, layer, in_place, floats), layer, c), layer + 1), None
 
-    carry, _ = jax.lax.scan(body, carry, jnp.arange(num_layers, dtype=jnp.int32))
+    (carry, _), _ = jax.lax.scan(body, (carry, jnp.int32(0)), None, length=num_layers)
     return carry

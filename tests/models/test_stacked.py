@@ -87,6 +87,18 @@ def test_scanned_program_does_not_grow_with_depth():
     assert sizes[8][1] < 1.05 * sizes[2][1]  # scanned: one body
 
 
+def test_the_scan_carries_the_layer_index_and_scans_over_nothing():
+    """The layer index rides in the carry: scanning over an index array made XLA slice it with a dynamic-slice
+    fusion per layer, which on a GPU is a thunk of its own that command buffers cannot hold (the layer's
+    kernels were split around it, 22 thunks a layer instead of 18: scripts/gpu_aot.py)."""
+    params = stacked.stack_blocks(LLAMA, init_params(LLAMA, jax.random.key(0)))
+    jaxpr = jax.make_jaxpr(lambda p, t: forward(LLAMA, p, t))(params, TOKENS)
+    scans = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+    assert len(scans) == 1 and scans[0].params["length"] == LLAMA.num_layers
+    scan = scans[0].params
+    assert len(scans[0].invars) == scan["num_consts"] + scan["num_carry"]  # no xs
+
+
 def test_blocks_that_differ_are_refused_by_name():
     params = init_params(LLAMA, jax.random.key(0))
     odd = {**params, "layers_2": jax.tree.map(lambda a: a, params["layers_2"])}
