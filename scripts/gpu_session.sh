@@ -30,6 +30,7 @@
 # The session after (no GPU) added the end-to-end sweep of the kernels' launch settings; first in the next GPU
 # session, as it bears on #15's end-to-end targets directly (~6 min with the start):
 #     STEPS="decode_sweep decode_sweep_w8" bash scripts/gpu_session.sh   (timeout_s 380)
+#     STEPS="graphs_off graphs_on graphs_7b" bash scripts/gpu_session.sh   (timeout_s 290; whole loops as CUDA graphs)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-runs/gpu}"
@@ -40,7 +41,8 @@ mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 start=$SECONDS
 all_steps="gpu_tests words sweep attention fp8 w8a8_sweep probe small small_e2e e2e"
-all_steps+=" decode_sweep decode_sweep_w8 decode_sweep_bf16 gemv prefill layout layout_dsf"
+all_steps+=" decode_sweep decode_sweep_w8 decode_sweep_bf16 graphs_off graphs_on graphs_7b"
+all_steps+=" gemv prefill layout layout_dsf"
 steps="${STEPS:-$all_steps layout_float kernels}"  # STEPS: a subset
 step() {  # step NAME SECONDS CMD...: run CMD with a time limit, its output in $out/NAME.log
   local name=$1 limit=$2
@@ -174,6 +176,20 @@ step decode_sweep_w8 "${SWEEP_LIMIT:-150}" "$py" scripts/sweep_decode.py --shape
     --recipe rtn-w8 --out "$out/sweep_w8.json"
 step decode_sweep_bf16 90 "$py" scripts/sweep_decode.py --shapes "$shapes" "${layers[@]}" --recipe bf16 \
     --out "$out/sweep_bf16.json"
+# Loops as CUDA graphs: XLA records each layer's kernels as a command buffer, but a while loop only when asked
+# (+WHILE; its defaults: FUSION CUBLAS CUBLASLT CUDNN CUSTOM_CALL CONDITIONAL DYNAMIC_SLICE_FUSION), so the host
+# launches every layer of every token. Until 2026-12-04 the scan's index array made a dynamic-slice thunk per layer
+# that kept the layer loop out of any graph ("WhileThunk is not convertible to command buffers because its body
+# contains loop-dependent DynamicSliceFusionV2Thunk"); the index now rides in the carry. SmolLM2's decode (host-bound
+# if any is) with and without +WHILE, then Llama-2-7B rtn-w4-g128 with it (the e2e step's rows are without).
+step graphs_off 60 "$py" scripts/bench_e2e.py --shapes smollm2-135m --dtype bfloat16 --recipes rtn-w8 rtn-w4-g128 \
+    --batches 1 --prefill-len 512 --new-tokens 64 --repeats 3 --scan-only --no-torch --out "$out/graphs_off.json"
+XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+WHILE" step graphs_on 60 "$py" scripts/bench_e2e.py \
+    --shapes smollm2-135m --dtype bfloat16 --recipes rtn-w8 rtn-w4-g128 --batches 1 --prefill-len 512 \
+    --new-tokens 64 --repeats 3 --scan-only --no-torch --out "$out/graphs_on.json"
+XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+WHILE" step graphs_7b 150 "$py" scripts/bench_e2e.py \
+    --shapes "$shapes" "${layers[@]}" --dtype bfloat16 --recipes rtn-w4-g128 --batches 1 --prefill-len 512 \
+    --new-tokens 64 --repeats 3 --scan-only --no-torch --out "$out/graphs_7b.json"
 step kernels 90 "$py" scripts/bench_kernels.py --reps 10 --kinds bf16,w8a8,fp8,w8,w4g128,w8a8_nk,fp8_nk,w8_nk \
     --write-table "$out/dispatch.json"
 echo "== [$(( SECONDS - start ))s] done; results in $out"
