@@ -50,8 +50,10 @@ ENV = "LLMEQ_DISPATCH_TABLE"
 # weight_only_nk / w8a8_nk / fp8_w8a8_nk: the int8 kernels on weights stored K-major (decode_layout.for_decode's
 # layout for decode rows on a GPU) against XLA's path: another kernel than the (K, N) one of the same name, whose
 # verdicts do not apply to it (the K-major W8A8 kernel ran at 1.29x bf16 at M = 16 where the (K, N) one lost to XLA).
+# rms_norm: a decode step's RMSNorm in one kernel (pallas_kernels.rms_norm) against XLA's two; bits 32 (the scale's),
+# k = n = the features; on a GPU taken where unmeasured.
 KERNELS = ("weight_only", "w8a8", "fp8_w8a8", "int4_words", "float", "int8_f16", "kv_attention", "weight_only_nk",
-           "w8a8_nk", "fp8_w8a8_nk")
+           "w8a8_nk", "fp8_w8a8_nk", "rms_norm")
 # Measured weight shapes that must agree on a path before an unmeasured product follows them (Table.inferred).
 MIN_AGREEING_SHAPES = 2
 PATHS = ("pallas", "xla")

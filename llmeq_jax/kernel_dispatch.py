@@ -31,7 +31,7 @@ from llmeq_jax import dispatch_table
 from llmeq_jax.core.qarray import QArray, is_packed
 from llmeq_jax.decode_layout import scale_group
 from llmeq_jax.layer_slice import take_layer
-from pallas_kernels import config, float_matmul, int4_words, w8a8, weight_only
+from pallas_kernels import config, float_matmul, int4_words, rms_norm as norm_kernel, w8a8, weight_only
 
 
 class KernelUnavailable(ValueError):
@@ -182,6 +182,24 @@ def linear_float(x, stack, layer, force: bool = False):
     if not (force or measured == "pallas" or (measured is None and config.on_gpu())):
         return None  # XLA's slice-and-dot
     return float_matmul.float_matmul(x2, stack, layer=layer).reshape(*x.shape[:-1], n)
+
+
+def rms_norm(x, scale, eps: float, layer=None, force: bool = False):
+    """RMSNorm of ``x`` by ``pallas_kernels.rms_norm`` (one kernel where XLA launches two at batch 1), or None
+    (XLA's then). ``scale``: (K,), or with ``layer`` a stack (L, K) read in place. Taken at decode rows on a
+    GPU unless the active or shipped dispatch table measured XLA's norm faster (kernel ``rms_norm``), and
+    with ``force``; interpret mode keeps XLA's norm unless forced (the CPU tests' models stay as they were)."""
+    if not config.kernels_available():
+        return None
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if not norm_kernel.can_use(x2.shape, x.dtype)[0]:
+        return None
+    key = dispatch_table.Key(config.target_device().device_kind, "rms_norm", 32, None, k, k,
+                             dispatch_table.row_bucket(x2.shape[0]), jnp.dtype(x.dtype).name)
+    if not (force or (config.on_gpu() and dispatch_table.choice(key) != "xla")):
+        return None
+    return norm_kernel.rms_norm(x2, scale, eps, layer=layer).reshape(x.shape)
 
 
 def linear(x, w: QArray, act=None, require: bool = False, layer=None, *, w_layout: str = "kn"):

@@ -8,6 +8,7 @@ in :mod:`llmeq_jax.kernel_dispatch`.
 * :mod:`pallas_kernels.int4_words`   int4 weight-only decode on 32-bit words of eight K values (inline PTX)
 * :mod:`pallas_kernels.float_matmul` a float kernel's layer read in place from its stack (decode in the scan)
 * :mod:`pallas_kernels.kv_cache`     single-query decode attention over the quantized KV cache's store
+* :mod:`pallas_kernels.rms_norm`     a decode step's RMSNorm in one launch, its scale read in place from a stack
 * :mod:`pallas_kernels.config`       the interpret-mode switch for running kernels on CPU
 * :mod:`pallas_kernels.settings`     the matmul kernels' launch settings at decode rows, overridden for a block
 * :mod:`pallas_kernels.offsets`      64-bit pointer offsets for one-byte arrays of 2-4 GiB (a lowering fix)

@@ -399,6 +399,51 @@ def attention_bench(reps, sweep=False, table=None, table_path=None):
                                  dict(block_t=256, num_warps=8, num_stages=3)], reps)
 
 
+NORM_LAYERS = 8  # norms chained in one timed program, each reading a layer of one stack of scales
+
+
+def norm_bench(reps, features, rows, table=None, table_path=None):
+    """A decode step's RMSNorm: the kernel (pallas_kernels.rms_norm, one launch, the scale read in place from a
+    stack) against XLA's (the layer's scale sliced, two launches at one row) at each of ``features`` and decode
+    ``rows``. Each program chains NORM_LAYERS norms, each on the previous one's output (independent ones XLA
+    would fuse side by side, which no decode step does); with a list ``table``, ``rms_norm`` entries."""
+    from llmeq_jax.layer_slice import take_layer
+    from pallas_kernels.rms_norm import rms_norm, rms_norm_reference
+
+    def chain(norm):
+        def run(x, stack):
+            for i in range(NORM_LAYERS):
+                x = norm(x, stack, jnp.int32(i))
+            return x
+        return jax.jit(run)
+
+    variants = {"kernel": chain(lambda x, s, i: rms_norm(x, s, 1e-5, layer=i)),
+                "xla": chain(lambda x, s, i: rms_norm_reference(x, take_layer(s, i), 1e-5))}
+    for k in features:
+        stack = jax.random.uniform(jax.random.key(k), (NORM_LAYERS, k), minval=0.5, maxval=1.5)
+        for m in (r for r in rows if r <= 16):
+            x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
+            best = {}
+            for _ in range(3):  # in turns, best round
+                for name, f in variants.items():
+                    jax.block_until_ready(f(x, stack))
+                    t0 = time.perf_counter()
+                    for _ in range(reps):
+                        out = f(x, stack)
+                    jax.block_until_ready(out)
+                    best[name] = min(best.get(name, float("inf")), (time.perf_counter() - t0) / (reps * NORM_LAYERS))
+            print(f"rms_norm K={k} M={m}: kernel {best['kernel'] * 1e6:.2f} us, XLA {best['xla'] * 1e6:.2f} us "
+                  f"({best['xla'] / best['kernel']:.2f}x)", flush=True)
+            if table is not None:
+                from llmeq_jax import dispatch_table
+
+                key = dispatch_table.Key(jax.devices()[0].device_kind, "rms_norm", 32, None, k, k,
+                                         dispatch_table.row_bucket(m), "bfloat16")
+                table.append((key, {"pallas_s": best["kernel"], "xla_s": best["xla"], "bf16_s": best["xla"]}))
+        if table is not None and table_path:
+            write_table(table_path, table)
+
+
 def attention_rows(t, configs, reps, table=None, xla=False):
     """The attention bench's rows at ``t`` cached tokens (KV_SHAPE's other dims), int8 then int4: bf16 XLA
     attention, the Pallas kernel under each of ``configs`` ({} = its defaults) and, with ``xla``, XLA's dots over
@@ -526,6 +571,8 @@ def main():
     parser.add_argument("--rows", default=",".join(map(str, DECODE_M + PREFILL_M)),
                         help="activation rows M to time, comma-separated")
     parser.add_argument("--no-attention", action="store_true", help="skip the decode-attention rows")
+    parser.add_argument("--norms", metavar="K,K", help="time only the decode RMSNorm kernel against XLA's at these "
+                                                       "feature counts (and --rows <= 16), e.g. 576,2048,4096")
     args = parser.parse_args()
     kinds = tuple(args.kinds.split(","))
     if set(kinds) - set(KINDS):
@@ -545,6 +592,9 @@ def main():
         roofline_table()
         return
     table = [] if args.write_table else None
+    if args.norms:
+        norm_bench(args.reps, [int(k) for k in args.norms.split(",")], rows, table, args.write_table)
+        return
     gpu_bench(args.reps, args.sweep, table, args.write_table, kinds, weights, not args.no_attention, rows)
 
 

@@ -29,7 +29,7 @@
 #         bash scripts/gpu_session.sh   (timeout_s 220; prefill by inferred dispatch, GQA attention as sums)
 # The session after (no GPU) added the end-to-end sweep of the kernels' launch settings; first in the next GPU
 # session, as it bears on #15's end-to-end targets directly (~6 min with the start):
-#     STEPS="decode_sweep decode_sweep_w8" bash scripts/gpu_session.sh   (timeout_s 380)
+#     STEPS="decode_sweep decode_sweep_w8 norms" bash scripts/gpu_session.sh   (timeout_s 420)
 #     STEPS="graphs_off graphs_on graphs_7b" bash scripts/gpu_session.sh   (timeout_s 290; whole loops as CUDA graphs)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -41,7 +41,7 @@ mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 start=$SECONDS
 all_steps="gpu_tests words sweep attention fp8 w8a8_sweep probe small small_e2e e2e"
-all_steps+=" decode_sweep decode_sweep_w8 decode_sweep_bf16 graphs_off graphs_on graphs_7b"
+all_steps+=" decode_sweep decode_sweep_w8 decode_sweep_bf16 norms graphs_off graphs_on graphs_7b"
 all_steps+=" gemv prefill layout layout_dsf"
 steps="${STEPS:-$all_steps layout_float kernels}"  # STEPS: a subset
 step() {  # step NAME SECONDS CMD...: run CMD with a time limit, its output in $out/NAME.log
@@ -190,6 +190,11 @@ XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+WHILE" step graphs_on
 XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+WHILE" step graphs_7b 150 "$py" scripts/bench_e2e.py \
     --shapes "$shapes" "${layers[@]}" --dtype bfloat16 --recipes rtn-w4-g128 --batches 1 --prefill-len 512 \
     --new-tokens 64 --repeats 3 --scan-only --no-torch --out "$out/graphs_7b.json"
+# The decode RMSNorm kernel (pallas_kernels/rms_norm.py, new: one launch where XLA makes two at batch 1, on by
+# default on a GPU for bf16 and int4 blocks) against XLA's norm, chained 8 deep, at the three models' widths:
+# dispatch_norms.json's rms_norm entries turn it off where XLA's was faster (merge into the shipped table).
+step norms 40 "$py" scripts/bench_kernels.py --reps 20 --norms 576,4096 --rows 1,16 --write-table \
+    "$out/dispatch_norms.json"
 step kernels 90 "$py" scripts/bench_kernels.py --reps 10 --kinds bf16,w8a8,fp8,w8,w4g128,w8a8_nk,fp8_nk,w8_nk \
     --write-table "$out/dispatch.json"
 echo "== [$(( SECONDS - start ))s] done; results in $out"

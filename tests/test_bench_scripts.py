@@ -290,3 +290,21 @@ def test_sweep_decode_refuses_a_bad_setting_before_making_weights():
     sweep = _script("sweep_decode")
     with pytest.raises(SystemExit, match=r"unknown field\(s\) tile"):
         sweep.main(["--shapes", "smollm2-135m", "--interpret", "--settings", "int4_words:tile=3"])
+
+
+def test_bench_kernels_norm_step_times_the_kernel_and_xla_and_writes_entries(tmp_path, capsys):
+    """--norms in interpret mode: each feature count and decode row count timed both ways, one rms_norm table
+    entry each, written as a table the dispatch reads back. (The times mean nothing here.)"""
+    from llmeq_jax import dispatch_table
+    from pallas_kernels import config
+
+    bench = _script("bench_kernels")
+    table, path = [], tmp_path / "norms.json"
+    with config.interpret(True):
+        bench.norm_bench(1, [64, 300], (1, 16, 2048), table, str(path))
+    out = capsys.readouterr().out
+    assert out.count("rms_norm K=") == 4 and "K=300 M=16" in out
+    read = dispatch_table.from_json(json.loads(path.read_text()))
+    key = dispatch_table.Key(jax.devices()[0].device_kind, "rms_norm", 32, None, 300, 300, 16, "bfloat16")
+    assert sorted((k.k, k.rows) for k, _ in table) == [(64, 1), (64, 16), (300, 1), (300, 16)]
+    assert read.choice(key) in ("pallas", "xla")

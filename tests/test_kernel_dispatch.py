@@ -402,3 +402,40 @@ def test_a_small_product_no_table_measured_goes_to_xla_on_a_gpu():
         assert "pallas_call" not in str(jax.make_jaxpr(lambda x, w: ops.linear(x, w))(x, small))
     with config.interpret(True):
         assert dispatch.kernel_takes("weight_only", 1, jnp.bfloat16, small, 128)
+
+
+def test_a_stacked_norm_goes_to_the_norm_kernel_on_a_gpu_at_decode_rows():
+    """Traced for a GPU: an RMSNorm whose scale is a layer of a stack (a scanned block's) is one kernel reading
+    the stack in place -- no slice of it -- at decode rows; XLA's norm past 16 rows, where a table measured XLA
+    faster, and on a CPU (interpret mode included, unless forced)."""
+    from llmeq_jax import dispatch_table
+    from llmeq_jax.layer_slice import LayerSlice
+    from llmeq_jax.models.layers import RMSNorm
+    from pallas_kernels import rms_norm as norm_kernel
+
+    stack = jax.ShapeDtypeStruct((3, 256), jnp.float32)
+    norm = RMSNorm(1e-5)
+
+    def traced(rows):
+        x = jax.ShapeDtypeStruct((rows, 1, 256), jnp.bfloat16)
+        return str(jax.make_jaxpr(lambda x, s: norm.apply({"params": {"scale": LayerSlice(s, jnp.int32(1))}}, x))(
+            x, stack))
+
+    key = dispatch_table.Key(FAKE_H100.device_kind, "rms_norm", 32, None, 256, 256, 1, "bfloat16")
+    slower = dispatch_table.from_json(dispatch_table.to_json(
+        key.device, [(key, {"pallas_s": 3e-6, "xla_s": 2e-6, "bf16_s": 2e-6})]))
+    with config.compiling_for(FAKE_H100):
+        text = traced(1)
+        assert "pallas_call" in text and "dynamic_slice" not in text
+        assert "pallas_call" not in traced(17) and "dynamic_slice" in traced(17)
+        with dispatch_table.use(slower):
+            assert "pallas_call" not in traced(1)
+    assert "pallas_call" not in traced(1)
+    with config.interpret(True):
+        assert "pallas_call" not in traced(1)
+        x = jax.random.normal(jax.random.key(0), (2, 1, 256)).astype(jnp.bfloat16)
+        s = jax.random.uniform(jax.random.key(1), (3, 256))
+        forced = dispatch.rms_norm(x, s, 1e-5, layer=jnp.int32(1), force=True)
+        want = norm.apply({"params": {"scale": LayerSlice(s, jnp.int32(1))}}, x)  # XLA's norm of the slice
+        np.testing.assert_allclose(np.asarray(forced, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-2)
+        np.testing.assert_array_equal(np.asarray(want), np.asarray(norm_kernel.rms_norm_reference(x, s[1], 1e-5)))

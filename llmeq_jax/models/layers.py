@@ -13,7 +13,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from llmeq_jax import ops
+from llmeq_jax import kernel_dispatch, ops
+from llmeq_jax.layer_slice import LayerSlice
 
 _INIT_STD = 0.02
 
@@ -71,6 +72,11 @@ class RMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         scale = self.variable("params", "scale", lambda: jnp.ones((x.shape[-1],), jnp.float32)).value
+        if isinstance(scale, LayerSlice):  # a scanned block's scale, left in its stack for the norm kernel
+            y = kernel_dispatch.rms_norm(x, scale.stack, self.eps, layer=scale.layer)
+            if y is not None:
+                return y
+            scale = scale.value()
         xf = x.astype(jnp.float32)
         y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         return (y * scale.astype(jnp.float32)).astype(x.dtype)
@@ -85,6 +91,7 @@ class LayerNorm(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         scale = self.variable("params", "scale", lambda: jnp.ones((x.shape[-1],), jnp.float32)).value
         bias = self.variable("params", "bias", lambda: jnp.zeros((x.shape[-1],), jnp.float32)).value
+        scale = scale.value() if isinstance(scale, LayerSlice) else scale  # no kernel: the layer's slice
         xf = x.astype(jnp.float32)
         mean = jnp.mean(xf, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)

@@ -142,12 +142,25 @@ def float_views(in_place: bool) -> bool:
     return native.enabled() and native.prefill_kernels_ok()  # enabled(): tracing for a CPU, library loaded
 
 
-def block_at(blocks, layer, in_place: bool, floats: bool):
+def norms_in_place(blocks, in_place: bool) -> bool:
+    """Whether the scan hands the norms' scales to the norm kernel as :class:`LayerSlice` views: where Pallas
+    kernels run (``in_place``) and the block's matmuls read x as it is -- float kernels, int4 words, the int4
+    dot kernel. Not with 8-bit codes (int8 weight-only, W8A8, FP8): their kernels make their operands from x in
+    XLA (float16 scaled, or quantized per token), which XLA fuses with its own norm; a norm kernel there only
+    moves that conversion into a launch of its own (``scripts/gpu_aot.py``: 26 -> 27 launches a W8A8 layer)."""
+    if not in_place:
+        return False
+    leaves = jax.tree.leaves(blocks, is_leaf=lambda a: isinstance(a, QArray))
+    return not any(isinstance(a, QArray) and (a.bits == 8 or a.act_spec is not None) for a in leaves)
+
+
+def block_at(blocks, layer, in_place: bool, floats: bool, norms: bool = False):
     """Block ``layer`` of the stacked ``blocks``: every array sliced, except the kernels a kernel can
     read in place, which stay stacked behind a :class:`LayerSlice`: row-major kernels (native CPU
-    decode), int4 word kernels (GPU decode), when ``in_place`` (Pallas) 2-D uniform-grid QArrays, and
-    when ``floats`` (:func:`float_views`) float kernels (``ops.linear`` still slices those unless a
-    kernel takes them)."""
+    decode), int4 word kernels (GPU decode), when ``in_place`` (Pallas) 2-D uniform-grid QArrays, when
+    ``norms`` (:func:`norms_in_place`) the norms' scales (``pallas_kernels.rms_norm``), and when ``floats``
+    (:func:`float_views`) float kernels (``ops.linear`` and the norms still slice those unless a kernel takes
+    them)."""
     from llmeq_jax.decode_layout import Int4WordKernel, RowMajorKernel
 
     def one(path, leaf):
@@ -156,10 +169,19 @@ def block_at(blocks, layer, in_place: bool, floats: bool):
             return LayerSlice(leaf, layer)
         if floats and _is_float_kernel(path, leaf):
             return LayerSlice(leaf, layer)
+        if norms and _is_norm_scale(path, leaf):  # the norm kernel reads it in place (models.layers)
+            return LayerSlice(leaf, layer)
         return jax.tree.map(lambda a: take_layer(a, layer), leaf)
 
     # every node but the param dicts is taken whole (QArrays, and run-time layouts such as RowMajorKernel)
     return jax.tree_util.tree_map_with_path(one, blocks, is_leaf=lambda a: not isinstance(a, (dict, list, tuple)))
+
+
+def _is_norm_scale(path, leaf) -> bool:
+    """A stacked norm's scale ([L, features] under the key "scale")."""
+    last = path[-1] if path else None
+    return (getattr(last, "key", None) == "scale" and isinstance(leaf, jax.Array) and leaf.ndim == 2
+            and jnp.issubdtype(leaf.dtype, jnp.floating))
 
 
 def _is_float_kernel(path, leaf) -> bool:
@@ -178,10 +200,11 @@ def scan_blocks(run_block, blocks, carry, num_layers: int):
     split each layer's kernels into several launches from the host."""
     in_place = in_place_kernels()
     floats = float_views(in_place)
+    norms = norms_in_place(blocks, in_place)
 
     def body(state, _):
         c, layer = state
-        return (run_block(block_at(blocks, layer, in_place, floats), layer, c), layer + 1), None
+        return (run_block(block_at(blocks, layer, in_place, floats, norms), layer, c), layer + 1), None
 
     (carry, _), _ = jax.lax.scan(body, (carry, jnp.int32(0)), None, length=num_layers)
     return carry

@@ -265,6 +265,40 @@ def test_stacked_gpu_decode_layout_reads_int4_words_in_place(stories, stories_w4
         _close(forward(config, stories_w4, token), jax.jit(lambda p, t: forward(config, p, t))(step, token))
 
 
+def test_stacked_norms_go_to_the_norm_kernel_in_place_where_the_matmuls_read_x_as_it_is(stories, stories_w4,
+                                                                                        monkeypatch):
+    """Where the Pallas kernels run, a block whose matmuls take x as it is (int4, float) hands its norms' scales
+    to the norm kernel stacked (read in place); with 8-bit codes (their kernels make their operands from x in
+    XLA) it slices them as before. The kernel in every norm of a one-token step gives XLA's logits."""
+    from llmeq_jax import kernel_dispatch
+    from pallas_kernels import config as kernel_config
+
+    config, params, tokenizer = stories
+    token = TOKENS[:1, :1] % config.vocab_size
+    packed = stacked.stack_blocks(config, stories_w4)
+    w8 = stacked.stack_blocks(config, pipeline.run_recipe(config, params, tokenizer, pipeline.read_recipe("rtn-w8"),
+                                                          None, 1, False).params)
+    blocks = packed[stacked.BLOCKS]
+    assert stacked.norms_in_place(blocks, True) and not stacked.norms_in_place(blocks, False)
+    assert stacked.norms_in_place(stacked.stack_blocks(config, params)[stacked.BLOCKS], True)  # float kernels
+    assert not stacked.norms_in_place(w8[stacked.BLOCKS], True)
+    taken = []
+    real = kernel_dispatch.rms_norm
+
+    def forced(x, scale, eps, layer=None, force=False):
+        y = real(x, scale, eps, layer=layer, force=True)
+        taken.append(y is not None and layer is not None)
+        return y
+
+    with native.disabled(), kernel_config.interpret(True):
+        step = decode_layout.for_decode(packed, rows=1)
+        want = jax.jit(lambda p, t: forward(config, p, t))(step, token)
+        monkeypatch.setattr(kernel_dispatch, "rms_norm", forced)
+        got = jax.jit(lambda p, t: forward(config, p, t))(step, token)
+    assert taken == [True, True]  # the scan body's two norms, traced once; the final norm is not a block's
+    _close(want, got)
+
+
 def _float_table(config, params, rows: int, pallas_faster: bool = True):
     """A dispatch table measuring the float kernel against XLA for every float kernel shape in ``params``."""
     from llmeq_jax import dispatch_table as dt
