@@ -299,6 +299,19 @@ def test_stacked_norms_go_to_the_norm_kernel_in_place_where_the_matmuls_read_x_a
     _close(want, got)
 
 
+def test_layer_norms_take_their_layer_of_a_stacked_scale_where_kernels_run():
+    """GPT-2's LayerNorms get their scales as views too where Pallas kernels run (no kernel of their own: the
+    layer's slice), with the unrolled model's logits."""
+    from pallas_kernels import config as kernel_config
+
+    params = jax.tree.map(lambda a: a * 5, init_params(GPT2, jax.random.key(0)))
+    packed = stacked.stack_blocks(GPT2, params)
+    with native.disabled(), kernel_config.interpret(True):
+        assert stacked.norms_in_place(packed[stacked.BLOCKS], True)
+        got = jax.jit(lambda p, t: forward(GPT2, p, t))(packed, TOKENS[:1, :3])
+    _close(forward(GPT2, params, TOKENS[:1, :3]), got)
+
+
 def _float_table(config, params, rows: int, pallas_faster: bool = True):
     """A dispatch table measuring the float kernel against XLA for every float kernel shape in ``params``."""
     from llmeq_jax import dispatch_table as dt
