@@ -205,16 +205,38 @@ def load(path: str | Path) -> Table:
 
 
 _ACTIVE: contextvars.ContextVar[Table | None] = contextvars.ContextVar("llmeq_dispatch_table", default=None)
+# Each use() block's number (0 outside any): part of identity(), so that a trace made under one table is not
+# reused under another (llmeq_jax.generate.kernel_state). A counter, not id(table): ids come back after a table
+# is collected.
+_USE_NUMBER = contextvars.ContextVar("llmeq_dispatch_table_use", default=0)
+_uses = iter(range(1, 1 << 62))
 
 
 @contextlib.contextmanager
 def use(table: Table | str | Path):
     """Dispatch by ``table`` (or the table file at that path) inside this block."""
     token = _ACTIVE.set(table if isinstance(table, Table) else load(table))
+    number = _USE_NUMBER.set(next(_uses))
     try:
         yield
     finally:
+        _USE_NUMBER.reset(number)
         _ACTIVE.reset(token)
+
+
+def identity() -> tuple:
+    """Which table dispatch reads now, hashable: the innermost :func:`use` block's number, or the table file
+    ``$LLMEQ_DISPATCH_TABLE`` names with its modification time (none: the shipped tables)."""
+    number = _USE_NUMBER.get()
+    if number:
+        return ("use", number)
+    path = os.environ.get(ENV)
+    if not path or path == OFF:
+        return ("env", path or None)
+    try:
+        return ("env", path, os.path.getmtime(path))
+    except OSError:
+        return ("env", path, None)  # dispatch says what is wrong with it, where it reads it
 
 
 @functools.lru_cache(maxsize=4)

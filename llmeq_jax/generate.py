@@ -80,22 +80,24 @@ def cache_dtype_for(params):
 
 def kernel_state() -> tuple:
     """The kernel switches a trace depends on (Pallas interpret mode, Pallas kernels disabled,
-    native CPU kernels enabled, the kernels' launch settings overridden: ``pallas_kernels.settings``).
+    native CPU kernels enabled, the dispatch table read: ``dispatch_table.identity``, the kernels' launch
+    settings overridden: ``pallas_kernels.settings``).
 
     The jitted steps below take it as a static argument, so a step traced with kernels
     on is not reused inside ``pallas_kernels.config.disabled()`` or ``native.disabled()``
-    (or the other way round), nor one traced under other launch settings.
+    (or the other way round), nor one traced under another dispatch table or other launch settings.
     """
-    from llmeq_jax import native
+    from llmeq_jax import dispatch_table, native
     from pallas_kernels import config as kernel_config, settings
 
-    return kernel_config.interpret_enabled(), kernel_config.is_disabled(), native.enabled(), settings.current()
+    return (kernel_config.interpret_enabled(), kernel_config.is_disabled(), native.enabled(),
+            dispatch_table.identity(), settings.current())
 
 
 def _layout_state() -> tuple:
     """:func:`kernel_state` without the launch settings: which kernels run (hence the decode layout) does not
     depend on their tiles, so a sweep over settings keeps one copy of the layout."""
-    return kernel_state()[:3]
+    return kernel_state()[:4]
 
 
 PROMPT_ACTIVATION_BITS = (16, 8)

@@ -1,5 +1,6 @@
 """ops.linear through the Pallas path (interpret mode on CPU) against the XLA path."""
 
+import json
 import types
 
 import jax
@@ -439,3 +440,31 @@ def test_a_stacked_norm_goes_to_the_norm_kernel_on_a_gpu_at_decode_rows():
         want = norm.apply({"params": {"scale": LayerSlice(s, jnp.int32(1))}}, x)  # XLA's norm of the slice
         np.testing.assert_allclose(np.asarray(forced, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-2)
         np.testing.assert_array_equal(np.asarray(want), np.asarray(norm_kernel.rms_norm_reference(x, s[1], 1e-5)))
+
+
+def test_the_dispatch_table_read_is_part_of_the_kernel_state(tmp_path, monkeypatch):
+    """A decode step traced under one table is not reused under another: each use() block, and the file
+    $LLMEQ_DISPATCH_TABLE names (and its modification time), give the jitted steps another static key."""
+    import os
+
+    from llmeq_jax import dispatch_table
+    from llmeq_jax.generate import kernel_state
+
+    monkeypatch.delenv(dispatch_table.ENV, raising=False)
+    key = dispatch_table.Key(FAKE_H100.device_kind, "float", 16, None, 128, 48, 1, "bfloat16")
+    table = dispatch_table.from_json(dispatch_table.to_json(key.device, [(key, {"pallas_s": 1.0, "xla_s": 2.0,
+                                                                                 "bf16_s": 2.0})]))
+    outside = kernel_state()
+    with dispatch_table.use(table):
+        first = kernel_state()
+        hash(first)
+    with dispatch_table.use(table):
+        second = kernel_state()
+    assert len({outside, first, second}) == 3 and kernel_state() == outside
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(dispatch_table.to_json(key.device, [(key, {"pallas_s": 1.0, "xla_s": 2.0,
+                                                                          "bf16_s": 2.0})])))
+    monkeypatch.setenv(dispatch_table.ENV, str(path))
+    named = kernel_state()
+    os.utime(path, (1, 1))  # the file rewritten: another table
+    assert named != outside and kernel_state() != named
