@@ -54,9 +54,6 @@ class Settings:
         given = {"bn": self.bn, "bk": self.bk, "num_warps": self.warps, "num_stages": self.stages}
         return dataclasses.replace(default, **{k: v for k, v in given.items() if v is not None})
 
-    def given(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
-
 
 NONE = Settings()
 _OVERRIDES = contextvars.ContextVar("pallas_kernels_settings", default=())

@@ -407,6 +407,7 @@ def norm_bench(reps, features, rows, table=None, table_path=None):
     stack) against XLA's (the layer's scale sliced, two launches at one row) at each of ``features`` and decode
     ``rows``. Each program chains NORM_LAYERS norms, each on the previous one's output (independent ones XLA
     would fuse side by side, which no decode step does); with a list ``table``, ``rms_norm`` entries."""
+    from llmeq_jax import dispatch_table
     from llmeq_jax.layer_slice import take_layer
     from pallas_kernels.rms_norm import rms_norm, rms_norm_reference
 
@@ -415,7 +416,7 @@ def norm_bench(reps, features, rows, table=None, table_path=None):
             for i in range(NORM_LAYERS):
                 x = norm(x, stack, jnp.int32(i))
             return x
-        return jax.jit(run)
+        return run  # jitted by timed_round_robin
 
     variants = {"kernel": chain(lambda x, s, i: rms_norm(x, s, 1e-5, layer=i)),
                 "xla": chain(lambda x, s, i: rms_norm_reference(x, take_layer(s, i), 1e-5))}
@@ -423,20 +424,11 @@ def norm_bench(reps, features, rows, table=None, table_path=None):
         stack = jax.random.uniform(jax.random.key(k), (NORM_LAYERS, k), minval=0.5, maxval=1.5)
         for m in (r for r in rows if r <= 16):
             x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
-            best = {}
-            for _ in range(3):  # in turns, best round
-                for name, f in variants.items():
-                    jax.block_until_ready(f(x, stack))
-                    t0 = time.perf_counter()
-                    for _ in range(reps):
-                        out = f(x, stack)
-                    jax.block_until_ready(out)
-                    best[name] = min(best.get(name, float("inf")), (time.perf_counter() - t0) / (reps * NORM_LAYERS))
+            chains = timed_round_robin({name: (f, [(x, stack)]) for name, f in variants.items()}, reps=reps)
+            best = {name: t / NORM_LAYERS for name, t in chains.items()}
             print(f"rms_norm K={k} M={m}: kernel {best['kernel'] * 1e6:.2f} us, XLA {best['xla'] * 1e6:.2f} us "
                   f"({best['xla'] / best['kernel']:.2f}x)", flush=True)
             if table is not None:
-                from llmeq_jax import dispatch_table
-
                 key = dispatch_table.Key(jax.devices()[0].device_kind, "rms_norm", 32, None, k, k,
                                          dispatch_table.row_bucket(m), "bfloat16")
                 table.append((key, {"pallas_s": best["kernel"], "xla_s": best["xla"], "bf16_s": best["xla"]}))
