@@ -659,8 +659,37 @@ def for_decode(params, rows: int):
             return leaf
         return RowMajorKernel(w)
 
+    if target == "pallas":
+        params = _join_small_siblings(params, rows)
     converted = jax.tree_util.tree_map_with_path(convert, params, is_leaf=lambda a: isinstance(a, QArray))
     return fuse_linears(converted)
+
+
+def _join_small_siblings(params, rows: int):
+    """``params`` with each :data:`FUSED_LINEARS` group of quantized kernels that the Pallas kernels would not
+    all take one by one, but would take joined, joined (``(in, sum out)``, before :func:`for_decode`'s
+    conversion). A GPU leaves products under ``kernel_dispatch.MIN_KERNEL_WEIGHTS`` to XLA: a grouped-query
+    model's k and v projections (Llama-3-8B: 4096 x 1024 each) stayed apart from q, three products and their
+    outputs three operands of the step's attention, where one q/k/v kernel makes one."""
+    if not isinstance(params, dict):
+        return params
+    out = {k: _join_small_siblings(v, rows) for k, v in params.items()}
+    for fused, names in FUSED_LINEARS.items():
+        modules = [out.get(n) for n in names]
+        if not all(isinstance(m, dict) and not set(m) - {"kernel", "bias"} for m in modules):
+            continue
+        ws = [m.get("kernel") for m in modules]
+        biases = [m.get("bias") for m in modules]
+        if not (all(isinstance(w, QArray) and len(w.shape) == 2 for w in ws) and _stackable(ws, axis=1)) or \
+                (any(b is None for b in biases) and not all(b is None for b in biases)):
+            continue
+        joined = stack_quantized(ws, axis=1)
+        if all(_candidate("pallas", w, rows) for w in ws) or not _candidate("pallas", joined, rows):
+            continue  # converted one by one and fused after (fuse_linears), or left to XLA
+        out[fused] = {"kernel": joined} | ({} if biases[0] is None else {"bias": jnp.concatenate(biases)})
+        for n in names:
+            del out[n]
+    return out
 
 
 # for_prefill packs float kernels into panels only while they hold at most this many bytes in all:

@@ -441,13 +441,18 @@ def _decode(q, k_codes, v_codes, k_scale, k_off, v_scale, extra, length, lay: _L
         name=f"decode_attention_int{lay.bits}" + ("_rope" if lay.rope else ""),
     )(*at, q.reshape(bsz, h, g, d), k_codes, v_codes, k_scale, k_off, v_scale, *extra,
       jnp.clip(length, 0, t))
-    # Combine the splits: an empty split has m = NEG_INF, l = 0, acc = 0 and weighs exp(NEG_INF - max) = 0.
+    out, lse = combine_splits(acc, m, l)
+    return out.reshape(bsz, hq, d), lse.reshape(bsz, hq)
+
+
+def combine_splits(acc, m, l):
+    """Flash decoding's last step: the splits' unnormalized sums ``acc`` [B, H, S, G, D] with their score maxima
+    ``m`` and weight sums ``l`` [B, H, S, G, 1] -> (out [B, H, G, D], log-sum-exp [B, H, G]) over all splits.
+    An empty split (m = NEG_INF, l = 0, acc = 0) weighs exp(NEG_INF - max) = 0."""
     m_all = jnp.max(m, axis=2, keepdims=True)
     w = jnp.exp(m - m_all)
     denom = jnp.maximum(jnp.sum(l * w, axis=2), TINY)
-    out = jnp.sum(acc * w, axis=2) / denom
-    lse = m_all[:, :, 0] + jnp.log(denom)
-    return out.reshape(bsz, hq, d), lse.reshape(bsz, hq)
+    return jnp.sum(acc * w, axis=2) / denom, (m_all[:, :, 0] + jnp.log(denom))[..., 0]
 
 
 def _check_query(q, h, bsz):

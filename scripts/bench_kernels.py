@@ -26,6 +26,7 @@ a product goes to the kernel only where it was measured faster than XLA on this 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import time
@@ -399,6 +400,84 @@ def attention_bench(reps, sweep=False, table=None, table_path=None):
                                  dict(block_t=256, num_warps=8, num_stages=3)], reps)
 
 
+FLOAT_KV_HEADS = ((32, 1), (8, 4))  # (kv heads, query heads per kv head): Llama-2-7B's, Llama-3-8B's
+FLOAT_KV_CONTEXTS = (256, 4096, 32768)
+FLOAT_KV_STEPS = 32  # decode steps a timed program runs, each over the next layer of a stacked cache
+
+
+def float_attention_steps(attend, layers: int):
+    """A program of FLOAT_KV_STEPS one-token attention steps over a stacked float cache carried in place (donated,
+    as a decode loop carries it), step i on layer i % ``layers``, each step's output the next one's query (nothing
+    is dead code). ``attend(q, k_new, v_new, k, v, layer) -> (out, k, v)``."""
+    def run(q, k_new, v_new, k, v):
+        def body(i, carry):
+            return attend(*carry[:1], k_new, v_new, *carry[1:], i % layers)
+        return jax.lax.fori_loop(0, FLOAT_KV_STEPS, body, (q, k, v))
+    return jax.jit(run, donate_argnums=(3, 4))
+
+
+def float_attention_bench(reps, table=None, table_path=None):
+    """A decode step's attention over a bf16 cache: the kernel that writes the token and attends
+    (pallas_kernels.decode_attention, one launch) against XLA's path as a decode step traces it with kernels off
+    (a dynamic-update-slice per cache, then llmeq_jax.kv.attention's sums or dots), at FLOAT_KV_HEADS and
+    FLOAT_KV_CONTEXTS (the query at the last slot), the cache stacked over enough layers to miss the L2 cache
+    (as the weights between two layers make a decode step miss it). With a list ``table``: ``kv_attention``
+    entries of 16 bits, which a decode step's float_path follows (XLA's path where it was faster)."""
+    from llmeq_jax import dispatch_table
+    from llmeq_jax.kv import cache as kvcache
+    from pallas_kernels import config as kernel_config
+    from pallas_kernels.decode_attention import append_decode_attention
+
+    b, d = 1, 128
+    for h, g in FLOAT_KV_HEADS:
+        for t in FLOAT_KV_CONTEXTS:
+            layers = copies_for(2 * 2 * b * h * t * d)
+            empty = kvcache.init(layers, b, h, t, d, jnp.bfloat16)
+            mask = jnp.ones((b, 1, t), bool)
+            shell = dataclasses.replace(empty, valid=mask[:, 0], length=jnp.int32(t - 1))
+
+            def kernel(q, kn, vn, k, v, layer):
+                return append_decode_attention(q, kn, vn, k, v, jnp.int32(t - 1), mask[:, 0], layer=layer)
+
+            def xla(q, kn, vn, k, v, layer, shell=shell, mask=mask):
+                out, c = kvcache.attend(dataclasses.replace(shell, k=k, v=v), layer, q[:, None], kn[:, :, None],
+                                        vn[:, :, None], mask)
+                return out[:, 0], c.k, c.v
+
+            q = jax.random.normal(jax.random.key(1), (b, h * g, d), jnp.bfloat16)
+            kn, vn = (jax.random.normal(jax.random.key(i), (b, h, d), jnp.bfloat16) for i in (2, 3))
+            state = {}
+            for name, attend in (("kernel", kernel), ("xla", xla)):
+                cache = [jax.random.normal(jax.random.key(4 + i), empty.k.shape, jnp.bfloat16) for i in (0, 1)]
+                with kernel_config.disabled() if name == "xla" else contextlib.nullcontext():
+                    program = float_attention_steps(attend, layers).lower(q, kn, vn, *cache).compile()
+                first = program(q, kn, vn, *cache)  # from the same inputs for both: compared below
+                state[name] = [program, (*first[:1], kn, vn, *first[1:])]
+            err = jnp.max(jnp.abs(state["kernel"][1][0].astype(jnp.float32) - state["xla"][1][0].astype(jnp.float32)))
+            best = dict.fromkeys(state, float("inf"))
+            for _ in range(3):  # in turns, each variant's best round
+                for name, (program, args) in state.items():
+                    t0 = time.perf_counter()
+                    for _ in range(reps):
+                        out_q, k, v = program(*args)
+                        args = (out_q, args[1], args[2], k, v)
+                    jax.block_until_ready(args)
+                    state[name][1] = args
+                    best[name] = min(best[name], (time.perf_counter() - t0) / (reps * FLOAT_KV_STEPS))
+            gbs = 2 * 2 * b * h * t * d / 1e9
+            print(f"float decode attention B={b} H_kv={h} G={g} T={t} D={d} bf16: kernel {best['kernel'] * 1e6:.1f} us "
+                  f"({gbs / best['kernel']:.0f} GB/s), XLA {best['xla'] * 1e6:.1f} us ({gbs / best['xla']:.0f} GB/s): "
+                  f"{best['xla'] / best['kernel']:.2f}x; after {FLOAT_KV_STEPS} steps max |kernel - XLA| "
+                  f"{float(err):.2g}", flush=True)
+            if table is not None:
+                key = dispatch_table.Key(jax.devices()[0].device_kind, "kv_attention", 16, None, d, t,
+                                         dispatch_table.row_bucket(b * g), "bfloat16")
+                table.append((key, {"pallas_s": best["kernel"], "xla_s": best["xla"], "bf16_s": best["xla"]}))
+            del state
+    if table is not None and table_path:
+        write_table(table_path, table)
+
+
 NORM_LAYERS = 8  # norms chained in one timed program, each reading a layer of one stack of scales
 
 
@@ -563,6 +642,9 @@ def main():
     parser.add_argument("--rows", default=",".join(map(str, DECODE_M + PREFILL_M)),
                         help="activation rows M to time, comma-separated")
     parser.add_argument("--no-attention", action="store_true", help="skip the decode-attention rows")
+    parser.add_argument("--float-attention", action="store_true",
+                        help="time only a decode step's attention over a bf16 cache: the write-and-attend kernel "
+                             "against XLA's update and attention")
     parser.add_argument("--norms", metavar="K,K", help="time only the decode RMSNorm kernel against XLA's at these "
                                                        "feature counts (and --rows <= 16), e.g. 576,2048,4096")
     args = parser.parse_args()
@@ -584,6 +666,9 @@ def main():
         roofline_table()
         return
     table = [] if args.write_table else None
+    if args.float_attention:
+        float_attention_bench(args.reps, table, args.write_table)
+        return
     if args.norms:
         norm_bench(args.reps, [int(k) for k in args.norms.split(",")], rows, table, args.write_table)
         return

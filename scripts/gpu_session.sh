@@ -31,6 +31,9 @@
 # session, as it bears on #15's end-to-end targets directly (~6 min with the start):
 #     STEPS="decode_sweep decode_sweep_w8 norms" bash scripts/gpu_session.sh   (timeout_s 420)
 #     STEPS="graphs_off graphs_on graphs_7b" bash scripts/gpu_session.sh   (timeout_s 290; whole loops as CUDA graphs)
+# The session after (no GPU) made a float cache's decode attention one kernel (and a GQA model's small k / v
+# projections one q/k/v kernel with q): the first call above gains the step that measures it, first:
+#     STEPS="float_attention decode_sweep decode_sweep_w8 norms" bash scripts/gpu_session.sh   (timeout_s 480)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-runs/gpu}"
@@ -41,7 +44,7 @@ mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 start=$SECONDS
 all_steps="gpu_tests words sweep attention fp8 w8a8_sweep probe small small_e2e e2e"
-all_steps+=" decode_sweep decode_sweep_w8 decode_sweep_bf16 norms graphs_off graphs_on graphs_7b"
+all_steps+=" decode_sweep decode_sweep_w8 decode_sweep_bf16 norms float_attention graphs_off graphs_on graphs_7b"
 all_steps+=" gemv prefill layout layout_dsf"
 steps="${STEPS:-$all_steps layout_float kernels}"  # STEPS: a subset
 step() {  # step NAME SECONDS CMD...: run CMD with a time limit, its output in $out/NAME.log
@@ -195,6 +198,12 @@ XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+WHILE" step graphs_7b
 # dispatch_norms.json's rms_norm entries turn it off where XLA's was faster (merge into the shipped table).
 step norms 40 "$py" scripts/bench_kernels.py --reps 20 --norms 576,4096 --rows 1,16 --write-table \
     "$out/dispatch_norms.json"
+# A decode step's attention over a bf16 cache (pallas_kernels/decode_attention.py, new: the token's key and value
+# written and the slots up to it attended in one launch, where XLA's path is six a layer) against XLA's update and
+# attention, Llama-2-7B's and Llama-3-8B's heads at 256 / 4K / 32K slots, steps carried in place over a stacked
+# cache; dispatch_float_kv.json's 16-bit kv_attention entries send a length back to XLA where it was faster.
+step float_attention 60 "$py" scripts/bench_kernels.py --reps 5 --float-attention --write-table \
+    "$out/dispatch_float_kv.json"
 step kernels 90 "$py" scripts/bench_kernels.py --reps 10 --kinds bf16,w8a8,fp8,w8,w4g128,w8a8_nk,fp8_nk,w8_nk \
     --write-table "$out/dispatch.json"
 echo "== [$(( SECONDS - start ))s] done; results in $out"

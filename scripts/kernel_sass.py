@@ -153,6 +153,24 @@ def _kv_attention(bits: int, t: int = 32768, rope: bool = False, stages: int = 2
     return Case(build)
 
 
+def _float_attention(t: int, splits: int | None = None, block_t: int = 64) -> Case:
+    from pallas_kernels.decode_attention import append_decode_attention
+
+    def build():  # Llama-2-7B's heads, one layer of a 2-layer bf16 stack
+        b, h, d = 1, 32, 128
+        cache = SDS((2, b, h, t, d), jnp.bfloat16)
+        args = (SDS((b, h, d), jnp.bfloat16), SDS((b, h, d), jnp.bfloat16), SDS((b, h, d), jnp.bfloat16), cache, cache,
+                SDS((), jnp.int32), SDS((b, t), jnp.bool_), SDS((), jnp.int32))
+
+        def attend(q, kn, vn, kc, vc, slot, allowed, layer):
+            return append_decode_attention(q, kn, vn, kc, vc, slot, allowed, layer=layer, num_splits=splits,
+                                           block_t=block_t)
+
+        return attend, args
+
+    return Case(build)
+
+
 CASES: dict[str, Case] = {
     "wo_int4_m1": _weight_only(1, 4),
     "wo_int4_m16": _weight_only(16, 4),
@@ -187,6 +205,8 @@ CASES: dict[str, Case] = {
     "kv_int8_32k_8warps_256": _kv_attention(8, warps=8, block_t=256),
     "kv_int4_32k": _kv_attention(4),
     "kv_int8_32k_rope": _kv_attention(8, rope=True),  # keys stored before RoPE (the default KV spec)
+    "float_attention_160": _float_attention(160),  # the float cache's decode step: written and read by one kernel
+    "float_attention_4k": _float_attention(4096),
 }
 
 

@@ -308,3 +308,28 @@ def test_bench_kernels_norm_step_times_the_kernel_and_xla_and_writes_entries(tmp
     key = dispatch_table.Key(jax.devices()[0].device_kind, "rms_norm", 32, None, 300, 300, 16, "bfloat16")
     assert sorted((k.k, k.rows) for k, _ in table) == [(64, 1), (64, 16), (300, 1), (300, 16)]
     assert read.choice(key) in ("pallas", "xla")
+
+
+def test_bench_kernels_float_attention_step_times_both_paths_and_writes_entries(tmp_path, capsys, monkeypatch):
+    """--float-attention in interpret mode (small heads and caches): the write-and-attend kernel and XLA's update
+    and attention at each shape, their steps carried in place, one 16-bit kv_attention entry each, written as a
+    table the dispatch reads back. (The times mean nothing here.)"""
+    from llmeq_jax import dispatch_table
+    from pallas_kernels import config
+
+    bench = _script("bench_kernels")
+    monkeypatch.setattr(bench, "copies_for", lambda nbytes: 2)
+    monkeypatch.setattr(bench, "FLOAT_KV_HEADS", ((2, 1), (1, 4)))
+    monkeypatch.setattr(bench, "FLOAT_KV_CONTEXTS", (32, 64))
+    monkeypatch.setattr(bench, "FLOAT_KV_STEPS", 3)
+    table, path = [], tmp_path / "float_kv.json"
+    with config.interpret(True):
+        bench.float_attention_bench(1, table, str(path))
+    out = capsys.readouterr().out
+    assert out.count("float decode attention") == 4 and "H_kv=1 G=4 T=64" in out
+    errors = [float(e) for e in re.findall(r"max \|kernel - XLA\| (\S+)", out)]
+    assert len(errors) == 4 and max(errors) < 0.05  # bf16 outputs fed back 3 times: the paths agree
+    assert [(k.kernel, k.bits, k.k, k.n, k.rows) for k, _ in table] == [
+        ("kv_attention", 16, 128, t, rows) for rows in (1, 4) for t in (32, 64)]
+    read = dispatch_table.from_json(json.loads(path.read_text()))
+    assert read.choice(table[-1][0]) in ("pallas", "xla")

@@ -405,6 +405,28 @@ def test_a_small_product_no_table_measured_goes_to_xla_on_a_gpu():
         assert dispatch.kernel_takes("weight_only", 1, jnp.bfloat16, small, 128)
 
 
+def test_a_grouped_query_models_small_k_and_v_join_q_in_one_kernel_on_a_gpu():
+    """Traced for a GPU with no table: k and v projections each under MIN_KERNEL_WEIGHTS (a grouped-query
+    model's) would stay XLA's, apart from q; joined with q they are one product the word kernel takes. A group
+    too small even joined stays as stored, and one whose parts are all taken is still fused after conversion."""
+    from llmeq_jax import decode_layout
+
+    w4 = Spec(bits=4, granularity="group", group_size=128)
+    q4 = lambda k, n: jax.eval_shape(lambda: quantize(jnp.zeros((k, n)), w4))  # noqa: E731
+    gqa = {"q_proj": {"kernel": q4(4096, 4096)}, "k_proj": {"kernel": q4(4096, 1024)},
+           "v_proj": {"kernel": q4(4096, 1024)}}
+    tiny = {"q_proj": {"kernel": q4(576, 576)}, "k_proj": {"kernel": q4(576, 192)}, "v_proj": {"kernel": q4(576, 192)}}
+    mha = {"q_proj": {"kernel": q4(4096, 4096)}, "k_proj": {"kernel": q4(4096, 4096)},
+           "v_proj": {"kernel": q4(4096, 4096)}}
+    assert 4096 * 1024 < dispatch.MIN_KERNEL_WEIGHTS <= 4096 * 4096
+    with config.compiling_for(FAKE_H100):
+        laid = jax.eval_shape(lambda p: decode_layout.for_decode(p, rows=1), {"gqa": gqa, "tiny": tiny, "mha": mha})
+    assert set(laid["gqa"]) == {"qkv_proj"} and type(laid["gqa"]["qkv_proj"]["kernel"]).__name__ == "Int4WordKernel"
+    assert laid["gqa"]["qkv_proj"]["kernel"].w.shape == (4096, 6144)
+    assert set(laid["tiny"]) == set(tiny) and all(type(m["kernel"]).__name__ == "QArray" for m in laid["tiny"].values())
+    assert set(laid["mha"]) == {"qkv_proj"} and laid["mha"]["qkv_proj"]["kernel"].w.shape == (4096, 12288)
+
+
 def test_a_stacked_norm_goes_to_the_norm_kernel_on_a_gpu_at_decode_rows():
     """Traced for a GPU: an RMSNorm whose scale is a layer of a stack (a scanned block's) is one kernel reading
     the stack in place -- no slice of it -- at decode rows; XLA's norm past 16 rows, where a table measured XLA

@@ -37,6 +37,7 @@ from llmeq_jax.kv import spec as kvspec
 from llmeq_jax.kv.attention import layer_attention, merge_attention, split_attention
 from llmeq_jax.kv.store_attention import store_attention
 from pallas_kernels import config as kernel_config
+from pallas_kernels import decode_attention as float_kernel
 from pallas_kernels import kv_cache as kv_kernels
 
 
@@ -133,6 +134,10 @@ def attend(cache, layer: int, q: jax.Array, k: jax.Array, v: jax.Array, mask: ja
     """
     if isinstance(cache, QuantKVCache):
         out, cache = _q_attend(cache, layer, q, k, v, mask, k_raw)
+    elif float_path(cache, q) == "pallas":  # a GPU's decode step: one kernel writes the token and attends
+        out, k_cache, v_cache = float_kernel.append_decode_attention(q[:, 0], k[:, :, 0], v[:, :, 0], cache.k, cache.v,
+                                                                     cache.length, mask[:, 0], layer=layer)
+        out, cache = out[:, None], dataclasses.replace(cache, k=k_cache, v=v_cache)
     else:
         cache = update(cache, layer, k, v)
         out = layer_attention(q, cache.k, cache.v, layer, mask)
@@ -537,9 +542,29 @@ def store_path(spec: kvspec.KVSpec, head_dim: int, q_dtype, query_rows: int, slo
 _NEIGHBOUR_LENGTHS = (1, 2, 1 / 2, 4, 1 / 4, 8, 1 / 8)
 
 
+def float_path(cache: KVCache, q) -> str:
+    """How a float cache's step of queries q [B, T, H, D] writes and attends: "pallas" (one kernel,
+    ``pallas_kernels.decode_attention``: the token's key and value written in place, the slots up to it read)
+    or "xla" (a dynamic-update-slice per cache, then :func:`layer_attention`).
+
+    The kernel for one-token steps on a GPU where it takes the shapes, unless the dispatch table measured XLA
+    faster there (kernel ``kv_attention`` at the cache's width, 16 or 32 bits: ``scripts/bench_kernels.py``'s
+    float rows); XLA's path was six launches a layer (deviceless H200 compile, Llama-2-7B shapes), the kernel's
+    two. Interpret mode keeps XLA's path (the CPU tests' models stay fast; tests force the kernel)."""
+    if q.shape[1] != 1 or not (kernel_config.on_gpu() and kernel_config.kernels_available()):
+        return "xla"
+    b, _, h, d = q.shape
+    if not float_kernel.can_use((b, h, d), q.dtype, cache.k.shape, cache.k.dtype)[0]:
+        return "xla"
+    bits = 8 * jnp.dtype(cache.k.dtype).itemsize
+    measured = _measured_store_path(bits, d, q.dtype, b * h // cache.k.shape[2], cache.max_len)
+    return "xla" if measured == "xla" else "pallas"
+
+
 def _measured_store_path(bits: int, head_dim: int, q_dtype, query_rows: int, slots: int) -> str | None:
-    """The dispatch table's faster path ("pallas" / "xla") for this store, measured at this cache length's bucket or
-    the nearest measured one within a factor of 8; None where nothing near was measured."""
+    """The dispatch table's faster path ("pallas" / "xla") for a cache of ``bits`` (4 / 8: a quantized store, 16 /
+    32: a float cache), measured at this cache length's bucket or the nearest measured one within a factor of 8;
+    None where nothing near was measured."""
     bucket = dispatch_table.row_bucket(slots)
     for factor in _NEIGHBOUR_LENGTHS:
         n = int(bucket * factor)

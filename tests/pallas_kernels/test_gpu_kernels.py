@@ -435,6 +435,34 @@ def _quantized_cache_decode():
     return "QuantKVCache int4 pre-RoPE w32 decode: kernel vs XLA, Llama 2x(8q/4kv x 128)", *compare(got, want, 1e-4), None
 
 
+# (B, H, KV, S, D, dtype, splits): Llama-2-7B's and Llama-3-8B's heads, one and several splits, a float32 cache
+FLOAT_DECODE = [(1, 32, 32, 160, 128, BF16, None), (2, 32, 8, 2048, 128, BF16, None), (3, 8, 2, 700, 64, F32, 4),
+                (16, 32, 8, 300, 128, BF16, 1)]
+for _shape in FLOAT_DECODE:
+
+    @case
+    def _float_decode_attention(shape=_shape):
+        """A float cache's decode step (pallas_kernels.decode_attention: write the token, attend) vs the reference,
+        layer 1 of a stacked cache, the query at a slot in the middle, row 0 left-padded."""
+        from pallas_kernels.decode_attention import append_decode_attention, append_decode_attention_reference
+
+        b, h, kv, s, d, dtype, splits = shape
+        keys = jax.random.split(jax.random.key(s), 5)
+        k_cache, v_cache = (jax.random.normal(k, (2, b, kv, s, d)).astype(dtype) for k in keys[:2])
+        q = jax.random.normal(keys[2], (b, h, d)).astype(dtype)
+        k_new, v_new = (jax.random.normal(k, (b, kv, d)).astype(dtype) for k in keys[3:])
+        slot = s * 2 // 3
+        allowed = jnp.ones((b, s), bool).at[0, : slot // 4].set(False)
+        out, kc, vc = jax.jit(lambda *a: append_decode_attention(*a, layer=jnp.int32(1), num_splits=splits,
+                                                                 interpret=INTERPRET))(
+            q, k_new, v_new, k_cache, v_cache, jnp.int32(slot), allowed)
+        ref, ref_k, ref_v = reference(append_decode_attention_reference, q, k_new, v_new, k_cache, v_cache, slot,
+                                      allowed, layer=1)
+        same = int(jnp.sum(kc != ref_k) + jnp.sum(vc != ref_v))  # the caches: the token written, nothing else
+        return (f"append_decode_attention B={b} H={h} KV={kv} S={s} D={d} {jnp.dtype(dtype).name} splits={splits}",
+                *compare(out, ref, REL[dtype]), same)
+
+
 # --------------------------------------------------------------------------- ops.linear
 
 

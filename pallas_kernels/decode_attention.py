@@ -1,0 +1,217 @@
+"""A decode step's attention over a stacked float KV cache, the step's key and value written by the same kernel.
+
+Why: through XLA one query token's attention over a float cache is six launches a layer on a GPU (deviceless
+H200 compile, Llama-2-7B shapes, ``scripts/gpu_aot.py``): the query's RoPE, the scores (the keys' RoPE fused
+in), the softmax, the weighted values and one dynamic-update-slice per cache. Here it is two: XLA's fusion that
+makes q, k and v (split-K sums and RoPE), then this kernel. It also reads only the slots written so far (its
+loop stops at the step's slot), where XLA's reductions read all ``max_len`` slots and mask them.
+
+Grid (batch, kv head, split of the slots). A program takes the G = H / KV query heads of its kv head (padded to
+16 rows for the tensor-core dots) over its range of the slots before the step's, block by block with an online
+softmax. The step's own key and value enter split 0 as its starting carry, so no program reads the slot being
+written; split 0 also writes them into the cache at that slot (the cache outputs alias the cache inputs: the
+update is in place, as XLA's dynamic-update-slice was). One split: the output is normalized in the kernel; more
+(long caches, few heads): partial sums with their max and sum, merged by a small jnp step (flash decoding).
+
+The math is ``llmeq_jax.kv.attention.attention_xla``'s: scores in float32 from the query and keys in their
+dtype, scaled by 1/sqrt(D); the (unnormalized) weights cast to the values' dtype for the second product.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import config
+from pallas_kernels.common import FLOAT_DTYPES, MIN_DOT, TINY, cdiv, compiler_params, f32_dot_precision, fit_splits, \
+    is_pow2, next_pow2, span
+from pallas_kernels.kv_cache import NEG_INF, combine_splits, decode_splits
+
+MAX_HEAD_DIM = 256
+MAX_GROUP = 64  # query heads per kv head: the program's score tile is (group, block) float32 in registers
+
+_NT = ((1,), (1,))  # a (m, k) . c (n, k)^T
+_NN = ((1,), (0,))  # a (m, k) . c (k, n)
+
+
+def can_use(q_shape, q_dtype, cache_shape, cache_dtype, *, stacked: bool = True) -> tuple[bool, str]:
+    """(True, "") when the kernel takes a query ``[B, H, D]`` over a cache ``[L, B, KV, S, D]`` (``stacked``) or
+    ``[B, KV, S, D]``, else (False, why)."""
+    if len(q_shape) != 3:
+        return False, f"q must be [batch, heads, head_dim], got {tuple(q_shape)}"
+    if len(cache_shape) != (5 if stacked else 4):
+        want = "[layers, batch, kv_heads, slots, head_dim]" if stacked else "[batch, kv_heads, slots, head_dim]"
+        return False, f"the cache must be {want}, got {tuple(cache_shape)}"
+    b, h, d = q_shape
+    cb, kv, _, cd = cache_shape[-4:]
+    if (cb, cd) != (b, d) or h % kv:
+        return False, f"q {tuple(q_shape)} does not match the cache {tuple(cache_shape)} (batch, head_dim, heads % kv)"
+    if not (is_pow2(d) and MIN_DOT <= d <= MAX_HEAD_DIM):
+        return False, f"head_dim {d} is not a power of two in [{MIN_DOT}, {MAX_HEAD_DIM}]"
+    if h // kv > MAX_GROUP:
+        return False, f"{h // kv} query heads per kv head (at most {MAX_GROUP})"
+    for name, dtype in (("q", q_dtype), ("cache", cache_dtype)):
+        if jnp.dtype(dtype) not in FLOAT_DTYPES:
+            return False, f"{name} dtype {jnp.dtype(dtype).name} is not float32/bfloat16/float16"
+    return True, ""
+
+
+def _kernel(*refs, g, bg, q_heads, kv, bt, sm_scale, split_blocks, splits, precision, stacked):
+    """One (batch, kv head, split of the slots before the step's). ``precision``: the (scores, weighted values)
+    dots' (TF32x3 where an operand is float32 on a GPU)."""
+    refs = list(refs)
+    at = (refs.pop(0)[0],) if stacked else ()  # the layer of a stacked cache, read in place
+    slot_ref, qkv_ref, allow_ref, k_ref, v_ref = refs[:5]
+    outs = refs[5:]
+    o_ref, m_ref, l_ref = (outs[0], None, None) if splits == 1 else outs[:3]
+    k_out, v_out = outs[-2:]
+    b, h, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    slot = jnp.minimum(slot_ref[0], allow_ref.shape[1] - 1)  # a slot past the cache's end writes its last one
+    heads, head_mask = span(0, bg, g)
+
+    # the query heads of kv head h, then its key and value: rows h * g.., q_heads + h and q_heads + kv + h
+    q = plgpu.load(qkv_ref.at[b, pl.ds(h * g, bg), :], mask=head_mask[:, None], other=0)  # (bg, d)
+    k_new = plgpu.load(qkv_ref.at[b, pl.ds(q_heads + h, 1), :]).astype(k_ref.dtype)  # (1, d), the cache's values
+    v_new = plgpu.load(qkv_ref.at[b, pl.ds(q_heads + kv + h, 1), :]).astype(v_ref.dtype)
+    # The step's own key as the first "block" of split 0 (where the mask lets the query see it).
+    own = (sp == 0) & (plgpu.load(allow_ref.at[b, pl.ds(slot, 1)]) != 0)  # (1,)
+    s_own = jnp.sum(q.astype(jnp.float32) * k_new.astype(jnp.float32), axis=1, keepdims=True) * sm_scale
+    m0 = jnp.where(own[None, :], s_own, NEG_INF)  # (bg, 1)
+    l0 = jnp.where(own[None, :], 1.0, 0.0) + jnp.zeros_like(m0)
+    acc0 = jnp.where(own[None, :], v_new.astype(jnp.float32), 0.0) + jnp.zeros((bg, 1), jnp.float32)
+
+    def body(tb, carry):
+        m_prev, l_prev, acc = carry
+        toks, before = span(tb * bt, bt, slot)  # slots before the step's
+        ok = before & (plgpu.load(allow_ref.at[b, toks], mask=before, other=0) != 0)
+        keys = plgpu.load(k_ref.at[(*at, b, h, toks, slice(None))], mask=before[:, None], other=0)
+        s = jax.lax.dot_general(q, keys.astype(q.dtype), (_NT, ((), ())), precision=precision[0],
+                                preferred_element_type=jnp.float32)
+        s = jnp.where(ok[None, :], s * sm_scale, NEG_INF)
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        p = jnp.where(ok[None, :], jnp.exp(s - m_new), 0.0)  # a block with nothing allowed adds nothing
+        corr = jnp.exp(m_prev - m_new)
+        values = plgpu.load(v_ref.at[(*at, b, h, toks, slice(None))], mask=before[:, None], other=0)
+        upd = jax.lax.dot_general(p.astype(values.dtype), values, (_NN, ((), ())), precision=precision[1],
+                                  preferred_element_type=jnp.float32)
+        return m_new, l_prev * corr + jnp.sum(p, axis=1, keepdims=True), acc * corr + upd
+
+    first = sp * split_blocks
+    last = jnp.minimum(first + split_blocks, (slot + bt - 1) // bt)
+    m_fin, l_fin, acc = jax.lax.fori_loop(first, last, body, (m0, l0, acc0))  # none when the split is empty
+    rows = head_mask[:, None]
+    if splits == 1:
+        plgpu.store(o_ref.at[b, h, heads, :], (acc / jnp.maximum(l_fin, TINY)).astype(o_ref.dtype), mask=rows)
+    else:
+        plgpu.store(o_ref.at[b, h, sp, heads, :], acc, mask=rows)
+        plgpu.store(m_ref.at[b, h, sp, heads, :], m_fin, mask=rows)
+        plgpu.store(l_ref.at[b, h, sp, heads, :], l_fin, mask=rows)
+    # Split 0 writes the step's key and value into the cache (the outputs alias the inputs: in place).
+    writes = jnp.broadcast_to((sp == 0)[None, None], k_new.shape)
+    plgpu.store(k_out.at[(*at, b, h, pl.ds(slot, 1), slice(None))], k_new, mask=writes)
+    plgpu.store(v_out.at[(*at, b, h, pl.ds(slot, 1), slice(None))], v_new, mask=writes)
+
+
+def append_decode_attention(q, k_new, v_new, k_cache, v_cache, slot, allowed, *, layer=None,
+                            sm_scale: float | None = None, block_t: int = 64, num_splits: int | None = None,
+                            num_warps: int = 4, num_stages: int = 2, interpret: bool | None = None):
+    """Write one token's key and value into a float cache at ``slot`` and attend over the cache: ->
+    ``(out [B, H, D] in q's dtype, k_cache, v_cache)``, the caches updated in place.
+
+    q ``[B, H, D]`` (GQA: H = G x KV); k_new, v_new ``[B, KV, D]`` (written in the cache's dtype);
+    k_cache, v_cache ``[L, B, KV, S, D]`` with ``layer`` (an integer scalar, may be traced: that layer is read
+    and written in place) or ``[B, KV, S, D]`` without; ``slot`` an integer scalar < S, the slot the token
+    takes (slots after it are not read); ``allowed`` ``[B, S]`` bool, the slots the query sees (valid tokens,
+    causal, sliding window; its own slot included where it is a real token). A query that sees nothing gets
+    zeros (XLA's masked softmax averages every slot there; only padding queries see nothing).
+    """
+    stacked = layer is not None
+    ok, why = can_use(q.shape, q.dtype, k_cache.shape, k_cache.dtype, stacked=stacked)
+    if not ok:
+        raise ValueError(f"append_decode_attention: {why}")
+    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"append_decode_attention: v_cache {v_cache.dtype} {v_cache.shape} differs from k_cache "
+                         f"{k_cache.dtype} {k_cache.shape}")
+    bsz, hq, d = q.shape
+    kv, t = k_cache.shape[-3], k_cache.shape[-2]
+    for name, a in (("k_new", k_new), ("v_new", v_new)):
+        if a.shape != (bsz, kv, d):
+            raise ValueError(f"append_decode_attention: {name} must be {(bsz, kv, d)}, got {a.shape}")
+    if allowed.shape != (bsz, t):
+        raise ValueError(f"append_decode_attention: allowed must be {(bsz, t)}, got {allowed.shape}")
+    for name, s in (("slot", slot), ("layer", layer)):
+        if s is not None and (jnp.shape(s) != () or not jnp.issubdtype(jnp.asarray(s).dtype, jnp.integer)):
+            raise ValueError(f"append_decode_attention: {name} must be an integer scalar, got {jnp.shape(s)}")
+    if not (is_pow2(block_t) and block_t >= MIN_DOT):
+        raise ValueError(f"append_decode_attention: block_t must be a power of two >= {MIN_DOT}, got {block_t}")
+    g = hq // kv
+    bt = min(block_t, max(MIN_DOT, next_pow2(t)))
+    splits, split_blocks = fit_splits(cdiv(t, bt), num_splits or decode_splits(bsz, kv, t, bt))
+    interpret = config.resolve_interpret(interpret)
+    f32 = f32_dot_precision(interpret)
+    if jnp.dtype(q.dtype) != jnp.dtype(k_cache.dtype) or jnp.dtype(q.dtype) == jnp.float32:  # float32 scores
+        q_dot, precision = q.astype(jnp.float32), (f32, f32 if jnp.dtype(k_cache.dtype) == jnp.float32 else None)
+    else:
+        q_dot, precision = q.astype(k_cache.dtype), (None, None)
+    kernel = functools.partial(
+        _kernel, g=g, bg=max(MIN_DOT, next_pow2(g)), q_heads=hq, kv=kv, bt=bt, split_blocks=split_blocks, splits=splits,
+        sm_scale=float(sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)), precision=precision,
+        stacked=stacked)
+    if splits == 1:
+        outs = (jax.ShapeDtypeStruct((bsz, kv, g, d), q.dtype),)
+    else:
+        stat = jax.ShapeDtypeStruct((bsz, kv, splits, g, 1), jnp.float32)
+        outs = (jax.ShapeDtypeStruct((bsz, kv, splits, g, d), jnp.float32), stat, stat)
+    at = [] if layer is None else [jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))]
+    # One operand for the three: in a decode step XLA writes it in one fusion (the projection's split-K sums and
+    # RoPE), where three operands were three fusions. The key and value are rounded to the cache's dtype first
+    # (what the cache holds); the query's dtype holds those exactly (the same, or float32).
+    new = [a.astype(k_cache.dtype).astype(q_dot.dtype) for a in (k_new, v_new)]
+    qkv = jnp.concatenate([q_dot, *new], axis=1)
+    # (scalars as they are and the mask as bool: a conversion here would be a launch of its own every layer)
+    args = [*at, jnp.reshape(jnp.asarray(slot, jnp.int32), (1,)), qkv, allowed.astype(bool), k_cache, v_cache]
+    result = pl.pallas_call(
+        kernel,
+        out_shape=(*outs, jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+                   jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)),
+        grid=(bsz, kv, splits),
+        input_output_aliases={len(args) - 2: len(outs), len(args) - 1: len(outs) + 1},
+        compiler_params=compiler_params(num_warps, num_stages),
+        interpret=interpret,
+        name="append_decode_attention",
+    )(*args)
+    k_cache, v_cache = result[-2:]
+    if splits == 1:
+        out = result[0]
+    else:
+        out, _ = combine_splits(*result[:3])
+    return out.reshape(bsz, hq, d).astype(q.dtype), k_cache, v_cache
+
+
+def append_decode_attention_reference(q, k_new, v_new, k_cache, v_cache, slot, allowed, *, layer=None,
+                                      sm_scale: float | None = None):
+    """Pure-jnp reference: write the token's key and value, then masked attention over slots ``0 .. slot``."""
+    start = (0, 0, slot, 0) if layer is None else (layer, 0, 0, slot, 0)
+    new_k, new_v = (a.astype(k_cache.dtype)[:, :, None, :] for a in (k_new, v_new))  # [B, KV, 1, D]
+    if layer is not None:
+        new_k, new_v = new_k[None], new_v[None]
+    k_cache = jax.lax.dynamic_update_slice(k_cache, new_k, start)
+    v_cache = jax.lax.dynamic_update_slice(v_cache, new_v, start)
+    k, v = (k_cache, v_cache) if layer is None else (k_cache[layer], v_cache[layer])
+    bsz, hq, d = q.shape
+    kv, t = k.shape[1], k.shape[2]
+    seen = allowed.astype(bool) & (jnp.arange(t)[None, :] <= slot)
+    qg = q.reshape(bsz, kv, hq // kv, d)
+    s = jnp.einsum("bhgd,bhtd->bhgt", qg, k, preferred_element_type=jnp.float32)
+    s = jnp.where(seen[:, None, None, :], s * (sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)), -jnp.inf)
+    p = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))
+    out = jnp.einsum("bhgt,bhtd->bhgd", p / jnp.sum(p, axis=-1, keepdims=True), v.astype(jnp.float32))
+    return out.reshape(bsz, hq, d).astype(q.dtype), k_cache, v_cache
+
+
+__all__ = ["MAX_GROUP", "MAX_HEAD_DIM", "append_decode_attention", "append_decode_attention_reference", "can_use"]
