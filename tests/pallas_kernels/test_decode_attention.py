@@ -80,7 +80,7 @@ def test_bad_inputs_are_refused_with_what_was_expected():
     call = lambda **kw: da.append_decode_attention(**{**dict(q=q, k_new=k_new, v_new=v_new, k_cache=k_cache,
                                                               v_cache=v_cache, slot=jnp.int32(3), allowed=allowed,
                                                               layer=jnp.int32(0), interpret=True), **kw})
-    with pytest.raises(ValueError, match=r"the cache must be \[batch, kv_heads, slots, head_dim\], got \(3, 1, 2, 32, 16\)"):
+    with pytest.raises(ValueError, match=r"must be \[batch, kv_heads, slots, head_dim\], got \(3, 1, 2, 32, 16\)"):
         call(layer=None)
     with pytest.raises(ValueError, match="heads % kv"):
         call(q=jnp.ones((1, 3, 16)))
