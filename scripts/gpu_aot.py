@@ -204,15 +204,16 @@ def _tool(relative: str) -> Path:
     raise SystemExit(f"--sass needs {relative} (see this script's docstring for the wheels that carry it)")
 
 
-def read_dump(folder: Path) -> tuple[str, str]:
-    """(optimized HLO, thunk sequence) of the decode loop's module in an ``xla_dump_to`` folder."""
+def read_dump(folder: Path, module: str = "_decode_loop") -> tuple[str, str]:
+    """(optimized HLO, thunk sequence) of the decode loop's module (or ``module``'s) in an ``xla_dump_to``
+    folder."""
     def one(pattern):
         files = sorted(folder.glob(pattern))
         if not files:
             raise SystemExit(f"no {pattern} in {folder}: did XLA dump the module?")
         return files[-1].read_text()
 
-    return one("*_decode_loop*gpu_after_optimizations.txt"), one("*_decode_loop*thunk_sequence.txt")
+    return one(f"*{module}*gpu_after_optimizations.txt"), one(f"*{module}*thunk_sequence.txt")
 
 
 # --------------------------------------------------------------------------- compiling the decode loop
@@ -240,8 +241,9 @@ def abstract_model(args, recipe: str):
 
 
 def compile_decode(args, recipe: str, topo, folder: Path):
-    """Compile generate's decode loop (batch ``args.batch``, a cache of ``args.context`` slots) for the topology's
-    GPU into ``folder`` (XLA's dump)."""
+    """Compile generate's decode loop (batch ``args.batch``, a cache of ``args.context`` slots) -- or with
+    ``args.prefill``, its prefill of that many prompt tokens -- for the topology's GPU into ``folder`` (XLA's
+    dump)."""
     import jax
     import jax.numpy as jnp
 
@@ -266,9 +268,15 @@ def compile_decode(args, recipe: str, topo, folder: Path):
         mesh = topologies.make_mesh(topo, (1,), ("x",))
         # jax >= 0.11 asks the abstract mesh which GPU the Pallas kernels lower for
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            lowered = gen._decode_loop.trace(
-                config, put(params), put(logits), put(cache), put(key), put(steps), max_new_tokens=args.new_tokens,
-                greedy=True, temperature=1.0, top_k=0, top_p=1.0, kernels=gen.kernel_state()).lower()
+            if args.prefill:
+                tokens = jax.ShapeDtypeStruct((args.batch, args.prefill), jnp.int32)
+                prefill = jax.jit(gen.prefill, static_argnames=("config", "kernels"))
+                lowered = prefill.trace(config, put(params), put(tokens), put(tokens), put(cache),
+                                        kernels=gen.kernel_state()).lower()
+            else:
+                lowered = gen._decode_loop.trace(
+                    config, put(params), put(logits), put(cache), put(key), put(steps), max_new_tokens=args.new_tokens,
+                    greedy=True, temperature=1.0, top_k=0, top_p=1.0, kernels=gen.kernel_state()).lower()
     dumps = {"xla_dump_to": str(folder)}
     if args.sass:  # jax >= 0.11 writes the PTX only when asked for the LLVM IR of every emitter
         dumps.update(xla_gpu_dump_llvmir=True, xla_dump_emitter_re=".*")
@@ -296,6 +304,8 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=2048, help="cache slots")
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--prefill", type=int, metavar="N", help="compile the prefill of an N-token prompt instead "
+                        "(per decoder layer of the prompt; --context must hold it)")
     parser.add_argument("--kv-bits", type=int, choices=(4, 8), help="a quantized KV cache (online key ranges)")
     parser.add_argument("--kv-post-rope", action="store_true", help="the quantized cache stores keys after RoPE")
     parser.add_argument("--device", choices=sorted(TARGETS), default="h100")
@@ -322,7 +332,7 @@ def main(argv=None):
         folder = (args.keep / recipe) if args.keep else Path(tempfile.mkdtemp(prefix=f"gpu_aot_{recipe}_"))
         folder.mkdir(parents=True, exist_ok=True)
         compile_decode(args, recipe, topo, folder)
-        print(report(recipe, *read_dump(folder)), flush=True)
+        print(report(recipe, *read_dump(folder, "jit_prefill" if args.prefill else "_decode_loop")), flush=True)
         if args.sass:
             sass[recipe] = pallas_sass(folder)
     for recipe, rows in sass.items():

@@ -4,6 +4,8 @@ plugin, which the test venv does not hold: see the script's docstring)."""
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 SPEC = importlib.util.spec_from_file_location("gpu_aot", Path(__file__).parents[1] / "scripts/gpu_aot.py")
 gpu_aot = importlib.util.module_from_spec(SPEC)
 SPEC.loader.exec_module(gpu_aot)
@@ -79,3 +81,14 @@ def test_big_copies_of_the_innermost_loop_only():
     outer loop's copy and the entry's copy are not."""
     copies = dict(gpu_aot.big_copies(HLO))
     assert copies == {"loop_dynamic_slice_fusion": 2 * (512 * 1024 * 2), "copy.3": 4 << 20}
+
+
+def test_read_dump_finds_the_named_module(tmp_path):
+    """The decode loop's dump by default, the prefill's (--prefill) by its module name; a missing one is named."""
+    for module in ("jit__decode_loop", "jit_prefill"):
+        (tmp_path / f"module_0001.{module}.sm_9.0a_gpu_after_optimizations.txt").write_text(f"hlo {module}")
+        (tmp_path / f"module_0001.{module}.thunk_sequence.txt").write_text(f"thunks {module}")
+    assert gpu_aot.read_dump(tmp_path) == ("hlo jit__decode_loop", "thunks jit__decode_loop")
+    assert gpu_aot.read_dump(tmp_path, "jit_prefill") == ("hlo jit_prefill", "thunks jit_prefill")
+    with pytest.raises(SystemExit, match="no \\*jit_other\\*gpu_after_optimizations.txt"):
+        gpu_aot.read_dump(tmp_path, "jit_other")
