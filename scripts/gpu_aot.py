@@ -92,12 +92,18 @@ def _prod(dims: str) -> int:
 
 def innermost_loop_body(thunks: str) -> list[str]:
     """The thunk lines of the body of the most deeply nested ``kWhile`` (the scan over the blocks, inside
-    the loop over tokens)."""
+    the loop over tokens); of several as deep, the longest (a tied LM head over a quantized table is a loop over
+    the table's row chunks beside the layers' loop)."""
     lines = thunks.splitlines()
     whiles = [(len(line) - len(line.lstrip()), i) for i, line in enumerate(lines) if "kWhile" in line]
     if not whiles:
         return []
-    indent, start = max(whiles)
+    deepest = max(indent for indent, _ in whiles)
+    return max((_loop_body(lines, start, indent) for indent, start in whiles if indent == deepest), key=len)
+
+
+def _loop_body(lines: list[str], start: int, indent: int) -> list[str]:
+    """The thunk lines of the body of the ``kWhile`` at line ``start`` (indented by ``indent``)."""
     body, inside = [], False
     for line in lines[start + 1:]:
         depth = len(line) - len(line.lstrip())

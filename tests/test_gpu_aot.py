@@ -76,6 +76,23 @@ def test_launches_of_the_innermost_loop_body():
     assert (seen["gemm"], seen["fusion"], seen["copy"]) == (1, 1, 1)
 
 
+def test_of_two_innermost_loops_the_layers_longer_one():
+    """A tied LM head over a quantized table runs a loop over row chunks beside the layers' loop, as deep: the
+    layers' (longer) body is the one counted."""
+    head = """\
+    021: kWhile        [prev=019 (1) | next=000 (1)]
+condition:
+        022: kCustomKernel [source | sink] loop_compare_fusion_2 grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+      body:
+        023: kCustomKernel [source | next=024 (1)] input_reduce_fusion grid: [64, 1, 1] threads: [256, 1, 1]  shared_memory: 0 bytes
+        024: kCustomKernel [prev=023 (1) | sink] loop_add_fusion_3 grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+"""
+    lines = THUNKS.splitlines(keepends=True)
+    at = next(i for i, line in enumerate(lines) if line.startswith("    019:")) + 1
+    body = gpu_aot.innermost_loop_body("".join(lines[:at]) + head + "".join(lines[at:]))
+    assert body[0].startswith("007: kAsyncStart") and len(gpu_aot.launches(body)["pallas"]) == 2
+
+
 def test_big_copies_of_the_innermost_loop_only():
     """The layer loop's dynamic-slice fusion and its large copy are listed, with bytes; the small slice, the
     outer loop's copy and the entry's copy are not."""
