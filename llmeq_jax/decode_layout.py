@@ -625,6 +625,18 @@ def _candidate(target: str, leaf: QArray, rows: int) -> bool:
     return kernel_dispatch.kernel_takes(measured_as, rows, leaf.dtype, leaf, scale_group(leaf))
 
 
+def _xla_reads_rows(target: str, leaf: QArray) -> bool:
+    """Whether a GPU decode step's product that no Pallas kernel takes (a small one) is stored K-major for XLA:
+    int4 weight-only codes, which ``ops.linear_nk_xla`` then reads in place in one row reduction over ``in``.
+    As stored, ``(in, out)`` with the nibbles packed along ``in``, XLA wrote each step's ``x * q`` as float32 before
+    reducing it (8x the codes' bytes; ``scripts/gpu_aot.py``, SmolLM2-135M). int8 codes stay as stored (XLA
+    reduces them in place)."""
+    from pallas_kernels import config
+
+    return (target == "pallas" and config.on_gpu() and is_packed(leaf.bits) and leaf.grid == "uniform"
+            and leaf.act_spec is None and leaf.tile[1] in (1, leaf.shape[1]))
+
+
 def for_decode(params, rows: int):
     """``params`` with every quantized kernel that the decode loop's kernels read in another layout
     wrapped as a :class:`RowMajorKernel` or an :class:`Int4WordKernel` (siblings fused,
@@ -649,9 +661,10 @@ def for_decode(params, rows: int):
         return {**for_decode(rest, rows), stacked.BLOCKS: blocks}
 
     def convert(path, leaf):
-        if not (isinstance(leaf, QArray) and _is_kernel(path) and len(leaf.shape) == 2) or not _candidate(
-                target, leaf, rows):
+        if not (isinstance(leaf, QArray) and _is_kernel(path) and len(leaf.shape) == 2):
             return leaf
+        if not _candidate(target, leaf, rows):
+            return RowMajorKernel(transpose_kernel(leaf)) if _xla_reads_rows(target, leaf) else leaf
         if target == "pallas" and is_packed(leaf.bits):
             return int4_word_kernel(leaf)
         w = transpose_kernel(leaf)

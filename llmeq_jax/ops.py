@@ -89,6 +89,9 @@ NATIVE_PANEL_MIN_ROWS = 8
 # Rows of a (out, in) matrix dequantized per scan step by linear_nk_xla at few rows:
 # 256 x 576 floats (0.6 MB) stay in L2; the 49k-row head never exists as floats.
 NK_CHUNK_ROWS = 256
+# Rows up to which a GPU's few-row K-major product is XLA's one multiply-reduce (_nk_reduce): a decode step's
+# (each output reads its row of codes once a row of x; past that a GEMM's reuse wins)
+GPU_REDUCE_MAX_ROWS = 16
 
 
 def _check_shapes(x: jax.Array, w: Any) -> None:
@@ -417,12 +420,35 @@ def _try_native_nk(x, w):
 
 
 def linear_nk_xla(x: jax.Array, w: QArray) -> jax.Array:
-    """``x @ dequantize(w).T`` in XLA: for few rows a scan over chunks of ``w``'s rows."""
+    """``x @ dequantize(w).T`` in XLA: for few rows one multiply-reduce over the codes on a GPU, a scan over
+    chunks of ``w``'s rows elsewhere."""
     n, k = w.shape
     rows = math.prod(x.shape[:-1])
-    if rows > SMALL_M or n <= NK_CHUNK_ROWS or w.tile[0] not in (1, n):
+    if rows > SMALL_M or w.tile[0] not in (1, n):
+        return jnp.matmul(x, w.dequantize(x.dtype).T)
+    if kernel_config.target_backend() != "cpu" and w.grid == "uniform" and rows <= GPU_REDUCE_MAX_ROWS:
+        return _nk_reduce(x, w)
+    if n <= NK_CHUNK_ROWS:
         return jnp.matmul(x, w.dequantize(x.dtype).T)
     return _nk_chunked(x, w)
+
+
+def _nk_reduce(x: jax.Array, w: QArray) -> jax.Array:
+    """Few-row ``x @ dequantize(w).T`` for an ``(out, in)`` QArray as one multiply-reduce over ``in``, the minor dim
+    the codes lie along (packed sub-byte values too): XLA reads them in place in a row reduction, integer values
+    summed per scale group, then the groups' sums scaled. On a GPU: the scan of :func:`_nk_chunked` is a loop of
+    launches there, and XLA's reduction over an ``(in, out)`` int4 kernel wrote each product's ``x * q`` as float32
+    before reducing it (8x the codes' bytes; ``scripts/gpu_aot.py``, SmolLM2-135M)."""
+    n, k = w.shape
+    groups = math.ceil(k / w.tile[1])  # scales per group of ``in`` values (one group: one a row, or one in all)
+    xg = _grouped(x.reshape(-1, k).astype(jnp.float32), groups, w.tile[1])  # (M, G, g), a short last group padded
+    qg = _grouped(w.values(), groups, w.tile[1]).astype(jnp.float32)  # (N, G, g)
+    per_group = lambda a: jnp.broadcast_to(a.astype(jnp.float32), (n, groups))  # noqa: E731
+    if w.zero_point is not None:  # off each code inside the one reduction (x's sums apart were launches of their own)
+        qg = qg - per_group(w.zero_point)[..., None]
+    partial = jnp.sum(xg[:, None] * qg[None], axis=-1)  # (M, N, G)
+    y = jnp.sum(partial * per_group(w.scale), axis=-1)
+    return y.reshape(*x.shape[:-1], n).astype(x.dtype)
 
 
 def _rows_of(a: jax.Array | None, start, size: int, per_row: bool):

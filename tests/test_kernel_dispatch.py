@@ -397,7 +397,9 @@ def test_a_small_product_no_table_measured_goes_to_xla_on_a_gpu():
         assert dispatch.kernel_takes("weight_only", 1, jnp.bfloat16, large, 128)
         laid = jax.eval_shape(lambda p: decode_layout.for_decode(p, rows=1),
                               {"a": {"kernel": small}, "b": {"kernel": large}, "c": {"kernel": w8}})
-        assert type(laid["a"]["kernel"]).__name__ == "QArray" and type(laid["c"]["kernel"]).__name__ == "QArray"
+        # the small int4 product K-major, for XLA's one reduction over the codes in place; int8 as stored
+        assert type(laid["a"]["kernel"]).__name__ == "RowMajorKernel" and laid["a"]["kernel"].w.shape == (960, 576)
+        assert type(laid["c"]["kernel"]).__name__ == "QArray"
         assert type(laid["b"]["kernel"]).__name__ == "Int4WordKernel"
         x = jax.ShapeDtypeStruct((1, 576), jnp.bfloat16)
         assert "pallas_call" not in str(jax.make_jaxpr(lambda x, w: ops.linear(x, w))(x, small))
@@ -405,10 +407,29 @@ def test_a_small_product_no_table_measured_goes_to_xla_on_a_gpu():
         assert dispatch.kernel_takes("weight_only", 1, jnp.bfloat16, small, 128)
 
 
+@pytest.mark.parametrize("bits, group, zero_point", [(4, 128, True), (4, None, False), (8, 64, True)])
+def test_a_gpus_small_k_major_product_is_one_reduction_over_the_codes(bits, group, zero_point):
+    """Traced for a GPU, a few-row product with a K-major QArray (what for_decode makes of a small int4 product
+    there, and the tied head's table) is XLA's multiply-reduce over the codes -- no scan over row chunks, no
+    float copy of the weights -- and equals the dequantized product (K = 576: a short last group)."""
+    from llmeq_jax import decode_layout
+
+    spec = Spec(bits=bits, granularity="group" if group else "channel", group_size=group, symmetric=not zero_point)
+    w = decode_layout.transpose_kernel(quantize(jax.random.normal(jax.random.key(0), (576, 960)), spec))
+    x = jax.random.normal(jax.random.key(1), (3, 576))
+    want = x @ w.dequantize(jnp.float32).T
+    with config.compiling_for(FAKE_H100):
+        got = ops.linear_nk_xla(x, w)
+        text = str(jax.make_jaxpr(lambda x, w: ops.linear_nk_xla(x, w))(x, w))
+    assert "scan" not in text and "while" not in text and "dot_general" not in text
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5 * float(jnp.max(jnp.abs(want))))
+    assert "scan" in str(jax.make_jaxpr(lambda x, w: ops.linear_nk_xla(x, w))(x, w))  # this CPU: the chunked scan
+
+
 def test_a_grouped_query_models_small_k_and_v_join_q_in_one_kernel_on_a_gpu():
     """Traced for a GPU with no table: k and v projections each under MIN_KERNEL_WEIGHTS (a grouped-query
     model's) would stay XLA's, apart from q; joined with q they are one product the word kernel takes. A group
-    too small even joined stays as stored, and one whose parts are all taken is still fused after conversion."""
+    too small even joined stays XLA's, and one whose parts are all taken is still fused after conversion."""
     from llmeq_jax import decode_layout
 
     w4 = Spec(bits=4, granularity="group", group_size=128)
@@ -423,7 +444,9 @@ def test_a_grouped_query_models_small_k_and_v_join_q_in_one_kernel_on_a_gpu():
         laid = jax.eval_shape(lambda p: decode_layout.for_decode(p, rows=1), {"gqa": gqa, "tiny": tiny, "mha": mha})
     assert set(laid["gqa"]) == {"qkv_proj"} and type(laid["gqa"]["qkv_proj"]["kernel"]).__name__ == "Int4WordKernel"
     assert laid["gqa"]["qkv_proj"]["kernel"].w.shape == (4096, 6144)
-    assert set(laid["tiny"]) == set(tiny) and all(type(m["kernel"]).__name__ == "QArray" for m in laid["tiny"].values())
+    # too small even joined: XLA's, K-major (one reduction over the codes), fused after conversion all the same
+    assert set(laid["tiny"]) == {"qkv_proj"} and type(laid["tiny"]["qkv_proj"]["kernel"]).__name__ == "RowMajorKernel"
+    assert laid["tiny"]["qkv_proj"]["kernel"].w.shape == (960, 576)
     assert set(laid["mha"]) == {"qkv_proj"} and laid["mha"]["qkv_proj"]["kernel"].w.shape == (4096, 12288)
 
 

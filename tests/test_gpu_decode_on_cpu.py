@@ -1,0 +1,62 @@
+"""A GPU's decode, traced for a GPU (``pallas_kernels.config.compiling_for``) and run on this CPU with the Pallas
+kernels in interpret mode: the float cache's attention kernel, the norm kernels, the stacked float kernels and the
+K-major reductions XLA takes for small int4 products there -- the CPU's XLA decode's logits, step by step."""
+
+from __future__ import annotations
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from llmeq_jax import generate as gen
+from llmeq_jax import native, pipeline
+from llmeq_jax.models import ModelConfig, forward_step, init_cache, init_params, stacked
+from pallas_kernels import config as kernel_config
+
+FAKE_H100 = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3", compute_capability="9.0")
+CONFIG = ModelConfig("llama", 256, 256, 2, 8, 2, 32, 512, 1e-5, 128, False)  # grouped-query: 8 heads over 2
+PROMPT = 5
+
+
+def _logits(params, tokens):
+    """The prompt's last logits, then each teacher-forced decode step's (decode layout as generate makes it)."""
+    step = lambda p, t, m, c: forward_step(CONFIG, p, t, m, c)  # noqa: E731  a fresh function: traced here
+    b = tokens.shape[0]
+    cache = init_cache(CONFIG, b, tokens.shape[1] + 2, jnp.bfloat16)
+    logits, cache = jax.jit(step)(params, tokens[:, :PROMPT], jnp.ones((b, PROMPT), jnp.int32), cache)
+    outs, laid, decode = [logits[:, -1]], gen.decode_params(params, b), jax.jit(step)
+    for i in range(PROMPT, tokens.shape[1]):
+        logits, cache = decode(laid, tokens[:, i : i + 1], jnp.ones((b, 1), jnp.int32), cache)
+        outs.append(logits[:, 0])
+    step_jaxpr = str(jax.make_jaxpr(step)(laid, tokens[:, :1], jnp.ones((b, 1), jnp.int32), cache))
+    kernels = jax.tree.leaves(laid[stacked.BLOCKS], is_leaf=lambda a: hasattr(a, "w") or type(a).__name__ == "QArray")
+    kinds = {type(a).__name__ for a in kernels} - {"ArrayImpl"}  # the blocks' quantized kernels' layouts
+    return jnp.stack(outs, 1).astype(jnp.float32), step_jaxpr, kinds
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "rtn-w4-g128"])
+def test_a_gpus_decode_in_interpret_mode_follows_the_cpus(recipe):
+    params = jax.tree.map(lambda a: (a * 4).astype(jnp.bfloat16), init_params(CONFIG, jax.random.key(0)))
+    if recipe != "bf16":
+        params = pipeline.run_recipe(CONFIG, params, None, pipeline.read_recipe(recipe), None, 16,
+                                     progress=False).params
+    params = stacked.stack_blocks(CONFIG, params)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, CONFIG.vocab_size, (2, PROMPT + 4)))
+    with native.disabled(), kernel_config.disabled():
+        want, xla_step, _ = _logits(params, tokens)
+    with native.disabled(), kernel_config.compiling_for(FAKE_H100), kernel_config.interpret(True):
+        got, step, kinds = _logits(params, tokens)
+    assert "pallas_call" not in xla_step
+    assert step.count("name=append_decode_attention") == 1 and step.count("name=rms_norm") == 2
+    if recipe == "bf16":
+        assert step.count("name=float_matmul") >= 4
+    else:  # every product under MIN_KERNEL_WEIGHTS: K-major for XLA's one reduction over the codes
+        assert kinds == {"RowMajorKernel"} and "int4_words" not in step
+    # bf16 activations through other kernels' accumulation orders: ~1 % of the logits' scale (seen: 0.16-0.34 of
+    # 21); a wrong slot, mask, norm or layer moves them by far more
+    scale = float(jnp.max(jnp.abs(want)))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=0.03 * scale)
+    assert float(jnp.max(jnp.abs(got[:, 1:] - got[:, :-1]))) > 0.2 * scale  # the steps differ: something to follow
