@@ -14,6 +14,13 @@ The activations become float16 operands: float16 x as it is, bfloat16 x multipli
 value beyond that would become inf; nothing checks, LLM activations stay orders of magnitude below) and
 puts values under 2^-6 in float16's subnormal range, where their absolute error is at most 2^-17 --
 below what bf16 itself resolves at that size. The result is scaled back before it is stored.
+Where: in the kernel, each K step's x tile (by default), or by XLA before the launch
+(``settings.override("int8_f16", convert="xla")``). XLA fuses its conversion into the op that makes x, but
+a decode step's x comes from an RMSNorm, which at batch 1 XLA compiles to two kernels and the norm kernel
+(``pallas_kernels.rms_norm``) to one: converted in the kernel, the norms can be the one-launch kernel
+(``models.stacked.norms_in_place``), 14 -> 12 launches a Llama-2-7B rtn-w8 decode layer, for 0.3 more
+instructions per weight (2.21 -> 2.52 in sm_90 SASS at M = 1; the kernels measured bound by something other
+than instructions on an H200: this kernel, with half ``w8_nk``'s instructions, was 0.60-1.21x of it).
 
 sm_90 SASS at M = 1 (``scripts/kernel_sass.py`` cases ``wo_int8_m1_kmajor_f16*``): 2.2 instructions per
 weight (256 columns, K steps of 128; 2.0 with 256, 1.8 with 512 columns) against 4.5; float32
@@ -77,6 +84,8 @@ def _codes(wq, interpret: bool):
 
 
 def _kernel(*refs, m, n, k, blocks, has_zp, has_bias, split_blocks, split, stacked, x_scale, interpreted):
+    """``x_scale``: what x is multiplied by to become float16 operands here (bf16 x: :data:`X_SCALE`), or 1.0 (x
+    float16 already)."""
     layer, (x_ref, w_ref, ws_ref), zp_ref, b_ref, o_ref = split_refs(
         refs, stacked=stacked, inputs=3, has_zp=has_zp, has_bias=has_bias)
     bm, bn, bk = blocks.bm, blocks.bn, blocks.bk
@@ -89,6 +98,8 @@ def _kernel(*refs, m, n, k, blocks, has_zp, has_bias, split_blocks, split, stack
         acc, x_sum = carry
         ks = span(kb * bk, bk, k, in_bounds=prog.whole_k)
         xt = load_tile(x_ref, prog.rows, ks, 0)
+        if xt.dtype != jnp.float16:  # bf16 x into float16 operands, scaled (module doc)
+            xt = (xt.astype(jnp.float32) * x_scale).astype(jnp.float16)
         wt = load_tile(w_ref, prog.cols, ks, 0, layer)  # (bn, bk): K-major, contracted on its last dim
         part = jax.lax.dot_general(xt, _codes(wt, interpreted), (((1,), (1,)), ((), ())),
                                    preferred_element_type=jnp.float32)
@@ -103,6 +114,12 @@ def _kernel(*refs, m, n, k, blocks, has_zp, has_bias, split_blocks, split, stack
     store_matmul(o_ref, b_ref, acc, prog, split=split, has_bias=has_bias)
 
 
+def converts_in_xla(m: int) -> bool:
+    """Whether a launch of ``m`` rows has XLA make its float16 x (``settings`` ``convert="xla"``; rows past the
+    decode settings' keep the kernel's default, in the kernel)."""
+    return settings.of("int8_f16", m).convert == "xla"
+
+
 def int8_f16_matmul(x, wq, w_scale, *, w_zero_point=None, bias=None, blocks: Blocks | None = None,
                     k_splits: int | None = None, layer=None, interpret: bool = False):
     """``x @ dequantize(w)`` for K-major int8 weights with per-channel scales, float16 operands (module doc).
@@ -114,11 +131,11 @@ def int8_f16_matmul(x, wq, w_scale, *, w_zero_point=None, bias=None, blocks: Blo
     m, k = x.shape
     n = wq.shape[-2]
     x_scale = 1.0 if x.dtype == jnp.float16 else X_SCALE
-    # bf16 x scaled into float16 by XLA: fused into the op that makes x in a model (in registers, inside the
-    # loop, it cost 0.3 instructions per weight: each warp converts the whole x tile, sm_90 SASS)
-    x16 = x if x.dtype == jnp.float16 else (x.astype(jnp.float32) * x_scale).astype(jnp.float16)
     bm, bn, bk, warps, stages = DEFAULT_BLOCKS
     chosen = settings.of("int8_f16", m)
+    x16 = x  # bf16 x converted each K step in the kernel, or here by XLA (module doc: where)
+    if x.dtype != jnp.float16 and converts_in_xla(m):
+        x16 = (x.astype(jnp.float32) * x_scale).astype(jnp.float16)
     blocks = blocks or chosen.blocks(Blocks(bm if m <= bm else 64, bn, bk, warps, stages))
     args = [x16, *weight_operands(wq, w_scale, w_zero_point)]
     return launch_matmul(_kernel, args, m=m, n=n, k=k, blocks=blocks, bias=bias, k_splits=k_splits or chosen.k_splits,
@@ -127,4 +144,4 @@ def int8_f16_matmul(x, wq, w_scale, *, w_zero_point=None, bias=None, blocks: Blo
                          has_zp=w_zero_point is not None, x_scale=x_scale, interpreted=interpret)
 
 
-__all__ = ["CODE_ASM", "CODE_BASE", "X_SCALE", "codes", "int8_f16_matmul"]
+__all__ = ["CODE_ASM", "CODE_BASE", "X_SCALE", "codes", "converts_in_xla", "int8_f16_matmul"]

@@ -30,6 +30,9 @@ KERNELS = ("int4_words", "int8_f16", "weight_only", "w8a8", "float_matmul")
 # Rows a launch may have for its settings to apply: a decode step's batch (the kernels' 16-row tiles).
 DECODE_ROWS = 16
 EPILOGUES = ("rows", "mma")
+CONVERTS = ("kernel", "xla")
+# The settings that are words, not counts: the kernel that takes each and the words it takes.
+WORDS = {"epilogue": ("int4_words", EPILOGUES), "convert": ("int8_f16", CONVERTS)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +42,9 @@ class Settings:
     ``bn`` / ``bk``: the column tile and the K step; ``warps`` / ``stages``: Triton's warps and pipeline
     stages; ``programs``: the programs a split K loop aims for (``common.splits_for``'s target, 2 per
     SM of an H100 by default); ``k_splits``: the splits themselves (wins over ``programs``);
-    ``epilogue``: the int4 word kernel's scale epilogue (``int4_words.EPILOGUES``)."""
+    ``epilogue``: the int4 word kernel's scale epilogue (``int4_words.EPILOGUES``); ``convert``: where the int8
+    float16-operand kernel makes its float16 x from bfloat16 x, "kernel" (each K step's tile) or "xla" (before
+    the launch: XLA fuses it into the op that makes x, but a decode step's norm then stays XLA's two kernels)."""
 
     bn: int | None = None
     bk: int | None = None
@@ -48,6 +53,7 @@ class Settings:
     programs: int | None = None
     k_splits: int | None = None
     epilogue: str | None = None
+    convert: str | None = None
 
     def blocks(self, default: Blocks) -> Blocks:
         """``default`` with the fields this setting gives."""
@@ -68,10 +74,10 @@ def _checked(kernel: str, fields: dict) -> Settings:
         raise ValueError(f"settings: unknown field(s) {', '.join(unknown)} for {kernel}; "
                          f"known: {', '.join(sorted(names))}")
     for name, value in fields.items():
-        if name == "epilogue":
-            if kernel != "int4_words" or value not in EPILOGUES:
-                raise ValueError(f"settings: epilogue is the int4_words kernel's, one of {EPILOGUES}; "
-                                 f"got {value!r} for {kernel}")
+        if name in WORDS:
+            owner, words = WORDS[name]
+            if kernel != owner or value not in words:
+                raise ValueError(f"settings: {name} is the {owner} kernel's, one of {words}; got {value!r} for {kernel}")
         elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"settings: {kernel}.{name} must be a positive integer, got {value!r}")
     return Settings(**fields)
@@ -113,7 +119,7 @@ def parse(text: str) -> tuple[str, dict]:
         name, eq, value = item.partition("=")
         if not eq:
             raise ValueError(f"settings: {item!r} in {text!r} is not name=value")
-        fields[name.strip()] = value.strip() if name.strip() == "epilogue" else _int(value, text)
+        fields[name.strip()] = value.strip() if name.strip() in WORDS else _int(value, text)
     _checked(kernel.strip(), fields)
     return kernel.strip(), fields
 
@@ -125,4 +131,4 @@ def _int(value: str, text: str) -> int:
         raise ValueError(f"settings: {value!r} in {text!r} is not an integer") from None
 
 
-__all__ = ["DECODE_ROWS", "KERNELS", "NONE", "Settings", "current", "of", "override", "parse"]
+__all__ = ["CONVERTS", "DECODE_ROWS", "KERNELS", "NONE", "Settings", "current", "of", "override", "parse"]

@@ -286,6 +286,16 @@ def test_sweep_decode_times_each_setting_in_turns_and_reports_the_ones_that_fail
     assert "| int4_words:bn=64,k_splits=2 |" in printed and "failed: ValueError" in printed
 
 
+def test_sweep_decode_default_settings_are_settings_their_kernels_take():
+    from pallas_kernels import settings
+
+    sweep = _script("sweep_decode")
+    for kernel, fields in sweep.DEFAULT_SETTINGS.items():
+        for field in fields:
+            assert settings.parse(f"{kernel}:{field}")[0] == kernel
+    assert set(sweep.DEFAULT_SETTINGS) == {k for kernels in sweep.KERNELS_OF.values() for k in kernels}
+
+
 def test_sweep_decode_refuses_a_bad_setting_before_making_weights():
     sweep = _script("sweep_decode")
     with pytest.raises(SystemExit, match=r"unknown field\(s\) tile"):

@@ -145,13 +145,19 @@ def float_views(in_place: bool) -> bool:
 def norms_in_place(blocks, in_place: bool) -> bool:
     """Whether the scan hands the norms' scales to the norm kernel as :class:`LayerSlice` views: where Pallas
     kernels run (``in_place``) and the block's matmuls read x as it is -- float kernels, int4 words, the int4
-    dot kernel. Not with 8-bit codes (int8 weight-only, W8A8, FP8): their kernels make their operands from x in
-    XLA (float16 scaled, or quantized per token), which XLA fuses with its own norm; a norm kernel there only
-    moves that conversion into a launch of its own (``scripts/gpu_aot.py``: 26 -> 27 launches a W8A8 layer)."""
+    dot kernel, the int8 ones (the float16-operand kernel converts x itself unless a setting has XLA do it).
+    Not with W8A8 / FP8 codes: their activations are quantized per token in XLA, which XLA fuses with its own
+    norm; a norm kernel there only moves that into a launch of its own (``scripts/gpu_aot.py``: 26 -> 27
+    launches a W8A8 layer)."""
+    from pallas_kernels import int8_f16
+
     if not in_place:
         return False
     leaves = jax.tree.leaves(blocks, is_leaf=lambda a: isinstance(a, QArray))
-    return not any(isinstance(a, QArray) and (a.bits == 8 or a.act_spec is not None) for a in leaves)
+    quantized = [a for a in leaves if isinstance(a, QArray)]
+    if any(a.act_spec is not None for a in quantized):
+        return False
+    return not (int8_f16.converts_in_xla(1) and any(a.bits == 8 for a in quantized))
 
 
 def block_at(blocks, layer, in_place: bool, floats: bool, norms: bool = False):

@@ -267,11 +267,13 @@ def test_stacked_gpu_decode_layout_reads_int4_words_in_place(stories, stories_w4
 
 def test_stacked_norms_go_to_the_norm_kernel_in_place_where_the_matmuls_read_x_as_it_is(stories, stories_w4,
                                                                                         monkeypatch):
-    """Where the Pallas kernels run, a block whose matmuls take x as it is (int4, float) hands its norms' scales
-    to the norm kernel stacked (read in place); with 8-bit codes (their kernels make their operands from x in
-    XLA) it slices them as before. The kernel in every norm of a one-token step gives XLA's logits."""
+    """Where the Pallas kernels run, a block whose matmuls take x as it is (int4, float, int8 weight-only) hands
+    its norms' scales to the norm kernel stacked (read in place); with W8A8 codes (their activations quantized
+    in XLA), or int8 whose float16 x XLA makes (a setting), it slices them as before. The kernel in every norm of
+    a one-token step gives XLA's logits."""
     from llmeq_jax import kernel_dispatch
     from pallas_kernels import config as kernel_config
+    from pallas_kernels import settings
 
     config, params, tokenizer = stories
     token = TOKENS[:1, :1] % config.vocab_size
@@ -281,7 +283,12 @@ def test_stacked_norms_go_to_the_norm_kernel_in_place_where_the_matmuls_read_x_a
     blocks = packed[stacked.BLOCKS]
     assert stacked.norms_in_place(blocks, True) and not stacked.norms_in_place(blocks, False)
     assert stacked.norms_in_place(stacked.stack_blocks(config, params)[stacked.BLOCKS], True)  # float kernels
-    assert not stacked.norms_in_place(w8[stacked.BLOCKS], True)
+    assert stacked.norms_in_place(w8[stacked.BLOCKS], True)  # the int8 kernel makes its float16 x itself
+    with settings.override("int8_f16", convert="xla"):  # unless XLA makes it, fused into XLA's own norm
+        assert not stacked.norms_in_place(w8[stacked.BLOCKS], True)
+        assert stacked.norms_in_place(blocks, True)
+    w8a8 = pipeline.run_recipe(config, params, tokenizer, pipeline.read_recipe("rtn-w8a8"), None, 1, False).params
+    assert not stacked.norms_in_place(stacked.stack_blocks(config, w8a8)[stacked.BLOCKS], True)
     taken = []
     real = kernel_dispatch.rms_norm
 

@@ -39,6 +39,26 @@ def test_kernel_matches_reference(m, k, n, zp, bias, dtype, splits, blocks):
                                atol=1e-2 * float(jnp.max(jnp.abs(want.astype(jnp.float32)))))
 
 
+def test_bf16_x_converted_in_the_kernel_or_by_xla_gives_the_same_product():
+    """By default each K step's bf16 x tile becomes float16 operands in the kernel (the launch takes x as it is);
+    with convert="xla" XLA makes them before the launch: the same values either way."""
+    from pallas_kernels import settings
+
+    q, scale, zero = _weights(700, 300, True, 3)
+    x = (jax.random.normal(jax.random.key(3), (2, 700)) * 3).astype(jnp.bfloat16)
+
+    def run(x):
+        return weight_only_matmul(x, q.T, scale, bits=8, w_zero_point=zero, w_layout="nk", dequant="f16",
+                                  k_splits=2, interpret=True)
+
+    in_kernel, in_kernel_text = run(x), str(jax.make_jaxpr(lambda x: run(x))(x))
+    with settings.override("int8_f16", convert="xla"):
+        by_xla, by_xla_text = run(x), str(jax.make_jaxpr(lambda x: run(x))(x))
+    np.testing.assert_array_equal(np.asarray(in_kernel, np.float32), np.asarray(by_xla, np.float32))
+    operand = lambda text: text.split("pallas_call[")[0]  # noqa: E731  what the launch is handed
+    assert ":f16[2,700]" not in operand(in_kernel_text) and ":f16[2,700]" in operand(by_xla_text)
+
+
 def test_bf16_activations_keep_their_small_and_large_values():
     """bf16 x is scaled by X_SCALE into float16: values far apart in size (1e-4 .. 1e4) still give the
     product of the bf16 values to float32 accumulation's accuracy, nothing overflows."""

@@ -113,6 +113,8 @@ def test_overrides_nest_and_are_hashable_state():
     ("int4_words", {"stages": True}, "must be a positive integer"),
     ("int8_f16", {"epilogue": "mma"}, "epilogue is the int4_words kernel's"),
     ("int4_words", {"epilogue": "cols"}, "one of ('rows', 'mma')"),
+    ("int4_words", {"convert": "xla"}, "convert is the int8_f16 kernel's"),
+    ("int8_f16", {"convert": "host"}, "one of ('kernel', 'xla')"),
 ])
 def test_bad_settings_are_refused(kernel, fields, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -131,6 +133,7 @@ def test_parse_reads_a_command_lines_setting():
     assert settings.parse("int4_words:bn=256,stages=4") == ("int4_words", {"bn": 256, "stages": 4})
     assert settings.parse("int4_words:epilogue=mma") == ("int4_words", {"epilogue": "mma"})
     assert settings.parse("int8_f16") == ("int8_f16", {})
+    assert settings.parse("int8_f16:convert=xla,bn=128") == ("int8_f16", {"convert": "xla", "bn": 128})
     with pytest.raises(ValueError, match="'bn' in 'int4_words:bn' is not name=value"):
         settings.parse("int4_words:bn")
     with pytest.raises(ValueError, match="'x' in 'int4_words:bn=x' is not an integer"):
