@@ -18,14 +18,15 @@ from pallas_kernels import config as kernel_config
 
 FAKE_H100 = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3", compute_capability="9.0")
 CONFIG = ModelConfig("llama", 256, 256, 2, 8, 2, 32, 512, 1e-5, 128, False)  # grouped-query: 8 heads over 2
+GPT2 = ModelConfig("gpt2", 256, 256, 2, 4, 4, 64, 512, 1e-5, 128, True, act="gelu_tanh")  # LayerNorm, no RoPE
 PROMPT = 5
 
 
-def _logits(params, tokens):
+def _logits(params, tokens, config=CONFIG):
     """The prompt's last logits, then each teacher-forced decode step's (decode layout as generate makes it)."""
-    step = lambda p, t, m, c: forward_step(CONFIG, p, t, m, c)  # noqa: E731  a fresh function: traced here
+    step = lambda p, t, m, c: forward_step(config, p, t, m, c)  # noqa: E731  a fresh function: traced here
     b = tokens.shape[0]
-    cache = init_cache(CONFIG, b, tokens.shape[1] + 2, jnp.bfloat16)
+    cache = init_cache(config, b, tokens.shape[1] + 2, jnp.bfloat16)
     logits, cache = jax.jit(step)(params, tokens[:, :PROMPT], jnp.ones((b, PROMPT), jnp.int32), cache)
     outs, laid, decode = [logits[:, -1]], gen.decode_params(params, b), jax.jit(step)
     for i in range(PROMPT, tokens.shape[1]):
@@ -60,3 +61,16 @@ def test_a_gpus_decode_in_interpret_mode_follows_the_cpus(recipe):
     scale = float(jnp.max(jnp.abs(want)))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=0.03 * scale)
     assert float(jnp.max(jnp.abs(got[:, 1:] - got[:, :-1]))) > 0.2 * scale  # the steps differ: something to follow
+
+
+def test_gpt2s_decode_takes_the_attention_kernel_too():
+    """GPT-2 (LayerNorm, learned positions, multi-head) through the same float cache's attention kernel."""
+    params = stacked.stack_blocks(GPT2, jax.tree.map(lambda a: (a * 4).astype(jnp.bfloat16),
+                                                     init_params(GPT2, jax.random.key(1))))
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, GPT2.vocab_size, (2, PROMPT + 3)))
+    with native.disabled(), kernel_config.disabled():
+        want, _, _ = _logits(params, tokens, GPT2)
+    with native.disabled(), kernel_config.compiling_for(FAKE_H100), kernel_config.interpret(True):
+        got, step, _ = _logits(params, tokens, GPT2)
+    assert step.count("name=append_decode_attention") == 1
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=0.03 * float(jnp.max(jnp.abs(want))))
