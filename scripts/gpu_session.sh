@@ -31,9 +31,14 @@
 # session, as it bears on #15's end-to-end targets directly (~6 min with the start):
 #     STEPS="decode_sweep decode_sweep_w8 norms" bash scripts/gpu_session.sh   (timeout_s 420)
 #     STEPS="graphs_off graphs_on graphs_7b" bash scripts/gpu_session.sh   (timeout_s 290; whole loops as CUDA graphs)
-# The session after (no GPU) made a float cache's decode attention one kernel (and a GQA model's small k / v
-# projections one q/k/v kernel with q): the first call above gains the step that measures it, first:
-#     STEPS="float_attention decode_sweep decode_sweep_w8 norms" bash scripts/gpu_session.sh   (timeout_s 480)
+# The session after (no GPU) made a float cache's decode attention one kernel, a GQA model's small k / v
+# projections one q/k/v kernel with q, rtn-w8's norms one launch (its int8 kernel converts x itself; the w8 sweep
+# tries convert=xla) and a small model's int4 products one XLA reduction each (K-major): 12-13 launches an int4 or
+# int8 layer where the 2026-12-04 rows had 22. Every variant's decode changed: first, the end-to-end rows again
+# (~6 min with the start), then the sweeps and the kernel-level attention rows:
+#     STEPS="e2e" RECIPES="rtn-w4-g128 rtn-w8" BATCHES="1 16" TORCH=--no-torch bash scripts/gpu_session.sh
+#         (timeout_s 360)
+#     STEPS="float_attention decode_sweep_w8 small_e2e" bash scripts/gpu_session.sh   (timeout_s 360)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-runs/gpu}"
