@@ -77,7 +77,8 @@ def _checked(kernel: str, fields: dict) -> Settings:
         if name in WORDS:
             owner, words = WORDS[name]
             if kernel != owner or value not in words:
-                raise ValueError(f"settings: {name} is the {owner} kernel's, one of {words}; got {value!r} for {kernel}")
+                raise ValueError(f"settings: {name} is the {owner} kernel's, one of {words}; "
+                                 f"got {value!r} for {kernel}")
         elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"settings: {kernel}.{name} must be a positive integer, got {value!r}")
     return Settings(**fields)
