@@ -36,8 +36,9 @@
 # tries convert=xla) and a small model's int4 products one XLA reduction each (K-major): 12-13 launches an int4 or
 # int8 layer where the 2026-12-04 rows had 22. Every variant's decode changed: first, the end-to-end rows again
 # (~6 min with the start), then the sweeps and the kernel-level attention rows:
-#     STEPS="e2e" RECIPES="rtn-w4-g128 rtn-w8" BATCHES="1 16" TORCH=--no-torch bash scripts/gpu_session.sh
-#         (timeout_s 360)
+#     STEPS="gpu_tests e2e" TESTS="float_decode or int8_f16" RECIPES="rtn-w4-g128 rtn-w8" BATCHES="1 16" \
+#         TORCH=--no-torch bash scripts/gpu_session.sh   (timeout_s 450; the new kernel's and the int8 kernel's
+#         gpu cases first: the e2e rows mean nothing if they fail)
 #     STEPS="float_attention decode_sweep_w8 small_e2e" bash scripts/gpu_session.sh   (timeout_s 360)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -70,7 +71,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/dev
 cat "$out/device.txt"
 # -v: each case's verdict as it finishes (a run stopped by its limit keeps them); TESTS: a -k expression
 step gpu_tests 90 "$py" -m pytest -v --tb=line -p no:cacheprovider -m gpu tests/pallas_kernels/test_gpu_kernels.py \
-    -k "${TESTS:-int8 or words or store or quantized_cache}"
+    -k "${TESTS:-float_decode or int8 or words or store or quantized_cache}"
 # int4 decode as words of eight K values (pallas_kernels.int4_words: 1.2-1.8x bf16 at M = 1 on the last H200 run;
 # since, its scale rows are read one K step ahead, which the SASS showed as a synchronous load every step), on the
 # four shapes of issue #15's int4 target (>= 2.5x bf16 at M <= 16), beside the int8 K-major kernel (w8_nk, rtn-w8's
