@@ -30,7 +30,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import config
 from pallas_kernels.common import FLOAT_DTYPES, MIN_DOT, TINY, cdiv, compiler_params, f32_dot_precision, fit_splits, \
     is_pow2, next_pow2, span
-from pallas_kernels.kv_cache import NEG_INF, combine_splits, decode_splits
+from pallas_kernels.kv_cache import NEG_INF, attention_reference, combine_splits, decode_splits
 
 MAX_HEAD_DIM = 256
 MAX_GROUP = 64  # query heads per kv head: the program's score tile is (group, block) float32 in registers
@@ -203,15 +203,9 @@ def append_decode_attention_reference(q, k_new, v_new, k_cache, v_cache, slot, a
     k_cache = jax.lax.dynamic_update_slice(k_cache, new_k, start)
     v_cache = jax.lax.dynamic_update_slice(v_cache, new_v, start)
     k, v = (k_cache, v_cache) if layer is None else (k_cache[layer], v_cache[layer])
-    bsz, hq, d = q.shape
-    kv, t = k.shape[1], k.shape[2]
-    seen = allowed.astype(bool) & (jnp.arange(t)[None, :] <= slot)
-    qg = q.reshape(bsz, kv, hq // kv, d)
-    s = jnp.einsum("bhgd,bhtd->bhgt", qg, k, preferred_element_type=jnp.float32)
-    s = jnp.where(seen[:, None, None, :], s * (sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)), -jnp.inf)
-    p = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))
-    out = jnp.einsum("bhgt,bhtd->bhgd", p / jnp.sum(p, axis=-1, keepdims=True), v.astype(jnp.float32))
-    return out.reshape(bsz, hq, d).astype(q.dtype), k_cache, v_cache
+    seen = allowed.astype(bool) & (jnp.arange(k.shape[2])[None, :] <= slot)
+    out, _ = attention_reference(q, k.astype(jnp.float32), v.astype(jnp.float32), seen, sm_scale)
+    return out.astype(q.dtype), k_cache, v_cache
 
 
 __all__ = ["MAX_GROUP", "MAX_HEAD_DIM", "append_decode_attention", "append_decode_attention_reference", "can_use"]

@@ -462,7 +462,7 @@ def _check_query(q, h, bsz):
         raise ValueError(f"decode_attention: q heads {q.shape[1]} must be a multiple of cache heads {h} (batch {bsz})")
 
 
-def _attention_reference(q, k, v, allowed, sm_scale):
+def attention_reference(q, k, v, allowed, sm_scale):
     """Masked single-query attention in float32 -> (out [B, H_q, D], lse [B, H_q])."""
     bsz, hq, d = q.shape
     h = k.shape[1]
@@ -553,7 +553,7 @@ def store_decode_attention_reference(q, k_codes, v_codes, k_scale, k_lo, v_scale
     ok = jnp.arange(t)[None, :] < jnp.broadcast_to(jnp.asarray(length), (bsz,))[:, None]
     if allowed is not None:
         ok = ok & allowed.astype(bool)
-    return _attention_reference(q, k, v, ok, sm_scale)
+    return attention_reference(q, k, v, ok, sm_scale)
 
 
 def reads_words(head_dim: int, bits: int, dtype, *, rope: bool = False) -> bool:
