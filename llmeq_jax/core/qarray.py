@@ -140,7 +140,11 @@ def expand_to(a: jax.Array, shape: tuple[int, ...], tile: tuple[int, ...]) -> ja
     """
     for d, (size, t) in enumerate(zip(shape, tile)):
         if a.shape[d] not in (1, size):
-            a = jnp.repeat(a, t, axis=d, total_repeat_length=a.shape[d] * t)
+            # A broadcast over a new axis then a merge, not jnp.repeat: repeat lowers to a gather over an
+            # index array (a GPU prefill dequantized every weight through one); this stays elementwise.
+            groups = a.shape[d]
+            a = jnp.broadcast_to(jnp.expand_dims(a, d + 1), a.shape[: d + 1] + (t,) + a.shape[d + 1 :])
+            a = a.reshape(a.shape[:d] + (groups * t,) + a.shape[d + 2 :])
             a = jax.lax.slice_in_dim(a, 0, size, axis=d)
     return jnp.broadcast_to(a, shape)
 
