@@ -30,6 +30,18 @@ TINY = float(jnp.finfo(jnp.float32).tiny)
 MIN_DOT = 16
 
 
+def div_rn(a: jax.Array, b: jax.Array, interpreted: bool) -> jax.Array:
+    """``a / b`` for float32 rounded as IEEE divides (what XLA's own division gives): Triton compiles ``/`` to
+    ``div.full.f32`` (within 2 ulp), so a quotient near a rounding boundary could round to another code than
+    XLA's path. Inline PTX ``div.rn.f32`` on the GPU; interpret mode divides exactly anyway."""
+    a, b = jnp.broadcast_arrays(a.astype(jnp.float32), b.astype(jnp.float32))
+    if interpreted:
+        return a / b
+    out = jax.ShapeDtypeStruct(a.shape, jnp.float32)
+    return plgpu.elementwise_inline_asm("div.rn.f32 $0, $1, $2;", args=[a, b], constraints="=f,f,f", pack=1,
+                                        result_shape_dtypes=[out])[0]
+
+
 def round_half_even(v: jax.Array) -> jax.Array:
     """``jnp.round`` (ties to even) for float32 without ``round_p``.
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import dataclasses
 import os
 import re
 import sys
@@ -268,6 +269,8 @@ def compile_decode(args, recipe: str, topo, folder: Path):
     off = kernel_config.disabled() if args.xla else contextlib.nullcontext()
     with kernel_config.compiling_for(device), off:
         cache = jax.eval_shape(lambda: init_cache(config, args.batch, args.context, jnp.bfloat16, kv=kv))
+        if not args.prefill and hasattr(cache, "written"):  # the decode loop runs on a prefilled cache
+            cache = dataclasses.replace(cache, written=True)
         logits = jax.ShapeDtypeStruct((args.batch, config.vocab_size), jnp.float32)
         key = jax.eval_shape(lambda: jax.random.key(0))
         steps = jax.ShapeDtypeStruct((), jnp.int32)

@@ -171,6 +171,24 @@ def _float_attention(t: int, splits: int | None = None, block_t: int = 64) -> Ca
     return Case(build)
 
 
+def _store_append(bits: int) -> Case:
+    from pallas_kernels.kv_store_append import store_append
+
+    def build():  # Llama-2-7B's heads, 2048 slots, one layer of a 2-layer store, a bf16 step
+        b, h, d, t = 1, 32, 128, 2048
+        codes = SDS((2, b, h, t, d if bits == 8 else d // 2), jnp.int8 if bits == 8 else jnp.uint8)
+        grid = SDS((2, b, h, t, 1), jnp.float16)
+        new, key_grid = SDS((b, h, d), jnp.bfloat16), SDS((1, h, d), jnp.float32)
+        args = (codes, codes, grid, grid, new, new, key_grid, key_grid, SDS((), jnp.int32), SDS((), jnp.int32))
+
+        def append(kc, vc, vs, vl, k, v, ks, kl, slot, layer):
+            return store_append(kc, vc, vs, vl, k, v, ks, kl, slot, bits=bits, layer=layer)
+
+        return append, args
+
+    return Case(build)
+
+
 CASES: dict[str, Case] = {
     "wo_int4_m1": _weight_only(1, 4),
     "wo_int4_m16": _weight_only(16, 4),
@@ -207,6 +225,8 @@ CASES: dict[str, Case] = {
     "kv_int8_32k_rope": _kv_attention(8, rope=True),  # keys stored before RoPE (the default KV spec)
     "float_attention_160": _float_attention(160),  # the float cache's decode step: written and read by one kernel
     "float_attention_4k": _float_attention(4096),
+    "kv_append_int8": _store_append(8),  # the quantized store's write of a decode step
+    "kv_append_int4": _store_append(4),
 }
 
 

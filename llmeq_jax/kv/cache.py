@@ -39,6 +39,7 @@ from llmeq_jax.kv.store_attention import store_attention
 from pallas_kernels import config as kernel_config
 from pallas_kernels import decode_attention as float_kernel
 from pallas_kernels import kv_cache as kv_kernels
+from pallas_kernels import kv_store_append as kv_append
 
 
 @jax.tree_util.register_dataclass
@@ -149,10 +150,12 @@ def attend(cache, layer: int, q: jax.Array, k: jax.Array, v: jax.Array, mask: ja
 def advance(cache: KVCache, attention_mask: jax.Array) -> KVCache:
     """Close the step: T more slots written, position counters moved past the real tokens."""
     t = attention_mask.shape[1]
+    written = {"written": True} if isinstance(cache, QuantKVCache) else {}
     return dataclasses.replace(
         cache,
         length=cache.length + t,
         positions=cache.positions + jnp.sum(attention_mask.astype(jnp.int32), axis=1),
+        **written,
     )
 
 
@@ -177,6 +180,7 @@ class QuantKVCache:
     * ``slot_pos``: ``[B, S]`` position id of each slot (pre-RoPE keys are rotated with it).
     * ``inv_freq``: RoPE inverse frequencies ``[D / 2]`` (None for models without RoPE).
     * ``valid``, ``length``, ``positions``: as in :class:`KVCache`.
+    * ``written``: static, whether any step has been written (the online key grid is set then).
     * ``rope_cos``, ``rope_sin``: ``[B, S, D / 2]`` cos/sin of each slot's position times ``inv_freq``, kept
       where the native CPU kernel reads pre-RoPE keys and they add at most :data:`TABLE_SHARE_MAX` to the
       codes' bytes (else None): written with the slot, instead of computing the whole table again on every
@@ -209,6 +213,9 @@ class QuantKVCache:
     rope_sin: jax.Array | None = None
     spec: kvspec.KVSpec = dataclasses.field(metadata=dict(static=True), default=kvspec.KVSpec())
     head_dim: int = dataclasses.field(metadata=dict(static=True), default=0)
+    # True once a step has been written (:func:`advance`): an online key grid is then fixed for good, which the
+    # trace knows, so later steps leave it alone instead of computing a range only to discard it.
+    written: bool = dataclasses.field(metadata=dict(static=True), default=False)
 
     @property
     def max_len(self) -> int:
@@ -360,12 +367,16 @@ def _q_update(cache: QuantKVCache, layer: int, k, v, k_raw) -> QuantKVCache:
         raise ValueError("a pre-RoPE quantized cache needs the keys before RoPE (k_raw)")
     keys = k_raw if cache.spec.pre_rope else k
     n_out = cache.spec.n_outliers(cache.head_dim)
-    if cache.spec.online_keys:
+    # A written cache's grid is fixed: a decode step computing this step's key range only to discard it (the
+    # where() in _set_online_grid) cost 16 of its 51 launches a layer (deviceless H200, Llama-2-7B, int8).
+    if cache.spec.online_keys and not cache.written:
         cache = _set_online_grid(cache, layer, keys)
     if cache.sink_slot is not None:
         cache = _write_sinks(cache, layer, k, v)
     if native_reads_store(cache.spec, cache.head_dim):  # the native kernel's setting: one in-place native write
         return _native_write(cache, layer, keys, v)
+    if kernel_appends(cache.spec, cache.head_dim, keys):
+        return _kernel_write(cache, layer, keys, v)
     return dataclasses.replace(
         cache,
         k=_write(cache.k, layer, _quantize_keys(cache, layer, keys), cache.length),
@@ -379,6 +390,23 @@ def _native_write(cache: QuantKVCache, layer: int, keys, v) -> QuantKVCache:
     us) costs more than its work -- ~7 fewer ops a layer, a few to ~10 % of SmolLM2's decode (docs/kv-cache.md)."""
     scale, lo, _ = _key_grid(cache, layer)
     kq, vq, vs, vl = native.kv_store_append(cache.k.q, cache.v.q, cache.v.scale, cache.v.lo, keys, v, scale, lo,
+                                            cache.length, bits=cache.spec.bits, layer=layer)
+    return dataclasses.replace(cache, k=dataclasses.replace(cache.k, q=kq),
+                               v=dataclasses.replace(cache.v, q=vq, scale=vs, lo=vl))
+
+
+def kernel_appends(spec: kvspec.KVSpec, head_dim: int, keys) -> bool:
+    """Whether a step's keys [B, KV, T, D] and values go into the store through the Pallas write
+    (``pallas_kernels.kv_store_append``): one-token steps where Pallas kernels run, per-channel keys, no outliers.
+    On a GPU it is one launch a layer where XLA's quantize-and-write was ~10 (deviceless H200 compile)."""
+    return (keys.shape[2] == 1 and kernel_config.kernels_available() and spec.per_channel_keys
+            and not spec.n_outliers(head_dim) and kv_append.can_use(head_dim, spec.bits, keys.dtype)[0])
+
+
+def _kernel_write(cache: QuantKVCache, layer: int, keys, v) -> QuantKVCache:
+    """:func:`_q_update`'s codes and value grids written by the Pallas kernel, in place (XLA's bits)."""
+    scale, lo, _ = _key_grid(cache, layer)
+    kq, vq, vs, vl = kv_append.store_append(cache.k.q, cache.v.q, cache.v.scale, cache.v.lo, keys, v, scale, lo,
                                             cache.length, bits=cache.spec.bits, layer=layer)
     return dataclasses.replace(cache, k=dataclasses.replace(cache.k, q=kq),
                                v=dataclasses.replace(cache.v, q=vq, scale=vs, lo=vl))

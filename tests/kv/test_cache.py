@@ -171,6 +171,30 @@ def test_online_key_ranges_come_from_the_prompt_and_ema_carries_them(stories):
         kvcache.track_key_ranges(kvspec.KVQuantizer(running.key_ranges, kvspec.KVSpec(bits=4)), cache)
 
 
+def test_a_written_online_cache_leaves_its_key_grid_alone_in_the_trace():
+    # After the first step (advance) the grid is fixed: a step's trace hands the grid arrays through untouched
+    # (no range computed and discarded), where an unwritten cache's first step computes them.
+    spec = kvspec.KVSpec(bits=8, key_range="online", prompt_tokens=4)
+    cache = kvcache.init_quantized(2, 1, 2, 8, 16, kvspec.KVQuantizer(None, spec), inv_freq=np.ones(8, np.float32))
+    assert not cache.written
+    keys = jax.random.normal(jax.random.key(0), (1, 2, 1, 16))
+
+    def grid_after_update(c):
+        c = kvcache.update(c, 1, keys, keys, k_raw=keys)
+        return c.k_scale, c.k_lo, c.k_hi
+
+    def passed_through(c):
+        jaxpr = jax.make_jaxpr(grid_after_update)(c).jaxpr
+        flat = jax.tree_util.tree_leaves_with_path(c)
+        ins = {id(v): jax.tree_util.keystr(p) for (p, _), v in zip(flat, jaxpr.invars)}
+        return [ins.get(id(v)) for v in jaxpr.outvars]
+
+    assert passed_through(cache) == [None, None, None]
+    written = kvcache.advance(cache, jnp.ones((1, 1), jnp.int32))
+    assert written.written and int(written.length) == 1
+    assert passed_through(written) == [".k_scale", ".k_lo", ".k_hi"]
+
+
 def test_sink_tokens_are_read_in_float_and_decode_equals_prefill(stories):
     """The first N real tokens of each row (left padding does not count) are attended exactly."""
     config, params, _, _, evals = stories

@@ -46,11 +46,16 @@ def _same_codes_model(config):
                                                                    "o_proj": jax.tree.map(jnp.zeros_like, o_proj)}}}
 
 
-def _step_uses_pallas(config, params, kv, tokens) -> bool:
-    """Whether a decode step traced under the current switches calls a Pallas kernel (nothing compiled)."""
+def _step_jaxpr(config, params, kv, tokens) -> str:
+    """A decode step traced under the current switches, as text (nothing compiled)."""
     cache = init_cache(config, 2, tokens.shape[1], kv=kv)
     step = lambda p, t, m, c: forward_step(config, p, t, m, c)  # noqa: E731  (traced under this context)
-    return "pallas_call" in str(jax.make_jaxpr(step)(params, tokens[:, 6:7], jnp.ones((2, 1), jnp.int32), cache))
+    return str(jax.make_jaxpr(step)(params, tokens[:, 6:7], jnp.ones((2, 1), jnp.int32), cache))
+
+
+def _step_uses_pallas(config, params, kv, tokens) -> bool:
+    """Whether a decode step traced under the current switches calls a Pallas kernel."""
+    return "pallas_call" in _step_jaxpr(config, params, kv, tokens)
 
 
 def _decode(config, params, kv, tokens):
@@ -98,6 +103,9 @@ def test_decode_through_the_kernel_equals_xla(case):
     with kernel_config.interpret(True):
         kernel, used, kernel_cache = _decode(config, params, kv, tokens)
     assert used, "the decode step did not go through the Pallas kernel"
+    with kernel_config.interpret(True):
+        # the step's key and value written by the store's own kernel (its codes and grids: XLA's, checked below)
+        assert f"name=kv_store_append_int{kv.spec.bits}" in _step_jaxpr(config, params, kv, tokens)
     with kernel_config.interpret(True), kernel_config.disabled():
         assert not _step_uses_pallas(config, params, kv, tokens)  # the off switch (CLI --xla) holds
     _assert_same_decode((kernel, kernel_cache), xla, float_logits)

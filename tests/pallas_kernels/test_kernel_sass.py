@@ -49,7 +49,8 @@ def test_resources_parses_cuobjdump_usage():
     assert kernel_sass.resources(usage) == {"regs": 177, "local": 16}
 
 
-@pytest.mark.parametrize("name", ["wo_int4_m1", "wo_int4_m16_words", "gemv_int4_m1", "w8a8_fp8_m4096", "kv_int4_32k"])
+@pytest.mark.parametrize("name", ["wo_int4_m1", "wo_int4_m16_words", "gemv_int4_m1", "w8a8_fp8_m4096", "kv_int4_32k",
+                                  "kv_append_int4"])
 def test_cases_lower_to_the_kernels_they_name(name):
     fn, args = kernel_sass.CASES[name].build()
     kernels = kernel_sass.triton_modules(fn, *args)
