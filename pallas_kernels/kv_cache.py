@@ -7,8 +7,9 @@ The store, ``[B, H_kv, T, D]`` with codes packed along head_dim:
 keys per channel (KVQuant: one grid per head and dim, over tokens), values per
 token (one grid per head and token, over dims); asymmetric grids, value =
 (code - qmin) * scale + lo, float16 per-token value grids, keys optionally stored
-before RoPE. The cache's float parts (window, sink tokens) stay outside the
-kernel: it returns the log-sum-exp of its scores so the cache merges the two.
+before RoPE. The cache's float attention sinks can enter the kernel's softmax (``sinks=``: split 0 starts
+from them); its float window stays outside: the kernel returns the log-sum-exp of its scores so the cache
+merges the two.
 
 ``store_decode_attention`` runs one query token per head (GQA: H_q = G * H_kv), dequantizing
 inside the kernel by folding the grids: q . (c * s_k + o_k) = (q * s_k) . c + q . o_k,
@@ -138,6 +139,8 @@ class _Layout:
     masked: an ``allowed`` [B, T] mask says which slots the query reads.
     rope:   keys are stored before RoPE; the kernel rotates each by its slot's position.
     stacked: codes and value grids are every layer's stack [L, ...]; the first ref is the layer index.
+    sinks:  float keys / values of this many extra tokens (the cache's attention sinks, keys post-RoPE) enter
+            split 0's softmax as its starting carry, with a [B, sinks] mask of the ones the query sees.
     words:  the codes come as int32 words and the query side lane-major (``kv_words``): float16 operands
             made from 32-bit loads, one dot per lane (half-precision queries, post-RoPE keys).
     """
@@ -149,6 +152,7 @@ class _Layout:
     rope: bool = False
     stacked: bool = False
     words: bool = False
+    sinks: int = 0
 
     @property
     def halves(self) -> int:
@@ -275,6 +279,7 @@ def _decode_kernel(*refs, lay: _Layout, g, bg, bt, d, sm_scale, split_blocks, pr
     vlo_ref = rest.pop(0) if lay.v_lo else None
     allow_ref = rest.pop(0) if lay.masked else None
     pos_ref, freq_ref = (rest.pop(0), rest.pop(0)) if lay.rope else (None, None)
+    sink_refs = (rest.pop(0), rest.pop(0), rest.pop(0)) if lay.sinks else None
     len_ref, o_ref, m_ref, l_ref = rest
 
     b, h, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -389,13 +394,34 @@ def _decode_kernel(*refs, lay: _Layout, g, bg, bt, d, sm_scale, split_blocks, pr
             upd = upd + jnp.sum(p * v_off, axis=1, keepdims=True)
         return m_new, l_new, acc * corr + upd, rows_next
 
-    init = (jnp.full((bg, 1), NEG_INF, jnp.float32), jnp.zeros((bg, 1), jnp.float32), jnp.zeros((bg, d), jnp.float32),
-            token_rows(first))
+    if lay.sinks:  # the float sinks as split 0's first block: one softmax with the store, nothing merged after
+        m0, l0, acc0 = _sink_carry(q_ref, *sink_refs, at=at, b=b, h=h, heads=heads, head_mask=head_mask,
+                                   n=lay.sinks, first=sp == 0, sm_scale=sm_scale, precision=precision)
+    else:
+        m0, l0, acc0 = (jnp.full((bg, 1), NEG_INF, jnp.float32), jnp.zeros((bg, 1), jnp.float32),
+                        jnp.zeros((bg, d), jnp.float32))
+    init = (m0, l0, acc0, token_rows(first))
     # no iterations when the split is empty
     m_fin, l_fin, acc, _ = jax.lax.fori_loop(first, last, body, init)
     plgpu.store(o_ref.at[b, h, sp, heads, :], acc, mask=head_mask[:, None])
     plgpu.store(m_ref.at[b, h, sp, heads, :], m_fin, mask=head_mask[:, None])
     plgpu.store(l_ref.at[b, h, sp, heads, :], l_fin, mask=head_mask[:, None])
+
+
+def _sink_carry(q_ref, k_ref, v_ref, seen_ref, *, at, b, h, heads, head_mask, n, first, sm_scale, precision):
+    """(max, sum, weighted values) of the query heads over the ``n`` float sink tokens they see, where ``first``
+    (split 0; elsewhere the empty carry): float32 scores and products, as the cache's float attention parts."""
+    rows, row_mask = span(0, max(MIN_DOT, next_pow2(n)), n)
+    q = plgpu.load(q_ref.at[b, h, heads, :], mask=head_mask[:, None], other=0.0).astype(jnp.float32) * sm_scale
+    keys = plgpu.load(k_ref.at[(*at, b, h, rows, slice(None))], mask=row_mask[:, None], other=0).astype(jnp.float32)
+    values = plgpu.load(v_ref.at[(*at, b, h, rows, slice(None))], mask=row_mask[:, None], other=0).astype(jnp.float32)
+    ok = row_mask & (plgpu.load(seen_ref.at[b, rows], mask=row_mask, other=0) != 0) & first
+    s = jnp.where(ok[None, :], jax.lax.dot_general(q, keys, (_NT, ((), ())), precision=precision,
+                                                   preferred_element_type=jnp.float32), NEG_INF)
+    m = jnp.max(s, axis=1, keepdims=True)
+    p = jnp.where(ok[None, :], jnp.exp(s - m), 0.0)  # none seen: m = NEG_INF, l = 0, acc = 0 (the empty carry)
+    acc = jax.lax.dot_general(p, values, (_NN, ((), ())), precision=precision, preferred_element_type=jnp.float32)
+    return m, jnp.sum(p, axis=1, keepdims=True), acc
 
 
 MIN_SPLIT_TOKENS = 256
@@ -479,7 +505,7 @@ def attention_reference(q, k, v, allowed, sm_scale):
 
 def store_decode_attention(
     q, k_codes, v_codes, k_scale, k_lo, v_scale, v_lo, length, *, bits: int, allowed=None, slot_pos=None,
-    inv_freq=None, sm_scale: float | None = None, block_t: int = 128, num_splits: int | None = None,
+    inv_freq=None, sinks=None, sm_scale: float | None = None, block_t: int = 128, num_splits: int | None = None,
     num_warps: int = 4, num_stages: int = 2, interpret: bool | None = None, layer=None,
 ):
     """Single-query attention over ``llmeq_jax.kv.cache.QuantKVCache``'s store of one layer.
@@ -494,6 +520,10 @@ def store_decode_attention(
       slot_pos, inv_freq  keys stored before RoPE: ``[B, T]`` position of each slot and the
                         ``[D / 2]`` RoPE frequencies (rotate-half layout); the kernel
                         rotates the dequantized keys by them.
+      sinks             optional ``(k, v, seen)``: float keys (post-RoPE) and values ``[B, H_kv, N, D]`` (with
+                        ``layer``: stacks ``[L, B, H_kv, N, D]``) of N more tokens (the cache's attention sinks)
+                        and ``[B, N]`` bool, the ones the query sees: attended in the same softmax as the store
+                        (so the cache has nothing to merge after the kernel).
     ``length`` ``[B]`` or scalar: slots to scan (>= 0). Returns ``(out [B, H_q, D] float32,
     lse [B, H_q])``, lse the log-sum-exp of the scaled scores (about -1e30 when no slot is
     allowed), so a caller can merge this with attention over other (float) keys.
@@ -532,18 +562,34 @@ def store_decode_attention(
         extra.append(allowed.astype(jnp.int8))
     if rope:
         extra += [slot_pos.astype(jnp.int32), inv_freq.astype(jnp.float32).reshape(1, d // 2)]
+    if sinks is not None:
+        extra += _check_sinks(sinks, (*k_codes.shape[:-2], d), bsz)
     lay = _Layout(bits, shift=shift, v_lo=True, masked=allowed is not None, rope=rope, stacked=stacked,
-                  words=reads_words(d, bits, q.dtype, rope=rope))
+                  words=reads_words(d, bits, q.dtype, rope=rope), sinks=0 if sinks is None else sinks[0].shape[-2])
     return _decode(q, k_codes, v_codes, k_scale, k_off, v_scale, tuple(extra), length, lay, sm_scale=sm_scale,
                    block_t=block_t, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
                    interpret=interpret, layer=layer)
 
 
+def _check_sinks(sinks, lead, bsz) -> list:
+    """The ``sinks`` argument's three arrays as the kernel reads them (the mask as bool), or one clear error."""
+    k, v, seen = sinks
+    if k.ndim != len(lead) + 1 or k.shape[:-2] != lead[:-1] or k.shape[-1] != lead[-1] or v.shape != k.shape \
+            or jnp.dtype(k.dtype) not in FLOAT_DTYPES or seen.shape != (bsz, k.shape[-2]):
+        want = f"k / v [{', '.join(map(str, lead[:-1]))}, N, {lead[-1]}] float and seen [{bsz}, N]"
+        raise ValueError(f"store_decode_attention: sinks must be {want}, got {k.dtype} {k.shape} / {v.shape} / "
+                         f"{seen.shape}")
+    return [k, v, seen.astype(bool)]
+
+
 def store_decode_attention_reference(q, k_codes, v_codes, k_scale, k_lo, v_scale, v_lo, length, *, bits: int,
-                                     allowed=None, slot_pos=None, inv_freq=None, sm_scale=None, layer=None):
-    """Pure-jnp reference of :func:`store_decode_attention`: dequantize, rotate, attend."""
+                                     allowed=None, slot_pos=None, inv_freq=None, sinks=None, sm_scale=None,
+                                     layer=None):
+    """Pure-jnp reference of :func:`store_decode_attention`: dequantize, rotate, attend (with the sinks' float
+    keys and values beside the store's)."""
     if layer is not None:
         k_codes, v_codes, v_scale, v_lo = (a[layer] for a in (k_codes, v_codes, v_scale, v_lo))
+        sinks = None if sinks is None else (sinks[0][layer], sinks[1][layer], sinks[2])
     d = q.shape[-1]
     bsz, t = k_codes.shape[0], k_codes.shape[2]
     k = dequantize_grid(unpack(k_codes, bits, -1, d), k_scale, k_lo, bits)
@@ -553,6 +599,10 @@ def store_decode_attention_reference(q, k_codes, v_codes, k_scale, k_lo, v_scale
     ok = jnp.arange(t)[None, :] < jnp.broadcast_to(jnp.asarray(length), (bsz,))[:, None]
     if allowed is not None:
         ok = ok & allowed.astype(bool)
+    if sinks is not None:
+        k = jnp.concatenate([k, sinks[0].astype(jnp.float32)], axis=2)
+        v = jnp.concatenate([v, sinks[1].astype(jnp.float32)], axis=2)
+        ok = jnp.concatenate([ok, sinks[2].astype(bool)], axis=1)
     return attention_reference(q, k, v, ok, sm_scale)
 
 

@@ -132,7 +132,7 @@ def _w8a8(m: int, fp8: bool, w_layout: str = "kn") -> Case:
 
 
 def _kv_attention(bits: int, t: int = 32768, rope: bool = False, stages: int = 2, warps: int = 4,
-                  block_t: int = 128) -> Case:
+                  block_t: int = 128, sinks: int = 0) -> Case:
     from pallas_kernels.kv_cache import store_decode_attention
 
     def build():
@@ -145,6 +145,9 @@ def _kv_attention(bits: int, t: int = 32768, rope: bool = False, stages: int = 2
 
         def attend(q, kc, vc, ks, kl, vs, vl, n, pos, freq):
             extra = dict(slot_pos=pos, inv_freq=freq) if rope else {}
+            if sinks:  # the cache's float attention sinks (bf16), read in the same softmax
+                float_tokens = jnp.zeros((b, h, sinks, d), jnp.bfloat16)
+                extra["sinks"] = (float_tokens, float_tokens, jnp.ones((b, sinks), bool))
             return store_decode_attention(q, kc, vc, ks, kl, vs, vl, n, bits=bits, num_stages=stages, num_warps=warps,
                                           block_t=block_t, **extra)
 
@@ -223,6 +226,7 @@ CASES: dict[str, Case] = {
     "kv_int8_32k_8warps_256": _kv_attention(8, warps=8, block_t=256),
     "kv_int4_32k": _kv_attention(4),
     "kv_int8_32k_rope": _kv_attention(8, rope=True),  # keys stored before RoPE (the default KV spec)
+    "kv_int8_32k_rope_sinks": _kv_attention(8, rope=True, sinks=4),  # ... with its 4 float sinks in the kernel
     "float_attention_160": _float_attention(160),  # the float cache's decode step: written and read by one kernel
     "float_attention_4k": _float_attention(4096),
     "kv_append_int8": _store_append(8),  # the quantized store's write of a decode step

@@ -437,8 +437,8 @@ def _q_attend(cache: QuantKVCache, layer: int, q, k, v, mask, k_raw):
     Each slot is read from exactly one part: in the window (relative to the query) it
     is float; else a sink slot is float; else it is dequantized. A one-token step reads
     the store where it lies through a kernel or XLA's dots when one takes it (:func:`store_path`);
-    the native CPU kernel also reads the float sinks in its softmax (without a window), so nothing
-    is merged after it. A prompt without a float window attends to one float layer (:func:`_with_sinks`).
+    the native CPU kernel and the Pallas one also read the float sinks in their softmax (without a window), so
+    nothing is merged after them. A prompt without a float window attends to one float layer (:func:`_with_sinks`).
     """
     w, t = cache.spec.window, k.shape[2]
     cache = _q_update(cache, layer, k, v, k_raw)
@@ -454,7 +454,7 @@ def _q_attend(cache: QuantKVCache, layer: int, q, k, v, mask, k_raw):
     if cache.sink_slot is not None:
         sinks, is_sink = _sink_part(cache, layer, mask, query_slots)
         quantized = quantized & ~is_sink[:, None, :]
-        if path == "native" and not w and cache.k_sink.dtype == jnp.float32:
+        if not w and (path == "pallas" or (path == "native" and cache.k_sink.dtype == jnp.float32)):
             sinks_seen = sinks[2][:, 0]  # the kernel reads the sinks with the store: one softmax, no merge
         else:
             float_parts.append(sinks)
@@ -617,8 +617,9 @@ def _kernel_store_part(cache: QuantKVCache, layer: int, q, quantized, path: str,
     (:func:`store_path`: the native kernel, the Pallas decode kernel or XLA's dots over the codes).
 
     Each reads the codes where they lie instead of writing a dequantized float copy of the whole
-    layer every step. ``quantized`` [B, 1, S] marks the slots to read. ``sinks_seen`` [B, N] (native
-    path only): the float sinks of this layer seen by each row, read by the kernel in the same softmax.
+    layer every step. ``quantized`` [B, 1, S] marks the slots to read. ``sinks_seen`` [B, N] (the native and
+    Pallas kernels): the float sinks of this layer seen by each row, read by the kernel in the same softmax (on a
+    GPU the float attention over the sinks and its merge with the store's were ~5 launches a layer).
     """
     bits, b, n_heads, d = cache.spec.bits, q.shape[0], q.shape[2], q.shape[3]
     k_scale, k_lo, _ = _key_grid(cache, layer)
@@ -640,7 +641,9 @@ def _kernel_store_part(cache: QuantKVCache, layer: int, q, quantized, path: str,
     rope = dict(slot_pos=cache.slot_pos, inv_freq=cache.inv_freq) if cache.spec.pre_rope else {}
     # The kernel reads the layer from the stacked store (layer= may be traced: the scan over stacked
     # blocks); slicing it out here would copy the layer's whole store for the custom call every step.
-    out, lse = kv_kernels.store_decode_attention(*args, bits=bits, allowed=quantized[:, 0], layer=layer, **rope)
+    sinks = None if sinks_seen is None else (cache.k_sink, cache.v_sink, sinks_seen)
+    out, lse = kv_kernels.store_decode_attention(*args, bits=bits, allowed=quantized[:, 0], layer=layer, sinks=sinks,
+                                                 **rope)
     return out[:, None], lse[:, None]
 
 

@@ -105,7 +105,10 @@ def test_decode_through_the_kernel_equals_xla(case):
     assert used, "the decode step did not go through the Pallas kernel"
     with kernel_config.interpret(True):
         # the step's key and value written by the store's own kernel (its codes and grids: XLA's, checked below)
-        assert f"name=kv_store_append_int{kv.spec.bits}" in _step_jaxpr(config, params, kv, tokens)
+        text = _step_jaxpr(config, params, kv, tokens)
+        assert f"name=kv_store_append_int{kv.spec.bits}" in text
+        # float sinks without a window: read by the kernel in its softmax, nothing merged after it
+        assert ("logaddexp" in text) == bool(kv.spec.window), "the float parts' merge"
     with kernel_config.interpret(True), kernel_config.disabled():
         assert not _step_uses_pallas(config, params, kv, tokens)  # the off switch (CLI --xla) holds
     _assert_same_decode((kernel, kernel_cache), xla, float_logits)

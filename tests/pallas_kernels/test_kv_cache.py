@@ -85,6 +85,46 @@ def test_bf16_query_uses_bf16_operands_within_bf16_error(bits, rope):
     assert float(jnp.max(jnp.abs(out - exact))) > 1e-6 * scale  # the bf16 operands are what ran
 
 
+@pytest.mark.parametrize("bits, rope, dtype", [(8, True, jnp.float32), (4, False, jnp.float32),
+                                              (8, False, jnp.bfloat16), (4, True, jnp.bfloat16)])
+def test_float_sinks_join_the_stores_softmax(bits, rope, dtype):
+    """sinks=(k, v, seen): N float tokens attended in the same softmax as the store (split 0's starting carry), the
+    reference's answer with those tokens beside the store's, on a stacked layer, over one and several splits; a
+    row that sees no sink, and sinks alone (no store slot allowed), included."""
+    b, h, g, t, d, n, layers = 2, 2, 3, 70, 64, 4, 2
+    store = _store(b, h, t, d, bits)
+    stacks = [jnp.stack([a, a[..., ::-1, :]]) for a in (store[0], store[1], store[4], store[5])]
+    k_sink, v_sink = (jax.random.normal(key, (layers, b, h, n, d)) * 2 for key in jax.random.split(jax.random.key(5)))
+    seen = jnp.array([[True, False, True, True], [False, False, False, False]])
+    q = jax.random.normal(jax.random.key(9), (b, h * g, d)).astype(dtype)
+    allowed = jax.random.bernoulli(jax.random.key(3), 0.7, (b, t))
+    kw = dict(bits=bits, allowed=allowed, layer=jnp.int32(1), **(_rope_args(b, t, d) if rope else {}))
+    length = jnp.array([t, 41])
+    sinks = (k_sink.astype(dtype), v_sink.astype(dtype), seen)
+    ref_out, ref_lse = store_decode_attention_reference(q.astype(jnp.float32), stacks[0], stacks[1], *store[2:4],
+                                                        stacks[2], stacks[3], length, sinks=sinks, **kw)
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    scale = float(jnp.max(jnp.abs(ref_out)))
+    for splits in (1, 3):
+        out, lse = store_decode_attention(q, stacks[0], stacks[1], *store[2:4], stacks[2], stacks[3], length,
+                                          sinks=sinks, block_t=16, num_splits=splits, interpret=True, **kw)
+        np.testing.assert_allclose(out, ref_out, atol=tol * scale)
+        np.testing.assert_allclose(lse, ref_lse, atol=tol, rtol=tol)
+    without, _ = store_decode_attention(q, stacks[0], stacks[1], *store[2:4], stacks[2], stacks[3], length,
+                                        block_t=16, interpret=True, **kw)
+    assert float(jnp.max(jnp.abs(without[0] - out[0]))) > 1e-2 * scale  # row 0's sinks count
+    np.testing.assert_allclose(without[1], out[1], atol=tol * scale)  # row 1 sees none of them
+    alone, _ = store_decode_attention(q, stacks[0], stacks[1], *store[2:4], stacks[2], stacks[3], length, sinks=sinks,
+                                      block_t=16, interpret=True, **{**kw, "allowed": jnp.zeros((b, t), bool)})
+    ref_alone, _ = store_decode_attention_reference(q.astype(jnp.float32), stacks[0], stacks[1], *store[2:4],
+                                                    stacks[2], stacks[3], length, sinks=sinks,
+                                                    **{**kw, "allowed": jnp.zeros((b, t), bool)})
+    np.testing.assert_allclose(alone[0], ref_alone[0], atol=tol * scale)
+    with pytest.raises(ValueError, match="sinks must be"):
+        store_decode_attention(q, stacks[0], stacks[1], *store[2:4], stacks[2], stacks[3], length,
+                               sinks=(k_sink[1], v_sink[1], seen), interpret=True, **kw)  # one layer for a stack
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_store_decode_reads_a_layer_of_a_stacked_store_in_place(bits):
     """layer= (traced): the kernel reads that layer of every layer's store, with that layer's result --
