@@ -197,12 +197,12 @@ def measure_ours(args, variant: str) -> dict:
     done("prefill layout and stacked blocks")
     rng = np.random.default_rng(0)
 
-    def decode(batch: int) -> tuple[float, float]:
+    def decode(batch: int, kv=None) -> tuple[float, float]:
         """(tokens/s of the decode steps, seconds compiling the decode loop): one compiled loop timed at
         new_tokens - 1 steps and at none (generate.decode_timing: what generate(N) - generate(1) measures,
-        without compiling the loop and the prompt's prefill twice)."""
+        without compiling the loop and the prompt's prefill twice); a float cache, or quantized by ``kv``."""
         prompt = jnp.asarray(rng.integers(0, config.vocab_size, (batch, args.prompt_len)), jnp.int32)
-        seconds, first = decode_timing(config, params, prompt, args.new_tokens, args.repeats)
+        seconds, first = decode_timing(config, params, prompt, args.new_tokens, args.repeats, kv=kv)
         return batch * (args.new_tokens - 1) / seconds, max(first - seconds, 0.0)
 
     compile_s = 0.0
@@ -210,6 +210,9 @@ def measure_ours(args, variant: str) -> dict:
         out[f"decode_b{batch}"], compiled = decode(batch)
         compile_s += compiled if i == 0 else 0.0
         done(f"decode at batch {batch}: {out[f'decode_b{batch}']:.1f} tok/s")
+    if args.kv_bits:  # the same decode over a quantized KV cache (online key ranges from the prompt, 4 float sinks)
+        out["decode_kv"] = decode(args.batches[0], kv_quantizer(args.kv_bits, args.prompt_len))[0]
+        done(f"decode at batch {args.batches[0]} with an int{args.kv_bits} KV cache: {out['decode_kv']:.1f} tok/s")
     if args.profile:  # after the measurements: a profiler that fails (no CUPTI) costs the profile, not the row
         try:
             out["profile"] = profile_decode_kernels(args, config, params, rng, out[f"decode_b{args.batches[0]}"])
@@ -233,6 +236,14 @@ def measure_ours(args, variant: str) -> dict:
         out["ppl"] = res["ppl"]
     out["device_peak_mib"] = device_peak_mib()
     return out
+
+
+def kv_quantizer(bits: int, prompt_len: int):
+    """A quantized KV cache's setting for random weights (no calibration text): int``bits`` codes, keys per channel
+    before RoPE on ranges taken online from the prompt, the default 4 float sinks."""
+    from llmeq_jax.kv import spec as kvspec
+
+    return kvspec.KVQuantizer(None, kvspec.KVSpec(bits=bits, key_range="online", prompt_tokens=prompt_len))
 
 
 def torch_model(args, variant: str):
@@ -363,6 +374,9 @@ def table(rows: dict[str, dict], base_name: str, batches: list[int]) -> str:
     keys = [f"decode_b{b}" for b in batches] + ["prefill"]
     head = [h for b in batches for h in (f"decode b{b} tok/s", f"vs {base_name}")]
     head += ["prefill tok/s", f"vs {base_name}", "ppl", "ppl run s", "compile s", "peak RSS MiB", "device peak MiB"]
+    kv = any("decode_kv" in r for r in rows.values())
+    if kv:  # --kv-bits: the first batch's decode over a quantized cache, and against the row's own float cache
+        head += [f"decode b{batches[0]} quantized KV tok/s", "vs float KV"]
     lines = ["| variant | " + " | ".join(head) + " |", "|" + "---|" * (len(head) + 1)]
     for name, r in rows.items():
         if "error" in r:
@@ -371,6 +385,10 @@ def table(rows: dict[str, dict], base_name: str, batches: list[int]) -> str:
         cells = [c for k in keys for c in (f"{r[k]:.1f}" if k != "prefill" else f"{r[k]:.0f}", ratio(r, k))]
         cells += [num(r.get("ppl"), ".3f"), num(r.get("ppl_run_s"), ".1f"), f"{r['compile_s']:.1f}",
                   f"{r['peak_rss_mib']:.0f}", num(r.get("device_peak_mib"), ".0f")]
+        if kv:
+            own = r.get(f"decode_b{batches[0]}")
+            cells += [num(r.get("decode_kv"), ".1f"),
+                      f"{r['decode_kv'] / own:.2f}x" if r.get("decode_kv") and own else "–"]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -469,6 +487,8 @@ def parse_args(argv=None):
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prefill-len", type=int, default=512)
+    ap.add_argument("--kv-bits", type=int, choices=(4, 8),
+                    help="also decode (the first batch size) over an int4 / int8 KV cache (online key ranges)")
     ap.add_argument("--torch", action=argparse.BooleanOptionalAction, default=True,
                     help="also measure transformers (and torch quantize_dynamic int8 on a CPU); needs torch")
     ap.add_argument("--scan-layers", action="store_true",

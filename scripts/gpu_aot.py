@@ -264,8 +264,16 @@ def compile_decode(args, recipe: str, topo, folder: Path):
     on = jax.sharding.SingleDeviceSharding(device)
     put = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on), tree)  # noqa: E731
     config, params = abstract_model(args, recipe)
+    import json as _j
+    _extra = _j.loads(os.environ.get("KV_EXTRA", "{}"))
+    _static = _extra.pop("static", False)
+    _kr = None
+    if _static:
+        _shape = (config.num_layers, config.num_kv_heads, config.head_dim)
+        _kr = kvspec.KeyRanges(jnp.zeros(_shape), jnp.ones(_shape))
     kv = None if args.kv_bits is None else kvspec.KVQuantizer(
-        None, kvspec.KVSpec(bits=args.kv_bits, key_range="online", prompt_tokens=16, pre_rope=not args.kv_post_rope))
+        _kr, kvspec.KVSpec(bits=args.kv_bits, key_range="static" if _static else "online", prompt_tokens=16,
+                           pre_rope=not args.kv_post_rope, **_extra))
     off = kernel_config.disabled() if args.xla else contextlib.nullcontext()
     with kernel_config.compiling_for(device), off:
         cache = jax.eval_shape(lambda: init_cache(config, args.batch, args.context, jnp.bfloat16, kv=kv))

@@ -40,6 +40,10 @@
 #         TORCH=--no-torch bash scripts/gpu_session.sh   (timeout_s 450; the new kernel's and the int8 kernel's
 #         gpu cases first: the e2e rows mean nothing if they fail)
 #     STEPS="float_attention decode_sweep_w8 small_e2e" bash scripts/gpu_session.sh   (timeout_s 360)
+# The session after (no GPU) cut a quantized KV cache's decode launches (its write one kernel, the float sinks in the
+# store kernel, a written online grid left alone: 35-51 -> 22 a layer); its gpu cases are in the default TESTS
+# ("store"). After the two calls above, as time allows:
+#     STEPS="e2e_kv" bash scripts/gpu_session.sh   (timeout_s 260; int8 KV vs float KV at 4096 tokens)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-runs/gpu}"
@@ -49,7 +53,7 @@ layers=(${LAYERS:+--layers "$LAYERS"})
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 start=$SECONDS
-all_steps="gpu_tests words sweep attention fp8 w8a8_sweep probe small small_e2e e2e"
+all_steps="gpu_tests words sweep attention fp8 w8a8_sweep probe small small_e2e e2e e2e_kv"
 all_steps+=" decode_sweep decode_sweep_w8 decode_sweep_bf16 norms float_attention graphs_off graphs_on graphs_7b"
 all_steps+=" gemv prefill layout layout_dsf"
 steps="${STEPS:-$all_steps layout_float kernels}"  # STEPS: a subset
@@ -175,6 +179,12 @@ step small_e2e 90 "$py" scripts/bench_e2e.py --shapes smollm2-135m --dtype bfloa
 step e2e "${E2E_LIMIT:-340}" "$py" scripts/bench_e2e.py --shapes "$shapes" "${layers[@]}" --dtype bfloat16 \
     --recipes ${RECIPES:-rtn-w4-g128 rtn-w8} --batches ${BATCHES:-1} --prefill-len 2048 --new-tokens 32 --repeats 2 \
     --scan-only ${TORCH:---torch} --profile --out "$out/e2e.json"
+# A quantized KV cache end to end (2026-12-05: its decode step's write one kernel, the float sinks in the store
+# kernel's softmax; 35-51 -> 22 launches a layer, deviceless): bf16 and rtn-w4-g128 after a 4096-token prompt,
+# each row's decode over an int8 cache (online key ranges) beside its own float cache's.
+step e2e_kv "${E2E_KV_LIMIT:-240}" "$py" scripts/bench_e2e.py --shapes "$shapes" "${layers[@]}" --dtype bfloat16 \
+    --recipes rtn-w4-g128 --batches 1 --prompt-len 4096 --prefill-len 512 --new-tokens 32 --repeats 2 --scan-only \
+    --no-torch --kv-bits "${KV_BITS:-8}" --out "$out/e2e_kv.json"
 # Kernel launch settings timed end to end (scripts/sweep_decode.py, new): the quantized model's decode under its
 # kernels' defaults and under each setting (split targets, tiles, K steps, stages, warps; the word kernel's mma
 # epilogue) in turns, beside bf16, two rounds, one process -- where timing the kernels alone could not tell the

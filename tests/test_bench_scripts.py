@@ -363,3 +363,20 @@ def test_bench_kernels_float_attention_step_times_both_paths_and_writes_entries(
         ("kv_attention", 16, 128, t, rows) for rows in (1, 4) for t in (32, 64)]
     read = dispatch_table.from_json(json.loads(path.read_text()))
     assert read.choice(table[-1][0]) in ("pallas", "xla")
+
+
+def test_bench_e2e_puts_a_quantized_kv_caches_decode_beside_the_float_caches():
+    """--kv-bits: each row also decodes over a quantized cache (online key ranges from the prompt, the default
+    float sinks); the table gives it and its ratio to the row's own float-cache decode."""
+    bench = _script("bench_e2e")
+    args = bench.parse_args(["--shapes", "llama-2-7b", "--dtype", "bfloat16", "--kv-bits", "8", "--prompt-len", "4096"])
+    kv = bench.kv_quantizer(args.kv_bits, args.prompt_len)
+    assert kv.key_ranges is None and kv.spec.bits == 8 and kv.spec.online_keys and kv.spec.prompt_tokens == 4096
+    assert kv.spec.sink_tokens == 4 and kv.spec.pre_rope
+    row = {"decode_b1": 200.0, "prefill": 1000.0, "compile_s": 1.0, "peak_rss_mib": 1.0}
+    rows = {"bf16": row | {"decode_kv": 150.0}, "rtn-w4-g128": row | {"decode_b1": 400.0, "decode_kv": 300.0},
+            "rtn-w8": {"error": "boom"}}
+    text = bench.table(rows, "bf16", [1])
+    assert "decode b1 quantized KV tok/s | vs float KV |" in text
+    assert "| 150.0 | 0.75x |" in text and "| 300.0 | 0.75x |" in text
+    assert "quantized KV" not in bench.table({"bf16": row}, "bf16", [1])  # no column without a measurement

@@ -463,6 +463,67 @@ for _shape in FLOAT_DECODE:
                 *compare(out, ref, REL[dtype]), same)
 
 
+KV_APPEND = [(8, BF16), (4, BF16), (8, F32), (4, F16)]
+for _bits, _dtype in KV_APPEND:
+
+    @case
+    def _kv_store_append(bits=_bits, dtype=_dtype):
+        """A quantized cache's one-token write (pallas_kernels.kv_store_append) on the hardware: the codes and value
+        grids bit for bit XLA's (div.rn.f32 by inline PTX, the float16 grid's rounding on the bit pattern), layer 1 of
+        a stacked store of Llama-2-7B's heads, values from 1e-3 to 300."""
+        from pallas_kernels.kv_store_append import store_append, store_append_reference
+
+        b, kv, s, d = 2, 32, 512, 128
+        row = d if bits == 8 else d // 2
+        rng = np.random.default_rng(bits)
+        codes = jnp.asarray(rng.integers(0, 100, (2, b, kv, s, row)), jnp.int8 if bits == 8 else jnp.uint8)
+        grid = jnp.asarray(rng.normal(size=(2, b, kv, s, 1)), jnp.float16)
+        k = jnp.asarray(rng.normal(size=(b, kv, d)) * 3, dtype)
+        v = jnp.asarray(rng.normal(size=(b, kv, d)) * np.geomspace(1e-3, 300, kv)[None, :, None], dtype)
+        k_scale = jnp.asarray(np.abs(rng.normal(size=(1, kv, d))) * 0.05 + 1e-3, jnp.float32)
+        k_lo = jnp.asarray(rng.normal(size=(1, kv, d)) - 3, jnp.float32)
+        store = (codes, codes + 1, grid, grid * 2)
+        got = jax.jit(lambda *a: store_append(*a, bits=bits, layer=jnp.int32(1), interpret=INTERPRET))(
+            *store, k, v, k_scale, k_lo, jnp.int32(300))
+        want = store_append_reference(*store, k, v, k_scale, k_lo, 300, bits=bits, layer=1)
+        differ = sum(int(jnp.sum(jax.lax.bitcast_convert_type(g, jnp.uint16) != jax.lax.bitcast_convert_type(w, jnp.uint16)))
+                     if g.dtype == jnp.float16 else int(jnp.sum(g != w)) for g, w in zip(got, want))
+        return f"kv_store_append int{bits} {jnp.dtype(dtype).name} B={b} KV={kv} S={s} D={d}", 0.0, 0.0, differ
+
+
+for _bits in (8, 4):
+
+    @case
+    def _kv_store_sinks(bits=_bits):
+        """The quantized store's decode attention with 4 float sinks in its softmax (sinks=), pre-RoPE int8 / int4
+        keys, bf16 query, layer 1 of a stacked store, 8 splits, vs the reference with the sinks beside the store."""
+        from llmeq_jax.kv import grid as kvgrid
+        from pallas_kernels.kv_cache import store_decode_attention, store_decode_attention_reference
+
+        b, h, g, t, d, n = 1, 8, 4, 4096, 128, 4
+        keys = jax.random.split(jax.random.key(bits), 5)
+        k = jax.random.normal(keys[0], (b, h, t, d)) * jnp.linspace(0.5, 3, d)
+        v = jax.random.normal(keys[1], (b, h, t, d))
+        hi = jnp.max(k, axis=(0, 2))[None, :, None]
+        scale, lo = kvgrid.grid_from_range(jnp.min(k, axis=(0, 2))[None, :, None], hi, bits)
+        kq, vq = kvgrid.quantize_per_channel(k, scale, lo, hi, bits, 0), kvgrid.quantize_per_token(v, bits, 0)
+        stacks = [jnp.stack([a, a]) for a in (kq.q, vq.q, vq.scale, vq.lo)]
+        sinks = tuple(jax.random.normal(key, (2, b, h, n, d)).astype(BF16) * 3 for key in keys[2:4]) + (
+            jnp.array([[True, True, False, True]]),)
+        q = jax.random.normal(keys[4], (b, h * g, d)).astype(BF16)
+        rope = dict(slot_pos=jnp.arange(t)[None] + n, inv_freq=1.0 / 10000 ** (jnp.arange(0, d, 2) / d))
+        allowed = jnp.ones((b, t), bool).at[:, :n].set(False)
+        length = jnp.array([t - 100])
+        out, _ = jax.jit(lambda *a: store_decode_attention(*a, bits=bits, allowed=allowed, sinks=sinks,
+                                                            layer=jnp.int32(1), num_splits=8, interpret=INTERPRET,
+                                                            **rope))(q, stacks[0], stacks[1], scale, lo, stacks[2],
+                                                                     stacks[3], length)
+        ref, _ = reference(store_decode_attention_reference, q.astype(F32), stacks[0], stacks[1], scale, lo,
+                           stacks[2], stacks[3], length, bits=bits, allowed=allowed, sinks=sinks, layer=1, **rope)
+        return (f"store_decode_attention int{bits} pre-RoPE with 4 float sinks T={t}", *compare(out, ref, REL[BF16]),
+                None)
+
+
 # --------------------------------------------------------------------------- ops.linear
 
 
