@@ -31,7 +31,8 @@ machine's JAX (0.11.x needs Python >= 3.12; 0.10.2 with Python 3.11 works the sa
         safetensors==0.8.0 gguf==0.19.0 transformers==5.23.0 sentencepiece
     .venv-aot/bin/pip install --no-deps triton==3.9.0   # only for --sass: its cuobjdump
     PYTHONPATH=. .venv-aot/bin/python scripts/gpu_aot.py --shapes llama-2-7b --layers 2 \\
-        --recipes bf16 rtn-w4-g128 rtn-w8 rtn-w8a8 [--kv-bits 8 [--kv-post-rope] --context 8192]
+        --recipes bf16 rtn-w4-g128 rtn-w8 rtn-w8a8 [--kv-bits 8 [--kv-post-rope] [--kv-static] [--kv-sinks N]
+        --context 8192]
         [--device h200] [--xla] [--sass] [--keep DIR]
 """
 
@@ -247,6 +248,22 @@ def abstract_model(args, recipe: str):
     return config, (jax.eval_shape(build) if recipe == "bf16" else jax.eval_shape(lambda p: p, build()))
 
 
+def kv_quantizer(args, config):
+    """The quantized KV cache's setting the flags ask for: key ranges online (from the prompt) or calibrated
+    (``--kv-static``: placeholder ranges, the same code), ``--kv-sinks`` float sink tokens."""
+    import jax.numpy as jnp
+
+    from llmeq_jax.kv import spec as kvspec
+
+    ranges = None
+    if args.kv_static:
+        shape = (config.num_layers, config.num_kv_heads, config.head_dim)
+        ranges = kvspec.KeyRanges(jnp.full(shape, -1.0), jnp.ones(shape))
+    spec = kvspec.KVSpec(bits=args.kv_bits, key_range="static" if args.kv_static else "online", prompt_tokens=16,
+                         pre_rope=not args.kv_post_rope, sink_tokens=args.kv_sinks)
+    return kvspec.KVQuantizer(ranges, spec)
+
+
 def compile_decode(args, recipe: str, topo, folder: Path):
     """Compile generate's decode loop (batch ``args.batch``, a cache of ``args.context`` slots) -- or with
     ``args.prefill``, its prefill of that many prompt tokens -- for the topology's GPU into ``folder`` (XLA's
@@ -255,7 +272,6 @@ def compile_decode(args, recipe: str, topo, folder: Path):
     import jax.numpy as jnp
 
     from llmeq_jax import generate as gen
-    from llmeq_jax.kv import spec as kvspec
     from llmeq_jax.models import init_cache
     from pallas_kernels import config as kernel_config
     from jax.experimental import topologies
@@ -264,16 +280,7 @@ def compile_decode(args, recipe: str, topo, folder: Path):
     on = jax.sharding.SingleDeviceSharding(device)
     put = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on), tree)  # noqa: E731
     config, params = abstract_model(args, recipe)
-    import json as _j
-    _extra = _j.loads(os.environ.get("KV_EXTRA", "{}"))
-    _static = _extra.pop("static", False)
-    _kr = None
-    if _static:
-        _shape = (config.num_layers, config.num_kv_heads, config.head_dim)
-        _kr = kvspec.KeyRanges(jnp.zeros(_shape), jnp.ones(_shape))
-    kv = None if args.kv_bits is None else kvspec.KVQuantizer(
-        _kr, kvspec.KVSpec(bits=args.kv_bits, key_range="static" if _static else "online", prompt_tokens=16,
-                           pre_rope=not args.kv_post_rope, **_extra))
+    kv = None if args.kv_bits is None else kv_quantizer(args, config)
     off = kernel_config.disabled() if args.xla else contextlib.nullcontext()
     with kernel_config.compiling_for(device), off:
         cache = jax.eval_shape(lambda: init_cache(config, args.batch, args.context, jnp.bfloat16, kv=kv))
@@ -325,6 +332,9 @@ def main(argv=None):
                         "(per decoder layer of the prompt; --context must hold it)")
     parser.add_argument("--kv-bits", type=int, choices=(4, 8), help="a quantized KV cache (online key ranges)")
     parser.add_argument("--kv-post-rope", action="store_true", help="the quantized cache stores keys after RoPE")
+    parser.add_argument("--kv-static", action="store_true",
+                        help="the quantized cache's key ranges calibrated (the default KV spec), not online")
+    parser.add_argument("--kv-sinks", type=int, default=4, help="the quantized cache's float sink tokens")
     parser.add_argument("--device", choices=sorted(TARGETS), default="h100")
     parser.add_argument("--xla", action="store_true", help="no Pallas kernel (pallas_kernels.config.disabled): XLA's paths")
     parser.add_argument("--keep", type=Path, help="keep XLA's dumps here (one folder per recipe)")
@@ -340,7 +350,9 @@ def main(argv=None):
         raise SystemExit(f"no deviceless CUDA compiler here ({e}); see this script's docstring for the setup") from e
     print(f"jax {jax.__version__}, compiled for {topo.devices[0].device_kind} (deviceless, no autotuning); "
           f"{args.shapes} shapes, {args.layers} layers stacked, batch {args.batch}, {args.context} cache slots"
-          + (f", int{args.kv_bits} KV cache ({'post' if args.kv_post_rope else 'pre'}-RoPE keys)" if args.kv_bits else "") + (", Pallas kernels off" if args.xla else "")
+          + (f", int{args.kv_bits} KV cache ({'post' if args.kv_post_rope else 'pre'}-RoPE keys, "
+             f"{'calibrated' if args.kv_static else 'online'} ranges, {args.kv_sinks} sinks)" if args.kv_bits else "")
+          + (", Pallas kernels off" if args.xla else "")
           + "; per decoder layer and token:")
     print("| recipe | thunks | Pallas kernels | XLA GEMMs | other fusions | copies | copied (>= 1 MiB) | kernels |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |")

@@ -109,3 +109,17 @@ def test_read_dump_finds_the_named_module(tmp_path):
     assert gpu_aot.read_dump(tmp_path, "jit_prefill") == ("hlo jit_prefill", "thunks jit_prefill")
     with pytest.raises(SystemExit, match="no \\*jit_other\\*gpu_after_optimizations.txt"):
         gpu_aot.read_dump(tmp_path, "jit_other")
+
+
+def test_the_kv_flags_make_the_cache_they_name():
+    """--kv-static / --kv-sinks / --kv-post-rope: the quantized cache's setting compiled (online ranges from the
+    prompt by default, as a cache without a calibration pass; calibrated ones with placeholder ranges)."""
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(num_layers=2, num_kv_heads=4, head_dim=8)
+    online = gpu_aot.kv_quantizer(SimpleNamespace(kv_bits=8, kv_static=False, kv_sinks=4, kv_post_rope=False), config)
+    assert online.key_ranges is None and online.spec.online_keys and online.spec.sink_tokens == 4
+    assert online.spec.pre_rope and online.spec.bits == 8
+    static = gpu_aot.kv_quantizer(SimpleNamespace(kv_bits=4, kv_static=True, kv_sinks=0, kv_post_rope=True), config)
+    assert not static.spec.online_keys and static.spec.needs_key_ranges and static.spec.sink_tokens == 0
+    assert static.key_ranges.lo.shape == (2, 4, 8) and not static.spec.pre_rope and static.spec.bits == 4
