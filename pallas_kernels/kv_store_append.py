@@ -76,11 +76,13 @@ def _codes(x, scale, lo, bits: int, interpreted: bool):
     return pack_nibbles(*split_pairs(c)).astype(jnp.uint8)
 
 
-def _kernel(*refs, kv: int, bits: int, per_row_keys: bool, stacked: bool, interpreted: bool):
+def _kernel(*refs, kv: int, bits: int, per_row_keys: bool, stacked: bool, interpreted: bool, sinks: int,
+            rotated_row: int):
     refs = list(refs)
     at = (refs.pop(0)[0],) if stacked else ()  # the layer of a stacked store, written in place
     slot_ref, new_ref, ks_ref, kl_ref = refs[:4]
-    kc_out, vc_out, vs_out, vl_out = refs[-4:]
+    sink_at_ref = refs[4] if sinks else None
+    kc_out, vc_out, vs_out, vl_out = refs[-6:-2] if sinks else refs[-4:]
     b, h = pl.program_id(0), pl.program_id(1)
     slot = jnp.minimum(slot_ref[0], kc_out.shape[-2] - 1)  # as XLA's dynamic-update-slice clamps its start
     key = plgpu.load(new_ref.at[b, pl.ds(h, 1), :]).astype(jnp.float32)  # (1, D)
@@ -94,9 +96,18 @@ def _kernel(*refs, kv: int, bits: int, per_row_keys: bool, stacked: bool, interp
     plgpu.store(vc_out.at[row], _codes(value, v_scale, v_lo, bits, interpreted))
     plgpu.store(vs_out.at[row], v_scale.astype(vs_out.dtype))
     plgpu.store(vl_out.at[row], v_lo.astype(vl_out.dtype))
+    if sinks:  # a token at a position < N also goes to the float sink store, its key after RoPE
+        ks_out, vs_sink_out = refs[-2:]
+        n = sink_at_ref[b]
+        write = jnp.broadcast_to(n < sinks, (1, key.shape[1]))
+        sink_row = (*at, b, h, pl.ds(jnp.minimum(n, sinks - 1), 1), slice(None))
+        rotated = plgpu.load(new_ref.at[b, pl.ds(rotated_row + h, 1), :])
+        plgpu.store(ks_out.at[sink_row], rotated.astype(ks_out.dtype), mask=write)
+        plgpu.store(vs_sink_out.at[sink_row], plgpu.load(new_ref.at[b, pl.ds(kv + h, 1), :]).astype(vs_sink_out.dtype),
+                    mask=write)
 
 
-def store_append(k_codes, v_codes, v_scale, v_lo, k, v, k_scale, k_lo, slot, *, bits: int, layer=None,
+def store_append(k_codes, v_codes, v_scale, v_lo, k, v, k_scale, k_lo, slot, *, bits: int, layer=None, sinks=None,
                  interpret: bool | None = None):
     """One token's key and value per row quantized into the store at ``slot``: -> ``(k_codes, v_codes, v_scale,
     v_lo)`` updated in place (the outputs alias those inputs).
@@ -105,7 +116,12 @@ def store_append(k_codes, v_codes, v_scale, v_lo, k, v, k_scale, k_lo, slot, *, 
     a 1 before D); codes ``[L, B, KV, S, D or D / 2]`` with ``layer`` (an integer scalar, may be traced) or
     ``[B, KV, S, ...]`` without; value grids the codes' shape with a last dim of 1, float16 or float32; ``slot``
     an integer scalar (clamped into the store, as XLA's dynamic-update-slice clamps). The arguments of
-    ``native.kv_store_append`` for a one-token step, the same bits written."""
+    ``native.kv_store_append`` for a one-token step, the same bits written.
+
+    ``sinks``: optional ``(k_sink, v_sink, at, k_rotated)``, the cache's float sink stores (the codes' lead dims, N
+    tokens, D; returned updated in place after the four) with ``at`` [B] int32, the sink index of each row's token
+    (N or more: not a sink), and ``k_rotated`` the keys after RoPE (as ``k``; None: ``k`` itself): the token's key
+    and value written there too, in the stores' dtype, as ``kv.cache``'s scatter writes them."""
     stacked = layer is not None
     lead = 5 if stacked else 4
     if k.ndim == 4:
@@ -139,26 +155,44 @@ def store_append(k_codes, v_codes, v_scale, v_lo, k, v, k_scale, k_lo, slot, *, 
         if s is not None and (jnp.shape(s) != () or not jnp.issubdtype(jnp.asarray(s).dtype, jnp.integer)):
             raise ValueError(f"store_append: {name} must be an integer scalar, got shape {jnp.shape(s)}")
     at = [] if layer is None else [jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))]
-    # The key and value as one operand: XLA makes it in the fusion that finishes the q/k/v projection.
-    new = jnp.concatenate([k, v], axis=1)
-    args = [*at, jnp.reshape(jnp.asarray(slot, jnp.int32), (1,)), new, k_scale, k_lo, k_codes, v_codes, v_scale, v_lo]
-    n = len(args)
+    # The key and value (and a rotated key for the sinks) as one operand: XLA makes it in the fusion that
+    # finishes the q/k/v projection.
+    parts, sink_args, n_sinks = [k, v], [], 0
+    if sinks is not None:
+        k_sink, v_sink, sink_at, k_rotated = sinks
+        n_sinks = k_sink.shape[-2]
+        if k_sink.shape != (*k_codes.shape[:-2], n_sinks, d) or v_sink.shape != k_sink.shape \
+                or jnp.dtype(k_sink.dtype) not in FLOAT_DTYPES or jnp.shape(sink_at) not in ((bsz,), (bsz, 1)):
+            raise ValueError(f"store_append: sinks must be stores {(*k_codes.shape[:-2], 'N', d)} float and indices "
+                             f"[{bsz}], got {k_sink.dtype} {k_sink.shape} / {v_sink.shape} / {jnp.shape(sink_at)}")
+        if k_rotated is not None:
+            k_rotated = k_rotated[:, :, 0] if k_rotated.ndim == 4 else k_rotated
+            if k_rotated.shape != k.shape:
+                raise ValueError(f"store_append: the rotated keys must be shaped as k {k.shape}, got {k_rotated.shape}")
+            parts.append(k_rotated.astype(k.dtype))
+        sink_args = [jnp.reshape(sink_at, (bsz,)).astype(jnp.int32)]
+    new = jnp.concatenate(parts, axis=1)
+    stores = [k_codes, v_codes, v_scale, v_lo] + ([k_sink, v_sink] if sinks is not None else [])
+    args = [*at, jnp.reshape(jnp.asarray(slot, jnp.int32), (1,)), new, k_scale, k_lo, *sink_args, *stores]
+    first = len(args) - len(stores)
     interpret = config.resolve_interpret(interpret)
     kernel = functools.partial(_kernel, kv=kv, bits=bits, per_row_keys=k_scale.shape[0] == bsz and bsz > 1,
-                               stacked=stacked, interpreted=interpret)
+                               stacked=stacked, interpreted=interpret, sinks=n_sinks,
+                               rotated_row=2 * kv if len(parts) == 3 else 0)
     return pl.pallas_call(
         kernel,
-        out_shape=tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (k_codes, v_codes, v_scale, v_lo)),
+        out_shape=tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in stores),
         grid=(bsz, kv),
-        input_output_aliases={n - 4: 0, n - 3: 1, n - 2: 2, n - 1: 3},
+        input_output_aliases={first + i: i for i in range(len(stores))},
         compiler_params=compiler_params(1, 1),
         interpret=interpret,
         name=f"kv_store_append_int{bits}",
     )(*args)
 
 
-def store_append_reference(k_codes, v_codes, v_scale, v_lo, k, v, k_scale, k_lo, slot, *, bits: int, layer=None):
-    """Pure-jnp reference: ``kv.grid``'s quantizers and a dynamic-update-slice per array."""
+def store_append_reference(k_codes, v_codes, v_scale, v_lo, k, v, k_scale, k_lo, slot, *, bits: int, layer=None,
+                           sinks=None):
+    """Pure-jnp reference: ``kv.grid``'s quantizers and a dynamic-update-slice per array (the sinks: a scatter)."""
     from llmeq_jax.kv import grid as kvgrid
 
     k = k if k.ndim == 4 else k[:, :, None]
@@ -173,8 +207,21 @@ def store_append_reference(k_codes, v_codes, v_scale, v_lo, k, v, k_scale, k_lo,
         new = new.astype(a.dtype)
         return jax.lax.dynamic_update_slice(a, new if layer is None else new[None], start)
 
-    return (put(k_codes, keys.q), put(v_codes, values.q), put(v_scale, values.scale.astype(v_scale.dtype)),
-            put(v_lo, values.lo.astype(v_lo.dtype)))
+    out = (put(k_codes, keys.q), put(v_codes, values.q), put(v_scale, values.scale.astype(v_scale.dtype)),
+           put(v_lo, values.lo.astype(v_lo.dtype)))
+    if sinks is None:
+        return out
+    k_sink, v_sink, sink_at, k_rotated = sinks
+    k_rotated = k if k_rotated is None else (k_rotated if k_rotated.ndim == 4 else k_rotated[:, :, None])
+    rows, at = jnp.arange(k.shape[0]), jnp.reshape(sink_at, (-1,))
+
+    def scatter(stack, new):  # stack [(L,) B, KV, N, D] <- new [B, KV, 1, D] at (layer, row, :, at[row]); N+: dropped
+        new = new[:, :, 0].astype(stack.dtype)
+        if layer is None:
+            return stack.at[rows, :, at].set(new, mode="drop")
+        return stack.at[layer, rows, :, at].set(new, mode="drop")
+
+    return (*out, scatter(k_sink, k_rotated), scatter(v_sink, v))
 
 
 __all__ = ["SUPPORTED_BITS", "can_use", "store_append", "store_append_reference"]

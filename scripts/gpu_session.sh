@@ -41,7 +41,7 @@
 #         gpu cases first: the e2e rows mean nothing if they fail)
 #     STEPS="float_attention decode_sweep_w8 small_e2e" bash scripts/gpu_session.sh   (timeout_s 360)
 # The session after (no GPU) cut a quantized KV cache's decode launches (its write one kernel, the float sinks in the
-# store kernel, a written online grid left alone: 35-51 -> 22 a layer); its gpu cases are in the default TESTS
+# store kernel, a written online grid left alone: 35-51 -> 20 a layer); its gpu cases are in the default TESTS
 # ("store"). After the two calls above, as time allows:
 #     STEPS="e2e_kv" bash scripts/gpu_session.sh   (timeout_s 260; int8 KV vs float KV at 4096 tokens)
 set -uo pipefail
@@ -180,7 +180,7 @@ step e2e "${E2E_LIMIT:-340}" "$py" scripts/bench_e2e.py --shapes "$shapes" "${la
     --recipes ${RECIPES:-rtn-w4-g128 rtn-w8} --batches ${BATCHES:-1} --prefill-len 2048 --new-tokens 32 --repeats 2 \
     --scan-only ${TORCH:---torch} --profile --out "$out/e2e.json"
 # A quantized KV cache end to end (2026-12-05: its decode step's write one kernel, the float sinks in the store
-# kernel's softmax; 35-51 -> 22 launches a layer, deviceless): bf16 and rtn-w4-g128 after a 4096-token prompt,
+# kernel's softmax; 35-51 -> 20 launches a layer, deviceless): bf16 and rtn-w4-g128 after a 4096-token prompt,
 # each row's decode over an int8 cache (online key ranges) beside its own float cache's.
 step e2e_kv "${E2E_KV_LIMIT:-240}" "$py" scripts/bench_e2e.py --shapes "$shapes" "${layers[@]}" --dtype bfloat16 \
     --recipes rtn-w4-g128 --batches 1 --prompt-len 4096 --prefill-len 512 --new-tokens 32 --repeats 2 --scan-only \

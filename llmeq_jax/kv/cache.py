@@ -348,10 +348,15 @@ def _sink_index(cache: QuantKVCache, positions: jax.Array, step_mask: jax.Array)
     return jnp.where(step_mask.astype(bool) & (positions < n), positions, n)
 
 
+def _sink_targets(cache: QuantKVCache, t: int) -> jax.Array:
+    """:func:`_sink_index` of this step's T tokens [B, T] (the step's slots are marked valid already)."""
+    step_mask = jax.lax.dynamic_slice_in_dim(cache.valid, cache.length, t, axis=1)
+    return _sink_index(cache, new_positions(cache, step_mask), step_mask)
+
+
 def _write_sinks(cache: QuantKVCache, layer: int, k, v) -> QuantKVCache:
     """Float copies of this step's sink tokens (keys post-RoPE) into the sink store of ``layer``."""
-    step_mask = jax.lax.dynamic_slice_in_dim(cache.valid, cache.length, k.shape[2], axis=1)
-    at = _sink_index(cache, new_positions(cache, step_mask), step_mask)  # [B, T]
+    at = _sink_targets(cache, k.shape[2])  # [B, T]
     rows = jnp.arange(at.shape[0])[:, None]
 
     def put(stack, new):  # stack [L, B, KV, N, D] <- new [B, KV, T, D] at (layer, row, :, at[row, t])
@@ -371,12 +376,13 @@ def _q_update(cache: QuantKVCache, layer: int, k, v, k_raw) -> QuantKVCache:
     # where() in _set_online_grid) cost 16 of its 51 launches a layer (deviceless H200, Llama-2-7B, int8).
     if cache.spec.online_keys and not cache.written:
         cache = _set_online_grid(cache, layer, keys)
-    if cache.sink_slot is not None:
+    kernel = kernel_appends(cache.spec, cache.head_dim, keys)
+    if cache.sink_slot is not None and not kernel:  # the kernel writes the sinks' float copies as well
         cache = _write_sinks(cache, layer, k, v)
     if native_reads_store(cache.spec, cache.head_dim):  # the native kernel's setting: one in-place native write
         return _native_write(cache, layer, keys, v)
-    if kernel_appends(cache.spec, cache.head_dim, keys):
-        return _kernel_write(cache, layer, keys, v)
+    if kernel:
+        return _kernel_write(cache, layer, keys, v, k)
     return dataclasses.replace(
         cache,
         k=_write(cache.k, layer, _quantize_keys(cache, layer, keys), cache.length),
@@ -403,11 +409,18 @@ def kernel_appends(spec: kvspec.KVSpec, head_dim: int, keys) -> bool:
             and not spec.n_outliers(head_dim) and kv_append.can_use(head_dim, spec.bits, keys.dtype)[0])
 
 
-def _kernel_write(cache: QuantKVCache, layer: int, keys, v) -> QuantKVCache:
-    """:func:`_q_update`'s codes and value grids written by the Pallas kernel, in place (XLA's bits)."""
+def _kernel_write(cache: QuantKVCache, layer: int, keys, v, k) -> QuantKVCache:
+    """:func:`_q_update`'s codes and value grids, and a sink token's float copies (``k`` the keys after RoPE),
+    written by the Pallas kernel in place (XLA's bits; the sinks were a select and two scatters a layer)."""
     scale, lo, _ = _key_grid(cache, layer)
-    kq, vq, vs, vl = kv_append.store_append(cache.k.q, cache.v.q, cache.v.scale, cache.v.lo, keys, v, scale, lo,
-                                            cache.length, bits=cache.spec.bits, layer=layer)
+    sinks = None
+    if cache.sink_slot is not None:
+        sinks = (cache.k_sink, cache.v_sink, _sink_targets(cache, 1), k if cache.spec.pre_rope else None)
+    written = kv_append.store_append(cache.k.q, cache.v.q, cache.v.scale, cache.v.lo, keys, v, scale, lo,
+                                     cache.length, bits=cache.spec.bits, layer=layer, sinks=sinks)
+    kq, vq, vs, vl = written[:4]
+    if sinks is not None:
+        cache = dataclasses.replace(cache, k_sink=written[4], v_sink=written[5])
     return dataclasses.replace(cache, k=dataclasses.replace(cache.k, q=kq),
                                v=dataclasses.replace(cache.v, q=vq, scale=vs, lo=vl))
 

@@ -114,6 +114,28 @@ def test_decode_through_the_kernel_equals_xla(case):
     _assert_same_decode((kernel, kernel_cache), xla, float_logits)
 
 
+def test_a_short_prompts_sinks_are_written_by_the_decode_steps_kernel(monkeypatch):
+    """Row 0's prompt has 2 real tokens: its decode steps write sink tokens 2 and 3 -- through the store's write kernel
+    (the float copies, keys after RoPE) -- and the sink stores, codes and logits equal XLA's path."""
+    monkeypatch.setitem(globals(), "PROMPT_MASK", np.array([[0, 0, 0, 0, 1, 1], [1, 1, 1, 1, 1, 1]]))
+    config, spec = CASES["int8-preRoPE-sinks4"]
+    params = _same_codes_model(config)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (2, 10)))
+    kv = calibrate.make_kv_quantizer(spec, config, params, np.random.default_rng(1).integers(0, config.vocab_size,
+                                                                                             (4, 16)))
+    with native.disabled():
+        xla_logits, _, xla_cache = _decode(config, params, kv, tokens)
+    with kernel_config.interpret(True):
+        assert "name=kv_store_append_int8" in _step_jaxpr(config, params, kv, tokens)
+        logits, _, cache = _decode(config, params, kv, tokens)
+    assert np.all(np.asarray(xla_cache.sink_slot) >= 0)  # all four of row 0's sinks written, two of them by decode
+    for name in ("k_sink", "v_sink"):
+        np.testing.assert_array_equal(np.asarray(getattr(cache, name), np.float32),
+                                      np.asarray(getattr(xla_cache, name), np.float32), err_msg=name)
+    np.testing.assert_array_equal(cache.k.q, xla_cache.k.q)
+    np.testing.assert_allclose(logits, xla_logits, atol=5e-5 * float(jnp.max(jnp.abs(xla_logits))))
+
+
 def _assert_same_decode(ours, xla, float_logits):
     """Two paths' ``(logits, cache)`` of :func:`_decode` agree; returns the tolerance used."""
     (logits, cache), (xla_logits, xla_cache) = ours, xla

@@ -61,6 +61,37 @@ def test_writes_xlas_bits_in_place(bits, grid_dtype, slot, dtype, per_row, stack
     assert set(where[-1]) == {min(slot, S - 1)} and (not stacked or set(where[0]) == {1})
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("stacked", [True, False])
+@pytest.mark.parametrize("rotated", [True, False], ids=["preRoPE", "postRoPE"])
+def test_a_sink_tokens_float_copies_are_written_with_it(bits, stacked, rotated):
+    """sinks=(k_sink, v_sink, at, k_rotated): a row whose token is a sink (at < N) also writes its key (after RoPE:
+    ``k_rotated``, else ``k``) and value into the float sink stores, in their dtype; a row at N or past writes none."""
+    rng = np.random.default_rng(bits)
+    store = _store(bits, jnp.float16, rng, stacked)
+    k, v, k_scale, k_lo = _step(rng, jnp.bfloat16, False)
+    n = 4
+    lead = (L, B, KV) if stacked else (B, KV)
+    k_sink = jnp.asarray(rng.normal(size=(*lead, n, D)), jnp.bfloat16)
+    sinks = (k_sink, k_sink * 3, jnp.array([2, n], jnp.int32), k * 2 if rotated else None)
+    layer = 1 if stacked else None
+    got = ka.store_append(*store, k, v, k_scale, k_lo, jnp.int32(5), bits=bits, sinks=sinks, interpret=True,
+                          layer=None if layer is None else jnp.int32(layer))
+    want = ka.store_append_reference(*store, k, v, k_scale, k_lo, 5, bits=bits, layer=layer, sinks=sinks)
+    assert len(got) == 6
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        np.testing.assert_array_equal(_bits(g), _bits(w))
+    key = (1, 0) if stacked else (0,)
+    np.testing.assert_array_equal(_bits(got[4][(*key, slice(None), 2)]), _bits((k * 2 if rotated else k)[0]))
+    np.testing.assert_array_equal(_bits(got[5][(*key, slice(None), 2)]), _bits(v[0]))
+    changed = np.argwhere(_bits(got[4]) != _bits(k_sink))[:, :-1]  # (layer,) row, head, sink of each changed value
+    if stacked:
+        assert set(changed[:, 0]) == {1}
+        changed = changed[:, 1:]
+    assert {(int(r), int(i)) for r, _, i in changed} == {(0, 2)}  # row 0's sink 2 only: row 1's token is no sink
+
+
 def test_a_one_token_axis_is_taken_and_bad_inputs_are_refused():
     rng = np.random.default_rng(0)
     store = _store(4, jnp.float16, rng)
@@ -91,6 +122,11 @@ def test_a_one_token_axis_is_taken_and_bad_inputs_are_refused():
         call(slot=jnp.ones(2, jnp.int32))
     with pytest.raises(ValueError, match="head_dim 48"):
         call(k=k[..., :48], v=v[..., :48])
+    sink = jnp.zeros((L, B, KV, 4, D), jnp.float32)
+    with pytest.raises(ValueError, match="sinks must be"):
+        call(sinks=(sink[0], sink[0], jnp.zeros(B, jnp.int32), None))  # one layer's sinks for a stacked store
+    with pytest.raises(ValueError, match="rotated keys must be"):
+        call(sinks=(sink, sink, jnp.zeros(B, jnp.int32), k[..., :32]))
 
 
 @pytest.mark.parametrize("bits", [8, 4])
