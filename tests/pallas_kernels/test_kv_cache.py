@@ -238,6 +238,26 @@ def test_store_decode_lowers_for_cuda(cuda_lowering, bits, rope):
     assert kernel.ttir.count("tt.elementwise_inline_asm") == want
 
 
+@pytest.mark.parametrize("bits, rope", [(8, False), (4, False), (8, True)], ids=["int8-words", "int4-words", "int8-rope"])
+def test_store_decode_with_float_sinks_lowers_for_cuda(cuda_lowering, bits, rope):
+    """The sinks' carry (float32 dots of the query heads over N = 4 tokens, padded to 16) lowers beside each way the
+    store is read (words for post-RoPE bf16 queries, bytes rotated per tile for pre-RoPE keys), stacked layers."""
+    b, h, g, t, d, n = 1, 8, 4, 4096, 128, 4
+    sds = jax.ShapeDtypeStruct
+    cache = sds((2, b, h, t, d if bits == 8 else d // 2), jnp.int8 if bits == 8 else jnp.uint8)
+    tok, grid = sds((2, b, h, t, 1), jnp.float16), sds((1, h, 1, d), jnp.float32)
+    sink = sds((2, b, h, n, d), jnp.bfloat16)
+
+    def attend(q, kc, vc, ks, kl, vs, vl, length, allowed, pos, freq, k_sink, v_sink, seen, layer):
+        extra = dict(slot_pos=pos, inv_freq=freq) if rope else {}
+        return store_decode_attention(q, kc, vc, ks, kl, vs, vl, length, bits=bits, allowed=allowed,
+                                      sinks=(k_sink, v_sink, seen), layer=layer, **extra)
+
+    cuda_lowering(attend, sds((b, h * g, d), jnp.bfloat16), cache, cache, grid, grid, tok, tok, sds((b,), jnp.int32),
+                  sds((b, t), bool), sds((b, t), jnp.int32), sds((d // 2,), jnp.float32), sink, sink, sds((b, n), bool),
+                  sds((), jnp.int32))
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_pre_rope_approximate_cos_sin_only_for_half_queries(cuda_lowering, bits):
     """cos.approx / sin.approx (absolute error ~5e-7) for bf16/f16 queries; float32 queries keep accurate
