@@ -41,8 +41,9 @@
 #         gpu cases first: the e2e rows mean nothing if they fail)
 #     STEPS="float_attention decode_sweep_w8 small_e2e" bash scripts/gpu_session.sh   (timeout_s 360)
 # The session after (no GPU) cut a quantized KV cache's decode launches (its write one kernel, the float sinks in the
-# store kernel, a written online grid left alone: 35-51 -> 20 a layer); its gpu cases are in the default TESTS
-# ("store"). After the two calls above, as time allows:
+# store kernel, a written online grid left alone: 35-51 -> 20 a layer) and made rtn-w8's GPU prefill one GEMM over
+# the int8 codes (no bf16 copy of each weight; e2e's prefill column times it). Add its gpu cases to the first call's
+# tests (TESTS="float_decode or int8_f16 or kv_store"); after the two calls, as time allows:
 #     STEPS="e2e_kv" bash scripts/gpu_session.sh   (timeout_s 260; int8 KV vs float KV at 4096 tokens)
 set -uo pipefail
 cd "$(dirname "$0")/.."
