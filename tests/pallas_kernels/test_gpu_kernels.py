@@ -464,15 +464,16 @@ for _shape in FLOAT_DECODE:
 
 
 KV_APPEND = [(8, BF16), (4, BF16), (8, F32), (4, F16)]
-for _bits, _dtype in KV_APPEND:
+for _append in KV_APPEND:
 
     @case
-    def _kv_store_append(bits=_bits, dtype=_dtype):
+    def _kv_store_append(setting=_append):
         """A quantized cache's one-token write (pallas_kernels.kv_store_append) on the hardware: the codes and value
         grids bit for bit XLA's (div.rn.f32 by inline PTX, the float16 grid's rounding on the bit pattern), layer 1 of
         a stacked store of Llama-2-7B's heads, values from 1e-3 to 300."""
         from pallas_kernels.kv_store_append import store_append, store_append_reference
 
+        bits, dtype = setting
         b, kv, s, d = 2, 32, 512, 128
         row = d if bits == 8 else d // 2
         rng = np.random.default_rng(bits)
