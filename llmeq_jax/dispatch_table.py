@@ -52,8 +52,11 @@ ENV = "LLMEQ_DISPATCH_TABLE"
 # verdicts do not apply to it (the K-major W8A8 kernel ran at 1.29x bf16 at M = 16 where the (K, N) one lost to XLA).
 # rms_norm: a decode step's RMSNorm in one kernel (pallas_kernels.rms_norm) against XLA's two; bits 32 (the scale's),
 # k = n = the features; on a GPU taken where unmeasured.
+# prompt_attention: a prompt's attention as cuDNN's flash attention ("pallas_s": the fused kernel's time, though
+# it is cuDNN's, not a Pallas one) against XLA's dots and softmax; bits 16, k = head_dim, n = the keys (a
+# power-of-two bucket), rows = the query positions (bucketed), dtype the query's.
 KERNELS = ("weight_only", "w8a8", "fp8_w8a8", "int4_words", "float", "int8_f16", "kv_attention", "weight_only_nk",
-           "w8a8_nk", "fp8_w8a8_nk", "rms_norm")
+           "w8a8_nk", "fp8_w8a8_nk", "rms_norm", "prompt_attention")
 # Measured weight shapes that must agree on a path before an unmeasured product follows them (Table.inferred).
 MIN_AGREEING_SHAPES = 2
 PATHS = ("pallas", "xla")

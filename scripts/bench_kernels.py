@@ -478,6 +478,47 @@ def float_attention_bench(reps, table=None, table_path=None):
         write_table(table_path, table)
 
 
+# A prompt's attention: (query heads, KV heads) of Llama-2-7B and Llama-3-8B, head dim 128, and prompt lengths.
+PROMPT_HEADS = ((32, 32), (32, 8))
+PROMPT_LENGTHS = (128, 512, 2048, 4096)
+
+
+def prompt_attention_bench(reps, lengths=PROMPT_LENGTHS, table=None, table_path=None):
+    """A prompt's causal attention (batch 1, bf16, head dim 128) at PROMPT_HEADS and ``lengths``: cuDNN's flash
+    attention (llmeq_jax.kv.attention.attention_flash) against XLA's dots and softmax (attention_xla, which
+    writes the float32 scores); with a list ``table``, ``prompt_attention`` entries, which a GPU's prompts
+    follow (kv.attention.flash_ok)."""
+    from llmeq_jax import dispatch_table
+    from llmeq_jax.kv import attention
+
+    def flash(q, k, v, mask):
+        out = attention.attention_flash(q, k, v, mask)
+        if out is None:
+            raise SystemExit("cuDNN's flash attention refused the call (no cuDNN in this jaxlib?)")
+        return out
+
+    d = 128
+    for h, kv in PROMPT_HEADS:
+        for t in lengths:
+            keys = jax.random.split(jax.random.key(t), 3)
+            q = jax.random.normal(keys[0], (1, t, h, d), jnp.bfloat16)
+            k, v = (jax.random.normal(key, (1, kv, t, d), jnp.bfloat16) for key in keys[1:])
+            mask = jnp.tril(jnp.ones((t, t), bool))[None]
+            inputs = [(q, k, v, mask)]
+            err = jnp.max(jnp.abs(jax.jit(flash)(*inputs[0]).astype(jnp.float32)
+                                  - jax.jit(attention.attention_xla)(*inputs[0]).astype(jnp.float32)))
+            best = timed_round_robin({"flash": (flash, inputs), "xla": (attention.attention_xla, inputs)}, reps=reps)
+            print(f"prompt attention T={t} H={h} H_kv={kv} D={d} bf16 causal: cuDNN flash {best['flash'] * 1e6:.1f} us, "
+                  f"XLA {best['xla'] * 1e6:.1f} us: {best['xla'] / best['flash']:.2f}x; max |flash - XLA| {float(err):.2g}",
+                  flush=True)
+            if table is not None:
+                key = dispatch_table.Key(jax.devices()[0].device_kind, "prompt_attention", 16, None, d,
+                                         dispatch_table.row_bucket(t), dispatch_table.row_bucket(t), "bfloat16")
+                table.append((key, {"pallas_s": best["flash"], "xla_s": best["xla"], "bf16_s": best["xla"]}))
+    if table is not None and table_path:
+        write_table(table_path, table)
+
+
 NORM_LAYERS = 8  # norms chained in one timed program, each reading a layer of one stack of scales
 
 
@@ -645,6 +686,9 @@ def main():
     parser.add_argument("--float-attention", action="store_true",
                         help="time only a decode step's attention over a bf16 cache: the write-and-attend kernel "
                              "against XLA's update and attention")
+    parser.add_argument("--prompt-attention", action="store_true",
+                        help="time only a prompt's attention (cuDNN's flash attention against XLA's) at --rows "
+                             "positions of at least 128, e.g. 128,512,2048,4096")
     parser.add_argument("--norms", metavar="K,K", help="time only the decode RMSNorm kernel against XLA's at these "
                                                        "feature counts (and --rows <= 16), e.g. 576,2048,4096")
     args = parser.parse_args()
@@ -668,6 +712,9 @@ def main():
     table = [] if args.write_table else None
     if args.float_attention:
         float_attention_bench(args.reps, table, args.write_table)
+        return
+    if args.prompt_attention:
+        prompt_attention_bench(args.reps, [m for m in rows if m >= 128] or PROMPT_LENGTHS, table, args.write_table)
         return
     if args.norms:
         norm_bench(args.reps, [int(k) for k in args.norms.split(",")], rows, table, args.write_table)

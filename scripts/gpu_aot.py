@@ -7,7 +7,7 @@ script traces ``generate``'s decode loop for that GPU (``pallas_kernels.config.c
 kernels, layouts and dispatch-table choices a GPU makes), compiles it, and reads from XLA's dumps,
 for the loop over the stacked decoder blocks (one decoder layer, one token):
 
-* every launch: the Pallas kernels (name and grid), XLA's GEMMs (Triton fusions or cuBLAS calls),
+* every launch: the Pallas kernels (name and grid) and cuDNN's, XLA's GEMMs (Triton fusions or cuBLAS calls),
   the other fusions -- a count to compare variants by (XLA wraps them in command buffers);
 * every copy of 1 MiB or more (a ``copy`` or a dynamic-slice fusion): bytes a decode step moves for
   nothing. XLA copies a layer's slice out of a stacked array before a GEMM or a custom call that
@@ -132,6 +132,8 @@ def launches(body: list[str]) -> dict:
             out["gemm"] += 1
         elif kind == "kCustomKernel" and name and is_pallas(name):
             out["pallas"].append(f"{name} {grid}")
+        elif kind == "kCuDnn":  # cuDNN's flash attention (a prompt's, kv.attention.attention_flash)
+            out["pallas"].append("cuDNN")
         elif kind == "kCustomKernel":
             out["fusion"] += 1
     return out
@@ -354,7 +356,7 @@ def main(argv=None):
              f"{'calibrated' if args.kv_static else 'online'} ranges, {args.kv_sinks} sinks)" if args.kv_bits else "")
           + (", Pallas kernels off" if args.xla else "")
           + "; per decoder layer and token:")
-    print("| recipe | thunks | Pallas kernels | XLA GEMMs | other fusions | copies | copied (>= 1 MiB) | kernels |")
+    print("| recipe | thunks | Pallas / cuDNN kernels | XLA GEMMs | other fusions | copies | copied (>= 1 MiB) | kernels |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |")
     sass = {}
     for recipe in args.recipes:

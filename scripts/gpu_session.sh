@@ -45,6 +45,9 @@
 # the int8 codes (no bf16 copy of each weight; e2e's prefill column times it). Add its gpu cases to the first call's
 # tests (TESTS="float_decode or int8_f16 or kv_store"); after the two calls, as time allows:
 #     STEPS="e2e_kv" bash scripts/gpu_session.sh   (timeout_s 260; int8 KV vs float KV at 4096 tokens)
+# The session after (no GPU) sent a GPU prompt's attention to cuDNN's flash attention (every variant's prefill
+# column changes); its gpu case is in TESTS="... or prompt_attention" of the first call, and after the e2e call:
+#     STEPS="prompt_attention" bash scripts/gpu_session.sh   (timeout_s 90; cuDNN vs XLA attention, table entries)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-runs/gpu}"
@@ -56,7 +59,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 start=$SECONDS
 all_steps="gpu_tests words sweep attention fp8 w8a8_sweep probe small small_e2e e2e e2e_kv"
 all_steps+=" decode_sweep decode_sweep_w8 decode_sweep_bf16 norms float_attention graphs_off graphs_on graphs_7b"
-all_steps+=" gemv prefill layout layout_dsf"
+all_steps+=" gemv prefill layout layout_dsf prompt_attention"
 steps="${STEPS:-$all_steps layout_float kernels}"  # STEPS: a subset
 step() {  # step NAME SECONDS CMD...: run CMD with a time limit, its output in $out/NAME.log
   local name=$1 limit=$2
@@ -221,6 +224,11 @@ step norms 40 "$py" scripts/bench_kernels.py --reps 20 --norms 576,4096 --rows 1
 # cache; dispatch_float_kv.json's 16-bit kv_attention entries send a length back to XLA where it was faster.
 step float_attention 60 "$py" scripts/bench_kernels.py --reps 5 --float-attention --write-table \
     "$out/dispatch_float_kv.json"
+# A prompt's attention as cuDNN's flash attention (kv.attention.attention_flash, new: on a GPU from 128 positions,
+# where XLA writes the whole float32 score matrix) against XLA's, Llama-2-7B's and Llama-3-8B's heads at 128-4096
+# positions; dispatch_prompt.json's prompt_attention entries send a length back to XLA where it was faster.
+step prompt_attention 60 "$py" scripts/bench_kernels.py --reps 10 --prompt-attention --rows 128,512,2048,4096 \
+    --write-table "$out/dispatch_prompt.json"
 step kernels 90 "$py" scripts/bench_kernels.py --reps 10 --kinds bf16,w8a8,fp8,w8,w4g128,w8a8_nk,fp8_nk,w8_nk \
     --write-table "$out/dispatch.json"
 echo "== [$(( SECONDS - start ))s] done; results in $out"

@@ -76,6 +76,14 @@ def test_launches_of_the_innermost_loop_body():
     assert (seen["gemm"], seen["fusion"], seen["copy"]) == (1, 1, 1)
 
 
+def test_cudnns_attention_counts_as_a_kernel():
+    """A prompt's flash attention is a cuDNN thunk (kCuDnn): listed beside the Pallas kernels, not dropped."""
+    body = ["050: kCuDnn        [prev=049 (1)  | next=052 (2) ] kCuDnn",
+            "051: kCustomKernel [prev=050 (1) | sink] gemm_fusion_dot_3 grid: [8, 1, 1] threads: [128, 1, 1]"]
+    seen = gpu_aot.launches(body)
+    assert seen["pallas"] == ["cuDNN"] and seen["gemm"] == 1
+
+
 def test_of_two_innermost_loops_the_layers_longer_one():
     """A tied LM head over a quantized table runs a loop over row chunks beside the layers' loop, as deep: the
     layers' (longer) body is the one counted."""

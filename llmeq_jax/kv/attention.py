@@ -6,6 +6,10 @@
   dequantized store, float sinks, float window), each with its own mask.
 * :func:`merge_attention`: combine two partial results by their log-sum-exp (the Pallas
   decode kernel's store part with the float parts).
+
+A prompt's attention on a GPU (:func:`flash_ok`) goes to cuDNN's flash attention
+(:func:`attention_flash`): XLA's formulation writes the whole float32 score matrix and reads it
+three times (a Llama-2-7B layer at 2048 positions: 512 MB of scores, ~2.5 GB of traffic).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from llmeq_jax import native, ops
+from llmeq_jax import dispatch_table, native, ops
 from pallas_kernels import config as kernel_config
 
 # Masked attention scores: a large finite value, so a row with no visible key
@@ -31,7 +35,8 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Ar
     """
     if native_attention_ok(q, k, v):
         return native.decode_attention(q, k, v, mask, masked=MASKED, reference=attention_xla)
-    return attention_xla(q, k, v, mask)
+    out = attention_flash(q, k, v, mask) if flash_ok(q, k) else None
+    return out if out is not None else attention_xla(q, k, v, mask)
 
 
 def layer_attention(q: jax.Array, k: jax.Array, v: jax.Array, layer, mask: jax.Array) -> jax.Array:
@@ -39,6 +44,9 @@ def layer_attention(q: jax.Array, k: jax.Array, v: jax.Array, layer, mask: jax.A
     an int or a traced scalar): the native kernel reads the layer in place; XLA's path slices it."""
     if native_attention_ok(q, k, v):
         return native.decode_attention(q, k, v, mask, masked=MASKED, reference=attention_xla, layer=layer)
+    out = attention_flash(q, k[layer], v[layer], mask) if flash_ok(q, k) else None
+    if out is not None:
+        return out
     if sums_read_in_place(q, k):
         return attention_sums(q, k[layer], v[layer], mask)
     return attention_xla(q, k[layer], v[layer], mask)
@@ -70,6 +78,42 @@ def attention_sums(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) ->
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.sum(probs[..., None] * v[:, None, :, None].astype(jnp.float32), axis=-2)  # [B, T, KV, G, D]
     return out.astype(v.dtype).reshape(b, t, h, d)
+
+
+# Query positions from which a GPU's prompt takes cuDNN's flash attention where no dispatch table measured it.
+FLASH_MIN_ROWS = 128
+FLASH_DTYPES = (jnp.bfloat16, jnp.float16)  # cuDNN's flash attention takes half-precision operands only
+FLASH_MAX_HEAD_DIM = 128  # 256 on Hopper and later; 128 everywhere cuDNN runs it
+
+
+def flash_ok(q: jax.Array, k: jax.Array) -> bool:
+    """Whether a GPU's attention of these queries goes to :func:`attention_flash`: a prompt's worth of query
+    positions (the active or shipped dispatch table's ``prompt_attention`` entry where it measured one, else
+    :data:`FLASH_MIN_ROWS`), half-precision queries and keys of one dtype, a head dim cuDNN takes, kernels not
+    turned off (``pallas_kernels.config.disabled``: XLA everywhere)."""
+    b, t, _, d = q.shape
+    if not kernel_config.on_gpu() or kernel_config.is_disabled() or b * t == 0:
+        return False
+    if q.dtype not in FLASH_DTYPES or k.dtype != q.dtype or d % 8 or d > FLASH_MAX_HEAD_DIM:
+        return False
+    key = dispatch_table.Key(kernel_config.target_device().device_kind, "prompt_attention", 16, None, d,
+                             dispatch_table.row_bucket(k.shape[-2]), dispatch_table.row_bucket(t), q.dtype.name)
+    measured = dispatch_table.choice(key)
+    return measured == "pallas" or (measured is None and t >= FLASH_MIN_ROWS)
+
+
+def attention_flash(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array | None:
+    """:func:`attention_xla` as cuDNN's flash attention (``jax.nn.dot_product_attention(implementation="cudnn")``):
+    blocks of scores in on-chip memory with an online softmax (float32), never the whole [T, S] matrix; the mask
+    enters as an additive bias, so any mask works (causal, padding, sliding window). None where cuDNN refused
+    the call while tracing (no cuDNN in this jaxlib, a shape it does not take): the caller takes XLA's path.
+
+    q [B, T, H, D]; k, v [B, KV, S, D] (the caches' layout; cuDNN reads [B, S, KV, D]); mask [B, T, S]."""
+    try:
+        return jax.nn.dot_product_attention(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), mask=mask[:, None],
+                                            implementation="cudnn")
+    except (NotImplementedError, RuntimeError):  # cuDNN's own refusals at trace time
+        return None
 
 
 def native_attention_ok(q, k, v) -> bool:

@@ -51,3 +51,96 @@ def test_a_gpus_grouped_decode_reads_the_layer_by_sums(t, heads, kv, sums):
         got = run(q, k, v)
     assert "dot_general" in traced()
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(run(q, k, v), np.float32), atol=2e-2)
+
+
+# --------------------------------------------------------------------------- a prompt's attention on a GPU: cuDNN
+
+
+def _prompt(t=160, heads=8, kv=2, d=16, dtype=jnp.bfloat16, layers=2):
+    keys = jax.random.split(jax.random.key(1), 3)
+    q = jax.random.normal(keys[0], (2, t, heads, d)).astype(dtype)
+    k, v = (jax.random.normal(key, (layers, 2, kv, t + 8, d)).astype(dtype) for key in keys[1:])
+    pos = jnp.arange(t + 8)
+    causal = pos[None, :t, None] >= pos[None, None, :]  # query t sees slots <= t
+    left_pad = jnp.array([0, 5])[:, None, None] <= pos[None, None, :]  # the second row's prompt starts at slot 5
+    return q, k, v, causal & left_pad
+
+
+@pytest.fixture
+def cudnn_as_xla(monkeypatch):
+    """jax.nn.dot_product_attention asked for cuDNN runs its XLA implementation on the same arguments (a CPU has no
+    cuDNN): what attention_flash hands cuDNN -- layout, mask -- checked by the numbers. Records each call."""
+    calls, real = [], jax.nn.dot_product_attention
+
+    def fake(query, key, value, *args, implementation=None, **kwargs):
+        calls.append({"implementation": implementation, "key": key.shape, "mask": kwargs.get("mask").shape})
+        return real(query, key, value, *args, implementation="xla", **kwargs)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", fake)
+    return calls
+
+
+@pytest.mark.parametrize("heads, kv", [(8, 2), (4, 4)])
+def test_a_gpus_prompt_goes_to_cudnn_with_the_same_numbers(cudnn_as_xla, heads, kv):
+    """Traced for a GPU, a bf16 prompt's attention (the models' and a stacked cache's layer) is cuDNN's flash
+    attention, given keys as [B, S, KV, D] and the mask per batch row; its numbers are attention_xla's."""
+    q, k, v, mask = _prompt(heads=heads, kv=kv)
+    want = attention.attention_xla(q, k[1], v[1], mask)
+    with config.compiling_for(GPU):
+        assert attention.flash_ok(q, k)
+        whole = attention.dot_product_attention(q, k[1], v[1], mask)
+        layer = jax.jit(lambda q, k, v, i: attention.layer_attention(q, k, v, i, mask))(q, k, v, jnp.int32(1))
+    assert [c["implementation"] for c in cudnn_as_xla] == ["cudnn", "cudnn"]
+    assert cudnn_as_xla[0]["key"] == (2, k.shape[3], kv, 16) and cudnn_as_xla[0]["mask"] == (2, 1, 160, k.shape[3])
+    for got in (whole, layer):
+        assert got.dtype == q.dtype and got.shape == q.shape
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2)
+
+
+def test_what_stays_on_xlas_attention(cudnn_as_xla):
+    """Short prompts and decode steps, float32, a head dim cuDNN does not take, a CPU, kernels turned off: no cuDNN."""
+    q, k, v, mask = _prompt()
+    with config.compiling_for(GPU):
+        assert attention.flash_ok(q, k)
+        assert not attention.flash_ok(q[:, :attention.FLASH_MIN_ROWS - 1], k)
+        assert not attention.flash_ok(q.astype(jnp.float32), k.astype(jnp.float32))
+        assert not attention.flash_ok(q, k.astype(jnp.float16))  # operands of two dtypes
+        assert not attention.flash_ok(q[..., :12], k[..., :12])  # head dim not a multiple of 8
+        with config.disabled():
+            assert not attention.flash_ok(q, k)
+            attention.dot_product_attention(q, k[1], v[1], mask)
+    assert not attention.flash_ok(q, k)  # this CPU
+    attention.dot_product_attention(q, k[1], v[1], mask)
+    assert cudnn_as_xla == []
+
+
+def test_a_measured_table_decides_the_prompt_attention(cudnn_as_xla):
+    """A dispatch table's prompt_attention entry overrules FLASH_MIN_ROWS both ways."""
+    from llmeq_jax import dispatch_table
+
+    q, k, _, _ = _prompt()
+    rows = dispatch_table.row_bucket(q.shape[1])
+
+    def table(flash_s, short_flash_s):
+        entry = {"kernel": "prompt_attention", "bits": 16, "group": None, "k": 16, "n": dispatch_table.row_bucket(168),
+                 "dtype": "bfloat16", "xla_s": 1.0, "bf16_s": 1.0}
+        return {"format": dispatch_table.FORMAT, "device": GPU.device_kind,
+                "entries": [dict(entry, rows=rows, pallas_s=flash_s), dict(entry, rows=16, pallas_s=short_flash_s)]}
+
+    with config.compiling_for(GPU):
+        with dispatch_table.use(dispatch_table.from_json(table(2.0, 0.5))):
+            assert not attention.flash_ok(q, k)  # measured slower: XLA's
+            assert attention.flash_ok(q[:, :16], k)  # measured faster at 16 positions: cuDNN's
+        with dispatch_table.use(dispatch_table.from_json(table(0.5, 2.0))):
+            assert attention.flash_ok(q, k) and not attention.flash_ok(q[:, :16], k)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU's jaxlib has no cuDNN: the refusal is the case")
+def test_without_cudnn_the_prompt_takes_xlas_attention():
+    """Where cuDNN refuses at trace time (a jaxlib without it), attention_flash says so and XLA's path runs."""
+    q, k, v, mask = _prompt()
+    assert attention.attention_flash(q, k[1], v[1], mask) is None
+    with config.compiling_for(GPU):
+        got = attention.dot_product_attention(q, k[1], v[1], mask)
+    np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                  np.asarray(attention.attention_xla(q, k[1], v[1], mask), np.float32))

@@ -525,6 +525,32 @@ for _bits in (8, 4):
                 None)
 
 
+# --------------------------------------------------------------------------- a prompt's attention (cuDNN)
+
+
+for _kv in (32, 8):
+
+    @case
+    def _prompt_attention(kv=_kv):
+        """A prompt's attention as cuDNN's flash attention (kv.attention.attention_flash: keys given as [B, S, KV, D],
+        the mask as a bias) against XLA's in float32: Llama heads, two rows, causal with the second row left-padded;
+        the compiled program holds cuDNN's fused attention."""
+        from llmeq_jax.kv import attention
+
+        b, t, h, d = 2, 512, 32, 128
+        keys = jax.random.split(jax.random.key(kv), 3)
+        q = jax.random.normal(keys[0], (b, t, h, d)).astype(BF16)
+        k, v = (jax.random.normal(key, (b, kv, t, d)).astype(BF16) for key in keys[1:])
+        pos = jnp.arange(t)
+        mask = (pos[None, :, None] >= pos[None, None, :]) & (jnp.array([0, 37])[:, None, None] <= pos[None, None, :])
+        flash = jax.jit(attention.attention_flash)
+        assert attention.attention_flash(q, k, v, mask) is not None, "cuDNN refused the call on this GPU"
+        assert "cudnn" in flash.lower(q, k, v, mask).compile().as_text().lower()
+        ref = reference(attention.attention_xla, *(a.astype(F32) for a in (q, k, v)), mask)
+        return (f"prompt attention cuDNN flash B={b} T={t} H={h} H_kv={kv} D={d} bf16", *compare(flash(q, k, v, mask),
+                                                                                              ref, REL[BF16]), None)
+
+
 # --------------------------------------------------------------------------- ops.linear
 
 
