@@ -508,9 +508,9 @@ def prompt_attention_bench(reps, lengths=PROMPT_LENGTHS, table=None, table_path=
             err = jnp.max(jnp.abs(jax.jit(flash)(*inputs[0]).astype(jnp.float32)
                                   - jax.jit(attention.attention_xla)(*inputs[0]).astype(jnp.float32)))
             best = timed_round_robin({"flash": (flash, inputs), "xla": (attention.attention_xla, inputs)}, reps=reps)
-            print(f"prompt attention T={t} H={h} H_kv={kv} D={d} bf16 causal: cuDNN flash {best['flash'] * 1e6:.1f} us, "
-                  f"XLA {best['xla'] * 1e6:.1f} us: {best['xla'] / best['flash']:.2f}x; max |flash - XLA| {float(err):.2g}",
-                  flush=True)
+            print(f"prompt attention T={t} H={h} H_kv={kv} D={d} bf16 causal: cuDNN flash "
+                  f"{best['flash'] * 1e6:.1f} us, XLA {best['xla'] * 1e6:.1f} us: {best['xla'] / best['flash']:.2f}x; "
+                  f"max |flash - XLA| {float(err):.2g}", flush=True)
             if table is not None:
                 key = dispatch_table.Key(jax.devices()[0].device_kind, "prompt_attention", 16, None, d,
                                          dispatch_table.row_bucket(t), dispatch_table.row_bucket(t), "bfloat16")

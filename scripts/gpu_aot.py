@@ -356,7 +356,8 @@ def main(argv=None):
              f"{'calibrated' if args.kv_static else 'online'} ranges, {args.kv_sinks} sinks)" if args.kv_bits else "")
           + (", Pallas kernels off" if args.xla else "")
           + "; per decoder layer and token:")
-    print("| recipe | thunks | Pallas / cuDNN kernels | XLA GEMMs | other fusions | copies | copied (>= 1 MiB) | kernels |")
+    print("| recipe | thunks | Pallas / cuDNN kernels | XLA GEMMs | other fusions | copies | copied (>= 1 MiB) "
+          "| kernels |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |")
     sass = {}
     for recipe in args.recipes:
