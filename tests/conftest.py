@@ -36,6 +36,7 @@ import shutil
 import tempfile
 
 import jax
+import jax.numpy as jnp
 import pytest
 from hypothesis import settings
 
@@ -80,3 +81,24 @@ def pytest_collection_modifyitems(config, items):
         return
     config.hook.pytest_deselected(items=gpu_items)
     items[:] = [item for item in items if item.get_closest_marker("gpu") is None]
+
+
+@pytest.fixture
+def cudnn_as_xla(monkeypatch):
+    """JAX's cuDNN attention (the entry attention_flash calls: head-major "BNTH" operands) computed by
+    jax.nn.dot_product_attention's XLA implementation on the same arguments (a CPU has no cuDNN): what
+    attention_flash hands cuDNN -- layout, mask, scale -- checked by the numbers. Records each call."""
+    from jax._src.cudnn import fused_attention_stablehlo
+
+    calls = []
+
+    def fake(query, key, value, bias=None, mask=None, *, scale, qkv_layout, **kwargs):
+        assert bias is None and not kwargs
+        calls.append({"layout": qkv_layout, "key": key.shape, "mask": mask.shape})
+        assert qkv_layout == "BNTH", qkv_layout  # the only layout the fake (and attention_flash) speaks
+        out = jax.nn.dot_product_attention(*(jnp.swapaxes(a, 1, 2) for a in (query, key, value)), mask=mask,
+                                           scale=scale, implementation="xla")
+        return jnp.swapaxes(out, 1, 2)
+
+    monkeypatch.setattr(fused_attention_stablehlo, "dot_product_attention", fake)
+    return calls

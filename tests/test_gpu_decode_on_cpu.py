@@ -74,3 +74,39 @@ def test_gpt2s_decode_takes_the_attention_kernel_too():
         got, step, _ = _logits(params, tokens, GPT2)
     assert step.count("name=append_decode_attention") == 1
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=0.03 * float(jnp.max(jnp.abs(want))))
+
+
+@pytest.mark.parametrize("cache", ["none", "float", "int8"])
+def test_a_gpus_prompt_attends_through_cudnn(cache, cudnn_as_xla, monkeypatch):
+    """A prompt traced for a GPU attends through cuDNN's flash attention (computed here by the fake in conftest) in
+    every layer: without a cache (the models' forward), into a float cache and into an int8 one (the dequantized
+    layer in the query's bf16); its logits follow the same GPU trace with XLA's attention. FLASH_MIN_ROWS lowered
+    so that a short prompt takes it."""
+    from llmeq_jax import calibrate
+    from llmeq_jax.kv import attention, spec as kvspec
+    from llmeq_jax.models import forward
+
+    params = jax.tree.map(lambda a: (a * 4).astype(jnp.bfloat16), init_params(CONFIG, jax.random.key(2)))
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, CONFIG.vocab_size, (2, 6)))
+    mask = jnp.asarray([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    kv = None
+    if cache == "int8":
+        calib = np.random.default_rng(3).integers(0, CONFIG.vocab_size, (2, 16))
+        kv = calibrate.make_kv_quantizer(kvspec.KVSpec(bits=8), CONFIG, params, calib)
+
+    def prompt_logits():
+        if cache == "none":
+            return jax.jit(lambda p, t: forward(CONFIG, p, t, attention_mask=mask))(params, tokens)
+        state = init_cache(CONFIG, 2, 8, jnp.bfloat16, kv=kv)
+        return jax.jit(lambda p, t, c: forward_step(CONFIG, p, t, mask, c)[0])(params, tokens, state)
+
+    with native.disabled(), kernel_config.compiling_for(FAKE_H100), kernel_config.interpret(True):
+        want = prompt_logits()
+        assert cudnn_as_xla == []  # 6 positions: XLA's attention
+        monkeypatch.setattr(attention, "FLASH_MIN_ROWS", 4)
+        got = prompt_logits()
+    assert [c["layout"] for c in cudnn_as_xla] == ["BNTH"] * CONFIG.num_layers
+    rows = np.asarray(mask, bool)  # the left-padding position's logits are noise on either path
+    scale = float(jnp.max(jnp.abs(want)))
+    np.testing.assert_allclose(np.asarray(got, np.float32)[rows], np.asarray(want, np.float32)[rows],
+                               atol=0.03 * scale)

@@ -8,7 +8,7 @@
   decode kernel's store part with the float parts).
 
 A prompt's attention on a GPU (:func:`flash_ok`) goes to cuDNN's flash attention
-(:func:`attention_flash`): XLA's formulation writes the whole float32 score matrix and reads it
+(:func:`attention_flash`, what ``jax.nn.dot_product_attention(implementation="cudnn")`` runs): XLA's formulation writes the whole float32 score matrix and reads it
 three times (a Llama-2-7B layer at 2048 positions: 512 MB of scores, ~2.5 GB of traffic).
 """
 
@@ -103,17 +103,26 @@ def flash_ok(q: jax.Array, k: jax.Array) -> bool:
 
 
 def attention_flash(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array | None:
-    """:func:`attention_xla` as cuDNN's flash attention (``jax.nn.dot_product_attention(implementation="cudnn")``):
-    blocks of scores in on-chip memory with an online softmax (float32), never the whole [T, S] matrix; the mask
-    enters as an additive bias, so any mask works (causal, padding, sliding window). None where cuDNN refused
-    the call while tracing (no cuDNN in this jaxlib, a shape it does not take): the caller takes XLA's path.
+    """:func:`attention_xla` as cuDNN's flash attention: blocks of scores in on-chip memory with an online softmax
+    (float32), never the whole [T, S] matrix; the mask enters as an additive bias, so any mask works (causal,
+    padding, sliding window). None where cuDNN is not there or refused the call while tracing (a shape it does
+    not take): the caller takes XLA's path.
 
-    q [B, T, H, D]; k, v [B, KV, S, D] (the caches' layout; cuDNN reads [B, S, KV, D]); mask [B, T, S]."""
+    q [B, T, H, D]; k, v [B, KV, S, D] (the caches' layout); mask [B, T, S]. cuDNN reads all three head-major
+    ("BNTH"): given keys as [B, S, KV, D] (``jax.nn.dot_product_attention``'s only layout), XLA laid out the whole
+    stacked cache slot-major inside a prompt's layer loop, transposing every layer's keys and values into it
+    before the loop and back after (``scripts/gpu_aot.py --prefill``: 2 x 2 GB for a Llama-2-7B at 2048 slots).
+    Only JAX's own cuDNN module takes that layout, hence the private import."""
     try:
-        return jax.nn.dot_product_attention(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), mask=mask[:, None],
-                                            implementation="cudnn")
-    except (NotImplementedError, RuntimeError):  # cuDNN's own refusals at trace time
+        from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_attention
+    except ImportError:  # a JAX without it: XLA's path
         return None
+    try:
+        out = cudnn_attention(jnp.swapaxes(q, 1, 2), k, v, mask=mask[:, None], scale=1.0 / math.sqrt(q.shape[-1]),
+                              qkv_layout="BNTH")
+    except (NotImplementedError, RuntimeError):  # cuDNN's own refusals at trace time (none in this jaxlib, ...)
+        return None
+    return jnp.swapaxes(out, 1, 2)
 
 
 def native_attention_ok(q, k, v) -> bool:

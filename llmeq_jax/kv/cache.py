@@ -34,7 +34,7 @@ from llmeq_jax import dispatch_table, native
 from llmeq_jax.core.rope import apply_rope, rope_tables
 from llmeq_jax.kv import grid as kvgrid
 from llmeq_jax.kv import spec as kvspec
-from llmeq_jax.kv.attention import layer_attention, merge_attention, split_attention
+from llmeq_jax.kv.attention import flash_ok, layer_attention, merge_attention, split_attention
 from llmeq_jax.kv.store_attention import store_attention
 from pallas_kernels import config as kernel_config
 from pallas_kernels import decode_attention as float_kernel
@@ -460,6 +460,8 @@ def _q_attend(cache: QuantKVCache, layer: int, q, k, v, mask, k_raw):
     in_window = query_slots[:, None] - key_slots[None, :] < w  # [T, S]
     if t > 1 and not w:  # a prompt: one float layer (sinks over their slots) for the blocked prefill attention
         k_deq, v_deq = _with_sinks(cache, layer, *_q_read(cache, layer))
+        if flash_ok(q, k_deq.astype(q.dtype)):  # a GPU's: cuDNN's flash attention over the layer in q's half precision
+            k_deq, v_deq = k_deq.astype(q.dtype), v_deq.astype(q.dtype)
         return layer_attention(q, k_deq[None], v_deq[None], 0, mask & ~in_window[None]), cache
     quantized = mask & ~in_window[None]
     float_parts, sinks_seen = [], None

@@ -66,32 +66,19 @@ def _prompt(t=160, heads=8, kv=2, d=16, dtype=jnp.bfloat16, layers=2):
     return q, k, v, causal & left_pad
 
 
-@pytest.fixture
-def cudnn_as_xla(monkeypatch):
-    """jax.nn.dot_product_attention asked for cuDNN runs its XLA implementation on the same arguments (a CPU has no
-    cuDNN): what attention_flash hands cuDNN -- layout, mask -- checked by the numbers. Records each call."""
-    calls, real = [], jax.nn.dot_product_attention
-
-    def fake(query, key, value, *args, implementation=None, **kwargs):
-        calls.append({"implementation": implementation, "key": key.shape, "mask": kwargs.get("mask").shape})
-        return real(query, key, value, *args, implementation="xla", **kwargs)
-
-    monkeypatch.setattr(jax.nn, "dot_product_attention", fake)
-    return calls
-
-
 @pytest.mark.parametrize("heads, kv", [(8, 2), (4, 4)])
 def test_a_gpus_prompt_goes_to_cudnn_with_the_same_numbers(cudnn_as_xla, heads, kv):
     """Traced for a GPU, a bf16 prompt's attention (the models' and a stacked cache's layer) is cuDNN's flash
-    attention, given keys as [B, S, KV, D] and the mask per batch row; its numbers are attention_xla's."""
+    attention, given the cache's keys as they are ([B, KV, S, D]) and the mask per batch row; its numbers are
+    attention_xla's."""
     q, k, v, mask = _prompt(heads=heads, kv=kv)
     want = attention.attention_xla(q, k[1], v[1], mask)
     with config.compiling_for(GPU):
         assert attention.flash_ok(q, k)
         whole = attention.dot_product_attention(q, k[1], v[1], mask)
         layer = jax.jit(lambda q, k, v, i: attention.layer_attention(q, k, v, i, mask))(q, k, v, jnp.int32(1))
-    assert [c["implementation"] for c in cudnn_as_xla] == ["cudnn", "cudnn"]
-    assert cudnn_as_xla[0]["key"] == (2, k.shape[3], kv, 16) and cudnn_as_xla[0]["mask"] == (2, 1, 160, k.shape[3])
+    assert [c["layout"] for c in cudnn_as_xla] == ["BNTH", "BNTH"]
+    assert cudnn_as_xla[0]["key"] == k.shape[1:] and cudnn_as_xla[0]["mask"] == (2, 1, 160, k.shape[3])
     for got in (whole, layer):
         assert got.dtype == q.dtype and got.shape == q.shape
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2)
