@@ -7,9 +7,9 @@
 * :func:`merge_attention`: combine two partial results by their log-sum-exp (the Pallas
   decode kernel's store part with the float parts).
 
-A prompt's attention on a GPU (:func:`flash_ok`) goes to cuDNN's flash attention
-(:func:`attention_flash`, what ``jax.nn.dot_product_attention(implementation="cudnn")`` runs): XLA's formulation writes the whole float32 score matrix and reads it
-three times (a Llama-2-7B layer at 2048 positions: 512 MB of scores, ~2.5 GB of traffic).
+A prompt's attention on a GPU (:func:`flash_ok`) goes to cuDNN's flash attention (:func:`attention_flash`,
+what ``jax.nn.dot_product_attention(implementation="cudnn")`` runs): XLA's formulation writes the whole float32
+score matrix and reads it three times (a Llama-2-7B layer at 2048 positions: 512 MB of scores, ~2.5 GB of traffic).
 """
 
 from __future__ import annotations
