@@ -105,6 +105,17 @@ def logical_weight(name: str, wq, w_layout: str):
     return jax.ShapeDtypeStruct((*wq.shape[:-2], wq.shape[-1], wq.shape[-2]), wq.dtype)
 
 
+def row_major(a: jax.Array) -> jax.Array:
+    """``a`` pinned to the row-major layout. Why: a layer sliced out of a stack and transposed for a kernel
+    (w8a8's per-call K-major weight) let XLA's layout assignment make the transpose free by laying out the whole
+    stack transposed inside the layer loop -- a transposed copy of every layer before the loop (the model's int8
+    bytes once more in memory: 6.7 GB for a Llama-2-7B's prefill) -- after which each layer was still copied out
+    of it. Pinned, the transpose is each layer's own copy and the stack stays as it is."""
+    from jax.experimental.layout import Layout, with_layout_constraint
+
+    return with_layout_constraint(a, Layout(major_to_minor=tuple(range(a.ndim))))
+
+
 def one_layer(name: str, wq, w_scale, w_zero_point, layer):
     """Check the ``layer=`` form of a matmul kernel -- ``wq``, ``w_scale`` (and the zero point) stacks
     [L, ...] of one length, ``layer`` an integer scalar -- and return one layer's (wq, w_scale,

@@ -54,6 +54,7 @@ from pallas_kernels.common import (
     logical_weight,
     matmul_program,
     one_layer,
+    row_major,
     span,
     split_refs,
     store_matmul,
@@ -215,6 +216,7 @@ def w8a8_matmul(
     if transposing and layer is not None:
         one = lambda a: None if a is None else jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)  # noqa: E731
         wq, w_scale, w_zero_point, layer = one(wq), one(w_scale), one(w_zero_point), None
+        wq = row_major(wq)
     wk = wq.T if transposing else wq
     if fp8:  # float8 operands for the kernel where XLA writes them anyway: x's quantization, the transpose
         xq = jax.lax.bitcast_convert_type(xq, fp8grid.DTYPE)

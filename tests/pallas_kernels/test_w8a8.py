@@ -144,6 +144,10 @@ def test_a_layer_of_a_stack_is_read_in_place(group, zp, transpose):
         np.testing.assert_array_equal(np.asarray(at(x, wq, s, z, jnp.int32(layer))), np.asarray(want))
     with pytest.raises(ValueError, match="must be stacks"):
         w8a8_matmul(x, ops_[0][1], ops_[0][2], layer=0, **kw)
+    # the layer transposed per call is pinned row-major (common.row_major): unpinned, a GPU compile laid out the
+    # whole stack transposed inside the layer loop (a copy of every layer before it; scripts/gpu_aot.py --prefill)
+    lowered = at.trace(x, wq, s, z, jnp.int32(0)).lower(lowering_platforms=("cuda",)).as_text()
+    assert ("@LayoutConstraint" in lowered) == transpose
 
 
 # --------------------------------------------------------------------------- FP8 (E4M3)
