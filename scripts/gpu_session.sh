@@ -45,9 +45,13 @@
 # the int8 codes (no bf16 copy of each weight; e2e's prefill column times it). Add its gpu cases to the first call's
 # tests (TESTS="float_decode or int8_f16 or kv_store"); after the two calls, as time allows:
 #     STEPS="e2e_kv" bash scripts/gpu_session.sh   (timeout_s 260; int8 KV vs float KV at 4096 tokens)
-# The session after (no GPU) sent a GPU prompt's attention to cuDNN's flash attention (every variant's prefill
-# column changes); its gpu case is in TESTS="... or prompt_attention" of the first call, and after the e2e call:
-#     STEPS="prompt_attention" bash scripts/gpu_session.sh   (timeout_s 90; cuDNN vs XLA attention, table entries)
+# The session after (no GPU) sent a GPU prompt's attention to cuDNN's flash attention and kept W8A8's stacked
+# weights from being transposed whole before a prompt's layer loop (every variant's prefill column changes). First
+# call, its gpu case added:
+#     STEPS="gpu_tests e2e" TESTS="float_decode or int8_f16 or kv_store or prompt_attention" \
+#         RECIPES="rtn-w4-g128 rtn-w8" BATCHES="1 16" TORCH=--no-torch bash scripts/gpu_session.sh   (timeout_s 450)
+# then STEPS="prompt_attention float_attention decode_sweep_w8" (timeout_s 420; cuDNN vs XLA attention at 128-4096
+# positions and its table entries first), e2e_kv as time allows.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-runs/gpu}"
