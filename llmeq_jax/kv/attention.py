@@ -84,6 +84,7 @@ def attention_sums(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) ->
 FLASH_MIN_ROWS = 128
 FLASH_DTYPES = (jnp.bfloat16, jnp.float16)  # cuDNN's flash attention takes half-precision operands only
 FLASH_MAX_HEAD_DIM = 128  # 256 on Hopper and later; 128 everywhere cuDNN runs it
+FLASH_KEY_MULTIPLE = 64  # keys padded (masked out) to a multiple of this: the mask's bias rows aligned
 
 
 def flash_ok(q: jax.Array, k: jax.Array) -> bool:
@@ -117,6 +118,10 @@ def attention_flash(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -
         from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_attention
     except ImportError:  # a JAX without it: XLA's path
         return None
+    pad = -k.shape[2] % FLASH_KEY_MULTIPLE
+    if pad:  # masked-out keys to a whole number of cuDNN's key tiles: the bias rows 16-byte aligned whatever S is
+        k, v = (jnp.pad(a, ((0, 0), (0, 0), (0, pad), (0, 0))) for a in (k, v))
+        mask = jnp.pad(mask, ((0, 0), (0, 0), (0, pad)))
     try:
         out = cudnn_attention(jnp.swapaxes(q, 1, 2), k, v, mask=mask[:, None], scale=1.0 / math.sqrt(q.shape[-1]),
                               qkv_layout="BNTH")

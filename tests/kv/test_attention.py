@@ -69,8 +69,8 @@ def _prompt(t=160, heads=8, kv=2, d=16, dtype=jnp.bfloat16, layers=2):
 @pytest.mark.parametrize("heads, kv", [(8, 2), (4, 4)])
 def test_a_gpus_prompt_goes_to_cudnn_with_the_same_numbers(cudnn_as_xla, heads, kv):
     """Traced for a GPU, a bf16 prompt's attention (the models' and a stacked cache's layer) is cuDNN's flash
-    attention, given the cache's keys as they are ([B, KV, S, D]) and the mask per batch row; its numbers are
-    attention_xla's."""
+    attention, given the cache's keys as they are ([B, KV, S, D], padded with masked-out slots to whole key tiles)
+    and the mask per batch row; its numbers are attention_xla's."""
     q, k, v, mask = _prompt(heads=heads, kv=kv)
     want = attention.attention_xla(q, k[1], v[1], mask)
     with config.compiling_for(GPU):
@@ -78,7 +78,8 @@ def test_a_gpus_prompt_goes_to_cudnn_with_the_same_numbers(cudnn_as_xla, heads, 
         whole = attention.dot_product_attention(q, k[1], v[1], mask)
         layer = jax.jit(lambda q, k, v, i: attention.layer_attention(q, k, v, i, mask))(q, k, v, jnp.int32(1))
     assert [c["layout"] for c in cudnn_as_xla] == ["BNTH", "BNTH"]
-    assert cudnn_as_xla[0]["key"] == k.shape[1:] and cudnn_as_xla[0]["mask"] == (2, 1, 160, k.shape[3])
+    padded = 192  # the 168 slots padded with masked-out keys to a multiple of FLASH_KEY_MULTIPLE
+    assert cudnn_as_xla[0]["key"] == (2, kv, padded, 16) and cudnn_as_xla[0]["mask"] == (2, 1, 160, padded)
     for got in (whole, layer):
         assert got.dtype == q.dtype and got.shape == q.shape
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2)
