@@ -116,6 +116,13 @@ def row_major(a: jax.Array) -> jax.Array:
     return with_layout_constraint(a, Layout(major_to_minor=tuple(range(a.ndim))))
 
 
+def check_int_scalar(kernel: str, name: str, value) -> None:
+    """One clear error unless ``value`` (a kernel's ``layer=`` or slot, possibly traced) is an integer scalar."""
+    if jnp.shape(value) != () or not jnp.issubdtype(jnp.asarray(value).dtype, jnp.integer):
+        raise ValueError(f"{kernel}: {name} must be an integer scalar, got shape {jnp.shape(value)} "
+                         f"({jnp.asarray(value).dtype})")
+
+
 def one_layer(name: str, wq, w_scale, w_zero_point, layer):
     """Check the ``layer=`` form of a matmul kernel -- ``wq``, ``w_scale`` (and the zero point) stacks
     [L, ...] of one length, ``layer`` an integer scalar -- and return one layer's (wq, w_scale,
@@ -124,8 +131,7 @@ def one_layer(name: str, wq, w_scale, w_zero_point, layer):
     if wq.ndim != 3 or w_scale.shape[:1] != lead or (w_zero_point is not None and w_zero_point.shape[:1] != lead):
         raise ValueError(f"{name}: with layer=, wq, w_scale (and the zero point) must be stacks [L, ...] of one "
                          f"length; got {wq.shape}, {w_scale.shape}")
-    if jnp.shape(layer) != () or not jnp.issubdtype(jnp.asarray(layer).dtype, jnp.integer):
-        raise ValueError(f"{name}: layer must be an integer scalar, got {jnp.shape(layer)}")
+    check_int_scalar(name, "layer", layer)
     return tuple(None if a is None else jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in (wq, w_scale, w_zero_point))
 
 

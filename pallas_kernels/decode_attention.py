@@ -28,8 +28,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import config
-from pallas_kernels.common import FLOAT_DTYPES, MIN_DOT, TINY, cdiv, compiler_params, f32_dot_precision, fit_splits, \
-    is_pow2, next_pow2, span
+from pallas_kernels.common import FLOAT_DTYPES, MIN_DOT, TINY, cdiv, check_int_scalar, compiler_params, \
+    f32_dot_precision, fit_splits, is_pow2, next_pow2, span
 from pallas_kernels.kv_cache import NEG_INF, attention_reference, combine_splits, decode_splits
 
 MAX_HEAD_DIM = 256
@@ -145,8 +145,8 @@ def append_decode_attention(q, k_new, v_new, k_cache, v_cache, slot, allowed, *,
     if allowed.shape != (bsz, t):
         raise ValueError(f"append_decode_attention: allowed must be {(bsz, t)}, got {allowed.shape}")
     for name, s in (("slot", slot), ("layer", layer)):
-        if s is not None and (jnp.shape(s) != () or not jnp.issubdtype(jnp.asarray(s).dtype, jnp.integer)):
-            raise ValueError(f"append_decode_attention: {name} must be an integer scalar, got {jnp.shape(s)}")
+        if s is not None:
+            check_int_scalar("append_decode_attention", name, s)
     if not (is_pow2(block_t) and block_t >= MIN_DOT):
         raise ValueError(f"append_decode_attention: block_t must be a power of two >= {MIN_DOT}, got {block_t}")
     g = hq // kv

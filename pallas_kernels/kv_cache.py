@@ -48,6 +48,7 @@ from pallas_kernels.common import (
     TARGET_PROGRAMS,
     TINY,
     cdiv,
+    check_int_scalar,
     compiler_params,
     f32_dot_precision,
     fit_splits,
@@ -115,8 +116,7 @@ def _one_layer(name, stores, layer):
     if len({a.shape[0] if a.ndim else None for a in stores}) != 1 or any(a.ndim < 2 for a in stores):
         raise ValueError(f"{name}: with layer=, k_codes, v_codes, v_scale and v_lo must be stacks [L, ...] of one "
                          f"length, got {[tuple(a.shape) for a in stores]}")
-    if jnp.shape(layer) != () or not jnp.issubdtype(jnp.asarray(layer).dtype, jnp.integer):
-        raise ValueError(f"{name}: layer must be an integer scalar, got shape {jnp.shape(layer)}")
+    check_int_scalar(name, "layer", layer)
     return [jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in stores]
 
 

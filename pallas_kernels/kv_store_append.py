@@ -26,8 +26,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from llmeq_jax.core.qarray import int_range
 from pallas_kernels import config
-from pallas_kernels.common import FLOAT_DTYPES, compiler_params, div_rn, is_pow2, pack_nibbles, round_half_even, \
-    split_pairs
+from pallas_kernels.common import FLOAT_DTYPES, check_int_scalar, compiler_params, div_rn, is_pow2, pack_nibbles, \
+    round_half_even, split_pairs
 
 SUPPORTED_BITS = (4, 8)
 GRID_DTYPES = (jnp.float16, jnp.float32)
@@ -152,8 +152,8 @@ def store_append(k_codes, v_codes, v_scale, v_lo, k, v, k_scale, k_lo, slot, *, 
                          f"{k_lo.shape}")
     k_scale, k_lo = (a.reshape(-1, kv, d) for a in (k_scale, k_lo))
     for name, s in (("slot", slot), ("layer", layer)):
-        if s is not None and (jnp.shape(s) != () or not jnp.issubdtype(jnp.asarray(s).dtype, jnp.integer)):
-            raise ValueError(f"store_append: {name} must be an integer scalar, got shape {jnp.shape(s)}")
+        if s is not None:
+            check_int_scalar("store_append", name, s)
     at = [] if layer is None else [jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))]
     # The key and value (and a rotated key for the sinks) as one operand: XLA makes it in the fusion that
     # finishes the q/k/v projection.
