@@ -8,6 +8,8 @@ never changes shape and never recompiles:
 * ``length``: scalar int32, how many slots are written (the same for every row:
   prompts are left-padded to one length)
 * ``positions``: ``[batch]`` int32, the position id the next real token gets
+* ``written``: static, whether any step has been written (:func:`advance`); a prompt into an unwritten cache
+  attends to its own keys only, not to the ``max_len`` slots (the rest are empty)
 
 A step goes: :func:`append_mask` (mark the new slots), per layer
 :func:`attend` (write the new keys/values, attend over the cache; for the float
@@ -34,7 +36,7 @@ from llmeq_jax import dispatch_table, native
 from llmeq_jax.core.rope import apply_rope, rope_tables
 from llmeq_jax.kv import grid as kvgrid
 from llmeq_jax.kv import spec as kvspec
-from llmeq_jax.kv.attention import flash_ok, layer_attention, merge_attention, split_attention
+from llmeq_jax.kv.attention import dot_product_attention, flash_ok, layer_attention, merge_attention, split_attention
 from llmeq_jax.kv.store_attention import store_attention
 from pallas_kernels import config as kernel_config
 from pallas_kernels import decode_attention as float_kernel
@@ -50,6 +52,7 @@ class KVCache:
     valid: jax.Array
     length: jax.Array
     positions: jax.Array
+    written: bool = dataclasses.field(metadata=dict(static=True), default=False)
 
     @property
     def max_len(self) -> int:
@@ -141,7 +144,11 @@ def attend(cache, layer: int, q: jax.Array, k: jax.Array, v: jax.Array, mask: ja
         out, cache = out[:, None], dataclasses.replace(cache, k=k_cache, v=v_cache)
     else:
         cache = update(cache, layer, k, v)
-        out = layer_attention(q, cache.k, cache.v, layer, mask)
+        if cache.written or k.shape[2] == 1:
+            out = layer_attention(q, cache.k, cache.v, layer, mask)
+        else:  # a prompt into an unwritten cache: its slots 0..T are these keys, the other max_len - T empty
+            t = k.shape[2]
+            out = dot_product_attention(q, k.astype(cache.k.dtype), v.astype(cache.v.dtype), mask[:, :, :t])
     # In the queries' dtype whatever the cache holds: a bf16 model's residual stream stays bf16 (and a
     # scanned stack of blocks keeps one carry type) under a float32 cache too.
     return out.astype(q.dtype), cache
@@ -150,12 +157,11 @@ def attend(cache, layer: int, q: jax.Array, k: jax.Array, v: jax.Array, mask: ja
 def advance(cache: KVCache, attention_mask: jax.Array) -> KVCache:
     """Close the step: T more slots written, position counters moved past the real tokens."""
     t = attention_mask.shape[1]
-    written = {"written": True} if isinstance(cache, QuantKVCache) else {}
     return dataclasses.replace(
         cache,
         length=cache.length + t,
         positions=cache.positions + jnp.sum(attention_mask.astype(jnp.int32), axis=1),
-        **written,
+        written=True,
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +38,35 @@ def test_update_read_append_advance():
     # Next tokens land after the written slots and continue each row's positions.
     np.testing.assert_array_equal(kvcache.slots(cache, 2), [2, 3])
     np.testing.assert_array_equal(kvcache.new_positions(cache, jnp.ones((2, 2))), [[1, 2], [2, 3]])
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral-window"])
+def test_a_prompt_into_an_unwritten_cache_attends_to_its_own_keys(name):
+    """A fresh cache's prompt attends to its T keys, not the max_len slots (XLA's scores are [T, T]): the same
+    logits and cache as attending over every slot (the path of a written cache), then the same decode step."""
+    config = CONFIGS[name]
+    params = jax.tree.map(lambda a: a * 10, init_params(config, jax.random.key(1)))
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, config.vocab_size, (2, 6)))
+    mask = jnp.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    fresh = init_cache(config, 2, 40)
+    assert not fresh.written
+    every_slot = dataclasses.replace(fresh, written=True)  # the same empty slots, read whole
+    with native.disabled():  # XLA's attention: its score shapes show which keys were read
+        own = jax.make_jaxpr(lambda p, t, c: forward_step(config, p, t, mask, c))(params, tokens[:, :5], fresh)
+        scores = set(re.findall(r"f32\[2,2,2,5,(\d+)\]", str(own)))  # [B, KV, G, T, keys]
+        assert "5" in scores and "40" not in scores, scores
+        runs = [jax.jit(lambda p, t, c: forward_step(config, p, t, mask, c))(params, tokens[:, :5], c)
+                for c in (fresh, every_slot)]
+    (got, got_cache), (want, want_cache) = runs
+    assert got_cache.written and want_cache.written
+    real = np.asarray(mask, bool)  # a left-padding position sees no key: its output is noise on either path
+    np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], rtol=1e-5, atol=1e-5)
+    real_slots = np.asarray(got_cache.valid)[None, :, None, :, None]  # the padding slots' keys are masked out
+    np.testing.assert_allclose(np.where(real_slots, got_cache.k, 0), np.where(real_slots, want_cache.k, 0),
+                               rtol=1e-5, atol=1e-5)
+    step = [forward_step(config, params, tokens[:, 5:], jnp.ones((2, 1), jnp.int32), c)[0]
+            for c in (got_cache, want_cache)]
+    np.testing.assert_allclose(step[0], step[1], rtol=1e-5, atol=1e-5)
 
 
 CONFIGS = {
