@@ -15,6 +15,7 @@ score matrix and reads it three times (a Llama-2-7B layer at 2048 positions: 512
 from __future__ import annotations
 
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -85,15 +86,18 @@ FLASH_MIN_ROWS = 128
 FLASH_DTYPES = (jnp.bfloat16, jnp.float16)  # cuDNN's flash attention takes half-precision operands only
 FLASH_MAX_HEAD_DIM = 128  # 256 on Hopper and later; 128 everywhere cuDNN runs it
 FLASH_KEY_MULTIPLE = 64  # keys padded (masked out) to a multiple of this: the mask's bias rows aligned
+# LLMEQ_PROMPT_ATTENTION=xla keeps every prompt on XLA's attention (a GPU whose cuDNN fails to compile the call).
+PROMPT_ATTENTION_ENV = "LLMEQ_PROMPT_ATTENTION"
+PROMPT_ATTENTION_CHOICES = ("cudnn", "xla")
 
 
 def flash_ok(q: jax.Array, k: jax.Array) -> bool:
     """Whether a GPU's attention of these queries goes to :func:`attention_flash`: a prompt's worth of query
     positions (the active or shipped dispatch table's ``prompt_attention`` entry where it measured one, else
     :data:`FLASH_MIN_ROWS`), half-precision queries and keys of one dtype, a head dim cuDNN takes, kernels not
-    turned off (``pallas_kernels.config.disabled``: XLA everywhere)."""
+    turned off (``pallas_kernels.config.disabled``: XLA everywhere) and ``LLMEQ_PROMPT_ATTENTION`` not "xla"."""
     b, t, _, d = q.shape
-    if not kernel_config.on_gpu() or kernel_config.is_disabled() or b * t == 0:
+    if not kernel_config.on_gpu() or kernel_config.is_disabled() or b * t == 0 or prompt_attention() == "xla":
         return False
     if q.dtype not in FLASH_DTYPES or k.dtype != q.dtype or d % 8 or d > FLASH_MAX_HEAD_DIM:
         return False
@@ -101,6 +105,14 @@ def flash_ok(q: jax.Array, k: jax.Array) -> bool:
                              dispatch_table.row_bucket(k.shape[-2]), dispatch_table.row_bucket(t), q.dtype.name)
     measured = dispatch_table.choice(key)
     return measured == "pallas" or (measured is None and t >= FLASH_MIN_ROWS)
+
+
+def prompt_attention() -> str:
+    """The ``LLMEQ_PROMPT_ATTENTION`` setting: "cudnn" (the default: :func:`flash_ok` decides) or "xla"."""
+    choice = os.environ.get(PROMPT_ATTENTION_ENV, "cudnn")
+    if choice not in PROMPT_ATTENTION_CHOICES:
+        raise ValueError(f"{PROMPT_ATTENTION_ENV}={choice!r}: expected one of {', '.join(PROMPT_ATTENTION_CHOICES)}")
+    return choice
 
 
 def attention_flash(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array | None:

@@ -102,6 +102,22 @@ def test_what_stays_on_xlas_attention(cudnn_as_xla):
     assert cudnn_as_xla == []
 
 
+def test_the_environment_can_keep_prompts_on_xla(cudnn_as_xla, monkeypatch):
+    """LLMEQ_PROMPT_ATTENTION=xla: no cuDNN call (the escape hatch for a GPU whose cuDNN fails the call); a value
+    it does not know: one clear error."""
+    q, k, v, mask = _prompt()
+    monkeypatch.setenv(attention.PROMPT_ATTENTION_ENV, "xla")
+    with config.compiling_for(GPU):
+        assert not attention.flash_ok(q, k)
+        attention.dot_product_attention(q, k[1], v[1], mask)
+        monkeypatch.setenv(attention.PROMPT_ATTENTION_ENV, "cudnn")
+        assert attention.flash_ok(q, k)
+        monkeypatch.setenv(attention.PROMPT_ATTENTION_ENV, "flash")
+        with pytest.raises(ValueError, match="LLMEQ_PROMPT_ATTENTION='flash': expected one of cudnn, xla"):
+            attention.flash_ok(q, k)
+    assert cudnn_as_xla == []
+
+
 def test_a_measured_table_decides_the_prompt_attention(cudnn_as_xla):
     """A dispatch table's prompt_attention entry overrules FLASH_MIN_ROWS both ways."""
     from llmeq_jax import dispatch_table
