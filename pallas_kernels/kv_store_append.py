@@ -103,8 +103,8 @@ def _kernel(*refs, kv: int, bits: int, per_row_keys: bool, stacked: bool, interp
         sink_row = (*at, b, h, pl.ds(jnp.minimum(n, sinks - 1), 1), slice(None))
         rotated = plgpu.load(new_ref.at[b, pl.ds(rotated_row + h, 1), :])
         plgpu.store(ks_out.at[sink_row], rotated.astype(ks_out.dtype), mask=write)
-        plgpu.store(vs_sink_out.at[sink_row], plgpu.load(new_ref.at[b, pl.ds(kv + h, 1), :]).astype(vs_sink_out.dtype),
-                    mask=write)
+        # the value as loaded, widened to float32 above: narrowing it again is exact
+        plgpu.store(vs_sink_out.at[sink_row], value.astype(vs_sink_out.dtype), mask=write)
 
 
 def store_append(k_codes, v_codes, v_scale, v_lo, k, v, k_scale, k_lo, slot, *, bits: int, layer=None, sinks=None,
