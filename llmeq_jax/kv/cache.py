@@ -431,17 +431,19 @@ def _kernel_write(cache: QuantKVCache, layer: int, keys, v, k) -> QuantKVCache:
                                v=dataclasses.replace(cache.v, q=vq, scale=vs, lo=vl))
 
 
-def _q_read(cache: QuantKVCache, layer: int):
+def _q_read(cache: QuantKVCache, layer: int, slots: int | None = None):
+    """``layer``'s keys and values dequantized (float32 [B, KV, S, D]); ``slots``: only the first that many."""
     spec, d = cache.spec, cache.head_dim
-    k_store = jax.tree.map(lambda a: a[layer], cache.k)
-    v_store = jax.tree.map(lambda a: a[layer], cache.v)
+    first = (lambda a: a) if slots is None else (lambda a: a[:, :, :slots])  # noqa: E731
+    k_store = jax.tree.map(lambda a: first(a[layer]), cache.k)
+    v_store = jax.tree.map(lambda a: first(a[layer]), cache.v)
     if spec.per_channel_keys:
         scale, lo, _ = _key_grid(cache, layer)
         keys = kvgrid.dequantize(k_store, spec.bits, d, scale, lo)
     else:
         keys = kvgrid.dequantize(k_store, spec.bits, d)
     if spec.pre_rope:
-        keys = apply_rope(keys, cache.slot_pos, cache.inv_freq, heads_axis=1)
+        keys = apply_rope(keys, cache.slot_pos[:, :keys.shape[2]], cache.inv_freq, heads_axis=1)
     return keys, kvgrid.dequantize(v_store, spec.bits, d)
 
 
@@ -465,10 +467,12 @@ def _q_attend(cache: QuantKVCache, layer: int, q, k, v, mask, k_raw):
     key_slots = jnp.arange(cache.max_len, dtype=jnp.int32)
     in_window = query_slots[:, None] - key_slots[None, :] < w  # [T, S]
     if t > 1 and not w:  # a prompt: one float layer (sinks over their slots) for the blocked prefill attention
-        k_deq, v_deq = _with_sinks(cache, layer, *_q_read(cache, layer))
+        seen = None if cache.written else t  # an unwritten cache holds this prompt only, in its first T slots
+        k_deq, v_deq = _with_sinks(cache, layer, *_q_read(cache, layer, seen))
         if flash_ok(q, k_deq.astype(q.dtype)):  # a GPU's: cuDNN's flash attention over the layer in q's half precision
             k_deq, v_deq = k_deq.astype(q.dtype), v_deq.astype(q.dtype)
-        return layer_attention(q, k_deq[None], v_deq[None], 0, mask & ~in_window[None]), cache
+        allowed = (mask & ~in_window[None])[:, :, :k_deq.shape[2]]
+        return layer_attention(q, k_deq[None], v_deq[None], 0, allowed), cache
     quantized = mask & ~in_window[None]
     float_parts, sinks_seen = [], None
     path = _store_path(cache, q) if t == 1 else None
@@ -499,7 +503,7 @@ def _with_sinks(cache: QuantKVCache, layer: int, k_deq, v_deq):
     2K-4K tokens)."""
     if cache.sink_slot is None:
         return k_deq, v_deq
-    key_slots = jnp.arange(cache.max_len, dtype=jnp.int32)
+    key_slots = jnp.arange(k_deq.shape[2], dtype=jnp.int32)  # the first slots (all max_len, or a fresh prompt's)
     for n in range(cache.sink_slot.shape[1]):
         at = (cache.sink_slot[:, n, None] == key_slots[None, :])[:, None, :, None]  # [B, 1, S, 1]; -1 matches none
         k_deq = jnp.where(at, cache.k_sink[layer][:, :, n, None].astype(k_deq.dtype), k_deq)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 
@@ -38,6 +39,40 @@ def test_update_read_append_advance():
     # Next tokens land after the written slots and continue each row's positions.
     np.testing.assert_array_equal(kvcache.slots(cache, 2), [2, 3])
     np.testing.assert_array_equal(kvcache.new_positions(cache, jnp.ones((2, 2))), [[1, 2], [2, 3]])
+
+
+@pytest.mark.parametrize("spec", [kvspec.KVSpec(bits=8), kvspec.KVSpec(bits=4, pre_rope=False, sink_tokens=2),
+                                  kvspec.KVSpec(bits=8, key_range="online", prompt_tokens=5, sink_tokens=0)],
+                         ids=["int8-preRoPE-sinks4", "int4-postRoPE-sinks2", "int8-online"])
+@pytest.mark.parametrize("native_kernels", [False, True])
+def test_a_prompt_into_an_unwritten_quantized_cache_reads_its_own_slots(spec, native_kernels):
+    """A fresh quantized cache's prompt dequantizes and attends to its first T slots (with its float sinks), not all
+    max_len: the logits of reading every slot (the same empty slots dequantized whole), on XLA's path and the
+    native kernels'; the first layer's codes (written before any attention) are the same."""
+    from llmeq_jax import calibrate
+
+    config = CONFIGS["llama"]
+    params = jax.tree.map(lambda a: a * 10, init_params(config, jax.random.key(2)))
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, config.vocab_size, (2, 5)))
+    mask = jnp.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    kv = calibrate.make_kv_quantizer(spec, config, params, np.random.default_rng(3).integers(0, 64, (2, 16)))
+    fresh = init_cache(config, 2, 40, kv=kv)
+    assert not fresh.written
+    step = lambda p, t, c: forward_step(config, p, t, mask, c)  # noqa: E731
+    with contextlib.nullcontext() if native_kernels else native.disabled():
+        if not native_kernels:  # the dequantized layer's shape: 5 slots, not 40
+            own = str(jax.make_jaxpr(step)(params, tokens, fresh))
+            assert "f32[2,2,5,8]" in own and "f32[2,2,40,8]" not in own
+        got, got_cache = jax.jit(step)(params, tokens, fresh)
+        # the same empty slots read whole: the path of a written cache's prompt (a written online cache keeps its
+        # grid, so it is given the one this prompt set)
+        every_slot = dataclasses.replace(fresh, written=True, k_scale=got_cache.k_scale, k_lo=got_cache.k_lo,
+                                         k_hi=got_cache.k_hi)
+        want, want_cache = jax.jit(step)(params, tokens, every_slot)
+    real = np.asarray(mask, bool)
+    np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], rtol=1e-4, atol=1e-4)
+    for a, b in zip(jax.tree.leaves(got_cache.k), jax.tree.leaves(want_cache.k)):  # layer 0: the same inputs
+        np.testing.assert_array_equal(a[0], b[0])
 
 
 @pytest.mark.parametrize("name", ["llama", "mistral-window"])
