@@ -469,8 +469,9 @@ def _q_attend(cache: QuantKVCache, layer: int, q, k, v, mask, k_raw):
     if t > 1 and not w:  # a prompt: one float layer (sinks over their slots) for the blocked prefill attention
         seen = None if cache.written else t  # an unwritten cache holds this prompt only, in its first T slots
         k_deq, v_deq = _with_sinks(cache, layer, *_q_read(cache, layer, seen))
-        if flash_ok(q, k_deq.astype(q.dtype)):  # a GPU's: cuDNN's flash attention over the layer in q's half precision
-            k_deq, v_deq = k_deq.astype(q.dtype), v_deq.astype(q.dtype)
+        k_half = k_deq.astype(q.dtype)
+        if flash_ok(q, k_half):  # a GPU's: cuDNN's flash attention over the layer in q's half precision
+            k_deq, v_deq = k_half, v_deq.astype(q.dtype)
         allowed = (mask & ~in_window[None])[:, :, :k_deq.shape[2]]
         return layer_attention(q, k_deq[None], v_deq[None], 0, allowed), cache
     quantized = mask & ~in_window[None]
