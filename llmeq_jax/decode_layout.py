@@ -18,7 +18,8 @@ row-major kernel (their rows stacked, :data:`FUSED_LINEARS`): one native call an
 one activation quantization instead of three or two. Each output row is still its
 own dot product, so the fused outputs equal the separate ones exactly.
 
-Prefill and perplexity (many rows) keep the ``(in, out)`` layout for quantized kernels; there
+Prefill and perplexity (many rows) keep the ``(in, out)`` layout for quantized kernels (but for W8A8
+ones on a GPU, which the W8A8 kernel reads K-major at every row count: :func:`w8a8_kmajor`); there
 too one wider product beats two or three narrow ones (YNNPACK on SmolLM2's gate/up:
 [512, 576] x [576, 3072] ran 117 GFLOP/s, [576, 1536] 91), and a quantized group
 quantizes its activations once. :func:`for_prefill` joins a group's float kernels, or
@@ -777,6 +778,59 @@ def pack_float_kernels(params):
     return jax.tree_util.tree_map_with_path(convert, params, is_leaf=lambda a: isinstance(a, QArray))
 
 
+# The rows a prompt's W8A8 product is planned for (kernel_dispatch.plan): the W8A8 kernels' limits do not
+# depend on rows past a decode step's.
+PROMPT_PLAN_ROWS = 2048
+
+
+def prompt_target() -> str | None:
+    """Which kernels a prompt's quantized products go to: "native" (CPU), "pallas" (the Pallas kernels: a GPU, or
+    interpret mode with native off), or None (XLA)."""
+    from llmeq_jax import native
+    from pallas_kernels import config
+
+    if native.enabled():
+        return "native"
+    return "pallas" if config.kernels_available() else None
+
+
+def w8a8_kmajor(params):
+    """``params`` with every W8A8 kernel (int8 or FP8 codes with an activation spec) that the W8A8 kernel takes
+    stored K-major, as a :class:`RowMajorKernel` -- the layout decode steps read on a GPU (:func:`for_decode`),
+    here for a prompt's many rows. Hopper's int8 and FP8 wgmma take K-major operands only: given ``(in, out)``
+    codes, the kernel transposed every weight per call from ``w8a8.TRANSPOSE_MIN_M`` rows on (inside a scanned
+    prompt, a Llama-2-7B layer's 193 MiB read and written before its products), and below that gathered the
+    N-major bytes one at a time (H200, 4096 x 11008: K-major 1.04x / 1.10x bf16 at 512 / 2048 rows, the
+    ``(in, out)`` kernel 0.24-0.99x). XLA's W8A8 path reads the K-major codes as they are too (one dot over
+    their last axis). Other kernels are left as they are."""
+
+    def convert(path, leaf):
+        if not (isinstance(leaf, QArray) and _is_kernel(path) and len(leaf.shape) == 2 and leaf.act_spec is not None
+                and not is_packed(leaf.bits)):
+            return leaf
+        from llmeq_jax import kernel_dispatch
+
+        kind, _ = kernel_dispatch.plan((PROMPT_PLAN_ROWS, leaf.shape[0]), leaf.dtype, leaf, leaf.act_spec)
+        return RowMajorKernel(transpose_kernel(leaf)) if kind in ("w8a8", "fp8_w8a8") else leaf
+
+    return jax.tree_util.tree_map_with_path(convert, params, is_leaf=lambda a: isinstance(a, QArray))
+
+
+def serves_prompts(params) -> bool:
+    """Whether params laid out by :func:`for_decode` are what a prompt should run on too: where the Pallas
+    kernels run, when the only block kernels the layout changed are W8A8 ones (K-major, as :func:`w8a8_kmajor`
+    lays them out for prompts). ``generate`` then fills the cache from the decode layout: no per-call transpose
+    of the checkpoint's W8A8 codes and no other copy. Weight-only kernels laid out for decode rows (K-major int8,
+    int4 words) are not for a prompt's many rows -- but for the LM head's, which a prompt runs on its last
+    position only (``forward_step(last_only=True)``)."""
+    if prompt_target() != "pallas":
+        return False
+    is_laid = lambda a: isinstance(a, (RowMajorKernel, Int4WordKernel))  # noqa: E731
+    laid = [(path, a) for path, a in jax.tree_util.tree_leaves_with_path(params, is_leaf=is_laid) if is_laid(a)]
+    blocks = [a for path, a in laid if "lm_head" not in jax.tree_util.keystr(path)]
+    return bool(blocks) and all(isinstance(a, RowMajorKernel) and a.w.act_spec is not None for a in blocks)
+
+
 def for_prefill(params):
     """The prefill / perplexity layout of ``params``, made once, outside the jit (it copies kernels):
 
@@ -785,6 +839,8 @@ def for_prefill(params):
       on all or none; at most :data:`PREFILL_FUSE_MAX_OUT` outputs together) joined into one
       kernel, which the model blocks then run as one product (``models.layers.parallel_linears``):
       one activation quantization and one wider GEMM instead of two or three;
+    * where the Pallas kernels run (:func:`prompt_target`: a GPU), W8A8 kernels stored K-major
+      (:func:`w8a8_kmajor`) and their groups joined whatever their width (the copy is made anyway);
     * where the native AVX-512 float GEMM runs (``native.avx512()``, native kernels on, one
       device: ``native.prefill_kernels_ok``) and the
       float32 kernels hold at most :data:`PREFILL_PACK_MAX_BYTES`, each packed as a
@@ -800,11 +856,14 @@ def for_prefill(params):
     if stacked.is_stacked(params):
         raise ValueError("for_prefill: the blocks are stacked already; apply for_prefill before "
                          "models.stacked.stack_blocks")
-    if native.enabled():  # the native weight-only kernels read int4 slots, not 2- or 3-bit packings
+    target = prompt_target()
+    if target == "native":  # the native weight-only kernels read int4 slots, not 2- or 3-bit packings
         params = jax.tree_util.tree_map(lambda a: widen_to_int4(a) if isinstance(a, QArray) else a, params,
                                         is_leaf=lambda a: isinstance(a, QArray))
-    fused = _fuse_for_prefill(params)
-    if not (native.enabled() and native.avx512() and native.prefill_kernels_ok()):
+    if target == "pallas":
+        params = w8a8_kmajor(params)
+    fused = fuse_linears(_fuse_for_prefill(params))  # fuse_linears joins the K-major groups, of any width
+    if not (target == "native" and native.avx512() and native.prefill_kernels_ok()):
         return fused
     table = _tied_head_table(fused)
     kernels = _float_kernels(fused) + ([] if table is None else [table])
@@ -824,9 +883,10 @@ def _tied_head_table(params) -> jax.Array | None:
     return table if isinstance(table, jax.Array) and table.ndim == 2 and table.dtype == jnp.float32 else None
 
 
-__all__ = ["FUSED_LINEARS", "Int4WordKernel", "PREFILL_FUSE_MAX_OUT", "PREFILL_PACK_MAX_BYTES", "PanelKernel",
-           "RowMajorKernel", "SCALE_STEP_VALUES", "SPLIT_BITS", "ScaleCodes", "compact_scales",
+__all__ = ["FUSED_LINEARS", "Int4WordKernel", "PREFILL_FUSE_MAX_OUT", "PREFILL_PACK_MAX_BYTES", "PROMPT_PLAN_ROWS",
+           "PanelKernel", "RowMajorKernel", "SCALE_STEP_VALUES", "SPLIT_BITS", "ScaleCodes", "compact_scales",
            "decode_target", "for_decode", "for_prefill", "fuse_linears", "int4_word_kernel", "join_codes",
            "kernel_view", "narrowest_split_bits", "pack_float_kernels", "pack_panels", "pack_swiglu_panels",
-           "scale_codes", "scale_group", "split_codes", "split_rows", "split_tile_takes", "stack_quantized",
-           "stack_rows", "transpose_kernel", "unpack_panels", "widen_to_int4"]
+           "prompt_target", "scale_codes", "scale_group", "serves_prompts", "split_codes", "split_rows",
+           "split_tile_takes", "stack_quantized", "stack_rows", "transpose_kernel", "unpack_panels", "w8a8_kmajor",
+           "widen_to_int4"]

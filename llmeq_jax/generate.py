@@ -270,11 +270,12 @@ def generate(
         raise ValueError(f"attention_mask shape {mask.shape} differs from prompt_tokens shape {prompt_tokens.shape}")
     cache = init_cache(config, b, t + max_new_tokens, cache_dtype or cache_dtype_for(params), kv=kv)
     kernels = kernel_state()
-    first_logits, cache = prefill(config, params, prompt_tokens, mask, cache, kernels=kernels,
-                                  activation_bits=prompt_activation_bits)
+    laid_out = decode_params(params, b)
+    first_logits, cache = prefill(config, laid_out if decode_layout.serves_prompts(laid_out) else params,
+                                  prompt_tokens, mask, cache, kernels=kernels, activation_bits=prompt_activation_bits)
     out, cache = _decode_loop(
         config,
-        decode_params(params, b),
+        laid_out,
         first_logits,
         cache,
         jax.random.key(seed),

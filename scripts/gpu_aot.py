@@ -230,13 +230,13 @@ def read_dump(folder: Path, module: str = "_decode_loop") -> tuple[str, str]:
 
 
 def abstract_model(args, recipe: str):
-    """(config, stacked params as shapes): bf16 traced abstractly; recipes quantize real random weights on
-    this CPU (quantization is not traceable), then only their shapes go on."""
+    """(config, params as shapes, one block per layer): bf16 traced abstractly; recipes quantize real random
+    weights on this CPU (quantization is not traceable), then only their shapes go on."""
     import jax
     import jax.numpy as jnp
 
     from llmeq_jax import pipeline
-    from llmeq_jax.models import shapes, stacked
+    from llmeq_jax.models import shapes
 
     config = shapes.shape_config(args.shapes, args.layers)
 
@@ -245,7 +245,7 @@ def abstract_model(args, recipe: str):
         if recipe != "bf16":
             params = pipeline.run_recipe(config, params, None, pipeline.read_recipe(recipe), None, 16,
                                          progress=False).params
-        return stacked.stack_blocks(config, params)
+        return params
 
     return config, (jax.eval_shape(build) if recipe == "bf16" else jax.eval_shape(lambda p: p, build()))
 
@@ -273,8 +273,8 @@ def compile_decode(args, recipe: str, topo, folder: Path):
     import jax
     import jax.numpy as jnp
 
-    from llmeq_jax import generate as gen
-    from llmeq_jax.models import init_cache
+    from llmeq_jax import generate as gen, pipeline
+    from llmeq_jax.models import init_cache, stacked
     from pallas_kernels import config as kernel_config
     from jax.experimental import topologies
 
@@ -285,6 +285,11 @@ def compile_decode(args, recipe: str, topo, folder: Path):
     kv = None if args.kv_bits is None else kv_quantizer(args, config)
     off = kernel_config.disabled() if args.xla else contextlib.nullcontext()
     with kernel_config.compiling_for(device), off:
+        # the blocks stacked for one scan: a prompt in the layout llmeq eval and bench_e2e's prefill run it
+        # (pipeline.run_layout: W8A8 weights K-major for a GPU), the decode loop over the checkpoint's layout
+        # (generate lays it out for decode inside)
+        params = jax.eval_shape(lambda p: pipeline.run_layout(config, p, scan_layers=True) if args.prefill
+                                else stacked.stack_blocks(config, p), params)
         cache = jax.eval_shape(lambda: init_cache(config, args.batch, args.context, jnp.bfloat16, kv=kv))
         if not args.prefill and hasattr(cache, "written"):  # the decode loop runs on a prefilled cache
             cache = dataclasses.replace(cache, written=True)

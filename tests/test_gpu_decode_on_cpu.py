@@ -4,6 +4,7 @@ K-major reductions XLA takes for small int4 products there -- the CPU's XLA deco
 
 from __future__ import annotations
 
+import re
 import types
 
 import jax
@@ -110,3 +111,66 @@ def test_a_gpus_prompt_attends_through_cudnn(cache, cudnn_as_xla, monkeypatch):
     scale = float(jnp.max(jnp.abs(want)))
     np.testing.assert_allclose(np.asarray(got, np.float32)[rows], np.asarray(want, np.float32)[rows],
                                atol=0.03 * scale)
+
+
+def _int8_transposes(jaxpr_text: str) -> int:
+    """How many transposes of int8 arrays a jaxpr's text holds (its sub-jaxprs included)."""
+    return len(re.findall(r"i8\[[\d,]+\] = transpose", jaxpr_text))
+
+
+def test_a_gpus_w8a8_prompt_reads_its_weights_k_major(monkeypatch):
+    """Laid out for a GPU's prompts (``pipeline.run_layout``), W8A8 weights are stored K-major with q/k/v and
+    gate/up joined (``decode_layout.w8a8_kmajor``): traced for a GPU at ``w8a8.TRANSPOSE_MIN_M`` rows, no int8
+    weight is transposed before the kernel (the checkpoint's ``(in, out)`` codes are, every call); the prompt's
+    logits follow XLA's W8A8 path on the ``(in, out)`` layout. (The kernels take these small products as they
+    take a 7B's: no size floor.)"""
+    from llmeq_jax import decode_layout, kernel_dispatch
+    from llmeq_jax.models import forward
+    from pallas_kernels import w8a8
+
+    params = jax.tree.map(lambda a: (a * 4).astype(jnp.bfloat16), init_params(CONFIG, jax.random.key(4)))
+    params = pipeline.run_recipe(CONFIG, params, None, pipeline.read_recipe("rtn-w8a8"), None, 16,
+                                 progress=False).params
+    tokens = jnp.asarray(np.random.default_rng(4).integers(0, CONFIG.vocab_size, (2, 6)))
+    long = jnp.zeros((w8a8.TRANSPOSE_MIN_M // 64, 64), jnp.int32)
+    run = lambda p, t: forward(CONFIG, p, t)  # noqa: E731  a fresh function: traced here
+    monkeypatch.setattr(kernel_dispatch, "MIN_KERNEL_WEIGHTS", 0)
+    with native.disabled(), kernel_config.disabled():
+        want = jax.jit(run)(pipeline.run_layout(CONFIG, params, scan_layers=True), tokens)
+    with native.disabled(), kernel_config.compiling_for(FAKE_H100), kernel_config.interpret(True):
+        assert decode_layout.prompt_target() == "pallas"
+        laid = pipeline.run_layout(CONFIG, params, scan_layers=True)
+        got = jax.jit(run)(laid, tokens)
+        kmajor = str(jax.make_jaxpr(run)(laid, long))
+        as_stored = str(jax.make_jaxpr(run)(stacked.stack_blocks(CONFIG, params), long))
+    block = laid[stacked.BLOCKS]
+    assert set(block["attn"]) == {"qkv_proj", "o_proj"} and set(block["mlp"]) == {"gate_up_proj", "down_proj"}
+    kernels = [m["kernel"] for part in ("attn", "mlp") for m in block[part].values()]
+    assert all(isinstance(k, decode_layout.RowMajorKernel) for k in kernels)
+    assert kmajor.count("name=w8a8_matmul") == 4 and _int8_transposes(kmajor) == 0
+    assert _int8_transposes(as_stored) >= 4  # what the check would see without the layout
+    scale = float(jnp.max(jnp.abs(want)))
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=0.03 * scale)
+
+
+@pytest.mark.parametrize("recipe,serves", [("rtn-w8a8", True), ("rtn-w4-g128", False)])
+def test_generate_fills_a_gpus_cache_from_the_decode_layout_of_w8a8_weights(recipe, serves, monkeypatch):
+    """On a GPU a W8A8 model's decode layout (K-major W8A8 kernels, ``decode_layout.serves_prompts``) is what
+    ``generate``'s prompt runs on too, with the tokens of the prompt run on the checkpoint's layout; a weight-only
+    model's (int4 words for decode rows) is not."""
+    from llmeq_jax import decode_layout, kernel_dispatch
+
+    params = jax.tree.map(lambda a: (a * 4).astype(jnp.bfloat16), init_params(CONFIG, jax.random.key(5)))
+    params = pipeline.run_recipe(CONFIG, params, None, pipeline.read_recipe(recipe), None, 16, progress=False).params
+    tokens = jnp.asarray(np.random.default_rng(5).integers(0, CONFIG.vocab_size, (2, 6)))
+    seen, prefill = [], gen.prefill
+    monkeypatch.setattr(gen, "prefill", lambda config, p, *a, **k: prefill(config, seen.append(p) or p, *a, **k))
+    monkeypatch.setattr(kernel_dispatch, "MIN_KERNEL_WEIGHTS", 0)
+    with native.disabled(), kernel_config.compiling_for(FAKE_H100), kernel_config.interpret(True):
+        out = gen.generate(CONFIG, params, tokens, 4)
+        monkeypatch.setattr(decode_layout, "serves_prompts", lambda p: False)
+        plain = gen.generate(CONFIG, params, tokens, 4)
+    laid = [a for a in jax.tree.leaves(seen[0], is_leaf=lambda a: isinstance(a, decode_layout.RowMajorKernel))
+            if isinstance(a, decode_layout.RowMajorKernel)]
+    assert bool(laid) == serves and (seen[0] is params) != serves and seen[1] is params
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(plain))
