@@ -288,7 +288,8 @@ def _decode_kernel(*refs, lay: _Layout, g, bg, bt, d, sm_scale, split_blocks, pr
     dh = d // halves  # channels per half
     bh = dh // 2 if bits == 4 else dh  # stored bytes per half
     heads, head_mask = span(0, bg, g)
-    length = len_ref[b]
+    # clipped here, not by XLA (a launch of its own every layer); one length for all rows or one a row
+    length = jnp.clip(len_ref[b if len_ref.shape[0] > 1 else 0], 0, k_ref.shape[-2])
 
     def half(i, width):  # columns of half i
         return pl.ds(i * width, width)
@@ -443,7 +444,10 @@ def _decode(q, k_codes, v_codes, k_scale, k_off, v_scale, extra, length, lay: _L
     g = hq // h
     bt = min(block_t, max(MIN_DOT, next_pow2(t)))
     splits, split_blocks = fit_splits(cdiv(t, bt), num_splits or decode_splits(bsz, h, t, bt))
-    length = jnp.broadcast_to(jnp.asarray(length, jnp.int32), (bsz,))
+    length = jnp.asarray(length, jnp.int32)
+    if length.shape not in ((), (1,), (bsz,)):
+        raise ValueError(f"decode_attention: length must be a scalar or [{bsz}], got shape {length.shape}")
+    length = length.reshape(-1)  # (1,) for all rows (read as it is: a broadcast was a launch a layer) or (B,)
     interpret = config.resolve_interpret(interpret)
     kernel = functools.partial(
         _decode_kernel, lay=lay, g=g, bg=max(MIN_DOT, next_pow2(g)), bt=bt, d=d,
@@ -465,8 +469,7 @@ def _decode(q, k_codes, v_codes, k_scale, k_off, v_scale, extra, length, lay: _L
         compiler_params=compiler_params(num_warps, num_stages),
         interpret=interpret,
         name=f"decode_attention_int{lay.bits}" + ("_rope" if lay.rope else ""),
-    )(*at, q.reshape(bsz, h, g, d), k_codes, v_codes, k_scale, k_off, v_scale, *extra,
-      jnp.clip(length, 0, t))
+    )(*at, q.reshape(bsz, h, g, d), k_codes, v_codes, k_scale, k_off, v_scale, *extra, length)  # clipped inside
     out, lse = combine_splits(acc, m, l)
     return out.reshape(bsz, hq, d), lse.reshape(bsz, hq)
 
@@ -558,8 +561,8 @@ def store_decode_attention(
     k_scale = k_scale.astype(jnp.float32)
     k_off = k_lo.astype(jnp.float32) - shift * k_scale  # c * s + (lo - qmin * s)
     extra = [v_lo]
-    if allowed is not None:
-        extra.append(allowed.astype(jnp.int8))
+    if allowed is not None:  # as the caller has it (bool): a conversion here was a launch a layer on a GPU
+        extra.append(allowed if allowed.dtype in (jnp.bool_, jnp.int8) else allowed.astype(bool))
     if rope:
         extra += [slot_pos.astype(jnp.int32), inv_freq.astype(jnp.float32).reshape(1, d // 2)]
     if sinks is not None:

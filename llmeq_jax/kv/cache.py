@@ -170,6 +170,21 @@ def advance(cache: KVCache, attention_mask: jax.Array) -> KVCache:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """What every layer of one step over a quantized cache derives alike from the step's mask and the cache's
+    counters (:func:`step_plan`). Derived in each layer, it was evaluated again in every iteration of the loop
+    over stacked blocks (XLA does not hoist it out): four small launches a layer of an int8 cache's decode step on
+    a GPU (the store's mask, the sinks seen, the sink targets, the scan length; deviceless H200 compile).
+    :func:`with_step_plan` makes it once, before that loop."""
+
+    store_allowed: jax.Array  # [B, T, S] bool: the slots each query reads from the store (not window, not sink)
+    scan: jax.Array  # int32: the slots a one-token step's store attention scans (those before query - window)
+    sinks_seen: jax.Array | None = None  # [B, T, N] bool: the float sinks each query sees (None: no sinks)
+    sink_targets: jax.Array | None = None  # [B, T] int32: the sink each new token is copied to (N: none)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class QuantKVCache:
     """Quantized K/V cache. Shapes (L layers, B rows, KV heads, S = max_len slots, D head dim):
 
@@ -187,6 +202,8 @@ class QuantKVCache:
     * ``inv_freq``: RoPE inverse frequencies ``[D / 2]`` (None for models without RoPE).
     * ``valid``, ``length``, ``positions``: as in :class:`KVCache`.
     * ``written``: static, whether any step has been written (the online key grid is set then).
+    * ``plan``: the step's :class:`StepPlan` while a scan over stacked blocks runs (:func:`with_step_plan`), else
+      None.
     * ``rope_cos``, ``rope_sin``: ``[B, S, D / 2]`` cos/sin of each slot's position times ``inv_freq``, kept
       where the native CPU kernel reads pre-RoPE keys and they add at most :data:`TABLE_SHARE_MAX` to the
       codes' bytes (else None): written with the slot, instead of computing the whole table again on every
@@ -217,6 +234,7 @@ class QuantKVCache:
     positions: jax.Array
     rope_cos: jax.Array | None = None
     rope_sin: jax.Array | None = None
+    plan: StepPlan | None = None
     spec: kvspec.KVSpec = dataclasses.field(metadata=dict(static=True), default=kvspec.KVSpec())
     head_dim: int = dataclasses.field(metadata=dict(static=True), default=0)
     # True once a step has been written (:func:`advance`): an online key grid is then fixed for good, which the
@@ -356,6 +374,8 @@ def _sink_index(cache: QuantKVCache, positions: jax.Array, step_mask: jax.Array)
 
 def _sink_targets(cache: QuantKVCache, t: int) -> jax.Array:
     """:func:`_sink_index` of this step's T tokens [B, T] (the step's slots are marked valid already)."""
+    if cache.plan is not None:
+        return cache.plan.sink_targets
     step_mask = jax.lax.dynamic_slice_in_dim(cache.valid, cache.length, t, axis=1)
     return _sink_index(cache, new_positions(cache, step_mask), step_mask)
 
@@ -463,23 +483,21 @@ def _q_attend(cache: QuantKVCache, layer: int, q, k, v, mask, k_raw):
     """
     w, t = cache.spec.window, k.shape[2]
     cache = _q_update(cache, layer, k, v, k_raw)
-    query_slots = slots(cache, t)
-    key_slots = jnp.arange(cache.max_len, dtype=jnp.int32)
-    in_window = query_slots[:, None] - key_slots[None, :] < w  # [T, S]
     if t > 1 and not w:  # a prompt: one float layer (sinks over their slots) for the blocked prefill attention
         seen = None if cache.written else t  # an unwritten cache holds this prompt only, in its first T slots
         k_deq, v_deq = _with_sinks(cache, layer, *_q_read(cache, layer, seen))
         k_half = k_deq.astype(q.dtype)
         if flash_ok(q, k_half):  # a GPU's: cuDNN's flash attention over the layer in q's half precision
             k_deq, v_deq = k_half, v_deq.astype(q.dtype)
-        allowed = (mask & ~in_window[None])[:, :, :k_deq.shape[2]]
-        return layer_attention(q, k_deq[None], v_deq[None], 0, allowed), cache
-    quantized = mask & ~in_window[None]
+        # (no window: the mask, causal, already leaves out every slot after the query's)
+        return layer_attention(q, k_deq[None], v_deq[None], 0, mask[:, :, :k_deq.shape[2]]), cache
+    query_slots = slots(cache, t)
+    plan = cache.plan if cache.plan is not None else step_plan(cache, mask)
+    quantized = plan.store_allowed
     float_parts, sinks_seen = [], None
     path = _store_path(cache, q) if t == 1 else None
     if cache.sink_slot is not None:
-        sinks, is_sink = _sink_part(cache, layer, mask, query_slots)
-        quantized = quantized & ~is_sink[:, None, :]
+        sinks = (cache.k_sink[layer], cache.v_sink[layer], plan.sinks_seen)
         if not w and (path == "pallas" or (path == "native" and cache.k_sink.dtype == jnp.float32)):
             sinks_seen = sinks[2][:, 0]  # the kernel reads the sinks with the store: one softmax, no merge
         else:
@@ -487,7 +505,7 @@ def _q_attend(cache: QuantKVCache, layer: int, q, k, v, mask, k_raw):
     if w:
         float_parts.append(_window_part(cache, layer, k, v, mask, query_slots))
         cache = _write_window(cache, layer, k, v, query_slots)
-    store = None if path is None else _kernel_store_part(cache, layer, q, quantized, path, sinks_seen)
+    store = None if path is None else _kernel_store_part(cache, layer, q, quantized, plan.scan, path, sinks_seen)
     if store is None:
         k_deq, v_deq = _q_read(cache, layer)
         return split_attention(q, [(k_deq, v_deq, quantized)] + float_parts), cache
@@ -638,19 +656,18 @@ def _store_path(cache: QuantKVCache, q) -> str | None:
     return store_path(cache.spec, d, q.dtype, b * n_heads // cache.k.q.shape[2], cache.max_len)
 
 
-def _kernel_store_part(cache: QuantKVCache, layer: int, q, quantized, path: str, sinks_seen=None):
+def _kernel_store_part(cache: QuantKVCache, layer: int, q, quantized, scan, path: str, sinks_seen=None):
     """(out [B, 1, H, D], lse [B, 1, H]) of one query over the quantized store by ``path``
     (:func:`store_path`: the native kernel, the Pallas decode kernel or XLA's dots over the codes).
 
     Each reads the codes where they lie instead of writing a dequantized float copy of the whole
     layer every step. ``quantized`` [B, 1, S] marks the slots to read. ``sinks_seen`` [B, N] (the native and
     Pallas kernels): the float sinks of this layer seen by each row, read by the kernel in the same softmax (on a
-    GPU the float attention over the sinks and its merge with the store's were ~5 launches a layer).
+    GPU the float attention over the sinks and its merge with the store's were ~5 launches a layer). ``scan``: the
+    slots to scan (:class:`StepPlan`).
     """
     bits, b, n_heads, d = cache.spec.bits, q.shape[0], q.shape[2], q.shape[3]
     k_scale, k_lo, _ = _key_grid(cache, layer)
-    # Slots past query - window are never read from the store: scan only up to there.
-    scan = jnp.maximum(cache.length + 1 - cache.spec.window, 0)
     args = (q.reshape(b, n_heads, d), cache.k.q, cache.v.q, k_scale, k_lo, cache.v.scale, cache.v.lo, scan)
     if path == "xla":
         out, lse = store_attention(*args, bits=bits, allowed=quantized[:, 0], layer=layer)
@@ -673,8 +690,8 @@ def _kernel_store_part(cache: QuantKVCache, layer: int, q, quantized, path: str,
     return out[:, None], lse[:, None]
 
 
-def _sink_part(cache: QuantKVCache, layer: int, mask: jax.Array, query_slots: jax.Array):
-    """The float sinks as an attention part (k, v, mask [B, T, N]) and which slots are sinks [B, S].
+def _sinks_seen(cache: QuantKVCache, mask: jax.Array, query_slots: jax.Array):
+    """(which float sinks each query sees [B, T, N], which slots are sinks [B, S]).
 
     A sink is seen where its slot is (causal, valid, sliding window) and not already read
     from the float window; unwritten sinks (slot -1) are not seen.
@@ -685,7 +702,34 @@ def _sink_part(cache: QuantKVCache, layer: int, mask: jax.Array, query_slots: ja
     is_sink = jnp.any(sink_slot[:, :, None] == key_slots[None, None, :], axis=1)
     seen = jnp.take_along_axis(mask, jnp.broadcast_to(jnp.clip(sink_slot, 0)[:, None, :], (b, t, n)), axis=2)
     outside_window = query_slots[None, :, None] - sink_slot[:, None, :] >= cache.spec.window
-    return (cache.k_sink[layer], cache.v_sink[layer], seen & (sink_slot >= 0)[:, None, :] & outside_window), is_sink
+    return seen & (sink_slot >= 0)[:, None, :] & outside_window, is_sink
+
+
+def step_plan(cache: QuantKVCache, mask: jax.Array) -> StepPlan:
+    """The :class:`StepPlan` of a step of T tokens with attention mask ``mask`` [B, T, max_len] (causal, valid,
+    sliding window) into ``cache`` (its new slots marked valid already: :func:`append_mask`)."""
+    t = mask.shape[1]
+    query_slots = slots(cache, t)
+    key_slots = jnp.arange(cache.max_len, dtype=jnp.int32)
+    allowed = mask & ~(query_slots[:, None] - key_slots[None, :] < cache.spec.window)[None]  # not in the window
+    seen = targets = None
+    if cache.sink_slot is not None:
+        seen, is_sink = _sinks_seen(cache, mask, query_slots)
+        allowed = allowed & ~is_sink[:, None, :]
+        targets = _sink_targets(cache, t)
+    # Slots past query - window are never read from the store: a one-token step scans only up to there.
+    scan = jnp.maximum(cache.length + 1 - cache.spec.window, 0).astype(jnp.int32)
+    return StepPlan(allowed, scan, seen, targets)
+
+
+def with_step_plan(cache, mask: jax.Array | None):
+    """``cache`` with the :class:`StepPlan` of a step under ``mask`` (None: without one), for the layers of a scan
+    over stacked blocks to share; other caches (float, none) as they are. A prompt's (T > 1) attention without a
+    float window does not read it."""
+    if not isinstance(cache, QuantKVCache):
+        return cache
+    return dataclasses.replace(cache, plan=None if mask is None else step_plan(dataclasses.replace(cache, plan=None),
+                                                                                 mask))
 
 
 # --------------------------------------------------------------------------- online key ranges across requests

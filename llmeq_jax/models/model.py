@@ -113,7 +113,10 @@ def _run_blocks(config, params, h, positions, query_slots, valid, cache):
             h, cache = carry
             return _block_module(config, layer).apply({"params": block_params}, h, positions, mask, cache)
 
-        return stacked.scan_blocks(run_block, params[stacked.BLOCKS], (h, cache), config.num_layers)
+        # a quantized cache's per-step masks and counters once for all layers (XLA evaluated them in every one)
+        carry = (h, kvcache.with_step_plan(cache, mask))
+        h, cache = stacked.scan_blocks(run_block, params[stacked.BLOCKS], carry, config.num_layers)
+        return h, kvcache.with_step_plan(cache, None)
     masks = {}
     for i in range(config.num_layers):
         window = config.sliding_window if config.is_sliding(i) else None

@@ -6,6 +6,7 @@ import functools
 import re
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -304,3 +305,44 @@ def test_decode_through_xlas_dots_over_the_codes_equals_dequantizing(bits, monke
     np.testing.assert_allclose(scanned, dequantized, atol=tol)
     float_logits = _decode(config, params, None, tokens)[0]
     assert float(jnp.max(jnp.abs(float_logits - dequantized))) > 100 * tol
+
+
+def _loop_body_masks(jaxpr, shape) -> int:
+    """Equations inside a loop (scan, while) of ``jaxpr`` that write a bool array of ``shape``."""
+    def walk(jx, in_loop):
+        n = 0
+        for eqn in jx.eqns:
+            if in_loop and any(getattr(v.aval, "shape", None) == shape and v.aval.dtype == jnp.bool_
+                               for v in eqn.outvars):
+                n += 1
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                n += walk(sub, in_loop or eqn.primitive.name in ("scan", "while"))
+        return n
+    return walk(jaxpr.jaxpr, False)
+
+
+def test_a_stacked_decode_step_plans_its_masks_once_for_all_layers(monkeypatch):
+    """A decode step over stacked blocks derives the quantized store's mask, the sinks seen and the scan length
+    once, before the loop over the layers (``kv.cache.with_step_plan``): derived in each layer, XLA evaluated them
+    in every iteration (four launches a layer on a GPU). The loop's body then writes no [B, 1, S] mask (without
+    the plan it does), and the logits are the unrolled model's."""
+    from llmeq_jax.models import model, stacked
+
+    config, params, tokens, kv, _, _ = _reference("int8-preRoPE-sinks4")
+    tokens = tokens[:, :9]
+    scanned_params = stacked.stack_blocks(config, params)
+    cache = init_cache(config, 2, tokens.shape[1], kv=kv)
+    shape = (2, 1, tokens.shape[1])
+
+    def body_masks():
+        step = lambda p, t, m, c: forward_step(config, p, t, m, c)  # noqa: E731  a fresh function: traced anew
+        return _loop_body_masks(jax.make_jaxpr(step)(scanned_params, tokens[:, 6:7], jnp.ones((2, 1), jnp.int32),
+                                                     cache), shape)
+
+    with kernel_config.interpret(True):
+        unrolled, _, _ = _decode(config, params, kv, tokens)
+        scanned, used, _ = _decode(config, scanned_params, kv, tokens)
+        assert used and body_masks() == 0
+        monkeypatch.setattr(model.kvcache, "with_step_plan", lambda cache, mask: cache)
+        assert body_masks() > 0
+    np.testing.assert_allclose(scanned, unrolled, atol=5e-5 * float(jnp.max(jnp.abs(unrolled))))
