@@ -103,9 +103,13 @@ def _check_cache(k_cache, v_cache, v_scale, bits, d):
         raise ValueError(f"KV cache kernels need a power-of-two head_dim >= {min_head_dim(bits)} for int{bits}, got {d}")
 
 
-def _check_k_scale(k_scale, bsz, h, d):
-    if k_scale.ndim != 4 or k_scale.shape[0] not in (1, bsz) or k_scale.shape[1:] != (h, 1, d):
-        raise ValueError(f"KV cache: k_scale must be (1 or {bsz}, {h}, 1, {d}), got {k_scale.shape}")
+def _check_k_scale(k_scale, bsz, h, d, layers: int | None = None):
+    """One layer's key grid (1 or B, H, 1, D), or with ``layers`` (a stacked store's) every layer's too."""
+    grid = k_scale.shape[1:] if layers is not None and k_scale.ndim == 5 and k_scale.shape[0] == layers \
+        else k_scale.shape
+    if len(grid) != 4 or grid[0] not in (1, bsz) or grid[1:] != (h, 1, d):
+        every = f" (or every layer's ({layers}, 1 or {bsz}, {h}, 1, {d}))" if layers is not None else ""
+        raise ValueError(f"KV cache: k_scale must be (1 or {bsz}, {h}, 1, {d}){every}, got {k_scale.shape}")
 
 
 def _one_layer(name, stores, layer):
@@ -118,11 +122,6 @@ def _one_layer(name, stores, layer):
                          f"length, got {[tuple(a.shape) for a in stores]}")
     check_int_scalar(name, "layer", layer)
     return [jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in stores]
-
-
-def _batched(k_scale, bsz):
-    # A tiny [B, H, 1, D] copy, so the kernel always indexes it by program id.
-    return jnp.broadcast_to(k_scale.astype(jnp.float32), (bsz, *k_scale.shape[1:]))
 
 
 # --------------------------------------------------------------------------- decode attention
@@ -143,6 +142,7 @@ class _Layout:
             split 0's softmax as its starting carry, with a [B, sinks] mask of the ones the query sees.
     words:  the codes come as int32 words and the query side lane-major (``kv_words``): float16 operands
             made from 32-bit loads, one dot per lane (half-precision queries, post-RoPE keys).
+    grid_stacked: the key grid is every layer's [L, 1 or B, H, 1, D], read at the layer index (``stacked``).
     """
 
     bits: int
@@ -153,6 +153,7 @@ class _Layout:
     stacked: bool = False
     words: bool = False
     sinks: int = 0
+    grid_stacked: bool = False
 
     @property
     def halves(self) -> int:
@@ -274,7 +275,7 @@ def _decode_kernel(*refs, lay: _Layout, g, bg, bt, d, sm_scale, split_blocks, pr
     refs = list(refs)
     # A stacked store ([L, ...] codes and value grids): this layer of it, read in place.
     at = (refs.pop(0)[0],) if lay.stacked else ()
-    q_ref, k_ref, v_ref, ks_ref, ko_ref, vs_ref = refs[:6]
+    q_ref, k_ref, v_ref, ks_ref, kl_ref, vs_ref = refs[:6]  # the key grid: scale and minimum
     rest = refs[6:]
     vlo_ref = rest.pop(0) if lay.v_lo else None
     allow_ref = rest.pop(0) if lay.masked else None
@@ -294,19 +295,31 @@ def _decode_kernel(*refs, lay: _Layout, g, bg, bt, d, sm_scale, split_blocks, pr
     def half(i, width):  # columns of half i
         return pl.ds(i * width, width)
 
+    # The key grid's row: [(L,) 1 or B, H, 1, D], per row or one for all (indexed here: a broadcast and a layer's
+    # slice were launches of their own every layer).
+    grid_at = (*(at if lay.grid_stacked else ()), b if ks_ref.shape[-4] > 1 else jnp.int32(0), h, pl.ds(0, 1))
+
+    def key_grid(cols=slice(None)):
+        """(scale, offset) of the key grid's columns: dequantized = code * scale + offset, where the offset is
+        ``lo - shift * scale`` (the codes are stored minus ``shift``)."""
+        scale = plgpu.load(ks_ref.at[(*grid_at, cols)])
+        return scale, plgpu.load(kl_ref.at[(*grid_at, cols)]) - float(lay.shift) * scale
+
     if lay.words:
         qw = plgpu.load(q_ref.at[b, h, heads, :], mask=head_mask[:, None], other=0.0).astype(jnp.float32) * sm_scale
         # q . (c * s + o) = (q * s) . c + q . o, the first as float16 operands scaled into float16's range
-        qf = qw * plgpu.load(ks_ref.at[b, h, pl.ds(0, 1), :])
-        q_const = jnp.sum(qw * plgpu.load(ko_ref.at[b, h, pl.ds(0, 1), :]), axis=1, keepdims=True)
+        grid_scale, grid_off = key_grid()
+        qf = qw * grid_scale
+        q_const = jnp.sum(qw * grid_off, axis=1, keepdims=True)
         q_scale, q_unscale = _pow2_scale(jnp.max(jnp.abs(qf), axis=1, keepdims=True))  # per query row
         q_half = (qf * q_scale).astype(jnp.float16)
     else:
         # Per half: the query (scaled) and the per-channel key grid, split like the codes.
         q = [_lanes(plgpu.load(q_ref.at[b, h, heads, half(i, dh)], mask=head_mask[:, None], other=0.0)
                     .astype(jnp.float32) * sm_scale, bits) for i in range(halves)]
-        k_scale = [_lanes(plgpu.load(ks_ref.at[b, h, pl.ds(0, 1), half(i, dh)]), bits) for i in range(halves)]
-        k_off = [_lanes(plgpu.load(ko_ref.at[b, h, pl.ds(0, 1), half(i, dh)]), bits) for i in range(halves)]
+        grids = [key_grid(half(i, dh)) for i in range(halves)]
+        k_scale = [_lanes(scale, bits) for scale, _ in grids]
+        k_off = [_lanes(off, bits) for _, off in grids]
         lanes = range(len(q[0]))
         if lay.rope:
             freq = _lanes(freq_ref[...].reshape(1, dh), bits)  # the same frequencies for both halves
@@ -434,7 +447,7 @@ def decode_splits(bsz: int, h: int, t: int, bt: int) -> int:
     return max(1, min(cdiv(TARGET_PROGRAMS, bsz * h), by_length))
 
 
-def _decode(q, k_codes, v_codes, k_scale, k_off, v_scale, extra, length, lay: _Layout, *, sm_scale, block_t,
+def _decode(q, k_codes, v_codes, k_scale, k_lo, v_scale, extra, length, lay: _Layout, *, sm_scale, block_t,
             num_splits, num_warps, num_stages, interpret, layer=None):
     """Run the kernel; -> (out [B, H_q, D] float32, log-sum-exp of the scores [B, H_q])."""
     bsz, hq, d = q.shape
@@ -458,7 +471,6 @@ def _decode(q, k_codes, v_codes, k_scale, k_off, v_scale, extra, length, lay: _L
     part = jax.ShapeDtypeStruct((bsz, h, splits, g, d), jnp.float32)
     stat = jax.ShapeDtypeStruct((bsz, h, splits, g, 1), jnp.float32)
     at = () if layer is None else (jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)),)
-    k_scale, k_off = _batched(k_scale, bsz), _batched(k_off, bsz)
     if lay.words:  # the codes as int32 words: a bitcast
         k_codes, v_codes = kv_words.as_words(k_codes, lay.bits), kv_words.as_words(v_codes, lay.bits)
     offsets.check((k_codes, v_codes), "decode_attention")
@@ -469,7 +481,7 @@ def _decode(q, k_codes, v_codes, k_scale, k_off, v_scale, extra, length, lay: _L
         compiler_params=compiler_params(num_warps, num_stages),
         interpret=interpret,
         name=f"decode_attention_int{lay.bits}" + ("_rope" if lay.rope else ""),
-    )(*at, q.reshape(bsz, h, g, d), k_codes, v_codes, k_scale, k_off, v_scale, *extra, length)  # clipped inside
+    )(*at, q.reshape(bsz, h, g, d), k_codes, v_codes, k_scale, k_lo, v_scale, *extra, length)  # clipped inside
     out, lse = combine_splits(acc, m, l)
     return out.reshape(bsz, hq, d), lse.reshape(bsz, hq)
 
@@ -534,7 +546,8 @@ def store_decode_attention(
     ``layer`` (an integer scalar, may be traced): ``k_codes``, ``v_codes``, ``v_scale`` and ``v_lo`` are
     every layer's stack ``[L, ...]`` and layer ``layer`` is read in place -- what a decode step of the scan
     over stacked blocks passes, where slicing the layer out would copy its whole store for the kernel
-    every step (the key grid, ``[1 or B, H_kv, 1, D]``, is one layer's).
+    every step. The key grid is one layer's, ``[1 or B, H_kv, 1, D]``, or there every layer's, ``[L, 1 or B, H_kv,
+    1, D]``, read at ``layer`` in place too (slicing it out was a launch of its own every layer).
     """
     d = q.shape[-1]
     stacked = layer is not None
@@ -542,8 +555,11 @@ def store_decode_attention(
     bsz, h, t = k_one.shape[:3]
     _check_cache(k_one, v_one, vs_one, bits, d)
     _check_query(q, h, bsz)
-    _check_k_scale(k_scale, bsz, h, d)
-    _check_k_scale(k_lo, bsz, h, d)
+    layers = k_codes.shape[0] if stacked else None
+    _check_k_scale(k_scale, bsz, h, d, layers)
+    _check_k_scale(k_lo, bsz, h, d, layers)
+    if k_lo.shape != k_scale.shape:
+        raise ValueError(f"store_decode_attention: k_lo {k_lo.shape} differs from k_scale {k_scale.shape}")
     if vl_one.shape != vs_one.shape:
         raise ValueError(f"store_decode_attention: v_lo must be {vs_one.shape}, got {vl_one.shape}")
     rope = slot_pos is not None
@@ -558,8 +574,7 @@ def store_decode_attention(
     if allowed is not None and allowed.shape != (bsz, t):
         raise ValueError(f"store_decode_attention: allowed must be {(bsz, t)}, got {allowed.shape}")
     shift, _ = int_range(bits)
-    k_scale = k_scale.astype(jnp.float32)
-    k_off = k_lo.astype(jnp.float32) - shift * k_scale  # c * s + (lo - qmin * s)
+    k_scale, k_lo = k_scale.astype(jnp.float32), k_lo.astype(jnp.float32)  # (c - qmin) * s + lo, in the kernel
     extra = [v_lo]
     if allowed is not None:  # as the caller has it (bool): a conversion here was a launch a layer on a GPU
         extra.append(allowed if allowed.dtype in (jnp.bool_, jnp.int8) else allowed.astype(bool))
@@ -568,8 +583,9 @@ def store_decode_attention(
     if sinks is not None:
         extra += _check_sinks(sinks, (*k_codes.shape[:-2], d), bsz)
     lay = _Layout(bits, shift=shift, v_lo=True, masked=allowed is not None, rope=rope, stacked=stacked,
-                  words=reads_words(d, bits, q.dtype, rope=rope), sinks=0 if sinks is None else sinks[0].shape[-2])
-    return _decode(q, k_codes, v_codes, k_scale, k_off, v_scale, tuple(extra), length, lay, sm_scale=sm_scale,
+                  words=reads_words(d, bits, q.dtype, rope=rope), sinks=0 if sinks is None else sinks[0].shape[-2],
+                  grid_stacked=k_scale.ndim == 5)
+    return _decode(q, k_codes, v_codes, k_scale, k_lo, v_scale, tuple(extra), length, lay, sm_scale=sm_scale,
                    block_t=block_t, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
                    interpret=interpret, layer=layer)
 
@@ -593,6 +609,8 @@ def store_decode_attention_reference(q, k_codes, v_codes, k_scale, k_lo, v_scale
     if layer is not None:
         k_codes, v_codes, v_scale, v_lo = (a[layer] for a in (k_codes, v_codes, v_scale, v_lo))
         sinks = None if sinks is None else (sinks[0][layer], sinks[1][layer], sinks[2])
+        if jnp.ndim(k_scale) == 5:  # every layer's key grid
+            k_scale, k_lo = k_scale[layer], k_lo[layer]
     d = q.shape[-1]
     bsz, t = k_codes.shape[0], k_codes.shape[2]
     k = dequantize_grid(unpack(k_codes, bits, -1, d), k_scale, k_lo, bits)

@@ -76,8 +76,8 @@ def _codes(x, scale, lo, bits: int, interpreted: bool):
     return pack_nibbles(*split_pairs(c)).astype(jnp.uint8)
 
 
-def _kernel(*refs, kv: int, bits: int, per_row_keys: bool, stacked: bool, interpreted: bool, sinks: int,
-            rotated_row: int):
+def _kernel(*refs, kv: int, bits: int, per_row_keys: bool, stacked: bool, grid_stacked: bool, interpreted: bool,
+            sinks: int, rotated_row: int):
     refs = list(refs)
     at = (refs.pop(0)[0],) if stacked else ()  # the layer of a stacked store, written in place
     slot_ref, new_ref, ks_ref, kl_ref = refs[:4]
@@ -87,8 +87,9 @@ def _kernel(*refs, kv: int, bits: int, per_row_keys: bool, stacked: bool, interp
     slot = jnp.minimum(slot_ref[0], kc_out.shape[-2] - 1)  # as XLA's dynamic-update-slice clamps its start
     key = plgpu.load(new_ref.at[b, pl.ds(h, 1), :]).astype(jnp.float32)  # (1, D)
     value = plgpu.load(new_ref.at[b, pl.ds(kv + h, 1), :]).astype(jnp.float32)
-    g = b if per_row_keys else jnp.int32(0)
-    k_scale, k_lo = plgpu.load(ks_ref.at[g, pl.ds(h, 1), :]), plgpu.load(kl_ref.at[g, pl.ds(h, 1), :])
+    g = (*(at if grid_stacked else ()), b if per_row_keys else jnp.int32(0))  # the key grid's (layer,) row
+    k_scale, k_lo = plgpu.load(ks_ref.at[(*g, pl.ds(h, 1), slice(None))]), \
+        plgpu.load(kl_ref.at[(*g, pl.ds(h, 1), slice(None))])
     v_scale, v_lo = _grid(jnp.min(value, axis=1, keepdims=True), jnp.max(value, axis=1, keepdims=True), 2**bits - 1,
                           interpreted)
     row = (*at, b, h, pl.ds(slot, 1), slice(None))
@@ -113,7 +114,8 @@ def store_append(k_codes, v_codes, v_scale, v_lo, k, v, k_scale, k_lo, slot, *, 
     v_lo)`` updated in place (the outputs alias those inputs).
 
     k, v ``[B, KV, D]`` (or ``[B, KV, 1, D]``); k_scale, k_lo the per-channel key grid ``[1 or B, KV, D]`` (or with
-    a 1 before D); codes ``[L, B, KV, S, D or D / 2]`` with ``layer`` (an integer scalar, may be traced) or
+    a 1 before D) -- or, with ``layer``, every layer's grid ``[L, 1 or B, KV, 1, D]``, read at ``layer`` in place
+    (the slice was a launch of its own every layer); codes ``[L, B, KV, S, D or D / 2]`` with ``layer`` (an integer scalar, may be traced) or
     ``[B, KV, S, ...]`` without; value grids the codes' shape with a last dim of 1, float16 or float32; ``slot``
     an integer scalar (clamped into the store, as XLA's dynamic-update-slice clamps). The arguments of
     ``native.kv_store_append`` for a one-token step, the same bits written.
@@ -147,10 +149,14 @@ def store_append(k_codes, v_codes, v_scale, v_lo, k, v, k_scale, k_lo, slot, *, 
         raise ValueError(f"store_append: value grids must be {grid_shape} float16/float32, got {v_scale.dtype} "
                          f"{v_scale.shape} / {v_lo.dtype} {v_lo.shape}")
     k_scale, k_lo = (jnp.asarray(a, jnp.float32) for a in (k_scale, k_lo))
-    if k_scale.size not in (kv * d, bsz * kv * d) or k_lo.shape != k_scale.shape:
-        raise ValueError(f"store_append: the key grid must be [1 or {bsz}, {kv}, {d}], got {k_scale.shape} / "
-                         f"{k_lo.shape}")
-    k_scale, k_lo = (a.reshape(-1, kv, d) for a in (k_scale, k_lo))
+    grid_stacked = stacked and k_scale.ndim == 5
+    per_layer = k_scale.size // k_scale.shape[0] if grid_stacked else k_scale.size
+    if per_layer not in (kv * d, bsz * kv * d) or k_lo.shape != k_scale.shape or (
+            grid_stacked and k_scale.shape[0] != k_codes.shape[0]):
+        raise ValueError(f"store_append: the key grid must be [1 or {bsz}, {kv}, {d}] (with layer=, or every layer's "
+                         f"[L, 1 or {bsz}, {kv}, 1, {d}]), got {k_scale.shape} / {k_lo.shape}")
+    lead_grid = (k_scale.shape[0],) if grid_stacked else ()
+    k_scale, k_lo = (a.reshape(*lead_grid, -1, kv, d) for a in (k_scale, k_lo))
     for name, s in (("slot", slot), ("layer", layer)):
         if s is not None:
             check_int_scalar("store_append", name, s)
@@ -176,8 +182,8 @@ def store_append(k_codes, v_codes, v_scale, v_lo, k, v, k_scale, k_lo, slot, *, 
     args = [*at, jnp.reshape(jnp.asarray(slot, jnp.int32), (1,)), new, k_scale, k_lo, *sink_args, *stores]
     first = len(args) - len(stores)
     interpret = config.resolve_interpret(interpret)
-    kernel = functools.partial(_kernel, kv=kv, bits=bits, per_row_keys=k_scale.shape[0] == bsz and bsz > 1,
-                               stacked=stacked, interpreted=interpret, sinks=n_sinks,
+    kernel = functools.partial(_kernel, kv=kv, bits=bits, per_row_keys=k_scale.shape[-3] == bsz and bsz > 1,
+                               stacked=stacked, grid_stacked=grid_stacked, interpreted=interpret, sinks=n_sinks,
                                rotated_row=2 * kv if len(parts) == 3 else 0)
     return pl.pallas_call(
         kernel,
@@ -198,6 +204,8 @@ def store_append_reference(k_codes, v_codes, v_scale, v_lo, k, v, k_scale, k_lo,
     k = k if k.ndim == 4 else k[:, :, None]
     v = v if v.ndim == 4 else v[:, :, None]
     d = k.shape[-1]
+    if layer is not None and jnp.ndim(k_scale) == 5:  # every layer's grid: this layer's
+        k_scale, k_lo = k_scale[layer], k_lo[layer]
     ks, kl = (jnp.asarray(a, jnp.float32).reshape(-1, k.shape[1], 1, d) for a in (k_scale, k_lo))
     keys = kvgrid.quantize_per_channel(k, ks, kl, None, bits, 0)
     values = kvgrid.quantize_per_token(v, bits, 0)

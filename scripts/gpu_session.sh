@@ -53,7 +53,7 @@
 # then STEPS="prompt_attention float_attention decode_sweep_w8" (timeout_s 420; cuDNN vs XLA attention at 128-4096
 # positions and its table entries first), e2e_kv as time allows.
 # The session after (no GPU) laid W8A8 prompts' weights out K-major (no per-call transpose: rtn-w8a8's e2e prefill
-# column) and made a quantized cache's per-step masks once a step (20 -> 16 launches a layer: e2e_kv's rows; its
+# column) and made a quantized cache's per-step masks once a step (20 -> 15 launches a layer: e2e_kv's rows; its
 # store kernel's gpu cases are "store"). The plan above stands, with RECIPES="rtn-w4-g128 rtn-w8 rtn-w8a8" in the
 # first call and TESTS="float_decode or int8_f16 or store or prompt_attention" ("store": the kv_store cases too).
 set -uo pipefail

@@ -330,6 +330,14 @@ def _key_grid(cache: QuantKVCache, layer: int):
     return tuple(a[layer][None, :, None, :] for a in (cache.k_scale, cache.k_lo, cache.k_hi))
 
 
+def _key_grids(cache: QuantKVCache):
+    """Every layer's per-channel (scale, lo) shaped [L, 1 or B, KV, 1, D] (views of the stored arrays), for the
+    Pallas kernels, which read ``layer``'s in place: the layer's slice was a launch of its own every layer."""
+    if cache.spec.online_keys:
+        return tuple(a[:, :, :, None, :] for a in (cache.k_scale, cache.k_lo))
+    return tuple(a[:, None, :, None, :] for a in (cache.k_scale, cache.k_lo))
+
+
 def _set_online_grid(cache: QuantKVCache, layer: int, keys: jax.Array) -> QuantKVCache:
     """First write of an online cache: each row's key range from this step's valid keys (blended with the
     running range by ``ema``); later writes keep it, so every stored code has one grid."""
@@ -438,7 +446,7 @@ def kernel_appends(spec: kvspec.KVSpec, head_dim: int, keys) -> bool:
 def _kernel_write(cache: QuantKVCache, layer: int, keys, v, k) -> QuantKVCache:
     """:func:`_q_update`'s codes and value grids, and a sink token's float copies (``k`` the keys after RoPE),
     written by the Pallas kernel in place (XLA's bits; the sinks were a select and two scatters a layer)."""
-    scale, lo, _ = _key_grid(cache, layer)
+    scale, lo = _key_grids(cache)
     sinks = None
     if cache.sink_slot is not None:
         sinks = (cache.k_sink, cache.v_sink, _sink_targets(cache, 1), k if cache.spec.pre_rope else None)
@@ -667,8 +675,9 @@ def _kernel_store_part(cache: QuantKVCache, layer: int, q, quantized, scan, path
     slots to scan (:class:`StepPlan`).
     """
     bits, b, n_heads, d = cache.spec.bits, q.shape[0], q.shape[2], q.shape[3]
-    k_scale, k_lo, _ = _key_grid(cache, layer)
-    args = (q.reshape(b, n_heads, d), cache.k.q, cache.v.q, k_scale, k_lo, cache.v.scale, cache.v.lo, scan)
+    # the Pallas kernel reads the layer's key grid from every layer's in place; XLA and the native kernel take it
+    grid = _key_grids(cache) if path == "pallas" else _key_grid(cache, layer)[:2]
+    args = (q.reshape(b, n_heads, d), cache.k.q, cache.v.q, *grid, cache.v.scale, cache.v.lo, scan)
     if path == "xla":
         out, lse = store_attention(*args, bits=bits, allowed=quantized[:, 0], layer=layer)
         return out[:, None], lse[:, None]

@@ -152,6 +152,15 @@ def test_store_decode_reads_a_layer_of_a_stacked_store_in_place(bits):
     # no slice of the stack in the traced call: the kernel is handed the stack itself
     text = str(jax.make_jaxpr(at_layer)(jnp.int32(1)))
     assert "dynamic_slice" not in text and "pallas_call" in text
+    # every layer's key grid [L, 1, H, 1, D] (kv.cache's): read at the layer in place too, the same result
+    grids = [jnp.stack([s[i] for s in stores]) for i in (2, 3)]
+    every = jax.jit(lambda layer: store_decode_attention(q, *stacks[:2], *grids, *stacks[2:], length, layer=layer,
+                                                         **kw))
+    for got, ref in zip(every(jnp.int32(1)), want):
+        np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-7)
+    assert float(jnp.max(jnp.abs(every(jnp.int32(2))[0] - at_layer(jnp.int32(2))[0]))) > 1e-2  # layer 2's grid
+    with pytest.raises(ValueError, match="every layer's"):
+        store_decode_attention(q, *stacks[:2], grids[0][:2], grids[1][:2], *stacks[2:], length, layer=0, **kw)
 
 
 @pytest.mark.parametrize("bits, d, dtype", [(8, 128, jnp.bfloat16), (4, 128, jnp.bfloat16), (8, 64, jnp.float16),

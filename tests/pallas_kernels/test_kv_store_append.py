@@ -142,3 +142,26 @@ def test_lowers_for_cuda_in_place(cuda_lowering, bits):
         kc, vc, vs, vl, k, v, s, lo, slot, bits=bits, layer=i), codes, codes, grid, grid, new, new, ks, ks,
         jnp.int32(5), jnp.int32(1))
     assert text.count("#stablehlo.output_operand_alias<") == 4
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+def test_every_layers_key_grid_is_read_at_the_layer(per_row):
+    """With layer=, the key grid may be every layer's [L, 1 or B, KV, 1, D] (what kv.cache passes: the layer's
+    slice was a launch of its own every layer): the kernel reads layer ``layer``'s grid in place, writing the codes
+    that grid gives -- and another layer's grid gives other codes."""
+    rng = np.random.default_rng(7)
+    store = _store(8, jnp.float16, rng)
+    k, v, _, _ = _step(rng, jnp.float32, per_row)
+    grids = [_step(np.random.default_rng(20 + i), jnp.float32, per_row)[2:] for i in range(L)]
+    every = [jnp.stack([g[j] for g in grids])[:, :, :, None, :] for j in (0, 1)]  # [L, 1 or B, KV, 1, D]
+    got = ka.store_append(*store, k, v, *every, jnp.int32(4), bits=8, layer=jnp.int32(2), interpret=True)
+    want = ka.store_append(*store, k, v, *grids[2], jnp.int32(4), bits=8, layer=jnp.int32(2), interpret=True)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(_bits(g), _bits(w))
+    other = ka.store_append(*store, k, v, *grids[0], jnp.int32(4), bits=8, layer=jnp.int32(2), interpret=True)
+    assert not np.array_equal(_bits(got[0]), _bits(other[0]))
+    ref = ka.store_append_reference(*store, k, v, *every, 4, bits=8, layer=2)
+    np.testing.assert_array_equal(_bits(got[0]), _bits(ref[0]))
+    with pytest.raises(ValueError, match="every layer's"):
+        ka.store_append(*store, k, v, every[0][:2], every[1][:2], jnp.int32(4), bits=8, layer=jnp.int32(2),
+                        interpret=True)
