@@ -116,9 +116,9 @@ def store_append(k_codes, v_codes, v_scale, v_lo, k, v, k_scale, k_lo, slot, *, 
     k, v ``[B, KV, D]`` (or ``[B, KV, 1, D]``); k_scale, k_lo the per-channel key grid ``[1 or B, KV, D]`` (or with
     a 1 before D) -- or, with ``layer``, every layer's grid ``[L, 1 or B, KV, 1, D]``, read at ``layer`` in place
     (the slice was a launch of its own every layer); codes ``[L, B, KV, S, D or D / 2]`` with ``layer`` (an
-    integer scalar, may be traced) or ``[B, KV, S, ...]`` without; value grids the codes' shape with a last dim of 1, float16 or float32; ``slot``
-    an integer scalar (clamped into the store, as XLA's dynamic-update-slice clamps). The arguments of
-    ``native.kv_store_append`` for a one-token step, the same bits written.
+    integer scalar, may be traced) or ``[B, KV, S, ...]`` without; value grids the codes' shape with a last dim
+    of 1, float16 or float32; ``slot`` an integer scalar (clamped into the store, as XLA's dynamic-update-slice
+    clamps). The arguments of ``native.kv_store_append`` for a one-token step, the same bits written.
 
     ``sinks``: optional ``(k_sink, v_sink, at, k_rotated)``, the cache's float sink stores (the codes' lead dims, N
     tokens, D; returned updated in place after the four) with ``at`` [B] int32, the sink index of each row's token
