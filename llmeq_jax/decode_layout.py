@@ -803,13 +803,12 @@ def w8a8_kmajor(params):
     N-major bytes one at a time (H200, 4096 x 11008: K-major 1.04x / 1.10x bf16 at 512 / 2048 rows, the
     ``(in, out)`` kernel 0.24-0.99x). XLA's W8A8 path reads the K-major codes as they are too (one dot over
     their last axis). Other kernels are left as they are."""
+    from llmeq_jax import kernel_dispatch  # not at import time: it imports this module
 
     def convert(path, leaf):
         if not (isinstance(leaf, QArray) and _is_kernel(path) and len(leaf.shape) == 2 and leaf.act_spec is not None
                 and not is_packed(leaf.bits)):
             return leaf
-        from llmeq_jax import kernel_dispatch
-
         kind, _ = kernel_dispatch.plan((PROMPT_PLAN_ROWS, leaf.shape[0]), leaf.dtype, leaf, leaf.act_spec)
         return RowMajorKernel(transpose_kernel(leaf)) if kind in ("w8a8", "fp8_w8a8") else leaf
 
