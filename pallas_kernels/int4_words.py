@@ -14,7 +14,7 @@ Pallas on Triton can express:
   and each slice is one MMA K step: ``x[:, 16 j : 16 j + 16] @ nibble_j(words)``. Operands come from
   shared memory as 32-bit loads (eight weights each), never bytes.
 * **Two values per three instructions.** In the MMA operand layout a thread holds the words of two
-  adjacent K rows; inline PTX (:func:`_nibbles_asm`, ``pack=2``) gathers nibble ``j`` of both with one
+  adjacent K rows; inline PTX (:func:`nibble_operands`, ``pack=2``) gathers nibble ``j`` of both with one
   ``prmt``, shifts odd nibbles down, and one ``lop3`` ORs them into the mantissas of a bf16/f16
   ``MAGIC`` pair: one register holding both operands, no conversion (ptxas shares the ``prmt`` between
   the two nibbles of a byte).
@@ -139,7 +139,7 @@ def nibble_asm(j: int, cdt) -> str:
             f"lop3.b32 $0, t, 0x000F000F, {magic << 16 | magic:#010x}, 0xEA;\n}}")
 
 
-def _nibbles_asm(words, j: int, cdt, interpret: bool):
+def nibble_operands(words, j: int, cdt, interpret: bool):
     """:func:`nibbles` by inline PTX on a GPU (half dtypes); interpret mode and float32 run the jnp form."""
     if interpret or jnp.dtype(cdt) == jnp.float32:
         return nibbles(words, j, cdt)
@@ -227,7 +227,7 @@ def _kernel(*refs, m, n, k, blocks, group, has_zp, has_bias, split_blocks, split
                 k0 = kb * bk + t * SLICE
                 xt = load_tile(x_ref, rows, span(k0, SLICE, k, in_bounds=prog.whole_k), 0)
                 # two accumulator chains (Triton folds each ``acc + dot`` into the MMA)
-                term = dot(xt, _nibbles_asm(words, j, cdt, interpreted), precision=precision)
+                term = dot(xt, nibble_operands(words, j, cdt, interpreted), precision=precision)
                 part = term if part is None else part + term
                 sums = dot(xt, ones, precision=precision)
                 xs = sums if xs is None else xs + sums
@@ -243,8 +243,8 @@ def _kernel(*refs, m, n, k, blocks, group, has_zp, has_bias, split_blocks, split
     store_matmul(o_ref, b_ref, acc, prog, split=split, has_bias=has_bias)
 
 
-def _check(x, words, w_scale, w_zero_point, group, layer):
-    name = "int4_words_matmul"
+def check_words(name: str, x, words, w_scale, w_zero_point, group, layer) -> None:
+    """The checks of a kernel over :func:`pack_words` words, naming ``name`` in its errors."""
     if layer is not None:
         words, w_scale, w_zero_point = one_layer(name, words, w_scale, w_zero_point, layer)
     if x.ndim != 2 or words.ndim != 2:
@@ -291,7 +291,7 @@ def int4_words_matmul(x, words, w_scale, *, group: int | None = None, w_zero_poi
     dtype, loaded where used as products with a constant tile: no layout conversion; see the kernel). With
     half activations "mma" rounds the scales to x's dtype; which is faster is for a GPU to say. Default:
     "rows", or a :mod:`pallas_kernels.settings` override's (as for ``blocks`` and ``k_splits``)."""
-    _check(x, words, w_scale, w_zero_point, group, layer)
+    check_words("int4_words_matmul", x, words, w_scale, w_zero_point, group, layer)
     m, k = x.shape
     n = words.shape[-1]
     chosen = settings.of("int4_words", m)
@@ -347,7 +347,7 @@ def int4_words_xla(x, words, w_scale, *, group: int | None = None, w_zero_point=
     dequantized product written out (67 MB) before the sum, and inside the scan over stacked blocks one layer's
     words copied out of the stack. ``scripts/bench_kernels.py`` times it (kind ``w4_xla_words``) as a measure of
     what XLA's reduction can stream; no dispatch path takes it."""
-    _check(x, words, w_scale, w_zero_point, group, layer)
+    check_words("int4_words_xla", x, words, w_scale, w_zero_point, group, layer)
     if layer is not None:
         words, w_scale, w_zero_point = (None if a is None else jax.lax.dynamic_index_in_dim(a, layer, 0, False)
                                         for a in (words, w_scale, w_zero_point))
@@ -365,5 +365,6 @@ def int4_words_xla(x, words, w_scale, *, group: int | None = None, w_zero_point=
     return y.astype(x.dtype)
 
 
-__all__ = ["EPILOGUES", "WORD_BLOCK", "code_offset", "int4_words_matmul", "int4_words_reference", "int4_words_xla", "k_step", "nibble_asm", "nibbles",
-           "pack_words", "unpack_words", "word_rows"]
+__all__ = ["EPILOGUES", "WORD_BLOCK", "check_words", "code_offset", "int4_words_matmul", "int4_words_reference",
+           "int4_words_xla", "k_step", "nibble_asm", "nibble_operands", "nibbles", "pack_words", "unpack_words",
+           "word_rows"]

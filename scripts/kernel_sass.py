@@ -115,6 +115,25 @@ def _int4_words(m: int, bn: int | None = None, bk: int | None = None, stages: in
     return Case(build, per_step)
 
 
+def _int4_words_prefill(m: int, bm: int | None = None, warps: int | None = None, stages: int | None = None) -> Case:
+    from pallas_kernels import int4_words, int4_words_prefill
+    from pallas_kernels.blocks import Blocks
+
+    blocks = int4_words_prefill.default_blocks(m, N)
+    blocks = Blocks(bm or blocks.bm, blocks.bn, blocks.bk, warps or blocks.num_warps, stages or blocks.num_stages)
+
+    def build():
+        args = (SDS((m, K), jnp.bfloat16), SDS((int4_words.word_rows(K, GROUP), N), jnp.int32),
+                SDS((K // GROUP, N), jnp.bfloat16), SDS((K // GROUP, N), jnp.int8))
+        return (lambda x, w, s, z: int4_words_prefill.int4_words_prefill(x, w, s, group=GROUP, w_zero_point=z,
+                                                                         blocks=blocks)), args
+
+    def per_step(kernel, unrolled):
+        return blocks.bn * (K if unrolled else blocks.bk)
+
+    return Case(build, per_step)
+
+
 def _w8a8(m: int, fp8: bool, w_layout: str = "kn") -> Case:
     from pallas_kernels.blocks import matmul_blocks
     from pallas_kernels.w8a8 import w8a8_matmul
@@ -207,6 +226,10 @@ CASES: dict[str, Case] = {
     "wo_int4_m1_words_bn128_4stages": _int4_words(1, bn=128, stages=4),
     "wo_int4_m1_words_mma": _int4_words(1, epilogue="mma"),  # scale / zero point through dots: no conversions
     "wo_int4_m1_words_bn128_mma": _int4_words(1, bn=128, epilogue="mma"),
+    # prompts over the decode words, the weights as wgmma's A operand from registers (256 / 128 token rows)
+    "wo_int4_m2048_words": _int4_words_prefill(2048),
+    "wo_int4_m2048_words_bm128": _int4_words_prefill(2048, bm=128),
+    "wo_int4_m512_words": _int4_words_prefill(512),
     "wo_int8_m1": _weight_only(1, 8),
     "wo_int8_m1_kmajor": _weight_only(1, 8, w_layout="nk"),
     "wo_int8_m1_kmajor_f16": _int8_f16(1),  # float16 operands: one prmt per two weights
@@ -304,8 +327,9 @@ def _triton():
     return triton
 
 
-def compile_kernel(kernel: TritonKernel, arch: int, folder: Path) -> tuple[str, str]:
-    """(SASS text, cuobjdump resource usage) of ``kernel`` compiled for sm_``arch``."""
+def compile_kernel(kernel: TritonKernel, arch: int, folder: Path) -> tuple[str, str, int]:
+    """(SASS text, cuobjdump resource usage, dynamic shared memory in bytes) of ``kernel`` compiled for
+    sm_``arch`` (the launch needs that much: at most 227 KB a block on Hopper)."""
     triton = _triton()
     from triton._C.libtriton import ir
     from triton.backends.compiler import GPUTarget
@@ -334,7 +358,7 @@ def compile_kernel(kernel: TritonKernel, arch: int, folder: Path) -> tuple[str, 
                                         check=True).stdout
     sass = run("-sass")
     (folder / f"{kernel.name}.sass").write_text(sass)
-    return sass, run("--dump-resource-usage")
+    return sass, run("--dump-resource-usage"), compiled.metadata.shared
 
 
 def resources(usage: str) -> dict:
@@ -347,9 +371,9 @@ def report(name: str, case: Case, arch: int, folder: Path) -> dict:
     fn, args = case.build()
     rows = []
     for kernel in triton_modules(fn, *args):
-        sass, usage = compile_kernel(kernel, arch, folder)
+        sass, usage, shared = compile_kernel(kernel, arch, folder)
         row = {"case": name, "kernel": kernel.name, "warps": kernel.num_warps, "grid": kernel.grid,
-               **resources(usage), **summarize(sass)}
+               **resources(usage), "smem_kb": shared / 1024, **summarize(sass)}
         if case.weights_per_step is not None:
             row["per_weight"] = row["loop"] / (case.weights_per_step(kernel, row["unrolled"]) / (32 * kernel.num_warps))
         rows.append(row)
@@ -368,16 +392,17 @@ def main(argv=None):
     print(f"sm_{args.arch}, K x N = {K} x {N}, group {GROUP}; loop = the hottest loop's instructions "
           "(per thread; '(all)': no loop left, the whole kernel); per weight = loop / weights each thread "
           "reads per iteration (in all, for '(all)')")
-    print("| case | kernel | warps | regs | spill B | loop | per weight | tensor core | conversions | "
+    print("| case | kernel | warps | regs | spill B | shared KB | loop | per weight | tensor core | conversions | "
           "LDS/STS bytes | shuffles | top ops |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | --- |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | --- |")
     for name in args.cases:
         for r in report(name, CASES[name], args.arch, folder):
             per = f"{r['per_weight']:.2f}" if "per_weight" in r else ""
             loop = f"{r['loop']} (all)" if r["unrolled"] else str(r["loop"])
             tc = ", ".join(f"{op} x{c}" for op, c in r["tensor_core"].items()) or "none"
             top = ", ".join(f"{op} {c}" for op, c in r["top"])
-            print(f"| {name} | {r['kernel']} | {r['warps']} | {r['regs']} | {r['local']} | {loop} | {per} | {tc} | "
+            print(f"| {name} | {r['kernel']} | {r['warps']} | {r['regs']} | {r['local']} | {r['smem_kb']:.0f} | {loop} | "
+                  f"{per} | {tc} | "
                   f"{r['conversions']} | {r['shared_bytes']} | {r['shuffles']} | {top} |", flush=True)
     print(f"(files in {folder})")
 

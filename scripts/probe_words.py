@@ -61,7 +61,7 @@ def _probe_kernel(*refs, m, n, k, blocks, has_bias, split_blocks, split, stacked
         part = sums = None
         for j in range(positions):
             xt = load_tile(x_ref, prog.rows, span(kb * iw.WORD_BLOCK + j * iw.SLICE, iw.SLICE, k, in_bounds=True), 0)
-            term = dot(xt, iw._nibbles_asm(words, j, cdt, interpreted))
+            term = dot(xt, iw.nibble_operands(words, j, cdt, interpreted))
             part = term if part is None else part + term
             if work == "sums":  # a chain of its own, as the kernel's (ptxas issues it once a warp)
                 s = dot(xt, ones)
