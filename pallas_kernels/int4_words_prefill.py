@@ -44,8 +44,9 @@ from pallas_kernels.common import cdiv, compiler_params, dot, load_tile, next_po
 from pallas_kernels.int4_words import NIBBLES, SLICE, WORD_BLOCK, check_words, code_offset, nibble_operands
 
 HALF_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-# (bn, warps, stages): 128 weight columns a program (two warpgroups of 64, wgmma's M); bm token rows (wgmma's N,
-# up to 256) from the rows (:func:`default_blocks`). Three stages of a 256-row x tile and a word block take
+# 128 weight columns a program over 8 warps: 64 a warpgroup, wgmma's M (with 128 a warpgroup Triton moved the A
+# operand through shared memory in sm_90 SASS: 700+ instructions a word block against ~300); bm token rows (wgmma's
+# N, up to 256) from the rows (:func:`default_blocks`). Three stages of a 256-row x tile and a word block take
 # 3 x 72 KB of shared memory; two at 256 rows leave room for the operand conversions.
 DEFAULT_BN, DEFAULT_WARPS = 128, 8
 WIDE_M = 1024  # from this many rows on, 256-row x tiles (half the dequantization per product)

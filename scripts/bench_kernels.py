@@ -115,6 +115,7 @@ def table_key(kind: str, k: int, n: int, m: int):
 
     kernel, bits, group = {"w8a8": ("w8a8", 8, None), "fp8": ("fp8_w8a8", 8, None), "w8": ("weight_only", 8, None),
                            "w4g128": ("weight_only", 4, GROUP), "w4_words": ("int4_words", 4, GROUP),
+                           "w4_words_prefill": ("int4_words_prefill", 4, GROUP),
                            "bf16_stack": ("float", 16, None), "w8_nk_f16": ("int8_f16", 8, None)}[kind]
     return dispatch_table.Key(jax.devices()[0].device_kind, kernel, bits, group, k, n, dispatch_table.row_bucket(m),
                               "bfloat16")
@@ -132,7 +133,7 @@ def write_table(path, measured):
 
 
 KINDS = ("bf16", "w8a8", "fp8", "w8", "w4g128", "w8a8_nk", "fp8_nk", "w8_nk", "w4_words", "bf16_stack", "w4_xla_rows",
-         "w8_nk_f16", "w4_gemv", "w4_xla_words", "w4_xla_groups")
+         "w8_nk_f16", "w4_gemv", "w4_xla_words", "w4_xla_groups", "w4_words_prefill")
 # The int8 kinds with their weights stored K-major, (N, K): the layout decode steps of up to
 # decode_layout.GPU_KMAJOR_MAX_ROWS rows read (for_decode); not in the table. W8A8 is timed at prefill rows
 # too: there the kinds w8a8/fp8 transpose the weight per call (int8 wgmma takes K-major operands only), and
@@ -162,12 +163,16 @@ KMAJOR_KINDS = ("w8a8_nk", "fp8_nk", "w8_nk")
 # Not in the table.
 # w4_xla_groups: int4 g128 weights (K, N) as jnp.int4, a batched dot per scale group then the scales
 # (:func:`xla_int4_groups`): at M = 16 one XLA GEMM fusion over the int4 weights (deviceless, H200). Not in the table.
+# w4_words_prefill: the same words at prompt rows (pallas_kernels.int4_words_prefill: the transposed product, the
+# dequantized weights as wgmma's A operand from registers, one dot a word block); prompt rows only, in the table as
+# kernel "int4_words_prefill" against XLA's path of the packed QArray (the path prompts take today).
+PREFILL_ONLY_KINDS = ("w4_words_prefill",)
 DECODE_ONLY_KINDS = ("w8_nk", "w4_words", "bf16_stack", "w4_xla_rows", "w8_nk_f16", "w4_gemv", "w4_xla_words",
                      "w4_xla_groups")
 GEMV_ONLY_ROWS = ("w4_gemv",)  # kinds timed only at rows the GEMV takes (gemv.GEMV_MAX_ROWS)
 NOT_IN_TABLE = ("w4_xla_rows", "w4_gemv", "w4_xla_words", "w4_xla_groups")
 # the kind whose weights (bytes moved, XLA's path) a layout kind has
-LAYOUT_OF = {"w4_words": "w4g128", "w4_xla_rows": "w4g128", "w8_nk_f16": "w8_nk", "w4_gemv": "w4g128",
+LAYOUT_OF = {"w4_words": "w4g128", "w4_words_prefill": "w4g128", "w4_xla_rows": "w4g128", "w8_nk_f16": "w8_nk", "w4_gemv": "w4g128",
              "w4_xla_words": "w4g128", "w4_xla_groups": "w4g128"}
 
 
@@ -242,6 +247,7 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
     from pallas_kernels.float_matmul import float_matmul
     from pallas_kernels.gemv import GEMV_MAX_ROWS
     from pallas_kernels.int4_words import int4_words_matmul, int4_words_xla, pack_words
+    from pallas_kernels.int4_words_prefill import int4_words_prefill
     from pallas_kernels.w8a8 import w8a8_matmul
     from pallas_kernels.weight_only import weight_only_matmul
 
@@ -260,7 +266,8 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
         kmajor = set(kinds_wanted) & set(KMAJOR_KINDS)
         w8t = _copies(q8.qvalue.T, r) if kmajor & {"w8a8_nk", "w8_nk"} or "w8_nk_f16" in kinds_wanted else []
         wft = _copies(qf.qvalue.T, r) if "fp8_nk" in kmajor else []
-        w4w = _copies(pack_words(q4.values(), GROUP), r) if {"w4_words", "w4_xla_words"} & set(kinds_wanted) else []
+        word_kinds = {"w4_words", "w4_xla_words", "w4_words_prefill"}
+        w4w = _copies(pack_words(q4.values(), GROUP), r) if word_kinds & set(kinds_wanted) else []
         w4r = [c.T.astype(jnp.int4) for c in _copies(q4.values(), r)] if "w4_xla_rows" in kinds_wanted else []
         s4t = [s.T for s in s4] if w4r else []
         w4k = [c.astype(jnp.int4) for c in _copies(q4.values(), r)] if "w4_xla_groups" in kinds_wanted else []
@@ -284,6 +291,7 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
                           list(zip(w8t, s8))),
             "w4_gemv": (lambda x, w, s: weight_only_matmul(x, w, s, bits=4, group=GROUP, gemv=True), list(zip(w4, s4))),
             "w4_xla_words": (lambda x, w, s: int4_words_xla(x, w, s, group=GROUP), list(zip(w4w, s4))),
+            "w4_words_prefill": (lambda x, w, s: int4_words_prefill(x, w, s, group=GROUP), list(zip(w4w, s4))),
         }
         kinds_all = kinds
         kinds = {kind: v for kind, v in kinds.items() if kind in kinds_wanted or kind == "bf16"}
@@ -302,7 +310,8 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
             base = None
             row_times = {}
             for kind, (fn, ws) in kinds.items():
-                if kind in DECODE_ONLY_KINDS and m > DECODE_M[-1] or kind in GEMV_ONLY_ROWS and m > GEMV_MAX_ROWS:
+                if (kind in DECODE_ONLY_KINDS and m > DECODE_M[-1] or kind in GEMV_ONLY_ROWS and m > GEMV_MAX_ROWS
+                        or kind in PREFILL_ONLY_KINDS and m <= DECODE_M[-1]):
                     continue
                 try:
                     t = timed(fn, [(x, *wargs) for x, wargs in zip(xs, ws)], reps=reps)
@@ -339,6 +348,9 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
                     sweep_in_turns("w8_nk_f16", kinds, xs, _int8_f16_sweep(), reps,
                                    lambda cfg: lambda x, w, s: weight_only_matmul(x, w, s, bits=8, w_layout="nk",
                                                                                   dequant="f16", **cfg))
+            if sweep and (k, n) == SWEEP_WEIGHT and m in PREFILL_WORDS_SWEEP_ROWS and "w4_words_prefill" in kinds:
+                sweep_in_turns("w4_words_prefill", kinds, xs, _prefill_words_sweep(), reps,
+                               lambda cfg: lambda x, w, s: int4_words_prefill(x, w, s, group=GROUP, **cfg))
             # prefill W8A8: the K-major kernel where it is timed (1.04-1.10x bf16 at M = 512-2048 on an H200 with the
             # (K, N) layout's H100-tuned blocks; issue #15 wants 1.5x), else the per-call transposing one
             kind = ("w8a8_nk" if "w8a8_nk" in kinds else "w8a8") if m >= 1024 else "w4g128"
@@ -370,10 +382,16 @@ def sweep_in_turns(kind: str, kinds: dict, xs: list, configs: list, reps: int, f
     def inputs(of):
         return [(x, *wargs) for x, wargs in zip(xs, kinds[of][1])]
 
-    variants = {"bf16": (kinds["bf16"][0], inputs("bf16")), "defaults": (kinds[kind][0], inputs(kind))}
-    variants |= {str(cfg): (fn_of(cfg), inputs(kind)) for cfg in configs}
-    times = timed_round_robin(variants, reps=reps)
     m = xs[0].shape[0]
+    variants = {"bf16": (kinds["bf16"][0], inputs("bf16")), "defaults": (kinds[kind][0], inputs(kind))}
+    for cfg in configs:
+        try:  # a setting Triton or the launch rejects (e.g. too much shared memory) costs its own line only
+            jax.block_until_ready(jax.jit(fn_of(cfg))(*inputs(kind)[0]))
+        except Exception as e:
+            print(f"   sweep {kind} M={m} {cfg}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            continue
+        variants[str(cfg)] = (fn_of(cfg), inputs(kind))
+    times = timed_round_robin(variants, reps=reps)
     for name, t in times.items():
         print(f"   sweep {kind} M={m} {name}: {t * 1e3:.4f} ms, {times['bf16'] / t:.2f}x bf16, "
               f"{times['defaults'] / t:.2f}x the defaults", flush=True)
@@ -628,6 +646,21 @@ def _sweep():
                dict(blocks=Blocks(256, 128, 128, 8, 4)), dict(blocks=Blocks(128, 256, 128, 8, 4)),
                dict(blocks=Blocks(256, 128, 256, 8, 3))],
     }
+
+
+PREFILL_WORDS_SWEEP_ROWS = (512, 2048)
+
+
+def _prefill_words_sweep():
+    """Settings of the prompt kernel over the words (``int4_words_prefill``) tried at PREFILL_WORDS_SWEEP_ROWS:
+    token rows a program (wgmma's N: 64-256), weight columns, warps and stages. Each gives every warpgroup 64
+    weight columns (wgmma's M; with 128 Triton moved the A operand through shared memory in sm_90 SASS, 700+
+    instructions a word block against ~300) and fits the H100's 227 KB of shared memory (stages x (bm x 256 + bn x
+    64) bytes, and the conversions)."""
+    from pallas_kernels.blocks import Blocks
+
+    return [dict(blocks=Blocks(bm, bn, 128, warps, stages)) for bm, bn, warps, stages in
+            ((128, 128, 8, 3), (128, 128, 8, 4), (256, 64, 4, 2), (128, 64, 4, 3), (64, 128, 8, 4), (128, 256, 16, 3))]
 
 
 def _words_sweep(k: int, n: int):

@@ -67,7 +67,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 start=$SECONDS
 all_steps="gpu_tests words sweep attention fp8 w8a8_sweep probe small small_e2e e2e e2e_kv"
 all_steps+=" decode_sweep decode_sweep_w8 decode_sweep_bf16 norms float_attention graphs_off graphs_on graphs_7b"
-all_steps+=" gemv prefill layout layout_dsf prompt_attention"
+all_steps+=" gemv prefill prefill_words layout layout_dsf prompt_attention"
 steps="${STEPS:-$all_steps layout_float kernels}"  # STEPS: a subset
 step() {  # step NAME SECONDS CMD...: run CMD with a time limit, its output in $out/NAME.log
   local name=$1 limit=$2
@@ -150,6 +150,13 @@ step gemv 80 "$py" scripts/tune_weight_only.py --shapes 4096x11008 --rows 1 4 --
 # (new: scales folded into the weight tile, 256-row tiles; half the instructions per FLOP in SASS).
 step prefill 80 "$py" scripts/tune_weight_only.py --shapes 4096x11008 --rows 2048 --bits 4 --budget-s 60 \
     --out "$out/prefill.jsonl"
+# Prompts over the int4 decode words (pallas_kernels/int4_words_prefill.py, new: the transposed product, the
+# dequantized weights as wgmma's A operand from registers, one dot a word block) against bf16 and XLA's path of the
+# packed weights (what prompts take today: 0.88-0.96x bf16 at 2048-4096 rows on the H200) on #15's four int4 shapes
+# at 512-4096 rows, its block settings swept on 4096x11008 -> dispatch_prefill_words.json (int4_words_prefill).
+step prefill_words 150 "$py" scripts/bench_kernels.py --reps 10 --sweep --rows 512,2048,4096 \
+    --kinds bf16,w4_words_prefill --weights 4096x4096,4096x11008,11008x4096,4096x14336 --no-attention \
+    --write-table "$out/dispatch_prefill_words.json"
 step layout 110 "$py" scripts/bench_e2e.py --shapes "$shapes" --layers 4 --dtype bfloat16 --recipes rtn-w4-g128 \
     --batches 1 --prefill-len 512 --new-tokens 32 --repeats 2 --scan-layers --no-torch --out "$out/layout.json"
 XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_dynamic_slice_fusion=true" step layout_dsf 60 "$py" scripts/bench_e2e.py \

@@ -165,6 +165,30 @@ def test_bench_kernels_prefill_sweep_tries_the_k_major_w8a8_settings(capsys, mon
     assert "Blocks(bm=128, bn=128, bk=128" in out
 
 
+def test_bench_kernels_times_the_prompt_kernel_over_the_words_at_prompt_rows_only(capsys, monkeypatch):
+    """w4_words_prefill (interpret mode, a tiny weight): timed at prompt rows against XLA's path of the packed
+    QArray (its table entry), skipped at decode rows; --sweep runs its settings there, a setting that fails (here
+    a K block it refuses) costing its own line only."""
+    from pallas_kernels import config
+    from pallas_kernels.blocks import Blocks
+
+    bench = _script("bench_kernels")
+    monkeypatch.setattr(bench, "copies_for", lambda nbytes: 1)
+    monkeypatch.setattr(bench, "PREFILL_WORDS_SWEEP_ROWS", (64,))
+    monkeypatch.setattr(bench, "SWEEP_WEIGHT", (256, 128))
+    settings = [dict(blocks=Blocks(64, 64, 128, 4, 2)), dict(blocks=Blocks(64, 64, 256, 4, 2))]
+    monkeypatch.setattr(bench, "_prefill_words_sweep", lambda: settings)
+    table = []
+    with config.interpret(True):
+        bench.gpu_bench(1, sweep=True, table=table, kinds_wanted=("bf16", "w4_words_prefill"), weights=((256, 128),),
+                        attention=False, rows=(1, 64))
+    out = capsys.readouterr().out
+    assert "256x128    64 w4_words_prefill" in out and "256x128     1 w4_words_prefill" not in out
+    assert [(k.kernel, k.rows) for k, _ in table] == [("int4_words_prefill", 64)]
+    assert out.count("sweep w4_words_prefill M=64") == 4  # bf16, the defaults, each setting (one failed)
+    assert out.count("failed: ValueError: int4_words_prefill: the K block is one word block") == 1
+
+
 def test_bench_kernels_attention_step_times_the_kernel_and_xlas_dots(capsys, monkeypatch):
     """The attention step (a small cache here, interpret mode): the Pallas kernel and XLA's dots over the codes for
     int8 and int4 against bf16 attention at each length, and a kv_attention table entry of each; with --sweep, the

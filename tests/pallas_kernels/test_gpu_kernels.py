@@ -271,6 +271,34 @@ for _shape in WO_WORDS:
                 f"epilogue={epilogue}", *compare(y, r, 8e-3), None)
 
 
+PREFILL_WORDS = [  # (M, K, N, group, symmetric, dtype, blocks or None): the prompt kernel over the words
+    (2048, 4096, 11008, 128, False, BF16, None),  # 256-row tiles
+    (512, 11008, 4096, 128, True, BF16, None),
+    (300, 576, 200, 64, False, F16, None),  # ragged M, K, N; groups shorter than a word block
+    (1000, 4096, 4096, None, False, BF16, (128, 64, 128, 4, 3)),  # per channel, one warpgroup
+]
+
+for _shape in PREFILL_WORDS:
+
+    @case
+    def _int4_words_prefill(shape=_shape):
+        from pallas_kernels.int4_words import int4_words_reference, pack_words
+        from pallas_kernels.int4_words_prefill import int4_words_prefill
+
+        m, k, n, group, symmetric, dtype, blocks = shape
+        spec = Spec(bits=4, granularity="group" if group else "channel", group_size=group, symmetric=symmetric)
+        q = quantize(jax.random.normal(jax.random.key(7), (k, n)), spec)
+        words = pack_words(q.values(), group)
+        x = jax.random.normal(jax.random.key(8), (m, k)).astype(dtype)
+        kw = dict(w_zero_point=q.zero_point, group=group)
+        y = jax.jit(lambda x, w, s: int4_words_prefill(x, w, s, blocks=blocks and Blocks(*blocks), interpret=INTERPRET,
+                                                       **kw))(x, words, q.scale)
+        r = reference(int4_words_reference, x, words, q.scale, **kw)
+        sym = "sym" if symmetric else "asym"
+        return (f"int4 prefill words M={m} K={k} N={n} group={group} {sym} {jnp.dtype(dtype).name} blocks={blocks}",
+                *compare(y, r, 8e-3), None)
+
+
 FLOAT_STACK = [  # (M, K, N, dtype): pallas_kernels.float_matmul reading layer 2 of a stack of 3
     (1, 4096, 11008, BF16),
     (16, 11008, 4096, F16),
