@@ -815,19 +815,47 @@ def w8a8_kmajor(params):
     return jax.tree_util.tree_map_with_path(convert, params, is_leaf=lambda a: isinstance(a, QArray))
 
 
+def _prompt_takes_words(leaf: QArray) -> bool:
+    """Whether a prompt's product with the int4 weight-only kernel ``leaf`` (``(in, out)``, or its words) goes to
+    the prompt kernel over words (``kernel_dispatch.prompt_words_take`` at :data:`PROMPT_PLAN_ROWS` rows)."""
+    from llmeq_jax import kernel_dispatch  # not at import time: it imports this module
+
+    return kernel_dispatch.prompt_words_take(PROMPT_PLAN_ROWS, leaf.dtype, leaf, scale_group(leaf))
+
+
+def words_for_prompts(params):
+    """``params`` with every int4 weight-only kernel whose prompt products go to the prompt kernel over words
+    (:func:`_prompt_takes_words`: where a dispatch table measured ``pallas_kernels.int4_words_prefill`` faster
+    than XLA's path) stored as words, an :class:`Int4WordKernel` -- the layout a GPU's decode steps read
+    (:func:`for_decode`), so that one copy of the weights can serve both (:func:`serves_prompts`). The others
+    are left as they are (XLA's path reads the packed codes)."""
+    from llmeq_jax import kernel_dispatch  # not at import time: it imports this module
+
+    def convert(path, leaf):
+        if not (isinstance(leaf, QArray) and _is_kernel(path) and len(leaf.shape) == 2 and is_packed(leaf.bits)
+                and leaf.act_spec is None):
+            return leaf
+        kind, _ = kernel_dispatch.plan((PROMPT_PLAN_ROWS, leaf.shape[0]), leaf.dtype, leaf, None)
+        return int4_word_kernel(leaf) if kind == "weight_only" and _prompt_takes_words(leaf) else leaf
+
+    return jax.tree_util.tree_map_with_path(convert, params, is_leaf=lambda a: isinstance(a, QArray))
+
+
 def serves_prompts(params) -> bool:
     """Whether params laid out by :func:`for_decode` are what a prompt should run on too: where the Pallas
     kernels run, when the only block kernels the layout changed are W8A8 ones (K-major, as :func:`w8a8_kmajor`
-    lays them out for prompts). ``generate`` then fills the cache from the decode layout: no per-call transpose
-    of the checkpoint's W8A8 codes and no other copy. Weight-only kernels laid out for decode rows (K-major int8,
-    int4 words) are not for a prompt's many rows -- but for the LM head's, which a prompt runs on its last
-    position only (``forward_step(last_only=True)``)."""
+    lays them out for prompts) and int4 words whose prompt products go to the prompt kernel over them (as
+    :func:`words_for_prompts` lays them out). ``generate`` then fills the cache from the decode layout: no
+    per-call transpose of the checkpoint's W8A8 codes and no other copy. Weight-only kernels laid out for decode
+    rows only (K-major int8, words XLA would take at a prompt's rows) are not for a prompt -- but for the LM
+    head's, which a prompt runs on its last position only (``forward_step(last_only=True)``)."""
     if prompt_target() != "pallas":
         return False
     is_laid = lambda a: isinstance(a, (RowMajorKernel, Int4WordKernel))  # noqa: E731
     laid = [(path, a) for path, a in jax.tree_util.tree_leaves_with_path(params, is_leaf=is_laid) if is_laid(a)]
     blocks = [a for path, a in laid if "lm_head" not in jax.tree_util.keystr(path)]
-    return bool(blocks) and all(isinstance(a, RowMajorKernel) and a.w.act_spec is not None for a in blocks)
+    return bool(blocks) and all(isinstance(a, RowMajorKernel) and a.w.act_spec is not None
+                                or isinstance(a, Int4WordKernel) and _prompt_takes_words(a.w) for a in blocks)
 
 
 def for_prefill(params):
@@ -839,7 +867,9 @@ def for_prefill(params):
       kernel, which the model blocks then run as one product (``models.layers.parallel_linears``):
       one activation quantization and one wider GEMM instead of two or three;
     * where the Pallas kernels run (:func:`prompt_target`: a GPU), W8A8 kernels stored K-major
-      (:func:`w8a8_kmajor`) and their groups joined whatever their width (the copy is made anyway);
+      (:func:`w8a8_kmajor`), int4 kernels whose prompt products a dispatch table sends to the prompt kernel over
+      words as words (:func:`words_for_prompts`), and their groups joined whatever their width (the copy is made
+      anyway);
     * where the native AVX-512 float GEMM runs (``native.avx512()``, native kernels on, one
       device: ``native.prefill_kernels_ok``) and the
       float32 kernels hold at most :data:`PREFILL_PACK_MAX_BYTES`, each packed as a
@@ -860,8 +890,8 @@ def for_prefill(params):
         params = jax.tree_util.tree_map(lambda a: widen_to_int4(a) if isinstance(a, QArray) else a, params,
                                         is_leaf=lambda a: isinstance(a, QArray))
     if target == "pallas":
-        params = w8a8_kmajor(params)
-    fused = fuse_linears(_fuse_for_prefill(params))  # fuse_linears joins the K-major groups, of any width
+        params = words_for_prompts(w8a8_kmajor(params))
+    fused = fuse_linears(_fuse_for_prefill(params))  # fuse_linears joins the K-major and word groups, of any width
     if not (target == "native" and native.avx512() and native.prefill_kernels_ok()):
         return fused
     table = _tied_head_table(fused)
@@ -888,4 +918,4 @@ __all__ = ["FUSED_LINEARS", "Int4WordKernel", "PREFILL_FUSE_MAX_OUT", "PREFILL_P
            "kernel_view", "narrowest_split_bits", "pack_float_kernels", "pack_panels", "pack_swiglu_panels",
            "prompt_target", "scale_codes", "scale_group", "serves_prompts", "split_codes", "split_rows",
            "split_tile_takes", "stack_quantized", "stack_rows", "transpose_kernel", "unpack_panels", "w8a8_kmajor",
-           "widen_to_int4"]
+           "widen_to_int4", "words_for_prompts"]

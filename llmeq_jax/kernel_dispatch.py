@@ -29,9 +29,10 @@ import jax.numpy as jnp
 
 from llmeq_jax import dispatch_table
 from llmeq_jax.core.qarray import QArray, is_packed
-from llmeq_jax.decode_layout import scale_group
+from llmeq_jax.decode_layout import GPU_KMAJOR_MAX_ROWS, scale_group
 from llmeq_jax.layer_slice import take_layer
-from pallas_kernels import config, float_matmul, int4_words, rms_norm as norm_kernel, w8a8, weight_only
+from pallas_kernels import config, float_matmul, int4_words, int4_words_prefill, rms_norm as norm_kernel, w8a8, \
+    weight_only
 
 
 class KernelUnavailable(ValueError):
@@ -93,7 +94,7 @@ def plan(x_shape, x_dtype, w: QArray, act) -> tuple[str | None, str]:
 def table_key(kind: str, rows: int, x_dtype, w: QArray, group: int | None) -> dispatch_table.Key:
     """The :mod:`dispatch_table` key of a product ``plan`` gave to kernel ``kind``, on the default device."""
     k, n = w.shape
-    bits = 4 if kind in ("weight_only", "int4_words") and is_packed(w.bits) else 8
+    bits = 4 if kind in ("weight_only", "int4_words", "int4_words_prefill") and is_packed(w.bits) else 8
     return dispatch_table.Key(config.target_device().device_kind, kind, bits, group, k, n,
                               dispatch_table.row_bucket(rows), jnp.dtype(x_dtype).name)
 
@@ -142,10 +143,23 @@ def _unavailable(require: bool):
     return None
 
 
+def prompt_words_take(rows: int, x_dtype, w: QArray, group: int | None) -> bool:
+    """Whether a prompt's product of ``rows`` rows (more than a decode step's) with int4 weight-only words goes to
+    the prompt kernel over them (``pallas_kernels.int4_words_prefill``, half activations only): where the active or
+    shipped dispatch table measured or inferred it faster than XLA's path of the packed codes (kernel
+    ``int4_words_prefill``). Unmeasured, XLA's path: the kernel is new, and a prompt's weight-only products ran at
+    0.88-0.96x bf16 through XLA on an H200 where every kernel timed so far lost to it."""
+    if jnp.dtype(x_dtype) not in int4_words_prefill.HALF_DTYPES:
+        return False
+    return dispatch_table.choice(table_key("int4_words_prefill", rows, x_dtype, w, group)) == "pallas"
+
+
 def linear_words(x, w: QArray, require: bool = False, layer=None):
-    """``x @ w`` for a ``decode_layout.Int4WordKernel``'s QArray (its codes as
-    ``pallas_kernels.int4_words`` words) by the word kernel, or None (an error if ``require``).
-    No table lookup: ``decode_layout.for_decode`` consulted it when it made the words."""
+    """``x @ w`` for a ``decode_layout.Int4WordKernel``'s QArray (its codes as ``pallas_kernels.int4_words``
+    words), or None (an error if ``require``). Decode rows (up to ``decode_layout.GPU_KMAJOR_MAX_ROWS``): the word
+    kernel, no table lookup (``decode_layout.for_decode`` consulted it when it made the words). A prompt's rows:
+    the prompt kernel over the same words where :func:`prompt_words_take` (or ``require``, half activations) sends
+    them, else None (XLA's path of the packed codes; with ``require`` and float32 activations, the word kernel)."""
     if not config.kernels_available():
         return _unavailable(require)
     kind, why = plan(x.shape, x.dtype, w, None)
@@ -155,8 +169,16 @@ def linear_words(x, w: QArray, require: bool = False, layer=None):
                                     f"{why or 'weight-only kernels only'}")
         return None
     k, n = w.shape
+    rows = math.prod(x.shape[:-1])
     group, scale, zp, _ = _layout(w)
-    y = int4_words.int4_words_matmul(x.reshape(-1, k), w.qvalue, scale, group=group, w_zero_point=zp, layer=layer)
+    matmul = int4_words.int4_words_matmul
+    if rows > GPU_KMAJOR_MAX_ROWS:
+        half = jnp.dtype(x.dtype) in int4_words_prefill.HALF_DTYPES
+        if half and (require or prompt_words_take(rows, x.dtype, w, group)):
+            matmul = int4_words_prefill.int4_words_prefill
+        elif not require:
+            return None
+    y = matmul(x.reshape(-1, k), w.qvalue, scale, group=group, w_zero_point=zp, layer=layer)
     return y.reshape(*x.shape[:-1], n)
 
 

@@ -153,12 +153,16 @@ def test_a_gpus_w8a8_prompt_reads_its_weights_k_major(monkeypatch):
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=0.03 * scale)
 
 
-@pytest.mark.parametrize("recipe,serves", [("rtn-w8a8", True), ("rtn-w4-g128", False)])
-def test_generate_fills_a_gpus_cache_from_the_decode_layout_of_w8a8_weights(recipe, serves, monkeypatch):
+@pytest.mark.parametrize("recipe,serves,table", [("rtn-w8a8", True, None), ("rtn-w4-g128", False, None),
+                                                 ("rtn-w4-g128", True, "pallas"), ("rtn-w4-g128", False, "xla")])
+def test_generate_fills_a_gpus_cache_from_the_decode_layout_of_w8a8_weights(recipe, serves, table, monkeypatch):
     """On a GPU a W8A8 model's decode layout (K-major W8A8 kernels, ``decode_layout.serves_prompts``) is what
     ``generate``'s prompt runs on too, with the tokens of the prompt run on the checkpoint's layout; a weight-only
-    model's (int4 words for decode rows) is not."""
-    from llmeq_jax import decode_layout, kernel_dispatch
+    model's (int4 words for decode rows) is too where a dispatch table sends prompts to the kernel over the words,
+    and is not without one or where the table measured XLA's path faster."""
+    import contextlib
+
+    from llmeq_jax import decode_layout, dispatch_table, kernel_dispatch
 
     params = jax.tree.map(lambda a: (a * 4).astype(jnp.bfloat16), init_params(CONFIG, jax.random.key(5)))
     params = pipeline.run_recipe(CONFIG, params, None, pipeline.read_recipe(recipe), None, 16, progress=False).params
@@ -166,11 +170,57 @@ def test_generate_fills_a_gpus_cache_from_the_decode_layout_of_w8a8_weights(reci
     seen, prefill = [], gen.prefill
     monkeypatch.setattr(gen, "prefill", lambda config, p, *a, **k: prefill(config, seen.append(p) or p, *a, **k))
     monkeypatch.setattr(kernel_dispatch, "MIN_KERNEL_WEIGHTS", 0)
-    with native.disabled(), kernel_config.compiling_for(FAKE_H100), kernel_config.interpret(True):
+    measured = dispatch_table.use(_prompt_words_table(table)) if table else contextlib.nullcontext()
+    with native.disabled(), kernel_config.compiling_for(FAKE_H100), kernel_config.interpret(True), measured:
         out = gen.generate(CONFIG, params, tokens, 4)
         monkeypatch.setattr(decode_layout, "serves_prompts", lambda p: False)
         plain = gen.generate(CONFIG, params, tokens, 4)
-    laid = [a for a in jax.tree.leaves(seen[0], is_leaf=lambda a: isinstance(a, decode_layout.RowMajorKernel))
-            if isinstance(a, decode_layout.RowMajorKernel)]
+    is_laid = lambda a: isinstance(a, (decode_layout.RowMajorKernel, decode_layout.Int4WordKernel))  # noqa: E731
+    laid = [a for a in jax.tree.leaves(seen[0], is_leaf=is_laid) if is_laid(a)]
     assert bool(laid) == serves and (seen[0] is params) != serves and seen[1] is params
     np.testing.assert_array_equal(np.asarray(out), np.asarray(plain))
+
+
+def _prompt_words_table(faster: str, kernels=((256, 256), (256, 64), (256, 512), (512, 256))):
+    """A dispatch table for FAKE_H100 that measured the prompt kernel over int4 words (``int4_words_prefill``)
+    ``faster`` ("pallas" or "xla") than XLA's path on CONFIG's products at 2048 rows (fused ones follow them)."""
+    from llmeq_jax import dispatch_table as dt
+
+    times = {"pallas_s": 1.0, "xla_s": 2.0, "bf16_s": 1.0} if faster == "pallas" else \
+        {"pallas_s": 2.0, "xla_s": 1.0, "bf16_s": 1.0}
+    keys = [dt.Key(FAKE_H100.device_kind, "int4_words_prefill", 4, 128, k, n, 2048, "bfloat16") for k, n in kernels]
+    return dt.Table(FAKE_H100.device_kind, dict.fromkeys(keys, times), "test")
+
+
+@pytest.mark.parametrize("faster", ["pallas", "xla"])
+def test_a_gpus_int4_prompt_runs_on_the_decode_words_where_a_table_says_so(faster):
+    """Where a dispatch table measured the prompt kernel over words faster than XLA's path, a GPU's prompt layout
+    (``pipeline.run_layout``) stores rtn-w4-g128's kernels as words, q/k/v and gate/up joined, and a prompt of 80
+    positions runs them through it (four kernels a layer, traced for a GPU), with XLA's logits on the checkpoint's
+    layout; where it measured XLA faster the layout keeps the packed codes and no kernel runs."""
+    from llmeq_jax import decode_layout, dispatch_table
+    from llmeq_jax.models import forward
+
+    params = jax.tree.map(lambda a: (a * 4).astype(jnp.bfloat16), init_params(CONFIG, jax.random.key(6)))
+    params = pipeline.run_recipe(CONFIG, params, None, pipeline.read_recipe("rtn-w4-g128"), None, 16,
+                                 progress=False).params
+    tokens = jnp.asarray(np.random.default_rng(6).integers(0, CONFIG.vocab_size, (2, 40)))
+    run = lambda p, t: forward(CONFIG, p, t)  # noqa: E731  a fresh function: traced here
+    with native.disabled(), kernel_config.disabled():
+        want = jax.jit(run)(pipeline.run_layout(CONFIG, params, scan_layers=True), tokens)
+    with (native.disabled(), kernel_config.compiling_for(FAKE_H100), kernel_config.interpret(True),
+          dispatch_table.use(_prompt_words_table(faster))):
+        laid = pipeline.run_layout(CONFIG, params, scan_layers=True)
+        got = jax.jit(run)(laid, tokens)
+        jaxpr = str(jax.make_jaxpr(run)(laid, tokens))
+    block = laid[stacked.BLOCKS]
+    kernels = [m["kernel"] for part in ("attn", "mlp") for m in block[part].values()]
+    if faster == "pallas":
+        assert set(block["attn"]) == {"qkv_proj", "o_proj"} and set(block["mlp"]) == {"gate_up_proj", "down_proj"}
+        assert all(isinstance(k, decode_layout.Int4WordKernel) for k in kernels)
+        assert jaxpr.count("name=int4_words_prefill") == 4 and "name=int4_words_matmul" not in jaxpr
+    else:
+        assert not any(isinstance(k, decode_layout.Int4WordKernel) for k in kernels)
+        assert "int4_words" not in jaxpr
+    scale = float(jnp.max(jnp.abs(want)))
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=0.03 * scale)

@@ -321,6 +321,41 @@ def test_word_kernels_refuse_what_they_cannot_hold():
             ops.linear(jnp.ones((1, 256)), words, backend="pallas")
 
 
+def test_a_prompts_rows_over_words_go_where_the_table_sends_them(monkeypatch):
+    """Words at a prompt's rows (past a decode step's 16): the prompt kernel where the table measured it faster than
+    XLA's path (half activations), else None -- XLA's path of the packed codes -- even where the decode kernel
+    would take the same words at 16 rows; ``require`` takes the prompt kernel (float32: the word kernel)."""
+    from llmeq_jax import decode_layout, dispatch_table
+    from pallas_kernels import int4_words_prefill
+
+    calls = []
+    real = int4_words_prefill.int4_words_prefill
+    monkeypatch.setattr(int4_words_prefill, "int4_words_prefill", lambda *a, **k: calls.append(1) or real(*a, **k))
+    q = _q(W4Z64, (192, 64))
+    words = decode_layout.int4_word_kernel(q)
+    x = jax.random.normal(jax.random.key(7), (40, 192)).astype(jnp.bfloat16)
+    device = config.target_device().device_kind
+    key = dispatch_table.Key(device, "int4_words_prefill", 4, 64, 192, 64, 64, "bfloat16")
+    table = lambda p, x_: dispatch_table.Table(device, {key: {"pallas_s": p, "xla_s": x_, "bf16_s": 1.0}})  # noqa: E731
+    want = ops.linear(x, q, backend="xla")
+    with config.interpret(True):
+        assert dispatch.linear_words(x[:16], words.w) is not None and not calls  # decode rows: the word kernel
+        assert dispatch.linear_words(x, words.w) is None  # not measured: XLA's path
+        with dispatch_table.use(table(2.0, 1.0)):
+            assert dispatch.linear_words(x, words.w) is None and not calls
+        with dispatch_table.use(table(1.0, 2.0)):
+            got = dispatch.linear_words(x, words.w)
+            assert len(calls) == 1 and dispatch.linear_words(x.astype(jnp.float32), words.w) is None
+            via_ops = ops.linear(x, words)
+        forced = dispatch.linear_words(x, words.w, require=True)
+        assert len(calls) == 3
+        f32 = dispatch.linear_words(x.astype(jnp.float32), words.w, require=True)  # the word kernel
+        assert len(calls) == 3
+    scale = float(jnp.max(jnp.abs(want.astype(jnp.float32))))
+    for y in (got, via_ops, forced, f32):
+        np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want, np.float32), atol=1e-2 * scale)
+
+
 # --------------------------------------------------------------------------- float kernels read in place
 
 

@@ -20,14 +20,15 @@ def _weights(k, n, group, zp, seed=3, lead=()):
 
 
 def _dequantized_in(dtype, words, scale, zero, k, group):
-    """The weights as x's dtype -- what the kernel multiplies: (value - zero point) * scale, rounded once."""
+    """The weights as x's dtype -- what the kernel multiplies: (value - zero point) * scale in float32, rounded
+    once, as ``QArray.dequantize(x.dtype)`` makes them (per channel: scaled after the sum)."""
     q = iw.unpack_words(words, k).astype(jnp.float32)
     per_k = lambda a: jnp.repeat(a, group, axis=0)[:k] if group else a  # noqa: E731
     if zero is not None:
         q = q - per_k(zero.astype(jnp.float32))
     if group is None:
         return q.astype(dtype), scale
-    return (q * per_k(scale.astype(dtype).astype(jnp.float32))).astype(dtype), None
+    return (q * per_k(scale.astype(jnp.float32))).astype(dtype), None
 
 
 CASES = [  # m, k, n, group, zero points, bias, dtype, blocks
@@ -57,6 +58,19 @@ def test_kernel_is_the_product_with_the_weights_in_x_dtype(m, k, n, group, zp, b
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(exact), rtol=eps, atol=1e-3 * eps * top)
     want = iw.int4_words_reference(x, words, scale, group=group, w_zero_point=zero, bias=b)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=0, atol=4 * eps * top)
+
+
+def test_float16_keeps_small_scales_bits():
+    """Scales of 5e-7..2e-6 (float16 subnormals, 2^-24 apart) scale the weights in float32 before their one
+    rounding: the product is the float32 reference's within float16's precision, where float16 scales would be off
+    by up to a third."""
+    words, scale, zero = _weights(256, 64, 128, True)
+    scale = scale * 1e-4
+    x = jax.random.normal(jax.random.key(2), (32, 256)).astype(jnp.float16) * 1000
+    got = int4_words_prefill(x, words, scale, group=128, w_zero_point=zero, interpret=True)
+    want = iw.int4_words_reference(x, words, scale, group=128, w_zero_point=zero)
+    top = float(jnp.max(jnp.abs(want.astype(jnp.float32))))
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=4e-3 * top)
 
 
 def test_kernel_reads_one_layer_of_a_stack_in_place():
