@@ -11,15 +11,17 @@ the dot's A operand, which wgmma reads from registers, so the dequantized tile n
 ``x^T``, the B operand, streams through Triton's cp.async pipeline. Each weight is dequantized once per program
 (reused by all of its ``bm`` token rows): the nibble becomes ``code_offset + value`` by bit patterns
 (:func:`pallas_kernels.int4_words.nibble_asm`, two values per ``prmt`` + ``lop3``), minus ``code_offset + zero
-point`` (exact), times the group's float32 scale, rounded once into x's dtype: the weights XLA's
-dequantize-then-dot multiplies, bit for bit. The scales sit on the weights, not on the accumulator, so it runs uninterrupted over K; the eight 16-row slices of
-a word block (:func:`~pallas_kernels.int4_words.pack_words`: slice ``j`` holds K rows ``16 j .. 16 j + 15``) are
-joined into one ``(bn, 128)`` operand, one dot a word block. In sm_90 SASS (``scripts/kernel_sass.py``, case
-``wo_int4_m2048_words``: 2048 x 4096 x 11008, 256-row tiles) a word block is eight ``HGMMA.64x256x16`` with the A
-operand in registers, in two chains of four with one chain in flight (``WARPGROUP.DEPBAR.LE gsb0, 0x1``), 478
-instructions a thread (~950 issue cycles of 8 warps against ~2 050 of the tensor cores' for its 4.2 M products),
-254 registers, no spills, 137 KB of shared memory; the checkpoint-layout kernel's 819 instructions cover half the
-products and wait for each wgmma. Not yet timed on a GPU.
+point`` (exact), times the group's float32 scale, rounded once into x's dtype: the weights XLA's dequantize-then-dot
+multiplies, bit for bit. The scales sit on the weights, not on the accumulator, so it runs uninterrupted over K; the
+eight 16-row slices of a word block (:func:`~pallas_kernels.int4_words.pack_words`: slice ``j`` holds K rows ``16 j
+.. 16 j + 15``) are joined into one ``(bn, 128)`` operand, one dot a word block. In sm_90 SASS
+(``scripts/kernel_sass.py``, case ``wo_int4_m2048_words``: 2048 x 4096 x 11008, 256-row tiles) a word block is eight
+``HGMMA.64x256x16`` with the A operand in registers, in two chains of four with one chain in flight
+(``WARPGROUP.DEPBAR.LE gsb0, 0x1``), 478 instructions a thread (~950 issue cycles of 8 warps against ~2 050 of the
+tensor cores' for its 4.2 M products), 254 registers, no spills, 137 KB of shared memory; XLA's own Triton (jaxlib
+0.11.2, ``scripts/gpu_aot.py --prefill 2048 --sass``, a Llama-2-7B layer) compiles it to 448-452 instructions and
+212-245 registers. The checkpoint-layout kernel's 819 instructions cover half the products and wait for each wgmma.
+Not yet timed on a GPU.
 
 It reads the words :func:`pallas_kernels.int4_words.int4_words_matmul` reads for decode steps, so one copy of the
 weights could serve both. Half activations only (the weights become x's dtype).

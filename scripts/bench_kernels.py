@@ -172,8 +172,8 @@ DECODE_ONLY_KINDS = ("w8_nk", "w4_words", "bf16_stack", "w4_xla_rows", "w8_nk_f1
 GEMV_ONLY_ROWS = ("w4_gemv",)  # kinds timed only at rows the GEMV takes (gemv.GEMV_MAX_ROWS)
 NOT_IN_TABLE = ("w4_xla_rows", "w4_gemv", "w4_xla_words", "w4_xla_groups")
 # the kind whose weights (bytes moved, XLA's path) a layout kind has
-LAYOUT_OF = {"w4_words": "w4g128", "w4_words_prefill": "w4g128", "w4_xla_rows": "w4g128", "w8_nk_f16": "w8_nk", "w4_gemv": "w4g128",
-             "w4_xla_words": "w4g128", "w4_xla_groups": "w4g128"}
+LAYOUT_OF = {"w4_words": "w4g128", "w4_words_prefill": "w4g128", "w4_xla_rows": "w4g128", "w8_nk_f16": "w8_nk",
+             "w4_gemv": "w4g128", "w4_xla_words": "w4g128", "w4_xla_groups": "w4g128"}
 
 
 def xla_int4_rows(x, q, scale):

@@ -56,6 +56,14 @@
 # column) and made a quantized cache's per-step masks once a step (20 -> 15 launches a layer: e2e_kv's rows; its
 # store kernel's gpu cases are "store"). The plan above stands, with RECIPES="rtn-w4-g128 rtn-w8 rtn-w8a8" in the
 # first call and TESTS="float_decode or int8_f16 or store or prompt_attention" ("store": the kv_store cases too).
+# The session after (no GPU) wrote a prompt kernel over the int4 decode words (pallas_kernels/int4_words_prefill.py:
+# the weights as wgmma's A operand from registers; dispatch takes it only where a table measured it faster than
+# XLA's path). First its gpu cases and its table, then e2e at once with that table merged (the prefill column):
+#     STEPS="gpu_tests prefill_words" TESTS="words_prefill or float_decode or int8_f16 or store or prompt_attention" \
+#         bash scripts/gpu_session.sh   (timeout_s 280)
+#     STEPS="e2e" RECIPES="rtn-w4-g128 rtn-w8 rtn-w8a8" BATCHES="1 16" TORCH=--no-torch bash scripts/gpu_session.sh
+#         (timeout_s 360)
+# then STEPS="prompt_attention float_attention decode_sweep_w8" as time allows.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-runs/gpu}"

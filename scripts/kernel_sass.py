@@ -401,8 +401,8 @@ def main(argv=None):
             loop = f"{r['loop']} (all)" if r["unrolled"] else str(r["loop"])
             tc = ", ".join(f"{op} x{c}" for op, c in r["tensor_core"].items()) or "none"
             top = ", ".join(f"{op} {c}" for op, c in r["top"])
-            print(f"| {name} | {r['kernel']} | {r['warps']} | {r['regs']} | {r['local']} | {r['smem_kb']:.0f} | {loop} | "
-                  f"{per} | {tc} | "
+            print(f"| {name} | {r['kernel']} | {r['warps']} | {r['regs']} | {r['local']} | {r['smem_kb']:.0f} | "
+                  f"{loop} | {per} | {tc} | "
                   f"{r['conversions']} | {r['shared_bytes']} | {r['shuffles']} | {top} |", flush=True)
     print(f"(files in {folder})")
 

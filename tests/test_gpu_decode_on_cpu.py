@@ -155,7 +155,7 @@ def test_a_gpus_w8a8_prompt_reads_its_weights_k_major(monkeypatch):
 
 @pytest.mark.parametrize("recipe,serves,table", [("rtn-w8a8", True, None), ("rtn-w4-g128", False, None),
                                                  ("rtn-w4-g128", True, "pallas"), ("rtn-w4-g128", False, "xla")])
-def test_generate_fills_a_gpus_cache_from_the_decode_layout_of_w8a8_weights(recipe, serves, table, monkeypatch):
+def test_generate_fills_a_gpus_cache_from_the_decode_layout_where_it_serves_prompts(recipe, serves, table, monkeypatch):
     """On a GPU a W8A8 model's decode layout (K-major W8A8 kernels, ``decode_layout.serves_prompts``) is what
     ``generate``'s prompt runs on too, with the tokens of the prompt run on the checkpoint's layout; a weight-only
     model's (int4 words for decode rows) is too where a dispatch table sends prompts to the kernel over the words,
