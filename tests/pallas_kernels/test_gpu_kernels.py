@@ -250,25 +250,33 @@ WO_WORDS = [  # (M, K, N, group, symmetric, dtype, blocks[, epilogue]): int4 as 
     (16, 11008, 4096, 64, False, F16, (16, 128, 256, 4, 3), "mma"),
 ]
 
+
+def _words_case(m, k, n, group, symmetric, dtype):
+    """(x, the int4 words, their scales, the kernels' keyword arguments, the reference product, a label) of one
+    word-kernel case: random weights quantized to int4 with ``group``, packed as words."""
+    from pallas_kernels.int4_words import int4_words_reference, pack_words
+
+    spec = Spec(bits=4, granularity="group" if group else "channel", group_size=group, symmetric=symmetric)
+    q = quantize(jax.random.normal(jax.random.key(7), (k, n)), spec)
+    words = pack_words(q.values(), group)
+    x = jax.random.normal(jax.random.key(8), (m, k)).astype(dtype)
+    kw = dict(w_zero_point=q.zero_point, group=group)
+    r = reference(int4_words_reference, x, words, q.scale, **kw)
+    label = f"M={m} K={k} N={n} group={group} {'sym' if symmetric else 'asym'} {jnp.dtype(dtype).name}"
+    return x, words, q.scale, kw, r, label
+
+
 for _shape in WO_WORDS:
 
     @case
     def _int4_words(shape=_shape):
-        from pallas_kernels.int4_words import int4_words_matmul, int4_words_reference, pack_words
+        from pallas_kernels.int4_words import int4_words_matmul
 
-        m, k, n, group, symmetric, dtype, blocks, *epilogue = shape
-        epilogue = epilogue[0] if epilogue else "rows"
-        spec = Spec(bits=4, granularity="group" if group else "channel", group_size=group, symmetric=symmetric)
-        q = quantize(jax.random.normal(jax.random.key(7), (k, n)), spec)
-        words = pack_words(q.values(), group)
-        x = jax.random.normal(jax.random.key(8), (m, k)).astype(dtype)
-        kw = dict(w_zero_point=q.zero_point, group=group)
+        *problem, blocks, epilogue = shape if len(shape) == 8 else (*shape, "rows")
+        x, words, scale, kw, r, label = _words_case(*problem)
         y = jax.jit(lambda x, w, s: int4_words_matmul(x, w, s, blocks=blocks and Blocks(*blocks), interpret=INTERPRET,
-                                                      epilogue=epilogue, **kw))(x, words, q.scale)
-        r = reference(int4_words_reference, x, words, q.scale, **kw)
-        sym = "sym" if symmetric else "asym"
-        return (f"int4 words M={m} K={k} N={n} group={group} {sym} {jnp.dtype(dtype).name} blocks={blocks} "
-                f"epilogue={epilogue}", *compare(y, r, 8e-3), None)
+                                                      epilogue=epilogue, **kw))(x, words, scale)
+        return f"int4 words {label} blocks={blocks} epilogue={epilogue}", *compare(y, r, 8e-3), None
 
 
 PREFILL_WORDS = [  # (M, K, N, group, symmetric, dtype, blocks or None): the prompt kernel over the words
@@ -282,21 +290,13 @@ for _shape in PREFILL_WORDS:
 
     @case
     def _int4_words_prefill(shape=_shape):
-        from pallas_kernels.int4_words import int4_words_reference, pack_words
         from pallas_kernels.int4_words_prefill import int4_words_prefill
 
-        m, k, n, group, symmetric, dtype, blocks = shape
-        spec = Spec(bits=4, granularity="group" if group else "channel", group_size=group, symmetric=symmetric)
-        q = quantize(jax.random.normal(jax.random.key(7), (k, n)), spec)
-        words = pack_words(q.values(), group)
-        x = jax.random.normal(jax.random.key(8), (m, k)).astype(dtype)
-        kw = dict(w_zero_point=q.zero_point, group=group)
+        *problem, blocks = shape
+        x, words, scale, kw, r, label = _words_case(*problem)
         y = jax.jit(lambda x, w, s: int4_words_prefill(x, w, s, blocks=blocks and Blocks(*blocks), interpret=INTERPRET,
-                                                       **kw))(x, words, q.scale)
-        r = reference(int4_words_reference, x, words, q.scale, **kw)
-        sym = "sym" if symmetric else "asym"
-        return (f"int4 prefill words M={m} K={k} N={n} group={group} {sym} {jnp.dtype(dtype).name} blocks={blocks}",
-                *compare(y, r, 8e-3), None)
+                                                       **kw))(x, words, scale)
+        return f"int4 prefill words {label} blocks={blocks}", *compare(y, r, 8e-3), None
 
 
 FLOAT_STACK = [  # (M, K, N, dtype): pallas_kernels.float_matmul reading layer 2 of a stack of 3
