@@ -642,9 +642,13 @@ def _sweep():
     return {  # other settings tried by --sweep on SWEEP_WEIGHT (the defaults come from pallas_kernels/blocks.py)
         1: [dict(k_splits=1), dict(blocks=Blocks(16, 64, 128, 4, 3)), dict(blocks=Blocks(16, 256, 128, 4, 3))],
         16: [dict(k_splits=1), dict(blocks=Blocks(16, 64, 128, 4, 3))],
+        # W8A8 at 2048 rows: Triton waits for every int8 wgmma (int32 accumulators are never pipelined), so the
+        # tensor cores overlap only across programs sharing an SM; the last three fit four (128 x 64, 64 x 128:
+        # 96-118 registers, 48 KB) or two with one warpgroup each (sm_90 SASS), where the default fits two of 8 warps
         2048: [dict(transpose_w=False), dict(blocks=Blocks(256, 128, 128, 8, 3)), dict(blocks=Blocks(128, 256, 128, 8, 3)),
                dict(blocks=Blocks(256, 128, 128, 8, 4)), dict(blocks=Blocks(128, 256, 128, 8, 4)),
-               dict(blocks=Blocks(256, 128, 256, 8, 3))],
+               dict(blocks=Blocks(256, 128, 256, 8, 3)), dict(blocks=Blocks(128, 64, 128, 4, 2)),
+               dict(blocks=Blocks(64, 128, 128, 4, 2)), dict(blocks=Blocks(128, 128, 128, 4, 2))],
     }
 
 

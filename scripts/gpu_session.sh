@@ -139,8 +139,9 @@ step attention 70 "$py" scripts/bench_kernels.py --reps 10 --sweep --rows 1 --ki
 step fp8 80 "$py" scripts/bench_kernels.py --reps 10 --kinds bf16,fp8,w8a8,w8,fp8_nk,w8a8_nk,w8_nk \
     --weights 4096x11008 --no-attention --write-table "$out/dispatch_fp8.json"
 # W8A8 prefill, K-major (1.04-1.10x bf16 at M = 512-2048 on the H200 on 2026-11-28, with blocks tuned for the (K, N)
-# kernel on an H100; issue #15: >= 1.5x at M >= 1024): other tiles, warps and stages at M = 2048.
-step w8a8_sweep 60 "$py" scripts/bench_kernels.py --reps 10 --sweep --rows 2048 --kinds bf16,w8a8_nk \
+# kernel on an H100; issue #15: >= 1.5x at M >= 1024): other tiles, warps and stages at M = 2048 (since 2026-12-05
+# also smaller ones that fit four programs an SM: Triton waits for every int8 wgmma, docs/kernels.md).
+step w8a8_sweep 80 "$py" scripts/bench_kernels.py --reps 10 --sweep --rows 2048 --kinds bf16,w8a8_nk \
     --weights 4096x11008 --no-attention
 # Where the word kernel's time goes (scripts/probe_words.py, new): its launch with the loop reduced to the loads,
 # then + the nibbles' dequantization and MMAs, then + the offset's sums, beside the kernel and the bf16 dot, and the
