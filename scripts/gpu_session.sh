@@ -60,7 +60,7 @@
 # the weights as wgmma's A operand from registers; dispatch takes it only where a table measured it faster than
 # XLA's path). First its gpu cases and its table, then e2e at once with that table merged (the prefill column):
 #     STEPS="gpu_tests prefill_words" TESTS="words_prefill or float_decode or int8_f16 or store or prompt_attention" \
-#         bash scripts/gpu_session.sh   (timeout_s 280)
+#         bash scripts/gpu_session.sh   (timeout_s 330)
 #     STEPS="e2e" RECIPES="rtn-w4-g128 rtn-w8 rtn-w8a8" BATCHES="1 16" TORCH=--no-torch bash scripts/gpu_session.sh
 #         (timeout_s 360)
 # then STEPS="prompt_attention float_attention decode_sweep_w8" as time allows.
@@ -163,7 +163,7 @@ step prefill 80 "$py" scripts/tune_weight_only.py --shapes 4096x11008 --rows 204
 # dequantized weights as wgmma's A operand from registers, one dot a word block) against bf16 and XLA's path of the
 # packed weights (what prompts take today: 0.88-0.96x bf16 at 2048-4096 rows on the H200) on #15's four int4 shapes
 # at 512-4096 rows, its block settings swept on 4096x11008 -> dispatch_prefill_words.json (int4_words_prefill).
-step prefill_words 150 "$py" scripts/bench_kernels.py --reps 10 --sweep --rows 512,2048,4096 \
+step prefill_words 200 "$py" scripts/bench_kernels.py --reps 10 --sweep --rows 512,2048,4096 \
     --kinds bf16,w4_words_prefill --weights 4096x4096,4096x11008,11008x4096,4096x14336 --no-attention \
     --write-table "$out/dispatch_prefill_words.json"
 step layout 110 "$py" scripts/bench_e2e.py --shapes "$shapes" --layers 4 --dtype bfloat16 --recipes rtn-w4-g128 \
