@@ -174,7 +174,7 @@ def linear_words(x, w: QArray, require: bool = False, layer=None):
     matmul = int4_words.int4_words_matmul
     if rows > GPU_KMAJOR_MAX_ROWS:
         half = jnp.dtype(x.dtype) in int4_words_prefill.HALF_DTYPES
-        if half and (require or prompt_words_take(rows, x.dtype, w, group)):
+        if prompt_words_take(rows, x.dtype, w, group) or require and half:
             matmul = int4_words_prefill.int4_words_prefill
         elif not require:
             return None

@@ -45,7 +45,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import config, offsets
 from pallas_kernels.blocks import Blocks
-from pallas_kernels.common import cdiv, compiler_params, dot, load_tile, next_pow2, span, split_refs, store_tile
+from pallas_kernels.common import (cdiv, compiler_params, dot, load_tile, next_pow2, span, split_refs, store_tile,
+                                   weight_operands)
 from pallas_kernels.int4_words import NIBBLES, SLICE, WORD_BLOCK, check_words, code_offset, nibble_operands
 
 HALF_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -139,9 +140,7 @@ def int4_words_prefill(x, words, w_scale, *, group: int | None = None, w_zero_po
     if blocks.bk != WORD_BLOCK:
         raise ValueError(f"{name}: the K block is one word block ({WORD_BLOCK} rows), got {blocks.bk}")
     interpret = config.resolve_interpret(interpret)
-    args = [x, words, w_scale.astype(jnp.float32)]
-    if w_zero_point is not None:
-        args.append(w_zero_point.astype(jnp.int8))
+    args = [x, *weight_operands(words, w_scale, w_zero_point)]
     if bias is not None:
         args.append(bias.astype(jnp.float32).reshape(n, 1))
     if layer is not None:
