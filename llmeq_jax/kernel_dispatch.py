@@ -11,7 +11,9 @@ saying why no kernel applies.
 
 Which kernel:
   act spec given  -> W8A8 (int8-stored weights; dynamic per-token or static per-tensor activations),
-                     FP8 W8A8 for fp8 (E4M3) weights and activations on sm_89+ ("fp8_w8a8")
+                     FP8 W8A8 for fp8 (E4M3) weights and activations on sm_89+ ("fp8_w8a8");
+                     a prompt's int8 W8A8 over K-major weights on Hopper: the Mosaic GPU kernel where a
+                     table measured it faster than the Triton one (``hopper_w8a8_takes``)
   no act spec     -> weight-only: int8-stored values (5..8 bits) or nibble-packed (3..4 bits);
                      fp8 weights without fp8 activations have no kernel (XLA dequantizes them)
 
@@ -32,7 +34,7 @@ from llmeq_jax.core.qarray import QArray, is_packed
 from llmeq_jax.decode_layout import GPU_KMAJOR_MAX_ROWS, scale_group
 from llmeq_jax.layer_slice import take_layer
 from pallas_kernels import config, float_matmul, int4_words, int4_words_prefill, rms_norm as norm_kernel, w8a8, \
-    weight_only
+    w8a8_hopper, weight_only
 
 
 class KernelUnavailable(ValueError):
@@ -154,6 +156,19 @@ def prompt_words_take(rows: int, x_dtype, w: QArray, group: int | None) -> bool:
     return dispatch_table.choice(table_key("int4_words_prefill", rows, x_dtype, w, group)) == "pallas"
 
 
+def hopper_w8a8_takes(x2, view: QArray, group: int | None, has_zero_point: bool) -> bool:
+    """Whether a prompt's int8 W8A8 product (more rows than a decode step's) over K-major weights goes to the Mosaic
+    GPU kernel (``pallas_kernels.w8a8_hopper``: int8 wgmma kept in flight, Hopper only) rather than the Triton
+    kernel: where the active or shipped dispatch table measured it faster than that kernel (kernel
+    ``w8a8_hopper``). Unmeasured, the Triton kernel: the Mosaic one is not timed on a GPU yet."""
+    k, n = view.shape
+    if x2.shape[0] <= GPU_KMAJOR_MAX_ROWS:
+        return False
+    if not w8a8_hopper.can_use(x2.shape, x2.dtype, view.qvalue.dtype, k, n, group, has_zero_point)[0]:
+        return False
+    return dispatch_table.choice(table_key("w8a8_hopper", x2.shape[0], x2.dtype, view, group)) == "pallas"
+
+
 def linear_words(x, w: QArray, require: bool = False, layer=None):
     """``x @ w`` for a ``decode_layout.Int4WordKernel``'s QArray (its codes as ``pallas_kernels.int4_words``
     words), or None (an error if ``require``). Decode rows (up to ``decode_layout.GPU_KMAJOR_MAX_ROWS``): the word
@@ -247,7 +262,9 @@ def linear(x, w: QArray, act=None, require: bool = False, layer=None, *, w_layou
     measured_as = f"{kind}_nk" if w_layout == "nk" else kind  # K-major: another kernel, measured apart
     if not require and not kernel_takes(measured_as, x2.shape[0], x.dtype, view, group):
         return None  # XLA's path: measured faster on this device, or a small product no table measured
-    if kind in ("w8a8", "fp8_w8a8"):
+    if kind == "w8a8" and w_layout == "nk" and not require and hopper_w8a8_takes(x2, view, group, zp is not None):
+        y = w8a8_hopper.w8a8_hopper(x2, w.qvalue, scale, act_scale=_act_scale(w, layer), layer=layer)
+    elif kind in ("w8a8", "fp8_w8a8"):
         y = w8a8.w8a8_matmul(x2, w.qvalue, scale, w_zero_point=zp, act_scale=_act_scale(w, layer), group=group,
                              layer=layer, fp8=kind == "fp8_w8a8", w_layout=w_layout)
     else:

@@ -134,6 +134,8 @@ def launches(body: list[str]) -> dict:
             out["pallas"].append(f"{name} {grid}")
         elif kind == "kCuDnn":  # cuDNN's flash attention (a prompt's, kv.attention.attention_flash)
             out["pallas"].append("cuDNN")
+        elif kind == "kCustomCall":  # an FFI custom call: here Mosaic GPU's kernels (pallas_kernels.w8a8_hopper)
+            out["pallas"].append("custom call")
         elif kind == "kCustomKernel":
             out["fusion"] += 1
     return out

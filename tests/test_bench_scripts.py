@@ -189,6 +189,32 @@ def test_bench_kernels_times_the_prompt_kernel_over_the_words_at_prompt_rows_onl
     assert out.count("failed: ValueError: int4_words_prefill: the K block is one word block") == 1
 
 
+def test_bench_kernels_times_the_hopper_w8a8_kernel_against_the_triton_one(capsys, monkeypatch):
+    """w8a8_hopper (GPU interpret mode, a tiny weight): timed at prompt rows only, its table entry against the
+    Triton kernel over the same K-major weights (w8a8_nk) timed in the same row; --sweep runs its settings there,
+    one it refuses (N 256 is not a multiple of its 512-column tile) costing its own line."""
+    from pallas_kernels import config
+    from pallas_kernels.w8a8_hopper import HopperBlocks
+
+    bench = _script("bench_kernels")
+    monkeypatch.setattr(bench, "copies_for", lambda nbytes: 1)
+    monkeypatch.setattr(bench, "PREFILL_WORDS_SWEEP_ROWS", (64,))
+    monkeypatch.setattr(bench, "SWEEP_WEIGHT", (256, 256))
+    monkeypatch.setattr(bench, "_hopper_sweep", lambda: [dict(blocks=HopperBlocks(stages=2)),
+                                                         dict(blocks=HopperBlocks(tile_n=256))])
+    table = []
+    with config.interpret(True):
+        bench.gpu_bench(1, sweep=True, table=table, kinds_wanted=("bf16", "w8a8_nk", "w8a8_hopper"),
+                        weights=((256, 256),), attention=False, rows=(1, 64))
+    out = capsys.readouterr().out
+    assert "256x256    64 w8a8_hopper" in out and "256x256     1 w8a8_hopper" not in out
+    entries = [(k.kernel, k.rows, t) for k, t in table if k.kernel == "w8a8_hopper"]
+    assert [(kernel, rows) for kernel, rows, _ in entries] == [("w8a8_hopper", 64)]
+    assert "x w8a8_nk)" in out and entries[0][2]["xla_s"] > 0  # against the Triton kernel's time
+    assert out.count("sweep w8a8_hopper M=64") == 4  # bf16, the defaults, each setting (one failed)
+    assert out.count("failed: ValueError: w8a8_hopper:") == 1
+
+
 def test_bench_kernels_attention_step_times_the_kernel_and_xlas_dots(capsys, monkeypatch):
     """The attention step (a small cache here, interpret mode): the Pallas kernel and XLA's dots over the codes for
     int8 and int4 against bf16 attention at each length, and a kv_attention table entry of each; with --sweep, the

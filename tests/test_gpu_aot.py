@@ -84,6 +84,14 @@ def test_cudnns_attention_counts_as_a_kernel():
     assert seen["pallas"] == ["cuDNN"] and seen["gemm"] == 1
 
 
+def test_mosaic_gpus_custom_calls_count_as_kernels():
+    """A Mosaic GPU kernel (pallas_kernels.w8a8_hopper) is an FFI custom call thunk with no name: listed as one."""
+    body = ["037: kCustomCall   [prev=036 (1) | next=039 (2) ] kCustomCall",
+            "051: kCustomKernel [prev=050 (1) | sink] loop_add_fusion grid: [8, 1, 1] threads: [128, 1, 1]"]
+    seen = gpu_aot.launches(body)
+    assert seen["pallas"] == ["custom call"] and seen["fusion"] == 1
+
+
 def test_of_two_innermost_loops_the_layers_longer_one():
     """A tied LM head over a quantized table runs a loop over row chunks beside the layers' loop, as deep: the
     layers' (longer) body is the one counted."""

@@ -548,3 +548,33 @@ def test_the_dispatch_table_read_is_part_of_the_kernel_state(tmp_path, monkeypat
     named = kernel_state()
     os.utime(path, (1, 1))  # the file rewritten: another table
     assert named != outside and kernel_state() != named
+
+
+def test_a_prompts_w8a8_product_goes_to_the_hopper_kernel_only_where_a_table_measured_it_faster(monkeypatch):
+    """K-major int8 W8A8 weights at a prompt's rows: the Triton kernel unless the table measured the Mosaic GPU
+    kernel (``w8a8_hopper``) faster than it; decode rows never; both give the reference's bits."""
+    from llmeq_jax import decode_layout, dispatch_table
+    from pallas_kernels import w8a8, w8a8_hopper
+
+    calls = []
+    for mod, name in ((w8a8, "w8a8_matmul"), (w8a8_hopper, "w8a8_hopper")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    q = _q(W8A8, (256, 256), 3)
+    kmajor = decode_layout.for_decode({"up": {"kernel": q}}, rows=2)["up"]["kernel"]
+    x = jax.random.normal(jax.random.key(8), (40, 256)).astype(jnp.bfloat16)
+    device = config.target_device().device_kind
+    key = dispatch_table.Key(device, "w8a8_hopper", 8, None, 256, 256, 64, "bfloat16")
+    table = lambda p, x_: dispatch_table.Table(device, {key: {"pallas_s": p, "xla_s": x_, "bf16_s": 1.0}})  # noqa: E731
+    with config.interpret(True):
+        triton = ops.linear(x, kmajor)
+        assert calls == ["w8a8_matmul"]  # not measured
+        with dispatch_table.use(table(2.0, 1.0)):
+            ops.linear(x, kmajor)
+            assert calls[-1] == "w8a8_matmul"
+        with dispatch_table.use(table(1.0, 2.0)):
+            hopper = ops.linear(x, kmajor)
+            assert calls[-1] == "w8a8_hopper"
+            ops.linear(x[:16], kmajor)  # decode rows: the Triton kernel
+            assert calls[-1] == "w8a8_matmul"
+    np.testing.assert_array_equal(np.asarray(hopper, np.float32), np.asarray(triton, np.float32))

@@ -111,6 +111,38 @@ def _w8a8_integer_exact():
     return "w8a8 integer path exact (9x77x40)", *compare(y, (xi @ wi).astype(np.float32), 0.0), None
 
 
+HOPPER_W8A8 = [  # (M, K, N, layer of a stack of 3 or None, bias, static act scale, dtype): pallas_kernels.w8a8_hopper
+    (2048, 4096, 11008, None, False, False, BF16),  # the sweep's weight at prompt rows: the reference's bits
+    (1000, 4096, 12288, 2, False, False, BF16),  # rows padded to the tile; a fused q/k/v of a stack, read in place
+    (300, 11008, 4096, None, True, True, F16),  # bias (a fused multiply-add may round once less), static scale
+]
+
+for _shape in HOPPER_W8A8:
+
+    @case
+    def _w8a8_hopper(shape=_shape):
+        from pallas_kernels.w8a8 import w8a8_reference
+        from pallas_kernels.w8a8_hopper import w8a8_hopper
+
+        m, k, n, layer, bias, static, dtype = shape
+        rng = np.random.default_rng(m)
+        stack = jnp.asarray(rng.integers(-127, 128, (3, n, k)), jnp.int8)
+        scales = jnp.asarray(rng.uniform(0.001, 0.01, (3, 1, n)), jnp.float32)
+        x = jax.random.normal(jax.random.key(m), (m, k)).astype(dtype)
+        b = jnp.linspace(-1, 1, n).astype(dtype) if bias else None
+        act = 0.03 if static else None
+        one = 0 if layer is None else layer
+        if layer is None:
+            y = jax.jit(lambda x, w, s: w8a8_hopper(x, w, s, bias=b, act_scale=act))(x, stack[0], scales[0])
+        else:
+            y = jax.jit(lambda x, w, s, i: w8a8_hopper(x, w, s, layer=i, act_scale=act))(x, stack, scales,
+                                                                                           jnp.int32(layer))
+        r = w8a8_reference(x, stack[one].T, scales[one], bias=b, act_scale=act)
+        err, tol = compare(y, r, 0.0 if b is None else float(jnp.finfo(dtype).eps))
+        label = f"w8a8 hopper M={m} K={k} N={n} layer={layer} bias={bias} static={static} {jnp.dtype(dtype).name}"
+        return label, err, tol, None
+
+
 FP8_SHAPES = [  # (M, K, N, group, static act scale, dtype): FP8 (E4M3) W8A8, sm_89+
     (1, 96, 80, None, False, F32),
     (37, 130, 90, 32, True, F32),

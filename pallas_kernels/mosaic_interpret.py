@@ -1,0 +1,70 @@
+"""What GPU interpret mode of this JAX's Mosaic GPU backend lacks, for the kernels here.
+
+Mosaic GPU kernels (``plgpu.kernel``) run on a CPU in GPU interpret mode (``plgpu.InterpretGPUParams``), which
+simulates shared memory, warpgroups, barriers and TMA copies. Its ``wgmma`` reads each operand through index
+transforms only: an operand viewed through ``plgpu.transpose_ref`` -- how an int8 wgmma's B operand is given, since
+int8 wgmma takes K-major operands only -- fails with ``'TransposeTransform' object has no attribute 'indices'``
+(jax 0.10.2). :func:`install` replaces that one callback with one that reads the operand through its index
+transforms, then transposes it as the trailing transposes say. A canary test
+(``tests/pallas_kernels/test_w8a8_hopper.py``) fails once JAX's own interpreter takes a transposed operand.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+
+
+def _split_transposes(transforms) -> tuple[tuple, list[tuple[int, ...]]]:
+    """(the index transforms, the permutations of the trailing transposes, innermost last)."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+    from jax._src.state import types as state_types
+
+    rest = list(gpu_callbacks._remove_noop_transforms(transforms))
+    perms = []
+    while rest and isinstance(rest[-1], state_types.TransposeTransform):
+        perms.insert(0, rest.pop().permutation)
+    if any(isinstance(t, state_types.TransposeTransform) for t in rest):
+        raise NotImplementedError("GPU interpret mode: a wgmma operand indexed after a transpose")
+    return tuple(rest), perms
+
+
+def _wgmma(*, token, device_id, grid_point_coords, thread_id, acc_allocation_key_as_array, acc_transforms, acc_dtype,
+           a_allocation_key_as_array, a_transforms, b_allocation_key_as_array, b_transforms, source_info=None):
+    """The interpreter's wgmma (acc += a @ b, synchronously), with operands that may be transposed views."""
+    from jax._src.pallas.mosaic.interpret import utils
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as callbacks
+
+    device_id, thread_id = int(device_id), int(thread_id)
+    memory = callbacks._get_shared_memory()
+    thread = memory.get_global_thread_id(device_id, thread_id)
+    info = utils.GPULoggingInfo(device_id=device_id, grid_point_coords=tuple(int(c) for c in grid_point_coords),
+                                thread_id=thread_id, source_info=source_info)
+
+    def read(key, transforms):
+        indices, perms = _split_transposes(jax.tree.map(int, transforms))
+        value, _, _ = memory.get_buffer_content(callbacks.HostAllocationKey.from_array(key), utils.to_range(indices),
+                                                thread, logging_info=info)
+        for perm in perms:
+            value = np.transpose(value, perm)
+        return value
+
+    a = read(a_allocation_key_as_array, a_transforms)
+    b = read(b_allocation_key_as_array, b_transforms)
+    acc_key = callbacks.HostAllocationKey.from_array(acc_allocation_key_as_array)
+    acc_range = utils.to_range(jax.tree.map(int, callbacks._remove_noop_transforms(acc_transforms)))
+    acc, _, _ = memory.get_buffer_content(acc_key, acc_range, thread, logging_info=info)
+    memory.store_buffer_content(acc_key, acc_range, acc + np.matmul(a, b, dtype=acc_dtype), thread, logging_info=info)
+    return token
+
+
+@functools.cache
+def install():
+    """Let GPU interpret mode's wgmma take transposed operands (once per process); returns JAX's own callback."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+    stock = gpu_callbacks.wgmma
+    gpu_callbacks.wgmma = _wgmma  # looked up by the interpreter at each wgmma it runs
+    return stock
