@@ -68,7 +68,7 @@ class HopperBlocks:
     tile_k: int = 128  # 128 int8 = the 128-byte swizzle a wgmma operand row wants
     stages: int = 4  # shared-memory slots of the TMA ring (fewer where they do not fit: _stages_that_fit)
     epi: int = 64  # the epilogue's square store pieces
-    snake_minor_n: bool = True  # planar_snake's minor dimension: N (tiles of one row block visited together) or M
+    snake_minor_n: bool = True  # snake_tile's minor dimension: N (tiles of one row block visited together) or M
     snake_width: int = 8
 
     def __post_init__(self):
