@@ -184,9 +184,23 @@ def is_pallas(name: str) -> bool:
     return not re.match(r"(loop|input|wrapped|fusion|gemm_fusion|triton_|cutlass|cublas)", name)
 
 
-def pallas_sass(folder: Path, arch: str = "sm_90a") -> list[dict]:
-    """Each Pallas kernel in XLA's PTX dump of ``folder`` compiled by ``ptxas`` and read as SASS:
-    name, registers, spill bytes and ``kernel_sass.summarize``'s hottest loop."""
+# The newest PTX ISA the ptxas of nvidia-cuda-nvcc-cu12 12.9 (this script's setup) reads.
+PTXAS_ISA = "8.8"
+
+
+def ptx_for_ptxas(ptx: str, isa: str = PTXAS_ISA) -> str:
+    """``ptx`` with a newer ``.version`` lowered to ``isa``: Mosaic GPU (jaxlib 0.11.2) writes PTX ISA 9.0 for
+    kernels that use no 9.0 instruction; one that did would fail in ptxas, loudly, not compile to something else."""
+    def lower(m):
+        return m.group(0) if tuple(map(int, m.group(1).split("."))) <= tuple(map(int, isa.split("."))) \
+            else f".version {isa}"
+    return re.sub(r"^\.version (\d+\.\d+)", lower, ptx, count=1, flags=re.M)
+
+
+def pallas_sass(folder: Path, arch: str = "sm_90a", extra: list[Path] = ()) -> list[dict]:
+    """Each Pallas kernel in XLA's PTX dump of ``folder`` (and the Mosaic GPU kernels' PTX files ``extra``)
+    compiled by ``ptxas`` and read as SASS: name, registers, spill bytes and ``kernel_sass.summarize``'s hottest
+    loop."""
     import subprocess
 
     import kernel_sass  # scripts/ is on sys.path when this runs as a script
@@ -194,16 +208,23 @@ def pallas_sass(folder: Path, arch: str = "sm_90a") -> list[dict]:
     ptxas = _tool("nvidia/cuda_nvcc/bin/ptxas")
     cuobjdump = _tool("triton/backends/nvidia/bin/cuobjdump")
     rows, seen = [], set()
-    for ptx in sorted(folder.glob("*.ptx")):
-        entries = re.findall(r"\.entry (\w+)", ptx.read_text())
-        if not entries or not is_pallas(entries[0]) or entries[0] in seen:
+    for ptx in [*sorted(folder.glob("*.ptx")), *extra]:
+        text = ptx.read_text()
+        entries = re.findall(r"\.entry (\w+)", text)
+        if not entries:
             continue
-        seen.add(entries[0])
-        cubin = ptx.with_suffix(".cubin")
-        subprocess.run([str(ptxas), f"-arch={arch}", str(ptx), "-o", str(cubin)], check=True, capture_output=True)
+        # Mosaic GPU names every kernel alike (anonymous_mosaic_gpu_kernel): its dump's file tells them apart
+        name = entries[0] if ptx.parent == folder else f"{entries[0]} ({ptx.stem})"
+        if not is_pallas(name) or name in seen:
+            continue
+        seen.add(name)
+        cubin = folder / f"{name.replace(' ', '_').strip('()')}.cubin"
+        source = cubin.with_suffix(".for_ptxas.ptx")
+        source.write_text(ptx_for_ptxas(text))
+        subprocess.run([str(ptxas), f"-arch={arch}", str(source), "-o", str(cubin)], check=True, capture_output=True)
         run = lambda *flags: subprocess.run([str(cuobjdump), *flags, str(cubin)], capture_output=True, text=True,  # noqa: E731
                                             check=True).stdout
-        rows.append({"kernel": entries[0], **kernel_sass.resources(run("--dump-resource-usage")),
+        rows.append({"kernel": name, **kernel_sass.resources(run("--dump-resource-usage")),
                      **kernel_sass.summarize(run("-sass"))})
     return rows
 
@@ -347,8 +368,14 @@ def main(argv=None):
     parser.add_argument("--device", choices=sorted(TARGETS), default="h100")
     parser.add_argument("--xla", action="store_true", help="no Pallas kernel (pallas_kernels.config.disabled): XLA's paths")
     parser.add_argument("--keep", type=Path, help="keep XLA's dumps here (one folder per recipe)")
-    parser.add_argument("--sass", action="store_true", help="each Pallas kernel's SASS as XLA's Triton compiled it")
+    parser.add_argument("--sass", action="store_true", help="each Pallas kernel's SASS as XLA's Triton (or Mosaic GPU) compiled it")
     args = parser.parse_args(argv)
+    mosaic = None
+    if args.sass:  # Mosaic GPU compiles its kernels itself: it writes their PTX where these ask (read once)
+        mosaic = Path(tempfile.mkdtemp(prefix="gpu_aot_mosaic_"))
+        os.environ.update(MOSAIC_GPU_DUMP_TO=str(mosaic), MOSAIC_GPU_DUMP_PTX="1")
+        # and tries nvdisasm for their SASS: Triton's wheel carries one
+        os.environ["PATH"] = f"{_tool('triton/backends/nvidia/bin/nvdisasm').parent}{os.pathsep}{os.environ['PATH']}"
 
     import jax
     from jax.experimental import topologies
@@ -373,9 +400,12 @@ def main(argv=None):
         compile_decode(args, recipe, topo, folder)
         print(report(recipe, *read_dump(folder, "jit_prefill" if args.prefill else "_decode_loop")), flush=True)
         if args.sass:
-            sass[recipe] = pallas_sass(folder)
-    for recipe, rows in sass.items():
-        print(f"\n{recipe}: the Pallas kernels' SASS (sm_90a, XLA's Triton); loop = the hottest loop's instructions")
+            new = sorted(set(mosaic.glob("*.ptx")) - set().union(*(r["_mosaic"] for r in sass.values())))
+            sass[recipe] = {"rows": pallas_sass(folder, extra=new), "_mosaic": set(new)}
+    for recipe, found in sass.items():
+        rows = found["rows"]
+        print(f"\n{recipe}: the Pallas kernels' SASS (sm_90a; XLA's Triton, Mosaic GPU's PTX); loop = the hottest "
+              "loop's instructions")
         print("| kernel | regs | spill B | loop | tensor core | top ops |\n| --- | ---: | ---: | ---: | --- | --- |")
         for r in rows:
             tc = ", ".join(f"{op} x{c}" for op, c in r["tensor_core"].items()) or "none"

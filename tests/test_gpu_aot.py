@@ -139,3 +139,13 @@ def test_the_kv_flags_make_the_cache_they_name():
     static = gpu_aot.kv_quantizer(SimpleNamespace(kv_bits=4, kv_static=True, kv_sinks=0, kv_post_rope=True), config)
     assert not static.spec.online_keys and static.spec.needs_key_ranges and static.spec.sink_tokens == 0
     assert static.key_ranges.lo.shape == (2, 4, 8) and not static.spec.pre_rope and static.spec.bits == 4
+
+
+def test_ptx_for_ptxas_lowers_only_a_newer_isa_version():
+    """Mosaic GPU's PTX says ISA 9.0; the setup's ptxas reads up to 8.8: only the version line changes, and only
+    when newer."""
+    mosaic = "//\n.version 9.0\n.target sm_90a\n.address_size 64\n// .version 9.0 in a comment stays\n"
+    assert gpu_aot.ptx_for_ptxas(mosaic) == mosaic.replace(".version 9.0\n.target", ".version 8.8\n.target")
+    triton = ".version 8.7\n.target sm_90a\n"
+    assert gpu_aot.ptx_for_ptxas(triton) == triton
+    assert gpu_aot.ptx_for_ptxas(".version 8.10\n") == ".version 8.8\n"  # numbers, not strings, compared
