@@ -368,7 +368,8 @@ def main(argv=None):
     parser.add_argument("--device", choices=sorted(TARGETS), default="h100")
     parser.add_argument("--xla", action="store_true", help="no Pallas kernel (pallas_kernels.config.disabled): XLA's paths")
     parser.add_argument("--keep", type=Path, help="keep XLA's dumps here (one folder per recipe)")
-    parser.add_argument("--sass", action="store_true", help="each Pallas kernel's SASS as XLA's Triton (or Mosaic GPU) compiled it")
+    parser.add_argument("--sass", action="store_true",
+                        help="each Pallas kernel's SASS as XLA's Triton (or Mosaic GPU) compiled it")
     args = parser.parse_args(argv)
     mosaic = None
     if args.sass:  # Mosaic GPU compiles its kernels itself: it writes their PTX where these ask (read once)
