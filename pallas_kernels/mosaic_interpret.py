@@ -61,10 +61,8 @@ def _wgmma(*, token, device_id, grid_point_coords, thread_id, acc_allocation_key
 
 
 @functools.cache
-def install():
-    """Let GPU interpret mode's wgmma take transposed operands (once per process); returns JAX's own callback."""
+def install() -> None:
+    """Let GPU interpret mode's wgmma take transposed operands (once per process)."""
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 
-    stock = gpu_callbacks.wgmma
     gpu_callbacks.wgmma = _wgmma  # looked up by the interpreter at each wgmma it runs
-    return stock

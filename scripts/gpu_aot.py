@@ -218,7 +218,7 @@ def pallas_sass(folder: Path, arch: str = "sm_90a", extra: list[Path] = ()) -> l
         if not is_pallas(name) or name in seen:
             continue
         seen.add(name)
-        cubin = folder / f"{name.replace(' ', '_').strip('()')}.cubin"
+        cubin = folder / (re.sub(r"\W+", "_", name).strip("_") + ".cubin")
         source = cubin.with_suffix(".for_ptxas.ptx")
         source.write_text(ptx_for_ptxas(text))
         subprocess.run([str(ptxas), f"-arch={arch}", str(source), "-o", str(cubin)], check=True, capture_output=True)
@@ -394,17 +394,17 @@ def main(argv=None):
     print("| recipe | thunks | Pallas / cuDNN kernels | XLA GEMMs | other fusions | copies | copied (>= 1 MiB) "
           "| kernels |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |")
-    sass = {}
+    sass, read = {}, set()
     for recipe in args.recipes:
         folder = (args.keep / recipe) if args.keep else Path(tempfile.mkdtemp(prefix=f"gpu_aot_{recipe}_"))
         folder.mkdir(parents=True, exist_ok=True)
         compile_decode(args, recipe, topo, folder)
         print(report(recipe, *read_dump(folder, "jit_prefill" if args.prefill else "_decode_loop")), flush=True)
         if args.sass:
-            new = sorted(set(mosaic.glob("*.ptx")) - set().union(*(r["_mosaic"] for r in sass.values())))
-            sass[recipe] = {"rows": pallas_sass(folder, extra=new), "_mosaic": set(new)}
-    for recipe, found in sass.items():
-        rows = found["rows"]
+            new = sorted(set(mosaic.glob("*.ptx")) - read)  # this recipe's Mosaic kernels
+            read.update(new)
+            sass[recipe] = pallas_sass(folder, extra=new)
+    for recipe, rows in sass.items():
         print(f"\n{recipe}: the Pallas kernels' SASS (sm_90a; XLA's Triton, Mosaic GPU's PTX); loop = the hottest "
               "loop's instructions")
         print("| kernel | regs | spill B | loop | tensor core | top ops |\n| --- | ---: | ---: | ---: | --- | --- |")
