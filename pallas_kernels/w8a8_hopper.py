@@ -9,7 +9,7 @@ at 2048 rows on an H200 where int8 tensor cores peak at 2x. Mosaic GPU states th
 The kernel (the layout of JAX's own Hopper matmul example, ``jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu``,
 written here for int8 with a fused rescale):
 
-- one program per SM, walking the output tiles (``plgpu.nd_loop``) in a snake order (``plgpu.planar_snake``) so that
+- one program per SM, walking the output tiles (``plgpu.nd_loop``) in a snake order (``hopper.snake_tile``) so that
   neighbouring SMs share x's and the weights' tiles in L2;
 - three warpgroups: one issues the TMA copies of x's ``(tile_m, tile_k)`` and the weights' ``(2 tile_n, tile_k)``
   tiles into a ring of ``stages`` shared-memory slots (``plgpu.emit_pipeline_warp_specialized``); two compute
@@ -46,17 +46,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import config, w8a8
+from pallas_kernels import config, hopper, w8a8
 from pallas_kernels.common import cdiv
-
-HALF_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-SMEM_BYTES = 232448 - 1024  # an H100/H200 block's opt-in shared memory, less what barriers and alignment take
-DEFAULT_SMS = 132  # H100 SXM / H200: where the device does not say (a deviceless topology)
-INTERPRET_SMS = 2  # interpret mode: few simulated SMs, each walking several tiles (the persistent loop is tested)
+from pallas_kernels.hopper import snake_tile
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,45 +61,19 @@ class HopperBlocks:
     tile_m: int = 128
     tile_n: int = 128
     tile_k: int = 128  # 128 int8 = the 128-byte swizzle a wgmma operand row wants
-    stages: int = 4  # shared-memory slots of the TMA ring (fewer where they do not fit: _stages_that_fit)
+    stages: int = 4  # shared-memory slots of the TMA ring (fewer where they do not fit: hopper.stages_that_fit)
     epi: int = 64  # the epilogue's square store pieces
     snake_minor_n: bool = True  # snake_tile's minor dimension: N (tiles of one row block visited together) or M
     snake_width: int = 8
 
     def __post_init__(self):
-        if self.tile_m % 64 or self.tile_n % 64 or self.tile_k % 128 or self.stages < 2:
-            raise ValueError(f"HopperBlocks: tile_m and tile_n multiples of 64, tile_k of 128, stages >= 2; got {self}")
-        if self.tile_m % self.epi or self.tile_n % self.epi:
-            raise ValueError(f"HopperBlocks: the epilogue piece {self.epi} must divide tile_m and tile_n ({self})")
-        if self.tile_m == 64 and self.tile_n > 64:
-            # in GPU interpret mode (jax 0.10.2) this shape never finished, deterministically, where 128 x 128,
-            # 128 x 64 and 64 x 64 did: not understood, so not offered until a GPU has run it
-            raise ValueError(f"HopperBlocks: tile_m 64 takes tile_n 64 only; got {self}")
-        if self.snake_width < 1:
-            raise ValueError(f"HopperBlocks: snake_width must be >= 1, got {self.snake_width}")
+        hopper.check_blocks(self, tile_k_multiple=128)
 
 
-def _shared_bytes(b: HopperBlocks, stages: int, has_bias: bool, out_bytes: int) -> int:
+def _shared_bytes(b: HopperBlocks, stages: int, has_bias: bool, out_dtype) -> int:
     ring = stages * (b.tile_m + 2 * b.tile_n) * b.tile_k  # int8 tiles of x and of the weights
-    epilogue = 2 * 2 * b.epi * b.epi * out_bytes  # two store slots per compute warpgroup
     vectors = 2 * 4 * (b.tile_m + b.tile_n * (2 if has_bias else 1))  # scale_x, w_scale, bias (float32) per group
-    return ring + epilogue + vectors
-
-
-def _stages_that_fit(b: HopperBlocks, has_bias: bool, out_bytes: int) -> int:
-    stages = b.stages
-    while stages > 2 and _shared_bytes(b, stages, has_bias, out_bytes) > SMEM_BYTES:
-        stages -= 1
-    if _shared_bytes(b, stages, has_bias, out_bytes) > SMEM_BYTES:
-        raise ValueError(f"w8a8_hopper: {b} needs {_shared_bytes(b, stages, has_bias, out_bytes)} bytes of shared "
-                         f"memory at 2 stages; at most {SMEM_BYTES}")
-    return stages
-
-
-def is_hopper(device=None) -> bool:
-    """Whether ``device`` (default: the traced-for device) has wgmma: compute capability 9.x."""
-    device = device or config.target_device()
-    return str(getattr(device, "compute_capability", "")).split(".")[0] == "9"
+    return ring + hopper.output_bytes(b.epi, out_dtype) + vectors
 
 
 def can_use(x_shape, x_dtype, wq_dtype, k: int, n: int, group, has_zero_point: bool,
@@ -114,15 +83,13 @@ def can_use(x_shape, x_dtype, wq_dtype, k: int, n: int, group, has_zero_point: b
     ok, why = w8a8.can_use(x_shape, x_dtype, wq_dtype, k, group)  # what the Triton kernel takes, then more
     if not ok:
         return ok, why
-    if jnp.dtype(x_dtype) not in HALF_DTYPES:
+    if jnp.dtype(x_dtype) not in hopper.HALF_DTYPES:
         return False, f"activation dtype {jnp.dtype(x_dtype).name} is not bfloat16/float16"
     if group is not None or has_zero_point:
         return False, "per-group scales or zero points (the kernel takes symmetric per-channel weights)"
     if k % b.tile_k or n % (2 * b.tile_n):
         return False, f"K {k} not a multiple of {b.tile_k} or N {n} not of {2 * b.tile_n}"
-    if not (config.interpret_enabled() or is_hopper()):
-        return False, f"wgmma needs a Hopper GPU (sm_90); this device is {config.target_device().device_kind}"
-    return True, ""
+    return hopper.wgmma_available()
 
 
 def _check(x, wq, w_scale, bias, layer, blocks: HopperBlocks):
@@ -140,26 +107,6 @@ def _check(x, wq, w_scale, bias, layer, blocks: HopperBlocks):
         raise ValueError(f"w8a8_hopper: {why}")
 
 
-def _num_sms(interpret: bool) -> int:
-    if interpret:
-        return INTERPRET_SMS
-    return int(getattr(config.target_device(), "core_count", 0) or DEFAULT_SMS)
-
-
-def snake_tile(t, m_tiles: int, n_tiles: int, width: int, minor_n: bool):
-    """Output tile ``t``'s (row, column) block in a snake order: bands of ``width`` blocks across the minor
-    dimension (N with ``minor_n``), walked along the major one, every other band backwards, so that the programs
-    working at once share operand tiles in L2. (``plgpu.planar_snake`` of jax 0.10 computes a remainder by zero
-    where the minor size is a multiple of the width -- e.g. Llama's 4096 / 256 -- undefined in LLVM.)"""
-    minor, major = (n_tiles, m_tiles) if minor_n else (m_tiles, n_tiles)
-    band, within = t // (width * major), t % (width * major)
-    band_width = jnp.minimum(width, minor - band * width)  # the last band may be narrower; >= 1 for t in range
-    along, across = within // band_width, within % band_width
-    along = jnp.where(band % 2 == 0, along, major - 1 - along)
-    across = band * width + across
-    return (along, across) if minor_n else (across, along)
-
-
 def _kernel(x_gmem, sx_gmem, w_gmem, ws_gmem, *rest, b: HopperBlocks, m: int, n: int, k: int, stages: int,
             has_bias: bool, stacked: bool, out_dtype, interpret: bool):
     import jax.experimental.pallas as pl
@@ -173,13 +120,7 @@ def _kernel(x_gmem, sx_gmem, w_gmem, ws_gmem, *rest, b: HopperBlocks, m: int, n:
     (o_gmem,) = rest
     tm, tn, tk = b.tile_m, b.tile_n, b.tile_k
     m_tiles, n_tiles = m // tm, n // (2 * tn)
-    # interpret mode simulates no register layouts: the row / column vectors are plain arrays there
-    as_layout = (lambda v, _: v) if interpret else plgpu.layout_cast
-    swizzle = plgpu.find_swizzle(tk * 8)
-    operand = (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle))
-    out_bits = 8 * jnp.dtype(out_dtype).itemsize
-    out_swizzle = plgpu.find_swizzle(b.epi * out_bits)
-    stored = (plgpu.TilingTransform((8, out_swizzle * 8 // out_bits)), plgpu.SwizzleTransform(out_swizzle))
+    operand = hopper.swizzled(tk, jnp.int8)
 
     def pipeline(body, context):
         spec = lambda rows: plgpu.BlockSpec((rows, tk), lambda kb: (0, kb), transforms=operand,  # noqa: E731
@@ -193,7 +134,7 @@ def _kernel(x_gmem, sx_gmem, w_gmem, ws_gmem, *rest, b: HopperBlocks, m: int, n:
                    bias_smem=plgpu.SMEM((2, tn), jnp.float32) if has_bias else None)
 
     @functools.partial(pl.run_scoped, ring=pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem),
-                       out_smem=plgpu.SMEM((2, 2, b.epi, b.epi), out_dtype, transforms=stored),
+                       out_smem=hopper.output_slots(b.epi, out_dtype),
                        loaded=plgpu.Barrier(num_arrivals=3 if has_bias else 2, num_barriers=2),
                        collective_axes="wg", **vectors)
     def _scope(ring, out_smem, loaded, sx_smem, ws_smem, bias_smem):
@@ -215,23 +156,12 @@ def _kernel(x_gmem, sx_gmem, w_gmem, ws_gmem, *rest, b: HopperBlocks, m: int, n:
                         plgpu.copy_gmem_to_smem(bias_gmem.at[cols], bias_smem.at[wg], loaded.at[wg])
                     run_k_loop(acc_ref)
                     plgpu.barrier_wait(loaded.at[wg])
-                    row_vec = lambda ref: lax.broadcast_in_dim(  # noqa: E731
-                        as_layout(ref[wg], plgpu.Layout.WGMMA.reduce(1)), (tm, tn), (0,))
-                    col_vec = lambda ref: lax.broadcast_in_dim(  # noqa: E731
-                        as_layout(ref[wg], plgpu.Layout.WGMMA.reduce(0)), (tm, tn), (1,))
+                    row_vec = lambda ref: hopper.broadcast(ref[wg], (tm, tn), False, interpret)  # noqa: E731
+                    col_vec = lambda ref: hopper.broadcast(ref[wg], (tm, tn), True, interpret)  # noqa: E731
                     y = (acc_ref[...].astype(jnp.float32) * col_vec(ws_smem)) * row_vec(sx_smem)
                     if has_bias:
                         y = y + col_vec(bias_smem)
-                    y = y.astype(out_dtype)
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    pieces = [(i, j) for i in range(tm // b.epi) for j in range(tn // b.epi)]
-                    for p, (i, j) in enumerate(pieces):
-                        slot = p % 2
-                        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                        out_smem[wg, slot] = y[i * b.epi:(i + 1) * b.epi, j * b.epi:(j + 1) * b.epi]
-                        plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], o_gmem.at[rows, cols].at[
-                            pl.ds(i * b.epi, b.epi), pl.ds(j * b.epi, b.epi)])
+                    hopper.store_output(y.astype(out_dtype), out_smem, o_gmem.at[rows, cols], wg, b.epi)
 
             def step(_, x_smem, w_smem, acc_ref):
                 w_kmajor = plgpu.transpose_ref(w_smem.at[pl.ds(wg * tn, tn)], (1, 0))
@@ -244,23 +174,10 @@ def _kernel(x_gmem, sx_gmem, w_gmem, ws_gmem, *rest, b: HopperBlocks, m: int, n:
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _interpret_params():
-    """GPU interpret mode's parameters (a private module in jax 0.10, ``plgpu.InterpretGPUParams`` from 0.11)."""
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-    return InterpretGPUParams()
-
-
 def w8a8_hopper(x, wq, w_scale, *, bias=None, act_scale=None, layer=None, blocks: HopperBlocks | None = None,
                 interpret: bool | None = None):
     """Quantize x per token, then the int8 GEMM with its rescale on Hopper (module docstring: the contract)."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
     interpret = config.resolve_interpret(interpret)
-    if interpret:
-        from pallas_kernels import mosaic_interpret
-
-        mosaic_interpret.install()
     b = blocks or HopperBlocks()
     with config.interpret(interpret):  # can_use's device check: interpret mode runs anywhere
         _check(x, wq, w_scale, bias, layer, b)
@@ -270,8 +187,7 @@ def w8a8_hopper(x, wq, w_scale, *, bias=None, act_scale=None, layer=None, blocks
     padded = cdiv(m, b.tile_m) * b.tile_m
     if padded != m:  # whole row tiles: the pad rows' codes are 0 and their outputs are cut off below
         xq, sx = jnp.pad(xq, ((0, padded - m), (0, 0))), jnp.pad(sx, ((0, padded - m), (0, 0)), constant_values=1.0)
-    # no deeper ring than the K loop has steps
-    stages = min(_stages_that_fit(b, bias is not None, jnp.dtype(x.dtype).itemsize), max(2, k // b.tile_k))
+    stages = hopper.stages_that_fit(b.stages, k // b.tile_k, lambda st: _shared_bytes(b, st, bias is not None, x.dtype))
     args = [xq, sx.reshape(padded), wq, w_scale.astype(jnp.float32)]
     if bias is not None:
         args.append(bias.astype(jnp.float32))
@@ -279,10 +195,6 @@ def w8a8_hopper(x, wq, w_scale, *, bias=None, act_scale=None, layer=None, blocks
         args.append(jnp.reshape(layer, (1,)).astype(jnp.int32))
     body = functools.partial(_kernel, b=b, m=padded, n=n, k=k, stages=stages, has_bias=bias is not None,
                              stacked=layer is not None, out_dtype=x.dtype, interpret=interpret)
-    call = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((padded, n), x.dtype), grid=(_num_sms(interpret),), grid_names=("sm",),
-        num_threads=3, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=_interpret_params() if interpret else None)
+    call = hopper.launch(body, (padded, n), x.dtype, interpret)
     y = call(*args)
     return y if padded == m else y[:m]

@@ -25,6 +25,12 @@ workers: 1505 -> 1278 s against a cache of each process's own (2103 s with none)
 place, so a process may find one another is still writing; such an entry is a truncated compressed stream,
 which JAX fails to decompress, warns about and compiles instead of using (tried).
 ``LLMEQ_TEST_COMPILE_CACHE=0`` compiles everything afresh.
+
+XLA:CPU runs at least ``MIN_CPU_THREADS`` threads (``PJRT_NPROC``, read when the CPU client is made): Mosaic GPU's
+interpret mode runs each simulated warpgroup as a program whose callbacks wait at its barriers on XLA's CPU threads,
+and with one thread a core (two in CI) two waiting warpgroups left none for the warpgroup they waited for: a kernel
+with one more operand hung (a stacked, grouped weight-only kernel with a bias, every time). Two simulated SMs of
+three warpgroups wait at most six at once. Suites of matmuls took the same time with 8 threads on 2 cores.
 """
 
 from __future__ import annotations
@@ -35,10 +41,14 @@ import os
 import shutil
 import tempfile
 
-import jax
-import jax.numpy as jnp
-import pytest
-from hypothesis import settings
+MIN_CPU_THREADS = 8
+# before anything makes JAX's CPU client (importing jax does not)
+os.environ.setdefault("PJRT_NPROC", str(max(MIN_CPU_THREADS, os.cpu_count() or 1)))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
 
 settings.register_profile("fixed", derandomize=True)
 settings.register_profile("explore", derandomize=False)

@@ -9,7 +9,8 @@ import pytest
 
 from pallas_kernels import config, mosaic_interpret
 from pallas_kernels.w8a8 import w8a8_reference
-from pallas_kernels.w8a8_hopper import HopperBlocks, can_use, snake_tile, w8a8_hopper
+from pallas_kernels.hopper import snake_tile
+from pallas_kernels.w8a8_hopper import HopperBlocks, can_use, w8a8_hopper
 
 FAKE_H100 = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3", compute_capability="9.0")
 FAKE_A100 = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA A100-SXM4-80GB", compute_capability="8.0")
@@ -30,6 +31,7 @@ CASES = [  # m, k, n, dtype, blocks, layer, static activation scale
     (200, 256, 512, jnp.bfloat16, HopperBlocks(stages=2), None, None),  # rows padded to the tile; 2 SMs, 4 tiles
     (128, 384, 256, jnp.float16, HopperBlocks(64, 64, stages=3, snake_minor_n=False, snake_width=2), None, None),
     (64, 256, 256, jnp.bfloat16, HopperBlocks(128, 64, stages=2), 2, 0.02),  # layer 2 of a stack, static scale
+    (128, 256, 512, jnp.bfloat16, HopperBlocks(64, 128, stages=2), None, None),  # hung on 2 XLA threads (conftest)
 ]
 
 
@@ -89,8 +91,6 @@ def test_bad_input_gets_one_clear_error():
         w8a8_hopper(x, wq, scale, bias=jnp.zeros((7,)), interpret=True)
     with pytest.raises(ValueError, match="tile_m and tile_n multiples of 64"):
         HopperBlocks(tile_m=96)
-    with pytest.raises(ValueError, match="tile_m 64 takes tile_n 64 only"):
-        HopperBlocks(tile_m=64)
 
 
 @pytest.mark.parametrize("m_tiles,n_tiles,width,minor_n", [(16, 43, 8, True), (8, 16, 8, True), (16, 16, 8, False),
