@@ -1,0 +1,249 @@
+"""Weight-only int8 for prompts on Hopper, in Mosaic GPU: each weight tile dequantized into shared memory, then bf16
+(or f16) wgmma.
+
+Why: a prompt's weight-only product is compute-bound, so it can at best match the bf16 GEMM; XLA's path wrote the
+dequantized weights in x's dtype before every GEMM (rtn-w8 prefill 0.90x bf16 on an H200, Llama-3-8B 0.78x; issue
+#15 wants 0.95x), and the Triton weight-only kernel reached 0.27-0.34x there. Issue #15's direction for prefill:
+dequantize a tile in shared memory, then a bf16 MMA -- the weights cross the memory bus as int8 and the tensor cores
+see bf16 operands from shared memory, as in a bf16 GEMM.
+
+The kernel (the persistent layout of :mod:`pallas_kernels.hopper`):
+
+- a producer warpgroup issues TMA copies of x's ``(tile_m, tile_k)`` tile and the weights' ``(tile_k, 2 tile_n)``
+  int8 tile (the checkpoint's ``(K, N)`` layout, as stored) into a ring of ``stages`` slots; with group scales, their
+  ``(1, 2 tile_n)`` float32 rows of the step's group too (and the zero points', converted to float32 by XLA: an int8
+  row of a stacked array never arrived in GPU interpret mode);
+- each compute warpgroup loads its ``(tile_k, tile_n)`` half of the codes into registers, dequantizes it -- ``(q -
+  z) * s`` in float32, rounded once into x's dtype, as ``QArray.dequantize`` does; with per-channel scales only
+  ``q - z`` (exact in bf16 / f16), the scale waiting for the epilogue -- stores it into one of two bf16 buffers of
+  its own, fences it for the tensor cores (``commit_smem``), and issues the step's wgmma (A: x's tile, B: the
+  buffer), keeping one step's wgmma in flight (``wgmma_wait(1)``): while the tensor cores multiply step k, the
+  warpgroup dequantizes step k + 1 into the other buffer;
+- the epilogue multiplies by the per-channel scale (copied into shared memory by TMA while the K loop runs), adds
+  the bias, rounds once into x's dtype and stores through shared memory by TMA.
+
+sm_90a SASS (deviceless, jaxlib 0.11.2; 2048 x 4096 x 4096, per channel): the K loop loads its 64 codes a thread
+(``LDS.U16``), converts them, writes them with ``STSM.16.M88.4`` x8, fences (``FENCE.VIEW.ASYNC.S``) and issues eight
+``HGMMA.64x128x16.F32.BF16`` then ``WARPGROUP.DEPBAR.LE gsb0, 0x1``; 168 registers, local-memory spills (about a
+dozen) only outside the K loop, none with group scales. Not yet timed on a GPU: dispatch takes it only where a
+measured table says it beat XLA's path (``llmeq_jax.kernel_dispatch``, kernel ``weight_only_hopper``).
+
+Contract:
+  x            (M, K)     bfloat16 / float16 (any M: rows are padded to the tile)
+  wq           (K, N)     int8 codes (weight-only int5..int8); or a stack (L, K, N) with ``layer``
+  scale        (G, N)     float32: G = 1 (per channel) or K / group; or (L, G, N)
+  zero_point   (G, N)     int8, or None (symmetric); or (L, G, N)
+  bias         (N,)       or None
+  -> y         (M, N)     x's dtype
+Needs K % tile_k == 0, N % (2 tile_n) == 0 and a group that is a multiple of tile_k (:func:`can_use`); sm_90 only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import config, hopper
+from pallas_kernels.common import cdiv
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightOnlyBlocks:
+    """Tile settings. A program's output tile is ``tile_m x 2 tile_n`` (two compute warpgroups side by side)."""
+
+    tile_m: int = 128
+    tile_n: int = 128
+    tile_k: int = 64  # 64 bf16 = the 128-byte swizzle row of x's tile; 64 rows = the codes' register layout
+    stages: int = 4  # slots of the TMA ring (fewer where they do not fit: hopper.stages_that_fit)
+    epi: int = 64  # the epilogue's square store pieces
+    snake_minor_n: bool = True
+    snake_width: int = 8
+
+    def __post_init__(self):
+        hopper.check_blocks(self, tile_k_multiple=64)
+
+
+def _shared_bytes(b: WeightOnlyBlocks, stages: int, dtype, grouped: bool, has_zp: bool, has_bias: bool) -> int:
+    item = jnp.dtype(dtype).itemsize
+    step = b.tile_m * b.tile_k * item + b.tile_k * 2 * b.tile_n  # x's tile and the int8 codes
+    step += 2 * b.tile_n * 4 * (1 + int(has_zp)) if grouped else 0  # the step's group scale and zero point rows
+    dequantized = 2 * 2 * b.tile_k * b.tile_n * item  # two buffers per compute warpgroup
+    per_channel = 0 if grouped else 1 + (1 if has_zp else 0)  # scale, zero point (and x's row sums) in the epilogue
+    vectors = 2 * 4 * (b.tile_n * (per_channel + int(has_bias)) + (b.tile_m if has_zp and not grouped else 0))
+    return stages * step + dequantized + hopper.output_bytes(b.epi, dtype) + vectors
+
+
+def can_use(x_shape, x_dtype, wq_dtype, k: int, n: int, group: int | None,
+            blocks: WeightOnlyBlocks | None = None) -> tuple[bool, str]:
+    """(True, "") when the kernel takes this product, else (False, why)."""
+    b = blocks or WeightOnlyBlocks()
+    if len(x_shape) != 2 or x_shape[1] != k:
+        return False, f"x of shape {tuple(x_shape)} for a ({k}, {n}) weight (expected (M, {k}))"
+    if jnp.dtype(x_dtype) not in hopper.HALF_DTYPES:
+        return False, f"activation dtype {jnp.dtype(x_dtype).name} is not bfloat16/float16"
+    if jnp.dtype(wq_dtype) != jnp.int8:
+        return False, f"codes stored as {jnp.dtype(wq_dtype).name} (the kernel reads int8 codes, not packed ones)"
+    if k % b.tile_k or n % (2 * b.tile_n):
+        return False, f"K {k} not a multiple of {b.tile_k} or N {n} not of {2 * b.tile_n}"
+    if group is not None and (group % b.tile_k or k % group):
+        return False, f"group {group} (the kernel takes groups that are multiples of {b.tile_k} and divide K)"
+    return hopper.wgmma_available()
+
+
+def _check(x, wq, scale, zero_point, group, bias, layer, blocks: WeightOnlyBlocks):
+    lead = () if layer is None else wq.shape[:1]
+    if wq.ndim != 2 + len(lead) or x.ndim != 2 or wq.shape[-2] != x.shape[1]:
+        raise ValueError(f"weight_only_hopper expects x (M, K) and wq {'(L, K, N)' if lead else '(K, N)'}; "
+                         f"got {x.shape} and {wq.shape}")
+    k, n = wq.shape[-2:]
+    groups = 1 if group is None else k // group
+    if scale.shape != (*lead, groups, n):
+        raise ValueError(f"weight_only_hopper: scale has shape {scale.shape}, expected {(*lead, groups, n)} "
+                         f"({'per channel' if group is None else f'groups of {group}'})")
+    if zero_point is not None and (zero_point.shape != scale.shape or zero_point.dtype != jnp.int8):
+        raise ValueError(f"weight_only_hopper: zero_point {zero_point.shape} {zero_point.dtype}, expected int8 of "
+                         f"the scale's shape {scale.shape}")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"weight_only_hopper: bias has shape {bias.shape}, expected {(n,)}")
+    ok, why = can_use(x.shape, x.dtype, wq.dtype, k, n, group, blocks)
+    if not ok:
+        raise ValueError(f"weight_only_hopper: {why}")
+
+
+def _dequantize(codes, scale, zero, dtype, interpret: bool):
+    """``(q - z) * s`` of a ``(tile_k, tile_n)`` tile in float32, rounded once into ``dtype`` (scale / zero: per-
+    column vectors or None); codes alone convert exactly."""
+    if scale is None and zero is None:
+        return codes.astype(dtype)
+    along = functools.partial(hopper.broadcast, shape=codes.shape, along_rows=True, interpret=interpret)
+    v = codes.astype(jnp.float32)
+    if zero is not None:
+        v = v - along(zero)
+    if scale is not None:
+        v = v * along(scale)
+    return v.astype(dtype)
+
+
+def _kernel(x_gmem, w_gmem, s_gmem, *rest, b: WeightOnlyBlocks, m: int, n: int, k: int, stages: int, group, has_zp,
+            has_bias: bool, stacked: bool, out_dtype, interpret: bool):
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    grouped = group is not None
+    rest = list(rest)
+    z_gmem = rest.pop(0) if has_zp else None
+    xsum_gmem = rest.pop(0) if has_zp and not grouped else None  # x's row sums, for a per-channel zero point
+    bias_gmem = rest.pop(0) if has_bias else None
+    if stacked:  # the layer index, one int32 in global memory: the stack is read in place
+        layer = rest.pop(0)[0]
+        w_gmem, s_gmem = w_gmem.at[layer], s_gmem.at[layer]
+        z_gmem = z_gmem.at[layer] if has_zp else None
+    (o_gmem,) = rest
+    tm, tn, tk = b.tile_m, b.tile_n, b.tile_k
+    m_tiles, n_tiles = m // tm, n // (2 * tn)
+    # per channel, the scale and zero point wait for the epilogue: y = (x @ q - sum(x) z) s
+    epilogue = dict(s=not grouped, z=has_zp and not grouped, bias=has_bias)
+
+    def pipeline(body, context):
+        operand = lambda shape, index, dtype: plgpu.BlockSpec(  # noqa: E731
+            shape, index, transforms=hopper.swizzled(shape[1], dtype), memory_space=plgpu.SMEM, delay_release=1)
+        group_row = plgpu.BlockSpec((1, 2 * tn), lambda kb: (kb * tk // group, 0), memory_space=plgpu.SMEM,
+                                    delay_release=1)
+        specs = [operand((tm, tk), lambda kb: (0, kb), out_dtype), operand((tk, 2 * tn), lambda kb: (kb, 0), jnp.int8)]
+        specs += [group_row] * ((1 + int(has_zp)) if grouped else 0)
+        return plgpu.emit_pipeline_warp_specialized(
+            body, grid=(k // tk,), memory_registers=40, in_specs=specs, wg_axis="wg", num_compute_wgs=2,
+            max_concurrent_steps=stages, compute_context=context)
+
+    def operands(rows, ni):
+        cols = pl.ds(2 * ni * tn, 2 * tn)
+        ops = [x_gmem.at[rows], w_gmem.at[:, cols]]
+        return ops + ([s_gmem.at[:, cols]] + ([z_gmem.at[:, cols]] if has_zp else []) if grouped else [])
+
+    ignore = lambda *_, **__: None  # noqa: E731 -- the allocations do not depend on the bodies
+    vectors = {name: plgpu.SMEM((2, tm if name == "xsum" else tn), jnp.float32) if wanted else None
+               for name, wanted in dict(epilogue, xsum=epilogue["z"]).items()}
+    arrivals = sum(int(v is not None) for v in vectors.values())
+
+    @functools.partial(pl.run_scoped, ring=pipeline(ignore, ignore).get_allocations(*operands(pl.ds(0, tm), 0)),
+                       out_smem=hopper.output_slots(b.epi, out_dtype),
+                       dequantized=plgpu.SMEM((2, 2, tk, tn), out_dtype, transforms=hopper.swizzled(tn, out_dtype)),
+                       loaded=plgpu.Barrier(num_arrivals=arrivals, num_barriers=2) if arrivals else None,
+                       collective_axes="wg", **vectors)
+    def _scope(ring, out_smem, dequantized, loaded, s, z, bias, xsum):
+        wg = lax.axis_index("wg")
+        mine = pl.ds(wg * tn, tn)  # this warpgroup's columns of the program's tile
+
+        @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes="sm")
+        def _tile(info):
+            (tile,) = info.index
+            mi, ni = hopper.snake_tile(tile, m_tiles, n_tiles, b.snake_width, b.snake_minor_n)
+            rows, cols = pl.ds(mi * tm, tm), pl.ds((2 * ni + wg) * tn, tn)
+
+            def context(run_k_loop):
+                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), jnp.float32))
+                def _acc(acc_ref):
+                    # the epilogue's vectors arrive while the K loop runs
+                    sources = dict(s=lambda: s_gmem.at[0, cols], z=lambda: z_gmem.at[0, cols],
+                                   bias=lambda: bias_gmem.at[cols], xsum=lambda: xsum_gmem.at[rows])
+                    for name, ref in dict(s=s, z=z, bias=bias, xsum=xsum).items():
+                        if ref is not None:
+                            plgpu.copy_gmem_to_smem(sources[name](), ref.at[wg], loaded.at[wg])
+                    run_k_loop(acc_ref)
+                    y = acc_ref[...]
+                    if arrivals:
+                        plgpu.barrier_wait(loaded.at[wg])
+                    col = lambda ref: hopper.broadcast(ref[wg], (tm, tn), True, interpret)  # noqa: E731
+                    if xsum is not None:
+                        y = y - hopper.broadcast(xsum[wg], (tm, tn), False, interpret) * col(z)
+                    if s is not None:
+                        y = y * col(s)
+                    if bias is not None:
+                        y = y + col(bias)
+                    hopper.store_output(y.astype(out_dtype), out_smem, o_gmem.at[rows, cols], wg, b.epi)
+
+            def step(index, x_smem, w_smem, *group_rows_and_acc):
+                *group_rows, acc_ref = group_rows_and_acc
+                scale, zero = (group_rows + [None])[:2] if group_rows else (None, None)
+                buffer = dequantized.at[wg, lax.rem(index[0], 2)]  # read by wgmma two steps ago: done (below)
+                buffer[...] = _dequantize(w_smem[:, mine], None if scale is None else scale[0, mine],
+                                          None if zero is None else zero[0, mine], out_dtype, interpret)
+                plgpu.commit_smem()  # the generic-proxy stores, visible to the tensor cores
+                plgpu.wgmma(acc_ref, x_smem, buffer)
+                plgpu.wgmma_wait(1)  # the previous step's group done: its slots and buffer are free
+                return acc_ref
+
+            pipeline(step, context)(*operands(rows, ni), allocations=ring)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def weight_only_hopper(x, wq, scale, *, zero_point=None, group: int | None = None, bias=None, layer=None,
+                       blocks: WeightOnlyBlocks | None = None, interpret: bool | None = None):
+    """``x @ dequantize(w)`` for int8 codes on Hopper (module docstring: the contract)."""
+    interpret = config.resolve_interpret(interpret)
+    b = blocks or WeightOnlyBlocks()
+    with config.interpret(interpret):  # can_use's device check: interpret mode runs anywhere
+        _check(x, wq, scale, zero_point, group, bias, layer, b)
+    m, k = x.shape
+    n = wq.shape[-1]
+    padded = cdiv(m, b.tile_m) * b.tile_m
+    if padded != m:  # whole row tiles: the pad rows are zeros and their outputs are cut off below
+        x = jnp.pad(x, ((0, padded - m), (0, 0)))
+    has_zp, has_bias = zero_point is not None, bias is not None
+    stages = hopper.stages_that_fit(
+        b.stages, k // b.tile_k, lambda st: _shared_bytes(b, st, x.dtype, group is not None, has_zp, has_bias))
+    args = [x, wq, scale.astype(jnp.float32)]
+    if has_zp and group is None:  # per channel: (x @ q - sum(x) z) s in the epilogue
+        args += [zero_point.astype(jnp.float32), jnp.sum(x.astype(jnp.float32), axis=1)]
+    elif has_zp:  # float32 rows, as the scales (module docstring)
+        args += [zero_point.astype(jnp.float32)]
+    args += [bias.astype(jnp.float32)] if has_bias else []
+    args += [jnp.reshape(layer, (1,)).astype(jnp.int32)] if layer is not None else []
+    body = functools.partial(_kernel, b=b, m=padded, n=n, k=k, stages=stages, group=group, has_zp=has_zp,
+                             has_bias=has_bias, stacked=layer is not None, out_dtype=x.dtype, interpret=interpret)
+    y = hopper.launch(body, (padded, n), x.dtype, interpret)(*args)
+    return y if padded == m else y[:m]
