@@ -58,7 +58,8 @@ ENV = "LLMEQ_DISPATCH_TABLE"
 # int4_words_prefill: the words of int4_words at prompt rows (pallas_kernels.int4_words_prefill, the weights as
 # wgmma's A operand) against XLA's path of the packed QArray, the path prompts take without it.
 KERNELS = ("weight_only", "w8a8", "fp8_w8a8", "int4_words", "float", "int8_f16", "kv_attention", "weight_only_nk",
-           "w8a8_nk", "fp8_w8a8_nk", "rms_norm", "prompt_attention", "int4_words_prefill", "w8a8_hopper")
+           "w8a8_nk", "fp8_w8a8_nk", "rms_norm", "prompt_attention", "int4_words_prefill", "w8a8_hopper",
+           "weight_only_hopper")
 # Measured weight shapes that must agree on a path before an unmeasured product follows them (Table.inferred).
 MIN_AGREEING_SHAPES = 2
 PATHS = ("pallas", "xla")

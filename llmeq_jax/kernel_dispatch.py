@@ -15,7 +15,9 @@ Which kernel:
                      a prompt's int8 W8A8 over K-major weights on Hopper: the Mosaic GPU kernel where a
                      table measured it faster than the Triton one (``hopper_w8a8_takes``)
   no act spec     -> weight-only: int8-stored values (5..8 bits) or nibble-packed (3..4 bits);
-                     fp8 weights without fp8 activations have no kernel (XLA dequantizes them)
+                     fp8 weights without fp8 activations have no kernel (XLA dequantizes them);
+                     a prompt's int8-stored product on Hopper: the Mosaic GPU kernel where a table measured
+                     it faster than XLA's path (``hopper_weight_only_takes``)
 
 A measured table (:mod:`llmeq_jax.dispatch_table`, written by ``scripts/bench_kernels.py
 --write-table``) overrules that where it measured XLA faster for the product on this device;
@@ -34,7 +36,7 @@ from llmeq_jax.core.qarray import QArray, is_packed
 from llmeq_jax.decode_layout import GPU_KMAJOR_MAX_ROWS, scale_group
 from llmeq_jax.layer_slice import take_layer
 from pallas_kernels import config, float_matmul, int4_words, int4_words_prefill, rms_norm as norm_kernel, w8a8, \
-    w8a8_hopper, weight_only
+    w8a8_hopper, weight_only, weight_only_hopper
 
 
 class KernelUnavailable(ValueError):
@@ -169,6 +171,20 @@ def hopper_w8a8_takes(x2, view: QArray, group: int | None, has_zero_point: bool)
     return dispatch_table.choice(table_key("w8a8_hopper", x2.shape[0], x2.dtype, view, group)) == "pallas"
 
 
+def hopper_weight_only_takes(x2, view: QArray, group: int | None) -> bool:
+    """Whether a prompt's weight-only product (more rows than a decode step's) over int8-stored ``(in, out)`` codes
+    goes to the Mosaic GPU kernel (``pallas_kernels.weight_only_hopper``: each tile dequantized into shared memory,
+    then bf16 / f16 wgmma; Hopper only): where the active or shipped dispatch table measured it faster than XLA's
+    path (kernel ``weight_only_hopper``), the path such a product takes today (the Triton weight-only kernel lost
+    to it at every prompt row count measured). Unmeasured, XLA's path: the kernel is not timed on a GPU yet."""
+    k, n = view.shape
+    if x2.shape[0] <= GPU_KMAJOR_MAX_ROWS:
+        return False
+    if not weight_only_hopper.can_use(x2.shape, x2.dtype, view.qvalue.dtype, k, n, group)[0]:
+        return False
+    return dispatch_table.choice(table_key("weight_only_hopper", x2.shape[0], x2.dtype, view, group)) == "pallas"
+
+
 def linear_words(x, w: QArray, require: bool = False, layer=None):
     """``x @ w`` for a ``decode_layout.Int4WordKernel``'s QArray (its codes as ``pallas_kernels.int4_words``
     words), or None (an error if ``require``). Decode rows (up to ``decode_layout.GPU_KMAJOR_MAX_ROWS``): the word
@@ -260,6 +276,9 @@ def linear(x, w: QArray, act=None, require: bool = False, layer=None, *, w_layou
     x2 = x.reshape(-1, k)
     group, scale, zp, _ = _layout(view)
     measured_as = f"{kind}_nk" if w_layout == "nk" else kind  # K-major: another kernel, measured apart
+    if kind == "weight_only" and w_layout == "kn" and not require and hopper_weight_only_takes(x2, view, group):
+        y = weight_only_hopper.weight_only_hopper(x2, w.qvalue, scale, zero_point=zp, group=group, layer=layer)
+        return y.reshape(*x.shape[:-1], n)
     if not require and not kernel_takes(measured_as, x2.shape[0], x.dtype, view, group):
         return None  # XLA's path: measured faster on this device, or a small product no table measured
     if kind == "w8a8" and w_layout == "nk" and not require and hopper_w8a8_takes(x2, view, group, zp is not None):

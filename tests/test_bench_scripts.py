@@ -146,6 +146,23 @@ def test_bench_kernels_gpu_steps_run_through_in_interpret_mode(capsys, monkeypat
     assert out.count("sweep w8_nk_f16 M=1") == len(bench._int8_f16_sweep()) + 2
 
 
+def _prompt_kind_bench(capsys, monkeypatch, sweep_fn: str, settings: list, kinds: tuple, weight=(256, 256)):
+    """bench_kernels on one small weight at 1 and 64 rows in GPU interpret mode, --sweep at 64 rows with ``settings``
+    in place of ``sweep_fn``'s: (its output, the table entries it wrote)."""
+    from pallas_kernels import config
+
+    bench = _script("bench_kernels")
+    monkeypatch.setattr(bench, "copies_for", lambda nbytes: 1)
+    monkeypatch.setattr(bench, "PREFILL_WORDS_SWEEP_ROWS", (64,))
+    monkeypatch.setattr(bench, "SWEEP_WEIGHT", weight)
+    monkeypatch.setattr(bench, sweep_fn, lambda: settings)
+    table = []
+    with config.interpret(True):
+        bench.gpu_bench(1, sweep=True, table=table, kinds_wanted=kinds, weights=(weight,), attention=False,
+                        rows=(1, 64))
+    return capsys.readouterr().out, table
+
+
 def test_bench_kernels_prefill_sweep_tries_the_k_major_w8a8_settings(capsys, monkeypatch):
     """--sweep at prefill rows with the K-major W8A8 kind timed: its block settings run (interpret mode, a tiny
     weight); the transposing kernel's transpose_w setting means nothing for weights stored K-major."""
@@ -169,20 +186,11 @@ def test_bench_kernels_times_the_prompt_kernel_over_the_words_at_prompt_rows_onl
     """w4_words_prefill (interpret mode, a tiny weight): timed at prompt rows against XLA's path of the packed
     QArray (its table entry), skipped at decode rows; --sweep runs its settings there, a setting that fails (here
     a K block it refuses) costing its own line only."""
-    from pallas_kernels import config
     from pallas_kernels.blocks import Blocks
 
-    bench = _script("bench_kernels")
-    monkeypatch.setattr(bench, "copies_for", lambda nbytes: 1)
-    monkeypatch.setattr(bench, "PREFILL_WORDS_SWEEP_ROWS", (64,))
-    monkeypatch.setattr(bench, "SWEEP_WEIGHT", (256, 128))
     settings = [dict(blocks=Blocks(64, 64, 128, 4, 2)), dict(blocks=Blocks(64, 64, 256, 4, 2))]
-    monkeypatch.setattr(bench, "_prefill_words_sweep", lambda: settings)
-    table = []
-    with config.interpret(True):
-        bench.gpu_bench(1, sweep=True, table=table, kinds_wanted=("bf16", "w4_words_prefill"), weights=((256, 128),),
-                        attention=False, rows=(1, 64))
-    out = capsys.readouterr().out
+    out, table = _prompt_kind_bench(capsys, monkeypatch, "_prefill_words_sweep", settings, ("bf16", "w4_words_prefill"),
+                                    weight=(256, 128))
     assert "256x128    64 w4_words_prefill" in out and "256x128     1 w4_words_prefill" not in out
     assert [(k.kernel, k.rows) for k, _ in table] == [("int4_words_prefill", 64)]
     assert out.count("sweep w4_words_prefill M=64") == 4  # bf16, the defaults, each setting (one failed)
@@ -193,26 +201,33 @@ def test_bench_kernels_times_the_hopper_w8a8_kernel_against_the_triton_one(capsy
     """w8a8_hopper (GPU interpret mode, a tiny weight): timed at prompt rows only, its table entry against the
     Triton kernel over the same K-major weights (w8a8_nk) timed in the same row; --sweep runs its settings there,
     one it refuses (N 256 is not a multiple of its 512-column tile) costing its own line."""
-    from pallas_kernels import config
     from pallas_kernels.w8a8_hopper import HopperBlocks
 
-    bench = _script("bench_kernels")
-    monkeypatch.setattr(bench, "copies_for", lambda nbytes: 1)
-    monkeypatch.setattr(bench, "PREFILL_WORDS_SWEEP_ROWS", (64,))
-    monkeypatch.setattr(bench, "SWEEP_WEIGHT", (256, 256))
-    monkeypatch.setattr(bench, "_hopper_sweep", lambda: [dict(blocks=HopperBlocks(stages=2)),
-                                                         dict(blocks=HopperBlocks(tile_n=256))])
-    table = []
-    with config.interpret(True):
-        bench.gpu_bench(1, sweep=True, table=table, kinds_wanted=("bf16", "w8a8_nk", "w8a8_hopper"),
-                        weights=((256, 256),), attention=False, rows=(1, 64))
-    out = capsys.readouterr().out
+    settings = [dict(blocks=HopperBlocks(stages=2)), dict(blocks=HopperBlocks(tile_n=256))]
+    out, table = _prompt_kind_bench(capsys, monkeypatch, "_hopper_sweep", settings, ("bf16", "w8a8_nk", "w8a8_hopper"))
     assert "256x256    64 w8a8_hopper" in out and "256x256     1 w8a8_hopper" not in out
     entries = [(k.kernel, k.rows, t) for k, t in table if k.kernel == "w8a8_hopper"]
     assert [(kernel, rows) for kernel, rows, _ in entries] == [("w8a8_hopper", 64)]
     assert "x w8a8_nk)" in out and entries[0][2]["xla_s"] > 0  # against the Triton kernel's time
     assert out.count("sweep w8a8_hopper M=64") == 4  # bf16, the defaults, each setting (one failed)
     assert out.count("failed: ValueError: w8a8_hopper:") == 1
+
+
+def test_bench_kernels_times_the_hopper_weight_only_kernel_against_xlas_path(capsys, monkeypatch):
+    """w8_hopper (GPU interpret mode, a tiny weight): timed at prompt rows only, its table entry (kernel
+    weight_only_hopper) against XLA's path of the same (K, N) int8 codes (w8) timed in the same row; --sweep runs its
+    settings there, one it refuses (N 256 is not a multiple of its 512-column tile) costing its own line."""
+    from pallas_kernels.weight_only_hopper import WeightOnlyBlocks
+
+    settings = [dict(blocks=WeightOnlyBlocks(stages=2)), dict(blocks=WeightOnlyBlocks(tile_n=256))]
+    out, table = _prompt_kind_bench(capsys, monkeypatch, "_weight_only_hopper_sweep", settings,
+                                    ("bf16", "w8", "w8_hopper"))
+    assert "256x256    64 w8_hopper" in out and "256x256     1 w8_hopper" not in out
+    entries = [(k.kernel, k.rows, t) for k, t in table if k.kernel == "weight_only_hopper"]
+    assert [(kernel, rows) for kernel, rows, _ in entries] == [("weight_only_hopper", 64)]
+    assert entries[0][2]["xla_s"] > 0 and entries[0][2]["pallas_s"] > 0
+    assert out.count("sweep w8_hopper M=64") == 4  # bf16, the defaults, each setting (one failed)
+    assert out.count("failed: ValueError: weight_only_hopper:") == 1
 
 
 def test_bench_kernels_attention_step_times_the_kernel_and_xlas_dots(capsys, monkeypatch):

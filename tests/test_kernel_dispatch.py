@@ -578,3 +578,35 @@ def test_a_prompts_w8a8_product_goes_to_the_hopper_kernel_only_where_a_table_mea
             ops.linear(x[:16], kmajor)  # decode rows: the Triton kernel
             assert calls[-1] == "w8a8_matmul"
     np.testing.assert_array_equal(np.asarray(hopper, np.float32), np.asarray(triton, np.float32))
+
+
+def test_a_prompts_int8_weight_only_product_goes_to_the_hopper_kernel_only_where_a_table_measured_it_faster(
+        monkeypatch):
+    """int8 weight-only (K, N) codes at a prompt's rows: the path they took before unless the table measured the
+    Mosaic GPU kernel (``weight_only_hopper``) faster than XLA's; decode rows never; its product is the dequantized
+    one's within a rounding."""
+    from llmeq_jax import dispatch_table, native
+    from pallas_kernels import weight_only, weight_only_hopper
+
+    calls = []
+    for mod, name in ((weight_only, "weight_only_matmul"), (weight_only_hopper, "weight_only_hopper")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    q = _q(W8, (256, 256), 3)
+    x = jax.random.normal(jax.random.key(8), (40, 256)).astype(jnp.bfloat16)
+    device = config.target_device().device_kind
+    key = dispatch_table.Key(device, "weight_only_hopper", 8, None, 256, 256, 64, "bfloat16")
+    table = lambda p, x_: dispatch_table.Table(device, {key: {"pallas_s": p, "xla_s": x_, "bf16_s": 1.0}})  # noqa: E731
+    with native.disabled(), config.interpret(True):
+        ops.linear(x, q)
+        assert "weight_only_hopper" not in calls  # not measured
+        with dispatch_table.use(table(2.0, 1.0)):
+            ops.linear(x, q)
+            assert "weight_only_hopper" not in calls
+        with dispatch_table.use(table(1.0, 2.0)):
+            hopper = ops.linear(x, q)
+            assert calls[-1] == "weight_only_hopper"
+            ops.linear(x[:16], q)  # decode rows: never this kernel
+            assert calls.count("weight_only_hopper") == 1
+    want = np.asarray(x, np.float32) @ np.asarray(q.dequantize(jnp.float32))
+    np.testing.assert_allclose(np.asarray(hopper, np.float32), want, rtol=0.02, atol=0.05)
