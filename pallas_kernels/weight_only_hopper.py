@@ -1,11 +1,11 @@
-"""Weight-only int8 for prompts on Hopper, in Mosaic GPU: each weight tile dequantized into shared memory, then bf16
-(or f16) wgmma.
+"""Weight-only int8 and int4 for prompts on Hopper, in Mosaic GPU: each weight tile dequantized into shared memory,
+then bf16 (or f16) wgmma.
 
 Why: a prompt's weight-only product is compute-bound, so it can at best match the bf16 GEMM; XLA's path wrote the
-dequantized weights in x's dtype before every GEMM (rtn-w8 prefill 0.90x bf16 on an H200, Llama-3-8B 0.78x; issue
-#15 wants 0.95x), and the Triton weight-only kernel reached 0.27-0.34x there. Issue #15's direction for prefill:
-dequantize a tile in shared memory, then a bf16 MMA -- the weights cross the memory bus as int8 and the tensor cores
-see bf16 operands from shared memory, as in a bf16 GEMM.
+dequantized weights in x's dtype before every GEMM (rtn-w8 prefill 0.90x bf16 on an H200, Llama-3-8B 0.78x;
+rtn-w4-g128 0.75x / 0.47x; issue #15 wants 0.95x), and the Triton weight-only kernel reached 0.27-0.34x there. Issue
+#15's direction for prefill: dequantize a tile in shared memory, then a bf16 MMA -- the weights cross the memory bus
+as int8 / int4 and the tensor cores see bf16 operands from shared memory, as in a bf16 GEMM.
 
 The kernel (the persistent layout of :mod:`pallas_kernels.hopper`):
 
@@ -22,20 +22,30 @@ The kernel (the persistent layout of :mod:`pallas_kernels.hopper`):
 - the epilogue multiplies by the per-channel scale (copied into shared memory by TMA while the K loop runs), adds
   the bias, rounds once into x's dtype and stores through shared memory by TMA.
 
+int4 (``bits=4``) reads the QArray's bytes as stored -- two codes a byte, packed along K, the even K row in the low
+nibble -- ``tile_k / 2`` rows of them a step; a warpgroup sign-extends both nibbles by shifts (in int32: Mosaic GPU
+shifts no 8-bit vectors) and stores the even rows' codes in the top half of its buffer, the odd rows' in the bottom
+half. x's columns are permuted to that order once per call by XLA (:func:`pair_columns`, one pass over x), so the
+wgmma sums the same products.
+
 sm_90a SASS (deviceless, jaxlib 0.11.2; 2048 x 4096 x 4096, per channel): the K loop loads its 64 codes a thread
 (``LDS.U16``), converts them, writes them with ``STSM.16.M88.4`` x8, fences (``FENCE.VIEW.ASYNC.S``) and issues eight
 ``HGMMA.64x128x16.F32.BF16`` then ``WARPGROUP.DEPBAR.LE gsb0, 0x1``; 168 registers, local-memory spills (about a
-dozen) only outside the K loop, none with group scales. Not yet timed on a GPU: dispatch takes it only where a
-measured table says it beat XLA's path (``llmeq_jax.kernel_dispatch``, kernel ``weight_only_hopper``).
+dozen) only outside the K loop, none with group scales. int4 g128 (``gpu_aot.py --prefill 2048 --recipes rtn-w4-g128
+--sass``, a table choosing it): sixteen ``HGMMA.64x64x16.F32.BF16`` a 128-value step, 168 registers, no spills. Not
+yet timed on a GPU: dispatch takes it only where a measured table says it beat XLA's path
+(``llmeq_jax.kernel_dispatch``, kernel ``weight_only_hopper``).
 
 Contract:
   x            (M, K)     bfloat16 / float16 (any M: rows are padded to the tile)
-  wq           (K, N)     int8 codes (weight-only int5..int8); or a stack (L, K, N) with ``layer``
+  wq           (K, N)     int8 codes (weight-only int5..int8), or with ``bits=4`` (K / 2, N) uint8: int4 pairs;
+                          or a stack (L, ...) with ``layer``
   scale        (G, N)     float32: G = 1 (per channel) or K / group; or (L, G, N)
   zero_point   (G, N)     int8, or None (symmetric); or (L, G, N)
   bias         (N,)       or None
   -> y         (M, N)     x's dtype
-Needs K % tile_k == 0, N % (2 tile_n) == 0 and a group that is a multiple of tile_k (:func:`can_use`); sm_90 only.
+Needs K % tile_k == 0, N % (2 tile_n) == 0 and a group that is a multiple of tile_k (:func:`can_use`; int4: tile_k a
+multiple of 128, :func:`default_blocks`); sm_90 only.
 """
 
 from __future__ import annotations
@@ -66,9 +76,10 @@ class WeightOnlyBlocks:
         hopper.check_blocks(self, tile_k_multiple=64)
 
 
-def _shared_bytes(b: WeightOnlyBlocks, stages: int, dtype, grouped: bool, has_zp: bool, has_bias: bool) -> int:
+def _shared_bytes(b: WeightOnlyBlocks, stages: int, dtype, grouped: bool, has_zp: bool, has_bias: bool,
+                  bits: int) -> int:
     item = jnp.dtype(dtype).itemsize
-    step = b.tile_m * b.tile_k * item + b.tile_k * 2 * b.tile_n  # x's tile and the int8 codes
+    step = b.tile_m * b.tile_k * item + b.tile_k // _per_byte(bits) * 2 * b.tile_n  # x's tile and the codes
     step += 2 * b.tile_n * 4 * (1 + int(has_zp)) if grouped else 0  # the step's group scale and zero point rows
     dequantized = 2 * 2 * b.tile_k * b.tile_n * item  # two buffers per compute warpgroup
     per_channel = 0 if grouped else 1 + (1 if has_zp else 0)  # scale, zero point (and x's row sums) in the epilogue
@@ -76,16 +87,33 @@ def _shared_bytes(b: WeightOnlyBlocks, stages: int, dtype, grouped: bool, has_zp
     return stages * step + dequantized + hopper.output_bytes(b.epi, dtype) + vectors
 
 
+def _per_byte(bits: int) -> int:
+    return {8: 1, 4: 2}[bits]
+
+
+def default_blocks(bits: int = 8) -> WeightOnlyBlocks:
+    """int8: 128 x 256 output tiles, 64 K values a step. int4: 128 x 128 tiles, 128 K values a step (the 64 rows of
+    packed bytes the codes' register layout takes), so that three slots of the ring and the two warpgroups' bf16
+    buffers fit the 227 KB."""
+    return WeightOnlyBlocks() if bits == 8 else WeightOnlyBlocks(tile_n=64, tile_k=128, stages=3)
+
+
 def can_use(x_shape, x_dtype, wq_dtype, k: int, n: int, group: int | None,
-            blocks: WeightOnlyBlocks | None = None) -> tuple[bool, str]:
+            blocks: WeightOnlyBlocks | None = None, bits: int = 8) -> tuple[bool, str]:
     """(True, "") when the kernel takes this product, else (False, why)."""
-    b = blocks or WeightOnlyBlocks()
+    if bits not in (4, 8):
+        return False, f"int{bits} codes (the kernel reads int8 codes or int4 ones packed in pairs along K)"
+    b = blocks or default_blocks(bits)
     if len(x_shape) != 2 or x_shape[1] != k:
         return False, f"x of shape {tuple(x_shape)} for a ({k}, {n}) weight (expected (M, {k}))"
     if jnp.dtype(x_dtype) not in hopper.HALF_DTYPES:
         return False, f"activation dtype {jnp.dtype(x_dtype).name} is not bfloat16/float16"
-    if jnp.dtype(wq_dtype) != jnp.int8:
-        return False, f"codes stored as {jnp.dtype(wq_dtype).name} (the kernel reads int8 codes, not packed ones)"
+    stored = jnp.int8 if bits == 8 else jnp.uint8
+    if jnp.dtype(wq_dtype) != stored:
+        return False, (f"int{bits} codes stored as {jnp.dtype(wq_dtype).name} (expected {jnp.dtype(stored).name}: "
+                       + ("int8 codes, not packed ones)" if bits == 8 else "two codes a byte, packed along K)"))
+    if bits == 4 and b.tile_k % 128:
+        return False, f"tile_k {b.tile_k}: int4 steps take multiples of 128 K values (64 rows of packed bytes)"
     if k % b.tile_k or n % (2 * b.tile_n):
         return False, f"K {k} not a multiple of {b.tile_k} or N {n} not of {2 * b.tile_n}"
     if group is not None and (group % b.tile_k or k % group):
@@ -93,12 +121,13 @@ def can_use(x_shape, x_dtype, wq_dtype, k: int, n: int, group: int | None,
     return hopper.wgmma_available()
 
 
-def _check(x, wq, scale, zero_point, group, bias, layer, blocks: WeightOnlyBlocks):
+def _check(x, wq, scale, zero_point, group, bias, layer, blocks: WeightOnlyBlocks, bits: int):
     lead = () if layer is None else wq.shape[:1]
-    if wq.ndim != 2 + len(lead) or x.ndim != 2 or wq.shape[-2] != x.shape[1]:
-        raise ValueError(f"weight_only_hopper expects x (M, K) and wq {'(L, K, N)' if lead else '(K, N)'}; "
-                         f"got {x.shape} and {wq.shape}")
-    k, n = wq.shape[-2:]
+    rows = "K" if bits == 8 else "K / 2"
+    if wq.ndim != 2 + len(lead) or x.ndim != 2 or wq.shape[-2] * _per_byte(bits) != x.shape[1]:
+        raise ValueError(f"weight_only_hopper expects x (M, K) and int{bits} wq "
+                         f"{f'(L, {rows}, N)' if lead else f'({rows}, N)'}; got {x.shape} and {wq.shape}")
+    k, n = x.shape[1], wq.shape[-1]
     groups = 1 if group is None else k // group
     if scale.shape != (*lead, groups, n):
         raise ValueError(f"weight_only_hopper: scale has shape {scale.shape}, expected {(*lead, groups, n)} "
@@ -108,9 +137,27 @@ def _check(x, wq, scale, zero_point, group, bias, layer, blocks: WeightOnlyBlock
                          f"the scale's shape {scale.shape}")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"weight_only_hopper: bias has shape {bias.shape}, expected {(n,)}")
-    ok, why = can_use(x.shape, x.dtype, wq.dtype, k, n, group, blocks)
+    ok, why = can_use(x.shape, x.dtype, wq.dtype, k, n, group, blocks, bits)
     if not ok:
         raise ValueError(f"weight_only_hopper: {why}")
+
+
+def _codes(stored, bits: int) -> tuple:
+    """The signed codes of a tile of stored bytes: int8 as they are; int4 pairs (QArray's packing along K: the even
+    K row in the low nibble) as (even rows, odd rows), each sign-extended by an arithmetic shift (in int32: Mosaic
+    GPU shifts no 8-bit vectors)."""
+    if bits == 8:
+        return (stored,)
+    word = stored.astype(jnp.int32)
+    return (lax.shift_right_arithmetic(lax.shift_left(word, jnp.int32(28)), jnp.int32(28)),
+            lax.shift_right_arithmetic(word, jnp.int32(4)))
+
+
+def pair_columns(x, tile_k: int):
+    """x's columns in the order :func:`_codes` lays an int4 step's K rows out: in each block of ``tile_k``, the even
+    ones, then the odd ones."""
+    m, k = x.shape
+    return x.reshape(m, k // tile_k, tile_k // 2, 2).swapaxes(-1, -2).reshape(m, k)
 
 
 def _dequantize(codes, scale, zero, dtype, interpret: bool):
@@ -128,7 +175,7 @@ def _dequantize(codes, scale, zero, dtype, interpret: bool):
 
 
 def _kernel(x_gmem, w_gmem, s_gmem, *rest, b: WeightOnlyBlocks, m: int, n: int, k: int, stages: int, group, has_zp,
-            has_bias: bool, stacked: bool, out_dtype, interpret: bool):
+            has_bias: bool, stacked: bool, out_dtype, bits: int, interpret: bool):
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -143,16 +190,19 @@ def _kernel(x_gmem, w_gmem, s_gmem, *rest, b: WeightOnlyBlocks, m: int, n: int, 
         z_gmem = z_gmem.at[layer] if has_zp else None
     (o_gmem,) = rest
     tm, tn, tk = b.tile_m, b.tile_n, b.tile_k
+    per = _per_byte(bits)  # codes a byte: a step reads tk / per rows of them
     m_tiles, n_tiles = m // tm, n // (2 * tn)
     # per channel, the scale and zero point wait for the epilogue: y = (x @ q - sum(x) z) s
     epilogue = dict(s=not grouped, z=has_zp and not grouped, bias=has_bias)
 
     def pipeline(body, context):
-        operand = lambda shape, index, dtype: plgpu.BlockSpec(  # noqa: E731
-            shape, index, transforms=hopper.swizzled(shape[1], dtype), memory_space=plgpu.SMEM, delay_release=1)
+        # the codes' tiles as wide as one warpgroup's columns: each reads its half
+        operand = lambda shape, index, dtype, minor: plgpu.BlockSpec(  # noqa: E731
+            shape, index, transforms=hopper.swizzled(minor, dtype), memory_space=plgpu.SMEM, delay_release=1)
         group_row = plgpu.BlockSpec((1, 2 * tn), lambda kb: (kb * tk // group, 0), memory_space=plgpu.SMEM,
                                     delay_release=1)
-        specs = [operand((tm, tk), lambda kb: (0, kb), out_dtype), operand((tk, 2 * tn), lambda kb: (kb, 0), jnp.int8)]
+        specs = [operand((tm, tk), lambda kb: (0, kb), out_dtype, tk),
+                 operand((tk // per, 2 * tn), lambda kb: (kb, 0), jnp.int8, tn)]
         specs += [group_row] * ((1 + int(has_zp)) if grouped else 0)
         return plgpu.emit_pipeline_warp_specialized(
             body, grid=(k // tk,), memory_registers=40, in_specs=specs, wg_axis="wg", num_compute_wgs=2,
@@ -209,8 +259,11 @@ def _kernel(x_gmem, w_gmem, s_gmem, *rest, b: WeightOnlyBlocks, m: int, n: int, 
                 *group_rows, acc_ref = group_rows_and_acc
                 scale, zero = (group_rows + [None])[:2] if group_rows else (None, None)
                 buffer = dequantized.at[wg, lax.rem(index[0], 2)]  # read by wgmma two steps ago: done (below)
-                buffer[...] = _dequantize(w_smem[:, mine], None if scale is None else scale[0, mine],
-                                          None if zero is None else zero[0, mine], out_dtype, interpret)
+                dequantize = functools.partial(_dequantize, scale=None if scale is None else scale[0, mine],
+                                               zero=None if zero is None else zero[0, mine], dtype=out_dtype,
+                                               interpret=interpret)
+                for half, codes in enumerate(_codes(w_smem[:, mine], bits)):  # int4: x's columns permuted to match
+                    buffer.at[pl.ds(half * (tk // per), tk // per)][...] = dequantize(codes)
                 plgpu.commit_smem()  # the generic-proxy stores, visible to the tensor cores
                 plgpu.wgmma(acc_ref, x_smem, buffer)
                 plgpu.wgmma_wait(1)  # the previous step's group done: its slots and buffer are free
@@ -222,21 +275,25 @@ def _kernel(x_gmem, w_gmem, s_gmem, *rest, b: WeightOnlyBlocks, m: int, n: int, 
 
 
 def weight_only_hopper(x, wq, scale, *, zero_point=None, group: int | None = None, bias=None, layer=None,
-                       blocks: WeightOnlyBlocks | None = None, interpret: bool | None = None):
-    """``x @ dequantize(w)`` for int8 codes on Hopper (module docstring: the contract)."""
+                       bits: int = 8, blocks: WeightOnlyBlocks | None = None, interpret: bool | None = None):
+    """``x @ dequantize(w)`` for int8 or packed int4 codes on Hopper (module docstring: the contract)."""
     interpret = config.resolve_interpret(interpret)
-    b = blocks or WeightOnlyBlocks()
+    if bits not in (4, 8):
+        raise ValueError(f"weight_only_hopper: bits={bits!r}, expected 8 (int8 codes) or 4 (packed pairs)")
+    b = blocks or default_blocks(bits)
     with config.interpret(interpret):  # can_use's device check: interpret mode runs anywhere
-        _check(x, wq, scale, zero_point, group, bias, layer, b)
+        _check(x, wq, scale, zero_point, group, bias, layer, b, bits)
     m, k = x.shape
     n = wq.shape[-1]
+    if bits == 4:  # the kernel reads the pairs' bytes as int8 and x's columns in their order
+        wq = lax.bitcast_convert_type(wq, jnp.int8)
     padded = cdiv(m, b.tile_m) * b.tile_m
     if padded != m:  # whole row tiles: the pad rows are zeros and their outputs are cut off below
         x = jnp.pad(x, ((0, padded - m), (0, 0)))
     has_zp, has_bias = zero_point is not None, bias is not None
     stages = hopper.stages_that_fit(
-        b.stages, k // b.tile_k, lambda st: _shared_bytes(b, st, x.dtype, group is not None, has_zp, has_bias))
-    args = [x, wq, scale.astype(jnp.float32)]
+        b.stages, k // b.tile_k, lambda st: _shared_bytes(b, st, x.dtype, group is not None, has_zp, has_bias, bits))
+    args = [x if bits == 8 else pair_columns(x, b.tile_k), wq, scale.astype(jnp.float32)]
     if has_zp and group is None:  # per channel: (x @ q - sum(x) z) s in the epilogue
         args += [zero_point.astype(jnp.float32), jnp.sum(x.astype(jnp.float32), axis=1)]
     elif has_zp:  # float32 rows, as the scales (module docstring)
@@ -244,6 +301,7 @@ def weight_only_hopper(x, wq, scale, *, zero_point=None, group: int | None = Non
     args += [bias.astype(jnp.float32)] if has_bias else []
     args += [jnp.reshape(layer, (1,)).astype(jnp.int32)] if layer is not None else []
     body = functools.partial(_kernel, b=b, m=padded, n=n, k=k, stages=stages, group=group, has_zp=has_zp,
-                             has_bias=has_bias, stacked=layer is not None, out_dtype=x.dtype, interpret=interpret)
+                             has_bias=has_bias, stacked=layer is not None, out_dtype=x.dtype, bits=bits,
+                             interpret=interpret)
     y = hopper.launch(body, (padded, n), x.dtype, interpret)(*args)
     return y if padded == m else y[:m]

@@ -143,11 +143,13 @@ for _shape in HOPPER_W8A8:
         return label, err, tol, None
 
 
-HOPPER_WEIGHT_ONLY = [  # (M, K, N, group, zero points, layer of a stack of 3 or None, bias, dtype):
-    # pallas_kernels.weight_only_hopper over int8 (K, N) codes
-    (2048, 4096, 11008, None, True, None, False, BF16),  # the sweep's weight, per channel with zero points
-    (1000, 4096, 4096, 128, True, 1, False, BF16),  # rows padded to the tile; groups; a layer of a stack in place
-    (300, 11008, 4096, None, False, None, True, F16),  # symmetric, bias
+HOPPER_WEIGHT_ONLY = [  # (M, K, N, group, zero points, layer of a stack of 3 or None, bias, dtype, bits):
+    # pallas_kernels.weight_only_hopper over int8 (K, N) codes or int4 pairs packed along K
+    (2048, 4096, 11008, None, True, None, False, BF16, 8),  # the sweep's weight, per channel with zero points
+    (1000, 4096, 4096, 128, True, 1, False, BF16, 8),  # rows padded to the tile; groups; a layer of a stack in place
+    (300, 11008, 4096, None, False, None, True, F16, 8),  # symmetric, bias
+    (2048, 4096, 11008, 128, False, None, False, BF16, 4),  # rtn-w4-g128's prompt product
+    (1000, 4096, 14336, 128, True, 2, True, BF16, 4),  # zero points, a layer of a stack, bias
 ]
 
 for _shape in HOPPER_WEIGHT_ONLY:
@@ -156,10 +158,13 @@ for _shape in HOPPER_WEIGHT_ONLY:
     def _weight_only_hopper(shape=_shape):
         from pallas_kernels.weight_only_hopper import weight_only_hopper
 
-        m, k, n, group, zp, layer, bias, dtype = shape
+        m, k, n, group, zp, layer, bias, dtype, bits = shape
         rng = np.random.default_rng(m)
         groups = 1 if group is None else k // group
-        stack = jnp.asarray(rng.integers(-127, 128, (3, k, n)), jnp.int8)
+        if bits == 8:
+            stack = jnp.asarray(rng.integers(-127, 128, (3, k, n)), jnp.int8)
+        else:  # any byte is two int4 codes
+            stack = jnp.asarray(rng.integers(0, 256, (3, k // 2, n)), jnp.uint8)
         scales = jnp.asarray(rng.uniform(0.001, 0.01, (3, groups, n)), jnp.float32)
         zeros = jnp.asarray(rng.integers(-4, 5, (3, groups, n)), jnp.int8) if zp else None
         x = jax.random.normal(jax.random.key(m), (m, k)).astype(dtype)
@@ -167,14 +172,14 @@ for _shape in HOPPER_WEIGHT_ONLY:
         one = 0 if layer is None else layer
         z_one = None if zeros is None else zeros[one]
         if layer is None:
-            y = jax.jit(lambda x, w, s, z: weight_only_hopper(x, w, s, zero_point=z, group=group, bias=b))(
+            y = jax.jit(lambda x, w, s, z: weight_only_hopper(x, w, s, zero_point=z, group=group, bias=b, bits=bits))(
                 x, stack[0], scales[0], z_one)
         else:
-            y = jax.jit(lambda x, w, s, z, i: weight_only_hopper(x, w, s, zero_point=z, group=group, layer=i))(
-                x, stack, scales, zeros, jnp.int32(layer))
-        r = reference(weight_only_reference, x, stack[one], scales[one], bits=8, w_zero_point=z_one, bias=b,
+            y = jax.jit(lambda x, w, s, z, i: weight_only_hopper(x, w, s, zero_point=z, group=group, bias=b, layer=i,
+                                                                 bits=bits))(x, stack, scales, zeros, jnp.int32(layer))
+        r = reference(weight_only_reference, x, stack[one], scales[one], bits=bits, w_zero_point=z_one, bias=b,
                       group=group)
-        label = f"weight-only hopper M={m} K={k} N={n} group={group} zp={zp} layer={layer} bias={bias} " \
+        label = f"weight-only hopper int{bits} M={m} K={k} N={n} group={group} zp={zp} layer={layer} bias={bias} " \
                 f"{jnp.dtype(dtype).name}"
         return label, *compare(y, r, REL[dtype]), None
 

@@ -50,21 +50,26 @@ def _assert_one_rounding(got, exact, dtype):
     assert np.all(np.abs(got - exact) <= eps * np.abs(exact) + 1e-6 * np.abs(exact).max())
 
 
-CASES = [  # m, k, n, group, zero point, dtype, blocks
-    (200, 256, 256, None, False, jnp.bfloat16, WeightOnlyBlocks(tile_m=128, tile_n=64, stages=2)),  # padded rows
-    (128, 256, 256, None, True, jnp.float16, WeightOnlyBlocks(tile_m=64, tile_n=64, stages=2)),  # (x @ q - sum(x) z) s
+INT4_BLOCKS = WeightOnlyBlocks(tile_m=64, tile_n=64, tile_k=128, stages=2)
+CASES = [  # m, k, n, group, zero point, dtype, blocks, bits
+    (200, 256, 256, None, False, jnp.bfloat16, WeightOnlyBlocks(tile_m=128, tile_n=64, stages=2), 8),  # padded rows
+    (128, 256, 256, None, True, jnp.float16, WeightOnlyBlocks(tile_m=64, tile_n=64, stages=2), 8),  # (x@q - sum(x) z) s
     (128, 256, 256, 128, True, jnp.bfloat16, WeightOnlyBlocks(tile_m=64, tile_n=64, stages=3, snake_minor_n=False,
-                                                              snake_width=2)),
-    (64, 384, 128, 64, False, jnp.bfloat16, WeightOnlyBlocks(tile_m=64, tile_n=64, stages=4)),  # a group a step
+                                                              snake_width=2), 8),
+    (64, 384, 128, 64, False, jnp.bfloat16, WeightOnlyBlocks(tile_m=64, tile_n=64, stages=4), 8),  # a group a step
+    # int4 pairs packed along K: the even rows' codes, then the odd rows', against x's columns in that order
+    (128, 256, 256, 128, True, jnp.bfloat16, INT4_BLOCKS, 4),
+    (200, 512, 256, None, False, jnp.float16, None, 4),  # int4's default blocks (128 x 128 tiles)
 ]
 
 
-@pytest.mark.parametrize("m,k,n,group,zp,dtype,blocks", CASES)
-def test_kernel_is_the_dequantized_product_rounded_once(m, k, n, group, zp, dtype, blocks):
-    q = _quantized(k, n, group, zp, seed=m + k)
+@pytest.mark.parametrize("m,k,n,group,zp,dtype,blocks,bits", CASES)
+def test_kernel_is_the_dequantized_product_rounded_once(m, k, n, group, zp, dtype, blocks, bits):
+    q = _quantized(k, n, group, zp, seed=m + k, bits=bits)
     x = jax.random.normal(jax.random.key(m), (m, k)).astype(dtype)
     scale, zero = _kernel_args(q, group)
-    got = weight_only_hopper(x, q.qvalue, scale, zero_point=zero, group=group, blocks=blocks, interpret=True)
+    got = weight_only_hopper(x, q.qvalue, scale, zero_point=zero, group=group, bits=bits, blocks=blocks,
+                             interpret=True)
     assert got.dtype == x.dtype and got.shape == (m, n)
     _assert_one_rounding(got, _exact_product(x, q, group), dtype)
     if group is not None:  # the same operand as XLA's path: its rounded result, up to the sums' order
@@ -73,16 +78,18 @@ def test_kernel_is_the_dequantized_product_rounded_once(m, k, n, group, zp, dtyp
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(xla, np.float32), rtol=eps, atol=1e-5)
 
 
-def test_a_layer_of_a_stack_is_read_in_place_with_a_bias():
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_layer_of_a_stack_is_read_in_place_with_a_bias(bits):
     k, n, group = 256, 256, 128
-    qs = [_quantized(k, n, group, True, seed=s) for s in range(3)]
+    qs = [_quantized(k, n, group, True, seed=s, bits=bits) for s in range(3)]
     args = [_kernel_args(q, group) for q in qs]
     stack = jnp.stack([q.qvalue for q in qs])
     scales, zps = jnp.stack([a[0] for a in args]), jnp.stack([a[1] for a in args])
     x = jax.random.normal(jax.random.key(4), (64, k)).astype(jnp.bfloat16)
     bias = jnp.linspace(-2, 2, n).astype(jnp.bfloat16)
-    got = weight_only_hopper(x, stack, scales, zero_point=zps, group=group, bias=bias, layer=jnp.int32(1),
-                             blocks=WeightOnlyBlocks(tile_m=64, tile_n=64, stages=2), interpret=True)
+    blocks = WeightOnlyBlocks(tile_m=64, tile_n=64, stages=2) if bits == 8 else INT4_BLOCKS
+    got = weight_only_hopper(x, stack, scales, zero_point=zps, group=group, bias=bias, layer=jnp.int32(1), bits=bits,
+                             blocks=blocks, interpret=True)
     _assert_one_rounding(got, _exact_product(x, qs[1], group) + np.asarray(bias, np.float64), jnp.bfloat16)
     other = _exact_product(x, qs[0], group) + np.asarray(bias, np.float64)
     assert not np.allclose(np.asarray(got, np.float64), other, atol=0.1)
@@ -97,6 +104,11 @@ def test_can_use_names_what_the_kernel_does_not_take():
         assert "not packed" in ok(wq_dtype=jnp.uint8)[1]
         assert "not of 256" in ok(n=384)[1] and "multiple of 64" in ok(k=288, x_shape=(64, 288))[1]
         assert "group 32" in ok(group=32)[1] and "group 192" in ok(group=192)[1]  # 192 does not divide 256
+        int4 = dict(wq_dtype=jnp.uint8, bits=4)
+        assert ok(**int4) == (True, "") and ok(**int4, group=128) == (True, "")
+        assert "two codes a byte" in ok(bits=4)[1] and "expected int8" in ok(wq_dtype=jnp.uint8)[1]
+        assert "multiples of 128 K values" in ok(**int4, blocks=WeightOnlyBlocks(tile_k=64))[1]
+        assert "group 64" in ok(**int4, group=64)[1] and "int3" in ok(bits=3)[1]
     with config.compiling_for(FAKE_H100):
         assert ok() == (True, "")
     with config.compiling_for(FAKE_A100):
@@ -107,7 +119,7 @@ def test_bad_input_gets_one_clear_error():
     q = _quantized(256, 256, None, False, seed=1)
     scale, _ = _kernel_args(q, None)
     x = jnp.zeros((8, 256), jnp.bfloat16)
-    with pytest.raises(ValueError, match=r"expects x \(M, K\) and wq \(K, N\)"):
+    with pytest.raises(ValueError, match=r"expects x \(M, K\) and int8 wq \(K, N\)"):
         weight_only_hopper(jnp.zeros((8, 128), jnp.bfloat16), q.qvalue, scale, interpret=True)
     with pytest.raises(ValueError, match="per channel"):
         weight_only_hopper(x, q.qvalue, jnp.ones((2, 256)), interpret=True)
@@ -121,24 +133,31 @@ def test_bad_input_gets_one_clear_error():
         weight_only_hopper(x.astype(jnp.float32), q.qvalue, scale, interpret=True)
     with pytest.raises(ValueError, match="multiples of 64"):
         WeightOnlyBlocks(tile_k=32)
+    with pytest.raises(ValueError, match=r"int4 wq \(K / 2, N\)"):  # int8 codes given as int4 pairs
+        weight_only_hopper(x, q.qvalue, scale, bits=4, interpret=True)
+    with pytest.raises(ValueError, match="bits=3"):
+        weight_only_hopper(x, q.qvalue, scale, bits=3, interpret=True)
 
 
-@pytest.mark.parametrize("group,zp,bias,stacked", [(None, False, False, False), (None, True, True, True),
-                                                   (128, True, False, False), (128, False, True, True)])
-def test_kernel_lowers_for_cuda_to_one_mosaic_gpu_call(group, zp, bias, stacked):
+@pytest.mark.parametrize("group,zp,bias,stacked,bits", [(None, False, False, False, 8), (None, True, True, True, 8),
+                                                        (128, True, False, False, 8), (128, False, True, True, 8),
+                                                        (None, True, False, False, 4), (128, True, True, True, 4)])
+def test_kernel_lowers_for_cuda_to_one_mosaic_gpu_call(group, zp, bias, stacked, bits):
     """Lowered for a Hopper GPU on this CPU: Mosaic GPU's layout inference accepts the dequantization into shared
     memory (codes loaded from a swizzled int8 tile, group rows broadcast onto them, stored as a wgmma operand)."""
     m, k, n = 256, 512, 1024
     lead = (4,) if stacked else ()
     groups = 1 if group is None else k // group
-    args = [jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((*lead, k, n), jnp.int8),
+    codes = jax.ShapeDtypeStruct((*lead, k, n), jnp.int8) if bits == 8 else jax.ShapeDtypeStruct((*lead, k // 2, n),
+                                                                                               jnp.uint8)
+    args = [jax.ShapeDtypeStruct((m, k), jnp.bfloat16), codes,
             jax.ShapeDtypeStruct((*lead, groups, n), jnp.float32),
             jax.ShapeDtypeStruct((*lead, groups, n), jnp.int8) if zp else None,
             jax.ShapeDtypeStruct((n,), jnp.bfloat16) if bias else None,
             jax.ShapeDtypeStruct((), jnp.int32) if stacked else None]
 
     def f(x, w, s, z, b, layer):
-        return weight_only_hopper(x, w, s, zero_point=z, group=group, bias=b, layer=layer)
+        return weight_only_hopper(x, w, s, zero_point=z, group=group, bias=b, layer=layer, bits=bits)
 
     with config.compiling_for(FAKE_H100):
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
