@@ -16,8 +16,8 @@ Which kernel:
                      table measured it faster than the Triton one (``hopper_w8a8_takes``)
   no act spec     -> weight-only: int8-stored values (5..8 bits) or nibble-packed (3..4 bits);
                      fp8 weights without fp8 activations have no kernel (XLA dequantizes them);
-                     a prompt's int8-stored product on Hopper: the Mosaic GPU kernel where a table measured
-                     it faster than XLA's path (``hopper_weight_only_takes``)
+                     a prompt's int8-stored or int4-pair product on Hopper: the Mosaic GPU kernel where a
+                     table measured it faster than XLA's path (``hopper_weight_only_takes``)
 
 A measured table (:mod:`llmeq_jax.dispatch_table`, written by ``scripts/bench_kernels.py
 --write-table``) overrules that where it measured XLA faster for the product on this device;
@@ -98,7 +98,8 @@ def plan(x_shape, x_dtype, w: QArray, act) -> tuple[str | None, str]:
 def table_key(kind: str, rows: int, x_dtype, w: QArray, group: int | None) -> dispatch_table.Key:
     """The :mod:`dispatch_table` key of a product ``plan`` gave to kernel ``kind``, on the default device."""
     k, n = w.shape
-    bits = 4 if kind in ("weight_only", "int4_words", "int4_words_prefill") and is_packed(w.bits) else 8
+    packed_kinds = ("weight_only", "int4_words", "int4_words_prefill", "weight_only_hopper")
+    bits = 4 if kind in packed_kinds and is_packed(w.bits) else 8
     return dispatch_table.Key(config.target_device().device_kind, kind, bits, group, k, n,
                               dispatch_table.row_bucket(rows), jnp.dtype(x_dtype).name)
 
@@ -171,16 +172,26 @@ def hopper_w8a8_takes(x2, view: QArray, group: int | None, has_zero_point: bool)
     return dispatch_table.choice(table_key("w8a8_hopper", x2.shape[0], x2.dtype, view, group)) == "pallas"
 
 
+def hopper_weight_only_bits(view: QArray) -> int | None:
+    """The codes :mod:`pallas_kernels.weight_only_hopper` reads as ``view`` stores them: 8 (int8-stored, 5..8 bits),
+    4 (int4 pairs packed along the input dim), or None."""
+    if not is_packed(view.bits):
+        return 8
+    return 4 if view.bits == 4 and view.pack_axis == 0 else None
+
+
 def hopper_weight_only_takes(x2, view: QArray, group: int | None) -> bool:
-    """Whether a prompt's weight-only product (more rows than a decode step's) over int8-stored ``(in, out)`` codes
-    goes to the Mosaic GPU kernel (``pallas_kernels.weight_only_hopper``: each tile dequantized into shared memory,
-    then bf16 / f16 wgmma; Hopper only): where the active or shipped dispatch table measured it faster than XLA's
-    path (kernel ``weight_only_hopper``), the path such a product takes today (the Triton weight-only kernel lost
-    to it at every prompt row count measured). Unmeasured, XLA's path: the kernel is not timed on a GPU yet."""
+    """Whether a prompt's weight-only product (more rows than a decode step's) over ``(in, out)`` codes, int8-stored
+    or int4 pairs, goes to the Mosaic GPU kernel (``pallas_kernels.weight_only_hopper``: each tile dequantized into
+    shared memory, then bf16 / f16 wgmma; Hopper only): where the active or shipped dispatch table measured it faster
+    than XLA's path (kernel ``weight_only_hopper``), the path such a product takes today (the Triton weight-only
+    kernel lost to it at every prompt row count measured). Unmeasured, XLA's path: the kernel is not timed on a GPU
+    yet."""
     k, n = view.shape
-    if x2.shape[0] <= GPU_KMAJOR_MAX_ROWS:
+    bits = hopper_weight_only_bits(view)
+    if x2.shape[0] <= GPU_KMAJOR_MAX_ROWS or bits is None:
         return False
-    if not weight_only_hopper.can_use(x2.shape, x2.dtype, view.qvalue.dtype, k, n, group)[0]:
+    if not weight_only_hopper.can_use(x2.shape, x2.dtype, view.qvalue.dtype, k, n, group, bits=bits)[0]:
         return False
     return dispatch_table.choice(table_key("weight_only_hopper", x2.shape[0], x2.dtype, view, group)) == "pallas"
 
@@ -277,7 +288,8 @@ def linear(x, w: QArray, act=None, require: bool = False, layer=None, *, w_layou
     group, scale, zp, _ = _layout(view)
     measured_as = f"{kind}_nk" if w_layout == "nk" else kind  # K-major: another kernel, measured apart
     if kind == "weight_only" and w_layout == "kn" and not require and hopper_weight_only_takes(x2, view, group):
-        y = weight_only_hopper.weight_only_hopper(x2, w.qvalue, scale, zero_point=zp, group=group, layer=layer)
+        y = weight_only_hopper.weight_only_hopper(x2, w.qvalue, scale, zero_point=zp, group=group, layer=layer,
+                                                  bits=hopper_weight_only_bits(view))
         return y.reshape(*x.shape[:-1], n)
     if not require and not kernel_takes(measured_as, x2.shape[0], x.dtype, view, group):
         return None  # XLA's path: measured faster on this device, or a small product no table measured

@@ -117,6 +117,7 @@ def table_key(kind: str, k: int, n: int, m: int):
                            "w4g128": ("weight_only", 4, GROUP), "w4_words": ("int4_words", 4, GROUP),
                            "w4_words_prefill": ("int4_words_prefill", 4, GROUP),
                            "w8a8_hopper": ("w8a8_hopper", 8, None), "w8_hopper": ("weight_only_hopper", 8, None),
+                           "w4_hopper": ("weight_only_hopper", 4, GROUP),
                            "bf16_stack": ("float", 16, None), "w8_nk_f16": ("int8_f16", 8, None)}[kind]
     return dispatch_table.Key(jax.devices()[0].device_kind, kernel, bits, group, k, n, dispatch_table.row_bucket(m),
                               "bfloat16")
@@ -134,7 +135,8 @@ def write_table(path, measured):
 
 
 KINDS = ("bf16", "w8a8", "fp8", "w8", "w4g128", "w8a8_nk", "fp8_nk", "w8_nk", "w4_words", "bf16_stack", "w4_xla_rows",
-         "w8_nk_f16", "w4_gemv", "w4_xla_words", "w4_xla_groups", "w4_words_prefill", "w8a8_hopper", "w8_hopper")
+         "w8_nk_f16", "w4_gemv", "w4_xla_words", "w4_xla_groups", "w4_words_prefill", "w8a8_hopper", "w8_hopper",
+         "w4_hopper")
 # The int8 kinds with their weights stored K-major, (N, K): the layout decode steps of up to
 # decode_layout.GPU_KMAJOR_MAX_ROWS rows read (for_decode); not in the table. W8A8 is timed at prefill rows
 # too: there the kinds w8a8/fp8 transpose the weight per call (int8 wgmma takes K-major operands only), and
@@ -173,7 +175,8 @@ KMAJOR_KINDS = ("w8a8_nk", "fp8_nk", "w8_nk")
 # w8_hopper: the int8 weight-only codes of w8, as stored (K, N), through the Mosaic GPU kernel
 # (pallas_kernels/weight_only_hopper.py: each tile dequantized into shared memory, then bf16 wgmma); prompt rows only,
 # in the table as kernel "weight_only_hopper" against XLA's path (what a prompt's rtn-w8 product takes today).
-PREFILL_ONLY_KINDS = ("w4_words_prefill", "w8a8_hopper", "w8_hopper")
+# w4_hopper: the same kernel over w4g128's packed int4 pairs, against XLA's path of that QArray.
+PREFILL_ONLY_KINDS = ("w4_words_prefill", "w8a8_hopper", "w8_hopper", "w4_hopper")
 DECODE_ONLY_KINDS = ("w8_nk", "w4_words", "bf16_stack", "w4_xla_rows", "w8_nk_f16", "w4_gemv", "w4_xla_words",
                      "w4_xla_groups")
 GEMV_ONLY_ROWS = ("w4_gemv",)  # kinds timed only at rows the GEMV takes (gemv.GEMV_MAX_ROWS)
@@ -181,7 +184,7 @@ NOT_IN_TABLE = ("w4_xla_rows", "w4_gemv", "w4_xla_words", "w4_xla_groups")
 # the kind whose weights (bytes moved, XLA's path) a layout kind has
 LAYOUT_OF = {"w4_words": "w4g128", "w4_words_prefill": "w4g128", "w4_xla_rows": "w4g128", "w8_nk_f16": "w8_nk",
              "w4_gemv": "w4g128", "w4_xla_words": "w4g128", "w4_xla_groups": "w4g128", "w8a8_hopper": "w8a8_nk",
-             "w8_hopper": "w8"}
+             "w8_hopper": "w8", "w4_hopper": "w4g128"}
 
 
 def xla_int4_rows(x, q, scale):
@@ -305,6 +308,7 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
             "w4_words_prefill": (lambda x, w, s: int4_words_prefill(x, w, s, group=GROUP), list(zip(w4w, s4))),
             "w8a8_hopper": (lambda x, w, s: w8a8_hopper(x, w, s), list(zip(w8t, s8))),
             "w8_hopper": (lambda x, w, s: weight_only_hopper(x, w, s), list(zip(w8, s8))),
+            "w4_hopper": (lambda x, w, s: weight_only_hopper(x, w, s, group=GROUP, bits=4), list(zip(w4, s4))),
         }
         kinds_all = kinds
         kinds = {kind: v for kind, v in kinds.items() if kind in kinds_wanted or kind == "bf16"}
@@ -371,9 +375,10 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
             if sweep and (k, n) == SWEEP_WEIGHT and m in PREFILL_WORDS_SWEEP_ROWS and "w8a8_hopper" in kinds:
                 sweep_in_turns("w8a8_hopper", kinds, xs, _hopper_sweep(), reps,
                                lambda cfg: lambda x, w, s: w8a8_hopper(x, w, s, **cfg))
-            if sweep and (k, n) == SWEEP_WEIGHT and m in PREFILL_WORDS_SWEEP_ROWS and "w8_hopper" in kinds:
-                sweep_in_turns("w8_hopper", kinds, xs, _weight_only_hopper_sweep(), reps,
-                               lambda cfg: lambda x, w, s: weight_only_hopper(x, w, s, **cfg))
+            for kind, extra in (("w8_hopper", {}), ("w4_hopper", dict(group=GROUP, bits=4))):
+                if sweep and (k, n) == SWEEP_WEIGHT and m in PREFILL_WORDS_SWEEP_ROWS and kind in kinds:
+                    sweep_in_turns(kind, kinds, xs, _weight_only_hopper_sweep(extra.get("bits", 8)), reps,
+                                   lambda cfg, extra=extra: lambda x, w, s: weight_only_hopper(x, w, s, **extra, **cfg))
             # prefill W8A8: the K-major kernel where it is timed (1.04-1.10x bf16 at M = 512-2048 on an H200 with the
             # (K, N) layout's H100-tuned blocks; issue #15 wants 1.5x), else the per-call transposing one
             kind = ("w8a8_nk" if "w8a8_nk" in kinds else "w8a8") if m >= 1024 else "w4g128"
@@ -701,12 +706,17 @@ def _hopper_sweep():
         dict(snake_width=16), dict(snake_width=4), dict(tile_n=64, stages=6))]
 
 
-def _weight_only_hopper_sweep():
+def _weight_only_hopper_sweep(bits: int = 8):
     """Settings of the Mosaic GPU weight-only kernel (``weight_only_hopper.WeightOnlyBlocks``) tried at
-    PREFILL_WORDS_SWEEP_ROWS: output tiles of 128 x 256 (the default), 128 x 128 and 64 x 128 a program, the TMA
-    ring's depth (4 at the default tiles fills the 227 KB with the dequantized buffers) and the tile order."""
+    PREFILL_WORDS_SWEEP_ROWS. int8: output tiles of 128 x 256 (the default), 128 x 128 and 64 x 128 a program, the
+    TMA ring's depth (4 at the default tiles fills the 227 KB with the dequantized buffers) and the tile order.
+    int4 (128 K values a step): 128 x 128 tiles (the default) with 2 slots, 64 x 256 and 64 x 128 tiles, the order."""
     from pallas_kernels.weight_only_hopper import WeightOnlyBlocks
 
+    if bits == 4:
+        return [dict(blocks=WeightOnlyBlocks(tile_k=128, **kw)) for kw in (
+            dict(tile_n=64, stages=2), dict(tile_m=64, stages=2), dict(tile_m=64, tile_n=64, stages=4),
+            dict(tile_n=64, snake_minor_n=False), dict(tile_n=64, snake_width=16))]
     return [dict(blocks=WeightOnlyBlocks(**kw)) for kw in (
         dict(stages=3), dict(stages=2), dict(tile_n=64), dict(tile_m=64, tile_n=64), dict(snake_minor_n=False),
         dict(snake_width=16), dict(tile_n=64, stages=6))]

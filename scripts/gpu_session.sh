@@ -70,13 +70,14 @@
 #         bash scripts/gpu_session.sh   (timeout_s 450)
 # then the e2e call above at once (its rtn-w8a8 prefill column runs the Mosaic kernel where hopper measured it faster).
 # The session after (no GPU) wrote the weight-only prompt kernel in Mosaic GPU too (pallas_kernels/
-# weight_only_hopper.py: int8 tiles dequantized into shared memory, then bf16 wgmma; dispatch takes it only where a
-# table measured it faster than XLA's path). First call, its gpu cases and table added:
+# weight_only_hopper.py: int8 codes or int4 pairs dequantized into shared memory, then bf16 wgmma; dispatch takes it
+# only where a table measured it faster than XLA's path). First call, its gpu cases and table added:
 #     STEPS="gpu_tests hopper hopper_w8" \
 #         TESTS="words_prefill or w8a8_hopper or weight_only_hopper or float_decode or int8_f16 or store" \
-#         bash scripts/gpu_session.sh   (timeout_s 470: 440 s of step limits)
-# then STEPS="e2e" RECIPES="rtn-w4-g128 rtn-w8 rtn-w8a8" BATCHES="1 16" TORCH=--no-torch at once (timeout_s 360);
-# prefill_words in a later session (a call may run 600 s, a session 900 s with the start).
+#         bash scripts/gpu_session.sh   (timeout_s 520: 490 s of step limits)
+# then STEPS="e2e" RECIPES="rtn-w4-g128 rtn-w8 rtn-w8a8" BATCHES="1 16" TORCH=--no-torch E2E_LIMIT=280 at once
+# (timeout_s 300; the last run took 184 s); prefill_words in a later session (a call may run 600 s, a session 900 s
+# with the start).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-runs/gpu}"
@@ -186,12 +187,13 @@ step prefill_words 200 "$py" scripts/bench_kernels.py --reps 10 --sweep --rows 5
 step hopper 200 "$py" scripts/bench_kernels.py --reps 10 --sweep --rows 512,2048,4096 \
     --kinds bf16,w8a8_nk,w8a8_hopper --weights 4096x4096,4096x11008,11008x4096,4096x14336 --no-attention \
     --write-table "$out/dispatch_hopper.json"
-# The Mosaic GPU weight-only kernel for prompts (pallas_kernels/weight_only_hopper.py: each int8 tile dequantized into
-# shared memory, then bf16 wgmma) against bf16 and XLA's path of the same (K, N) codes (w8: what a prompt's rtn-w8
-# product takes today, 0.78-0.90x bf16 end to end on the H200; #15 wants 0.95x at M >= 256) on the four shapes at
-# 512-4096 rows, its settings swept on 4096x11008 -> dispatch_hopper_w8.json (weight_only_hopper).
-step hopper_w8 150 "$py" scripts/bench_kernels.py --reps 10 --sweep --rows 512,2048,4096 \
-    --kinds bf16,w8_hopper --weights 4096x4096,4096x11008,11008x4096,4096x14336 --no-attention \
+# The Mosaic GPU weight-only kernel for prompts (pallas_kernels/weight_only_hopper.py: each tile of int8 codes or
+# int4 pairs dequantized into shared memory, then bf16 wgmma) against bf16 and XLA's path of the same weights (what
+# a prompt's rtn-w8 / rtn-w4-g128 product takes today: 0.78-0.90x / 0.47-0.75x bf16 end to end on the H200; #15
+# wants 0.95x at M >= 256) on the four shapes at 512 and 2048 rows, its settings swept on 4096x11008 ->
+# dispatch_hopper_w8.json (weight_only_hopper, 8 and 4 bits).
+step hopper_w8 200 "$py" scripts/bench_kernels.py --reps 10 --sweep --rows 512,2048 \
+    --kinds bf16,w8_hopper,w4_hopper --weights 4096x4096,4096x11008,11008x4096,4096x14336 --no-attention \
     --write-table "$out/dispatch_hopper_w8.json"
 step layout 110 "$py" scripts/bench_e2e.py --shapes "$shapes" --layers 4 --dtype bfloat16 --recipes rtn-w4-g128 \
     --batches 1 --prefill-len 512 --new-tokens 32 --repeats 2 --scan-layers --no-torch --out "$out/layout.json"

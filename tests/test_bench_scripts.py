@@ -146,16 +146,17 @@ def test_bench_kernels_gpu_steps_run_through_in_interpret_mode(capsys, monkeypat
     assert out.count("sweep w8_nk_f16 M=1") == len(bench._int8_f16_sweep()) + 2
 
 
-def _prompt_kind_bench(capsys, monkeypatch, sweep_fn: str, settings: list, kinds: tuple, weight=(256, 256)):
+def _prompt_kind_bench(capsys, monkeypatch, sweep_fn: str, settings, kinds: tuple, weight=(256, 256)):
     """bench_kernels on one small weight at 1 and 64 rows in GPU interpret mode, --sweep at 64 rows with ``settings``
-    in place of ``sweep_fn``'s: (its output, the table entries it wrote)."""
+    (a list, or a function of ``sweep_fn``'s arguments) in place of ``sweep_fn``'s: (its output, the table entries
+    it wrote)."""
     from pallas_kernels import config
 
     bench = _script("bench_kernels")
     monkeypatch.setattr(bench, "copies_for", lambda nbytes: 1)
     monkeypatch.setattr(bench, "PREFILL_WORDS_SWEEP_ROWS", (64,))
     monkeypatch.setattr(bench, "SWEEP_WEIGHT", weight)
-    monkeypatch.setattr(bench, sweep_fn, lambda: settings)
+    monkeypatch.setattr(bench, sweep_fn, settings if callable(settings) else lambda: settings)
     table = []
     with config.interpret(True):
         bench.gpu_bench(1, sweep=True, table=table, kinds_wanted=kinds, weights=(weight,), attention=False,
@@ -214,20 +215,24 @@ def test_bench_kernels_times_the_hopper_w8a8_kernel_against_the_triton_one(capsy
 
 
 def test_bench_kernels_times_the_hopper_weight_only_kernel_against_xlas_path(capsys, monkeypatch):
-    """w8_hopper (GPU interpret mode, a tiny weight): timed at prompt rows only, its table entry (kernel
-    weight_only_hopper) against XLA's path of the same (K, N) int8 codes (w8) timed in the same row; --sweep runs its
-    settings there, one it refuses (N 256 is not a multiple of its 512-column tile) costing its own line."""
+    """w8_hopper and w4_hopper (GPU interpret mode, a tiny weight): timed at prompt rows only, their table entries
+    (kernel weight_only_hopper, 8 and 4 bits) against XLA's path of the same int8 codes (w8) / int4 QArray (w4g128)
+    timed in the same row; --sweep runs each one's settings there, one it refuses (N 256 is not a multiple of a
+    512-column tile) costing its own line."""
     from pallas_kernels.weight_only_hopper import WeightOnlyBlocks
 
-    settings = [dict(blocks=WeightOnlyBlocks(stages=2)), dict(blocks=WeightOnlyBlocks(tile_n=256))]
-    out, table = _prompt_kind_bench(capsys, monkeypatch, "_weight_only_hopper_sweep", settings,
-                                    ("bf16", "w8", "w8_hopper"))
-    assert "256x256    64 w8_hopper" in out and "256x256     1 w8_hopper" not in out
-    entries = [(k.kernel, k.rows, t) for k, t in table if k.kernel == "weight_only_hopper"]
-    assert [(kernel, rows) for kernel, rows, _ in entries] == [("weight_only_hopper", 64)]
-    assert entries[0][2]["xla_s"] > 0 and entries[0][2]["pallas_s"] > 0
-    assert out.count("sweep w8_hopper M=64") == 4  # bf16, the defaults, each setting (one failed)
-    assert out.count("failed: ValueError: weight_only_hopper:") == 1
+    settings = {8: [dict(blocks=WeightOnlyBlocks(stages=2)), dict(blocks=WeightOnlyBlocks(tile_n=256))],
+                4: [dict(blocks=WeightOnlyBlocks(tile_m=64, tile_n=64, tile_k=128, stages=2)),
+                    dict(blocks=WeightOnlyBlocks(tile_n=256, tile_k=128))]}
+    out, table = _prompt_kind_bench(capsys, monkeypatch, "_weight_only_hopper_sweep", lambda bits: settings[bits],
+                                    ("bf16", "w8", "w8_hopper", "w4g128", "w4_hopper"))
+    for kind in ("w8_hopper", "w4_hopper"):
+        assert f"256x256    64 {kind}" in out and f"256x256     1 {kind}" not in out
+        assert out.count(f"sweep {kind} M=64") == 4  # bf16, the defaults, each setting (one failed)
+    entries = [(k.bits, k.group, k.rows, t) for k, t in table if k.kernel == "weight_only_hopper"]
+    assert [entry[:3] for entry in entries] == [(8, None, 64), (4, 128, 64)]
+    assert all(t["xla_s"] > 0 and t["pallas_s"] > 0 for *_, t in entries)
+    assert out.count("failed: ValueError: weight_only_hopper:") == 2
 
 
 def test_bench_kernels_attention_step_times_the_kernel_and_xlas_dots(capsys, monkeypatch):

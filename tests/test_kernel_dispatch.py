@@ -580,11 +580,12 @@ def test_a_prompts_w8a8_product_goes_to_the_hopper_kernel_only_where_a_table_mea
     np.testing.assert_array_equal(np.asarray(hopper, np.float32), np.asarray(triton, np.float32))
 
 
-def test_a_prompts_int8_weight_only_product_goes_to_the_hopper_kernel_only_where_a_table_measured_it_faster(
-        monkeypatch):
-    """int8 weight-only (K, N) codes at a prompt's rows: the path they took before unless the table measured the
-    Mosaic GPU kernel (``weight_only_hopper``) faster than XLA's; decode rows never; its product is the dequantized
-    one's within a rounding."""
+@pytest.mark.parametrize("spec,bits,group", [(W8, 8, None), (W4G128, 4, 128)])
+def test_a_prompts_weight_only_product_goes_to_the_hopper_kernel_only_where_a_table_measured_it_faster(
+        monkeypatch, spec, bits, group):
+    """int8 or int4-pair weight-only (K, N) codes at a prompt's rows: the path they took before unless the table
+    measured the Mosaic GPU kernel (``weight_only_hopper``) faster than XLA's; decode rows never; its product is the
+    dequantized one's within a rounding."""
     from llmeq_jax import dispatch_table, native
     from pallas_kernels import weight_only, weight_only_hopper
 
@@ -592,10 +593,10 @@ def test_a_prompts_int8_weight_only_product_goes_to_the_hopper_kernel_only_where
     for mod, name in ((weight_only, "weight_only_matmul"), (weight_only_hopper, "weight_only_hopper")):
         real = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
-    q = _q(W8, (256, 256), 3)
+    q = _q(spec, (256, 256), 3)
     x = jax.random.normal(jax.random.key(8), (40, 256)).astype(jnp.bfloat16)
     device = config.target_device().device_kind
-    key = dispatch_table.Key(device, "weight_only_hopper", 8, None, 256, 256, 64, "bfloat16")
+    key = dispatch_table.Key(device, "weight_only_hopper", bits, group, 256, 256, 64, "bfloat16")
     table = lambda p, x_: dispatch_table.Table(device, {key: {"pallas_s": p, "xla_s": x_, "bf16_s": 1.0}})  # noqa: E731
     with native.disabled(), config.interpret(True):
         ops.linear(x, q)
