@@ -11,8 +11,8 @@ The kernel (the persistent layout of :mod:`pallas_kernels.hopper`):
 
 - a producer warpgroup issues TMA copies of x's ``(tile_m, tile_k)`` tile and the weights' ``(tile_k, 2 tile_n)``
   int8 tile (the checkpoint's ``(K, N)`` layout, as stored) into a ring of ``stages`` slots; with group scales, their
-  ``(1, 2 tile_n)`` float32 rows of the step's group too (and the zero points', converted to float32 by XLA: an int8
-  row of a stacked array never arrived in GPU interpret mode);
+  ``(1, 2 tile_n)`` float32 rows of the step's group too (and the zero points', converted to float32 by XLA: the
+  dequantization subtracts them in float32, and a few KB a call cost nothing);
 - each compute warpgroup loads its ``(tile_k, tile_n)`` half of the codes into registers, dequantizes it -- ``(q -
   z) * s`` in float32, rounded once into x's dtype, as ``QArray.dequantize`` does; with per-channel scales only
   ``q - z`` (exact in bf16 / f16), the scale waiting for the epilogue -- stores it into one of two bf16 buffers of
@@ -41,7 +41,7 @@ Contract:
   wq           (K, N)     int8 codes (weight-only int5..int8), or with ``bits=4`` (K / 2, N) uint8: int4 pairs;
                           or a stack (L, ...) with ``layer``
   scale        (G, N)     float32: G = 1 (per channel) or K / group; or (L, G, N)
-  zero_point   (G, N)     int8, or None (symmetric); or (L, G, N)
+  zero_point   (G, N)     integers (int8 as QArray stores them), or None (symmetric); or (L, G, N)
   bias         (N,)       or None
   -> y         (M, N)     x's dtype
 Needs K % tile_k == 0, N % (2 tile_n) == 0 and a group that is a multiple of tile_k (:func:`can_use`; int4: tile_k a
@@ -132,8 +132,9 @@ def _check(x, wq, scale, zero_point, group, bias, layer, blocks: WeightOnlyBlock
     if scale.shape != (*lead, groups, n):
         raise ValueError(f"weight_only_hopper: scale has shape {scale.shape}, expected {(*lead, groups, n)} "
                          f"({'per channel' if group is None else f'groups of {group}'})")
-    if zero_point is not None and (zero_point.shape != scale.shape or zero_point.dtype != jnp.int8):
-        raise ValueError(f"weight_only_hopper: zero_point {zero_point.shape} {zero_point.dtype}, expected int8 of "
+    if zero_point is not None and (zero_point.shape != scale.shape or not jnp.issubdtype(zero_point.dtype,
+                                                                                          jnp.integer)):
+        raise ValueError(f"weight_only_hopper: zero_point {zero_point.shape} {zero_point.dtype}, expected integers of "
                          f"the scale's shape {scale.shape}")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"weight_only_hopper: bias has shape {bias.shape}, expected {(n,)}")
