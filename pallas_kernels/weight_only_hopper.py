@@ -11,8 +11,8 @@ The kernel (the persistent layout of :mod:`pallas_kernels.hopper`):
 
 - a producer warpgroup issues TMA copies of x's ``(tile_m, tile_k)`` tile and the weights' ``(tile_k, 2 tile_n)``
   int8 tile (the checkpoint's ``(K, N)`` layout, as stored) into a ring of ``stages`` slots; with group scales, their
-  ``(1, 2 tile_n)`` float32 rows of the step's group too (and the zero points', converted to float32 by XLA: the
-  dequantization subtracts them in float32, and a few KB a call cost nothing);
+  ``(1, 2 tile_n)`` float32 rows of the step's group too (and the zero points': a stack's layer sliced out and
+  converted to float32 by XLA, a few KB a call, as the dequantization subtracts them in float32);
 - each compute warpgroup loads its ``(tile_k, tile_n)`` half of the codes into registers, dequantizes it -- ``(q -
   z) * s`` in float32, rounded once into x's dtype, as ``QArray.dequantize`` does; with per-channel scales only
   ``q - z`` (exact in bf16 / f16), the scale waiting for the epilogue -- stores it into one of two bf16 buffers of
@@ -188,7 +188,6 @@ def _kernel(x_gmem, w_gmem, s_gmem, *rest, b: WeightOnlyBlocks, m: int, n: int, 
     if stacked:  # the layer index, one int32 in global memory: the stack is read in place
         layer = rest.pop(0)[0]
         w_gmem, s_gmem = w_gmem.at[layer], s_gmem.at[layer]
-        z_gmem = z_gmem.at[layer] if has_zp else None
     (o_gmem,) = rest
     tm, tn, tk = b.tile_m, b.tile_n, b.tile_k
     per = _per_byte(bits)  # codes a byte: a step reads tk / per rows of them
@@ -295,6 +294,8 @@ def weight_only_hopper(x, wq, scale, *, zero_point=None, group: int | None = Non
     stages = hopper.stages_that_fit(
         b.stages, k // b.tile_k, lambda st: _shared_bytes(b, st, x.dtype, group is not None, has_zp, has_bias, bits))
     args = [x if bits == 8 else pair_columns(x, b.tile_k), wq, scale.astype(jnp.float32)]
+    if has_zp and layer is not None:  # the layer's rows only: converting the whole stack cost a pass over it a call
+        zero_point = lax.dynamic_index_in_dim(zero_point, layer, axis=0, keepdims=False)
     if has_zp and group is None:  # per channel: (x @ q - sum(x) z) s in the epilogue
         args += [zero_point.astype(jnp.float32), jnp.sum(x.astype(jnp.float32), axis=1)]
     elif has_zp:  # float32 rows, as the scales (module docstring)
