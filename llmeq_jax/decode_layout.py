@@ -817,10 +817,12 @@ def w8a8_kmajor(params):
 
 def _prompt_takes_words(leaf: QArray) -> bool:
     """Whether a prompt's product with the int4 weight-only kernel ``leaf`` (``(in, out)``, or its words) goes to
-    the prompt kernel over words (``kernel_dispatch.prompt_words_take`` at :data:`PROMPT_PLAN_ROWS` rows)."""
+    the prompt kernel over words (``kernel_dispatch.prompt_words_take`` at :data:`PROMPT_PLAN_ROWS` rows), unless
+    the Mosaic GPU kernel over the packed codes measured faster still (``kernel_dispatch.hopper_beats_words``)."""
     from llmeq_jax import kernel_dispatch  # not at import time: it imports this module
 
-    return kernel_dispatch.prompt_words_take(PROMPT_PLAN_ROWS, leaf.dtype, leaf, scale_group(leaf))
+    args = (PROMPT_PLAN_ROWS, leaf.dtype, leaf, scale_group(leaf))
+    return kernel_dispatch.prompt_words_take(*args) and not kernel_dispatch.hopper_beats_words(*args)
 
 
 def words_for_prompts(params):

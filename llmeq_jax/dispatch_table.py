@@ -287,17 +287,29 @@ def _warn_other_device(source: str, measured: str, here: str) -> None:
                   f"device ({here!r}); it is ignored and the static kernel rule applies", stacklevel=3)
 
 
-def choice(key: Key) -> str | None:
-    """The measured path for ``key`` under the active table, else the table shipped for its device
-    ("pallas" / "xla"), or None (no table, another device, or no measurement of this product)."""
+def _table_for(key: Key) -> Table | None:
+    """The active table, else the one shipped for ``key``'s device; None without one (or one of another device)."""
     table = active()
     if table is None:
-        own = None if os.environ.get(ENV) == OFF else shipped(key.device)
-        return own.choice(key) if own is not None else None
+        return None if os.environ.get(ENV) == OFF else shipped(key.device)
     if table.device != key.device:
         _warn_other_device(table.source, table.device, key.device)
         return None
-    return table.choice(key)
+    return table
+
+
+def choice(key: Key) -> str | None:
+    """The measured path for ``key`` under the active table, else the table shipped for its device
+    ("pallas" / "xla"), or None (no table, another device, or no measurement of this product)."""
+    table = _table_for(key)
+    return table.choice(key) if table is not None else None
+
+
+def measured(key: Key) -> dict | None:
+    """The times that table measured for ``key`` itself (``{"pallas_s", "xla_s", "bf16_s"}``), or None: what
+    compares two kernels that both beat XLA's path."""
+    table = _table_for(key)
+    return None if table is None else table.entries.get(key)
 
 
 

@@ -159,6 +159,15 @@ def prompt_words_take(rows: int, x_dtype, w: QArray, group: int | None) -> bool:
     return dispatch_table.choice(table_key("int4_words_prefill", rows, x_dtype, w, group)) == "pallas"
 
 
+def hopper_beats_words(rows: int, x_dtype, w: QArray, group: int | None) -> bool:
+    """Whether the active or shipped table measured the Mosaic GPU kernel over the packed int4 codes
+    (``weight_only_hopper``) faster than both XLA's path and the prompt kernel over words for this product: a
+    prompt layout then keeps the packed codes (``decode_layout.words_for_prompts``)."""
+    hopper = dispatch_table.measured(table_key("weight_only_hopper", rows, x_dtype, w, group))
+    words = dispatch_table.measured(table_key("int4_words_prefill", rows, x_dtype, w, group))
+    return bool(hopper and words) and hopper["pallas_s"] < min(words["pallas_s"], hopper["xla_s"])
+
+
 def hopper_w8a8_takes(x2, view: QArray, group: int | None, has_zero_point: bool) -> bool:
     """Whether a prompt's int8 W8A8 product (more rows than a decode step's) over K-major weights goes to the Mosaic
     GPU kernel (``pallas_kernels.w8a8_hopper``: int8 wgmma kept in flight, Hopper only) rather than the Triton

@@ -611,3 +611,24 @@ def test_a_prompts_weight_only_product_goes_to_the_hopper_kernel_only_where_a_ta
             assert calls.count("weight_only_hopper") == 1
     want = np.asarray(x, np.float32) @ np.asarray(q.dequantize(jnp.float32))
     np.testing.assert_allclose(np.asarray(hopper, np.float32), want, rtol=0.02, atol=0.05)
+
+
+def test_a_prompt_layout_keeps_packed_int4_codes_where_the_hopper_kernel_beat_the_words():
+    """A table that measured the prompt kernel over words faster than XLA's path lays int4 kernels out as words for
+    prompts, unless it measured the Mosaic GPU kernel over the packed codes faster than both for the same product."""
+    from llmeq_jax import decode_layout, dispatch_table
+
+    q = quantize((jax.random.normal(jax.random.key(5), (256, 256)) * 0.1).astype(jnp.bfloat16), W4G128[0])
+    device = config.target_device().device_kind
+    key = lambda kernel: dispatch_table.Key(device, kernel, 4, 128, 256, 256, 2048, "bfloat16")  # noqa: E731
+    words = {key("int4_words_prefill"): {"pallas_s": 1.0, "xla_s": 2.0, "bf16_s": 1.0}}
+
+    def laid_as_words(hopper_s):
+        hopper = {} if hopper_s is None else {key("weight_only_hopper"): {"pallas_s": hopper_s, "xla_s": 2.0,
+                                                                          "bf16_s": 1.0}}
+        with config.interpret(True), dispatch_table.use(dispatch_table.Table(device, {**words, **hopper})):
+            laid = decode_layout.words_for_prompts({"up": {"kernel": q}})["up"]["kernel"]
+        return isinstance(laid, decode_layout.Int4WordKernel)
+
+    assert laid_as_words(None) and laid_as_words(1.5)  # no hopper entry; the hopper kernel slower than the words
+    assert not laid_as_words(0.5)  # faster than both: the packed codes stay, for it
