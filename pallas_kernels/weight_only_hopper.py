@@ -257,7 +257,7 @@ def _kernel(x_gmem, w_gmem, s_gmem, *rest, b: WeightOnlyBlocks, m: int, n: int, 
 
             def step(index, x_smem, w_smem, *group_rows_and_acc):
                 *group_rows, acc_ref = group_rows_and_acc
-                scale, zero = (group_rows + [None])[:2] if group_rows else (None, None)
+                scale, zero = (group_rows + [None, None])[:2]  # the step's group rows, where grouped
                 buffer = dequantized.at[wg, lax.rem(index[0], 2)]  # read by wgmma two steps ago: done (below)
                 dequantize = functools.partial(_dequantize, scale=None if scale is None else scale[0, mine],
                                                zero=None if zero is None else zero[0, mine], dtype=out_dtype,
