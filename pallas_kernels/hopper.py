@@ -76,7 +76,7 @@ def swizzled(minor: int, dtype) -> tuple:
     as wide as the widest swizzle the row fills (what wgmma and TMA read without bank conflicts)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    bits = 8 * jnp.dtype(dtype).itemsize
+    bits = 4 if jnp.dtype(dtype) in (jnp.dtype(jnp.int4), jnp.dtype(jnp.uint4)) else 8 * jnp.dtype(dtype).itemsize
     swizzle = plgpu.find_swizzle(minor * bits)
     return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
 

@@ -4,8 +4,10 @@ Mosaic GPU kernels (``plgpu.kernel``) run on a CPU in GPU interpret mode (``plgp
 simulates shared memory, warpgroups, barriers and TMA copies. Its ``wgmma`` reads each operand through index
 transforms only: an operand viewed through ``plgpu.transpose_ref`` -- how an int8 wgmma's B operand is given, since
 int8 wgmma takes K-major operands only -- fails with ``'TransposeTransform' object has no attribute 'indices'``
-(jax 0.10.2). :func:`install` replaces that one callback with one that reads the operand through its index
-transforms, then transposes it as the trailing transposes say. A canary test
+(jax 0.10.2), and an A operand in registers -- how :mod:`pallas_kernels.int4_decode_hopper` gives its dequantized
+weights -- reaches the callback as the array itself, which it reads as a buffer's key (``Expected shape (5,)``).
+:func:`install` replaces that one callback with one that takes a register operand as it is and reads a buffer
+through its index transforms, then transposes it as the trailing transposes say. A canary test
 (``tests/pallas_kernels/test_w8a8_hopper.py``) fails once JAX's own interpreter takes a transposed operand.
 """
 
@@ -51,7 +53,9 @@ def _wgmma(*, token, device_id, grid_point_coords, thread_id, acc_allocation_key
             value = np.transpose(value, perm)
         return value
 
-    a = read(a_allocation_key_as_array, a_transforms)
+    # a wgmma's A operand may be registers (an array: the weights dequantized by the warpgroup), not a buffer
+    register_a = np.ndim(a_allocation_key_as_array) == 2
+    a = np.asarray(a_allocation_key_as_array) if register_a else read(a_allocation_key_as_array, a_transforms)
     b = read(b_allocation_key_as_array, b_transforms)
     acc_key = callbacks.HostAllocationKey.from_array(acc_allocation_key_as_array)
     acc_range = utils.to_range(jax.tree.map(int, callbacks._remove_noop_transforms(acc_transforms)))

@@ -1,0 +1,166 @@
+"""The Hopper int4 decode kernel in Mosaic GPU: GPU interpret mode against the real-valued product; lowering for
+CUDA."""
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from llmeq_jax.core.quantize import Spec, quantize
+from pallas_kernels import config
+from pallas_kernels.int4_decode_hopper import DecodeBlocks, can_use, int4_decode_hopper, splits_for, transpose_codes
+
+FAKE_H100 = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3", compute_capability="9.0")
+FAKE_A100 = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA A100-SXM4-80GB", compute_capability="8.0")
+
+
+def _quantized(k, n, group, zero_point, seed):
+    w = jax.random.normal(jax.random.key(seed), (k, n)) * 0.05
+    granularity = "channel" if group is None else "group"
+    return quantize(w, Spec(bits=4, granularity=granularity, group_size=group, symmetric=not zero_point))
+
+
+def _kernel_args(q, group):
+    """The kernel's (rows, scale, zero point) of an int4 QArray: (N, K) int4, (G, N) float32, (G, N) int8."""
+    k, n = q.shape
+    groups = 1 if group is None else k // group
+    scale = jnp.broadcast_to(q.scale.astype(jnp.float32), (groups, n))
+    zp = None if q.zero_point is None else jnp.broadcast_to(q.zero_point, (groups, n)).astype(jnp.int8)
+    return transpose_codes(q.values()), scale, zp
+
+
+def _exact_product(x, q):
+    """``x @ ((q - z) s)`` in float64: the real-valued product of the codes the kernel multiplies."""
+    k, n = q.shape
+    codes = np.asarray(q.values(), np.float64)
+    groups = q.scale.shape[-2]
+    scale = np.repeat(np.asarray(q.scale, np.float64).reshape(groups, n), k // groups, axis=0)
+    if q.zero_point is not None:
+        codes = codes - np.repeat(np.asarray(q.zero_point, np.float64).reshape(groups, n), k // groups, axis=0)
+    return np.asarray(x, np.float64) @ (codes * scale)
+
+
+def _assert_one_rounding(got, exact, dtype):
+    """Within one rounding of x's dtype of the exact product (float32 sums add far less at these K)."""
+    eps = float(jnp.finfo(dtype).eps)
+    got = np.asarray(got, np.float64)
+    assert np.all(np.abs(got - exact) <= eps * np.abs(exact) + 1e-5 * np.abs(exact).max())
+
+
+CASES = [  # m, k, n, group, zero point, dtype, blocks
+    (1, 512, 256, 128, True, jnp.bfloat16, None),  # batch-1 decode: x padded to 8 rows, the splits picked
+    (5, 1024, 384, 128, False, jnp.float16, DecodeBlocks(stages=3, splits=2)),  # 3 output blocks, 2 splits
+    (16, 512, 256, None, True, jnp.bfloat16, DecodeBlocks(stages=2, splits=1)),  # per channel: one group over K
+    (9, 1024, 256, 256, True, jnp.bfloat16, DecodeBlocks(stages=4, splits=4)),  # a group over two steps
+    (12, 512, 256, None, True, jnp.bfloat16, DecodeBlocks(tile_k=256, stages=2)),  # per channel, 256-value steps
+]
+
+
+@pytest.mark.parametrize("m,k,n,group,zp,dtype,blocks", CASES)
+def test_kernel_is_the_real_valued_product_rounded_once(m, k, n, group, zp, dtype, blocks):
+    q = _quantized(k, n, group, zp, seed=m + k)
+    x = jax.random.normal(jax.random.key(m), (m, k)).astype(dtype)
+    rows, scale, zero = _kernel_args(q, group)
+    got = int4_decode_hopper(x, rows, scale, zero_point=zero, group=group, blocks=blocks, interpret=True)
+    assert got.dtype == x.dtype and got.shape == (m, n)
+    _assert_one_rounding(got, _exact_product(x, q), dtype)
+
+
+def test_a_layer_of_a_stack_is_read_in_place_with_a_bias():
+    k, n, group = 512, 256, 128
+    qs = [_quantized(k, n, group, True, seed=s) for s in range(3)]
+    args = [_kernel_args(q, group) for q in qs]
+    stack, scales, zps = (jnp.stack([a[i] for a in args]) for i in range(3))
+    x = jax.random.normal(jax.random.key(4), (3, k)).astype(jnp.bfloat16)
+    bias = jnp.linspace(-2, 2, n).astype(jnp.bfloat16)
+    got = int4_decode_hopper(x, stack, scales, zero_point=zps, group=group, bias=bias, layer=jnp.int32(1),
+                             interpret=True)
+    _assert_one_rounding(got, _exact_product(x, qs[1]) + np.asarray(bias, np.float64), jnp.bfloat16)
+    other = _exact_product(x, qs[0]) + np.asarray(bias, np.float64)
+    assert not np.allclose(np.asarray(got, np.float64), other, atol=0.1)
+
+
+def test_transposed_codes_are_the_qarrays_values_out_by_in():
+    q = _quantized(256, 128, 128, True, seed=3)
+    rows = transpose_codes(q.values())
+    assert rows.dtype == jnp.int4 and rows.shape == (128, 256)
+    np.testing.assert_array_equal(np.asarray(rows, np.int8).T, np.asarray(q.values()))
+
+
+def test_splits_divide_the_steps_keep_two_a_split_and_fill_the_sms():
+    def splits(k, n, rows=8, sms=132):
+        return splits_for(n // 128, k // 128, sms, step_bytes=128 * 128 // 2, split_bytes=n * rows * 4)
+
+    assert splits(4096, 4096) == 4  # 32 blocks of 128 outputs: 128 work items on 132 SMs
+    assert splits(4096, 11008) == 4  # 86 blocks: 344 items in three waves
+    for k, n in ((4096, 4096), (4096, 11008), (11008, 4096), (4096, 14336), (14336, 4096)):
+        s = splits(k, n)
+        assert (k // 128) % s == 0 and (k // 128) // s >= 2
+        assert (n // 128) * s >= 64  # at least half the SMs busy
+    assert splits(256, 4096) == 1  # two steps: not split
+    assert splits(4096, 4096, sms=2) == 1  # two SMs: the 32 blocks keep them busy
+    # more partial sums to write and read (16 rows, not 8): never more splits
+    assert splits(11008, 4096, rows=16) <= splits(11008, 4096, rows=8)
+
+
+def test_can_use_names_what_the_kernel_does_not_take():
+    ok = lambda **kw: can_use(**{**dict(x_shape=(1, 512), x_dtype=jnp.bfloat16, w_dtype=jnp.int4, k=512,  # noqa: E731
+                                        n=256, group=128), **kw})
+    with config.interpret(True):
+        assert ok() == (True, "") and ok(group=None) == (True, "") and ok(x_shape=(16, 512)) == (True, "")
+        assert "at most 16" in ok(x_shape=(17, 512))[1]
+        assert "bfloat16/float16" in ok(x_dtype=jnp.float32)[1]
+        assert "(N, K) decode layout" in ok(w_dtype=jnp.uint8)[1]
+        assert "not of 128" in ok(n=320)[1] and "multiple of 128" in ok(k=576, x_shape=(1, 576))[1]
+        assert "group 64" in ok(group=64)[1] and "group 384" in ok(group=384)[1]  # 384 does not divide 512
+        assert "tile_k 256" in ok(group=128, blocks=DecodeBlocks(tile_k=256))[1]
+    with config.compiling_for(FAKE_H100):
+        assert ok() == (True, "")
+    with config.compiling_for(FAKE_A100):
+        assert not ok()[0] and "Hopper" in ok()[1]
+
+
+def test_bad_input_gets_one_clear_error():
+    q = _quantized(512, 256, 128, False, seed=1)
+    rows, scale, _ = _kernel_args(q, 128)
+    x = jnp.zeros((2, 512), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"expects x \(M, K\) and int4 w_t \(N, K\)"):
+        int4_decode_hopper(jnp.zeros((2, 256), jnp.bfloat16), rows, scale, group=128, interpret=True)
+    with pytest.raises(ValueError, match="groups of 128"):
+        int4_decode_hopper(x, rows, scale[:2], group=128, interpret=True)
+    with pytest.raises(ValueError, match="per channel"):
+        int4_decode_hopper(x, rows, scale, interpret=True)
+    with pytest.raises(ValueError, match="zero_point"):
+        int4_decode_hopper(x, rows, scale, zero_point=jnp.zeros_like(scale), group=128, interpret=True)
+    with pytest.raises(ValueError, match="bias"):
+        int4_decode_hopper(x, rows, scale, bias=jnp.zeros((7,)), group=128, interpret=True)
+    with pytest.raises(ValueError, match="at most 16"):
+        int4_decode_hopper(jnp.zeros((17, 512), jnp.bfloat16), rows, scale, group=128, interpret=True)
+    with pytest.raises(ValueError, match="3 K splits do not divide"):
+        int4_decode_hopper(x, rows, scale, group=128, blocks=DecodeBlocks(splits=3), interpret=True)
+    with pytest.raises(ValueError, match="tile_k a multiple of 128"):
+        DecodeBlocks(tile_k=64)
+
+
+@pytest.mark.parametrize("m,group,zp,bias,stacked", [(1, 128, True, False, False), (16, None, False, True, True),
+                                                     (4, 128, False, True, True)])
+def test_kernel_lowers_for_cuda_to_one_mosaic_gpu_call(m, group, zp, bias, stacked):
+    """Lowered for a Hopper GPU on this CPU: Mosaic GPU's layout inference accepts the int4 tile loaded from shared
+    memory into wgmma's register layout, converted to bf16 there and given as the A operand."""
+    k, n = 1024, 512
+    lead = (4,) if stacked else ()
+    groups = 1 if group is None else k // group
+    args = [jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((*lead, n, k), jnp.int4),
+            jax.ShapeDtypeStruct((*lead, groups, n), jnp.float32),
+            jax.ShapeDtypeStruct((*lead, groups, n), jnp.int8) if zp else None,
+            jax.ShapeDtypeStruct((n,), jnp.bfloat16) if bias else None,
+            jax.ShapeDtypeStruct((), jnp.int32) if stacked else None]
+
+    def f(x, w, s, z, b, layer):
+        return int4_decode_hopper(x, w, s, zero_point=z, group=group, bias=b, layer=layer)
+
+    with config.compiling_for(FAKE_H100):
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("mosaic_gpu") >= 1 and "__gpu$xla.gpu.triton" not in text
