@@ -115,6 +115,32 @@ class Int4WordKernel:
         return dataclasses.replace(self.w, qvalue=pack(unpack_words(self.w.qvalue, self.w.shape[0]), 4, axis=-2))
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Int4RowKernel:
+    """An ``(in, out)`` int4 kernel whose codes are stored ``(out, in)`` as ``jnp.int4``, each output's ``in`` values
+    contiguous (:func:`pallas_kernels.int4_decode_hopper.transpose_codes`), for the Mosaic GPU decode kernel that
+    reads them as wgmma's A operand: ``w.qvalue`` holds them; scales, zero points, shape and tile are the original
+    QArray's (a stack [L, ...] too)."""
+
+    w: QArray
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The kernel's logical ``(in, out)`` shape (what ``ops.linear`` checks)."""
+        return self.w.shape
+
+    @property
+    def group(self) -> int | None:
+        """The scales' group size along ``in`` (None: one scale per output column)."""
+        return scale_group(self.w)
+
+    def packed(self) -> QArray:
+        """The same kernel with its codes two per byte along ``in`` again (for XLA's path)."""
+        codes = jnp.swapaxes(self.w.qvalue, -1, -2).astype(jnp.int8)
+        return dataclasses.replace(self.w, qvalue=pack(codes, 4, axis=-2))
+
+
 # Values a scale step covers (ScaleCodes): a GGUF K-quant's super-block, 8 sub-blocks of 32 or 16 of 16.
 SCALE_STEP_VALUES = 256
 
@@ -513,7 +539,7 @@ FUSED_LINEARS = {
 }
 
 
-def _decode_part(module) -> RowMajorKernel | Int4WordKernel | None:
+def _decode_part(module) -> RowMajorKernel | Int4WordKernel | None:  # Int4RowKernel: made after fusing
     if not isinstance(module, dict) or set(module) - {"kernel", "bias"}:
         return None
     kernel = module.get("kernel")
@@ -676,7 +702,29 @@ def for_decode(params, rows: int):
     if target == "pallas":
         params = _join_small_siblings(params, rows)
     converted = jax.tree_util.tree_map_with_path(convert, params, is_leaf=lambda a: isinstance(a, QArray))
-    return fuse_linears(converted)
+    fused = fuse_linears(converted)
+    return _rows_for_hopper(fused, rows) if target == "pallas" else fused
+
+
+def _rows_for_hopper(params, rows: int):
+    """``params`` with every int4 word kernel (fused siblings included) whose decode product a dispatch table
+    measured faster through the Mosaic GPU decode kernel than through both the word kernel and XLA's path
+    (``kernel_dispatch.hopper_decode_takes``) stored as that kernel's rows, an :class:`Int4RowKernel`."""
+    from llmeq_jax import kernel_dispatch
+    from pallas_kernels.int4_decode_hopper import transpose_codes
+    from pallas_kernels.int4_words import unpack_words
+
+    def convert(leaf):
+        if not (isinstance(leaf, Int4WordKernel)
+                and kernel_dispatch.hopper_decode_takes(rows, leaf.w.dtype, leaf.w, leaf.group)):
+            return leaf
+        codes = unpack_words(leaf.w.qvalue, leaf.w.shape[0])
+        return Int4RowKernel(dataclasses.replace(leaf.w, qvalue=transpose_codes(codes)))
+
+    def walk(tree):  # the param dicts only: every other leaf comes back as it is (the same object)
+        return {k: walk(v) for k, v in tree.items()} if isinstance(tree, dict) else convert(tree)
+
+    return walk(params)
 
 
 def _join_small_siblings(params, rows: int):
@@ -914,7 +962,7 @@ def _tied_head_table(params) -> jax.Array | None:
     return table if isinstance(table, jax.Array) and table.ndim == 2 and table.dtype == jnp.float32 else None
 
 
-__all__ = ["FUSED_LINEARS", "Int4WordKernel", "PREFILL_FUSE_MAX_OUT", "PREFILL_PACK_MAX_BYTES", "PROMPT_PLAN_ROWS",
+__all__ = ["FUSED_LINEARS", "Int4RowKernel", "Int4WordKernel", "PREFILL_FUSE_MAX_OUT", "PREFILL_PACK_MAX_BYTES", "PROMPT_PLAN_ROWS",
            "PanelKernel", "RowMajorKernel", "SCALE_STEP_VALUES", "SPLIT_BITS", "ScaleCodes", "compact_scales",
            "decode_target", "for_decode", "for_prefill", "fuse_linears", "int4_word_kernel", "join_codes",
            "kernel_view", "narrowest_split_bits", "pack_float_kernels", "pack_panels", "pack_swiglu_panels",

@@ -35,8 +35,8 @@ from llmeq_jax import dispatch_table
 from llmeq_jax.core.qarray import QArray, is_packed
 from llmeq_jax.decode_layout import GPU_KMAJOR_MAX_ROWS, scale_group
 from llmeq_jax.layer_slice import take_layer
-from pallas_kernels import config, float_matmul, int4_words, int4_words_prefill, rms_norm as norm_kernel, w8a8, \
-    w8a8_hopper, weight_only, weight_only_hopper
+from pallas_kernels import config, float_matmul, int4_decode_hopper, int4_words, int4_words_prefill, \
+    rms_norm as norm_kernel, w8a8, w8a8_hopper, weight_only, weight_only_hopper
 
 
 class KernelUnavailable(ValueError):
@@ -98,7 +98,7 @@ def plan(x_shape, x_dtype, w: QArray, act) -> tuple[str | None, str]:
 def table_key(kind: str, rows: int, x_dtype, w: QArray, group: int | None) -> dispatch_table.Key:
     """The :mod:`dispatch_table` key of a product ``plan`` gave to kernel ``kind``, on the default device."""
     k, n = w.shape
-    packed_kinds = ("weight_only", "int4_words", "int4_words_prefill", "weight_only_hopper")
+    packed_kinds = ("weight_only", "int4_words", "int4_words_prefill", "weight_only_hopper", "int4_decode_hopper")
     bits = 4 if kind in packed_kinds and is_packed(w.bits) else 8
     return dispatch_table.Key(config.target_device().device_kind, kind, bits, group, k, n,
                               dispatch_table.row_bucket(rows), jnp.dtype(x_dtype).name)
@@ -203,6 +203,41 @@ def hopper_weight_only_takes(x2, view: QArray, group: int | None) -> bool:
     if not weight_only_hopper.can_use(x2.shape, x2.dtype, view.qvalue.dtype, k, n, group, bits=bits)[0]:
         return False
     return dispatch_table.choice(table_key("weight_only_hopper", x2.shape[0], x2.dtype, view, group)) == "pallas"
+
+
+def hopper_decode_takes(rows: int, x_dtype, w: QArray, group: int | None) -> bool:
+    """Whether a decode step's product of ``rows`` rows with the int4 weight-only kernel ``w`` (``(in, out)``) goes to
+    the Mosaic GPU decode kernel (``pallas_kernels.int4_decode_hopper``, Hopper only): where the active or shipped
+    table measured or inferred it faster than the path it replaces, the faster of the word kernel and XLA's path
+    (kernel ``int4_decode_hopper``; ``scripts/bench_kernels.py`` kind ``w4_decode_hopper``). Unmeasured, the word
+    kernel: the Mosaic one is not timed on a GPU yet."""
+    k, n = w.shape
+    x_shape = (min(rows, int4_decode_hopper.MAX_ROWS), k)
+    if rows > int4_decode_hopper.MAX_ROWS or not int4_decode_hopper.can_use(x_shape, x_dtype, jnp.int4, k, n,
+                                                                            group)[0]:
+        return False
+    return dispatch_table.choice(table_key("int4_decode_hopper", rows, x_dtype, w, group)) == "pallas"
+
+
+def linear_rows(x, w: QArray, require: bool = False, layer=None):
+    """``x @ w`` for a ``decode_layout.Int4RowKernel``'s QArray (its codes ``(out, in)`` int4) at decode rows: the
+    Mosaic GPU decode kernel, no table lookup (``decode_layout.for_decode`` consulted it when it made the rows); or
+    None where it cannot run (an error if ``require``): XLA's path of the packed codes."""
+    if not config.kernels_available():
+        return _unavailable(require)
+    k, n = w.shape
+    x2 = x.reshape(-1, k)
+    group, scale, zp, _ = _layout(w)
+    if scale is not None and w.scale.shape == scale.shape:  # stored (G, N) already: read as stored, in place
+        scale, zp = w.scale, w.zero_point
+    ok, why = int4_decode_hopper.can_use(x2.shape, x2.dtype, w.qvalue.dtype, k, n, group)
+    if scale is None or not ok or w.act_spec is not None:
+        if require:
+            raise KernelUnavailable(f"int4_decode_hopper does not take x {tuple(x.shape)} {x.dtype} @ {w!r}: "
+                                    f"{why or 'weight-only kernels with scales per input group only'}")
+        return None
+    y = int4_decode_hopper.int4_decode_hopper(x2, w.qvalue, scale, zero_point=zp, group=group, layer=layer)
+    return y.reshape(*x.shape[:-1], n)
 
 
 def linear_words(x, w: QArray, require: bool = False, layer=None):

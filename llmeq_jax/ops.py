@@ -38,7 +38,8 @@ from llmeq_jax import kernel_dispatch
 from llmeq_jax.core import fp8grid
 from llmeq_jax.core.qarray import QArray, is_packed, packed_length, packing, unpack
 from llmeq_jax.core.quantize import Spec, largest_value
-from llmeq_jax.decode_layout import Int4WordKernel, PanelKernel, RowMajorKernel, kernel_view, unpack_panels
+from llmeq_jax.decode_layout import Int4RowKernel, Int4WordKernel, PanelKernel, RowMajorKernel, kernel_view, \
+    unpack_panels
 from llmeq_jax.layer_slice import LayerSlice
 from pallas_kernels import config as kernel_config
 
@@ -124,6 +125,9 @@ def linear(
     if isinstance(w, Int4WordKernel):
         y = _linear_words(x, w, backend)
         return y if bias is None else y + bias.astype(y.dtype)
+    if isinstance(w, Int4RowKernel):
+        y = _linear_int4_rows(x, w, backend)
+        return y if bias is None else y + bias.astype(y.dtype)
     if isinstance(w, PanelKernel):
         y = _linear_panels(x, w, backend)
         return y if bias is None else y + bias.astype(y.dtype)
@@ -164,6 +168,8 @@ def _linear_layer_slice(x, w: LayerSlice, act, backend):
         return _linear_row_major(x, w.stack, act if act is not None else w.stack.w.act_spec, backend, w.layer)
     if isinstance(w.stack, Int4WordKernel):
         return _linear_words(x, w.stack, backend, w.layer)
+    if isinstance(w.stack, Int4RowKernel):
+        return _linear_int4_rows(x, w.stack, backend, w.layer)
     if backend != "xla" and w.stack.grid != "log2":
         y = kernel_dispatch.linear(x, w.stack, act if act is not None else w.stack.act_spec, layer=w.layer)
         if y is not None:
@@ -331,6 +337,18 @@ def _linear_words(x, w: Int4WordKernel, backend, layer=None):
             return y
     if layer is not None:
         w = Int4WordKernel(LayerSlice(w.w, layer).value())
+    return linear(x, w.packed(), backend=backend)
+
+
+def _linear_int4_rows(x, w: Int4RowKernel, backend, layer=None):
+    """``x @ kernel`` for an int4 kernel stored as ``(out, in)`` int4 rows: the Mosaic GPU decode kernel where it
+    runs (with ``layer``, reading that layer of the stack in place), else the codes packed again for XLA's path."""
+    if backend != "xla":
+        y = kernel_dispatch.linear_rows(x, w.w, require=backend == "pallas", layer=layer)
+        if y is not None:
+            return y
+    if layer is not None:
+        w = Int4RowKernel(LayerSlice(w.w, layer).value())
     return linear(x, w.packed(), backend=backend)
 
 

@@ -224,3 +224,39 @@ def test_a_gpus_int4_prompt_runs_on_the_decode_words_where_a_table_says_so(faste
         assert "int4_words" not in jaxpr
     scale = float(jnp.max(jnp.abs(want)))
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=0.03 * scale)
+
+
+def test_a_gpus_int4_decode_runs_the_hopper_kernel_where_a_table_says_so(monkeypatch):
+    """Where a dispatch table measured the Mosaic GPU int4 decode kernel faster than the path it replaces, a GPU's
+    decode layout stores rtn-w4-g128's kernels as (out, in) int4 rows (q/k/v and gate/up joined) and every decode
+    step's four products per layer run on that kernel, each layer read in place from the stack (GPU interpret mode):
+    the CPU's XLA decode's logits, step by step."""
+    from llmeq_jax import dispatch_table, kernel_dispatch
+    from pallas_kernels import int4_decode_hopper
+
+    calls = []
+    real = int4_decode_hopper.int4_decode_hopper
+    monkeypatch.setattr(int4_decode_hopper, "int4_decode_hopper",
+                        lambda x, w, *a, **k: calls.append((w.shape, k.get("layer") is not None)) or real(x, w, *a,
+                                                                                                           **k))
+    monkeypatch.setattr(kernel_dispatch, "MIN_KERNEL_WEIGHTS", 0)  # this model's products: the kernels' own sizes
+    params = jax.tree.map(lambda a: (a * 4).astype(jnp.bfloat16), init_params(CONFIG, jax.random.key(0)))
+    params = pipeline.run_recipe(CONFIG, params, None, pipeline.read_recipe("rtn-w4-g128"), None, 16,
+                                 progress=False).params
+    params = stacked.stack_blocks(CONFIG, params)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, CONFIG.vocab_size, (2, PROMPT + 3)))
+    products = ((256, 384), (256, 256), (256, 1024), (512, 256))  # q/k/v, o, gate/up, down
+    entry = {"pallas_s": 1.0, "xla_s": 2.0, "bf16_s": 2.0}
+    table = dispatch_table.Table(FAKE_H100.device_kind, {
+        dispatch_table.Key(FAKE_H100.device_kind, "int4_decode_hopper", 4, 128, k, n, dispatch_table.row_bucket(2),
+                           "bfloat16"): entry for k, n in products})
+    with native.disabled(), kernel_config.disabled():
+        want, _, _ = _logits(params, tokens)
+    with native.disabled(), kernel_config.compiling_for(FAKE_H100), kernel_config.interpret(True), \
+            dispatch_table.use(table):
+        got, _, kinds = _logits(params, tokens)
+    assert kinds == {"Int4RowKernel"}
+    assert sorted(set(calls)) == sorted(((2, n, k), True) for k, n in products)  # the stacks of (N, K) rows, a layer
+    scale = float(jnp.max(jnp.abs(want)))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=0.03 * scale)
+    assert float(jnp.max(jnp.abs(got[:, 1:] - got[:, :-1]))) > 0.2 * scale

@@ -632,3 +632,50 @@ def test_a_prompt_layout_keeps_packed_int4_codes_where_the_hopper_kernel_beat_th
 
     assert laid_as_words(None) and laid_as_words(1.5)  # no hopper entry; the hopper kernel slower than the words
     assert not laid_as_words(0.5)  # faster than both: the packed codes stay, for it
+
+
+def test_a_decode_layout_stores_int4_rows_for_the_hopper_kernel_only_where_a_table_measured_it_faster(monkeypatch):
+    """A decode step's int4 weight-only products go to the word kernel unless the table measured the Mosaic GPU decode
+    kernel (``int4_decode_hopper``) faster than the path it replaces: then the decode layout stores the fused q/k/v
+    kernel as (out, in) int4 rows (``Int4RowKernel``), ``ops.linear`` hands them to that kernel -- a stacked layer read
+    in place -- and XLA's path of the packed codes gives the same product."""
+    from llmeq_jax import decode_layout, dispatch_table, native
+    from llmeq_jax.layer_slice import LayerSlice
+    from pallas_kernels import int4_decode_hopper
+
+    calls = []
+    real = int4_decode_hopper.int4_decode_hopper
+    monkeypatch.setattr(int4_decode_hopper, "int4_decode_hopper",
+                        lambda *a, **k: calls.append(k.get("layer") is not None) or real(*a, **k))
+    spec = Spec(bits=4, granularity="group", group_size=128, symmetric=False)
+
+    def qkv(seed):
+        return {name: {"kernel": quantize((jax.random.normal(jax.random.key(seed + i), (512, 128)) * 0.1).astype(
+            jnp.bfloat16), spec)} for i, name in enumerate(("q_proj", "k_proj", "v_proj"))}
+
+    params = qkv(0)
+    device = config.target_device().device_kind
+    key = dispatch_table.Key(device, "int4_decode_hopper", 4, 128, 512, 384, dispatch_table.row_bucket(2), "bfloat16")
+    table = lambda p: dispatch_table.Table(device, {key: {"pallas_s": p, "xla_s": 1.0, "bf16_s": 1.0}})  # noqa: E731
+    x = jax.random.normal(jax.random.key(9), (2, 512)).astype(jnp.bfloat16)
+    with native.disabled(), config.interpret(True):
+        for measured in (None, table(2.0)):  # unmeasured; slower than the path it replaces
+            with dispatch_table.use(measured) if measured else dispatch_table.use(dispatch_table.Table(device, {})):
+                laid = decode_layout.for_decode(params, rows=2)
+            assert isinstance(laid["qkv_proj"]["kernel"], decode_layout.Int4WordKernel)
+        with dispatch_table.use(table(0.5)):
+            laid = decode_layout.for_decode(params, rows=2)
+            other = decode_layout.for_decode(qkv(3), rows=2)
+        rows = laid["qkv_proj"]["kernel"]
+        stack = jax.tree.map(lambda a, b: jnp.stack([a, b]), other["qkv_proj"]["kernel"], rows)  # layer 1: rows
+        assert isinstance(rows, decode_layout.Int4RowKernel) and rows.w.qvalue.dtype == jnp.int4
+        assert rows.w.qvalue.shape == (384, 512) and rows.shape == (512, 384)
+        got = ops.linear(x, rows)
+        in_place = ops.linear(x, LayerSlice(stack, jnp.int32(1)))
+        assert calls == [False, True]
+        xla = ops.linear(x, rows.packed(), backend="xla")
+    joined = decode_layout.stack_quantized([params[n]["kernel"] for n in ("q_proj", "k_proj", "v_proj")], axis=1)
+    np.testing.assert_array_equal(np.asarray(rows.packed().qvalue), np.asarray(joined.qvalue))
+    eps = float(jnp.finfo(jnp.bfloat16).eps)
+    for y in (got, in_place):
+        np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(xla, np.float32), rtol=4 * eps, atol=0.02)

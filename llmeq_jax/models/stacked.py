@@ -163,14 +163,14 @@ def norms_in_place(blocks, in_place: bool) -> bool:
 def block_at(blocks, layer, in_place: bool, floats: bool, norms: bool = False):
     """Block ``layer`` of the stacked ``blocks``: every array sliced, except the kernels a kernel can
     read in place, which stay stacked behind a :class:`LayerSlice`: row-major kernels (native CPU
-    decode), int4 word kernels (GPU decode), when ``in_place`` (Pallas) 2-D uniform-grid QArrays, when
+    decode), int4 word and row kernels (GPU decode), when ``in_place`` (Pallas) 2-D uniform-grid QArrays, when
     ``norms`` (:func:`norms_in_place`) the norms' scales (``pallas_kernels.rms_norm``), and when ``floats``
     (:func:`float_views`) float kernels (``ops.linear`` and the norms still slice those unless a kernel takes
     them)."""
-    from llmeq_jax.decode_layout import Int4WordKernel, RowMajorKernel
+    from llmeq_jax.decode_layout import Int4RowKernel, Int4WordKernel, RowMajorKernel
 
     def one(path, leaf):
-        if isinstance(leaf, (RowMajorKernel, Int4WordKernel)) or (
+        if isinstance(leaf, (RowMajorKernel, Int4WordKernel, Int4RowKernel)) or (
                 in_place and isinstance(leaf, QArray) and len(leaf.shape) == 2 and leaf.grid != "log2"):
             return LayerSlice(leaf, layer)
         if floats and _is_float_kernel(path, leaf):
