@@ -146,10 +146,11 @@ def test_bench_kernels_gpu_steps_run_through_in_interpret_mode(capsys, monkeypat
     assert out.count("sweep w8_nk_f16 M=1") == len(bench._int8_f16_sweep()) + 2
 
 
-def _prompt_kind_bench(capsys, monkeypatch, sweep_fn: str, settings, kinds: tuple, weight=(256, 256)):
+def _prompt_kind_bench(capsys, monkeypatch, sweep_fn: str, settings, kinds: tuple, weight=(256, 256),
+                       no_settings: tuple = ()):
     """bench_kernels on one small weight at 1 and 64 rows in GPU interpret mode, --sweep at 64 rows with ``settings``
-    (a list, or a function of ``sweep_fn``'s arguments) in place of ``sweep_fn``'s: (its output, the table entries
-    it wrote)."""
+    (a list, or a function of ``sweep_fn``'s arguments) in place of ``sweep_fn``'s, and none for the sweeps
+    ``no_settings`` name: (its output, the table entries it wrote)."""
     from pallas_kernels import config
 
     bench = _script("bench_kernels")
@@ -157,6 +158,8 @@ def _prompt_kind_bench(capsys, monkeypatch, sweep_fn: str, settings, kinds: tupl
     monkeypatch.setattr(bench, "PREFILL_WORDS_SWEEP_ROWS", (64,))
     monkeypatch.setattr(bench, "SWEEP_WEIGHT", weight)
     monkeypatch.setattr(bench, sweep_fn, settings if callable(settings) else lambda: settings)
+    for other in no_settings:
+        monkeypatch.setattr(bench, other, lambda *_: [])
     table = []
     with config.interpret(True):
         bench.gpu_bench(1, sweep=True, table=table, kinds_wanted=kinds, weights=(weight,), attention=False,
@@ -233,6 +236,26 @@ def test_bench_kernels_times_the_hopper_weight_only_kernel_against_xlas_path(cap
     assert [entry[:3] for entry in entries] == [(8, None, 64), (4, 128, 64)]
     assert all(t["xla_s"] > 0 and t["pallas_s"] > 0 for *_, t in entries)
     assert out.count("failed: ValueError: weight_only_hopper:") == 2
+
+
+def test_bench_kernels_times_the_hopper_decode_kernel_against_the_words_and_xla(capsys, monkeypatch):
+    """w4_decode_hopper (GPU interpret mode, a tiny weight): timed at decode rows only, its table entry (kernel
+    int4_decode_hopper) against the faster of the word kernel (w4_words, timed in the same row) and XLA's path; --sweep
+    runs its settings at one row, one it refuses (3 K splits of 4 steps) costing its own line."""
+    from pallas_kernels.int4_decode_hopper import DecodeBlocks
+
+    settings = [dict(blocks=DecodeBlocks(stages=2)), dict(blocks=DecodeBlocks(splits=3))]
+    out, table = _prompt_kind_bench(capsys, monkeypatch, "_decode_hopper_sweep", lambda k: settings,
+                                    ("bf16", "w4g128", "w4_words", "w4_decode_hopper"), weight=(512, 256),
+                                    no_settings=("_words_sweep",))
+    assert "512x256     1 w4_decode_hopper" in out and "512x256    64 w4_decode_hopper" not in out
+    assert "x w4_words)" in out
+    times = {k.kernel: t for k, t in table if k.rows == 1}
+    hopper = times["int4_decode_hopper"]
+    assert table[-1][0].bits == 4 and table[-1][0].group == 128 and hopper["pallas_s"] > 0
+    assert hopper["xla_s"] <= times["int4_words"]["pallas_s"]  # the faster of what it replaces
+    assert out.count("sweep w4_decode_hopper M=1") == 4  # bf16, the defaults, each setting (one failed)
+    assert out.count("failed: ValueError: int4_decode_hopper: 3 K splits") == 1
 
 
 def test_bench_kernels_attention_step_times_the_kernel_and_xlas_dots(capsys, monkeypatch):

@@ -184,6 +184,46 @@ for _shape in HOPPER_WEIGHT_ONLY:
         return label, *compare(y, r, REL[dtype]), None
 
 
+HOPPER_INT4_DECODE = [  # (M, K, N, group, zero points, layer of a stack of 3 or None, bias, dtype):
+    # pallas_kernels.int4_decode_hopper over (N, K) int4 rows, its Mosaic GPU register layouts (interpret mode
+    # simulates none)
+    (1, 4096, 4096, 128, True, None, False, BF16),  # issue #15's batch-1 row, rtn-w4-g128's zero points
+    (16, 4096, 11008, 128, False, 1, False, BF16),  # 16 rows, a layer of a stack in place
+    (5, 11008, 4096, 128, True, 2, True, F16),  # 43 splits of 2 steps, bias
+    (3, 4096, 12288, None, True, None, False, BF16),  # per channel (one group over K)
+]
+
+for _shape in HOPPER_INT4_DECODE:
+
+    @case
+    def _int4_decode_hopper(shape=_shape):
+        from llmeq_jax.core.qarray import pack
+        from pallas_kernels.int4_decode_hopper import int4_decode_hopper, transpose_codes
+
+        m, k, n, group, zp, layer, bias, dtype = shape
+        rng = np.random.default_rng(m + k)
+        groups = 1 if group is None else k // group
+        codes = jnp.asarray(rng.integers(-8, 8, (3, k, n)), jnp.int8)
+        scales = jnp.asarray(rng.uniform(0.001, 0.01, (3, groups, n)), jnp.float32)
+        zeros = jnp.asarray(rng.integers(-4, 5, (3, groups, n)), jnp.int8) if zp else None
+        x = jax.random.normal(jax.random.key(m), (m, k)).astype(dtype)
+        b = jnp.linspace(-1, 1, n).astype(dtype) if bias else None
+        one = 0 if layer is None else layer
+        z_one = None if zeros is None else zeros[one]
+        rows = transpose_codes(codes)
+        if layer is None:
+            y = jax.jit(lambda x, w, s, z: int4_decode_hopper(x, w, s, zero_point=z, group=group, bias=b))(
+                x, rows[0], scales[0], z_one)
+        else:
+            y = jax.jit(lambda x, w, s, z, i: int4_decode_hopper(x, w, s, zero_point=z, group=group, bias=b,
+                                                                 layer=i))(x, rows, scales, zeros, jnp.int32(layer))
+        r = reference(weight_only_reference, x, pack(codes[one], 4, axis=0), scales[one], bits=4, w_zero_point=z_one,
+                      bias=b, group=group)
+        label = f"int4 decode hopper M={m} K={k} N={n} group={group} zp={zp} layer={layer} bias={bias} " \
+                f"{jnp.dtype(dtype).name}"
+        return label, *compare(y, r, REL[dtype]), None
+
+
 FP8_SHAPES = [  # (M, K, N, group, static act scale, dtype): FP8 (E4M3) W8A8, sm_89+
     (1, 96, 80, None, False, F32),
     (37, 130, 90, 32, True, F32),
