@@ -88,15 +88,9 @@ class RowMajorKernel:
         return dataclasses.replace(self.w, qvalue=qvalue, bits=max(self.w.bits, 4))
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Int4WordKernel:
-    """An ``(in, out)`` int4 kernel whose codes are stored as 32-bit words of eight ``in`` values
-    (:func:`pallas_kernels.int4_words.pack_words`, ``(in'/8, out)`` int32) for the GPU decode kernel
-    that reads them: ``w.qvalue`` holds the words; scales, zero points, shape and tile are the
-    original QArray's (a stack [L, ...] too)."""
-
-    w: QArray
+class _Int4Layout:
+    """What the GPU decode layouts of an int4 QArray ``w`` share: the kernel's logical shape and its scales'
+    group, whatever the layout of its codes."""
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -107,6 +101,17 @@ class Int4WordKernel:
     def group(self) -> int | None:
         """The scales' group size along ``in`` (None: one scale per output column)."""
         return scale_group(self.w)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Int4WordKernel(_Int4Layout):
+    """An ``(in, out)`` int4 kernel whose codes are stored as 32-bit words of eight ``in`` values
+    (:func:`pallas_kernels.int4_words.pack_words`, ``(in'/8, out)`` int32) for the GPU decode kernel
+    that reads them: ``w.qvalue`` holds the words; scales, zero points, shape and tile are the
+    original QArray's (a stack [L, ...] too)."""
+
+    w: QArray
 
     def packed(self) -> QArray:
         """The same kernel with its codes two per byte along ``in`` again (for XLA's path)."""
@@ -117,23 +122,13 @@ class Int4WordKernel:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Int4RowKernel:
+class Int4RowKernel(_Int4Layout):
     """An ``(in, out)`` int4 kernel whose codes are stored ``(out, in)`` as ``jnp.int4``, each output's ``in`` values
     contiguous (:func:`pallas_kernels.int4_decode_hopper.transpose_codes`), for the Mosaic GPU decode kernel that
     reads them as wgmma's A operand: ``w.qvalue`` holds them; scales, zero points, shape and tile are the original
     QArray's (a stack [L, ...] too)."""
 
     w: QArray
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """The kernel's logical ``(in, out)`` shape (what ``ops.linear`` checks)."""
-        return self.w.shape
-
-    @property
-    def group(self) -> int | None:
-        """The scales' group size along ``in`` (None: one scale per output column)."""
-        return scale_group(self.w)
 
     def packed(self) -> QArray:
         """The same kernel with its codes two per byte along ``in`` again (for XLA's path)."""

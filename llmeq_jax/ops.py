@@ -122,11 +122,8 @@ def linear(
     if isinstance(w, RowMajorKernel):
         y = _linear_row_major(x, w, act if act is not None else w.w.act_spec, backend)
         return y if bias is None else y + bias.astype(y.dtype)
-    if isinstance(w, Int4WordKernel):
-        y = _linear_words(x, w, backend)
-        return y if bias is None else y + bias.astype(y.dtype)
-    if isinstance(w, Int4RowKernel):
-        y = _linear_int4_rows(x, w, backend)
+    if isinstance(w, (Int4WordKernel, Int4RowKernel)):
+        y = _linear_int4_layout(x, w, backend)
         return y if bias is None else y + bias.astype(y.dtype)
     if isinstance(w, PanelKernel):
         y = _linear_panels(x, w, backend)
@@ -166,10 +163,8 @@ def _linear_layer_slice(x, w: LayerSlice, act, backend):
         return y if y is not None else linear(x, w.value(), act=act, backend=backend)
     if isinstance(w.stack, RowMajorKernel):
         return _linear_row_major(x, w.stack, act if act is not None else w.stack.w.act_spec, backend, w.layer)
-    if isinstance(w.stack, Int4WordKernel):
-        return _linear_words(x, w.stack, backend, w.layer)
-    if isinstance(w.stack, Int4RowKernel):
-        return _linear_int4_rows(x, w.stack, backend, w.layer)
+    if isinstance(w.stack, (Int4WordKernel, Int4RowKernel)):
+        return _linear_int4_layout(x, w.stack, backend, w.layer)
     if backend != "xla" and w.stack.grid != "log2":
         y = kernel_dispatch.linear(x, w.stack, act if act is not None else w.stack.act_spec, layer=w.layer)
         if y is not None:
@@ -328,27 +323,17 @@ def swiglu_fuses(x: jax.Array, w: Any) -> bool:
     return _native_rows_ok(x, _native_kind(w, None)) and native.enabled() and native.supports_kn(w) is None
 
 
-def _linear_words(x, w: Int4WordKernel, backend, layer=None):
-    """``x @ kernel`` for an int4 kernel stored as words: the Pallas word kernel where kernels run (with
-    ``layer``, reading that layer of the stack in place), else the codes packed again for XLA's path."""
+def _linear_int4_layout(x, w: Int4WordKernel | Int4RowKernel, backend, layer=None):
+    """``x @ kernel`` for an int4 kernel in a GPU decode layout -- words (the Pallas word kernel) or ``(out, in)``
+    int4 rows (the Mosaic GPU decode kernel) -- where its kernel runs (with ``layer``, reading that layer of the
+    stack in place), else the codes packed again for XLA's path."""
     if backend != "xla":
-        y = kernel_dispatch.linear_words(x, w.w, require=backend == "pallas", layer=layer)
+        kernel = kernel_dispatch.linear_words if isinstance(w, Int4WordKernel) else kernel_dispatch.linear_rows
+        y = kernel(x, w.w, require=backend == "pallas", layer=layer)
         if y is not None:
             return y
     if layer is not None:
-        w = Int4WordKernel(LayerSlice(w.w, layer).value())
-    return linear(x, w.packed(), backend=backend)
-
-
-def _linear_int4_rows(x, w: Int4RowKernel, backend, layer=None):
-    """``x @ kernel`` for an int4 kernel stored as ``(out, in)`` int4 rows: the Mosaic GPU decode kernel where it
-    runs (with ``layer``, reading that layer of the stack in place), else the codes packed again for XLA's path."""
-    if backend != "xla":
-        y = kernel_dispatch.linear_rows(x, w.w, require=backend == "pallas", layer=layer)
-        if y is not None:
-            return y
-    if layer is not None:
-        w = Int4RowKernel(LayerSlice(w.w, layer).value())
+        w = type(w)(LayerSlice(w.w, layer).value())
     return linear(x, w.packed(), backend=backend)
 
 

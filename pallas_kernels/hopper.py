@@ -57,6 +57,20 @@ def check_blocks(blocks, tile_k_multiple: int) -> None:
         raise ValueError(f"{name}: snake_width must be >= 1, got {b.snake_width}")
 
 
+def check_scales(name: str, scale, zero_point, bias, lead: tuple, groups: int, n: int, group) -> None:
+    """One ValueError naming ``name`` where a weight-only kernel's scale ``(*lead, groups, n)``, integer zero points
+    of the scale's shape, or bias ``(n,)`` are not that."""
+    if scale.shape != (*lead, groups, n):
+        raise ValueError(f"{name}: scale has shape {scale.shape}, expected {(*lead, groups, n)} "
+                         f"({'per channel' if group is None else f'groups of {group}'})")
+    if zero_point is not None and (zero_point.shape != scale.shape or not jnp.issubdtype(zero_point.dtype,
+                                                                                          jnp.integer)):
+        raise ValueError(f"{name}: zero_point {zero_point.shape} {zero_point.dtype}, expected integers of the "
+                         f"scale's shape {scale.shape}")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"{name}: bias has shape {bias.shape}, expected {(n,)}")
+
+
 def snake_tile(t, m_tiles: int, n_tiles: int, width: int, minor_n: bool):
     """Output tile ``t``'s (row, column) block in a snake order: bands of ``width`` blocks across the minor
     dimension (N with ``minor_n``), walked along the major one, every other band backwards, so that the programs

@@ -10,16 +10,17 @@ longer-lived programs streaming more bytes each. This kernel is that structure, 
 built (Machete; JAX's ``hopper_mixed_type_matmul_mgpu``):
 
 - **One program per SM, walking work items** (a 128-row block of the outputs and a split of K), a producer
-  warpgroup issuing TMA copies of the weights' ``(128, tile_k)`` int4 tile, x's ``(Mp, tile_k)`` tile and the
-  step's group rows into a ring of ``stages`` slots -- it runs ahead into the next item while the last one's steps
-  are computed, so the ring is filled once per call, not once per item.
+  warpgroup issuing TMA copies of the weights' ``(128, 128)`` int4 tiles (two a 256-value step by default), x's
+  ``(Mp, tile_k)`` tile and the step's group rows into a ring of ``stages`` slots -- it runs ahead into the next item
+  while the last one's steps are computed, so the ring is filled once per call, not once per item.
 - **The transposed product**, ``y^T = dequantize(W)^T @ x^T``: the weights are wgmma's A operand (64 output rows a
   compute warpgroup) and x's few rows its N dimension (8 or 16), so no MMA is spent on padding rows of x beyond 8.
   A warpgroup loads its half of the int4 tile from shared memory eight codes a register, moves them into wgmma's
   layout and converts them there with Mosaic GPU's int4 -> bf16 bit tricks (:func:`_load_codes`); zero points come
-  off in bf16 (``q - z`` is exact). sm_90a SASS (deviceless): 238 instructions a compute thread a 128-value step with
-  zero points, 197 without (3.7 / 3.1 a weight), eight ``HGMMA.64x8x16``, 168 registers, no spills.
-- **Scales on the accumulator**: each step's product ``(q - z) @ x^T`` (``tile_k`` K values, within one group) runs
+  off in bf16 (``q - z`` is exact). A step's second 128-value chunk is converted while the first one's wgmma runs.
+  sm_90a SASS (deviceless): 441 instructions a compute thread a 256-value step with zero points, 374 without (3.4 /
+  2.9 a weight), sixteen ``HGMMA.64x8x16``, 168 registers, no spills.
+- **Scales on the accumulator**: each chunk's product ``(q - z) @ x^T`` (128 K values, within one group) runs
   into a fresh (64, Mp) accumulator -- 8 float32 values a thread at Mp = 16 -- and is added as ``s acc`` in float32.
   XLA's path rounds ``(q - z) s`` into bf16 before its GEMM (``QArray.dequantize``); here no weight is rounded, so
   the result is the real-valued product's within float32 sums and one rounding. Scales and zero points are read in
@@ -38,8 +39,8 @@ Contract:
   zero_point   (G, N)     integers as stored, or None (symmetric); or (L, G, N)
   bias         (N,)       or None
   -> y         (M, N)     x's dtype
-Needs M <= 16, N % 128 == 0, K % tile_k == 0, and per-channel scales or a group that divides K and is a multiple of
-tile_k (:func:`can_use`); sm_90 only.
+Needs M <= 16, N % 128 == 0, K % tile_k == 0, and per-channel scales or a group of a multiple of 128 values that
+divides K and divides or is a multiple of tile_k (:func:`can_use`); sm_90 only.
 """
 
 from __future__ import annotations
@@ -55,20 +56,22 @@ from pallas_kernels import config, hopper
 
 MAX_ROWS = 16  # wgmma's N dimension here: x's rows padded to 8 or 16
 ROWS_PER_WG = 64  # output rows a compute warpgroup owns (wgmma's M)
+CHUNK = 128  # K values of one wgmma chain: the int4 tile's 64-byte rows, one TMA copy (a tile is sliced only here)
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeBlocks:
-    """Launch settings: K values a ring step carries (``tile_k``), the ring's slots, and the K splits (None: enough
-    work items for every SM, :func:`splits_for`)."""
+    """Launch settings: K values a ring step carries (``tile_k``: one or more 128-value chunks, each its own TMA copy
+    and wgmma chain -- a step's second chain is converted while its first runs), the ring's slots, and the K splits
+    (None: :func:`splits_for`)."""
 
-    tile_k: int = 128
-    stages: int = 6
+    tile_k: int = 256
+    stages: int = 4
     splits: int | None = None
 
     def __post_init__(self):
-        if self.tile_k % 128 or self.stages < 2 or (self.splits is not None and self.splits < 1):
-            raise ValueError(f"DecodeBlocks: tile_k a multiple of 128 (the int4 tile's 64-byte rows and swizzle), "
+        if self.tile_k % CHUNK or self.stages < 2 or (self.splits is not None and self.splits < 1):
+            raise ValueError(f"DecodeBlocks: tile_k a multiple of {CHUNK} (the int4 tile's 64-byte rows and swizzle), "
                              f"stages >= 2, splits >= 1; got {self}")
 
 
@@ -85,21 +88,28 @@ def padded_rows(m: int) -> int:
 
 def splits_for(items: int, k_steps: int, sms: int, step_bytes: int, split_bytes: int) -> int:
     """K splits of each block of outputs (``items`` blocks, ``k_steps`` ring steps of ``step_bytes`` weight bytes
-    each): the divisor of the steps, keeping at least two steps a split, that minimizes a bytes model of the call --
-    the SMs' busiest stream (``ceil(items * splits / sms)`` work items of ``k_steps / splits`` steps, at an SM's share
-    of the bandwidth) plus each split's float32 partial sums written and read again (``split_bytes`` each).
-    4096 x 4096 at one row: 4 splits, 128 work items on 132 SMs."""
-    divisors = [s for s in range(1, k_steps + 1) if k_steps % s == 0 and k_steps // s >= 2] or [1]
-
+    each; a split takes ``k_steps / splits`` steps, rounded either way, :func:`split_steps`): the count, keeping at
+    least two steps a split, that minimizes a bytes model of the call -- the SMs' busiest stream (``ceil(items *
+    splits / sms)`` work items of the longest split's steps, at an SM's share of the bandwidth) plus each split's
+    float32 partial sums written and read again (``split_bytes`` each). 4096 x 4096 at one row: 4 splits, 128 work
+    items on 132 SMs."""
     def cost(splits):
-        return math.ceil(items * splits / sms) * (k_steps // splits) * step_bytes * sms + 2 * splits * split_bytes
+        longest = -(-k_steps // splits)
+        return math.ceil(items * splits / sms) * longest * step_bytes * sms + 2 * splits * split_bytes
 
-    return min(divisors, key=cost)
+    return min(range(1, max(1, k_steps // 2) + 1), key=cost)
+
+
+def split_steps(si, k_steps: int, splits: int):
+    """(first step, steps) of K split ``si`` of ``splits`` over ``k_steps`` steps: as even as whole steps allow."""
+    first = si * k_steps // splits
+    return first, (si + 1) * k_steps // splits - first
 
 
 def _shared_bytes(tile_k: int, rows: int, stages: int, has_zp: bool, item: int) -> int:
-    step = 2 * ROWS_PER_WG * tile_k // 2 + rows * tile_k * item  # the int4 tile, x's tile
-    step += 2 * ROWS_PER_WG * 4 * (1 + int(has_zp))  # the group's scale and zero-point rows (at most 4 bytes each)
+    step = 2 * ROWS_PER_WG * tile_k // 2 + rows * tile_k * item  # the int4 tiles, x's tile
+    # the groups' scale and zero-point rows (at most 4 bytes each)
+    step += 2 * ROWS_PER_WG * 4 * (1 + int(has_zp)) * max(1, tile_k // CHUNK)
     return stages * step + 2 * ROWS_PER_WG * rows * 4  # the two warpgroups' output tiles
 
 
@@ -117,8 +127,9 @@ def can_use(x_shape, x_dtype, w_dtype, k: int, n: int, group: int | None,
         return False, f"codes of dtype {jnp.dtype(w_dtype).name} (expected int4 in the (N, K) decode layout)"
     if k % b.tile_k or n % (2 * ROWS_PER_WG):
         return False, f"K {k} not a multiple of {b.tile_k} or N {n} not of {2 * ROWS_PER_WG}"
-    if group is not None and (k % group or group % b.tile_k):
-        return False, f"group {group} (the kernel takes groups that divide K and are multiples of tile_k {b.tile_k})"
+    if group is not None and (k % group or group % CHUNK or (group % b.tile_k and b.tile_k % group)):
+        return False, (f"group {group} (the kernel takes groups that divide K, are multiples of {CHUNK} and divide "
+                       f"or are multiples of tile_k {b.tile_k})")
     return hopper.wgmma_available()
 
 
@@ -131,18 +142,10 @@ def _check(x, w_t, scale, zero_point, group, bias, layer, blocks: DecodeBlocks):
     ok, why = can_use(x.shape, x.dtype, w_t.dtype, k, n, group, blocks)
     if not ok:
         raise ValueError(f"int4_decode_hopper: {why}")
-    groups = 1 if group is None else k // group
-    if scale.shape != (*lead, groups, n):
-        raise ValueError(f"int4_decode_hopper: scale has shape {scale.shape}, expected {(*lead, groups, n)} "
-                         f"({'per channel' if group is None else f'groups of {group}'})")
+    hopper.check_scales("int4_decode_hopper", scale, zero_point, bias, lead, 1 if group is None else k // group, n,
+                        group)
     if not jnp.issubdtype(scale.dtype, jnp.floating):
         raise ValueError(f"int4_decode_hopper: scale of dtype {scale.dtype}, expected floats")
-    if zero_point is not None and (zero_point.shape != scale.shape or not jnp.issubdtype(zero_point.dtype,
-                                                                                          jnp.integer)):
-        raise ValueError(f"int4_decode_hopper: zero_point {zero_point.shape} {zero_point.dtype}, expected integers "
-                         f"of the scale's shape {scale.shape}")
-    if bias is not None and bias.shape != (n,):
-        raise ValueError(f"int4_decode_hopper: bias has shape {bias.shape}, expected {(n,)}")
 
 
 def _load_codes(ref, dtype, interpret: bool):
@@ -176,33 +179,38 @@ def _kernel(x_gmem, w_gmem, s_gmem, *rest, k: int, n: int, rows: int, group: int
         w_gmem, s_gmem = w_gmem.at[layer], s_gmem.at[layer]
         z_gmem = None if z_gmem is None else z_gmem.at[layer]
     (o_gmem,) = rest
-    blocks, k_split = n // (2 * ROWS_PER_WG), k // splits
+    blocks, k_steps = n // (2 * ROWS_PER_WG), k // tile_k
+    longest = -(-k_steps // splits)  # every split's pipeline runs this many steps; a shorter one's last ones are void
 
-    def pipeline(body, context, si):
-        # block indices of this split's steps: a step's K tile, and the group's row of scales (a group spans one
-        # or more whole steps)
-        k_block = lambda kb: si * (k_split // tile_k) + kb  # noqa: E731
-        group_block = lambda kb: (k_block(kb) * tile_k // group, 0)  # noqa: E731
-        rows_of = lambda cols: plgpu.BlockSpec((1, cols), group_block, memory_space=plgpu.SMEM)  # noqa: E731
-        specs = [plgpu.BlockSpec((2 * ROWS_PER_WG, tile_k), lambda kb: (0, k_block(kb)),
-                                 transforms=hopper.swizzled(tile_k, jnp.int4), memory_space=plgpu.SMEM),
-                 plgpu.BlockSpec((rows, tile_k), lambda kb: (0, k_block(kb)),
-                                 transforms=hopper.swizzled(tile_k, x_gmem.dtype), memory_space=plgpu.SMEM),
-                 rows_of(2 * ROWS_PER_WG)]
-        # the zero points' row of the group
+    chunks = tile_k // CHUNK
+    group_rows = max(1, tile_k // group)  # scale rows a step reads: one per group it holds
+
+    def pipeline(body, context, first, steps):
+        # block indices of this split's steps: a step's K tile, its chunks' weight tiles (one TMA copy each: Mosaic
+        # GPU slices a swizzled int4 tile only at whole swizzle rows), and its groups' rows of scales
+        k_block = lambda kb: first + jnp.minimum(kb, steps - 1)  # noqa: E731 -- a void step reads the last again
+        group_block = lambda kb: (k_block(kb) * tile_k // group // group_rows, 0)  # noqa: E731
+        rows_of = lambda cols: plgpu.BlockSpec((group_rows, cols), group_block, memory_space=plgpu.SMEM)  # noqa: E731
+        chunk = lambda c: plgpu.BlockSpec((2 * ROWS_PER_WG, CHUNK), lambda kb: (0, k_block(kb) * chunks + c),  # noqa: E731
+                                          transforms=hopper.swizzled(CHUNK, jnp.int4), memory_space=plgpu.SMEM)
+        specs = [chunk(c) for c in range(chunks)]
+        specs += [plgpu.BlockSpec((rows, tile_k), lambda kb: (0, k_block(kb)),
+                                  transforms=hopper.swizzled(tile_k, x_gmem.dtype), memory_space=plgpu.SMEM),
+                  rows_of(2 * ROWS_PER_WG)]
+        # the zero points' rows of the groups
         specs += [rows_of(2 * ROWS_PER_WG)] if has_zp else []
         return plgpu.emit_pipeline_warp_specialized(
-            body, grid=(k_split // tile_k,), memory_registers=40, in_specs=specs, wg_axis="wg", num_compute_wgs=2,
+            body, grid=(longest,), memory_registers=40, in_specs=specs, wg_axis="wg", num_compute_wgs=2,
             max_concurrent_steps=stages, compute_context=context)
 
     def operands(bi):
         block = pl.ds(bi * 2 * ROWS_PER_WG, 2 * ROWS_PER_WG)
-        ops = [w_gmem.at[block], x_gmem, s_gmem.at[:, block]]
+        ops = [w_gmem.at[block]] * chunks + [x_gmem, s_gmem.at[:, block]]
         return ops + ([z_gmem.at[:, block]] if has_zp else [])
 
     ignore = lambda *_, **__: None  # noqa: E731 -- the allocations do not depend on the bodies
 
-    @functools.partial(pl.run_scoped, ring=pipeline(ignore, ignore, 0).get_allocations(*operands(0)),
+    @functools.partial(pl.run_scoped, ring=pipeline(ignore, ignore, 0, 1).get_allocations(*operands(0)),
                        out_smem=plgpu.SMEM((2, ROWS_PER_WG, rows), jnp.float32), collective_axes="wg")
     def _scope(ring, out_smem):
         wg = lax.axis_index("wg")
@@ -212,6 +220,7 @@ def _kernel(x_gmem, w_gmem, s_gmem, *rest, k: int, n: int, rows: int, group: int
         def _item(info):
             (item,) = info.index
             bi, si = item // splits, item % splits
+            first, steps = split_steps(si, k_steps, splits)
 
             def context(run_k_loop):
                 total = run_k_loop(jnp.zeros((ROWS_PER_WG, rows), jnp.float32))
@@ -221,24 +230,34 @@ def _kernel(x_gmem, w_gmem, s_gmem, *rest, k: int, n: int, rows: int, group: int
                 plgpu.copy_smem_to_gmem(out_smem.at[wg],
                                         o_gmem.at[si, pl.ds(bi * 2 * ROWS_PER_WG + wg * ROWS_PER_WG, ROWS_PER_WG)])
 
-            def step(index, w_smem, x_smem, s_row, *zp_rows_and_total):
-                *zp_rows, total = zp_rows_and_total
-                codes = _load_codes(w_smem.at[mine], x_gmem.dtype, interpret)
-                if has_zp:  # q - z, exact in bf16 / f16 (|q - z| <= 15)
-                    (z_row,) = zp_rows
-                    z = z_row[0, mine].astype(x_gmem.dtype)
-                    codes = codes - hopper.broadcast(z, codes.shape, False, interpret)
+            def step(index, *refs_and_total):
+                w_chunks, (x_smem, s_rows), total = refs_and_total[:chunks], refs_and_total[chunks:chunks + 2], \
+                    refs_and_total[-1]
+                z_rows = refs_and_total[chunks + 2] if has_zp else None
+                group_row = lambda c: c * CHUNK // group if group < tile_k else 0  # noqa: E731
 
-                def chain(acc_ref):
-                    plgpu.wgmma(acc_ref, codes, plgpu.transpose_ref(x_smem, (1, 0)))
-                    return acc_ref[...]
+                def codes(c):  # chunk c's (q - z) in x's dtype, exact (|q - z| <= 15)
+                    q = _load_codes(w_chunks[c].at[mine], x_gmem.dtype, interpret)
+                    if not has_zp:
+                        return q
+                    z = z_rows[group_row(c), mine].astype(x_gmem.dtype)
+                    return q - hopper.broadcast(z, q.shape, False, interpret)
 
-                part = pl.run_scoped(chain, plgpu.ACC((ROWS_PER_WG, rows), jnp.float32))  # q @ x^T of this step
-                per_row = functools.partial(hopper.broadcast, shape=(ROWS_PER_WG, rows), along_rows=False,
-                                            interpret=interpret)
-                return total + per_row(s_row[0, mine].astype(jnp.float32)) * part
+                def chains(*acc_refs):  # chunk c + 1 is converted while chunk c's wgmma runs
+                    for c, acc_ref in enumerate(acc_refs):
+                        x_t = plgpu.transpose_ref(x_smem.at[:, pl.ds(c * CHUNK, CHUNK)], (1, 0))
+                        plgpu.wgmma(acc_ref, codes(c), x_t)
+                    return [acc_ref[...] for acc_ref in acc_refs]
 
-            pipeline(step, context, si)(*operands(bi), allocations=ring)
+                shape = (ROWS_PER_WG, rows)
+                parts = pl.run_scoped(chains, *[plgpu.ACC(shape, jnp.float32) for _ in range(chunks)])
+                live = (index[0] < steps).astype(jnp.float32)  # 0: a shorter split's void last step
+                for c, part in enumerate(parts):  # s (q - z) @ x^T, each chunk's product on its group's scale
+                    scale = s_rows[group_row(c), mine].astype(jnp.float32) * live
+                    total = total + hopper.broadcast(scale, shape, False, interpret) * part
+                return total
+
+            pipeline(step, context, first, steps)(*operands(bi), allocations=ring)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -262,10 +281,10 @@ def int4_decode_hopper(x, w_t, scale, *, zero_point=None, group: int | None = No
     k_steps = k // b.tile_k
     splits = b.splits or splits_for(n // (2 * ROWS_PER_WG), k_steps, hopper.num_sms(interpret),
                                     step_bytes=2 * ROWS_PER_WG * b.tile_k // 2, split_bytes=n * rows * 4)
-    if k_steps % splits:
-        raise ValueError(f"int4_decode_hopper: {splits} K splits do not divide the {k_steps} steps of {b.tile_k}")
+    if splits > k_steps:
+        raise ValueError(f"int4_decode_hopper: {splits} K splits of {k_steps} steps of {b.tile_k} values")
     has_zp = zero_point is not None
-    stages = hopper.stages_that_fit(b.stages, k_steps // splits,
+    stages = hopper.stages_that_fit(b.stages, -(-k_steps // splits),
                                     lambda st: _shared_bytes(b.tile_k, rows, st, has_zp, x.dtype.itemsize))
     # the scales and zero points as stored, a stack's too: the kernel reads its layer's rows in place and converts
     # them in registers (XLA's slice-and-convert was two launches a product and kept the layer's kernels out of one

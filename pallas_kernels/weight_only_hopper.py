@@ -128,16 +128,8 @@ def _check(x, wq, scale, zero_point, group, bias, layer, blocks: WeightOnlyBlock
         raise ValueError(f"weight_only_hopper expects x (M, K) and int{bits} wq "
                          f"{f'(L, {rows}, N)' if lead else f'({rows}, N)'}; got {x.shape} and {wq.shape}")
     k, n = x.shape[1], wq.shape[-1]
-    groups = 1 if group is None else k // group
-    if scale.shape != (*lead, groups, n):
-        raise ValueError(f"weight_only_hopper: scale has shape {scale.shape}, expected {(*lead, groups, n)} "
-                         f"({'per channel' if group is None else f'groups of {group}'})")
-    if zero_point is not None and (zero_point.shape != scale.shape or not jnp.issubdtype(zero_point.dtype,
-                                                                                          jnp.integer)):
-        raise ValueError(f"weight_only_hopper: zero_point {zero_point.shape} {zero_point.dtype}, expected integers of "
-                         f"the scale's shape {scale.shape}")
-    if bias is not None and bias.shape != (n,):
-        raise ValueError(f"weight_only_hopper: bias has shape {bias.shape}, expected {(n,)}")
+    hopper.check_scales("weight_only_hopper", scale, zero_point, bias, lead, 1 if group is None else k // group, n,
+                        group)
     ok, why = can_use(x.shape, x.dtype, wq.dtype, k, n, group, blocks, bits)
     if not ok:
         raise ValueError(f"weight_only_hopper: {why}")

@@ -773,14 +773,16 @@ def _words_sweep(k: int, n: int):
 
 def _decode_hopper_sweep(k: int):
     """Settings of the Mosaic GPU int4 decode kernel (``int4_decode_hopper.DecodeBlocks``) tried at M = 1 on a weight
-    of ``k`` inputs: the TMA ring's depth (6 by default) and the K splits (the default from a bytes model,
-    ``splits_for``; fewer splits write fewer float32 partial sums, more keep more SMs streaming)."""
+    of ``k`` inputs: K values a ring step (256 by default: two 128-value chunks, the second converted while the first
+    one's wgmma runs; 128: one; 512: four), the TMA ring's depth (4 by default) and the K splits (the default from a
+    bytes model, ``splits_for``; fewer splits write fewer float32 partial sums, more keep more SMs streaming)."""
     from pallas_kernels.int4_decode_hopper import DecodeBlocks
 
     steps = k // DecodeBlocks().tile_k
-    splits = [s for s in (1, 2, 4, 8, 16) if steps % s == 0 and steps // s >= 2]
-    return ([dict(blocks=DecodeBlocks(stages=st)) for st in (3, 4, 8, 12)]
-            + [dict(blocks=DecodeBlocks(splits=s)) for s in splits])
+    splits = [s for s in (1, 2, 3, 4, 8, 16) if steps // s >= 2]
+    shapes = [dict(stages=3), dict(stages=6), dict(tile_k=128, stages=6), dict(tile_k=128, stages=10),
+              dict(tile_k=512, stages=2), dict(tile_k=512, stages=3)]
+    return [dict(blocks=DecodeBlocks(**kw)) for kw in shapes] + [dict(blocks=DecodeBlocks(splits=s)) for s in splits]
 
 
 def _int8_f16_sweep():

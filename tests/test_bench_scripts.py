@@ -241,7 +241,7 @@ def test_bench_kernels_times_the_hopper_weight_only_kernel_against_xlas_path(cap
 def test_bench_kernels_times_the_hopper_decode_kernel_against_the_words_and_xla(capsys, monkeypatch):
     """w4_decode_hopper (GPU interpret mode, a tiny weight): timed at decode rows only, its table entry (kernel
     int4_decode_hopper) against the faster of the word kernel (w4_words, timed in the same row) and XLA's path; --sweep
-    runs its settings at one row, one it refuses (3 K splits of 4 steps) costing its own line."""
+    runs its settings at one row, one it refuses (3 K splits of 2 steps) costing its own line."""
     from pallas_kernels.int4_decode_hopper import DecodeBlocks
 
     settings = [dict(blocks=DecodeBlocks(stages=2)), dict(blocks=DecodeBlocks(splits=3))]

@@ -143,6 +143,14 @@ for _shape in HOPPER_W8A8:
         return label, err, tol, None
 
 
+def _stacked_scales_and_x(rng, m, k, n, groups, zp, bias, dtype):
+    """A stack of 3 layers' scales (and zero points) for a weight-only kernel's case, x and the bias."""
+    scales = jnp.asarray(rng.uniform(0.001, 0.01, (3, groups, n)), jnp.float32)
+    zeros = jnp.asarray(rng.integers(-4, 5, (3, groups, n)), jnp.int8) if zp else None
+    x = jax.random.normal(jax.random.key(m), (m, k)).astype(dtype)
+    return scales, zeros, x, (jnp.linspace(-1, 1, n).astype(dtype) if bias else None)
+
+
 HOPPER_WEIGHT_ONLY = [  # (M, K, N, group, zero points, layer of a stack of 3 or None, bias, dtype, bits):
     # pallas_kernels.weight_only_hopper over int8 (K, N) codes or int4 pairs packed along K
     (2048, 4096, 11008, None, True, None, False, BF16, 8),  # the sweep's weight, per channel with zero points
@@ -165,10 +173,7 @@ for _shape in HOPPER_WEIGHT_ONLY:
             stack = jnp.asarray(rng.integers(-127, 128, (3, k, n)), jnp.int8)
         else:  # any byte is two int4 codes
             stack = jnp.asarray(rng.integers(0, 256, (3, k // 2, n)), jnp.uint8)
-        scales = jnp.asarray(rng.uniform(0.001, 0.01, (3, groups, n)), jnp.float32)
-        zeros = jnp.asarray(rng.integers(-4, 5, (3, groups, n)), jnp.int8) if zp else None
-        x = jax.random.normal(jax.random.key(m), (m, k)).astype(dtype)
-        b = jnp.linspace(-1, 1, n).astype(dtype) if bias else None
+        scales, zeros, x, b = _stacked_scales_and_x(rng, m, k, n, groups, zp, bias, dtype)
         one = 0 if layer is None else layer
         z_one = None if zeros is None else zeros[one]
         if layer is None:
@@ -189,7 +194,7 @@ HOPPER_INT4_DECODE = [  # (M, K, N, group, zero points, layer of a stack of 3 or
     # simulates none)
     (1, 4096, 4096, 128, True, None, False, BF16),  # issue #15's batch-1 row, rtn-w4-g128's zero points
     (16, 4096, 11008, 128, False, 1, False, BF16),  # 16 rows, a layer of a stack in place
-    (5, 11008, 4096, 128, True, 2, True, F16),  # 43 splits of 2 steps, bias
+    (5, 11008, 4096, 128, True, 2, True, F16),  # 43 steps of 256 in 4 uneven splits, bias
     (3, 4096, 12288, None, True, None, False, BF16),  # per channel (one group over K)
 ]
 
@@ -204,10 +209,7 @@ for _shape in HOPPER_INT4_DECODE:
         rng = np.random.default_rng(m + k)
         groups = 1 if group is None else k // group
         codes = jnp.asarray(rng.integers(-8, 8, (3, k, n)), jnp.int8)
-        scales = jnp.asarray(rng.uniform(0.001, 0.01, (3, groups, n)), jnp.float32)
-        zeros = jnp.asarray(rng.integers(-4, 5, (3, groups, n)), jnp.int8) if zp else None
-        x = jax.random.normal(jax.random.key(m), (m, k)).astype(dtype)
-        b = jnp.linspace(-1, 1, n).astype(dtype) if bias else None
+        scales, zeros, x, b = _stacked_scales_and_x(rng, m, k, n, groups, zp, bias, dtype)
         one = 0 if layer is None else layer
         z_one = None if zeros is None else zeros[one]
         rows = transpose_codes(codes)

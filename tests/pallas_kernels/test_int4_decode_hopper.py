@@ -10,7 +10,8 @@ import pytest
 
 from llmeq_jax.core.quantize import Spec, quantize
 from pallas_kernels import config
-from pallas_kernels.int4_decode_hopper import DecodeBlocks, can_use, int4_decode_hopper, splits_for, transpose_codes
+from pallas_kernels.int4_decode_hopper import DecodeBlocks, can_use, int4_decode_hopper, split_steps, splits_for, \
+    transpose_codes
 
 FAKE_H100 = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3", compute_capability="9.0")
 FAKE_A100 = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA A100-SXM4-80GB", compute_capability="8.0")
@@ -50,11 +51,12 @@ def _assert_one_rounding(got, exact, dtype):
 
 
 CASES = [  # m, k, n, group, zero point, dtype, blocks
-    (1, 512, 256, 128, True, jnp.bfloat16, None),  # batch-1 decode: x padded to 8 rows, the splits picked
-    (5, 1024, 384, 128, False, jnp.float16, DecodeBlocks(stages=3, splits=2)),  # 3 output blocks, 2 splits
+    (1, 512, 256, 128, True, jnp.bfloat16, None),  # batch-1 decode: x padded to 8 rows, two groups a step
+    (5, 1024, 384, 128, False, jnp.float16, DecodeBlocks(stages=3, splits=3)),  # 3 blocks; splits of 1, 1, 2 steps
     (16, 512, 256, None, True, jnp.bfloat16, DecodeBlocks(stages=2, splits=1)),  # per channel: one group over K
-    (9, 1024, 256, 256, True, jnp.bfloat16, DecodeBlocks(stages=4, splits=4)),  # a group over two steps
-    (12, 512, 256, None, True, jnp.bfloat16, DecodeBlocks(tile_k=256, stages=2)),  # per channel, 256-value steps
+    (9, 1024, 256, 512, True, jnp.bfloat16, DecodeBlocks(stages=4, splits=2)),  # a group over two steps
+    (12, 512, 256, 128, True, jnp.bfloat16, DecodeBlocks(tile_k=128, stages=2)),  # one chunk a step
+    (2, 1024, 256, 128, True, jnp.bfloat16, DecodeBlocks(tile_k=512, stages=2)),  # four chunks, four groups a step
 ]
 
 
@@ -89,20 +91,23 @@ def test_transposed_codes_are_the_qarrays_values_out_by_in():
     np.testing.assert_array_equal(np.asarray(rows, np.int8).T, np.asarray(q.values()))
 
 
-def test_splits_divide_the_steps_keep_two_a_split_and_fill_the_sms():
-    def splits(k, n, rows=8, sms=132):
-        return splits_for(n // 128, k // 128, sms, step_bytes=128 * 128 // 2, split_bytes=n * rows * 4)
+def test_splits_keep_two_steps_a_split_fill_the_sms_and_cover_k_evenly():
+    def splits(k, n, rows=8, sms=132, tile_k=256):
+        return splits_for(n // 128, k // tile_k, sms, step_bytes=128 * tile_k // 2, split_bytes=n * rows * 4)
 
     assert splits(4096, 4096) == 4  # 32 blocks of 128 outputs: 128 work items on 132 SMs
-    assert splits(4096, 11008) == 4  # 86 blocks: 344 items in three waves
-    for k, n in ((4096, 4096), (4096, 11008), (11008, 4096), (4096, 14336), (14336, 4096)):
+    assert splits(11008, 4096) == 4  # 43 steps (a prime): splits of 10 and 11 steps, 128 items
+    for k, n in ((4096, 4096), (4096, 11008), (11008, 4096), (4096, 14336), (14336, 4096), (4096, 22016)):
         s = splits(k, n)
-        assert (k // 128) % s == 0 and (k // 128) // s >= 2
-        assert (n // 128) * s >= 64  # at least half the SMs busy
-    assert splits(256, 4096) == 1  # two steps: not split
+        assert (k // 256) // s >= 2 and (n // 128) * s >= 64  # at least half the SMs busy
+    assert splits(512, 4096) == 1  # two steps: not split
     assert splits(4096, 4096, sms=2) == 1  # two SMs: the 32 blocks keep them busy
-    # more partial sums to write and read (16 rows, not 8): never more splits
-    assert splits(11008, 4096, rows=16) <= splits(11008, 4096, rows=8)
+    assert splits(11008, 4096, rows=16) <= splits(11008, 4096, rows=8)  # more partial sums: never more splits
+    for si_steps in ((43, 4), (16, 4), (5, 3), (2, 2)):
+        k_steps, n_splits = si_steps
+        ranges = [split_steps(si, k_steps, n_splits) for si in range(n_splits)]
+        assert [f for f, _ in ranges] == [0] + list(np.cumsum([c for _, c in ranges])[:-1])  # contiguous
+        assert sum(c for _, c in ranges) == k_steps and max(c for _, c in ranges) - min(c for _, c in ranges) <= 1
 
 
 def test_can_use_names_what_the_kernel_does_not_take():
@@ -113,9 +118,10 @@ def test_can_use_names_what_the_kernel_does_not_take():
         assert "at most 16" in ok(x_shape=(17, 512))[1]
         assert "bfloat16/float16" in ok(x_dtype=jnp.float32)[1]
         assert "(N, K) decode layout" in ok(w_dtype=jnp.uint8)[1]
-        assert "not of 128" in ok(n=320)[1] and "multiple of 128" in ok(k=576, x_shape=(1, 576))[1]
+        assert "not of 128" in ok(n=320)[1] and "multiple of 256" in ok(k=640, x_shape=(1, 640))[1]
         assert "group 64" in ok(group=64)[1] and "group 384" in ok(group=384)[1]  # 384 does not divide 512
-        assert "tile_k 256" in ok(group=128, blocks=DecodeBlocks(tile_k=256))[1]
+        assert ok(group=128, blocks=DecodeBlocks(tile_k=512)) == (True, "")  # four groups a step
+        assert "tile_k 256" in ok(group=384, k=768, x_shape=(1, 768))[1]  # neither divides the other
     with config.compiling_for(FAKE_H100):
         assert ok() == (True, "")
     with config.compiling_for(FAKE_A100):
@@ -138,7 +144,7 @@ def test_bad_input_gets_one_clear_error():
         int4_decode_hopper(x, rows, scale, bias=jnp.zeros((7,)), group=128, interpret=True)
     with pytest.raises(ValueError, match="at most 16"):
         int4_decode_hopper(jnp.zeros((17, 512), jnp.bfloat16), rows, scale, group=128, interpret=True)
-    with pytest.raises(ValueError, match="3 K splits do not divide"):
+    with pytest.raises(ValueError, match="3 K splits of 2 steps"):
         int4_decode_hopper(x, rows, scale, group=128, blocks=DecodeBlocks(splits=3), interpret=True)
     with pytest.raises(ValueError, match="tile_k a multiple of 128"):
         DecodeBlocks(tile_k=64)
