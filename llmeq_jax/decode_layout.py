@@ -124,7 +124,7 @@ class Int4WordKernel(_Int4Layout):
 @dataclasses.dataclass(frozen=True)
 class Int4RowKernel(_Int4Layout):
     """An ``(in, out)`` int4 kernel whose codes are stored ``(out, in)`` as ``jnp.int4``, each output's ``in`` values
-    contiguous (:func:`pallas_kernels.int4_decode_hopper.transpose_codes`), for the Mosaic GPU decode kernel that
+    contiguous (:func:`pallas_kernels.decode_hopper.transpose_codes`), for the Mosaic GPU decode kernel that
     reads them as wgmma's A operand: ``w.qvalue`` holds them; scales, zero points, shape and tile are the original
     QArray's (a stack [L, ...] too)."""
 
@@ -706,7 +706,7 @@ def _rows_for_hopper(params, rows: int):
     measured faster through the Mosaic GPU decode kernel than through both the word kernel and XLA's path
     (``kernel_dispatch.hopper_decode_takes``) stored as that kernel's rows, an :class:`Int4RowKernel`."""
     from llmeq_jax import kernel_dispatch
-    from pallas_kernels.int4_decode_hopper import transpose_codes
+    from pallas_kernels.decode_hopper import transpose_codes
     from pallas_kernels.int4_words import unpack_words
 
     def convert(leaf):

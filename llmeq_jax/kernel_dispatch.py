@@ -17,7 +17,9 @@ Which kernel:
   no act spec     -> weight-only: int8-stored values (5..8 bits) or nibble-packed (3..4 bits);
                      fp8 weights without fp8 activations have no kernel (XLA dequantizes them);
                      a prompt's int8-stored or int4-pair product on Hopper: the Mosaic GPU kernel where a
-                     table measured it faster than XLA's path (``hopper_weight_only_takes``)
+                     table measured it faster than XLA's path (``hopper_weight_only_takes``); a decode step's
+                     K-major int8 or int4-row product on Hopper: the Mosaic GPU decode kernel where a table
+                     measured it faster than the Triton kernel and XLA's path (``hopper_decode_takes``)
 
 A measured table (:mod:`llmeq_jax.dispatch_table`, written by ``scripts/bench_kernels.py
 --write-table``) overrules that where it measured XLA faster for the product on this device;
@@ -35,7 +37,7 @@ from llmeq_jax import dispatch_table
 from llmeq_jax.core.qarray import QArray, is_packed
 from llmeq_jax.decode_layout import GPU_KMAJOR_MAX_ROWS, scale_group
 from llmeq_jax.layer_slice import take_layer
-from pallas_kernels import config, float_matmul, int4_decode_hopper, int4_words, int4_words_prefill, \
+from pallas_kernels import config, float_matmul, decode_hopper, int4_words, int4_words_prefill, \
     rms_norm as norm_kernel, w8a8, w8a8_hopper, weight_only, weight_only_hopper
 
 
@@ -98,7 +100,7 @@ def plan(x_shape, x_dtype, w: QArray, act) -> tuple[str | None, str]:
 def table_key(kind: str, rows: int, x_dtype, w: QArray, group: int | None) -> dispatch_table.Key:
     """The :mod:`dispatch_table` key of a product ``plan`` gave to kernel ``kind``, on the default device."""
     k, n = w.shape
-    packed_kinds = ("weight_only", "int4_words", "int4_words_prefill", "weight_only_hopper", "int4_decode_hopper")
+    packed_kinds = ("weight_only", "int4_words", "int4_words_prefill", "weight_only_hopper", "decode_hopper")
     bits = 4 if kind in packed_kinds and is_packed(w.bits) else 8
     return dispatch_table.Key(config.target_device().device_kind, kind, bits, group, k, n,
                               dispatch_table.row_bucket(rows), jnp.dtype(x_dtype).name)
@@ -206,17 +208,24 @@ def hopper_weight_only_takes(x2, view: QArray, group: int | None) -> bool:
 
 
 def hopper_decode_takes(rows: int, x_dtype, w: QArray, group: int | None) -> bool:
-    """Whether a decode step's product of ``rows`` rows with the int4 weight-only kernel ``w`` (``(in, out)``) goes to
-    the Mosaic GPU decode kernel (``pallas_kernels.int4_decode_hopper``, Hopper only): where the active or shipped
-    table measured or inferred it faster than the path it replaces, the faster of the word kernel and XLA's path
-    (kernel ``int4_decode_hopper``; ``scripts/bench_kernels.py`` kind ``w4_decode_hopper``). Unmeasured, the word
-    kernel: the Mosaic one is not timed on a GPU yet."""
+    """Whether a decode step's product of ``rows`` rows with the int4 or int8-stored weight-only kernel ``w``
+    (``(in, out)``) goes to the Mosaic GPU decode kernel (``pallas_kernels.decode_hopper``, Hopper only): where the
+    active or shipped table measured or inferred it faster than the path it replaces -- int4: the faster of the word
+    kernel and XLA's path; int8: of the K-major Triton kernels and XLA's path (kernel ``decode_hopper``;
+    ``scripts/bench_kernels.py`` kinds ``w4_decode_hopper`` / ``w8_decode_hopper``). Unmeasured, the Triton kernels:
+    the Mosaic one is not timed on a GPU yet."""
     k, n = w.shape
-    x_shape = (min(rows, int4_decode_hopper.MAX_ROWS), k)
-    if rows > int4_decode_hopper.MAX_ROWS or not int4_decode_hopper.can_use(x_shape, x_dtype, jnp.int4, k, n,
-                                                                            group)[0]:
+    codes = jnp.int4 if is_packed(w.bits) else jnp.int8
+    x_shape = (min(rows, decode_hopper.MAX_ROWS), k)
+    if rows > decode_hopper.MAX_ROWS or not decode_hopper.can_use(x_shape, x_dtype, codes, k, n, group)[0]:
         return False
-    return dispatch_table.choice(table_key("int4_decode_hopper", rows, x_dtype, w, group)) == "pallas"
+    return dispatch_table.choice(table_key("decode_hopper", rows, x_dtype, w, group)) == "pallas"
+
+
+def _as_stored(view: QArray, scale, zp):
+    """The scale and zero points the Mosaic decode kernel reads: as the QArray stores them where that is already
+    ``(…, G, N)`` (read in place, converted in registers), else ``_layout``'s broadcast."""
+    return (view.scale, view.zero_point) if view.scale.shape == scale.shape else (scale, zp)
 
 
 def linear_rows(x, w: QArray, require: bool = False, layer=None):
@@ -228,15 +237,15 @@ def linear_rows(x, w: QArray, require: bool = False, layer=None):
     k, n = w.shape
     x2 = x.reshape(-1, k)
     group, scale, zp, _ = _layout(w)
-    if scale is not None and w.scale.shape == scale.shape:  # stored (G, N) already: read as stored, in place
-        scale, zp = w.scale, w.zero_point
-    ok, why = int4_decode_hopper.can_use(x2.shape, x2.dtype, w.qvalue.dtype, k, n, group)
+    if scale is not None:
+        scale, zp = _as_stored(w, scale, zp)
+    ok, why = decode_hopper.can_use(x2.shape, x2.dtype, w.qvalue.dtype, k, n, group)
     if scale is None or not ok or w.act_spec is not None:
         if require:
-            raise KernelUnavailable(f"int4_decode_hopper does not take x {tuple(x.shape)} {x.dtype} @ {w!r}: "
+            raise KernelUnavailable(f"decode_hopper does not take x {tuple(x.shape)} {x.dtype} @ {w!r}: "
                                     f"{why or 'weight-only kernels with scales per input group only'}")
         return None
-    y = int4_decode_hopper.int4_decode_hopper(x2, w.qvalue, scale, zero_point=zp, group=group, layer=layer)
+    y = decode_hopper.decode_hopper(x2, w.qvalue, scale, zero_point=zp, group=group, layer=layer)
     return y.reshape(*x.shape[:-1], n)
 
 
@@ -334,6 +343,11 @@ def linear(x, w: QArray, act=None, require: bool = False, layer=None, *, w_layou
     if kind == "weight_only" and w_layout == "kn" and not require and hopper_weight_only_takes(x2, view, group):
         y = weight_only_hopper.weight_only_hopper(x2, w.qvalue, scale, zero_point=zp, group=group, layer=layer,
                                                   bits=hopper_weight_only_bits(view))
+        return y.reshape(*x.shape[:-1], n)
+    if kind == "weight_only" and w_layout == "nk" and not require and not is_packed(w.bits) \
+            and hopper_decode_takes(x2.shape[0], x.dtype, view, group):  # a decode step's K-major int8 product
+        scale, zp = _as_stored(view, scale, zp)
+        y = decode_hopper.decode_hopper(x2, w.qvalue, scale, zero_point=zp, group=group, layer=layer)
         return y.reshape(*x.shape[:-1], n)
     if not require and not kernel_takes(measured_as, x2.shape[0], x.dtype, view, group):
         return None  # XLA's path: measured faster on this device, or a small product no table measured

@@ -4,7 +4,7 @@ Mosaic GPU kernels (``plgpu.kernel``) run on a CPU in GPU interpret mode (``plgp
 simulates shared memory, warpgroups, barriers and TMA copies. Its ``wgmma`` reads each operand through index
 transforms only: an operand viewed through ``plgpu.transpose_ref`` -- how an int8 wgmma's B operand is given, since
 int8 wgmma takes K-major operands only -- fails with ``'TransposeTransform' object has no attribute 'indices'``
-(jax 0.10.2), and an A operand in registers -- how :mod:`pallas_kernels.int4_decode_hopper` gives its dequantized
+(jax 0.10.2), and an A operand in registers -- how :mod:`pallas_kernels.decode_hopper` gives its dequantized
 weights -- reaches the callback as the array itself, which it reads as a buffer's key (``Expected shape (5,)``).
 :func:`install` replaces that one callback with one that takes a register operand as it is and reads a buffer
 through its index transforms, then transposes it as the trailing transposes say. A canary test

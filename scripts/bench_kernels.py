@@ -118,7 +118,7 @@ def table_key(kind: str, k: int, n: int, m: int):
                            "w4_words_prefill": ("int4_words_prefill", 4, GROUP),
                            "w8a8_hopper": ("w8a8_hopper", 8, None), "w8_hopper": ("weight_only_hopper", 8, None),
                            "w4_hopper": ("weight_only_hopper", 4, GROUP),
-                           "w4_decode_hopper": ("int4_decode_hopper", 4, GROUP),
+                           "w4_decode_hopper": ("decode_hopper", 4, GROUP), "w8_decode_hopper": ("decode_hopper", 8, None),
                            "bf16_stack": ("float", 16, None), "w8_nk_f16": ("int8_f16", 8, None)}[kind]
     return dispatch_table.Key(jax.devices()[0].device_kind, kernel, bits, group, k, n, dispatch_table.row_bucket(m),
                               "bfloat16")
@@ -137,7 +137,7 @@ def write_table(path, measured):
 
 KINDS = ("bf16", "w8a8", "fp8", "w8", "w4g128", "w8a8_nk", "fp8_nk", "w8_nk", "w4_words", "bf16_stack", "w4_xla_rows",
          "w8_nk_f16", "w4_gemv", "w4_xla_words", "w4_xla_groups", "w4_words_prefill", "w8a8_hopper", "w8_hopper",
-         "w4_hopper", "w4_decode_hopper")
+         "w4_hopper", "w4_decode_hopper", "w8_decode_hopper")
 # The int8 kinds with their weights stored K-major, (N, K): the layout decode steps of up to
 # decode_layout.GPU_KMAJOR_MAX_ROWS rows read (for_decode); not in the table. W8A8 is timed at prefill rows
 # too: there the kinds w8a8/fp8 transpose the weight per call (int8 wgmma takes K-major operands only), and
@@ -178,19 +178,23 @@ KMAJOR_KINDS = ("w8a8_nk", "fp8_nk", "w8_nk")
 # in the table as kernel "weight_only_hopper" against XLA's path (what a prompt's rtn-w8 product takes today).
 # w4_hopper: the same kernel over w4g128's packed int4 pairs, against XLA's path of that QArray.
 # w4_decode_hopper: w4g128's codes as (N, K) int4 rows (decode_layout.Int4RowKernel) through the Mosaic GPU decode
-# kernel (pallas_kernels/int4_decode_hopper.py: one program per SM streaming the weights by TMA, dequantized in
-# registers as wgmma's A operand); decode rows only, in the table as kernel "int4_decode_hopper" against the path it
+# kernel (pallas_kernels/decode_hopper.py: one program per SM streaming the weights by TMA, dequantized in
+# registers as wgmma's A operand); decode rows only, in the table as kernel "decode_hopper" against the path it
 # replaces in a decode step, the faster of the word kernel (w4_words, timed in the same row) and XLA's path.
+# w8_decode_hopper: the same kernel over w8_nk's K-major int8 codes (rtn-w8's decode layout), against the faster of
+# the K-major Triton kernels timed in the same row (w8_nk, w8_nk_f16) and XLA's path.
 PREFILL_ONLY_KINDS = ("w4_words_prefill", "w8a8_hopper", "w8_hopper", "w4_hopper")
 DECODE_ONLY_KINDS = ("w8_nk", "w4_words", "bf16_stack", "w4_xla_rows", "w8_nk_f16", "w4_gemv", "w4_xla_words",
-                     "w4_xla_groups", "w4_decode_hopper")
+                     "w4_xla_groups", "w4_decode_hopper", "w8_decode_hopper")
 GEMV_ONLY_ROWS = ("w4_gemv",)  # kinds timed only at rows the GEMV takes (gemv.GEMV_MAX_ROWS)
 NOT_IN_TABLE = ("w4_xla_rows", "w4_gemv", "w4_xla_words", "w4_xla_groups",
-                "w4_decode_hopper")  # w4_decode_hopper: its own entry, against the faster of w4_words and XLA
+                "w4_decode_hopper", "w8_decode_hopper")  # their own entries, against what they replace (REPLACES)
 # the kind whose weights (bytes moved, XLA's path) a layout kind has
 LAYOUT_OF = {"w4_words": "w4g128", "w4_words_prefill": "w4g128", "w4_xla_rows": "w4g128", "w8_nk_f16": "w8_nk",
              "w4_gemv": "w4g128", "w4_xla_words": "w4g128", "w4_xla_groups": "w4g128", "w8a8_hopper": "w8a8_nk",
-             "w8_hopper": "w8", "w4_hopper": "w4g128", "w4_decode_hopper": "w4g128"}
+             "w8_hopper": "w8", "w4_hopper": "w4g128", "w4_decode_hopper": "w4g128", "w8_decode_hopper": "w8"}
+# the Mosaic decode kinds: the kinds (timed in the same row) whose kernels they would replace in a decode step
+REPLACES = {"w4_decode_hopper": ("w4_words",), "w8_decode_hopper": ("w8_nk", "w8_nk_f16")}
 
 
 def xla_int4_rows(x, q, scale):
@@ -263,7 +267,7 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
     from llmeq_jax.layer_slice import take_layer
     from pallas_kernels.float_matmul import float_matmul
     from pallas_kernels.gemv import GEMV_MAX_ROWS
-    from pallas_kernels.int4_decode_hopper import int4_decode_hopper, transpose_codes
+    from pallas_kernels.decode_hopper import decode_hopper, transpose_codes
     from pallas_kernels.int4_words import int4_words_matmul, int4_words_xla, pack_words
     from pallas_kernels.int4_words_prefill import int4_words_prefill
     from pallas_kernels.w8a8 import w8a8_matmul
@@ -284,7 +288,7 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
         wb, w8, s8, wf, sf, w4, s4 = (_copies(a, r) for a in (w.astype(jnp.bfloat16), q8.qvalue, q8.scale, qf.qvalue,
                                                               qf.scale, q4.qvalue, q4.scale))
         kmajor = set(kinds_wanted) & set(KMAJOR_KINDS)
-        nk_kinds = {"w8a8_nk", "w8_nk", "w8_nk_f16", "w8a8_hopper"}
+        nk_kinds = {"w8a8_nk", "w8_nk", "w8_nk_f16", "w8a8_hopper", "w8_decode_hopper"}
         w8t = _copies(q8.qvalue.T, r) if nk_kinds & set(kinds_wanted) else []
         wft = _copies(qf.qvalue.T, r) if "fp8_nk" in kmajor else []
         word_kinds = {"w4_words", "w4_xla_words", "w4_words_prefill"}
@@ -317,7 +321,8 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
             "w8a8_hopper": (lambda x, w, s: w8a8_hopper(x, w, s), list(zip(w8t, s8))),
             "w8_hopper": (lambda x, w, s: weight_only_hopper(x, w, s), list(zip(w8, s8))),
             "w4_hopper": (lambda x, w, s: weight_only_hopper(x, w, s, group=GROUP, bits=4), list(zip(w4, s4))),
-            "w4_decode_hopper": (lambda x, w, s: int4_decode_hopper(x, w, s, group=GROUP), list(zip(w4t, s4))),
+            "w4_decode_hopper": (lambda x, w, s: decode_hopper(x, w, s, group=GROUP), list(zip(w4t, s4))),
+            "w8_decode_hopper": (lambda x, w, s: decode_hopper(x, w, s), list(zip(w8t, s8))),
         }
         kinds_all = kinds
         kinds = {kind: v for kind, v in kinds.items() if kind in kinds_wanted or kind == "bf16"}
@@ -363,13 +368,15 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
                     times = {"pallas_s": t, "xla_s": row_times["w8a8_nk"], "bf16_s": base}
                     table.append((table_key(kind, k, n, m), times))
                     line += f"  ({row_times['w8a8_nk'] / t:.2f}x w8a8_nk)"
-                if table is not None and kind == "w4_decode_hopper":  # against the path it replaces
-                    t_xla = timed(xla_of["w4g128"], [(x, *wargs) for x, wargs in zip(xs, kinds_all["w4g128"][1])],
+                if table is not None and kind in REPLACES:  # against the path it replaces
+                    origin = LAYOUT_OF[kind]
+                    t_xla = timed(xla_of[origin], [(x, *wargs) for x, wargs in zip(xs, kinds_all[origin][1])],
                                   reps=reps)
-                    replaced = min(t_xla, row_times.get("w4_words", t_xla))
+                    others = [o for o in REPLACES[kind] if o in row_times]
+                    replaced = min([t_xla] + [row_times[o] for o in others])
                     table.append((table_key(kind, k, n, m), {"pallas_s": t, "xla_s": replaced, "bf16_s": base}))
-                    line += f"  (XLA {t_xla * 1e3:.4f} ms" + (f", {row_times['w4_words'] / t:.2f}x w4_words)"
-                                                              if "w4_words" in row_times else ")")
+                    line += f"  (XLA {t_xla * 1e3:.4f} ms" + "".join(f", {row_times[o] / t:.2f}x {o}"
+                                                                     for o in others) + ")"
                 if kind == "w4_xla_words" and "w4_words" in row_times:
                     line += f"  ({row_times['w4_words'] / t:.2f}x w4_words)"
                 if kind == "fp8" and torch_fp8 is not None and m >= 16:
@@ -381,9 +388,11 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
                 if "w4_words" in kinds:
                     sweep_in_turns("w4_words", kinds, xs, _words_sweep(k, n), reps,
                                    lambda cfg: lambda x, w, s: int4_words_matmul(x, w, s, group=GROUP, **cfg))
-                if "w4_decode_hopper" in kinds:
-                    sweep_in_turns("w4_decode_hopper", kinds, xs, _decode_hopper_sweep(k), reps,
-                                   lambda cfg: lambda x, w, s: int4_decode_hopper(x, w, s, group=GROUP, **cfg))
+                for kind, group in (("w4_decode_hopper", GROUP), ("w8_decode_hopper", None)):
+                    if kind in kinds:
+                        sweep_in_turns(kind, kinds, xs, _decode_hopper_sweep(k), reps,
+                                       lambda cfg, group=group: lambda x, w, s: decode_hopper(x, w, s, group=group,
+                                                                                              **cfg))
                 if "w8_nk_f16" in kinds:
                     sweep_in_turns("w8_nk_f16", kinds, xs, _int8_f16_sweep(), reps,
                                    lambda cfg: lambda x, w, s: weight_only_matmul(x, w, s, bits=8, w_layout="nk",
@@ -772,13 +781,13 @@ def _words_sweep(k: int, n: int):
 
 
 def _decode_hopper_sweep(k: int):
-    """Settings of the Mosaic GPU int4 decode kernel (``int4_decode_hopper.DecodeBlocks``) tried at M = 1 on a weight
+    """Settings of the Mosaic GPU int4 decode kernel (``decode_hopper.DecodeBlocks``) tried at M = 1 on a weight
     of ``k`` inputs: K values a ring step (256 by default: two 128-value chunks, the second converted while the first
     one's wgmma runs; 128: one; 512: four), the TMA ring's depth (4 by default) and the K splits (the default from a
     bytes model, ``splits_for``; fewer splits write fewer float32 partial sums, more keep more SMs streaming)."""
-    from pallas_kernels.int4_decode_hopper import DecodeBlocks
+    from pallas_kernels.decode_hopper import DecodeBlocks, default_blocks
 
-    steps = k // DecodeBlocks().tile_k
+    steps = k // default_blocks(k).tile_k
     splits = [s for s in (1, 2, 3, 4, 8, 16) if steps // s >= 2]
     shapes = [dict(stages=3), dict(stages=6), dict(tile_k=128, stages=6), dict(tile_k=128, stages=10),
               dict(tile_k=512, stages=2), dict(tile_k=512, stages=3)]

@@ -78,12 +78,12 @@
 # then STEPS="e2e" RECIPES="rtn-w4-g128 rtn-w8 rtn-w8a8" BATCHES="1 16" TORCH=--no-torch E2E_LIMIT=280 at once
 # (timeout_s 300; the last run took 184 s); prefill_words in a later session (a call may run 600 s, a session 900 s
 # with the start).
-# The session after (no GPU) wrote the int4 decode kernel in Mosaic GPU (pallas_kernels/int4_decode_hopper.py: one
-# program an SM streaming (out, in) int4 rows by TMA, dequantized in registers as wgmma's A operand; the decode layout
-# stores them only where a table measured it faster than the words and XLA). First its gpu cases and table, then e2e
-# at once with that table merged (rtn-w4-g128's decode column is #15's largest gap):
+# The session after (no GPU) wrote a decode kernel in Mosaic GPU (pallas_kernels/decode_hopper.py: one program an SM
+# streaming (out, in) int4 or int8 rows by TMA, dequantized in registers as wgmma's A operand; decode takes it only
+# where a table measured it faster than the Triton kernels and XLA). First its gpu cases and table, then e2e at once
+# with that table merged (rtn-w4-g128's decode column is #15's largest gap, rtn-w8's a near miss):
 #     STEPS="gpu_tests decode_hopper hopper_w8" \
-#         TESTS="int4_decode_hopper or weight_only_hopper or w8a8_hopper or float_decode or int8_f16" \
+#         TESTS="decode_hopper or weight_only_hopper or w8a8_hopper or float_decode or int8_f16" \
 #         bash scripts/gpu_session.sh   (timeout_s 560: 530 s of step limits)
 #     STEPS="e2e" RECIPES="rtn-w4-g128 rtn-w8" BATCHES="1 16" TORCH=--no-torch E2E_LIMIT=240 bash scripts/gpu_session.sh
 #         (timeout_s 260)
@@ -205,17 +205,18 @@ step hopper 200 "$py" scripts/bench_kernels.py --reps 10 --sweep --rows 512,2048
 step hopper_w8 200 "$py" scripts/bench_kernels.py --reps 10 --sweep --rows 512,2048 \
     --kinds bf16,w8_hopper,w4_hopper --weights 4096x4096,4096x11008,11008x4096,4096x14336 --no-attention \
     --write-table "$out/dispatch_hopper_w8.json"
-# The Mosaic GPU int4 decode kernel (pallas_kernels/int4_decode_hopper.py: one program per SM streaming the (N, K)
-# int4 rows by TMA through a 6-slot ring, dequantized in registers as wgmma's A operand) at decode rows against bf16,
-# the word kernel and XLA's path on Llama-2-7B's decode products (fused q/k/v 4096x12288, o, fused gate/up
-# 4096x22016, down) and Llama-3-8B's MLP -> dispatch_decode_hopper.json (int4_decode_hopper against the faster of
-# the words and XLA: e2e's rtn-w4-g128 decode then runs it where it won); then its ring depth and K splits in turns
-# with bf16 at M = 1 on two shapes.
-step decode_hopper 240 "$py" scripts/bench_kernels.py --reps 10 --rows 1,4,16 --kinds bf16,w4_words,w4_decode_hopper \
-    --weights 4096x4096,4096x12288,4096x22016,11008x4096,4096x14336,14336x4096 --no-attention \
+# The Mosaic GPU decode kernel (pallas_kernels/decode_hopper.py: one program per SM streaming (N, K) int4 or int8
+# rows by TMA through a ring, dequantized in registers as wgmma's A operand) at decode rows against bf16, the Triton
+# kernels it would replace (int4 words; K-major int8 with float16 operands) and XLA's path on Llama-2-7B's decode
+# products (fused q/k/v 4096x12288, o, fused gate/up 4096x22016, down) and Llama-3-8B's MLP ->
+# dispatch_decode_hopper.json (decode_hopper, 4 and 8 bits, against the faster of those: e2e's rtn-w4-g128 and
+# rtn-w8 decode then run it where it won); then its step size, ring depth and K splits in turns with bf16 at M = 1.
+step decode_hopper 240 "$py" scripts/bench_kernels.py --reps 10 --rows 1,16 \
+    --kinds bf16,w4_words,w4_decode_hopper,w8_nk_f16,w8_decode_hopper \
+    --weights 4096x4096,4096x12288,4096x22016,11008x4096,4096x14336 --no-attention \
     --write-table "$out/dispatch_decode_hopper.json"
-step decode_hopper_sweep 120 "$py" scripts/bench_kernels.py --reps 10 --sweep --rows 1 --kinds bf16,w4_decode_hopper \
-    --weights 4096x4096,11008x4096 --no-attention
+step decode_hopper_sweep 120 "$py" scripts/bench_kernels.py --reps 10 --sweep --rows 1 \
+    --kinds bf16,w4_decode_hopper,w8_decode_hopper --weights 4096x4096,11008x4096 --no-attention
 step layout 110 "$py" scripts/bench_e2e.py --shapes "$shapes" --layers 4 --dtype bfloat16 --recipes rtn-w4-g128 \
     --batches 1 --prefill-len 512 --new-tokens 32 --repeats 2 --scan-layers --no-torch --out "$out/layout.json"
 XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_dynamic_slice_fusion=true" step layout_dsf 60 "$py" scripts/bench_e2e.py \

@@ -238,24 +238,26 @@ def test_bench_kernels_times_the_hopper_weight_only_kernel_against_xlas_path(cap
     assert out.count("failed: ValueError: weight_only_hopper:") == 2
 
 
-def test_bench_kernels_times_the_hopper_decode_kernel_against_the_words_and_xla(capsys, monkeypatch):
-    """w4_decode_hopper (GPU interpret mode, a tiny weight): timed at decode rows only, its table entry (kernel
-    int4_decode_hopper) against the faster of the word kernel (w4_words, timed in the same row) and XLA's path; --sweep
-    runs its settings at one row, one it refuses (3 K splits of 2 steps) costing its own line."""
-    from pallas_kernels.int4_decode_hopper import DecodeBlocks
+def test_bench_kernels_times_the_hopper_decode_kernel_against_what_it_replaces(capsys, monkeypatch):
+    """w4_decode_hopper and w8_decode_hopper (GPU interpret mode, a tiny weight): timed at decode rows only, their table
+    entries (kernel decode_hopper, 4 and 8 bits) against the faster of the Triton kernel they would replace (w4_words,
+    w8_nk, timed in the same row) and XLA's path; --sweep runs each one's settings at one row, one it refuses (3 K
+    splits of 2 steps) costing its own line."""
+    from pallas_kernels.decode_hopper import DecodeBlocks
 
     settings = [dict(blocks=DecodeBlocks(stages=2)), dict(blocks=DecodeBlocks(splits=3))]
-    out, table = _prompt_kind_bench(capsys, monkeypatch, "_decode_hopper_sweep", lambda k: settings,
-                                    ("bf16", "w4g128", "w4_words", "w4_decode_hopper"), weight=(512, 256),
-                                    no_settings=("_words_sweep",))
-    assert "512x256     1 w4_decode_hopper" in out and "512x256    64 w4_decode_hopper" not in out
-    assert "x w4_words)" in out
-    times = {k.kernel: t for k, t in table if k.rows == 1}
-    hopper = times["int4_decode_hopper"]
-    assert table[-1][0].bits == 4 and table[-1][0].group == 128 and hopper["pallas_s"] > 0
-    assert hopper["xla_s"] <= times["int4_words"]["pallas_s"]  # the faster of what it replaces
-    assert out.count("sweep w4_decode_hopper M=1") == 4  # bf16, the defaults, each setting (one failed)
-    assert out.count("failed: ValueError: int4_decode_hopper: 3 K splits") == 1
+    kinds = ("bf16", "w4g128", "w4_words", "w4_decode_hopper", "w8_nk", "w8_decode_hopper")
+    out, table = _prompt_kind_bench(capsys, monkeypatch, "_decode_hopper_sweep", lambda k: settings, kinds,
+                                    weight=(512, 256), no_settings=("_words_sweep",))
+    for kind, replaced in (("w4_decode_hopper", "w4_words"), ("w8_decode_hopper", "w8_nk")):
+        assert f"512x256     1 {kind}" in out and f"512x256    64 {kind}" not in out
+        assert f"x {replaced})" in out
+        assert out.count(f"sweep {kind} M=1") == 4  # bf16, the defaults, each setting (one failed)
+    times = {(k.kernel, k.bits): t for k, t in table if k.rows == 1}
+    assert all(times[("decode_hopper", bits)]["pallas_s"] > 0 for bits in (4, 8))
+    # the faster of what it replaces (w8_nk's own time is no table entry: K-major kinds are not)
+    assert times[("decode_hopper", 4)]["xla_s"] <= times[("int4_words", 4)]["pallas_s"]
+    assert out.count("failed: ValueError: decode_hopper: 3 K splits") == 2
 
 
 def test_bench_kernels_attention_step_times_the_kernel_and_xlas_dots(capsys, monkeypatch):

@@ -232,11 +232,11 @@ def test_a_gpus_int4_decode_runs_the_hopper_kernel_where_a_table_says_so(monkeyp
     step's four products per layer run on that kernel, each layer read in place from the stack (GPU interpret mode):
     the CPU's XLA decode's logits, step by step."""
     from llmeq_jax import dispatch_table, kernel_dispatch
-    from pallas_kernels import int4_decode_hopper
+    from pallas_kernels import decode_hopper
 
     calls = []
-    real = int4_decode_hopper.int4_decode_hopper
-    monkeypatch.setattr(int4_decode_hopper, "int4_decode_hopper",
+    real = decode_hopper.decode_hopper
+    monkeypatch.setattr(decode_hopper, "decode_hopper",
                         lambda x, w, *a, **k: calls.append((w.shape, k.get("layer") is not None)) or real(x, w, *a,
                                                                                                            **k))
     monkeypatch.setattr(kernel_dispatch, "MIN_KERNEL_WEIGHTS", 0)  # this model's products: the kernels' own sizes
@@ -248,7 +248,7 @@ def test_a_gpus_int4_decode_runs_the_hopper_kernel_where_a_table_says_so(monkeyp
     products = ((256, 384), (256, 256), (256, 1024), (512, 256))  # q/k/v, o, gate/up, down
     entry = {"pallas_s": 1.0, "xla_s": 2.0, "bf16_s": 2.0}
     table = dispatch_table.Table(FAKE_H100.device_kind, {
-        dispatch_table.Key(FAKE_H100.device_kind, "int4_decode_hopper", 4, 128, k, n, dispatch_table.row_bucket(2),
+        dispatch_table.Key(FAKE_H100.device_kind, "decode_hopper", 4, 128, k, n, dispatch_table.row_bucket(2),
                            "bfloat16"): entry for k, n in products})
     with native.disabled(), kernel_config.disabled():
         want, _, _ = _logits(params, tokens)

@@ -636,16 +636,16 @@ def test_a_prompt_layout_keeps_packed_int4_codes_where_the_hopper_kernel_beat_th
 
 def test_a_decode_layout_stores_int4_rows_for_the_hopper_kernel_only_where_a_table_measured_it_faster(monkeypatch):
     """A decode step's int4 weight-only products go to the word kernel unless the table measured the Mosaic GPU decode
-    kernel (``int4_decode_hopper``) faster than the path it replaces: then the decode layout stores the fused q/k/v
+    kernel (``decode_hopper``) faster than the path it replaces: then the decode layout stores the fused q/k/v
     kernel as (out, in) int4 rows (``Int4RowKernel``), ``ops.linear`` hands them to that kernel -- a stacked layer read
     in place -- and XLA's path of the packed codes gives the same product."""
     from llmeq_jax import decode_layout, dispatch_table, native
     from llmeq_jax.layer_slice import LayerSlice
-    from pallas_kernels import int4_decode_hopper
+    from pallas_kernels import decode_hopper
 
     calls = []
-    real = int4_decode_hopper.int4_decode_hopper
-    monkeypatch.setattr(int4_decode_hopper, "int4_decode_hopper",
+    real = decode_hopper.decode_hopper
+    monkeypatch.setattr(decode_hopper, "decode_hopper",
                         lambda *a, **k: calls.append(k.get("layer") is not None) or real(*a, **k))
     spec = Spec(bits=4, granularity="group", group_size=128, symmetric=False)
 
@@ -655,7 +655,7 @@ def test_a_decode_layout_stores_int4_rows_for_the_hopper_kernel_only_where_a_tab
 
     params = qkv(0)
     device = config.target_device().device_kind
-    key = dispatch_table.Key(device, "int4_decode_hopper", 4, 128, 512, 384, dispatch_table.row_bucket(2), "bfloat16")
+    key = dispatch_table.Key(device, "decode_hopper", 4, 128, 512, 384, dispatch_table.row_bucket(2), "bfloat16")
     table = lambda p: dispatch_table.Table(device, {key: {"pallas_s": p, "xla_s": 1.0, "bf16_s": 1.0}})  # noqa: E731
     x = jax.random.normal(jax.random.key(9), (2, 512)).astype(jnp.bfloat16)
     with native.disabled(), config.interpret(True):
@@ -679,3 +679,41 @@ def test_a_decode_layout_stores_int4_rows_for_the_hopper_kernel_only_where_a_tab
     eps = float(jnp.finfo(jnp.bfloat16).eps)
     for y in (got, in_place):
         np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(xla, np.float32), rtol=4 * eps, atol=0.02)
+
+
+def test_a_decode_steps_k_major_int8_product_goes_to_the_hopper_kernel_only_where_a_table_measured_it_faster(
+        monkeypatch):
+    """rtn-w8's decode layout (K-major int8, ``RowMajorKernel``) stays on the Triton kernels unless the table measured
+    the Mosaic GPU decode kernel (``decode_hopper``, 8 bits) faster than the path it replaces; then a decode step's
+    product goes to it (its layer read in place from a stack) -- XLA's product within a rounding -- and a prompt's
+    rows never do."""
+    from llmeq_jax import decode_layout, dispatch_table, native
+    from llmeq_jax.layer_slice import LayerSlice
+    from pallas_kernels import decode_hopper
+
+    calls = []
+    real = decode_hopper.decode_hopper
+    monkeypatch.setattr(decode_hopper, "decode_hopper",
+                        lambda *a, **k: calls.append(k.get("layer") is not None) or real(*a, **k))
+    q = _q(W8, (256, 128), 7)
+    x = jax.random.normal(jax.random.key(8), (2, 256)).astype(jnp.bfloat16)
+    device = config.target_device().device_kind
+    key = dispatch_table.Key(device, "decode_hopper", 8, None, 256, 128, dispatch_table.row_bucket(2), "bfloat16")
+    table = lambda p: dispatch_table.Table(device, {key: {"pallas_s": p, "xla_s": 1.0, "bf16_s": 1.0}})  # noqa: E731
+    with native.disabled(), config.interpret(True):
+        kmajor = decode_layout.for_decode({"up": {"kernel": q}}, rows=2)["up"]["kernel"]
+        assert isinstance(kmajor, decode_layout.RowMajorKernel)
+        ops.linear(x, kmajor)
+        with dispatch_table.use(table(2.0)):
+            ops.linear(x, kmajor)
+        assert calls == []  # unmeasured; measured slower
+        with dispatch_table.use(table(0.5)):
+            got = ops.linear(x, kmajor)
+            stack = jax.tree.map(lambda a: jnp.stack([a, a]), kmajor)
+            in_place = ops.linear(x, LayerSlice(stack, jnp.int32(1)))
+            ops.linear(jnp.zeros((40, 256), jnp.bfloat16), kmajor)  # a prompt's rows: not this kernel
+        assert calls == [False, True]
+    want = ops.linear(x, q, backend="xla")
+    eps = float(jnp.finfo(jnp.bfloat16).eps)
+    for y in (got, in_place):
+        np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want, np.float32), rtol=4 * eps, atol=0.02)

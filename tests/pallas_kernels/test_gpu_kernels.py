@@ -189,39 +189,43 @@ for _shape in HOPPER_WEIGHT_ONLY:
         return label, *compare(y, r, REL[dtype]), None
 
 
-HOPPER_INT4_DECODE = [  # (M, K, N, group, zero points, layer of a stack of 3 or None, bias, dtype):
-    # pallas_kernels.int4_decode_hopper over (N, K) int4 rows, its Mosaic GPU register layouts (interpret mode
+HOPPER_DECODE = [  # (M, K, N, group, zero points, layer of a stack of 3 or None, bias, dtype, bits):
+    # pallas_kernels.decode_hopper over (N, K) int4 or int8 rows, its Mosaic GPU register layouts (interpret mode
     # simulates none)
-    (1, 4096, 4096, 128, True, None, False, BF16),  # issue #15's batch-1 row, rtn-w4-g128's zero points
-    (16, 4096, 11008, 128, False, 1, False, BF16),  # 16 rows, a layer of a stack in place
-    (5, 11008, 4096, 128, True, 2, True, F16),  # 43 steps of 256 in 4 uneven splits, bias
-    (3, 4096, 12288, None, True, None, False, BF16),  # per channel (one group over K)
+    (1, 4096, 4096, 128, True, None, False, BF16, 4),  # issue #15's batch-1 row, rtn-w4-g128's zero points
+    (16, 4096, 11008, 128, False, 1, False, BF16, 4),  # 16 rows, a layer of a stack in place
+    (5, 11008, 4096, 128, True, 2, True, F16, 4),  # 43 steps of 256 in 4 uneven splits, bias
+    (3, 4096, 12288, None, True, None, False, BF16, 4),  # per channel (one group over K)
+    (1, 4096, 22016, None, False, 1, False, BF16, 8),  # rtn-w8's gate/up: per channel, symmetric, a stacked layer
+    (16, 11008, 4096, 128, True, None, True, F16, 8),  # groups, zero points (|q - z| up to 255), bias
 ]
 
-for _shape in HOPPER_INT4_DECODE:
+for _shape in HOPPER_DECODE:
 
     @case
-    def _int4_decode_hopper(shape=_shape):
+    def _decode_hopper(shape=_shape):
         from llmeq_jax.core.qarray import pack
-        from pallas_kernels.int4_decode_hopper import int4_decode_hopper, transpose_codes
+        from pallas_kernels.decode_hopper import decode_hopper, transpose_codes
 
-        m, k, n, group, zp, layer, bias, dtype = shape
+        m, k, n, group, zp, layer, bias, dtype, bits = shape
         rng = np.random.default_rng(m + k)
         groups = 1 if group is None else k // group
-        codes = jnp.asarray(rng.integers(-8, 8, (3, k, n)), jnp.int8)
+        codes = jnp.asarray(rng.integers(-8, 8, (3, k, n)) if bits == 4 else rng.integers(-127, 128, (3, k, n)),
+                            jnp.int8)
         scales, zeros, x, b = _stacked_scales_and_x(rng, m, k, n, groups, zp, bias, dtype)
         one = 0 if layer is None else layer
         z_one = None if zeros is None else zeros[one]
-        rows = transpose_codes(codes)
+        rows = transpose_codes(codes) if bits == 4 else jnp.swapaxes(codes, -1, -2)
         if layer is None:
-            y = jax.jit(lambda x, w, s, z: int4_decode_hopper(x, w, s, zero_point=z, group=group, bias=b))(
+            y = jax.jit(lambda x, w, s, z: decode_hopper(x, w, s, zero_point=z, group=group, bias=b))(
                 x, rows[0], scales[0], z_one)
         else:
-            y = jax.jit(lambda x, w, s, z, i: int4_decode_hopper(x, w, s, zero_point=z, group=group, bias=b,
-                                                                 layer=i))(x, rows, scales, zeros, jnp.int32(layer))
-        r = reference(weight_only_reference, x, pack(codes[one], 4, axis=0), scales[one], bits=4, w_zero_point=z_one,
-                      bias=b, group=group)
-        label = f"int4 decode hopper M={m} K={k} N={n} group={group} zp={zp} layer={layer} bias={bias} " \
+            y = jax.jit(lambda x, w, s, z, i: decode_hopper(x, w, s, zero_point=z, group=group, bias=b,
+                                                            layer=i))(x, rows, scales, zeros, jnp.int32(layer))
+        stored = pack(codes[one], 4, axis=0) if bits == 4 else codes[one]
+        r = reference(weight_only_reference, x, stored, scales[one], bits=bits, w_zero_point=z_one, bias=b,
+                      group=group)
+        label = f"decode hopper int{bits} M={m} K={k} N={n} group={group} zp={zp} layer={layer} bias={bias} " \
                 f"{jnp.dtype(dtype).name}"
         return label, *compare(y, r, REL[dtype]), None
 

@@ -1,34 +1,21 @@
 """The Hopper weight-only kernel in Mosaic GPU: GPU interpret mode against the dequantized product; lowering for
 CUDA."""
 
-import types
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from llmeq_jax.core.quantize import Spec, quantize
 from pallas_kernels import config
 from pallas_kernels.weight_only_hopper import WeightOnlyBlocks, can_use, weight_only_hopper
-
-FAKE_H100 = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3", compute_capability="9.0")
-FAKE_A100 = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA A100-SXM4-80GB", compute_capability="8.0")
+from tests.pallas_kernels.weight_only_cases import FAKE_A100, FAKE_H100, kernel_scales, quantized
 
 
 def _quantized(k, n, group, zero_point, seed, bits=8):
-    w = jax.random.normal(jax.random.key(seed), (k, n)) * 0.05
-    granularity = "channel" if group is None else "group"
-    return quantize(w, Spec(bits=bits, granularity=granularity, group_size=group, symmetric=not zero_point))
+    return quantized(k, n, group, zero_point, seed, bits)
 
 
-def _kernel_args(q, group):
-    """The kernel's (scale, zero point) of a QArray: (G, N) float32 and int8."""
-    k, n = q.shape
-    groups = 1 if group is None else k // group
-    scale = jnp.broadcast_to(q.scale.astype(jnp.float32), (groups, n))
-    zp = None if q.zero_point is None else jnp.broadcast_to(q.zero_point, (groups, n)).astype(jnp.int8)
-    return scale, zp
+_kernel_args = kernel_scales
 
 
 def _exact_product(x, q, group):

@@ -1,5 +1,5 @@
-"""int4 weight-only decode (M <= 16 rows) on Hopper, in Mosaic GPU: the weights streamed by TMA through a deep ring,
-dequantized in registers as wgmma's A operand.
+"""int4 and int8 weight-only decode (M <= 16 rows) on Hopper, in Mosaic GPU: the weights streamed by TMA through a deep
+ring, dequantized in registers as wgmma's A operand.
 
 Why another int4 decode kernel: the Triton word kernel (:mod:`pallas_kernels.int4_words`) reached 1.05-1.65x bf16 on
 an H200 per product and 1.84x end to end for Llama-2-7B, where issue #15 wants 2.5x. Its probe (docs/kernels.md,
@@ -29,11 +29,14 @@ built (Machete; JAX's ``hopper_mixed_type_matmul_mgpu``):
   the product's consumer reads it (the decode step's following fusion: no launch of its own in the usual case).
 - **x as it is**: on a GPU the TMA copy of an ``(Mp, tile_k)`` box fills x's rows past M with zeros (no pad launch).
 
-The weights are the decode layout's :func:`transpose_codes`: ``(N, K)`` int4, K contiguous, made once at load time.
+The weights are ``(N, K)``, K contiguous, made once at load time: int4 as the decode layout's :func:`transpose_codes`
+(``decode_layout.Int4RowKernel``), int8 as the K-major layout the decode steps' int8 kernels read already
+(``decode_layout.RowMajorKernel``; rtn-w8's). int8 codes load straight into wgmma's layout (two a 16-bit load) and
+convert there: 547 instructions a 256-value step (4.3 a weight, half the weights a byte of int4's).
 
 Contract:
   x            (M, K)     bfloat16 / float16, M <= 16
-  w_t          (N, K)     int4 (:func:`transpose_codes`), or a stack (L, N, K) with ``layer``
+  w_t          (N, K)     int4 (:func:`transpose_codes`) or int8, or a stack (L, N, K) with ``layer``
   scale        (G, N)     floats as stored (converted to float32 in registers), G = 1 (per channel) or K / group;
                           or (L, G, N)
   zero_point   (G, N)     integers as stored, or None (symmetric); or (L, G, N)
@@ -56,7 +59,8 @@ from pallas_kernels import config, hopper
 
 MAX_ROWS = 16  # wgmma's N dimension here: x's rows padded to 8 or 16
 ROWS_PER_WG = 64  # output rows a compute warpgroup owns (wgmma's M)
-CHUNK = 128  # K values of one wgmma chain: the int4 tile's 64-byte rows, one TMA copy (a tile is sliced only here)
+CHUNK = 128  # K values of one wgmma chain: one TMA copy of the codes (a swizzled tile is sliced only at whole rows)
+CODES = (jnp.dtype(jnp.int4), jnp.dtype(jnp.int8))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +77,11 @@ class DecodeBlocks:
         if self.tile_k % CHUNK or self.stages < 2 or (self.splits is not None and self.splits < 1):
             raise ValueError(f"DecodeBlocks: tile_k a multiple of {CHUNK} (the int4 tile's 64-byte rows and swizzle), "
                              f"stages >= 2, splits >= 1; got {self}")
+
+
+def default_blocks(k: int) -> DecodeBlocks:
+    """Two 128-value chunks a ring step where K takes them (Llama's 4096, 11008 and 14336 do), else one."""
+    return DecodeBlocks() if k % DecodeBlocks().tile_k == 0 else DecodeBlocks(tile_k=CHUNK, stages=6)
 
 
 def transpose_codes(codes):
@@ -106,8 +115,12 @@ def split_steps(si, k_steps: int, splits: int):
     return first, (si + 1) * k_steps // splits - first
 
 
-def _shared_bytes(tile_k: int, rows: int, stages: int, has_zp: bool, item: int) -> int:
-    step = 2 * ROWS_PER_WG * tile_k // 2 + rows * tile_k * item  # the int4 tiles, x's tile
+def _code_bytes(dtype, values: int) -> int:
+    return values // 2 if jnp.dtype(dtype) == jnp.dtype(jnp.int4) else values
+
+
+def _shared_bytes(tile_k: int, rows: int, stages: int, has_zp: bool, item: int, codes) -> int:
+    step = _code_bytes(codes, 2 * ROWS_PER_WG * tile_k) + rows * tile_k * item  # the codes' tiles, x's tile
     # the groups' scale and zero-point rows (at most 4 bytes each)
     step += 2 * ROWS_PER_WG * 4 * (1 + int(has_zp)) * max(1, tile_k // CHUNK)
     return stages * step + 2 * ROWS_PER_WG * rows * 4  # the two warpgroups' output tiles
@@ -116,15 +129,15 @@ def _shared_bytes(tile_k: int, rows: int, stages: int, has_zp: bool, item: int) 
 def can_use(x_shape, x_dtype, w_dtype, k: int, n: int, group: int | None,
             blocks: DecodeBlocks | None = None) -> tuple[bool, str]:
     """(True, "") when the kernel takes this product, else (False, why)."""
-    b = blocks or DecodeBlocks()
+    b = blocks or default_blocks(k)
     if len(x_shape) != 2 or x_shape[1] != k:
         return False, f"x of shape {tuple(x_shape)} for a ({k}, {n}) weight (expected (M, {k}))"
     if x_shape[0] > MAX_ROWS:
         return False, f"{x_shape[0]} rows of x (the decode kernel takes at most {MAX_ROWS})"
     if jnp.dtype(x_dtype) not in hopper.HALF_DTYPES:
         return False, f"activation dtype {jnp.dtype(x_dtype).name} is not bfloat16/float16"
-    if jnp.dtype(w_dtype) != jnp.dtype(jnp.int4):
-        return False, f"codes of dtype {jnp.dtype(w_dtype).name} (expected int4 in the (N, K) decode layout)"
+    if jnp.dtype(w_dtype) not in CODES:
+        return False, f"codes of dtype {jnp.dtype(w_dtype).name} (expected int4 or int8, (N, K))"
     if k % b.tile_k or n % (2 * ROWS_PER_WG):
         return False, f"K {k} not a multiple of {b.tile_k} or N {n} not of {2 * ROWS_PER_WG}"
     if group is not None and (k % group or group % CHUNK or (group % b.tile_k and b.tile_k % group)):
@@ -136,27 +149,28 @@ def can_use(x_shape, x_dtype, w_dtype, k: int, n: int, group: int | None,
 def _check(x, w_t, scale, zero_point, group, bias, layer, blocks: DecodeBlocks):
     lead = () if layer is None else w_t.shape[:1]
     if w_t.ndim != 2 + len(lead) or x.ndim != 2 or w_t.shape[-1] != x.shape[1]:
-        raise ValueError(f"int4_decode_hopper expects x (M, K) and int4 w_t {'(L, N, K)' if lead else '(N, K)'}; "
+        raise ValueError(f"decode_hopper expects x (M, K) and w_t {'(L, N, K)' if lead else '(N, K)'}; "
                          f"got {x.shape} and {w_t.shape}")
     k, n = x.shape[1], w_t.shape[-2]
     ok, why = can_use(x.shape, x.dtype, w_t.dtype, k, n, group, blocks)
     if not ok:
-        raise ValueError(f"int4_decode_hopper: {why}")
-    hopper.check_scales("int4_decode_hopper", scale, zero_point, bias, lead, 1 if group is None else k // group, n,
+        raise ValueError(f"decode_hopper: {why}")
+    hopper.check_scales("decode_hopper", scale, zero_point, bias, lead, 1 if group is None else k // group, n,
                         group)
     if not jnp.issubdtype(scale.dtype, jnp.floating):
-        raise ValueError(f"int4_decode_hopper: scale of dtype {scale.dtype}, expected floats")
+        raise ValueError(f"decode_hopper: scale of dtype {scale.dtype}, expected floats")
 
 
 def _load_codes(ref, dtype, interpret: bool):
-    """A compute warpgroup's ``(64, tile_k)`` int4 codes from shared memory as wgmma's A operand in ``dtype``. Loaded
-    as eight codes a 32-bit register (``WGMMA_UPCAST_4X``: 128-bit shared-memory loads), moved into wgmma's layout as
+    """A compute warpgroup's ``(64, 128)`` codes from shared memory as wgmma's A operand in ``dtype``. int4: loaded as
+    eight codes a 32-bit register (``WGMMA_UPCAST_4X``: 128-bit shared-memory loads), moved into wgmma's layout as
     int4 (one ``shfl`` and ``prmt`` per eight codes), then converted there: 209 instructions a 128-value step in
-    sm_90a SASS where loading straight into wgmma's layout took 222 (a byte load per two codes). Interpret mode
+    sm_90a SASS where loading straight into wgmma's layout took 222 (a byte load per two codes). int8: straight into
+    wgmma's layout (Mosaic GPU's layout inference refuses the 8-bit loads' own layouts here). Interpret mode
     simulates no register layouts."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    if interpret:
+    if interpret or jnp.dtype(ref.dtype) == jnp.dtype(jnp.int8):
         return ref[...].astype(dtype)
     import inspect
 
@@ -192,7 +206,7 @@ def _kernel(x_gmem, w_gmem, s_gmem, *rest, k: int, n: int, rows: int, group: int
         group_block = lambda kb: (k_block(kb) * tile_k // group // group_rows, 0)  # noqa: E731
         rows_of = lambda cols: plgpu.BlockSpec((group_rows, cols), group_block, memory_space=plgpu.SMEM)  # noqa: E731
         chunk = lambda c: plgpu.BlockSpec((2 * ROWS_PER_WG, CHUNK), lambda kb: (0, k_block(kb) * chunks + c),  # noqa: E731
-                                          transforms=hopper.swizzled(CHUNK, jnp.int4), memory_space=plgpu.SMEM)
+                                          transforms=hopper.swizzled(CHUNK, w_gmem.dtype), memory_space=plgpu.SMEM)
         specs = [chunk(c) for c in range(chunks)]
         specs += [plgpu.BlockSpec((rows, tile_k), lambda kb: (0, k_block(kb)),
                                   transforms=hopper.swizzled(tile_k, x_gmem.dtype), memory_space=plgpu.SMEM),
@@ -236,7 +250,7 @@ def _kernel(x_gmem, w_gmem, s_gmem, *rest, k: int, n: int, rows: int, group: int
                 z_rows = refs_and_total[chunks + 2] if has_zp else None
                 group_row = lambda c: c * CHUNK // group if group < tile_k else 0  # noqa: E731
 
-                def codes(c):  # chunk c's (q - z) in x's dtype, exact (|q - z| <= 15)
+                def codes(c):  # chunk c's (q - z) in x's dtype, exact (|q - z| <= 15 for int4, 255 for int8)
                     q = _load_codes(w_chunks[c].at[mine], x_gmem.dtype, interpret)
                     if not has_zp:
                         return q
@@ -262,12 +276,12 @@ def _kernel(x_gmem, w_gmem, s_gmem, *rest, k: int, n: int, rows: int, group: int
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def int4_decode_hopper(x, w_t, scale, *, zero_point=None, group: int | None = None, bias=None, layer=None,
+def decode_hopper(x, w_t, scale, *, zero_point=None, group: int | None = None, bias=None, layer=None,
                        blocks: DecodeBlocks | None = None, interpret: bool | None = None):
     """``x @ dequantize(w)`` at decode rows, ``w_t`` the (N, K) int4 decode layout (module docstring: the
     contract)."""
     interpret = config.resolve_interpret(interpret)
-    b = blocks or DecodeBlocks()
+    b = blocks or default_blocks(x.shape[-1])
     with config.interpret(interpret):  # can_use's device check: interpret mode runs anywhere
         _check(x, w_t, scale, zero_point, group, bias, layer, b)
     m, k = x.shape
@@ -280,12 +294,13 @@ def int4_decode_hopper(x, w_t, scale, *, zero_point=None, group: int | None = No
     xp = jnp.pad(x, ((0, rows - m), (0, 0))) if interpret and rows != m else x
     k_steps = k // b.tile_k
     splits = b.splits or splits_for(n // (2 * ROWS_PER_WG), k_steps, hopper.num_sms(interpret),
-                                    step_bytes=2 * ROWS_PER_WG * b.tile_k // 2, split_bytes=n * rows * 4)
+                                    step_bytes=_code_bytes(w_t.dtype, 2 * ROWS_PER_WG * b.tile_k),
+                                    split_bytes=n * rows * 4)
     if splits > k_steps:
-        raise ValueError(f"int4_decode_hopper: {splits} K splits of {k_steps} steps of {b.tile_k} values")
+        raise ValueError(f"decode_hopper: {splits} K splits of {k_steps} steps of {b.tile_k} values")
     has_zp = zero_point is not None
     stages = hopper.stages_that_fit(b.stages, -(-k_steps // splits),
-                                    lambda st: _shared_bytes(b.tile_k, rows, st, has_zp, x.dtype.itemsize))
+                                    lambda st: _shared_bytes(b.tile_k, rows, st, has_zp, x.dtype.itemsize, w_t.dtype))
     # the scales and zero points as stored, a stack's too: the kernel reads its layer's rows in place and converts
     # them in registers (XLA's slice-and-convert was two launches a product and kept the layer's kernels out of one
     # command buffer: a dynamic-slice fusion)

@@ -1,35 +1,26 @@
-"""The Hopper int4 decode kernel in Mosaic GPU: GPU interpret mode against the real-valued product; lowering for
-CUDA."""
-
-import types
+"""The Hopper int4 / int8 decode kernel in Mosaic GPU: GPU interpret mode against the real-valued product; lowering
+for CUDA."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from llmeq_jax.core.quantize import Spec, quantize
 from pallas_kernels import config
-from pallas_kernels.int4_decode_hopper import DecodeBlocks, can_use, int4_decode_hopper, split_steps, splits_for, \
+from pallas_kernels.decode_hopper import DecodeBlocks, can_use, decode_hopper, split_steps, splits_for, \
     transpose_codes
-
-FAKE_H100 = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3", compute_capability="9.0")
-FAKE_A100 = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA A100-SXM4-80GB", compute_capability="8.0")
+from tests.pallas_kernels.weight_only_cases import FAKE_A100, FAKE_H100, kernel_scales, quantized
 
 
-def _quantized(k, n, group, zero_point, seed):
-    w = jax.random.normal(jax.random.key(seed), (k, n)) * 0.05
-    granularity = "channel" if group is None else "group"
-    return quantize(w, Spec(bits=4, granularity=granularity, group_size=group, symmetric=not zero_point))
+def _quantized(k, n, group, zero_point, seed, bits=4):
+    return quantized(k, n, group, zero_point, seed, bits)
 
 
 def _kernel_args(q, group):
-    """The kernel's (rows, scale, zero point) of an int4 QArray: (N, K) int4, (G, N) float32, (G, N) int8."""
-    k, n = q.shape
-    groups = 1 if group is None else k // group
-    scale = jnp.broadcast_to(q.scale.astype(jnp.float32), (groups, n))
-    zp = None if q.zero_point is None else jnp.broadcast_to(q.zero_point, (groups, n)).astype(jnp.int8)
-    return transpose_codes(q.values()), scale, zp
+    """The kernel's (rows, scale, zero point) of an int4 or int8 QArray: (N, K) int4 / int8, (G, N) float32, (G, N)
+    int8."""
+    rows = transpose_codes(q.values()) if q.bits == 4 else jnp.swapaxes(q.qvalue, -1, -2)
+    return (rows, *kernel_scales(q, group))
 
 
 def _exact_product(x, q):
@@ -57,6 +48,7 @@ CASES = [  # m, k, n, group, zero point, dtype, blocks
     (9, 1024, 256, 512, True, jnp.bfloat16, DecodeBlocks(stages=4, splits=2)),  # a group over two steps
     (12, 512, 256, 128, True, jnp.bfloat16, DecodeBlocks(tile_k=128, stages=2)),  # one chunk a step
     (2, 1024, 256, 128, True, jnp.bfloat16, DecodeBlocks(tile_k=512, stages=2)),  # four chunks, four groups a step
+    (3, 640, 256, 128, True, jnp.bfloat16, None),  # K = 5 x 128: the defaults take one chunk a step
 ]
 
 
@@ -65,9 +57,21 @@ def test_kernel_is_the_real_valued_product_rounded_once(m, k, n, group, zp, dtyp
     q = _quantized(k, n, group, zp, seed=m + k)
     x = jax.random.normal(jax.random.key(m), (m, k)).astype(dtype)
     rows, scale, zero = _kernel_args(q, group)
-    got = int4_decode_hopper(x, rows, scale, zero_point=zero, group=group, blocks=blocks, interpret=True)
+    got = decode_hopper(x, rows, scale, zero_point=zero, group=group, blocks=blocks, interpret=True)
     assert got.dtype == x.dtype and got.shape == (m, n)
     _assert_one_rounding(got, _exact_product(x, q), dtype)
+
+
+@pytest.mark.parametrize("m,group,zp", [(1, None, False), (7, 128, True)])
+def test_int8_rows_are_the_real_valued_product_too(m, group, zp):
+    """int8 codes (N, K), as rtn-w8's decode layout stores them (per channel, symmetric), or grouped with zero points
+    (|q - z| <= 255: exact in bf16)."""
+    q = _quantized(512, 256, group, zp, seed=m, bits=8)
+    x = jax.random.normal(jax.random.key(m), (m, 512)).astype(jnp.bfloat16)
+    rows, scale, zero = _kernel_args(q, group)
+    assert rows.dtype == jnp.int8 and rows.shape == (256, 512)
+    got = decode_hopper(x, rows, scale, zero_point=zero, group=group, interpret=True)
+    _assert_one_rounding(got, _exact_product(x, q), jnp.bfloat16)
 
 
 def test_a_layer_of_a_stack_is_read_in_place_with_a_bias():
@@ -77,7 +81,7 @@ def test_a_layer_of_a_stack_is_read_in_place_with_a_bias():
     stack, scales, zps = (jnp.stack([a[i] for a in args]) for i in range(3))
     x = jax.random.normal(jax.random.key(4), (3, k)).astype(jnp.bfloat16)
     bias = jnp.linspace(-2, 2, n).astype(jnp.bfloat16)
-    got = int4_decode_hopper(x, stack, scales, zero_point=zps, group=group, bias=bias, layer=jnp.int32(1),
+    got = decode_hopper(x, stack, scales, zero_point=zps, group=group, bias=bias, layer=jnp.int32(1),
                              interpret=True)
     _assert_one_rounding(got, _exact_product(x, qs[1]) + np.asarray(bias, np.float64), jnp.bfloat16)
     other = _exact_product(x, qs[0]) + np.asarray(bias, np.float64)
@@ -117,8 +121,10 @@ def test_can_use_names_what_the_kernel_does_not_take():
         assert ok() == (True, "") and ok(group=None) == (True, "") and ok(x_shape=(16, 512)) == (True, "")
         assert "at most 16" in ok(x_shape=(17, 512))[1]
         assert "bfloat16/float16" in ok(x_dtype=jnp.float32)[1]
-        assert "(N, K) decode layout" in ok(w_dtype=jnp.uint8)[1]
-        assert "not of 128" in ok(n=320)[1] and "multiple of 256" in ok(k=640, x_shape=(1, 640))[1]
+        assert "expected int4 or int8" in ok(w_dtype=jnp.uint8)[1] and ok(w_dtype=jnp.int8) == (True, "")
+        assert "not of 128" in ok(n=320)[1] and "multiple of 128" in ok(k=576, x_shape=(1, 576))[1]
+        assert ok(k=640, x_shape=(1, 640)) == (True, "")  # not a multiple of 256: one 128-value chunk a step
+        assert "multiple of 256" in ok(k=640, x_shape=(1, 640), blocks=DecodeBlocks(tile_k=256))[1]
         assert "group 64" in ok(group=64)[1] and "group 384" in ok(group=384)[1]  # 384 does not divide 512
         assert ok(group=128, blocks=DecodeBlocks(tile_k=512)) == (True, "")  # four groups a step
         assert "tile_k 256" in ok(group=384, k=768, x_shape=(1, 768))[1]  # neither divides the other
@@ -132,40 +138,43 @@ def test_bad_input_gets_one_clear_error():
     q = _quantized(512, 256, 128, False, seed=1)
     rows, scale, _ = _kernel_args(q, 128)
     x = jnp.zeros((2, 512), jnp.bfloat16)
-    with pytest.raises(ValueError, match=r"expects x \(M, K\) and int4 w_t \(N, K\)"):
-        int4_decode_hopper(jnp.zeros((2, 256), jnp.bfloat16), rows, scale, group=128, interpret=True)
+    with pytest.raises(ValueError, match=r"expects x \(M, K\) and w_t \(N, K\)"):
+        decode_hopper(jnp.zeros((2, 256), jnp.bfloat16), rows, scale, group=128, interpret=True)
     with pytest.raises(ValueError, match="groups of 128"):
-        int4_decode_hopper(x, rows, scale[:2], group=128, interpret=True)
+        decode_hopper(x, rows, scale[:2], group=128, interpret=True)
     with pytest.raises(ValueError, match="per channel"):
-        int4_decode_hopper(x, rows, scale, interpret=True)
+        decode_hopper(x, rows, scale, interpret=True)
     with pytest.raises(ValueError, match="zero_point"):
-        int4_decode_hopper(x, rows, scale, zero_point=jnp.zeros_like(scale), group=128, interpret=True)
+        decode_hopper(x, rows, scale, zero_point=jnp.zeros_like(scale), group=128, interpret=True)
     with pytest.raises(ValueError, match="bias"):
-        int4_decode_hopper(x, rows, scale, bias=jnp.zeros((7,)), group=128, interpret=True)
+        decode_hopper(x, rows, scale, bias=jnp.zeros((7,)), group=128, interpret=True)
     with pytest.raises(ValueError, match="at most 16"):
-        int4_decode_hopper(jnp.zeros((17, 512), jnp.bfloat16), rows, scale, group=128, interpret=True)
+        decode_hopper(jnp.zeros((17, 512), jnp.bfloat16), rows, scale, group=128, interpret=True)
     with pytest.raises(ValueError, match="3 K splits of 2 steps"):
-        int4_decode_hopper(x, rows, scale, group=128, blocks=DecodeBlocks(splits=3), interpret=True)
+        decode_hopper(x, rows, scale, group=128, blocks=DecodeBlocks(splits=3), interpret=True)
     with pytest.raises(ValueError, match="tile_k a multiple of 128"):
         DecodeBlocks(tile_k=64)
 
 
-@pytest.mark.parametrize("m,group,zp,bias,stacked", [(1, 128, True, False, False), (16, None, False, True, True),
-                                                     (4, 128, False, True, True)])
-def test_kernel_lowers_for_cuda_to_one_mosaic_gpu_call(m, group, zp, bias, stacked):
+@pytest.mark.parametrize("m,group,zp,bias,stacked,codes", [(1, 128, True, False, False, jnp.int4),
+                                                           (16, None, False, True, True, jnp.int4),
+                                                           (4, 128, False, True, True, jnp.int4),
+                                                           (1, None, False, False, True, jnp.int8),
+                                                           (16, 128, True, True, False, jnp.int8)])
+def test_kernel_lowers_for_cuda_to_one_mosaic_gpu_call(m, group, zp, bias, stacked, codes):
     """Lowered for a Hopper GPU on this CPU: Mosaic GPU's layout inference accepts the int4 tile loaded from shared
     memory into wgmma's register layout, converted to bf16 there and given as the A operand."""
     k, n = 1024, 512
     lead = (4,) if stacked else ()
     groups = 1 if group is None else k // group
-    args = [jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((*lead, n, k), jnp.int4),
+    args = [jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((*lead, n, k), codes),
             jax.ShapeDtypeStruct((*lead, groups, n), jnp.float32),
             jax.ShapeDtypeStruct((*lead, groups, n), jnp.int8) if zp else None,
             jax.ShapeDtypeStruct((n,), jnp.bfloat16) if bias else None,
             jax.ShapeDtypeStruct((), jnp.int32) if stacked else None]
 
     def f(x, w, s, z, b, layer):
-        return int4_decode_hopper(x, w, s, zero_point=z, group=group, bias=b, layer=layer)
+        return decode_hopper(x, w, s, zero_point=z, group=group, bias=b, layer=layer)
 
     with config.compiling_for(FAKE_H100):
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
