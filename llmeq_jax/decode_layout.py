@@ -957,7 +957,8 @@ def _tied_head_table(params) -> jax.Array | None:
     return table if isinstance(table, jax.Array) and table.ndim == 2 and table.dtype == jnp.float32 else None
 
 
-__all__ = ["FUSED_LINEARS", "Int4RowKernel", "Int4WordKernel", "PREFILL_FUSE_MAX_OUT", "PREFILL_PACK_MAX_BYTES", "PROMPT_PLAN_ROWS",
+__all__ = ["FUSED_LINEARS", "Int4RowKernel", "Int4WordKernel", "PREFILL_FUSE_MAX_OUT", "PREFILL_PACK_MAX_BYTES",
+           "PROMPT_PLAN_ROWS",
            "PanelKernel", "RowMajorKernel", "SCALE_STEP_VALUES", "SPLIT_BITS", "ScaleCodes", "compact_scales",
            "decode_target", "for_decode", "for_prefill", "fuse_linears", "int4_word_kernel", "join_codes",
            "kernel_view", "narrowest_split_bits", "pack_float_kernels", "pack_panels", "pack_swiglu_panels",

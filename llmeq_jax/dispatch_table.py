@@ -55,9 +55,10 @@ ENV = "LLMEQ_DISPATCH_TABLE"
 # prompt_attention: a prompt's attention as cuDNN's flash attention ("pallas_s": the fused kernel's time, though
 # it is cuDNN's, not a Pallas one) against XLA's dots and softmax; bits 16, k = head_dim, n = the keys (a
 # power-of-two bucket), rows = the query positions (bucketed), dtype the query's.
-# decode_hopper: a decode step's int4 weight-only product through the Mosaic GPU decode kernel
-# (pallas_kernels.decode_hopper, the (out, in) int4 rows of decode_layout.Int4RowKernel) against the path it
-# replaces, the faster of the word kernel (int4_words) and XLA's path, timed in the same row.
+# decode_hopper: a decode step's int4 or int8 weight-only product through the Mosaic GPU decode kernel
+# (pallas_kernels.decode_hopper: the (out, in) int4 rows of decode_layout.Int4RowKernel, or K-major int8) against
+# the path it replaces, the faster of the Triton kernel (int4 words; K-major int8) and XLA's path, timed in the
+# same row.
 # int4_words_prefill: the words of int4_words at prompt rows (pallas_kernels.int4_words_prefill, the weights as
 # wgmma's A operand) against XLA's path of the packed QArray, the path prompts take without it.
 KERNELS = ("weight_only", "w8a8", "fp8_w8a8", "int4_words", "float", "int8_f16", "kv_attention", "weight_only_nk",

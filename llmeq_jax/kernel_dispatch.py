@@ -37,7 +37,7 @@ from llmeq_jax import dispatch_table
 from llmeq_jax.core.qarray import QArray, is_packed
 from llmeq_jax.decode_layout import GPU_KMAJOR_MAX_ROWS, scale_group
 from llmeq_jax.layer_slice import take_layer
-from pallas_kernels import config, float_matmul, decode_hopper, int4_words, int4_words_prefill, \
+from pallas_kernels import config, decode_hopper, float_matmul, int4_words, int4_words_prefill, \
     rms_norm as norm_kernel, w8a8, w8a8_hopper, weight_only, weight_only_hopper
 
 

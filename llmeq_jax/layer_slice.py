@@ -32,7 +32,8 @@ class LayerSlice:
     """Layer ``layer`` of ``stack``: a QArray whose arrays carry a leading layer axis (its static
     metadata -- shape, bits, tile -- is one layer's, as ``jnp.stack`` over QArrays leaves it)."""
 
-    stack: QArray  # or a decode_layout.RowMajorKernel / Int4WordKernel / Int4RowKernel holding such a stack, or a float [L, ...]
+    # or a decode_layout.RowMajorKernel / Int4WordKernel / Int4RowKernel holding such a stack, or a float [L, ...]
+    stack: QArray
     layer: jax.Array  # int32 scalar, traced inside the scan
 
     @property

@@ -18,8 +18,8 @@ built (Machete; JAX's ``hopper_mixed_type_matmul_mgpu``):
   A warpgroup loads its half of the int4 tile from shared memory eight codes a register, moves them into wgmma's
   layout and converts them there with Mosaic GPU's int4 -> bf16 bit tricks (:func:`_load_codes`); zero points come
   off in bf16 (``q - z`` is exact). A step's second 128-value chunk is converted while the first one's wgmma runs.
-  sm_90a SASS (deviceless): 441 instructions a compute thread a 256-value step with zero points, 374 without (3.4 /
-  2.9 a weight), sixteen ``HGMMA.64x8x16``, 168 registers, no spills.
+  sm_90a SASS (deviceless): 451 instructions a compute thread a 256-value step with zero points, 378 without (3.5 /
+  3.0 a weight), sixteen ``HGMMA.64x8x16``, 168 registers, no spills.
 - **Scales on the accumulator**: each chunk's product ``(q - z) @ x^T`` (128 K values, within one group) runs
   into a fresh (64, Mp) accumulator -- 8 float32 values a thread at Mp = 16 -- and is added as ``s acc`` in float32.
   XLA's path rounds ``(q - z) s`` into bf16 before its GEMM (``QArray.dequantize``); here no weight is rounded, so
@@ -50,12 +50,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 
 import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import config, hopper
+from pallas_kernels.common import cdiv
 
 MAX_ROWS = 16  # wgmma's N dimension here: x's rows padded to 8 or 16
 ROWS_PER_WG = 64  # output rows a compute warpgroup owns (wgmma's M)
@@ -103,7 +105,7 @@ def splits_for(items: int, k_steps: int, sms: int, step_bytes: int, split_bytes:
     float32 partial sums written and read again (``split_bytes`` each). 4096 x 4096 at one row: 4 splits, 128 work
     items on 132 SMs."""
     def cost(splits):
-        longest = -(-k_steps // splits)
+        longest = cdiv(k_steps, splits)
         return math.ceil(items * splits / sms) * longest * step_bytes * sms + 2 * splits * split_bytes
 
     return min(range(1, max(1, k_steps // 2) + 1), key=cost)
@@ -172,8 +174,6 @@ def _load_codes(ref, dtype, interpret: bool):
 
     if interpret or jnp.dtype(ref.dtype) == jnp.dtype(jnp.int8):
         return ref[...].astype(dtype)
-    import inspect
-
     # jax 0.10 takes the index as an argument; 0.11 indexes the ref itself (and deprecates the argument)
     index = () if inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty else None
     codes = (plgpu.load(ref, layout=plgpu.Layout.WGMMA_UPCAST_4X) if index is None
@@ -194,7 +194,7 @@ def _kernel(x_gmem, w_gmem, s_gmem, *rest, k: int, n: int, rows: int, group: int
         z_gmem = None if z_gmem is None else z_gmem.at[layer]
     (o_gmem,) = rest
     blocks, k_steps = n // (2 * ROWS_PER_WG), k // tile_k
-    longest = -(-k_steps // splits)  # every split's pipeline runs this many steps; a shorter one's last ones are void
+    longest = cdiv(k_steps, splits)  # every split's pipeline runs this many steps; a shorter one's last ones are void
 
     chunks = tile_k // CHUNK
     group_rows = max(1, tile_k // group)  # scale rows a step reads: one per group it holds
@@ -205,9 +205,9 @@ def _kernel(x_gmem, w_gmem, s_gmem, *rest, k: int, n: int, rows: int, group: int
         k_block = lambda kb: first + jnp.minimum(kb, steps - 1)  # noqa: E731 -- a void step reads the last again
         group_block = lambda kb: (k_block(kb) * tile_k // group // group_rows, 0)  # noqa: E731
         rows_of = lambda cols: plgpu.BlockSpec((group_rows, cols), group_block, memory_space=plgpu.SMEM)  # noqa: E731
-        chunk = lambda c: plgpu.BlockSpec((2 * ROWS_PER_WG, CHUNK), lambda kb: (0, k_block(kb) * chunks + c),  # noqa: E731
-                                          transforms=hopper.swizzled(CHUNK, w_gmem.dtype), memory_space=plgpu.SMEM)
-        specs = [chunk(c) for c in range(chunks)]
+        chunk_block = lambda c: lambda kb: (0, k_block(kb) * chunks + c)  # noqa: E731
+        specs = [plgpu.BlockSpec((2 * ROWS_PER_WG, CHUNK), chunk_block(c), transforms=hopper.swizzled(
+            CHUNK, w_gmem.dtype), memory_space=plgpu.SMEM) for c in range(chunks)]
         specs += [plgpu.BlockSpec((rows, tile_k), lambda kb: (0, k_block(kb)),
                                   transforms=hopper.swizzled(tile_k, x_gmem.dtype), memory_space=plgpu.SMEM),
                   rows_of(2 * ROWS_PER_WG)]
@@ -245,16 +245,15 @@ def _kernel(x_gmem, w_gmem, s_gmem, *rest, k: int, n: int, rows: int, group: int
                                         o_gmem.at[si, pl.ds(bi * 2 * ROWS_PER_WG + wg * ROWS_PER_WG, ROWS_PER_WG)])
 
             def step(index, *refs_and_total):
-                w_chunks, (x_smem, s_rows), total = refs_and_total[:chunks], refs_and_total[chunks:chunks + 2], \
-                    refs_and_total[-1]
-                z_rows = refs_and_total[chunks + 2] if has_zp else None
+                w_chunks, total = refs_and_total[:chunks], refs_and_total[-1]
+                x_smem, s_rows, *z_rows = refs_and_total[chunks:-1]  # z_rows: [the zero points' rows] or []
                 group_row = lambda c: c * CHUNK // group if group < tile_k else 0  # noqa: E731
 
                 def codes(c):  # chunk c's (q - z) in x's dtype, exact (|q - z| <= 15 for int4, 255 for int8)
                     q = _load_codes(w_chunks[c].at[mine], x_gmem.dtype, interpret)
                     if not has_zp:
                         return q
-                    z = z_rows[group_row(c), mine].astype(x_gmem.dtype)
+                    z = z_rows[0][group_row(c), mine].astype(x_gmem.dtype)
                     return q - hopper.broadcast(z, q.shape, False, interpret)
 
                 def chains(*acc_refs):  # chunk c + 1 is converted while chunk c's wgmma runs
@@ -277,8 +276,8 @@ def _kernel(x_gmem, w_gmem, s_gmem, *rest, k: int, n: int, rows: int, group: int
 
 
 def decode_hopper(x, w_t, scale, *, zero_point=None, group: int | None = None, bias=None, layer=None,
-                       blocks: DecodeBlocks | None = None, interpret: bool | None = None):
-    """``x @ dequantize(w)`` at decode rows, ``w_t`` the (N, K) int4 decode layout (module docstring: the
+                  blocks: DecodeBlocks | None = None, interpret: bool | None = None):
+    """``x @ dequantize(w)`` at decode rows, ``w_t`` the (N, K) int4 or int8 codes (module docstring: the
     contract)."""
     interpret = config.resolve_interpret(interpret)
     b = blocks or default_blocks(x.shape[-1])
@@ -299,7 +298,7 @@ def decode_hopper(x, w_t, scale, *, zero_point=None, group: int | None = None, b
     if splits > k_steps:
         raise ValueError(f"decode_hopper: {splits} K splits of {k_steps} steps of {b.tile_k} values")
     has_zp = zero_point is not None
-    stages = hopper.stages_that_fit(b.stages, -(-k_steps // splits),
+    stages = hopper.stages_that_fit(b.stages, cdiv(k_steps, splits),
                                     lambda st: _shared_bytes(b.tile_k, rows, st, has_zp, x.dtype.itemsize, w_t.dtype))
     # the scales and zero points as stored, a stack's too: the kernel reads its layer's rows in place and converts
     # them in registers (XLA's slice-and-convert was two launches a product and kept the layer's kernels out of one

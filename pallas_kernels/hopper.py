@@ -135,7 +135,7 @@ def output_bytes(epi: int, dtype) -> int:
     return 2 * EPILOGUE_SLOTS * epi * epi * jnp.dtype(dtype).itemsize
 
 
-def launch(body, out_shape: tuple[int, int], out_dtype, interpret: bool):
+def launch(body, out_shape: tuple[int, ...], out_dtype, interpret: bool):
     """``body`` as a persistent Mosaic GPU kernel: one program per SM (grid axis "sm"), three warpgroups (axis
     "wg": two computing, one issuing TMA copies), warpgroup-level lowering. In interpret mode, GPU interpret mode
     with :mod:`pallas_kernels.mosaic_interpret`'s wgmma."""

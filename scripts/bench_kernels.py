@@ -118,7 +118,8 @@ def table_key(kind: str, k: int, n: int, m: int):
                            "w4_words_prefill": ("int4_words_prefill", 4, GROUP),
                            "w8a8_hopper": ("w8a8_hopper", 8, None), "w8_hopper": ("weight_only_hopper", 8, None),
                            "w4_hopper": ("weight_only_hopper", 4, GROUP),
-                           "w4_decode_hopper": ("decode_hopper", 4, GROUP), "w8_decode_hopper": ("decode_hopper", 8, None),
+                           "w4_decode_hopper": ("decode_hopper", 4, GROUP),
+                           "w8_decode_hopper": ("decode_hopper", 8, None),
                            "bf16_stack": ("float", 16, None), "w8_nk_f16": ("int8_f16", 8, None)}[kind]
     return dispatch_table.Key(jax.devices()[0].device_kind, kernel, bits, group, k, n, dispatch_table.row_bucket(m),
                               "bfloat16")
