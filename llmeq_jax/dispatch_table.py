@@ -59,11 +59,13 @@ ENV = "LLMEQ_DISPATCH_TABLE"
 # (pallas_kernels.decode_hopper: the (out, in) int4 rows of decode_layout.Int4RowKernel, or K-major int8) against
 # the path it replaces, the faster of the Triton kernel (int4 words; K-major int8) and XLA's path, timed in the
 # same row.
+# w8a8_hopper / fp8_w8a8_hopper: a prompt's int8 / FP8 W8A8 product over K-major weights through the Mosaic GPU kernel
+# (pallas_kernels.w8a8_hopper) against the K-major Triton kernel it replaces ("xla_s": that kernel's time).
 # int4_words_prefill: the words of int4_words at prompt rows (pallas_kernels.int4_words_prefill, the weights as
 # wgmma's A operand) against XLA's path of the packed QArray, the path prompts take without it.
 KERNELS = ("weight_only", "w8a8", "fp8_w8a8", "int4_words", "float", "int8_f16", "kv_attention", "weight_only_nk",
            "w8a8_nk", "fp8_w8a8_nk", "rms_norm", "prompt_attention", "int4_words_prefill", "w8a8_hopper",
-           "weight_only_hopper", "decode_hopper")
+           "fp8_w8a8_hopper", "weight_only_hopper", "decode_hopper")
 # Measured weight shapes that must agree on a path before an unmeasured product follows them (Table.inferred).
 MIN_AGREEING_SHAPES = 2
 PATHS = ("pallas", "xla")

@@ -12,8 +12,8 @@ saying why no kernel applies.
 Which kernel:
   act spec given  -> W8A8 (int8-stored weights; dynamic per-token or static per-tensor activations),
                      FP8 W8A8 for fp8 (E4M3) weights and activations on sm_89+ ("fp8_w8a8");
-                     a prompt's int8 W8A8 over K-major weights on Hopper: the Mosaic GPU kernel where a
-                     table measured it faster than the Triton one (``hopper_w8a8_takes``)
+                     a prompt's int8 or FP8 W8A8 over K-major weights on Hopper: the Mosaic GPU kernel where
+                     a table measured it faster than the Triton one (``hopper_w8a8_takes``)
   no act spec     -> weight-only: int8-stored values (5..8 bits) or nibble-packed (3..4 bits);
                      fp8 weights without fp8 activations have no kernel (XLA dequantizes them);
                      a prompt's int8-stored or int4-pair product on Hopper: the Mosaic GPU kernel where a
@@ -170,17 +170,19 @@ def hopper_beats_words(rows: int, x_dtype, w: QArray, group: int | None) -> bool
     return bool(hopper and words) and hopper["pallas_s"] < min(words["pallas_s"], hopper["xla_s"])
 
 
-def hopper_w8a8_takes(x2, view: QArray, group: int | None, has_zero_point: bool) -> bool:
-    """Whether a prompt's int8 W8A8 product (more rows than a decode step's) over K-major weights goes to the Mosaic
-    GPU kernel (``pallas_kernels.w8a8_hopper``: int8 wgmma kept in flight, Hopper only) rather than the Triton
-    kernel: where the active or shipped dispatch table measured it faster than that kernel (kernel
-    ``w8a8_hopper``). Unmeasured, the Triton kernel: the Mosaic one is not timed on a GPU yet."""
+def hopper_w8a8_takes(x2, view: QArray, group: int | None, has_zero_point: bool, fp8: bool = False) -> bool:
+    """Whether a prompt's int8 (``fp8``: E4M3) W8A8 product (more rows than a decode step's) over K-major weights
+    goes to the Mosaic GPU kernel (``pallas_kernels.w8a8_hopper``: wgmma kept in flight, Hopper only) rather than
+    the Triton kernel: where the active or shipped dispatch table measured it faster than that kernel (kernel
+    ``w8a8_hopper`` / ``fp8_w8a8_hopper``). Unmeasured, the Triton kernel: the Mosaic one is not timed on a GPU
+    yet."""
     k, n = view.shape
     if x2.shape[0] <= GPU_KMAJOR_MAX_ROWS:
         return False
-    if not w8a8_hopper.can_use(x2.shape, x2.dtype, view.qvalue.dtype, k, n, group, has_zero_point)[0]:
+    if not w8a8_hopper.can_use(x2.shape, x2.dtype, view.qvalue.dtype, k, n, group, has_zero_point, fp8=fp8)[0]:
         return False
-    return dispatch_table.choice(table_key("w8a8_hopper", x2.shape[0], x2.dtype, view, group)) == "pallas"
+    kernel = "fp8_w8a8_hopper" if fp8 else "w8a8_hopper"
+    return dispatch_table.choice(table_key(kernel, x2.shape[0], x2.dtype, view, group)) == "pallas"
 
 
 def hopper_weight_only_bits(view: QArray) -> int | None:
@@ -351,11 +353,13 @@ def linear(x, w: QArray, act=None, require: bool = False, layer=None, *, w_layou
         return y.reshape(*x.shape[:-1], n)
     if not require and not kernel_takes(measured_as, x2.shape[0], x.dtype, view, group):
         return None  # XLA's path: measured faster on this device, or a small product no table measured
-    if kind == "w8a8" and w_layout == "nk" and not require and hopper_w8a8_takes(x2, view, group, zp is not None):
-        y = w8a8_hopper.w8a8_hopper(x2, w.qvalue, scale, act_scale=_act_scale(w, layer), layer=layer)
+    fp8 = kind == "fp8_w8a8"
+    if kind in ("w8a8", "fp8_w8a8") and w_layout == "nk" and not require \
+            and hopper_w8a8_takes(x2, view, group, zp is not None, fp8=fp8):
+        y = w8a8_hopper.w8a8_hopper(x2, w.qvalue, scale, act_scale=_act_scale(w, layer), layer=layer, fp8=fp8)
     elif kind in ("w8a8", "fp8_w8a8"):
         y = w8a8.w8a8_matmul(x2, w.qvalue, scale, w_zero_point=zp, act_scale=_act_scale(w, layer), group=group,
-                             layer=layer, fp8=kind == "fp8_w8a8", w_layout=w_layout)
+                             layer=layer, fp8=fp8, w_layout=w_layout)
     else:
         bits = 4 if is_packed(w.bits) else 8
         dequant = "f16" if _float16_operands(x2, view, group, w_layout) else None

@@ -116,7 +116,8 @@ def table_key(kind: str, k: int, n: int, m: int):
     kernel, bits, group = {"w8a8": ("w8a8", 8, None), "fp8": ("fp8_w8a8", 8, None), "w8": ("weight_only", 8, None),
                            "w4g128": ("weight_only", 4, GROUP), "w4_words": ("int4_words", 4, GROUP),
                            "w4_words_prefill": ("int4_words_prefill", 4, GROUP),
-                           "w8a8_hopper": ("w8a8_hopper", 8, None), "w8_hopper": ("weight_only_hopper", 8, None),
+                           "w8a8_hopper": ("w8a8_hopper", 8, None), "fp8_hopper": ("fp8_w8a8_hopper", 8, None),
+                           "w8_hopper": ("weight_only_hopper", 8, None),
                            "w4_hopper": ("weight_only_hopper", 4, GROUP),
                            "w4_decode_hopper": ("decode_hopper", 4, GROUP),
                            "w8_decode_hopper": ("decode_hopper", 8, None),
@@ -138,7 +139,7 @@ def write_table(path, measured):
 
 KINDS = ("bf16", "w8a8", "fp8", "w8", "w4g128", "w8a8_nk", "fp8_nk", "w8_nk", "w4_words", "bf16_stack", "w4_xla_rows",
          "w8_nk_f16", "w4_gemv", "w4_xla_words", "w4_xla_groups", "w4_words_prefill", "w8a8_hopper", "w8_hopper",
-         "w4_hopper", "w4_decode_hopper", "w8_decode_hopper")
+         "w4_hopper", "w4_decode_hopper", "w8_decode_hopper", "fp8_hopper")
 # The int8 kinds with their weights stored K-major, (N, K): the layout decode steps of up to
 # decode_layout.GPU_KMAJOR_MAX_ROWS rows read (for_decode); not in the table. W8A8 is timed at prefill rows
 # too: there the kinds w8a8/fp8 transpose the weight per call (int8 wgmma takes K-major operands only), and
@@ -174,6 +175,9 @@ KMAJOR_KINDS = ("w8a8_nk", "fp8_nk", "w8_nk")
 # w8a8_hopper: the K-major int8 weights of w8a8_nk through the Mosaic GPU kernel (pallas_kernels/w8a8_hopper.py:
 # int8 wgmma kept in flight, which Triton never does with int32 accumulators); prompt rows only, in the table as
 # kernel "w8a8_hopper" against w8a8_nk (the Triton kernel a prompt's W8A8 product takes today), timed in the same row.
+# fp8_hopper: the K-major E4M3 weights of fp8_nk through the same Mosaic GPU kernel with FP8 wgmma (fp8=True: each
+# 128-value K step's sums promoted into float32, 64 x 128 tiles a warpgroup); prompt rows only, in the table as kernel
+# "fp8_w8a8_hopper" against fp8_nk (the Triton kernel it replaces), timed in the same row; torch's _scaled_mm beside.
 # w8_hopper: the int8 weight-only codes of w8, as stored (K, N), through the Mosaic GPU kernel
 # (pallas_kernels/weight_only_hopper.py: each tile dequantized into shared memory, then bf16 wgmma); prompt rows only,
 # in the table as kernel "weight_only_hopper" against XLA's path (what a prompt's rtn-w8 product takes today).
@@ -184,7 +188,7 @@ KMAJOR_KINDS = ("w8a8_nk", "fp8_nk", "w8_nk")
 # replaces in a decode step, the faster of the word kernel (w4_words, timed in the same row) and XLA's path.
 # w8_decode_hopper: the same kernel over w8_nk's K-major int8 codes (rtn-w8's decode layout), against the faster of
 # the K-major Triton kernels timed in the same row (w8_nk, w8_nk_f16) and XLA's path.
-PREFILL_ONLY_KINDS = ("w4_words_prefill", "w8a8_hopper", "w8_hopper", "w4_hopper")
+PREFILL_ONLY_KINDS = ("w4_words_prefill", "w8a8_hopper", "fp8_hopper", "w8_hopper", "w4_hopper")
 DECODE_ONLY_KINDS = ("w8_nk", "w4_words", "bf16_stack", "w4_xla_rows", "w8_nk_f16", "w4_gemv", "w4_xla_words",
                      "w4_xla_groups", "w4_decode_hopper", "w8_decode_hopper")
 GEMV_ONLY_ROWS = ("w4_gemv",)  # kinds timed only at rows the GEMV takes (gemv.GEMV_MAX_ROWS)
@@ -193,9 +197,12 @@ NOT_IN_TABLE = ("w4_xla_rows", "w4_gemv", "w4_xla_words", "w4_xla_groups",
 # the kind whose weights (bytes moved, XLA's path) a layout kind has
 LAYOUT_OF = {"w4_words": "w4g128", "w4_words_prefill": "w4g128", "w4_xla_rows": "w4g128", "w8_nk_f16": "w8_nk",
              "w4_gemv": "w4g128", "w4_xla_words": "w4g128", "w4_xla_groups": "w4g128", "w8a8_hopper": "w8a8_nk",
+             "fp8_hopper": "fp8_nk",
              "w8_hopper": "w8", "w4_hopper": "w4g128", "w4_decode_hopper": "w4g128", "w8_decode_hopper": "w8"}
 # the Mosaic decode kinds: the kinds (timed in the same row) whose kernels they would replace in a decode step
 REPLACES = {"w4_decode_hopper": ("w4_words",), "w8_decode_hopper": ("w8_nk", "w8_nk_f16")}
+# the Mosaic prompt kinds: the K-major Triton kind (timed in the same row) each replaces, their table entries' "xla_s"
+HOPPER_REPLACES = {"w8a8_hopper": "w8a8_nk", "fp8_hopper": "fp8_nk"}
 
 
 def xla_int4_rows(x, q, scale):
@@ -279,7 +286,7 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
     SWEEP = _sweep()
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
     print(f"{'weight':>12} {'M':>5} {'kind':>7} {'ms':>8} {'TFLOP/s':>8} {'GB/s':>7} {'vs bf16':>8}")
-    torch_fp8 = torch_scaled_mm() if "fp8" in kinds_wanted else None
+    torch_fp8 = torch_scaled_mm() if {"fp8", "fp8_hopper"} & set(kinds_wanted) else None
     for k, n in weights:
         w = jax.random.normal(jax.random.key(0), (k, n), jnp.float32) * 0.02
         q8 = quantize(w, Spec(bits=8, granularity="channel"))
@@ -291,7 +298,7 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
         kmajor = set(kinds_wanted) & set(KMAJOR_KINDS)
         nk_kinds = {"w8a8_nk", "w8_nk", "w8_nk_f16", "w8a8_hopper", "w8_decode_hopper"}
         w8t = _copies(q8.qvalue.T, r) if nk_kinds & set(kinds_wanted) else []
-        wft = _copies(qf.qvalue.T, r) if "fp8_nk" in kmajor else []
+        wft = _copies(qf.qvalue.T, r) if {"fp8_nk", "fp8_hopper"} & set(kinds_wanted) else []
         word_kinds = {"w4_words", "w4_xla_words", "w4_words_prefill"}
         w4w = _copies(pack_words(q4.values(), GROUP), r) if word_kinds & set(kinds_wanted) else []
         w4r = [c.T.astype(jnp.int4) for c in _copies(q4.values(), r)] if "w4_xla_rows" in kinds_wanted else []
@@ -320,6 +327,7 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
             "w4_xla_words": (lambda x, w, s: int4_words_xla(x, w, s, group=GROUP), list(zip(w4w, s4))),
             "w4_words_prefill": (lambda x, w, s: int4_words_prefill(x, w, s, group=GROUP), list(zip(w4w, s4))),
             "w8a8_hopper": (lambda x, w, s: w8a8_hopper(x, w, s), list(zip(w8t, s8))),
+            "fp8_hopper": (lambda x, w, s: w8a8_hopper(x, w, s, fp8=True), list(zip(wft, sf))),
             "w8_hopper": (lambda x, w, s: weight_only_hopper(x, w, s), list(zip(w8, s8))),
             "w4_hopper": (lambda x, w, s: weight_only_hopper(x, w, s, group=GROUP, bits=4), list(zip(w4, s4))),
             "w4_decode_hopper": (lambda x, w, s: decode_hopper(x, w, s, group=GROUP), list(zip(w4t, s4))),
@@ -365,10 +373,11 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
                 if table is not None and kind == "w8_nk_f16" and "w8_nk" in row_times:  # against the kernel it replaces
                     table.append((table_key(kind, k, n, m), {"pallas_s": t, "xla_s": row_times["w8_nk"], "bf16_s": base}))
                     line += f"  ({row_times['w8_nk'] / t:.2f}x w8_nk)"
-                if table is not None and kind == "w8a8_hopper" and "w8a8_nk" in row_times:  # the kernel it replaces
-                    times = {"pallas_s": t, "xla_s": row_times["w8a8_nk"], "bf16_s": base}
+                replaced = HOPPER_REPLACES.get(kind)
+                if table is not None and replaced in row_times:  # against the Triton kernel it replaces
+                    times = {"pallas_s": t, "xla_s": row_times[replaced], "bf16_s": base}
                     table.append((table_key(kind, k, n, m), times))
-                    line += f"  ({row_times['w8a8_nk'] / t:.2f}x w8a8_nk)"
+                    line += f"  ({row_times[replaced] / t:.2f}x {replaced})"
                 if table is not None and kind in REPLACES:  # against the path it replaces
                     origin = LAYOUT_OF[kind]
                     t_xla = timed(xla_of[origin], [(x, *wargs) for x, wargs in zip(xs, kinds_all[origin][1])],
@@ -380,7 +389,7 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
                                                                      for o in others) + ")"
                 if kind == "w4_xla_words" and "w4_words" in row_times:
                     line += f"  ({row_times['w4_words'] / t:.2f}x w4_words)"
-                if kind == "fp8" and torch_fp8 is not None and m >= 16:
+                if kind in ("fp8", "fp8_hopper") and torch_fp8 is not None and m >= 16:
                     prepare, timer = torch_fp8
                     t_mm, t_bf = (timer(f, reps * 10) for f in prepare(m, k, n))
                     line += f"  (torch _scaled_mm {t_mm * 1e3:.4f} ms = {t_bf / t_mm:.2f}x torch bf16)"
@@ -401,9 +410,10 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
             if sweep and (k, n) == SWEEP_WEIGHT and m in PREFILL_WORDS_SWEEP_ROWS and "w4_words_prefill" in kinds:
                 sweep_in_turns("w4_words_prefill", kinds, xs, _prefill_words_sweep(), reps,
                                lambda cfg: lambda x, w, s: int4_words_prefill(x, w, s, group=GROUP, **cfg))
-            if sweep and (k, n) == SWEEP_WEIGHT and m in PREFILL_WORDS_SWEEP_ROWS and "w8a8_hopper" in kinds:
-                sweep_in_turns("w8a8_hopper", kinds, xs, _hopper_sweep(), reps,
-                               lambda cfg: lambda x, w, s: w8a8_hopper(x, w, s, **cfg))
+            for kind, fp8 in (("w8a8_hopper", False), ("fp8_hopper", True)):
+                if sweep and (k, n) == SWEEP_WEIGHT and m in PREFILL_WORDS_SWEEP_ROWS and kind in kinds:
+                    sweep_in_turns(kind, kinds, xs, _hopper_sweep(fp8), reps,
+                                   lambda cfg, fp8=fp8: lambda x, w, s: w8a8_hopper(x, w, s, fp8=fp8, **cfg))
             for kind, extra in (("w8_hopper", {}), ("w4_hopper", dict(group=GROUP, bits=4))):
                 if sweep and (k, n) == SWEEP_WEIGHT and m in PREFILL_WORDS_SWEEP_ROWS and kind in kinds:
                     sweep_in_turns(kind, kinds, xs, _weight_only_hopper_sweep(extra.get("bits", 8)), reps,
@@ -724,12 +734,17 @@ def _prefill_words_sweep():
             ((128, 128, 8, 3), (128, 128, 8, 4), (256, 64, 4, 2), (128, 64, 4, 3), (64, 128, 8, 4), (128, 256, 16, 3))]
 
 
-def _hopper_sweep():
+def _hopper_sweep(fp8: bool = False):
     """Settings of the Mosaic GPU W8A8 kernel (``w8a8_hopper.HopperBlocks``) tried at PREFILL_WORDS_SWEEP_ROWS:
     output tiles of 128 x 256 (the default), 64 x 256, 128 x 128 and 64 x 128 a program, the TMA ring's depth, and
-    the order the programs walk the tiles in (L2 reuse of x's rows or of the weights' columns)."""
+    the order the programs walk the tiles in (L2 reuse of x's rows or of the weights' columns). FP8 (default 64 x
+    256, two float32 tiles a warpgroup): 128 x 128 (as many registers), 64 x 128, the ring's depth, the order."""
     from pallas_kernels.w8a8_hopper import HopperBlocks
 
+    if fp8:
+        return [dict(blocks=HopperBlocks(**kw)) for kw in (
+            dict(tile_m=128, tile_n=64), dict(tile_m=64, tile_n=64), dict(tile_m=64, stages=6),
+            dict(tile_m=64, stages=3), dict(tile_m=64, snake_minor_n=False), dict(tile_m=64, snake_width=16))]
     return [dict(blocks=HopperBlocks(**kw)) for kw in (
         dict(stages=3), dict(tile_m=64), dict(tile_n=64), dict(tile_m=64, tile_n=64), dict(snake_minor_n=False),
         dict(snake_width=16), dict(snake_width=4), dict(tile_n=64, stages=6))]

@@ -157,7 +157,7 @@ def _prompt_kind_bench(capsys, monkeypatch, sweep_fn: str, settings, kinds: tupl
     monkeypatch.setattr(bench, "copies_for", lambda nbytes: 1)
     monkeypatch.setattr(bench, "PREFILL_WORDS_SWEEP_ROWS", (64,))
     monkeypatch.setattr(bench, "SWEEP_WEIGHT", weight)
-    monkeypatch.setattr(bench, sweep_fn, settings if callable(settings) else lambda: settings)
+    monkeypatch.setattr(bench, sweep_fn, settings if callable(settings) else lambda *_: settings)
     for other in no_settings:
         monkeypatch.setattr(bench, other, lambda *_: [])
     table = []
@@ -201,19 +201,21 @@ def test_bench_kernels_times_the_prompt_kernel_over_the_words_at_prompt_rows_onl
     assert out.count("failed: ValueError: int4_words_prefill: the K block is one word block") == 1
 
 
-def test_bench_kernels_times_the_hopper_w8a8_kernel_against_the_triton_one(capsys, monkeypatch):
-    """w8a8_hopper (GPU interpret mode, a tiny weight): timed at prompt rows only, its table entry against the
-    Triton kernel over the same K-major weights (w8a8_nk) timed in the same row; --sweep runs its settings there,
-    one it refuses (N 256 is not a multiple of its 512-column tile) costing its own line."""
+@pytest.mark.parametrize("kind,replaced,kernel", [("w8a8_hopper", "w8a8_nk", "w8a8_hopper"),
+                                                   ("fp8_hopper", "fp8_nk", "fp8_w8a8_hopper")])
+def test_bench_kernels_times_the_hopper_w8a8_kernel_against_the_triton_one(capsys, monkeypatch, kind, replaced, kernel):
+    """w8a8_hopper / fp8_hopper (GPU interpret mode, a tiny weight): timed at prompt rows only, its table entry
+    against the Triton kernel over the same K-major weights (w8a8_nk / fp8_nk) timed in the same row; --sweep runs its
+    settings there, one it refuses (N 256 is not a multiple of its 512-column tile) costing its own line."""
     from pallas_kernels.w8a8_hopper import HopperBlocks
 
-    settings = [dict(blocks=HopperBlocks(stages=2)), dict(blocks=HopperBlocks(tile_n=256))]
-    out, table = _prompt_kind_bench(capsys, monkeypatch, "_hopper_sweep", settings, ("bf16", "w8a8_nk", "w8a8_hopper"))
-    assert "256x256    64 w8a8_hopper" in out and "256x256     1 w8a8_hopper" not in out
-    entries = [(k.kernel, k.rows, t) for k, t in table if k.kernel == "w8a8_hopper"]
-    assert [(kernel, rows) for kernel, rows, _ in entries] == [("w8a8_hopper", 64)]
-    assert "x w8a8_nk)" in out and entries[0][2]["xla_s"] > 0  # against the Triton kernel's time
-    assert out.count("sweep w8a8_hopper M=64") == 4  # bf16, the defaults, each setting (one failed)
+    settings = [dict(blocks=HopperBlocks(tile_m=64, stages=2)), dict(blocks=HopperBlocks(tile_n=256))]
+    out, table = _prompt_kind_bench(capsys, monkeypatch, "_hopper_sweep", settings, ("bf16", replaced, kind))
+    assert f"256x256    64 {kind}" in out and f"256x256     1 {kind}" not in out
+    entries = [(k.kernel, k.rows, t) for k, t in table if k.kernel == kernel]
+    assert [(name, rows) for name, rows, _ in entries] == [(kernel, 64)]
+    assert f"x {replaced})" in out and entries[0][2]["xla_s"] > 0  # against the Triton kernel's time
+    assert out.count(f"sweep {kind} M=64") == 4  # bf16, the defaults, each setting (one failed)
     assert out.count("failed: ValueError: w8a8_hopper:") == 1
 
 

@@ -15,6 +15,7 @@ from pallas_kernels import config
 
 W8A8 = (Spec(bits=8, granularity="channel"), Spec(bits=8, granularity="token"))
 W4G128 = (Spec(bits=4, granularity="group", group_size=128), None)
+FP8_W8A8 = (Spec(bits=8, granularity="channel", grid="fp8"), Spec(bits=8, granularity="token", grid="fp8"))
 
 
 def _q(spec_pair, shape=(200, 48), seed=0):
@@ -550,9 +551,12 @@ def test_the_dispatch_table_read_is_part_of_the_kernel_state(tmp_path, monkeypat
     assert named != outside and kernel_state() != named
 
 
-def test_a_prompts_w8a8_product_goes_to_the_hopper_kernel_only_where_a_table_measured_it_faster(monkeypatch):
-    """K-major int8 W8A8 weights at a prompt's rows: the Triton kernel unless the table measured the Mosaic GPU
-    kernel (``w8a8_hopper``) faster than it; decode rows never; both give the reference's bits."""
+@pytest.mark.parametrize("spec,kernel", [(W8A8, "w8a8_hopper"), (FP8_W8A8, "fp8_w8a8_hopper")])
+def test_a_prompts_w8a8_product_goes_to_the_hopper_kernel_only_where_a_table_measured_it_faster(monkeypatch, spec,
+                                                                                               kernel):
+    """K-major int8 or FP8 W8A8 weights at a prompt's rows: the Triton kernel unless the table measured the Mosaic
+    GPU kernel (``w8a8_hopper`` / ``fp8_w8a8_hopper``, each its own key) faster than it; decode rows never; both give
+    the reference's bits."""
     from llmeq_jax import decode_layout, dispatch_table
     from pallas_kernels import w8a8, w8a8_hopper
 
@@ -560,11 +564,20 @@ def test_a_prompts_w8a8_product_goes_to_the_hopper_kernel_only_where_a_table_mea
     for mod, name in ((w8a8, "w8a8_matmul"), (w8a8_hopper, "w8a8_hopper")):
         real = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
-    q = _q(W8A8, (256, 256), 3)
-    kmajor = decode_layout.for_decode({"up": {"kernel": q}}, rows=2)["up"]["kernel"]
+    q = _q(spec, (256, 256), 3)
+    with config.interpret(True):  # a prompt's layout (FP8's plan needs an sm_89+ device, or interpret mode)
+        kmajor = decode_layout.w8a8_kmajor({"up": {"kernel": q}})["up"]["kernel"]
+    assert isinstance(kmajor, decode_layout.RowMajorKernel)
     x = jax.random.normal(jax.random.key(8), (40, 256)).astype(jnp.bfloat16)
     device = config.target_device().device_kind
-    key = dispatch_table.Key(device, "w8a8_hopper", 8, None, 256, 256, 64, "bfloat16")
+    other = {"w8a8_hopper": "fp8_w8a8_hopper", "fp8_w8a8_hopper": "w8a8_hopper"}[kernel]
+    with config.interpret(True), dispatch_table.use(dispatch_table.Table(device, {  # the other grid's verdict
+            dispatch_table.Key(device, other, 8, None, 256, 256, 64, "bfloat16"): {"pallas_s": 1.0, "xla_s": 2.0,
+                                                                                   "bf16_s": 1.0}})):
+        ops.linear(x, kmajor)
+        assert calls == ["w8a8_matmul"]
+    calls.clear()
+    key = dispatch_table.Key(device, kernel, 8, None, 256, 256, 64, "bfloat16")
     table = lambda p, x_: dispatch_table.Table(device, {key: {"pallas_s": p, "xla_s": x_, "bf16_s": 1.0}})  # noqa: E731
     with config.interpret(True):
         triton = ops.linear(x, kmajor)

@@ -143,6 +143,35 @@ for _shape in HOPPER_W8A8:
         return label, err, tol, None
 
 
+HOPPER_FP8 = [  # (M, K, N, layer of a stack of 3 or None, dtype): pallas_kernels.w8a8_hopper with fp8=True
+    (2048, 11008, 4096, None, BF16),  # the longest K: Hopper's FP8 accumulation without promotion would show here
+    (1000, 4096, 12288, 2, F16),  # rows padded to the tile; a fused q/k/v of a stack, read in place
+]
+
+for _shape in HOPPER_FP8:
+
+    @case
+    def _fp8_hopper(shape=_shape):
+        from llmeq_jax.core import fp8grid
+        from pallas_kernels.w8a8 import w8a8_reference
+        from pallas_kernels.w8a8_hopper import w8a8_hopper
+
+        m, k, n, layer, dtype = shape
+        ks = jax.random.split(jax.random.key(m), 2)
+        stack = fp8grid.encode(jax.random.normal(ks[0], (3, n, k)) * 100)
+        scales = jax.random.uniform(ks[1], (3, 1, n), minval=1e-3, maxval=1e-2)
+        x = jax.random.normal(jax.random.key(m), (m, k)).astype(dtype)
+        one = 0 if layer is None else layer
+        if layer is None:
+            y = jax.jit(lambda x, w, s: w8a8_hopper(x, w, s, fp8=True))(x, stack[0], scales[0])
+        else:
+            y = jax.jit(lambda x, w, s, i: w8a8_hopper(x, w, s, layer=i, fp8=True))(x, stack, scales, jnp.int32(layer))
+        r = w8a8_reference(x, stack[one].T, scales[one], fp8=True)
+        # exact float32 sums in the reference; the kernel's promoted ones within ~1e-4: one rounding of the dtype
+        err, tol = compare(y, r, float(jnp.finfo(dtype).eps))
+        return f"fp8 hopper M={m} K={k} N={n} layer={layer} {jnp.dtype(dtype).name}", err, tol, None
+
+
 def _stacked_scales_and_x(rng, m, k, n, groups, zp, bias, dtype):
     """A stack of 3 layers' scales (and zero points) for a weight-only kernel's case, x and the bias."""
     scales = jnp.asarray(rng.uniform(0.001, 0.01, (3, groups, n)), jnp.float32)

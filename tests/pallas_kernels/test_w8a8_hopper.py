@@ -7,10 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from llmeq_jax.core import fp8grid
 from pallas_kernels import config, mosaic_interpret
 from pallas_kernels.w8a8 import w8a8_reference
 from pallas_kernels.hopper import snake_tile
-from pallas_kernels.w8a8_hopper import HopperBlocks, can_use, w8a8_hopper
+from pallas_kernels.w8a8_hopper import HopperBlocks, can_use, default_blocks, w8a8_hopper
 
 FAKE_H100 = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3", compute_capability="9.0")
 FAKE_A100 = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA A100-SXM4-80GB", compute_capability="8.0")
@@ -49,6 +50,38 @@ def test_kernel_is_the_w8a8_reference_bit_for_bit(m, k, n, dtype, blocks, layer,
     np.testing.assert_array_equal(_bits(got), _bits(want))
 
 
+def _fp8_weights(n, k, seed, lead=()):
+    """E4M3 codes of per-channel scaled normal weights (bit patterns in int8, as a QArray stores them)."""
+    rng = np.random.default_rng(seed)
+    w = rng.normal(size=(*lead, n, k)).astype(np.float32)
+    scale = np.abs(w).max(-1, keepdims=True) / fp8grid.MAX
+    return fp8grid.encode(jnp.asarray(w / scale)), jnp.asarray(np.swapaxes(scale, -1, -2), jnp.float32)
+
+
+FP8_CASES = [  # m, k, n, dtype, blocks, layer, static activation scale
+    (100, 384, 512, jnp.bfloat16, None, None, None),  # the default 64 x 128 tiles, rows padded; 2 SMs, 2 tiles each
+    (64, 256, 256, jnp.float16, HopperBlocks(128, 64, stages=2), 1, 0.02),  # layer 1 of a stack, static scale
+]
+
+
+@pytest.mark.parametrize("m,k,n,dtype,blocks,layer,act", FP8_CASES)
+def test_fp8_kernel_is_the_fp8_reference(m, k, n, dtype, blocks, layer, act):
+    """E4M3 x E4M3 products are exact in float32; the kernel sums them a 128-value step at a time and adds the steps
+    (its promotion), the reference in one dot: the same values within one rounding of x's dtype."""
+    lead = () if layer is None else (3,)
+    wq, scale = _fp8_weights(n, k, seed=m, lead=lead)
+    x = jax.random.normal(jax.random.key(m), (m, k)).astype(dtype)
+    got = w8a8_hopper(x, wq, scale, act_scale=act, layer=None if layer is None else jnp.int32(layer), blocks=blocks,
+                      fp8=True, interpret=True)
+    one = (lambda a: a) if layer is None else (lambda a: a[layer])  # noqa: E731
+    want = w8a8_reference(x, one(wq).T, one(scale), act_scale=act, fp8=True)
+    as_int8 = w8a8_reference(x, one(wq).T, one(scale), act_scale=act)  # the same codes read as int8: not this
+    assert got.dtype == x.dtype and got.shape == (m, n)
+    eps = float(jnp.finfo(dtype).eps)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=eps, atol=eps)
+    assert not np.allclose(np.asarray(got, np.float32), np.asarray(as_int8, np.float32), rtol=0.1)
+
+
 def test_bias_is_added_after_the_rescale():
     """With a bias the float32 epilogue may fuse its multiply-add (on a GPU too): within one rounding of x's dtype."""
     m, k, n = 64, 256, 256
@@ -72,6 +105,8 @@ def test_can_use_names_what_the_kernel_does_not_take():
         assert "per-channel" in ok(group=128)[1] and "per-channel" in ok(has_zero_point=True)[1]
         assert "not of 256" in ok(n=384)[1] and "multiple of 128" in ok(k=320, x_shape=(64, 320))[1]
         assert "int8" in ok(wq_dtype=jnp.int4)[1]
+        assert ok(fp8=True) == (True, "") and default_blocks(fp8=True).tile_m == 64
+        assert "promoted every 128" in ok(fp8=True, blocks=HopperBlocks(tile_k=256))[1]
     with config.compiling_for(FAKE_H100):
         assert ok() == (True, "")
     with config.compiling_for(FAKE_A100):
@@ -118,10 +153,11 @@ def test_jaxs_own_interpreter_still_lacks_transposed_wgmma_operands():
     assert mosaic_interpret._split_transposes((index, types.TransposeTransform((1, 0)))) == ((index,), [(1, 0)])
 
 
-@pytest.mark.parametrize("stacked,bias", [(False, False), (True, True)])
-def test_kernel_lowers_for_cuda_to_one_mosaic_gpu_call(stacked, bias):
+@pytest.mark.parametrize("stacked,bias,fp8", [(False, False, False), (True, True, False), (True, False, True)])
+def test_kernel_lowers_for_cuda_to_one_mosaic_gpu_call(stacked, bias, fp8):
     """Lowered for a Hopper GPU on this CPU: Mosaic GPU's layout inference and lowering accept the kernel (the
-    row and column scale vectors broadcast onto the accumulator's layout failed there before)."""
+    row and column scale vectors broadcast onto the accumulator's layout failed there before; FP8's float32 sum
+    carried through the K loop)."""
     m, k, n = 256, 512, 1024
     lead = (4,) if stacked else ()
     args = [jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((*lead, n, k), jnp.int8),
@@ -132,7 +168,7 @@ def test_kernel_lowers_for_cuda_to_one_mosaic_gpu_call(stacked, bias):
     def f(x, w, s, *rest):
         layer = rest[0] if stacked else None
         b = rest[-1] if bias else None
-        return w8a8_hopper(x, w, s, layer=layer, bias=b)
+        return w8a8_hopper(x, w, s, layer=layer, bias=b, fp8=fp8)
 
     with config.compiling_for(FAKE_H100):
         text = jax.jit(f).trace(*args, *extra).lower(lowering_platforms=("cuda",)).as_text()
