@@ -295,7 +295,6 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
         r = copies_for(q4.qvalue.nbytes)
         wb, w8, s8, wf, sf, w4, s4 = (_copies(a, r) for a in (w.astype(jnp.bfloat16), q8.qvalue, q8.scale, qf.qvalue,
                                                               qf.scale, q4.qvalue, q4.scale))
-        kmajor = set(kinds_wanted) & set(KMAJOR_KINDS)
         nk_kinds = {"w8a8_nk", "w8_nk", "w8_nk_f16", "w8a8_hopper", "w8_decode_hopper"}
         w8t = _copies(q8.qvalue.T, r) if nk_kinds & set(kinds_wanted) else []
         wft = _copies(qf.qvalue.T, r) if {"fp8_nk", "fp8_hopper"} & set(kinds_wanted) else []
