@@ -644,7 +644,11 @@ def _candidate(target: str, leaf: QArray, rows: int) -> bool:
         return False
     # a plan for packed codes is weight-only int4 (plan refuses int2/int3 and packed W8A8)
     measured_as = "int4_words" if is_packed(leaf.bits) else f"{kind}_nk"
-    return kernel_dispatch.kernel_takes(measured_as, rows, leaf.dtype, leaf, scale_group(leaf))
+    group = scale_group(leaf)
+    # K-major int8 codes are also what the Mosaic GPU decode kernel reads: where a table measured it faster than
+    # the Triton kernel and XLA's path, XLA's verdict over the Triton kernel does not keep them (in, out)
+    return kernel_dispatch.kernel_takes(measured_as, rows, leaf.dtype, leaf, group) or (
+        not is_packed(leaf.bits) and kernel_dispatch.hopper_decode_takes(rows, leaf.dtype, leaf, group, kind))
 
 
 def _xla_reads_rows(target: str, leaf: QArray) -> bool:

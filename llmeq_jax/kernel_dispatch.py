@@ -18,8 +18,9 @@ Which kernel:
                      fp8 weights without fp8 activations have no kernel (XLA dequantizes them);
                      a prompt's int8-stored or int4-pair product on Hopper: the Mosaic GPU kernel where a
                      table measured it faster than XLA's path (``hopper_weight_only_takes``); a decode step's
-                     K-major int8 or int4-row product on Hopper: the Mosaic GPU decode kernel where a table
-                     measured it faster than the Triton kernel and XLA's path (``hopper_decode_takes``)
+                     K-major int8 or int4-row product on Hopper (weight-only, or W8A8 int8 / FP8): the Mosaic
+                     GPU decode kernel where a table measured it faster than the Triton kernel and XLA's path
+                     (``hopper_decode_takes``)
 
 A measured table (:mod:`llmeq_jax.dispatch_table`, written by ``scripts/bench_kernels.py
 --write-table``) overrules that where it measured XLA faster for the product on this device;
@@ -209,19 +210,28 @@ def hopper_weight_only_takes(x2, view: QArray, group: int | None) -> bool:
     return dispatch_table.choice(table_key("weight_only_hopper", x2.shape[0], x2.dtype, view, group)) == "pallas"
 
 
-def hopper_decode_takes(rows: int, x_dtype, w: QArray, group: int | None) -> bool:
-    """Whether a decode step's product of ``rows`` rows with the int4 or int8-stored weight-only kernel ``w``
-    (``(in, out)``) goes to the Mosaic GPU decode kernel (``pallas_kernels.decode_hopper``, Hopper only): where the
-    active or shipped table measured or inferred it faster than the path it replaces -- int4: the faster of the word
-    kernel and XLA's path; int8: of the K-major Triton kernels and XLA's path (kernel ``decode_hopper``;
-    ``scripts/bench_kernels.py`` kinds ``w4_decode_hopper`` / ``w8_decode_hopper``). Unmeasured, the Triton kernels:
-    the Mosaic one is not timed on a GPU yet."""
+# the table kernel of the Mosaic GPU decode kernel for each kind of product plan() gives
+DECODE_HOPPER_KERNELS = {"weight_only": "decode_hopper", "w8a8": "w8a8_decode_hopper",
+                         "fp8_w8a8": "fp8_w8a8_decode_hopper"}
+
+
+def hopper_decode_takes(rows: int, x_dtype, w: QArray, group: int | None, kind: str = "weight_only") -> bool:
+    """Whether a decode step's product of ``rows`` rows with the kernel ``w`` (``(in, out)``) of ``plan``'s ``kind``
+    goes to the Mosaic GPU decode kernel (``pallas_kernels.decode_hopper``, Hopper only): where the active or shipped
+    table measured or inferred it faster than the path it replaces (its kernel in :data:`DECODE_HOPPER_KERNELS`).
+    Weight-only int4: the faster of the word kernel and XLA's path; int8: of the K-major Triton kernels and XLA's
+    path (``scripts/bench_kernels.py`` kinds ``w4_decode_hopper`` / ``w8_decode_hopper``); W8A8, int8 or FP8 with
+    per-channel scales (``w8a8_decode_hopper`` / ``fp8_decode_hopper``): of the K-major Triton W8A8 kernel and XLA's
+    path. Unmeasured, the Triton kernels: the Mosaic one is not timed on a GPU yet."""
     k, n = w.shape
     codes = jnp.int4 if is_packed(w.bits) else jnp.int8
     x_shape = (min(rows, decode_hopper.MAX_ROWS), k)
     if rows > decode_hopper.MAX_ROWS or not decode_hopper.can_use(x_shape, x_dtype, codes, k, n, group)[0]:
         return False
-    return dispatch_table.choice(table_key("decode_hopper", rows, x_dtype, w, group)) == "pallas"
+    if kind != "weight_only" and (group is not None or w.zero_point is not None):
+        return False  # W8A8 decode takes per-channel symmetric weights (its scales applied after the sums)
+    kernel = DECODE_HOPPER_KERNELS[kind]
+    return dispatch_table.choice(table_key(kernel, rows, x_dtype, w, group)) == "pallas"
 
 
 def _as_stored(view: QArray, scale, zp):
@@ -351,9 +361,13 @@ def linear(x, w: QArray, act=None, require: bool = False, layer=None, *, w_layou
         scale, zp = _as_stored(view, scale, zp)
         y = decode_hopper.decode_hopper(x2, w.qvalue, scale, zero_point=zp, group=group, layer=layer)
         return y.reshape(*x.shape[:-1], n)
+    fp8 = kind == "fp8_w8a8"
+    if kind in ("w8a8", "fp8_w8a8") and w_layout == "nk" and not require \
+            and hopper_decode_takes(x2.shape[0], x.dtype, view, group, kind):  # a decode step's K-major W8A8 product
+        y = decode_hopper.w8a8_decode_hopper(x2, w.qvalue, scale, act_scale=_act_scale(w, layer), layer=layer, fp8=fp8)
+        return y.reshape(*x.shape[:-1], n)
     if not require and not kernel_takes(measured_as, x2.shape[0], x.dtype, view, group):
         return None  # XLA's path: measured faster on this device, or a small product no table measured
-    fp8 = kind == "fp8_w8a8"
     if kind in ("w8a8", "fp8_w8a8") and w_layout == "nk" and not require \
             and hopper_w8a8_takes(x2, view, group, zp is not None, fp8=fp8):
         y = w8a8_hopper.w8a8_hopper(x2, w.qvalue, scale, act_scale=_act_scale(w, layer), layer=layer, fp8=fp8)

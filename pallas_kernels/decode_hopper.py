@@ -56,7 +56,8 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import config, hopper
+from llmeq_jax.core import fp8grid
+from pallas_kernels import config, hopper, w8a8
 from pallas_kernels.common import cdiv
 
 MAX_ROWS = 16  # wgmma's N dimension here: x's rows padded to 8 or 16
@@ -121,10 +122,10 @@ def _code_bytes(dtype, values: int) -> int:
     return values // 2 if jnp.dtype(dtype) == jnp.dtype(jnp.int4) else values
 
 
-def _shared_bytes(tile_k: int, rows: int, stages: int, has_zp: bool, item: int, codes) -> int:
+def _shared_bytes(tile_k: int, rows: int, stages: int, has_zp: bool, item: int, codes, scaled: bool) -> int:
     step = _code_bytes(codes, 2 * ROWS_PER_WG * tile_k) + rows * tile_k * item  # the codes' tiles, x's tile
     # the groups' scale and zero-point rows (at most 4 bytes each)
-    step += 2 * ROWS_PER_WG * 4 * (1 + int(has_zp)) * max(1, tile_k // CHUNK)
+    step += 2 * ROWS_PER_WG * 4 * (int(scaled) + int(has_zp)) * max(1, tile_k // CHUNK)
     return stages * step + 2 * ROWS_PER_WG * rows * 4  # the two warpgroups' output tiles
 
 
@@ -163,6 +164,21 @@ def _check(x, w_t, scale, zero_point, group, bias, layer, blocks: DecodeBlocks):
         raise ValueError(f"decode_hopper: scale of dtype {scale.dtype}, expected floats")
 
 
+def _check_w8a8(x, wq_t, w_scale, bias, layer, blocks: DecodeBlocks):
+    lead = () if layer is None else wq_t.shape[:1]
+    if wq_t.ndim != 2 + len(lead) or x.ndim != 2 or wq_t.shape[-1] != x.shape[1]:
+        raise ValueError(f"w8a8_decode_hopper expects x (M, K) and wq_t {'(L, N, K)' if lead else '(N, K)'} "
+                         f"(K-major); got {x.shape} and {wq_t.shape}")
+    k, n = x.shape[1], wq_t.shape[-2]
+    if jnp.dtype(wq_t.dtype) != jnp.dtype(jnp.int8):
+        raise ValueError(f"w8a8_decode_hopper: weight codes of dtype {wq_t.dtype} (expected int8: integer codes or "
+                         "E4M3 bit patterns)")
+    ok, why = can_use(x.shape, x.dtype, wq_t.dtype, k, n, None, blocks)
+    if not ok:
+        raise ValueError(f"w8a8_decode_hopper: {why}")
+    hopper.check_scales("w8a8_decode_hopper", w_scale, None, bias, lead, 1, n, None)
+
+
 def _load_codes(ref, dtype, interpret: bool):
     """A compute warpgroup's ``(64, 128)`` codes from shared memory as wgmma's A operand in ``dtype``. int4: loaded as
     eight codes a 32-bit register (``WGMMA_UPCAST_4X``: 128-bit shared-memory loads), moved into wgmma's layout as
@@ -181,18 +197,23 @@ def _load_codes(ref, dtype, interpret: bool):
     return plgpu.layout_cast(codes, plgpu.Layout.WGMMA).astype(dtype)
 
 
-def _kernel(x_gmem, w_gmem, s_gmem, *rest, k: int, n: int, rows: int, group: int, tile_k: int, stages: int,
-            splits: int, has_zp: bool, stacked: bool, interpret: bool):
+def _kernel(x_gmem, w_gmem, *rest, k: int, n: int, rows: int, group: int, tile_k: int, stages: int,
+            splits: int, has_zp: bool, quantized_x: bool, stacked: bool, interpret: bool):
+    """``quantized_x`` (W8A8): x's int8 / E4M3 codes against the weights' codes straight from shared memory, the
+    scales left to XLA; else the weights dequantized in registers and scaled a chunk at a time (module docstring)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     rest = list(rest)
+    s_gmem = None if quantized_x else rest.pop(0)
     z_gmem = rest.pop(0) if has_zp else None
     if stacked:  # the layer index, one int32 in global memory: the stack is read in place
         layer = rest.pop(0)[0]
-        w_gmem, s_gmem = w_gmem.at[layer], s_gmem.at[layer]
+        w_gmem = w_gmem.at[layer]
+        s_gmem = None if s_gmem is None else s_gmem.at[layer]
         z_gmem = None if z_gmem is None else z_gmem.at[layer]
     (o_gmem,) = rest
+    acc_dtype = o_gmem.dtype  # float32; int32 for int8 x int8 (exact)
     blocks, k_steps = n // (2 * ROWS_PER_WG), k // tile_k
     longest = cdiv(k_steps, splits)  # every split's pipeline runs this many steps; a shorter one's last ones are void
 
@@ -209,8 +230,8 @@ def _kernel(x_gmem, w_gmem, s_gmem, *rest, k: int, n: int, rows: int, group: int
         specs = [plgpu.BlockSpec((2 * ROWS_PER_WG, CHUNK), chunk_block(c), transforms=hopper.swizzled(
             CHUNK, w_gmem.dtype), memory_space=plgpu.SMEM) for c in range(chunks)]
         specs += [plgpu.BlockSpec((rows, tile_k), lambda kb: (0, k_block(kb)),
-                                  transforms=hopper.swizzled(tile_k, x_gmem.dtype), memory_space=plgpu.SMEM),
-                  rows_of(2 * ROWS_PER_WG)]
+                                  transforms=hopper.swizzled(tile_k, x_gmem.dtype), memory_space=plgpu.SMEM)]
+        specs += [] if quantized_x else [rows_of(2 * ROWS_PER_WG)]
         # the zero points' rows of the groups
         specs += [rows_of(2 * ROWS_PER_WG)] if has_zp else []
         return plgpu.emit_pipeline_warp_specialized(
@@ -219,13 +240,13 @@ def _kernel(x_gmem, w_gmem, s_gmem, *rest, k: int, n: int, rows: int, group: int
 
     def operands(bi):
         block = pl.ds(bi * 2 * ROWS_PER_WG, 2 * ROWS_PER_WG)
-        ops = [w_gmem.at[block]] * chunks + [x_gmem, s_gmem.at[:, block]]
+        ops = [w_gmem.at[block]] * chunks + [x_gmem] + ([] if quantized_x else [s_gmem.at[:, block]])
         return ops + ([z_gmem.at[:, block]] if has_zp else [])
 
     ignore = lambda *_, **__: None  # noqa: E731 -- the allocations do not depend on the bodies
 
     @functools.partial(pl.run_scoped, ring=pipeline(ignore, ignore, 0, 1).get_allocations(*operands(0)),
-                       out_smem=plgpu.SMEM((2, ROWS_PER_WG, rows), jnp.float32), collective_axes="wg")
+                       out_smem=plgpu.SMEM((2, ROWS_PER_WG, rows), acc_dtype), collective_axes="wg")
     def _scope(ring, out_smem):
         wg = lax.axis_index("wg")
         mine = pl.ds(wg * ROWS_PER_WG, ROWS_PER_WG)  # this warpgroup's rows of the block
@@ -237,7 +258,7 @@ def _kernel(x_gmem, w_gmem, s_gmem, *rest, k: int, n: int, rows: int, group: int
             first, steps = split_steps(si, k_steps, splits)
 
             def context(run_k_loop):
-                total = run_k_loop(jnp.zeros((ROWS_PER_WG, rows), jnp.float32))
+                total = run_k_loop(jnp.zeros((ROWS_PER_WG, rows), acc_dtype))
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's store has read its tile
                 out_smem[wg] = total
                 plgpu.commit_smem()
@@ -246,10 +267,13 @@ def _kernel(x_gmem, w_gmem, s_gmem, *rest, k: int, n: int, rows: int, group: int
 
             def step(index, *refs_and_total):
                 w_chunks, total = refs_and_total[:chunks], refs_and_total[-1]
-                x_smem, s_rows, *z_rows = refs_and_total[chunks:-1]  # z_rows: [the zero points' rows] or []
+                x_smem, *scale_rows = refs_and_total[chunks:-1]
+                s_rows, *z_rows = scale_rows or [None]  # z_rows: [the zero points' rows] or []
                 group_row = lambda c: c * CHUNK // group if group < tile_k else 0  # noqa: E731
 
                 def codes(c):  # chunk c's (q - z) in x's dtype, exact (|q - z| <= 15 for int4, 255 for int8)
+                    if quantized_x:  # W8A8: the codes as stored, wgmma's A operand from shared memory
+                        return w_chunks[c].at[mine]
                     q = _load_codes(w_chunks[c].at[mine], x_gmem.dtype, interpret)
                     if not has_zp:
                         return q
@@ -263,8 +287,12 @@ def _kernel(x_gmem, w_gmem, s_gmem, *rest, k: int, n: int, rows: int, group: int
                     return [acc_ref[...] for acc_ref in acc_refs]
 
                 shape = (ROWS_PER_WG, rows)
-                parts = pl.run_scoped(chains, *[plgpu.ACC(shape, jnp.float32) for _ in range(chunks)])
-                live = (index[0] < steps).astype(jnp.float32)  # 0: a shorter split's void last step
+                parts = pl.run_scoped(chains, *[plgpu.ACC(shape, acc_dtype) for _ in range(chunks)])
+                live = (index[0] < steps).astype(acc_dtype)  # 0: a shorter split's void last step
+                if quantized_x:  # each chunk's sums added as they are (FP8: promoted every 128 values)
+                    for part in parts:
+                        total = total + part * live
+                    return total
                 for c, part in enumerate(parts):  # s (q - z) @ x^T, each chunk's product on its group's scale
                     scale = s_rows[group_row(c), mine].astype(jnp.float32) * live
                     total = total + hopper.broadcast(scale, shape, False, interpret) * part
@@ -283,9 +311,49 @@ def decode_hopper(x, w_t, scale, *, zero_point=None, group: int | None = None, b
     b = blocks or default_blocks(x.shape[-1])
     with config.interpret(interpret):  # can_use's device check: interpret mode runs anywhere
         _check(x, w_t, scale, zero_point, group, bias, layer, b)
+    # the scales and zero points as stored, a stack's too: the kernel reads its layer's rows in place and converts
+    # them in registers (XLA's slice-and-convert was two launches a product and kept the layer's kernels out of one
+    # command buffer: a dynamic-slice fusion)
+    operands = [scale] + ([] if zero_point is None else [zero_point])
+    partials = _partials(x, w_t, operands, b, group=group or x.shape[1], has_zp=zero_point is not None,
+                         layer=layer, acc_dtype=jnp.float32, interpret=interpret)
+    y = partials.sum(0)[:, :x.shape[0]].T  # the splits' sum and the transpose: fused by XLA into the product's consumer
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+def w8a8_decode_hopper(x, wq_t, w_scale, *, bias=None, act_scale=None, layer=None, fp8: bool = False,
+                       blocks: DecodeBlocks | None = None, interpret: bool | None = None):
+    """W8A8 at decode rows (module docstring): x quantized per token (or by the static ``act_scale``) to int8
+    (``fp8``: E4M3) by XLA as :func:`pallas_kernels.w8a8.quantize_rows` does, its codes against the ``(N, K)``
+    weight codes ``wq_t`` (E4M3 bit patterns with ``fp8``) on the tensor cores, both straight from shared memory;
+    the per-channel ``w_scale`` ``(1, N)`` (a stack's ``(L, 1, N)``), x's scale and the bias applied by XLA to the
+    summed splits, in :func:`pallas_kernels.w8a8.w8a8_reference`'s order (int8: its bits, the sums exact in int32)."""
+    interpret = config.resolve_interpret(interpret)
+    b = blocks or default_blocks(x.shape[-1])
+    with config.interpret(interpret):
+        _check_w8a8(x, wq_t, w_scale, bias, layer, b)
+    xq, sx = w8a8.quantize_rows(x, act_scale, fp8)
+    if fp8:  # the stored bit patterns as E4M3 (a bit cast: XLA reads the same bytes)
+        xq, wq_t = fp8grid.as_fp8(xq), fp8grid.as_fp8(wq_t)
+    partials = _partials(xq, wq_t, [], b, group=x.shape[1], has_zp=False, layer=layer,
+                         acc_dtype=jnp.float32 if fp8 else jnp.int32, interpret=interpret)
+    acc = partials.sum(0)[:, :x.shape[0]].T.astype(jnp.float32)
+    ws = w_scale if layer is None else lax.dynamic_index_in_dim(w_scale, layer, keepdims=False)
+    y = (acc * ws.astype(jnp.float32)) * sx  # one XLA fusion with the splits' sum, the slice of a stack's scales
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+def _partials(x, w_t, operands: list, b: DecodeBlocks, *, group: int, has_zp: bool, layer, acc_dtype,
+              interpret: bool):
+    """The kernel's ``(splits, N, Mp)`` partial sums of ``x`` (M, K: floats, or W8A8's codes) against the ``(N, K)``
+    codes ``w_t``; ``operands``: the scales and zero points a weight-only product reads, none for W8A8."""
     m, k = x.shape
     n = w_t.shape[-2]
-    group = group or k  # per channel: one group spanning K
+    quantized_x = not operands
     rows = padded_rows(m)
     # x's rows up to wgmma's 8 or 16: on a GPU the TMA copy of an (Mp, tile_k) box from the (M, K) array fills the
     # rows past M with zeros (no pad launch); GPU interpret mode copies by slicing, so x is padded there. Either way
@@ -297,19 +365,10 @@ def decode_hopper(x, w_t, scale, *, zero_point=None, group: int | None = None, b
                                     split_bytes=n * rows * 4)
     if splits > k_steps:
         raise ValueError(f"decode_hopper: {splits} K splits of {k_steps} steps of {b.tile_k} values")
-    has_zp = zero_point is not None
-    stages = hopper.stages_that_fit(b.stages, cdiv(k_steps, splits),
-                                    lambda st: _shared_bytes(b.tile_k, rows, st, has_zp, x.dtype.itemsize, w_t.dtype))
-    # the scales and zero points as stored, a stack's too: the kernel reads its layer's rows in place and converts
-    # them in registers (XLA's slice-and-convert was two launches a product and kept the layer's kernels out of one
-    # command buffer: a dynamic-slice fusion)
-    args = [xp, w_t, scale]
-    args += [zero_point] if has_zp else []
-    args += [jnp.reshape(layer, (1,)).astype(jnp.int32)] if layer is not None else []
+    stages = hopper.stages_that_fit(b.stages, cdiv(k_steps, splits), lambda st: _shared_bytes(
+        b.tile_k, rows, st, has_zp, x.dtype.itemsize, w_t.dtype, scaled=not quantized_x))
+    args = [xp, w_t, *operands] + ([jnp.reshape(layer, (1,)).astype(jnp.int32)] if layer is not None else [])
     body = functools.partial(_kernel, k=k, n=n, rows=rows, group=group, tile_k=b.tile_k, stages=stages,
-                             splits=splits, has_zp=has_zp, stacked=layer is not None, interpret=interpret)
-    partials = hopper.launch(body, (splits, n, rows), jnp.float32, interpret)(*args)
-    y = partials.sum(0)[:, :m].T  # the splits' sum and the transpose: fused by XLA into the product's consumer
-    if bias is not None:
-        y = y + bias.astype(jnp.float32)
-    return y.astype(x.dtype)
+                             splits=splits, has_zp=has_zp, quantized_x=quantized_x, stacked=layer is not None,
+                             interpret=interpret)
+    return hopper.launch(body, (splits, n, rows), acc_dtype, interpret)(*args)

@@ -121,6 +121,8 @@ def table_key(kind: str, k: int, n: int, m: int):
                            "w4_hopper": ("weight_only_hopper", 4, GROUP),
                            "w4_decode_hopper": ("decode_hopper", 4, GROUP),
                            "w8_decode_hopper": ("decode_hopper", 8, None),
+                           "w8a8_decode_hopper": ("w8a8_decode_hopper", 8, None),
+                           "fp8_decode_hopper": ("fp8_w8a8_decode_hopper", 8, None),
                            "bf16_stack": ("float", 16, None), "w8_nk_f16": ("int8_f16", 8, None)}[kind]
     return dispatch_table.Key(jax.devices()[0].device_kind, kernel, bits, group, k, n, dispatch_table.row_bucket(m),
                               "bfloat16")
@@ -139,7 +141,7 @@ def write_table(path, measured):
 
 KINDS = ("bf16", "w8a8", "fp8", "w8", "w4g128", "w8a8_nk", "fp8_nk", "w8_nk", "w4_words", "bf16_stack", "w4_xla_rows",
          "w8_nk_f16", "w4_gemv", "w4_xla_words", "w4_xla_groups", "w4_words_prefill", "w8a8_hopper", "w8_hopper",
-         "w4_hopper", "w4_decode_hopper", "w8_decode_hopper", "fp8_hopper")
+         "w4_hopper", "w4_decode_hopper", "w8_decode_hopper", "fp8_hopper", "w8a8_decode_hopper", "fp8_decode_hopper")
 # The int8 kinds with their weights stored K-major, (N, K): the layout decode steps of up to
 # decode_layout.GPU_KMAJOR_MAX_ROWS rows read (for_decode); not in the table. W8A8 is timed at prefill rows
 # too: there the kinds w8a8/fp8 transpose the weight per call (int8 wgmma takes K-major operands only), and
@@ -175,6 +177,10 @@ KMAJOR_KINDS = ("w8a8_nk", "fp8_nk", "w8_nk")
 # w8a8_hopper: the K-major int8 weights of w8a8_nk through the Mosaic GPU kernel (pallas_kernels/w8a8_hopper.py:
 # int8 wgmma kept in flight, which Triton never does with int32 accumulators); prompt rows only, in the table as
 # kernel "w8a8_hopper" against w8a8_nk (the Triton kernel a prompt's W8A8 product takes today), timed in the same row.
+# w8a8_decode_hopper / fp8_decode_hopper: the K-major int8 / E4M3 weights of w8a8_nk / fp8_nk through the Mosaic GPU
+# decode kernel in its W8A8 mode (x's codes against the weights' straight from shared memory, no dequantization);
+# decode rows only, in the table as kernels "w8a8_decode_hopper" / "fp8_w8a8_decode_hopper" against the faster of
+# the K-major Triton W8A8 kernel (timed in the same row) and XLA's path.
 # fp8_hopper: the K-major E4M3 weights of fp8_nk through the same Mosaic GPU kernel with FP8 wgmma (fp8=True: each
 # 128-value K step's sums promoted into float32, 64 x 128 tiles a warpgroup); prompt rows only, in the table as kernel
 # "fp8_w8a8_hopper" against fp8_nk (the Triton kernel it replaces), timed in the same row; torch's _scaled_mm beside.
@@ -190,17 +196,19 @@ KMAJOR_KINDS = ("w8a8_nk", "fp8_nk", "w8_nk")
 # the K-major Triton kernels timed in the same row (w8_nk, w8_nk_f16) and XLA's path.
 PREFILL_ONLY_KINDS = ("w4_words_prefill", "w8a8_hopper", "fp8_hopper", "w8_hopper", "w4_hopper")
 DECODE_ONLY_KINDS = ("w8_nk", "w4_words", "bf16_stack", "w4_xla_rows", "w8_nk_f16", "w4_gemv", "w4_xla_words",
-                     "w4_xla_groups", "w4_decode_hopper", "w8_decode_hopper")
+                     "w4_xla_groups", "w4_decode_hopper", "w8_decode_hopper", "w8a8_decode_hopper", "fp8_decode_hopper")
 GEMV_ONLY_ROWS = ("w4_gemv",)  # kinds timed only at rows the GEMV takes (gemv.GEMV_MAX_ROWS)
 NOT_IN_TABLE = ("w4_xla_rows", "w4_gemv", "w4_xla_words", "w4_xla_groups",
-                "w4_decode_hopper", "w8_decode_hopper")  # their own entries, against what they replace (REPLACES)
+                "w4_decode_hopper", "w8_decode_hopper", "w8a8_decode_hopper",
+                "fp8_decode_hopper")  # their own entries, against what they replace (REPLACES)
 # the kind whose weights (bytes moved, XLA's path) a layout kind has
 LAYOUT_OF = {"w4_words": "w4g128", "w4_words_prefill": "w4g128", "w4_xla_rows": "w4g128", "w8_nk_f16": "w8_nk",
              "w4_gemv": "w4g128", "w4_xla_words": "w4g128", "w4_xla_groups": "w4g128", "w8a8_hopper": "w8a8_nk",
-             "fp8_hopper": "fp8_nk",
+             "fp8_hopper": "fp8_nk", "w8a8_decode_hopper": "w8a8", "fp8_decode_hopper": "fp8",
              "w8_hopper": "w8", "w4_hopper": "w4g128", "w4_decode_hopper": "w4g128", "w8_decode_hopper": "w8"}
 # the Mosaic decode kinds: the kinds (timed in the same row) whose kernels they would replace in a decode step
-REPLACES = {"w4_decode_hopper": ("w4_words",), "w8_decode_hopper": ("w8_nk", "w8_nk_f16")}
+REPLACES = {"w4_decode_hopper": ("w4_words",), "w8_decode_hopper": ("w8_nk", "w8_nk_f16"),
+            "w8a8_decode_hopper": ("w8a8_nk",), "fp8_decode_hopper": ("fp8_nk",)}
 # the Mosaic prompt kinds: the K-major Triton kind (timed in the same row) each replaces, their table entries' "xla_s"
 HOPPER_REPLACES = {"w8a8_hopper": "w8a8_nk", "fp8_hopper": "fp8_nk"}
 
@@ -275,7 +283,7 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
     from llmeq_jax.layer_slice import take_layer
     from pallas_kernels.float_matmul import float_matmul
     from pallas_kernels.gemv import GEMV_MAX_ROWS
-    from pallas_kernels.decode_hopper import decode_hopper, transpose_codes
+    from pallas_kernels.decode_hopper import decode_hopper, transpose_codes, w8a8_decode_hopper
     from pallas_kernels.int4_words import int4_words_matmul, int4_words_xla, pack_words
     from pallas_kernels.int4_words_prefill import int4_words_prefill
     from pallas_kernels.w8a8 import w8a8_matmul
@@ -295,9 +303,9 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
         r = copies_for(q4.qvalue.nbytes)
         wb, w8, s8, wf, sf, w4, s4 = (_copies(a, r) for a in (w.astype(jnp.bfloat16), q8.qvalue, q8.scale, qf.qvalue,
                                                               qf.scale, q4.qvalue, q4.scale))
-        nk_kinds = {"w8a8_nk", "w8_nk", "w8_nk_f16", "w8a8_hopper", "w8_decode_hopper"}
+        nk_kinds = {"w8a8_nk", "w8_nk", "w8_nk_f16", "w8a8_hopper", "w8_decode_hopper", "w8a8_decode_hopper"}
         w8t = _copies(q8.qvalue.T, r) if nk_kinds & set(kinds_wanted) else []
-        wft = _copies(qf.qvalue.T, r) if {"fp8_nk", "fp8_hopper"} & set(kinds_wanted) else []
+        wft = _copies(qf.qvalue.T, r) if {"fp8_nk", "fp8_hopper", "fp8_decode_hopper"} & set(kinds_wanted) else []
         word_kinds = {"w4_words", "w4_xla_words", "w4_words_prefill"}
         w4w = _copies(pack_words(q4.values(), GROUP), r) if word_kinds & set(kinds_wanted) else []
         w4r = [c.T.astype(jnp.int4) for c in _copies(q4.values(), r)] if "w4_xla_rows" in kinds_wanted else []
@@ -331,6 +339,8 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
             "w4_hopper": (lambda x, w, s: weight_only_hopper(x, w, s, group=GROUP, bits=4), list(zip(w4, s4))),
             "w4_decode_hopper": (lambda x, w, s: decode_hopper(x, w, s, group=GROUP), list(zip(w4t, s4))),
             "w8_decode_hopper": (lambda x, w, s: decode_hopper(x, w, s), list(zip(w8t, s8))),
+            "w8a8_decode_hopper": (lambda x, w, s: w8a8_decode_hopper(x, w, s), list(zip(w8t, s8))),
+            "fp8_decode_hopper": (lambda x, w, s: w8a8_decode_hopper(x, w, s, fp8=True), list(zip(wft, sf))),
         }
         kinds_all = kinds
         kinds = {kind: v for kind, v in kinds.items() if kind in kinds_wanted or kind == "bf16"}
@@ -402,6 +412,11 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
                         sweep_in_turns(kind, kinds, xs, _decode_hopper_sweep(k), reps,
                                        lambda cfg, group=group: lambda x, w, s: decode_hopper(x, w, s, group=group,
                                                                                               **cfg))
+                for kind, fp8 in (("w8a8_decode_hopper", False), ("fp8_decode_hopper", True)):
+                    if kind in kinds:
+                        sweep_in_turns(kind, kinds, xs, _decode_hopper_sweep(k), reps,
+                                       lambda cfg, fp8=fp8: lambda x, w, s: w8a8_decode_hopper(x, w, s, fp8=fp8,
+                                                                                               **cfg))
                 if "w8_nk_f16" in kinds:
                     sweep_in_turns("w8_nk_f16", kinds, xs, _int8_f16_sweep(), reps,
                                    lambda cfg: lambda x, w, s: weight_only_matmul(x, w, s, bits=8, w_layout="nk",

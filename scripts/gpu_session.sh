@@ -99,7 +99,7 @@ start=$SECONDS
 all_steps="gpu_tests words sweep attention fp8 w8a8_sweep probe small small_e2e e2e e2e_kv"
 all_steps+=" decode_sweep decode_sweep_w8 decode_sweep_bf16 norms float_attention graphs_off graphs_on graphs_7b"
 all_steps+=" gemv prefill prefill_words hopper hopper_fp8 hopper_w8 decode_hopper decode_hopper_sweep layout"
-all_steps+=" layout_dsf"
+all_steps+=" layout_dsf decode_hopper_w8a8"
 all_steps+=" prompt_attention"
 steps="${STEPS:-$all_steps layout_float kernels}"  # STEPS: a subset
 step() {  # step NAME SECONDS CMD...: run CMD with a time limit, its output in $out/NAME.log
@@ -224,6 +224,14 @@ step decode_hopper 240 "$py" scripts/bench_kernels.py --reps 10 --rows 1,16 \
     --kinds bf16,w4_words,w4_decode_hopper,w8_nk_f16,w8_decode_hopper \
     --weights 4096x4096,4096x12288,4096x22016,11008x4096,4096x14336 --no-attention \
     --write-table "$out/dispatch_decode_hopper.json"
+# The same kernel's W8A8 mode (decode_hopper.w8a8_decode_hopper: x's int8 / E4M3 codes against the weights' straight
+# from shared memory, no dequantization; rtn-w8a8's and fp8-w8a8's decode products) against bf16, the K-major Triton
+# W8A8 kernels it would replace (w8a8_nk 1.20-1.29x, fp8_nk 1.03-1.21x bf16 at M <= 16 on the H200) and XLA's path ->
+# dispatch_decode_w8a8.json (w8a8_decode_hopper / fp8_w8a8_decode_hopper).
+step decode_hopper_w8a8 150 "$py" scripts/bench_kernels.py --reps 10 --rows 1,16 \
+    --kinds bf16,w8a8_nk,w8a8_decode_hopper,fp8_nk,fp8_decode_hopper \
+    --weights 4096x4096,4096x12288,4096x22016,11008x4096 --no-attention \
+    --write-table "$out/dispatch_decode_w8a8.json"
 step decode_hopper_sweep 120 "$py" scripts/bench_kernels.py --reps 10 --sweep --rows 1 \
     --kinds bf16,w4_decode_hopper,w8_decode_hopper --weights 4096x4096,11008x4096 --no-attention
 step layout 110 "$py" scripts/bench_e2e.py --shapes "$shapes" --layers 4 --dtype bfloat16 --recipes rtn-w4-g128 \

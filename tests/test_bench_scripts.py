@@ -262,6 +262,26 @@ def test_bench_kernels_times_the_hopper_decode_kernel_against_what_it_replaces(c
     assert out.count("failed: ValueError: decode_hopper: 3 K splits") == 2
 
 
+def test_bench_kernels_times_the_hopper_w8a8_decode_kernel_against_what_it_replaces(capsys, monkeypatch):
+    """w8a8_decode_hopper and fp8_decode_hopper (GPU interpret mode, a tiny weight): timed at decode rows only, their
+    table entries (kernels w8a8_decode_hopper / fp8_w8a8_decode_hopper) against the faster of the K-major Triton W8A8
+    kernel (w8a8_nk / fp8_nk, timed in the same row) and XLA's path; --sweep runs their settings at one row."""
+    from pallas_kernels.decode_hopper import DecodeBlocks
+
+    settings = [dict(blocks=DecodeBlocks(stages=2)), dict(blocks=DecodeBlocks(splits=3))]
+    kinds = ("bf16", "w8a8_nk", "w8a8_decode_hopper", "fp8_nk", "fp8_decode_hopper")
+    out, table = _prompt_kind_bench(capsys, monkeypatch, "_decode_hopper_sweep", lambda k: settings, kinds,
+                                    weight=(512, 256), no_settings=("_words_sweep",))
+    for kind, replaced in (("w8a8_decode_hopper", "w8a8_nk"), ("fp8_decode_hopper", "fp8_nk")):
+        assert f"512x256     1 {kind}" in out and f"512x256    64 {kind}" not in out
+        assert f"x {replaced})" in out
+        assert out.count(f"sweep {kind} M=1") == 4  # bf16, the defaults, each setting (one failed)
+    times = {k.kernel: t for k, t in table if k.rows == 1}
+    for kernel in ("w8a8_decode_hopper", "fp8_w8a8_decode_hopper"):
+        assert times[kernel]["pallas_s"] > 0 and 0 < times[kernel]["xla_s"]
+    assert out.count("failed: ValueError: decode_hopper: 3 K splits") == 2
+
+
 def test_bench_kernels_attention_step_times_the_kernel_and_xlas_dots(capsys, monkeypatch):
     """The attention step (a small cache here, interpret mode): the Pallas kernel and XLA's dots over the codes for
     int8 and int4 against bf16 attention at each length, and a kv_attention table entry of each; with --sweep, the

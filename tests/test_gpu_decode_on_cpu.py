@@ -260,3 +260,42 @@ def test_a_gpus_int4_decode_runs_the_hopper_kernel_where_a_table_says_so(monkeyp
     scale = float(jnp.max(jnp.abs(want)))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=0.03 * scale)
     assert float(jnp.max(jnp.abs(got[:, 1:] - got[:, :-1]))) > 0.2 * scale
+
+
+@pytest.mark.parametrize("recipe,kernel", [("rtn-w8a8", "w8a8_decode_hopper"),
+                                           ("fp8-w8a8", "fp8_w8a8_decode_hopper")])
+def test_a_gpus_w8a8_decode_runs_the_hopper_kernel_where_a_table_says_so(monkeypatch, recipe, kernel):
+    """Where a dispatch table measured the Mosaic GPU decode kernel's W8A8 mode faster than the path it replaces,
+    every decode step's four W8A8 products per layer (q/k/v and gate/up joined, K-major) run on it, each layer read
+    in place from the stack (GPU interpret mode): the logits of the Triton W8A8 kernel it replaces, step by step.
+    (Against XLA's W8A8 path a code of x at a rounding boundary moves the logits by more than a kernel's rounding.)"""
+    from llmeq_jax import dispatch_table, kernel_dispatch
+    from pallas_kernels import decode_hopper
+
+    calls = []
+    real = decode_hopper.w8a8_decode_hopper
+    monkeypatch.setattr(decode_hopper, "w8a8_decode_hopper",
+                        lambda x, w, *a, **k: calls.append((w.shape, k["fp8"], k.get("layer") is not None))
+                        or real(x, w, *a, **k))
+    monkeypatch.setattr(kernel_dispatch, "MIN_KERNEL_WEIGHTS", 0)  # this model's products: the kernels' own sizes
+    params = jax.tree.map(lambda a: (a * 4).astype(jnp.bfloat16), init_params(CONFIG, jax.random.key(0)))
+    params = pipeline.run_recipe(CONFIG, params, None, pipeline.read_recipe(recipe), None, 16,
+                                 progress=False).params
+    params = stacked.stack_blocks(CONFIG, params)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, CONFIG.vocab_size, (2, PROMPT + 3)))
+    products = ((256, 384), (256, 256), (256, 1024), (512, 256))  # q/k/v, o, gate/up, down
+    entry = {"pallas_s": 1.0, "xla_s": 2.0, "bf16_s": 2.0}
+    table = dispatch_table.Table(FAKE_H100.device_kind, {
+        dispatch_table.Key(FAKE_H100.device_kind, kernel, 8, None, k, n, dispatch_table.row_bucket(2),
+                           "bfloat16"): entry for k, n in products})
+    with native.disabled(), kernel_config.compiling_for(FAKE_H100), kernel_config.interpret(True):
+        want, _, _ = _logits(params, tokens)
+        assert calls == []
+        with dispatch_table.use(table):
+            got, _, kinds = _logits(params, tokens)
+    assert kinds == {"RowMajorKernel"}
+    fp8 = recipe.startswith("fp8")
+    assert sorted(set(calls)) == sorted(((2, n, k), fp8, True) for k, n in products)  # a layer of (N, K) stacks
+    scale = float(jnp.max(jnp.abs(want)))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=0.03 * scale)
+    assert float(jnp.max(jnp.abs(got[:, 1:] - got[:, :-1]))) > 0.2 * scale

@@ -730,3 +730,54 @@ def test_a_decode_steps_k_major_int8_product_goes_to_the_hopper_kernel_only_wher
     eps = float(jnp.finfo(jnp.bfloat16).eps)
     for y in (got, in_place):
         np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want, np.float32), rtol=4 * eps, atol=0.02)
+
+
+@pytest.mark.parametrize("spec,kernel", [(W8A8, "w8a8_decode_hopper"), (FP8_W8A8, "fp8_w8a8_decode_hopper")])
+def test_a_decode_steps_w8a8_product_goes_to_the_hopper_kernel_only_where_a_table_measured_it_faster(
+        monkeypatch, spec, kernel):
+    """A W8A8 decode layout (K-major int8 / E4M3 codes) stays on the Triton W8A8 kernel unless the table measured the
+    Mosaic GPU decode kernel (``w8a8_decode_hopper`` / ``fp8_w8a8_decode_hopper``, each its own key) faster than the
+    path it replaces; then a decode step's product goes to it (a stack's layer read in place) with the Triton
+    kernel's values, and a prompt's rows never do. Measured so, a table that found XLA faster than the Triton kernel
+    no longer keeps the codes ``(in, out)``."""
+    from llmeq_jax import decode_layout, dispatch_table, native
+    from llmeq_jax.layer_slice import LayerSlice
+    from pallas_kernels import decode_hopper
+
+    calls = []
+    real = decode_hopper.w8a8_decode_hopper
+    monkeypatch.setattr(decode_hopper, "w8a8_decode_hopper",
+                        lambda *a, **k: calls.append((k["fp8"], k.get("layer") is not None)) or real(*a, **k))
+    # a bf16 model's kernel: the layout looks its products up under the model's dtype
+    q = quantize((jax.random.normal(jax.random.key(7), (256, 128)) * 0.1).astype(jnp.bfloat16), spec[0],
+                 act_spec=spec[1])
+    assert q.dtype == jnp.bfloat16
+    x = jax.random.normal(jax.random.key(8), (2, 256)).astype(jnp.bfloat16)
+    device = config.target_device().device_kind
+    bucket = dispatch_table.row_bucket(2)
+    key = dispatch_table.Key(device, kernel, 8, None, 256, 128, bucket, "bfloat16")
+    nk = dispatch_table.Key(device, "fp8_w8a8_nk" if kernel.startswith("fp8") else "w8a8_nk", 8, None, 256, 128,
+                            bucket, "bfloat16")
+    slower = {"pallas_s": 2.0, "xla_s": 1.0, "bf16_s": 1.0}
+    table = lambda p: dispatch_table.Table(device, {key: {"pallas_s": p, "xla_s": 1.0, "bf16_s": 1.0}})  # noqa: E731
+    with native.disabled(), config.interpret(True):
+        kmajor = decode_layout.for_decode({"up": {"kernel": q}}, rows=2)["up"]["kernel"]
+        assert isinstance(kmajor, decode_layout.RowMajorKernel)
+        triton = ops.linear(x, kmajor)
+        with dispatch_table.use(table(2.0)):
+            ops.linear(x, kmajor)
+        assert calls == []  # unmeasured; measured slower
+        with dispatch_table.use(dispatch_table.Table(device, {nk: slower})):  # XLA beat the Triton kernel
+            assert not isinstance(decode_layout.for_decode({"up": {"kernel": q}}, rows=2)["up"]["kernel"],
+                                  decode_layout.RowMajorKernel)
+        with dispatch_table.use(dispatch_table.Table(device, {nk: slower, key: table(0.5).entries[key]})):
+            assert isinstance(decode_layout.for_decode({"up": {"kernel": q}}, rows=2)["up"]["kernel"],
+                              decode_layout.RowMajorKernel)
+            got = ops.linear(x, kmajor)
+            stack = jax.tree.map(lambda a: jnp.stack([a, a]), kmajor)
+            in_place = ops.linear(x, LayerSlice(stack, jnp.int32(1)))
+            ops.linear(jnp.zeros((40, 256), jnp.bfloat16), kmajor)  # a prompt's rows: not this kernel
+    fp8 = kernel.startswith("fp8")
+    assert calls == [(fp8, False), (fp8, True)]
+    for y in (got, in_place):
+        np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(triton, np.float32))

@@ -1,14 +1,16 @@
-"""The Hopper int4 / int8 decode kernel in Mosaic GPU: GPU interpret mode against the real-valued product; lowering
-for CUDA."""
+"""The Hopper int4 / int8 decode kernel in Mosaic GPU, weight-only and W8A8 (int8 / FP8): GPU interpret mode against
+the real-valued product or the W8A8 reference; lowering for CUDA."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from llmeq_jax.core import fp8grid
 from pallas_kernels import config
 from pallas_kernels.decode_hopper import DecodeBlocks, can_use, decode_hopper, split_steps, splits_for, \
-    transpose_codes
+    transpose_codes, w8a8_decode_hopper
+from pallas_kernels.w8a8 import w8a8_reference
 from tests.pallas_kernels.weight_only_cases import FAKE_A100, FAKE_H100, kernel_scales, quantized
 
 
@@ -175,6 +177,84 @@ def test_kernel_lowers_for_cuda_to_one_mosaic_gpu_call(m, group, zp, bias, stack
 
     def f(x, w, s, z, b, layer):
         return decode_hopper(x, w, s, zero_point=z, group=group, bias=b, layer=layer)
+
+    with config.compiling_for(FAKE_H100):
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("mosaic_gpu") >= 1 and "__gpu$xla.gpu.triton" not in text
+
+
+# --------------------------------------------------------------------------- W8A8 at decode rows
+
+
+def _w8a8_weights(n, k, seed, fp8, lead=()):
+    """(N, K) int8 codes (``fp8``: E4M3 bit patterns) and per-channel scales (..., 1, N), as a K-major W8A8 QArray
+    stores them."""
+    rng = np.random.default_rng(seed)
+    if not fp8:
+        return (jnp.asarray(rng.integers(-127, 128, (*lead, n, k)), jnp.int8),
+                jnp.asarray(rng.uniform(0.001, 0.01, (*lead, 1, n)), jnp.float32))
+    w = rng.normal(size=(*lead, n, k)).astype(np.float32)
+    scale = np.abs(w).max(-1, keepdims=True) / fp8grid.MAX
+    return fp8grid.encode(jnp.asarray(w / scale)), jnp.asarray(np.swapaxes(scale, -1, -2), jnp.float32)
+
+
+W8A8_CASES = [  # m, k, n, fp8, layer, static activation scale, blocks
+    (1, 512, 256, False, None, None, None),  # batch-1 decode: x's codes padded to 8 rows
+    (16, 1280, 256, False, 2, 0.05, DecodeBlocks(splits=2)),  # layer 2 of a stack, static scale; splits of 2 and 3
+    (5, 768, 384, True, None, None, DecodeBlocks(tile_k=128, stages=3, splits=2)),  # FP8; three blocks of outputs
+    (12, 1024, 256, True, 1, None, None),  # FP8, a layer of a stack
+]
+
+
+@pytest.mark.parametrize("m,k,n,fp8,layer,act,blocks", W8A8_CASES)
+def test_w8a8_decode_is_the_w8a8_reference(m, k, n, fp8, layer, act, blocks):
+    """int8: exact int32 sums, then the reference's float32 rescale in its order -- the same bits. FP8: exact
+    float32 products, summed a 128-value chunk at a time (promoted) -- within one rounding of x's dtype. A shorter
+    split's void last step adds nothing."""
+    lead = () if layer is None else (3,)
+    wq, scale = _w8a8_weights(n, k, m, fp8, lead)
+    x = jax.random.normal(jax.random.key(m), (m, k)).astype(jnp.bfloat16)
+    got = w8a8_decode_hopper(x, wq, scale, act_scale=act, layer=None if layer is None else jnp.int32(layer), fp8=fp8,
+                             blocks=blocks, interpret=True)
+    one = (lambda a: a) if layer is None else (lambda a: a[layer])  # noqa: E731
+    want = w8a8_reference(x, one(wq).T, one(scale), act_scale=act, fp8=fp8)
+    assert got.dtype == x.dtype and got.shape == (m, n)
+    if fp8:
+        eps = float(jnp.finfo(jnp.bfloat16).eps)
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=eps, atol=eps)
+    else:
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
+
+
+def test_w8a8_decode_bad_input_gets_one_clear_error():
+    wq, scale = _w8a8_weights(256, 512, 0, False)
+    x = jnp.zeros((2, 512), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"expects x \(M, K\) and wq_t \(N, K\)"):
+        w8a8_decode_hopper(jnp.zeros((2, 256), jnp.bfloat16), wq, scale, interpret=True)
+    with pytest.raises(ValueError, match="expected int8"):
+        w8a8_decode_hopper(x, wq.astype(jnp.int4), scale, interpret=True)
+    with pytest.raises(ValueError, match="per channel"):
+        w8a8_decode_hopper(x, wq, jnp.ones((4, 256)), interpret=True)
+    with pytest.raises(ValueError, match="at most 16"):
+        w8a8_decode_hopper(jnp.zeros((17, 512), jnp.bfloat16), wq, scale, interpret=True)
+    with pytest.raises(ValueError, match="bias"):
+        w8a8_decode_hopper(x, wq, scale, bias=jnp.zeros((7,)), interpret=True)
+
+
+@pytest.mark.parametrize("m,fp8,stacked,bias", [(1, False, True, False), (16, True, True, True),
+                                                 (4, True, False, False)])
+def test_w8a8_decode_lowers_for_cuda_to_one_mosaic_gpu_call(m, fp8, stacked, bias):
+    """Lowered for a Hopper GPU on this CPU: int8 / E4M3 codes as wgmma's A operand from shared memory, x's codes its
+    transposed B, int32 / float32 accumulators carried through the K loop."""
+    k, n = 1024, 512
+    lead = (4,) if stacked else ()
+    args = [jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((*lead, n, k), jnp.int8),
+            jax.ShapeDtypeStruct((*lead, 1, n), jnp.float32),
+            jax.ShapeDtypeStruct((n,), jnp.bfloat16) if bias else None,
+            jax.ShapeDtypeStruct((), jnp.int32) if stacked else None]
+
+    def f(x, w, s, b, layer):
+        return w8a8_decode_hopper(x, w, s, bias=b, layer=layer, fp8=fp8)
 
     with config.compiling_for(FAKE_H100):
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

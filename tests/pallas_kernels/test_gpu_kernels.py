@@ -137,7 +137,8 @@ for _shape in HOPPER_W8A8:
         else:
             y = jax.jit(lambda x, w, s, i: w8a8_hopper(x, w, s, layer=i, act_scale=act))(x, stack, scales,
                                                                                            jnp.int32(layer))
-        r = w8a8_reference(x, stack[one].T, scales[one], bias=b, act_scale=act)
+        # jitted as the kernel's quantization of x is (XLA may compile x / scale_x to a multiply by its reciprocal)
+        r = jax.jit(lambda x, w, s: w8a8_reference(x, w, s, bias=b, act_scale=act))(x, stack[one].T, scales[one])
         err, tol = compare(y, r, 0.0 if b is None else float(jnp.finfo(dtype).eps))
         label = f"w8a8 hopper M={m} K={k} N={n} layer={layer} bias={bias} static={static} {jnp.dtype(dtype).name}"
         return label, err, tol, None
@@ -170,6 +171,42 @@ for _shape in HOPPER_FP8:
         # exact float32 sums in the reference; the kernel's promoted ones within ~1e-4: one rounding of the dtype
         err, tol = compare(y, r, float(jnp.finfo(dtype).eps))
         return f"fp8 hopper M={m} K={k} N={n} layer={layer} {jnp.dtype(dtype).name}", err, tol, None
+
+
+DECODE_W8A8 = [  # (M, K, N, fp8, layer of a stack of 3 or None, dtype): decode_hopper.w8a8_decode_hopper
+    (1, 4096, 12288, False, 2, BF16),  # batch-1 decode, a fused q/k/v of a stack read in place: the reference's bits
+    (16, 11008, 4096, False, None, F16),  # 43 steps in uneven K splits
+    (1, 4096, 22016, True, 1, BF16),  # FP8, a fused gate/up of a stack
+    (8, 11008, 4096, True, None, BF16),  # FP8, the longest K: its sums promoted every 128 values
+]
+
+for _shape in DECODE_W8A8:
+
+    @case
+    def _w8a8_decode_hopper(shape=_shape):
+        from llmeq_jax.core import fp8grid
+        from pallas_kernels.decode_hopper import w8a8_decode_hopper
+        from pallas_kernels.w8a8 import w8a8_reference
+
+        m, k, n, fp8, layer, dtype = shape
+        ks = jax.random.split(jax.random.key(m + k), 3)
+        stack = (fp8grid.encode(jax.random.normal(ks[0], (3, n, k)) * 100) if fp8
+                 else jax.random.randint(ks[0], (3, n, k), -127, 128).astype(jnp.int8))
+        scales = jax.random.uniform(ks[1], (3, 1, n), minval=1e-3, maxval=1e-2)
+        x = jax.random.normal(ks[2], (m, k)).astype(dtype)
+        one = 0 if layer is None else layer
+        if layer is None:
+            y = jax.jit(lambda x, w, s: w8a8_decode_hopper(x, w, s, fp8=fp8))(x, stack[0], scales[0])
+        else:
+            y = jax.jit(lambda x, w, s, i: w8a8_decode_hopper(x, w, s, layer=i, fp8=fp8))(x, stack, scales,
+                                                                                            jnp.int32(layer))
+        # jitted as the kernel's quantization of x is: XLA may compile x / scale_x to a multiply by its reciprocal,
+        # which moves a code at a rounding boundary
+        r = jax.jit(lambda x, w, s: w8a8_reference(x, w, s, fp8=fp8))(x, stack[one].T, scales[one])
+        # int8: exact int32 sums, the reference's bits; FP8: promoted float32 sums, one rounding of the dtype
+        err, tol = compare(y, r, float(jnp.finfo(dtype).eps) if fp8 else 0.0)
+        label = f"w8a8 decode hopper M={m} K={k} N={n} fp8={fp8} layer={layer} {jnp.dtype(dtype).name}"
+        return label, err, tol, None
 
 
 def _stacked_scales_and_x(rng, m, k, n, groups, zp, bias, dtype):
