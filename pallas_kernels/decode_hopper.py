@@ -1,5 +1,5 @@
-"""int4 and int8 weight-only decode (M <= 16 rows) on Hopper, in Mosaic GPU: the weights streamed by TMA through a deep
-ring, dequantized in registers as wgmma's A operand.
+"""int4 and int8 weight-only, and int8 / FP8 W8A8, decode (M <= 16 rows) on Hopper, in Mosaic GPU: the weights
+streamed by TMA through a deep ring, dequantized in registers as wgmma's A operand (W8A8: read by wgmma as they are).
 
 Why another int4 decode kernel: the Triton word kernel (:mod:`pallas_kernels.int4_words`) reached 1.05-1.65x bf16 on
 an H200 per product and 1.84x end to end for Llama-2-7B, where issue #15 wants 2.5x. Its probe (docs/kernels.md,
@@ -34,7 +34,16 @@ The weights are ``(N, K)``, K contiguous, made once at load time: int4 as the de
 (``decode_layout.RowMajorKernel``; rtn-w8's). int8 codes load straight into wgmma's layout (two a 16-bit load) and
 convert there: 547 instructions a 256-value step (4.3 a weight, half the weights a byte of int4's).
 
-Contract:
+**W8A8** (:func:`w8a8_decode_hopper`, rtn-w8a8's and fp8-w8a8's decode products): x quantized per token to int8
+or E4M3 by XLA (:func:`pallas_kernels.w8a8.quantize_rows`, fused into x's producer), and its codes multiplied with the
+K-major weight codes as they arrive -- both wgmma operands straight from shared memory, nothing converted (sm_90a: a
+256-value step is eight ``IGMMA`` / ``QGMMA.64x8x32`` and ~280 instructions a compute thread, ~1.1 a weight). Each
+128-value chunk runs into a fresh accumulator added to the item's sum: int32 exact for int8, float32 for FP8 (whose
+tensor-core accumulation is promoted so every 128 values, as in :mod:`pallas_kernels.w8a8_hopper`). The partial sums
+leave as int32 / float32; XLA sums the splits and applies the weights' per-channel scales, x's scale and the bias in
+:func:`pallas_kernels.w8a8.w8a8_reference`'s order (int8: its bits).
+
+Contract (weight-only, :func:`decode_hopper`):
   x            (M, K)     bfloat16 / float16, M <= 16
   w_t          (N, K)     int4 (:func:`transpose_codes`) or int8, or a stack (L, N, K) with ``layer``
   scale        (G, N)     floats as stored (converted to float32 in registers), G = 1 (per channel) or K / group;
