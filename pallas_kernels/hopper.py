@@ -135,10 +135,12 @@ def output_bytes(epi: int, dtype) -> int:
     return 2 * EPILOGUE_SLOTS * epi * epi * jnp.dtype(dtype).itemsize
 
 
-def launch(body, out_shape: tuple[int, ...], out_dtype, interpret: bool):
+def launch(body, out_shape, out_dtype, interpret: bool, approx_math: bool = False):
     """``body`` as a persistent Mosaic GPU kernel: one program per SM (grid axis "sm"), three warpgroups (axis
     "wg": two computing, one issuing TMA copies), warpgroup-level lowering. In interpret mode, GPU interpret mode
-    with :mod:`pallas_kernels.mosaic_interpret`'s wgmma."""
+    with :mod:`pallas_kernels.mosaic_interpret`'s wgmma. ``out_shape`` and ``out_dtype``: the one output's; or
+    ``out_dtype`` None and ``out_shape`` the outputs' ``jax.ShapeDtypeStruct`` s. ``approx_math``: Mosaic GPU's
+    approximate transcendental functions and division."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     params = None
@@ -150,9 +152,11 @@ def launch(body, out_shape: tuple[int, ...], out_dtype, interpret: bool):
         mosaic_interpret.install()
         params = InterpretGPUParams()
     return plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype), grid=(num_sms(interpret),), grid_names=("sm",),
+        body, out_type=out_shape if out_dtype is None else jax.ShapeDtypeStruct(out_shape, out_dtype),
+        grid=(num_sms(interpret),), grid_names=("sm",),
         num_threads=3, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
+                                             approx_math=approx_math),
         interpret=params)
 
 

@@ -494,9 +494,12 @@ def attention_bench(reps, sweep=False, table=None, table_path=None):
     # second dot) come 22 times per 256 tokens instead of 32, no spills (kv_int8_32k_8warps_256; 4 warps at 256
     # tokens spill; 64-token blocks measured 0.8x on the H200 and are left out)
     if sweep:
+        from pallas_kernels.kv_attention_hopper import AttentionBlocks
+
         attention_rows(longest, [dict(num_splits=64), dict(num_splits=16), dict(num_stages=3), dict(num_stages=4),
                                  dict(block_t=128, num_warps=8), dict(block_t=256, num_warps=8),
-                                 dict(block_t=256, num_warps=8, num_stages=3)], reps)
+                                 dict(block_t=256, num_warps=8, num_stages=3)], reps, xla=True,
+                       hopper_configs=[dict(blocks=AttentionBlocks(splits=s)) for s in (8, 16, 64)])
 
 
 FLOAT_KV_HEADS = ((32, 1), (8, 4))  # (kv heads, query heads per kv head): Llama-2-7B's, Llama-3-8B's
@@ -655,7 +658,32 @@ def norm_bench(reps, features, rows, table=None, table_path=None):
             write_table(table_path, table)
 
 
-def attention_rows(t, configs, reps, table=None, xla=False):
+def hopper_row(t, inputs, grids, t_bf, t_replaced, kv_bytes, reps, table, configs=({},)):
+    """The Mosaic GPU int8 decode attention's rows (``kv_attention_hopper``) under each of ``configs`` ({} = its
+    defaults), and with a list ``table`` its defaults' entry (kernel ``kv_attention_hopper``) against
+    ``t_replaced``, the faster of the Triton kernel and XLA's dots timed in the same run."""
+    from llmeq_jax import dispatch_table
+    from pallas_kernels.kv_attention_hopper import kv_attention_hopper
+
+    q = inputs[0][0]
+    b, hq, d = q.shape
+    h = inputs[0][1].shape[1]
+    for cfg in configs:
+        fn = lambda q, k, v, cfg=cfg: kv_attention_hopper(q, k, v, *grids, **cfg)[0]  # noqa: E731
+        try:
+            t_h = timed(fn, inputs, reps=reps)
+        except Exception as e:  # a failing kind costs its own line
+            print(f"  int8 Mosaic GPU {cfg or 'default'}: failed: {type(e).__name__}: {str(e)[:200]}")
+            continue
+        print(f"  int8 Mosaic GPU {cfg or 'default'}: {t_h * 1e3:.4f} ms ({kv_bytes / t_h / 1e9:.0f} GB/s), "
+              f"{t_bf / t_h:.2f}x bf16, {t_replaced / t_h:.2f}x the faster of the others", flush=True)
+        if table is not None and not cfg:
+            key = dispatch_table.Key(jax.devices()[0].device_kind, "kv_attention_hopper", 8, None, d, t,
+                                     dispatch_table.row_bucket(b * hq // h), jnp.dtype(q.dtype).name)
+            table.append((key, {"pallas_s": t_h, "xla_s": t_replaced, "bf16_s": t_bf}))
+
+
+def attention_rows(t, configs, reps, table=None, xla=False, hopper_configs=({},)):
     """The attention bench's rows at ``t`` cached tokens (KV_SHAPE's other dims), int8 then int4: bf16 XLA
     attention, the Pallas kernel under each of ``configs`` ({} = its defaults) and, with ``xla``, XLA's dots over
     the codes; a table entry of each width where the defaults and XLA's dots both ran."""
@@ -712,6 +740,9 @@ def attention_rows(t, configs, reps, table=None, xla=False):
             key = dispatch_table.Key(jax.devices()[0].device_kind, "kv_attention", bits, None, d, t,
                                      dispatch_table.row_bucket(b * g), jnp.dtype(q.dtype).name)
             table.append((key, {"pallas_s": t_default, "xla_s": t_x, "bf16_s": t_bf}))
+        if bits == 8:  # the Mosaic GPU kernel (pallas_kernels/kv_attention_hopper.py), against the faster of the two
+            hopper_row(t, inputs, (ks, kl, vs, vl, length), t_bf, min(t_x, t_default or t_x), kv_bytes[8], reps,
+                       table, hopper_configs)
 
 
 SWEEP_WEIGHT = (4096, 11008)  # the weight --sweep tries _sweep()'s settings on

@@ -284,13 +284,14 @@ def test_bench_kernels_times_the_hopper_w8a8_decode_kernel_against_what_it_repla
 
 def test_bench_kernels_attention_step_times_the_kernel_and_xlas_dots(capsys, monkeypatch):
     """The attention step (a small cache here, interpret mode): the Pallas kernel and XLA's dots over the codes for
-    int8 and int4 against bf16 attention at each length, and a kv_attention table entry of each; with --sweep, the
-    kernel's other settings at the longest length after every length's defaults."""
+    int8 and int4 against bf16 attention at each length, a kv_attention table entry of each, and for int8 the Mosaic
+    GPU kernel with its kv_attention_hopper entry (against the faster of the two); with --sweep, the kernels' other
+    settings at the longest length after every length's defaults."""
     from pallas_kernels import config
 
     bench = _script("bench_kernels")
     monkeypatch.setattr(bench, "copies_for", lambda nbytes: 1)
-    monkeypatch.setattr(bench, "KV_SHAPE", (1, 2, 4, 256, 64))
+    monkeypatch.setattr(bench, "KV_SHAPE", (1, 2, 4, 256, 128))
     monkeypatch.setattr(bench, "KV_OTHER_CONTEXTS", (128, 4096))  # 4096: longer than KV_SHAPE's, left out
     table = []
     with config.interpret(True):
@@ -298,14 +299,19 @@ def test_bench_kernels_attention_step_times_the_kernel_and_xlas_dots(capsys, mon
     out = capsys.readouterr().out
     for bits in (8, 4):
         assert out.count(f"int{bits} Pallas default:") == 2 and out.count(f"int{bits} XLA dots over the codes:") == 2
+    assert out.count("int8 Mosaic GPU default:") == 2 and "failed" not in out
     assert [(k.kernel, k.bits, k.k, k.n, k.rows) for k, _ in table] == [
-        ("kv_attention", bits, 64, t, 4) for t in (256, 128) for bits in (8, 4)]
+        (kernel, bits, 128, t, 4) for t in (256, 128)
+        for kernel, bits in (("kv_attention", 8), ("kv_attention_hopper", 8), ("kv_attention", 4))]
+    hopper = [times for k, times in table if k.kernel == "kv_attention_hopper"]
+    others = [times for k, times in table if k.kernel == "kv_attention" and k.bits == 8]
+    assert all(h["xla_s"] == min(o["pallas_s"], o["xla_s"]) for h, o in zip(hopper, others))
     rows_calls = []  # the sweep's order only (its rows are the same function's, run above)
-    monkeypatch.setattr(bench, "attention_rows", lambda t, configs, reps, table=None, xla=False:
-                        rows_calls.append((t, len(configs), xla)))
+    monkeypatch.setattr(bench, "attention_rows", lambda t, configs, reps, table=None, xla=False, hopper_configs=():
+                        rows_calls.append((t, len(configs), xla, len(hopper_configs))))
     bench.attention_bench(1, sweep=True)
-    assert rows_calls[:2] == [(256, 1, True), (128, 1, True)]
-    assert rows_calls[2][:2] == (256, 7) and not rows_calls[2][2] and len(rows_calls) == 3
+    assert rows_calls[:2] == [(256, 1, True, 0), (128, 1, True, 0)]  # the Mosaic kernel at its defaults
+    assert rows_calls[2] == (256, 7, True, 3) and len(rows_calls) == 3
 
 
 def test_bench_kernels_xla_int4_candidates_compute_the_product():

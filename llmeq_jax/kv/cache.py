@@ -40,6 +40,7 @@ from llmeq_jax.kv.attention import dot_product_attention, flash_ok, layer_attent
 from llmeq_jax.kv.store_attention import store_attention
 from pallas_kernels import config as kernel_config
 from pallas_kernels import decode_attention as float_kernel
+from pallas_kernels import kv_attention_hopper as kv_hopper
 from pallas_kernels import kv_cache as kv_kernels
 from pallas_kernels import kv_store_append as kv_append
 
@@ -592,8 +593,8 @@ def native_reads_store(spec: kvspec.KVSpec, head_dim: int) -> bool:
 
 def store_path(spec: kvspec.KVSpec, head_dim: int, q_dtype, query_rows: int, slots: int) -> str | None:
     """How a one-token step reads the quantized store: "native" (the CPU kernel), "pallas" (the decode
-    kernel), "xla" (XLA's dots over the codes, :mod:`llmeq_jax.kv.store_attention`) or None (dequantize
-    the layer, then attend).
+    kernel), "xla" (XLA's dots over the codes, :mod:`llmeq_jax.kv.store_attention`), "hopper" (the Mosaic GPU
+    kernel, :mod:`pallas_kernels.kv_attention_hopper`) or None (dequantize the layer, then attend).
 
     On a CPU the native kernel wherever it reads the setting (pre-RoPE keys too): XLA's dequantized copy
     of every layer made a quantized cache decode at 0.40-0.61x the float cache's speed there (rtn-w4-g128
@@ -604,6 +605,9 @@ def store_path(spec: kvspec.KVSpec, head_dim: int, q_dtype, query_rows: int, slo
     the batch, ``slots`` the cache's length, or the nearest length measured within a factor of 8);
     XLA's dots also where no kernel runs on a GPU (kernels disabled). They need what the kernel's
     folding needs, and post-RoPE keys.
+
+    The Mosaic GPU kernel (int8 post-RoPE stores, head_dim 128, on Hopper) only where the table measured it
+    faster than both (kernel ``kv_attention_hopper``, whose "xla_s" is the faster of the two); not yet timed.
     """
     if native_reads_store(spec, head_dim):
         return "native"
@@ -612,6 +616,10 @@ def store_path(spec: kvspec.KVSpec, head_dim: int, q_dtype, query_rows: int, slo
         return None
     measured, kernel = _measured_store_path(spec.bits, head_dim, q_dtype, query_rows, slots), \
         kernel_config.kernels_available()
+    if kernel and not spec.pre_rope and _measured_store_path(spec.bits, head_dim, q_dtype, query_rows, slots,
+                                                             "kv_attention_hopper") == "pallas" \
+            and kv_hopper.can_use((1, 1, head_dim), q_dtype, (1, 1, slots, head_dim), spec.bits)[0]:
+        return "hopper"
     if not spec.pre_rope and (measured == "xla" or (not kernel and kernel_config.target_backend() == "gpu")):
         return "xla"
     return "pallas" if kernel else None
@@ -641,16 +649,18 @@ def float_path(cache: KVCache, q) -> str:
     return "xla" if measured == "xla" else "pallas"
 
 
-def _measured_store_path(bits: int, head_dim: int, q_dtype, query_rows: int, slots: int) -> str | None:
+def _measured_store_path(bits: int, head_dim: int, q_dtype, query_rows: int, slots: int,
+                         kernel: str = "kv_attention") -> str | None:
     """The dispatch table's faster path ("pallas" / "xla") for a cache of ``bits`` (4 / 8: a quantized store, 16 /
     32: a float cache), measured at this cache length's bucket or the nearest measured one within a factor of 8;
-    None where nothing near was measured."""
+    None where nothing near was measured. ``kernel``: the table kernel (``kv_attention_hopper``: the Mosaic GPU
+    kernel against the faster of the other two)."""
     bucket = dispatch_table.row_bucket(slots)
     for factor in _NEIGHBOUR_LENGTHS:
         n = int(bucket * factor)
         if n < 1:
             continue
-        key = dispatch_table.Key(kernel_config.target_device().device_kind, "kv_attention", bits, None, head_dim, n,
+        key = dispatch_table.Key(kernel_config.target_device().device_kind, kernel, bits, None, head_dim, n,
                                  dispatch_table.row_bucket(query_rows), jnp.dtype(q_dtype).name)
         measured = dispatch_table.choice(key)
         if measured is not None:
@@ -678,8 +688,9 @@ def _kernel_store_part(cache: QuantKVCache, layer: int, q, quantized, scan, path
     # the Pallas kernel reads the layer's key grid from every layer's in place; XLA and the native kernel take it
     grid = _key_grids(cache) if path == "pallas" else _key_grid(cache, layer)[:2]
     args = (q.reshape(b, n_heads, d), cache.k.q, cache.v.q, *grid, cache.v.scale, cache.v.lo, scan)
-    if path == "xla":
-        out, lse = store_attention(*args, bits=bits, allowed=quantized[:, 0], layer=layer)
+    if path in ("xla", "hopper"):  # the same contract: post-RoPE keys, one layer's key grid
+        attend = store_attention if path == "xla" else kv_hopper.kv_attention_hopper
+        out, lse = attend(*args, bits=bits, allowed=quantized[:, 0], layer=layer)
         return out[:, None], lse[:, None]
     if path == "native":
         tables = None

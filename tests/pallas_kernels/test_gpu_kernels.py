@@ -619,6 +619,18 @@ for _shape in [c for c in STORE_CASES if not c[6]]:  # post-RoPE keys
         return _store_check(shape, store_attention, "store_attention (XLA)")
 
 
+# int8 post-RoPE stores with head_dim 128 and T a multiple of 128: the Mosaic GPU kernel's (approximate exp2 and
+# reciprocal on the device, interpret mode exact)
+for _shape in [c for c in STORE_CASES if not c[6] and c[5] == 8 and c[4] == 128 and c[3] % 128 == 0] + \
+        [(2, 32, 1, 4096, 128, 8, False, F16)]:  # Llama-2-7B's heads, one query head each
+
+    @case
+    def _kv_attention_hopper(shape=_shape):
+        from pallas_kernels.kv_attention_hopper import kv_attention_hopper
+
+        return _store_check(shape, kv_attention_hopper, "kv_attention_hopper (Mosaic GPU)")
+
+
 @case
 def _quantized_cache_decode():
     """Decode steps of a random Llama over a quantized cache: kernel (auto on a GPU) vs XLA (kernels off)."""

@@ -1,0 +1,189 @@
+"""One query token's attention over an int8 KV store in Mosaic GPU (pallas_kernels.kv_attention_hopper): GPU interpret
+mode against XLA's dots over the codes and the dequantizing reference; what it refuses; lowering for CUDA; the cache's
+choice of it (kv.cache.store_path)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from llmeq_jax import dispatch_table
+from llmeq_jax.core.qarray import int_range
+from llmeq_jax.kv import cache as kvcache
+from llmeq_jax.kv import spec as kvspec
+from llmeq_jax.kv.store_attention import store_attention
+from pallas_kernels import config
+from pallas_kernels.kv_attention_hopper import AttentionBlocks, can_use, kv_attention_hopper, splits_for
+from pallas_kernels.kv_cache import store_decode_attention_reference
+from tests.pallas_kernels.weight_only_cases import FAKE_H100
+
+
+def _store(b, h, t, layers=None, seed=0, d=128):
+    """An int8 store as the cache keeps it: codes, per-channel key grid, float16 per-token value grid."""
+    ks = jax.random.split(jax.random.key(seed), 6)
+    lead = (layers,) if layers else ()
+    lo, hi = int_range(8)
+    kc, vc = (jax.random.randint(k, (*lead, b, h, t, d), lo, hi + 1).astype(jnp.int8) for k in ks[:2])
+    k_scale = jax.random.uniform(ks[2], (1, h, 1, d), minval=0.01, maxval=0.05)
+    k_lo = jax.random.normal(ks[3], (1, h, 1, d)) * 0.3
+    v_scale = jax.random.uniform(ks[4], (*lead, b, h, t, 1), minval=0.01, maxval=0.05).astype(jnp.float16)
+    v_lo = (jax.random.normal(ks[5], (*lead, b, h, t, 1)) * 2).astype(jnp.float16)
+    return kc, vc, k_scale, k_lo, v_scale, v_lo
+
+
+CASES = [  # b, h, g, t, length, masked, layers, dtype, blocks
+    (1, 2, 4, 512, [300], True, None, jnp.bfloat16, AttentionBlocks(splits=2)),  # GQA; 2 SMs, 2 items each
+    (2, 2, 1, 256, [256, 100], False, None, jnp.float16, None),  # one query head a KV head; rows of two lengths
+    (1, 2, 8, 384, [384], True, 3, jnp.bfloat16, AttentionBlocks(splits=3)),  # layer 1 of a stack; 3 splits
+    (2, 1, 5, 256, [0, 200], True, None, jnp.bfloat16, AttentionBlocks(splits=1)),  # a row with nothing to read
+]
+
+
+@pytest.mark.parametrize("b,h,g,t,length,masked,layers,dtype,blocks", CASES)
+def test_kernel_is_xlas_dots_over_the_codes(b, h, g, t, length, masked, layers, dtype, blocks):
+    """The same folded grids and the same bf16 roundings of q s_k and p s_v as XLA's path, but an online softmax
+    (p rounded against the running max): the outputs within bf16's rounding, the log-sum-exps within float32 sums;
+    the dequantize-and-attend reference within the rounding XLA's path is tested to."""
+    kc, vc, ks, kl, vs, vl = _store(b, h, t, layers, seed=t + g)
+    q = (jax.random.normal(jax.random.key(g), (b, h * g, 128)) * 2).astype(dtype)
+    allowed = jax.random.bernoulli(jax.random.key(t), 0.8, (b, t)) if masked else None
+    layer = None if layers is None else jnp.int32(1)
+    length = jnp.asarray(length, jnp.int32)
+    got, got_lse = kv_attention_hopper(q, kc, vc, ks, kl, vs, vl, length, allowed=allowed, layer=layer, blocks=blocks,
+                                       interpret=True)
+    want, want_lse = store_attention(q, kc, vc, ks, kl, vs, vl, length, bits=8, allowed=allowed, layer=layer)
+    assert got.shape == (b, h * g, 128) and got_lse.shape == (b, h * g) and got.dtype == jnp.float32
+    seen = np.asarray(want_lse) > -1e29  # rows with a slot to read (the others: lse ~ -1e30, any output)
+    scale = float(jnp.max(jnp.abs(want)))
+    np.testing.assert_allclose(np.asarray(got)[seen], np.asarray(want)[seen], atol=4e-3 * scale)
+    np.testing.assert_allclose(np.asarray(got_lse)[seen], np.asarray(want_lse)[seen], rtol=1e-5, atol=1e-4)
+    assert np.all(np.asarray(got_lse)[~seen] < -1e29)
+    one = (lambda a: a) if layers is None else (lambda a: a[1])  # noqa: E731
+    ref, _ = store_decode_attention_reference(q, one(kc), one(vc), ks, kl, one(vs), one(vl), length, bits=8,
+                                              allowed=allowed)
+    np.testing.assert_allclose(np.asarray(got)[seen], np.asarray(ref)[seen], atol=1e-2 * scale)
+    # not trivially met: the value offsets move the output by far more
+    wrong, _ = kv_attention_hopper(q, kc, vc, ks, kl, vs, jnp.zeros_like(vl), length, allowed=allowed, layer=layer,
+                                   blocks=blocks, interpret=True)
+    assert np.abs(np.asarray(wrong)[seen] - np.asarray(want)[seen]).max() > 0.1 * scale
+
+
+def test_splits_fill_the_sms_and_divide_the_steps():
+    assert splits_for(8, 256, 132) == 32  # Llama-3-8B's 8 KV heads at 32K tokens: 256 items on 132 SMs
+    assert splits_for(32, 256, 132) == 8  # Llama-2-7B's 32 heads
+    assert splits_for(8, 3, 132) == 1  # at least two steps a split
+    assert all(256 % splits_for(h, 256, 132) == 0 for h in range(1, 65))
+
+
+def test_can_use_names_what_the_kernel_does_not_take():
+    ok = lambda **kw: can_use(**{**dict(q_shape=(1, 32, 128), q_dtype=jnp.bfloat16,  # noqa: E731
+                                        codes_shape=(1, 8, 4096, 128), bits=8), **kw})
+    with config.interpret(True):
+        assert ok() == (True, "")
+        assert "int4" in ok(bits=4)[1]
+        assert "before RoPE" in ok(pre_rope=True)[1]
+        assert "head_dim 64" in ok(q_shape=(1, 32, 64), codes_shape=(1, 8, 4096, 64))[1]
+        assert "at most 64" in ok(q_shape=(1, 8 * 65, 128))[1]
+        assert "multiple of 128" in ok(codes_shape=(1, 8, 4000, 128))[1]
+        assert "half queries only" in ok(q_dtype=jnp.float32)[1]
+    with config.compiling_for(FAKE_H100):
+        assert ok() == (True, "")
+
+
+def test_bad_input_gets_one_clear_error():
+    kc, vc, ks, kl, vs, vl = _store(1, 2, 256)
+    q = jnp.zeros((1, 8, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match="int4"):
+        kv_attention_hopper(q, kc, vc, ks, kl, vs, vl, 256, bits=4, interpret=True)
+    with pytest.raises(ValueError, match="value grids"):
+        kv_attention_hopper(q, kc, vc, ks, kl, vs[..., 0], vl, 256, interpret=True)
+    with pytest.raises(ValueError, match="3 splits of 2 steps"):
+        kv_attention_hopper(q, kc, vc, ks, kl, vs, vl, 256, blocks=AttentionBlocks(splits=3), interpret=True)
+    with pytest.raises(ValueError, match="stages >= 2"):
+        AttentionBlocks(stages=1)
+
+
+def test_kernel_lowers_for_cuda_to_one_mosaic_gpu_call():
+    """Lowered for a Hopper GPU on this CPU: the codes converted into shared memory, the row reductions of the
+    online softmax, P' V accumulated in place (run_state, which interpret mode does not run)."""
+    b, h, g, t, layers = 1, 8, 4, 4096, 2
+    args = [jax.ShapeDtypeStruct((b, h * g, 128), jnp.bfloat16),
+            *[jax.ShapeDtypeStruct((layers, b, h, t, 128), jnp.int8)] * 2,
+            *[jax.ShapeDtypeStruct((1, h, 1, 128), jnp.float32)] * 2,
+            *[jax.ShapeDtypeStruct((layers, b, h, t, 1), jnp.float16)] * 2,
+            jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b, t), jnp.bool_),
+            jax.ShapeDtypeStruct((), jnp.int32)]
+
+    def f(q, kc, vc, ks, kl, vs, vl, length, allowed, layer):
+        return kv_attention_hopper(q, kc, vc, ks, kl, vs, vl, length, allowed=allowed, layer=layer)
+
+    with config.compiling_for(FAKE_H100):
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("mosaic_gpu") >= 1 and "__gpu$xla.gpu.triton" not in text
+
+
+def test_the_cache_takes_the_kernel_only_where_a_table_measured_it_faster():
+    """kv.cache.store_path: "hopper" for an int8 post-RoPE store where the table measured the Mosaic kernel faster
+    than the faster of the Triton kernel and XLA's dots (kernel kv_attention_hopper), never for pre-RoPE keys."""
+    post, pre = kvspec.KVSpec(bits=8, pre_rope=False), kvspec.KVSpec(bits=8)
+    device = config.target_device().device_kind
+    key = dispatch_table.Key(device, "kv_attention_hopper", 8, None, 128, 4096, 4, "bfloat16")
+    table = lambda p: dispatch_table.Table(device, {key: {"pallas_s": p, "xla_s": 1.0, "bf16_s": 1.5}})  # noqa: E731
+    path = lambda spec, slots=4096: kvcache.store_path(spec, 128, jnp.bfloat16, 4, slots)  # noqa: E731
+    with config.interpret(True):
+        assert path(post) == "pallas"  # unmeasured: as before
+        with dispatch_table.use(table(2.0)):
+            assert path(post) == "pallas"
+        with dispatch_table.use(table(0.5)):
+            assert path(post) == "hopper"
+            assert path(post, 8192) == "hopper"  # the nearest measured length
+            assert path(pre) == "pallas"
+            assert kvcache.store_path(kvspec.KVSpec(bits=4, pre_rope=False), 128, jnp.bfloat16, 4, 4096) != "hopper"
+
+
+def test_a_decode_step_reads_the_store_through_the_kernel_where_a_table_says_so(monkeypatch):
+    """A bf16 model (head_dim 128, GQA) decoding into an int8 post-RoPE cache of 128 slots (a window and float sinks
+    beside the store) in GPU interpret mode: with a table choosing the Mosaic kernel every layer's store is read by it,
+    and the logits are XLA's dots' (the path it replaces) within the kernel's roundings."""
+    from llmeq_jax import calibrate, native
+    from llmeq_jax.models import ModelConfig, forward_step, init_cache, init_params
+    from pallas_kernels import kv_attention_hopper as kv_hopper
+
+    model = ModelConfig("llama", 64, 512, 2, 4, 2, 128, 256, 1e-5, 256, False)
+    params = jax.tree.map(lambda a: (a * 4).astype(jnp.bfloat16), init_params(model, jax.random.key(0)))
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, model.vocab_size, (2, 10)))
+    spec = kvspec.KVSpec(bits=8, pre_rope=False, window=3, sink_tokens=2)
+    kv = calibrate.make_kv_quantizer(spec, model, params, rng.integers(0, model.vocab_size, (4, 16)))
+    calls = []
+    real = kv_hopper.kv_attention_hopper
+    monkeypatch.setattr(kv_hopper, "kv_attention_hopper", lambda *a, **kw: calls.append(kw["layer"]) or real(*a, **kw))
+    device = config.target_device().device_kind
+    rows = dispatch_table.row_bucket(2 * model.num_heads // model.num_kv_heads)
+    entry = {"pallas_s": 1.0, "xla_s": 2.0, "bf16_s": 2.0}
+    measured = {dispatch_table.Key(device, "kv_attention", 8, None, 128, 128, rows, "bfloat16"): entry}  # XLA's dots
+
+    def decode():
+        step = lambda p, t, m, c: forward_step(model, p, t, m, c)  # noqa: E731  a fresh function: traced here
+        cache = init_cache(model, 2, 128, jnp.bfloat16, kv=kv)
+        logits, cache = jax.jit(step)(params, tokens[:, :6], jnp.ones((2, 6), jnp.int32), cache)
+        outs, run = [logits[:, -1]], jax.jit(step)
+        for i in range(6, tokens.shape[1]):
+            logits, cache = run(params, tokens[:, i:i + 1], jnp.ones((2, 1), jnp.int32), cache)
+            outs.append(logits[:, 0])
+        return jnp.stack(outs, 1).astype(jnp.float32)
+
+    with native.disabled(), config.interpret(True):
+        with dispatch_table.use(dispatch_table.Table(device, {k: {**v, "pallas_s": 2.0, "xla_s": 1.0}
+                                                              for k, v in measured.items()})):
+            want = decode()  # XLA's dots over the codes
+        assert not calls
+        hopper = dispatch_table.Key(device, "kv_attention_hopper", 8, None, 128, 128, rows, "bfloat16")
+        with dispatch_table.use(dispatch_table.Table(device, {hopper: entry})):
+            got = decode()
+    assert calls == list(range(model.num_layers))  # the decode step, traced once: every layer's store
+    scale = float(jnp.max(jnp.abs(want)))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=0.02 * scale)
+    assert float(jnp.max(jnp.abs(got[:, 1:] - got[:, :-1]))) > 0.2 * scale
