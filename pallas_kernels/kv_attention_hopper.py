@@ -1,15 +1,16 @@
-"""One query token's attention over an int8 quantized KV store on Hopper, in Mosaic GPU (flash decoding).
+"""One query token's attention over an int8 or int4 quantized KV store on Hopper, in Mosaic GPU (flash decoding).
 
-Why: issue #15 wants a decode step's attention over an int8 cache at 32K tokens 1.5x faster than bf16 attention
-(half the bytes). On an H200 the Triton decode kernel (:func:`pallas_kernels.kv_cache.store_decode_attention`) took
-1.02x and XLA's dots over the codes (:mod:`llmeq_jax.kv.store_attention`) 1.12x: 1.5 TB/s of codes where a bf16
-cache streams at 2.6. This kernel is the layout of the Mosaic GPU matmuls here (:mod:`pallas_kernels.hopper`): one
-program an SM walking work items -- a (batch row, KV head, split of the tokens) each --, a producer warpgroup
-streaming the split's key and value codes (and each token's value grid and mask) by TMA through a ring of 128-token
-steps, two compute warpgroups each taking 64 tokens of a step with a softmax state of its own. Per step a compute
-warpgroup:
+Why: issue #15 wants a decode step's attention over an int8 / int4 cache at 32K tokens 1.5x / 2x faster than bf16
+attention (half / a quarter of the bytes). On an H200 the Triton decode kernel
+(:func:`pallas_kernels.kv_cache.store_decode_attention`) took 1.02x / 1.10x and XLA's dots over the codes
+(:mod:`llmeq_jax.kv.store_attention`) 1.12x / 1.38x: 1.5 TB/s of int8 codes where a bf16 cache streams at 2.6.
+This kernel is the layout of the Mosaic GPU matmuls here (:mod:`pallas_kernels.hopper`): one program an SM walking
+work items -- a (batch row, KV head, split of the tokens) each --, a producer warpgroup streaming the split's key and
+value codes (and each token's value grid and mask) by TMA through a ring of 128-token steps, two compute warpgroups
+each taking 64 tokens of a step with a softmax state of its own. Per step a compute warpgroup:
 
-- converts its 64 tokens' key and value codes to bf16 in shared memory (codes up to 8 bits are exact in bf16);
+- converts its 64 tokens' key and value codes to bf16 in shared memory (codes up to 8 bits are exact in bf16;
+  int4 codes are the store's bytes read as ``jnp.int4``, low nibble first, as XLA's path reads them);
 - takes the scores as JAX's Hopper attention example does (``jax.experimental.pallas.ops.gpu.attention_mgpu``):
   ``S = q' K^T`` by wgmma with the query rows as M -- a KV head's query heads (GQA) padded to wgmma's 64 rows;
   the MMAs are not what bounds one token's attention, the bytes are;
@@ -24,11 +25,16 @@ token, ``sum_t p_t v_t = (p s_v) . c + sum_t p_t (lo_v - qmin s_v)_t``, both in 
 Each warpgroup's work item leaves its normalized output rows and their log-sum-exp (the real query rows only); XLA
 merges the ``2 x splits`` partial results of each head (a few small fusions, as the Triton kernel's jnp merge).
 
-Contract (:func:`kv_attention_hopper`, :func:`llmeq_jax.kv.store_attention.store_attention`'s, int8 codes,
-post-RoPE keys):
+sm_90a (deviceless, jaxlib 0.11.2; 32K slots, 8 KV heads x 4 queries): ~1030 instructions a compute thread a 128-token
+step at int8 (~460 converting the two tiles, the rest the softmax and two wgmma chains), 168 registers (setmaxnreg
+gives the compute warpgroups 232), 202 KB of shared memory at 2 ring slots (int8) or 4 (int4). At an H100's bandwidth
+a step's 32 KB of int8 codes take ~2400 cycles an SM and its two warpgroups issue ~2100 a scheduler: near the line,
+so the GPU run decides (dispatch takes the kernel only where a table measured it faster).
+
+Contract (:func:`kv_attention_hopper`, :func:`llmeq_jax.kv.store_attention.store_attention`'s, post-RoPE keys):
   q        [B, H_q, D]          bf16 / f16, H_q = G H_kv with G <= 64
-  k_codes  [B, H_kv, T, D]      int8 (a stack [L, ...] with ``layer``)
-  v_codes  [B, H_kv, T, D]      int8
+  k_codes  [B, H_kv, T, D]      int8; int4: uint8 [B, H_kv, T, D / 2] (a stack [L, ...] with ``layer``)
+  v_codes  [B, H_kv, T, D]      as k_codes
   k_scale, k_lo  [B or 1, H_kv, 1, D]   the keys' per-channel grid
   v_scale, v_lo  [B, H_kv, T, 1]        the values' per-token grid (a stack [L, ...] with ``layer``)
   length   [B] or scalar        slots written; ``allowed`` [B, T] bool: the slots a row reads
@@ -47,6 +53,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from llmeq_jax.core.qarray import int_range
+from llmeq_jax.kv.store_attention import codes as store_codes
 from pallas_kernels import config, hopper
 from pallas_kernels.common import cdiv
 
@@ -60,10 +67,10 @@ LOG2E = math.log2(math.e)
 
 @dataclasses.dataclass(frozen=True)
 class AttentionBlocks:
-    """Launch settings: the ring's slots and the splits of the tokens per (batch row, KV head) (None:
-    :func:`splits_for`)."""
+    """Launch settings: the ring's slots (128-token steps) and the splits of the tokens per (batch row, KV head)
+    (None: :func:`splits_for`)."""
 
-    stages: int = 2
+    stages: int = 4  # fewer where they do not fit: int8 takes 2, int4 4 (hopper.stages_that_fit)
     splits: int | None = None
 
     def __post_init__(self):
@@ -80,13 +87,13 @@ def splits_for(heads: int, steps: int, sms: int) -> int:
 
 def can_use(q_shape, q_dtype, codes_shape, bits: int, pre_rope: bool = False) -> tuple[bool, str]:
     """(True, "") where the kernel takes this step, else (False, why)."""
-    if bits != 8:
-        return False, f"int{bits} codes (the kernel reads int8)"
+    if bits not in (4, 8):
+        return False, f"int{bits} codes (the kernel reads int8 and int4)"
     if pre_rope:
         return False, "keys stored before RoPE (a dot over the codes cannot rotate them)"
     if len(q_shape) != 3 or len(codes_shape) < 4:
         return False, f"q {tuple(q_shape)} and codes {tuple(codes_shape)} are not [B, H_q, D] and [B, H_kv, T, D]"
-    heads, t, d = codes_shape[-3:]
+    heads, t, d = codes_shape[-3], codes_shape[-2], codes_shape[-1] * (8 // bits)
     if d != HEAD_DIM or q_shape[-1] != d:
         return False, f"head_dim {d} (the kernel takes {HEAD_DIM})"
     if q_shape[1] % heads or q_shape[1] // heads > ROWS:
@@ -98,27 +105,30 @@ def can_use(q_shape, q_dtype, codes_shape, bits: int, pre_rope: bool = False) ->
     return hopper.wgmma_available()
 
 
-def _shared_bytes(stages: int) -> int:
-    ring = stages * (2 * TOKENS * HEAD_DIM + TOKENS * (2 + 2 + 1))  # key and value codes, v_scale, v_lo, mask
+def _shared_bytes(stages: int, bits: int) -> int:
+    ring = stages * (2 * TOKENS * HEAD_DIM * bits // 8 + TOKENS * (2 + 2 + 1))  # codes, v_scale, v_lo, mask
     per_wg = 3 * ROWS * HEAD_DIM * 2 + ROWS * STAGED * 4 + ROWS * 4  # q', keys, values (bf16); out, lse staging
     return ring + 2 * per_wg
 
 
 def _bf16_codes(ref, interpret: bool):
-    """A (64, 128) tile of int8 codes from shared memory as bf16 (exact), for the store into the warpgroup's bf16
-    tile: loaded in wgmma's 8-bit layout (``ldmatrix``, 16 bytes a thread; the layout inference's own choice
-    gathered two codes a 16-bit load: 550 -> 460 instructions a step for the two tiles, sm_90a). Interpret mode
-    simulates no register layouts."""
+    """A (64, 128) tile of int8 or int4 codes from shared memory as bf16 (exact), for the store into the warpgroup's
+    bf16 tile. int8: loaded in wgmma's 8-bit layout (``ldmatrix``, 16 bytes a thread; the layout inference's own
+    choice gathered two codes a 16-bit load: 550 -> 460 instructions a step for the two tiles, sm_90a); int4: eight
+    codes a 32-bit register (``WGMMA_UPCAST_4X``), moved into wgmma's 16-bit layout, then converted (as
+    :mod:`pallas_kernels.decode_hopper` loads its int4 weights). Interpret mode simulates no register layouts."""
     import inspect
 
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     if interpret:
         return ref[...].astype(jnp.bfloat16)
+    int4 = jnp.dtype(ref.dtype) == jnp.dtype(jnp.int4)
+    layout = plgpu.Layout.WGMMA_UPCAST_4X if int4 else plgpu.Layout.WGMMA_8BIT
+    # jax 0.10 takes the index as an argument; 0.11 indexes the ref itself (and deprecates the argument)
     index = () if inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty else None
-    codes = (plgpu.load(ref, layout=plgpu.Layout.WGMMA_8BIT) if index is None
-             else plgpu.load(ref, index, layout=plgpu.Layout.WGMMA_8BIT))
-    return codes.astype(jnp.bfloat16)
+    codes = plgpu.load(ref, layout=layout) if index is None else plgpu.load(ref, index, layout=layout)
+    return (plgpu.layout_cast(codes, plgpu.Layout.WGMMA) if int4 else codes).astype(jnp.bfloat16)
 
 
 def _kernel(q_gmem, k_gmem, v_gmem, vs_gmem, vl_gmem, ok_gmem, *rest, batch: int, heads: int, steps: int,
@@ -135,8 +145,8 @@ def _kernel(q_gmem, k_gmem, v_gmem, vs_gmem, vl_gmem, ok_gmem, *rest, batch: int
     bf16 = jnp.bfloat16
 
     def pipeline(body, context):
-        codes = plgpu.BlockSpec((TOKENS, HEAD_DIM), lambda s: (s, 0), transforms=hopper.swizzled(HEAD_DIM, jnp.int8),
-                                memory_space=plgpu.SMEM)
+        codes = plgpu.BlockSpec((TOKENS, HEAD_DIM), lambda s: (s, 0), memory_space=plgpu.SMEM,
+                                transforms=hopper.swizzled(HEAD_DIM, k_gmem.dtype))
         row = plgpu.BlockSpec((1, TOKENS), lambda s: (s, 0), memory_space=plgpu.SMEM)
         return plgpu.emit_pipeline_warp_specialized(
             body, grid=(per_split,), memory_registers=40, in_specs=[codes, codes, row, row, row], wg_axis="wg",
@@ -233,19 +243,22 @@ def _kernel(q_gmem, k_gmem, v_gmem, vs_gmem, vl_gmem, ok_gmem, *rest, batch: int
 def kv_attention_hopper(q, k_codes, v_codes, k_scale, k_lo, v_scale, v_lo, length, *, bits: int = 8, allowed=None,
                         sm_scale: float | None = None, layer=None, blocks: AttentionBlocks | None = None,
                         interpret: bool | None = None):
-    """Single-query attention over one layer of the int8 store (module docstring: the contract) -> ``(out [B, H_q,
-    D] float32, lse [B, H_q])``."""
+    """Single-query attention over one layer of the int8 / int4 store (module docstring: the contract) -> ``(out [B,
+    H_q, D] float32, lse [B, H_q])``."""
     interpret = config.resolve_interpret(interpret)
     b_ = blocks or AttentionBlocks()
     with config.interpret(interpret):
         ok, why = can_use(q.shape, q.dtype, k_codes.shape, bits)
     if not ok:
         raise ValueError(f"kv_attention_hopper: {why}")
-    bsz, heads, t, d = k_codes.shape[-4:]
+    bsz, heads, t = k_codes.shape[-4:-1]
+    d = q.shape[-1]
     hq = q.shape[1]
     if q.shape[0] != bsz or k_codes.ndim != 4 + int(layer is not None) or v_codes.shape != k_codes.shape:
         raise ValueError(f"kv_attention_hopper: q {q.shape}, codes {k_codes.shape} / {v_codes.shape} "
                          f"(expected [B, H_q, D] and [{'L, ' if layer is not None else ''}B, H_kv, T, D])")
+    if bits == 4:  # the bytes as jnp.int4 codes [..., D], low nibble first (a bitcast: no copy of a stacked store)
+        k_codes, v_codes = store_codes(k_codes, 4), store_codes(v_codes, 4)
     if v_scale.shape != (*k_codes.shape[:-1], 1) or v_lo.shape != v_scale.shape:
         raise ValueError(f"kv_attention_hopper: value grids {v_scale.shape} / {v_lo.shape}, expected "
                          f"{(*k_codes.shape[:-1], 1)}")
@@ -269,7 +282,7 @@ def kv_attention_hopper(q, k_codes, v_codes, k_scale, k_lo, v_scale, v_lo, lengt
     splits = b_.splits or splits_for(bsz * heads, steps, hopper.num_sms(interpret))
     if steps % splits:
         raise ValueError(f"kv_attention_hopper: {splits} splits of {steps} steps of {TOKENS} tokens")
-    stages = hopper.stages_that_fit(b_.stages, steps // splits, _shared_bytes)
+    stages = hopper.stages_that_fit(b_.stages, steps // splits, lambda st: _shared_bytes(st, bits))
     args = [q_codes, k_codes, v_codes, grid_rows(v_scale), grid_rows(v_lo), ok]
     args += [jnp.reshape(layer, (1,)).astype(jnp.int32)] if layer is not None else []
     body = functools.partial(_kernel, batch=bsz, heads=heads, steps=steps, splits=splits, rows=rows, qmin=qmin,

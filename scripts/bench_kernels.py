@@ -658,9 +658,9 @@ def norm_bench(reps, features, rows, table=None, table_path=None):
             write_table(table_path, table)
 
 
-def hopper_row(t, inputs, grids, t_bf, t_replaced, kv_bytes, reps, table, configs=({},)):
-    """The Mosaic GPU int8 decode attention's rows (``kv_attention_hopper``) under each of ``configs`` ({} = its
-    defaults), and with a list ``table`` its defaults' entry (kernel ``kv_attention_hopper``) against
+def hopper_row(t, bits, inputs, grids, t_bf, t_replaced, kv_bytes, reps, table, configs=({},)):
+    """The Mosaic GPU decode attention's rows (``kv_attention_hopper``, int``bits`` codes) under each of ``configs``
+    ({} = its defaults), and with a list ``table`` its defaults' entry (kernel ``kv_attention_hopper``) against
     ``t_replaced``, the faster of the Triton kernel and XLA's dots timed in the same run."""
     from llmeq_jax import dispatch_table
     from pallas_kernels.kv_attention_hopper import kv_attention_hopper
@@ -669,16 +669,16 @@ def hopper_row(t, inputs, grids, t_bf, t_replaced, kv_bytes, reps, table, config
     b, hq, d = q.shape
     h = inputs[0][1].shape[1]
     for cfg in configs:
-        fn = lambda q, k, v, cfg=cfg: kv_attention_hopper(q, k, v, *grids, **cfg)[0]  # noqa: E731
+        fn = lambda q, k, v, cfg=cfg: kv_attention_hopper(q, k, v, *grids, bits=bits, **cfg)[0]  # noqa: E731
         try:
             t_h = timed(fn, inputs, reps=reps)
         except Exception as e:  # a failing kind costs its own line
-            print(f"  int8 Mosaic GPU {cfg or 'default'}: failed: {type(e).__name__}: {str(e)[:200]}")
+            print(f"  int{bits} Mosaic GPU {cfg or 'default'}: failed: {type(e).__name__}: {str(e)[:200]}")
             continue
-        print(f"  int8 Mosaic GPU {cfg or 'default'}: {t_h * 1e3:.4f} ms ({kv_bytes / t_h / 1e9:.0f} GB/s), "
+        print(f"  int{bits} Mosaic GPU {cfg or 'default'}: {t_h * 1e3:.4f} ms ({kv_bytes / t_h / 1e9:.0f} GB/s), "
               f"{t_bf / t_h:.2f}x bf16, {t_replaced / t_h:.2f}x the faster of the others", flush=True)
         if table is not None and not cfg:
-            key = dispatch_table.Key(jax.devices()[0].device_kind, "kv_attention_hopper", 8, None, d, t,
+            key = dispatch_table.Key(jax.devices()[0].device_kind, "kv_attention_hopper", bits, None, d, t,
                                      dispatch_table.row_bucket(b * hq // h), jnp.dtype(q.dtype).name)
             table.append((key, {"pallas_s": t_h, "xla_s": t_replaced, "bf16_s": t_bf}))
 
@@ -740,9 +740,9 @@ def attention_rows(t, configs, reps, table=None, xla=False, hopper_configs=({},)
             key = dispatch_table.Key(jax.devices()[0].device_kind, "kv_attention", bits, None, d, t,
                                      dispatch_table.row_bucket(b * g), jnp.dtype(q.dtype).name)
             table.append((key, {"pallas_s": t_default, "xla_s": t_x, "bf16_s": t_bf}))
-        if bits == 8:  # the Mosaic GPU kernel (pallas_kernels/kv_attention_hopper.py), against the faster of the two
-            hopper_row(t, inputs, (ks, kl, vs, vl, length), t_bf, min(t_x, t_default or t_x), kv_bytes[8], reps,
-                       table, hopper_configs)
+        # the Mosaic GPU kernel (pallas_kernels/kv_attention_hopper.py), against the faster of the two
+        hopper_row(t, bits, inputs, (ks, kl, vs, vl, length), t_bf, min(t_x, t_default or t_x), kv_bytes[bits], reps,
+                   table, hopper_configs)
 
 
 SWEEP_WEIGHT = (4096, 11008)  # the weight --sweep tries _sweep()'s settings on

@@ -606,8 +606,9 @@ def store_path(spec: kvspec.KVSpec, head_dim: int, q_dtype, query_rows: int, slo
     XLA's dots also where no kernel runs on a GPU (kernels disabled). They need what the kernel's
     folding needs, and post-RoPE keys.
 
-    The Mosaic GPU kernel (int8 post-RoPE stores, head_dim 128, on Hopper) only where the table measured it
-    faster than both (kernel ``kv_attention_hopper``, whose "xla_s" is the faster of the two); not yet timed.
+    The Mosaic GPU kernel (int8 / int4 post-RoPE stores, head_dim 128, half queries, on Hopper) only where the
+    table measured it faster than both (kernel ``kv_attention_hopper``, whose "xla_s" is the faster of the two);
+    not yet timed.
     """
     if native_reads_store(spec, head_dim):
         return "native"
@@ -616,9 +617,10 @@ def store_path(spec: kvspec.KVSpec, head_dim: int, q_dtype, query_rows: int, slo
         return None
     measured, kernel = _measured_store_path(spec.bits, head_dim, q_dtype, query_rows, slots), \
         kernel_config.kernels_available()
-    if kernel and not spec.pre_rope and _measured_store_path(spec.bits, head_dim, q_dtype, query_rows, slots,
-                                                             "kv_attention_hopper") == "pallas" \
-            and kv_hopper.can_use((1, 1, head_dim), q_dtype, (1, 1, slots, head_dim), spec.bits)[0]:
+    hopper = _measured_store_path(spec.bits, head_dim, q_dtype, query_rows, slots, "kv_attention_hopper")
+    codes = (1, 1, slots, head_dim * spec.bits // 8)  # the store's bytes a slot (int4: two codes a byte)
+    if kernel and not spec.pre_rope and hopper == "pallas" and \
+            kv_hopper.can_use((1, 1, head_dim), q_dtype, codes, spec.bits)[0]:
         return "hopper"
     if not spec.pre_rope and (measured == "xla" or (not kernel and kernel_config.target_backend() == "gpu")):
         return "xla"

@@ -1,8 +1,10 @@
-"""One query token's attention over an int8 KV store in Mosaic GPU (pallas_kernels.kv_attention_hopper): GPU interpret
-mode against XLA's dots over the codes and the dequantizing reference; what it refuses; lowering for CUDA; the cache's
-choice of it (kv.cache.store_path)."""
+"""One query token's attention over an int8 / int4 KV store in Mosaic GPU (pallas_kernels.kv_attention_hopper): GPU
+interpret mode against XLA's dots over the codes and the dequantizing reference; what it refuses; lowering for CUDA;
+the cache's choice of it (kv.cache.store_path)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +12,7 @@ import numpy as np
 import pytest
 
 from llmeq_jax import dispatch_table
-from llmeq_jax.core.qarray import int_range
+from llmeq_jax.core.qarray import int_range, pack
 from llmeq_jax.kv import cache as kvcache
 from llmeq_jax.kv import spec as kvspec
 from llmeq_jax.kv.store_attention import store_attention
@@ -20,12 +22,13 @@ from pallas_kernels.kv_cache import store_decode_attention_reference
 from tests.pallas_kernels.weight_only_cases import FAKE_H100
 
 
-def _store(b, h, t, layers=None, seed=0, d=128):
-    """An int8 store as the cache keeps it: codes, per-channel key grid, float16 per-token value grid."""
+def _store(b, h, t, layers=None, seed=0, d=128, bits=8):
+    """A store as the cache keeps it: codes (int4 packed two a byte, low nibble first), per-channel key grid, float16
+    per-token value grid."""
     ks = jax.random.split(jax.random.key(seed), 6)
     lead = (layers,) if layers else ()
-    lo, hi = int_range(8)
-    kc, vc = (jax.random.randint(k, (*lead, b, h, t, d), lo, hi + 1).astype(jnp.int8) for k in ks[:2])
+    lo, hi = int_range(bits)
+    kc, vc = (pack(jax.random.randint(k, (*lead, b, h, t, d), lo, hi + 1).astype(jnp.int8), bits, -1) for k in ks[:2])
     k_scale = jax.random.uniform(ks[2], (1, h, 1, d), minval=0.01, maxval=0.05)
     k_lo = jax.random.normal(ks[3], (1, h, 1, d)) * 0.3
     v_scale = jax.random.uniform(ks[4], (*lead, b, h, t, 1), minval=0.01, maxval=0.05).astype(jnp.float16)
@@ -33,27 +36,29 @@ def _store(b, h, t, layers=None, seed=0, d=128):
     return kc, vc, k_scale, k_lo, v_scale, v_lo
 
 
-CASES = [  # b, h, g, t, length, masked, layers, dtype, blocks
-    (1, 2, 4, 512, [300], True, None, jnp.bfloat16, AttentionBlocks(splits=2)),  # GQA; 2 SMs, 2 items each
-    (2, 2, 1, 256, [256, 100], False, None, jnp.float16, None),  # one query head a KV head; rows of two lengths
-    (1, 2, 8, 384, [384], True, 3, jnp.bfloat16, AttentionBlocks(splits=3)),  # layer 1 of a stack; 3 splits
-    (2, 1, 5, 256, [0, 200], True, None, jnp.bfloat16, AttentionBlocks(splits=1)),  # a row with nothing to read
+CASES = [  # bits, b, h, g, t, length, masked, layers, dtype, blocks
+    (8, 1, 2, 4, 512, [300], True, None, jnp.bfloat16, AttentionBlocks(splits=2)),  # GQA; 2 SMs, 2 items each
+    (8, 2, 2, 1, 256, [256, 100], False, None, jnp.float16, None),  # one query head a KV head; two lengths
+    (8, 1, 2, 8, 384, [384], True, 3, jnp.bfloat16, AttentionBlocks(splits=3)),  # layer 1 of a stack; 3 splits
+    (8, 2, 1, 5, 256, [0, 200], True, None, jnp.bfloat16, AttentionBlocks(splits=1)),  # a row with nothing to read
+    (4, 1, 2, 4, 512, [400], True, 2, jnp.bfloat16, AttentionBlocks(stages=3, splits=2)),  # int4, stacked
+    (4, 2, 2, 2, 256, [256, 130], False, None, jnp.float16, None),  # int4, two lengths
 ]
 
 
-@pytest.mark.parametrize("b,h,g,t,length,masked,layers,dtype,blocks", CASES)
-def test_kernel_is_xlas_dots_over_the_codes(b, h, g, t, length, masked, layers, dtype, blocks):
+@pytest.mark.parametrize("bits,b,h,g,t,length,masked,layers,dtype,blocks", CASES)
+def test_kernel_is_xlas_dots_over_the_codes(bits, b, h, g, t, length, masked, layers, dtype, blocks):
     """The same folded grids and the same bf16 roundings of q s_k and p s_v as XLA's path, but an online softmax
     (p rounded against the running max): the outputs within bf16's rounding, the log-sum-exps within float32 sums;
     the dequantize-and-attend reference within the rounding XLA's path is tested to."""
-    kc, vc, ks, kl, vs, vl = _store(b, h, t, layers, seed=t + g)
+    kc, vc, ks, kl, vs, vl = _store(b, h, t, layers, seed=t + g, bits=bits)
     q = (jax.random.normal(jax.random.key(g), (b, h * g, 128)) * 2).astype(dtype)
     allowed = jax.random.bernoulli(jax.random.key(t), 0.8, (b, t)) if masked else None
     layer = None if layers is None else jnp.int32(1)
     length = jnp.asarray(length, jnp.int32)
-    got, got_lse = kv_attention_hopper(q, kc, vc, ks, kl, vs, vl, length, allowed=allowed, layer=layer, blocks=blocks,
-                                       interpret=True)
-    want, want_lse = store_attention(q, kc, vc, ks, kl, vs, vl, length, bits=8, allowed=allowed, layer=layer)
+    got, got_lse = kv_attention_hopper(q, kc, vc, ks, kl, vs, vl, length, bits=bits, allowed=allowed, layer=layer,
+                                       blocks=blocks, interpret=True)
+    want, want_lse = store_attention(q, kc, vc, ks, kl, vs, vl, length, bits=bits, allowed=allowed, layer=layer)
     assert got.shape == (b, h * g, 128) and got_lse.shape == (b, h * g) and got.dtype == jnp.float32
     seen = np.asarray(want_lse) > -1e29  # rows with a slot to read (the others: lse ~ -1e30, any output)
     scale = float(jnp.max(jnp.abs(want)))
@@ -61,12 +66,12 @@ def test_kernel_is_xlas_dots_over_the_codes(b, h, g, t, length, masked, layers, 
     np.testing.assert_allclose(np.asarray(got_lse)[seen], np.asarray(want_lse)[seen], rtol=1e-5, atol=1e-4)
     assert np.all(np.asarray(got_lse)[~seen] < -1e29)
     one = (lambda a: a) if layers is None else (lambda a: a[1])  # noqa: E731
-    ref, _ = store_decode_attention_reference(q, one(kc), one(vc), ks, kl, one(vs), one(vl), length, bits=8,
+    ref, _ = store_decode_attention_reference(q, one(kc), one(vc), ks, kl, one(vs), one(vl), length, bits=bits,
                                               allowed=allowed)
     np.testing.assert_allclose(np.asarray(got)[seen], np.asarray(ref)[seen], atol=1e-2 * scale)
     # not trivially met: the value offsets move the output by far more
-    wrong, _ = kv_attention_hopper(q, kc, vc, ks, kl, vs, jnp.zeros_like(vl), length, allowed=allowed, layer=layer,
-                                   blocks=blocks, interpret=True)
+    wrong, _ = kv_attention_hopper(q, kc, vc, ks, kl, vs, jnp.zeros_like(vl), length, bits=bits, allowed=allowed,
+                                   layer=layer, blocks=blocks, interpret=True)
     assert np.abs(np.asarray(wrong)[seen] - np.asarray(want)[seen]).max() > 0.1 * scale
 
 
@@ -82,7 +87,8 @@ def test_can_use_names_what_the_kernel_does_not_take():
                                         codes_shape=(1, 8, 4096, 128), bits=8), **kw})
     with config.interpret(True):
         assert ok() == (True, "")
-        assert "int4" in ok(bits=4)[1]
+        assert ok(bits=4, codes_shape=(1, 8, 4096, 64)) == (True, "")  # int4: D / 2 bytes a slot
+        assert "int2" in ok(bits=2)[1]
         assert "before RoPE" in ok(pre_rope=True)[1]
         assert "head_dim 64" in ok(q_shape=(1, 32, 64), codes_shape=(1, 8, 4096, 64))[1]
         assert "at most 64" in ok(q_shape=(1, 8 * 65, 128))[1]
@@ -95,12 +101,14 @@ def test_can_use_names_what_the_kernel_does_not_take():
 def test_bad_input_gets_one_clear_error():
     kc, vc, ks, kl, vs, vl = _store(1, 2, 256)
     q = jnp.zeros((1, 8, 128), jnp.bfloat16)
-    with pytest.raises(ValueError, match="int4"):
-        kv_attention_hopper(q, kc, vc, ks, kl, vs, vl, 256, bits=4, interpret=True)
+    with pytest.raises(ValueError, match="int2"):
+        kv_attention_hopper(q, kc, vc, ks, kl, vs, vl, 256, bits=2, interpret=True)
     with pytest.raises(ValueError, match="value grids"):
         kv_attention_hopper(q, kc, vc, ks, kl, vs[..., 0], vl, 256, interpret=True)
     with pytest.raises(ValueError, match="3 splits of 2 steps"):
         kv_attention_hopper(q, kc, vc, ks, kl, vs, vl, 256, blocks=AttentionBlocks(splits=3), interpret=True)
+    with pytest.raises(ValueError, match="head_dim 256"):  # int8 codes read as int4 bytes: twice the width
+        kv_attention_hopper(q, kc, vc, ks, kl, vs, vl, 256, bits=4, interpret=True)
     with pytest.raises(ValueError, match="stages >= 2"):
         AttentionBlocks(stages=1)
 
@@ -140,7 +148,11 @@ def test_the_cache_takes_the_kernel_only_where_a_table_measured_it_faster():
             assert path(post) == "hopper"
             assert path(post, 8192) == "hopper"  # the nearest measured length
             assert path(pre) == "pallas"
-            assert kvcache.store_path(kvspec.KVSpec(bits=4, pre_rope=False), 128, jnp.bfloat16, 4, 4096) != "hopper"
+            int4 = kvspec.KVSpec(bits=4, pre_rope=False)
+            assert kvcache.store_path(int4, 128, jnp.bfloat16, 4, 4096) != "hopper"  # int4's own measurement
+        with dispatch_table.use(dispatch_table.Table(device, {dataclasses.replace(key, bits=4): {
+                "pallas_s": 0.5, "xla_s": 1.0, "bf16_s": 1.5}})):
+            assert kvcache.store_path(int4, 128, jnp.bfloat16, 4, 4096) == "hopper"
 
 
 def test_a_decode_step_reads_the_store_through_the_kernel_where_a_table_says_so(monkeypatch):
