@@ -88,11 +88,12 @@
 #     STEPS="e2e" RECIPES="rtn-w4-g128 rtn-w8" BATCHES="1 16" TORCH=--no-torch E2E_LIMIT=240 bash scripts/gpu_session.sh
 #         (timeout_s 260)
 # The session after (no GPU) gave the W8A8 recipes Mosaic GPU paths: FP8 prompts (w8a8_hopper(fp8=True), step
-# hopper_fp8) and int8 / FP8 W8A8 decode steps (decode_hopper.w8a8_decode_hopper, step decode_hopper_w8a8). Next
-# session, two calls, the second at once (~15 min with the start):
-#     STEPS="gpu_tests decode_hopper decode_hopper_w8a8" \
-#         TESTS="decode_hopper or weight_only_hopper or w8a8_hopper or fp8_hopper or float_decode or int8_f16" \
-#         bash scripts/gpu_session.sh   (timeout_s 560: 480 s of step limits)
+# hopper_fp8) and int8 / FP8 W8A8 decode steps (decode_hopper.w8a8_decode_hopper, step decode_hopper_w8a8), and a
+# quantized cache's decode attention one (kv_attention_hopper, in the attention step). Next session, two calls, the
+# second at once (~15 min with the start):
+#     STEPS="gpu_tests decode_hopper decode_hopper_w8a8 attention" \
+#         TESTS="decode_hopper or weight_only_hopper or w8a8_hopper or fp8_hopper or kv_attention_hopper or float_decode" \
+#         bash scripts/gpu_session.sh   (timeout_s 590: 580 s of step limits)
 #     STEPS="e2e" RECIPES="rtn-w4-g128 rtn-w8 rtn-w8a8 fp8-w8a8" TORCH=--no-torch E2E_LIMIT=280 \
 #         bash scripts/gpu_session.sh   (timeout_s 300)
 # then STEPS="hopper hopper_fp8 hopper_w8" (the prompt kernels' tables) in the session after.
