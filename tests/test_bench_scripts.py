@@ -240,46 +240,46 @@ def test_bench_kernels_times_the_hopper_weight_only_kernel_against_xlas_path(cap
     assert out.count("failed: ValueError: weight_only_hopper:") == 2
 
 
+def _decode_hopper_bench(capsys, monkeypatch, replaced_kinds, pairs):
+    """Run the bench with the Mosaic decode kinds of ``pairs`` ((kind, the kind it replaces), ...) and
+    ``replaced_kinds`` at rows 1 and 64 on a tiny weight, with a two-setting sweep (one refused: 3 K splits of 2
+    steps); check each kind's rows, its comparison with what it replaces and its sweep; return the table."""
+    from pallas_kernels.decode_hopper import DecodeBlocks
+
+    settings = [dict(blocks=DecodeBlocks(stages=2)), dict(blocks=DecodeBlocks(splits=3))]
+    kinds = ("bf16", *replaced_kinds, *(kind for kind, _ in pairs))
+    out, table = _prompt_kind_bench(capsys, monkeypatch, "_decode_hopper_sweep", lambda k: settings, kinds,
+                                    weight=(512, 256), no_settings=("_words_sweep",))
+    for kind, replaced in pairs:
+        assert f"512x256     1 {kind}" in out and f"512x256    64 {kind}" not in out
+        assert f"x {replaced})" in out
+        assert out.count(f"sweep {kind} M=1") == 4  # bf16, the defaults, each setting (one failed)
+    assert out.count("failed: ValueError: decode_hopper: 3 K splits") == len(pairs)
+    return table
+
+
 def test_bench_kernels_times_the_hopper_decode_kernel_against_what_it_replaces(capsys, monkeypatch):
     """w4_decode_hopper and w8_decode_hopper (GPU interpret mode, a tiny weight): timed at decode rows only, their table
     entries (kernel decode_hopper, 4 and 8 bits) against the faster of the Triton kernel they would replace (w4_words,
     w8_nk, timed in the same row) and XLA's path; --sweep runs each one's settings at one row, one it refuses (3 K
     splits of 2 steps) costing its own line."""
-    from pallas_kernels.decode_hopper import DecodeBlocks
-
-    settings = [dict(blocks=DecodeBlocks(stages=2)), dict(blocks=DecodeBlocks(splits=3))]
-    kinds = ("bf16", "w4g128", "w4_words", "w4_decode_hopper", "w8_nk", "w8_decode_hopper")
-    out, table = _prompt_kind_bench(capsys, monkeypatch, "_decode_hopper_sweep", lambda k: settings, kinds,
-                                    weight=(512, 256), no_settings=("_words_sweep",))
-    for kind, replaced in (("w4_decode_hopper", "w4_words"), ("w8_decode_hopper", "w8_nk")):
-        assert f"512x256     1 {kind}" in out and f"512x256    64 {kind}" not in out
-        assert f"x {replaced})" in out
-        assert out.count(f"sweep {kind} M=1") == 4  # bf16, the defaults, each setting (one failed)
+    table = _decode_hopper_bench(capsys, monkeypatch, ("w4g128", "w4_words", "w8_nk"),
+                                 (("w4_decode_hopper", "w4_words"), ("w8_decode_hopper", "w8_nk")))
     times = {(k.kernel, k.bits): t for k, t in table if k.rows == 1}
     assert all(times[("decode_hopper", bits)]["pallas_s"] > 0 for bits in (4, 8))
     # the faster of what it replaces (w8_nk's own time is no table entry: K-major kinds are not)
     assert times[("decode_hopper", 4)]["xla_s"] <= times[("int4_words", 4)]["pallas_s"]
-    assert out.count("failed: ValueError: decode_hopper: 3 K splits") == 2
 
 
 def test_bench_kernels_times_the_hopper_w8a8_decode_kernel_against_what_it_replaces(capsys, monkeypatch):
     """w8a8_decode_hopper and fp8_decode_hopper (GPU interpret mode, a tiny weight): timed at decode rows only, their
     table entries (kernels w8a8_decode_hopper / fp8_w8a8_decode_hopper) against the faster of the K-major Triton W8A8
     kernel (w8a8_nk / fp8_nk, timed in the same row) and XLA's path; --sweep runs their settings at one row."""
-    from pallas_kernels.decode_hopper import DecodeBlocks
-
-    settings = [dict(blocks=DecodeBlocks(stages=2)), dict(blocks=DecodeBlocks(splits=3))]
-    kinds = ("bf16", "w8a8_nk", "w8a8_decode_hopper", "fp8_nk", "fp8_decode_hopper")
-    out, table = _prompt_kind_bench(capsys, monkeypatch, "_decode_hopper_sweep", lambda k: settings, kinds,
-                                    weight=(512, 256), no_settings=("_words_sweep",))
-    for kind, replaced in (("w8a8_decode_hopper", "w8a8_nk"), ("fp8_decode_hopper", "fp8_nk")):
-        assert f"512x256     1 {kind}" in out and f"512x256    64 {kind}" not in out
-        assert f"x {replaced})" in out
-        assert out.count(f"sweep {kind} M=1") == 4  # bf16, the defaults, each setting (one failed)
+    table = _decode_hopper_bench(capsys, monkeypatch, ("w8a8_nk", "fp8_nk"),
+                                 (("w8a8_decode_hopper", "w8a8_nk"), ("fp8_decode_hopper", "fp8_nk")))
     times = {k.kernel: t for k, t in table if k.rows == 1}
     for kernel in ("w8a8_decode_hopper", "fp8_w8a8_decode_hopper"):
         assert times[kernel]["pallas_s"] > 0 and 0 < times[kernel]["xla_s"]
-    assert out.count("failed: ValueError: decode_hopper: 3 K splits") == 2
 
 
 def test_bench_kernels_attention_step_times_the_kernel_and_xlas_dots(capsys, monkeypatch):

@@ -226,6 +226,24 @@ def test_a_gpus_int4_prompt_runs_on_the_decode_words_where_a_table_says_so(faste
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=0.03 * scale)
 
 
+def _hopper_decode_case(recipe: str, kernel: str, bits: int, group):
+    """The stacked model quantized by ``recipe``, teacher-forced tokens, its four decode products per layer ((in,
+    out): q/k/v and gate/up joined) and a table measuring the Mosaic decode kernel ``kernel`` faster on each."""
+    from llmeq_jax import dispatch_table
+
+    params = jax.tree.map(lambda a: (a * 4).astype(jnp.bfloat16), init_params(CONFIG, jax.random.key(0)))
+    params = pipeline.run_recipe(CONFIG, params, None, pipeline.read_recipe(recipe), None, 16,
+                                 progress=False).params
+    params = stacked.stack_blocks(CONFIG, params)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, CONFIG.vocab_size, (2, PROMPT + 3)))
+    products = ((256, 384), (256, 256), (256, 1024), (512, 256))  # q/k/v, o, gate/up, down
+    entry = {"pallas_s": 1.0, "xla_s": 2.0, "bf16_s": 2.0}
+    table = dispatch_table.Table(FAKE_H100.device_kind, {
+        dispatch_table.Key(FAKE_H100.device_kind, kernel, bits, group, k, n, dispatch_table.row_bucket(2),
+                           "bfloat16"): entry for k, n in products})
+    return params, tokens, products, table
+
+
 def test_a_gpus_int4_decode_runs_the_hopper_kernel_where_a_table_says_so(monkeypatch):
     """Where a dispatch table measured the Mosaic GPU int4 decode kernel faster than the path it replaces, a GPU's
     decode layout stores rtn-w4-g128's kernels as (out, in) int4 rows (q/k/v and gate/up joined) and every decode
@@ -240,16 +258,7 @@ def test_a_gpus_int4_decode_runs_the_hopper_kernel_where_a_table_says_so(monkeyp
                         lambda x, w, *a, **k: calls.append((w.shape, k.get("layer") is not None)) or real(x, w, *a,
                                                                                                            **k))
     monkeypatch.setattr(kernel_dispatch, "MIN_KERNEL_WEIGHTS", 0)  # this model's products: the kernels' own sizes
-    params = jax.tree.map(lambda a: (a * 4).astype(jnp.bfloat16), init_params(CONFIG, jax.random.key(0)))
-    params = pipeline.run_recipe(CONFIG, params, None, pipeline.read_recipe("rtn-w4-g128"), None, 16,
-                                 progress=False).params
-    params = stacked.stack_blocks(CONFIG, params)
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, CONFIG.vocab_size, (2, PROMPT + 3)))
-    products = ((256, 384), (256, 256), (256, 1024), (512, 256))  # q/k/v, o, gate/up, down
-    entry = {"pallas_s": 1.0, "xla_s": 2.0, "bf16_s": 2.0}
-    table = dispatch_table.Table(FAKE_H100.device_kind, {
-        dispatch_table.Key(FAKE_H100.device_kind, "decode_hopper", 4, 128, k, n, dispatch_table.row_bucket(2),
-                           "bfloat16"): entry for k, n in products})
+    params, tokens, products, table = _hopper_decode_case("rtn-w4-g128", "decode_hopper", 4, 128)
     with native.disabled(), kernel_config.disabled():
         want, _, _ = _logits(params, tokens)
     with native.disabled(), kernel_config.compiling_for(FAKE_H100), kernel_config.interpret(True), \
@@ -278,16 +287,7 @@ def test_a_gpus_w8a8_decode_runs_the_hopper_kernel_where_a_table_says_so(monkeyp
                         lambda x, w, *a, **k: calls.append((w.shape, k["fp8"], k.get("layer") is not None))
                         or real(x, w, *a, **k))
     monkeypatch.setattr(kernel_dispatch, "MIN_KERNEL_WEIGHTS", 0)  # this model's products: the kernels' own sizes
-    params = jax.tree.map(lambda a: (a * 4).astype(jnp.bfloat16), init_params(CONFIG, jax.random.key(0)))
-    params = pipeline.run_recipe(CONFIG, params, None, pipeline.read_recipe(recipe), None, 16,
-                                 progress=False).params
-    params = stacked.stack_blocks(CONFIG, params)
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, CONFIG.vocab_size, (2, PROMPT + 3)))
-    products = ((256, 384), (256, 256), (256, 1024), (512, 256))  # q/k/v, o, gate/up, down
-    entry = {"pallas_s": 1.0, "xla_s": 2.0, "bf16_s": 2.0}
-    table = dispatch_table.Table(FAKE_H100.device_kind, {
-        dispatch_table.Key(FAKE_H100.device_kind, kernel, 8, None, k, n, dispatch_table.row_bucket(2),
-                           "bfloat16"): entry for k, n in products})
+    params, tokens, products, table = _hopper_decode_case(recipe, kernel, 8, None)
     with native.disabled(), kernel_config.compiling_for(FAKE_H100), kernel_config.interpret(True):
         want, _, _ = _logits(params, tokens)
         assert calls == []

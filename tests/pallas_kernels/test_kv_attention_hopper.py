@@ -12,28 +12,14 @@ import numpy as np
 import pytest
 
 from llmeq_jax import dispatch_table
-from llmeq_jax.core.qarray import int_range, pack
 from llmeq_jax.kv import cache as kvcache
 from llmeq_jax.kv import spec as kvspec
 from llmeq_jax.kv.store_attention import store_attention
 from pallas_kernels import config
 from pallas_kernels.kv_attention_hopper import AttentionBlocks, can_use, kv_attention_hopper, splits_for
 from pallas_kernels.kv_cache import store_decode_attention_reference
+from tests.kv.test_store_attention import _store
 from tests.pallas_kernels.weight_only_cases import FAKE_H100
-
-
-def _store(b, h, t, layers=None, seed=0, d=128, bits=8):
-    """A store as the cache keeps it: codes (int4 packed two a byte, low nibble first), per-channel key grid, float16
-    per-token value grid."""
-    ks = jax.random.split(jax.random.key(seed), 6)
-    lead = (layers,) if layers else ()
-    lo, hi = int_range(bits)
-    kc, vc = (pack(jax.random.randint(k, (*lead, b, h, t, d), lo, hi + 1).astype(jnp.int8), bits, -1) for k in ks[:2])
-    k_scale = jax.random.uniform(ks[2], (1, h, 1, d), minval=0.01, maxval=0.05)
-    k_lo = jax.random.normal(ks[3], (1, h, 1, d)) * 0.3
-    v_scale = jax.random.uniform(ks[4], (*lead, b, h, t, 1), minval=0.01, maxval=0.05).astype(jnp.float16)
-    v_lo = (jax.random.normal(ks[5], (*lead, b, h, t, 1)) * 2).astype(jnp.float16)
-    return kc, vc, k_scale, k_lo, v_scale, v_lo
 
 
 CASES = [  # bits, b, h, g, t, length, masked, layers, dtype, blocks
@@ -51,7 +37,7 @@ def test_kernel_is_xlas_dots_over_the_codes(bits, b, h, g, t, length, masked, la
     """The same folded grids and the same bf16 roundings of q s_k and p s_v as XLA's path, but an online softmax
     (p rounded against the running max): the outputs within bf16's rounding, the log-sum-exps within float32 sums;
     the dequantize-and-attend reference within the rounding XLA's path is tested to."""
-    kc, vc, ks, kl, vs, vl = _store(b, h, t, layers, seed=t + g, bits=bits)
+    kc, vc, ks, kl, vs, vl = _store(bits, b, h, t, d=128, layers=layers, seed=t + g)
     q = (jax.random.normal(jax.random.key(g), (b, h * g, 128)) * 2).astype(dtype)
     allowed = jax.random.bernoulli(jax.random.key(t), 0.8, (b, t)) if masked else None
     layer = None if layers is None else jnp.int32(1)
@@ -99,7 +85,7 @@ def test_can_use_names_what_the_kernel_does_not_take():
 
 
 def test_bad_input_gets_one_clear_error():
-    kc, vc, ks, kl, vs, vl = _store(1, 2, 256)
+    kc, vc, ks, kl, vs, vl = _store(8, 1, 2, 256, d=128)
     q = jnp.zeros((1, 8, 128), jnp.bfloat16)
     with pytest.raises(ValueError, match="int2"):
         kv_attention_hopper(q, kc, vc, ks, kl, vs, vl, 256, bits=2, interpret=True)
