@@ -5,7 +5,9 @@ The kernels (:mod:`pallas_kernels.w8a8_hopper`, :mod:`pallas_kernels.weight_only
 JAX's own Hopper matmul example (``jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu``): one program per SM
 walking the output tiles (:func:`snake_tile`), three warpgroups -- one issuing TMA copies into a ring of
 shared-memory slots, two computing side by side, each owning ``tile_m x tile_n`` of a ``tile_m x 2 tile_n`` output
-tile -- and an epilogue through shared memory (:func:`store_output`).
+tile -- and an epilogue through shared memory (:func:`store_output`). The decode kernels
+(:mod:`pallas_kernels.decode_hopper`, :mod:`pallas_kernels.kv_attention_hopper`) walk work items of their own on the
+same grid and warpgroups (:func:`launch`).
 """
 
 from __future__ import annotations
