@@ -90,13 +90,13 @@
 # The session after (no GPU) gave the W8A8 recipes Mosaic GPU paths: FP8 prompts (w8a8_hopper(fp8=True), step
 # hopper_fp8) and int8 / FP8 W8A8 decode steps (decode_hopper.w8a8_decode_hopper, step decode_hopper_w8a8), and a
 # quantized cache's decode attention one (kv_attention_hopper, in the attention step). Next session, two calls, the
-# second at once (~15 min with the start):
-#     STEPS="gpu_tests decode_hopper decode_hopper_w8a8 attention" \
-#         TESTS="decode_hopper or weight_only_hopper or w8a8_hopper or fp8_hopper or kv_attention_hopper or float_decode" \
-#         bash scripts/gpu_session.sh   (timeout_s 590: 580 s of step limits)
-#     STEPS="e2e" RECIPES="rtn-w4-g128 rtn-w8 rtn-w8a8 fp8-w8a8" TORCH=--no-torch E2E_LIMIT=280 \
-#         bash scripts/gpu_session.sh   (timeout_s 300)
-# then STEPS="hopper hopper_fp8 hopper_w8" (the prompt kernels' tables) in the session after.
+# second at once (~15 min with the start; ~25 Mosaic gpu cases compile, hence TESTS_LIMIT):
+#     STEPS="gpu_tests decode_hopper decode_hopper_w8a8" TESTS_LIMIT=150 \
+#         TESTS="decode_hopper or weight_only_hopper or w8a8_hopper or fp8_hopper or kv_attention_hopper" \
+#         bash scripts/gpu_session.sh   (timeout_s 560: 540 s of step limits)
+#     STEPS="e2e" RECIPES="rtn-w4-g128 rtn-w8 rtn-w8a8 fp8-w8a8" TORCH=--no-torch E2E_LIMIT=250 \
+#         bash scripts/gpu_session.sh   (timeout_s 270)
+# then STEPS="attention hopper hopper_fp8 hopper_w8" (the KV and prompt kernels' tables) in the session after.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-runs/gpu}"
@@ -129,7 +129,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/dev
 "$py" -c "import jax; print(jax.__version__, jax.devices())" >> "$out/device.txt" 2>&1
 cat "$out/device.txt"
 # -v: each case's verdict as it finishes (a run stopped by its limit keeps them); TESTS: a -k expression
-step gpu_tests 90 "$py" -m pytest -v --tb=line -p no:cacheprovider -m gpu tests/pallas_kernels/test_gpu_kernels.py \
+step gpu_tests "${TESTS_LIMIT:-90}" "$py" -m pytest -v --tb=line -p no:cacheprovider -m gpu tests/pallas_kernels/test_gpu_kernels.py \
     -k "${TESTS:-float_decode or int8 or words or store or quantized_cache}"
 # cuDNN's prompt attention failing on this GPU would fail every later prefill: those keep XLA's attention instead
 if grep -q "prompt_attention.* FAILED" "$out/gpu_tests.log" 2>/dev/null; then
