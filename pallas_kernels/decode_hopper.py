@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import math
 
 import jax.numpy as jnp
@@ -199,10 +198,7 @@ def _load_codes(ref, dtype, interpret: bool):
 
     if interpret or jnp.dtype(ref.dtype) == jnp.dtype(jnp.int8):
         return ref[...].astype(dtype)
-    # jax 0.10 takes the index as an argument; 0.11 indexes the ref itself (and deprecates the argument)
-    index = () if inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty else None
-    codes = (plgpu.load(ref, layout=plgpu.Layout.WGMMA_UPCAST_4X) if index is None
-             else plgpu.load(ref, index, layout=plgpu.Layout.WGMMA_UPCAST_4X))
+    codes = hopper.load(ref, plgpu.Layout.WGMMA_UPCAST_4X)
     return plgpu.layout_cast(codes, plgpu.Layout.WGMMA).astype(dtype)
 
 

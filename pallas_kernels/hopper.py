@@ -73,6 +73,18 @@ def check_scales(name: str, scale, zero_point, bias, lead: tuple, groups: int, n
         raise ValueError(f"{name}: bias has shape {bias.shape}, expected {(n,)}")
 
 
+def load(ref, layout):
+    """A whole shared-memory ``ref`` loaded into registers in ``layout`` (``plgpu.load``: jax 0.10 takes the index as
+    an argument, 0.11 indexes the ref itself and deprecates the argument)."""
+    import inspect
+
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    if inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty:
+        return plgpu.load(ref, (), layout=layout)
+    return plgpu.load(ref, layout=layout)
+
+
 def snake_tile(t, m_tiles: int, n_tiles: int, width: int, minor_n: bool):
     """Output tile ``t``'s (row, column) block in a snake order: bands of ``width`` blocks across the minor
     dimension (N with ``minor_n``), walked along the major one, every other band backwards, so that the programs

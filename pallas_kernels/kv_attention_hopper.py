@@ -117,17 +117,12 @@ def _bf16_codes(ref, interpret: bool):
     choice gathered two codes a 16-bit load: 550 -> 460 instructions a step for the two tiles, sm_90a); int4: eight
     codes a 32-bit register (``WGMMA_UPCAST_4X``), moved into wgmma's 16-bit layout, then converted (as
     :mod:`pallas_kernels.decode_hopper` loads its int4 weights). Interpret mode simulates no register layouts."""
-    import inspect
-
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     if interpret:
         return ref[...].astype(jnp.bfloat16)
     int4 = jnp.dtype(ref.dtype) == jnp.dtype(jnp.int4)
-    layout = plgpu.Layout.WGMMA_UPCAST_4X if int4 else plgpu.Layout.WGMMA_8BIT
-    # jax 0.10 takes the index as an argument; 0.11 indexes the ref itself (and deprecates the argument)
-    index = () if inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty else None
-    codes = plgpu.load(ref, layout=layout) if index is None else plgpu.load(ref, index, layout=layout)
+    codes = hopper.load(ref, plgpu.Layout.WGMMA_UPCAST_4X if int4 else plgpu.Layout.WGMMA_8BIT)
     return (plgpu.layout_cast(codes, plgpu.Layout.WGMMA) if int4 else codes).astype(jnp.bfloat16)
 
 
