@@ -64,15 +64,16 @@ ENV = "LLMEQ_DISPATCH_TABLE"
 # w8a8_decode_hopper / fp8_w8a8_decode_hopper: a decode step's int8 / FP8 W8A8 product through the same Mosaic GPU
 # decode kernel (K-major codes straight from shared memory) against the faster of the K-major Triton W8A8 kernel and
 # XLA's path, timed in the same row.
-# kv_attention_hopper: one query token's attention over an int8 post-RoPE store through the Mosaic GPU kernel
+# kv_attention_hopper: one query token's attention over an int8 / int4 post-RoPE store through the Mosaic GPU kernel
 # (pallas_kernels.kv_attention_hopper) against the faster of the Triton kernel and XLA's dots ("xla_s"); the keys as
-# kv_attention's.
+# kv_attention's. kv_attention_hopper_rope: the same over a pre-RoPE store (keys rotated in the kernel) against the
+# Triton kernel, which rotates them too (XLA's dots cannot).
 # int4_words_prefill: the words of int4_words at prompt rows (pallas_kernels.int4_words_prefill, the weights as
 # wgmma's A operand) against XLA's path of the packed QArray, the path prompts take without it.
 KERNELS = ("weight_only", "w8a8", "fp8_w8a8", "int4_words", "float", "int8_f16", "kv_attention", "weight_only_nk",
            "w8a8_nk", "fp8_w8a8_nk", "rms_norm", "prompt_attention", "int4_words_prefill", "w8a8_hopper",
            "fp8_w8a8_hopper", "weight_only_hopper", "decode_hopper", "w8a8_decode_hopper", "fp8_w8a8_decode_hopper",
-           "kv_attention_hopper")
+           "kv_attention_hopper", "kv_attention_hopper_rope")
 # Measured weight shapes that must agree on a path before an unmeasured product follows them (Table.inferred).
 MIN_AGREEING_SHAPES = 2
 PATHS = ("pallas", "xla")

@@ -22,6 +22,15 @@ keys per channel, ``q . k = (q s_k) . c + q . (lo_k - qmin s_k)``, the first ter
 bf16), the second one number per query that shifts its scores alike, added to the log-sum-exp by XLA; values per
 token, ``sum_t p_t v_t = (p s_v) . c + sum_t p_t (lo_v - qmin s_v)_t``, both in the kernel.
 
+Keys stored before RoPE (the cache's default spec) cannot have their scales folded into the query: the rotation mixes
+channel i with i + 64, each with its own scale. The kernel takes them as two half tiles (channels 0-63, 64-127, each
+its own TMA copy), dequantizes both in registers with the per-channel grid (``c s_k + lo_k - qmin s_k``), rotates the
+pair by the slot's position (the angle reduced by whole turns, then the approximate ``cos`` / ``sin``: as the Triton
+kernel does), stores them as bf16 and takes ``S = q_0 K_0^T + q_1 K_1^T`` in two wgmma chains. sm_90a (deviceless,
+Llama-2-7B at 32K slots): the SASS's hottest loop 2471 instructions at int8 and 2935 at int4 where post-RoPE keys'
+is 1908 by the same count (``scripts/kernel_sass.py``'s), 32 MUFU.SIN and 32 MUFU.COS a thread a step, 168
+registers, no spills.
+
 Each warpgroup's work item leaves its normalized output rows and their log-sum-exp (the real query rows only); XLA
 merges the ``2 x splits`` partial results of each head (a few small fusions, as the Triton kernel's jnp merge).
 
@@ -31,13 +40,15 @@ gives the compute warpgroups 232), 202 KB of shared memory at 2 ring slots (int8
 a step's 32 KB of int8 codes take ~2400 cycles an SM and its two warpgroups issue ~2100 a scheduler: near the line,
 so the GPU run decides (dispatch takes the kernel only where a table measured it faster).
 
-Contract (:func:`kv_attention_hopper`, :func:`llmeq_jax.kv.store_attention.store_attention`'s, post-RoPE keys):
+Contract (:func:`kv_attention_hopper`: :func:`llmeq_jax.kv.store_attention.store_attention`'s, and pre-RoPE keys as
+:func:`pallas_kernels.kv_cache.store_decode_attention` takes them):
   q        [B, H_q, D]          bf16 / f16, H_q = G H_kv with G <= 64
   k_codes  [B, H_kv, T, D]      int8; int4: uint8 [B, H_kv, T, D / 2] (a stack [L, ...] with ``layer``)
   v_codes  [B, H_kv, T, D]      as k_codes
   k_scale, k_lo  [B or 1, H_kv, 1, D]   the keys' per-channel grid
   v_scale, v_lo  [B, H_kv, T, 1]        the values' per-token grid (a stack [L, ...] with ``layer``)
   length   [B] or scalar        slots written; ``allowed`` [B, T] bool: the slots a row reads
+  slot_pos [B, T], inv_freq [D / 2]   keys stored before RoPE: each slot's position, the RoPE frequencies
   -> (out [B, H_q, D] float32, lse [B, H_q] float32)
 Needs D = 128, T a multiple of 128 (:func:`can_use`); sm_90 only.
 """
@@ -53,13 +64,17 @@ import jax.numpy as jnp
 from jax import lax
 
 from llmeq_jax.core.qarray import int_range
+from llmeq_jax.core.rope import reduced_angle
 from llmeq_jax.kv.store_attention import codes as store_codes
+from llmeq_jax.kv.store_attention import fold_key_grid, slot_mask
 from pallas_kernels import config, hopper
 from pallas_kernels.common import cdiv
+from pallas_kernels.kv_cache import combine_splits
 
 TOKENS = 128  # tokens a ring step carries: 64 for each compute warpgroup
 ROWS = 64  # wgmma's M: a KV head's query rows, padded
 HEAD_DIM = 128
+HALF = HEAD_DIM // 2  # RoPE pairs channel i with i + 64: pre-RoPE keys are read, rotated and multiplied as halves
 STAGED = 64  # output columns staged in shared memory at a time (float32: the whole row tile would not fit)
 NEG_INF = -1e30  # finite, as the other paths: a row with no allowed slot gives lse ~ -1e30, not nan
 LOG2E = math.log2(math.e)
@@ -85,12 +100,10 @@ def splits_for(heads: int, steps: int, sms: int) -> int:
     return max(s for s in range(1, want + 1) if steps % s == 0)
 
 
-def can_use(q_shape, q_dtype, codes_shape, bits: int, pre_rope: bool = False) -> tuple[bool, str]:
-    """(True, "") where the kernel takes this step, else (False, why)."""
+def can_use(q_shape, q_dtype, codes_shape, bits: int) -> tuple[bool, str]:
+    """(True, "") where the kernel takes this step (keys stored before or after RoPE), else (False, why)."""
     if bits not in (4, 8):
         return False, f"int{bits} codes (the kernel reads int8 and int4)"
-    if pre_rope:
-        return False, "keys stored before RoPE (a dot over the codes cannot rotate them)"
     if len(q_shape) != 3 or len(codes_shape) < 4:
         return False, f"q {tuple(q_shape)} and codes {tuple(codes_shape)} are not [B, H_q, D] and [B, H_kv, T, D]"
     heads, t, d = codes_shape[-3], codes_shape[-2], codes_shape[-1] * (8 // bits)
@@ -105,9 +118,11 @@ def can_use(q_shape, q_dtype, codes_shape, bits: int, pre_rope: bool = False) ->
     return hopper.wgmma_available()
 
 
-def _shared_bytes(stages: int, bits: int) -> int:
-    ring = stages * (2 * TOKENS * HEAD_DIM * bits // 8 + TOKENS * (2 + 2 + 1))  # codes, v_scale, v_lo, mask
+def _shared_bytes(stages: int, bits: int, rope: bool = False) -> int:
+    # codes, v_scale, v_lo, mask (and each slot's position: pre-RoPE keys)
+    ring = stages * (2 * TOKENS * HEAD_DIM * bits // 8 + TOKENS * (2 + 2 + 1 + 4 * rope))
     per_wg = 3 * ROWS * HEAD_DIM * 2 + ROWS * STAGED * 4 + ROWS * 4  # q', keys, values (bf16); out, lse staging
+    per_wg += 3 * HEAD_DIM * 4 * rope  # pre-RoPE keys: the key grid's scale, offset and frequency rows
     return ring + 2 * per_wg
 
 
@@ -126,49 +141,93 @@ def _bf16_codes(ref, interpret: bool):
     return (plgpu.layout_cast(codes, plgpu.Layout.WGMMA) if int4 else codes).astype(jnp.bfloat16)
 
 
+def _f32_codes(ref, interpret: bool):
+    """A (64, 64) tile of int8 or int4 codes from shared memory as float32 in wgmma's accumulator layout (the
+    register layout of the per-channel and per-token vectors they are scaled and rotated with)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    if interpret:
+        return ref[...].astype(jnp.float32)
+    if jnp.dtype(ref.dtype) == jnp.dtype(jnp.int4):
+        codes = plgpu.layout_cast(hopper.load(ref, plgpu.Layout.WGMMA_UPCAST_4X), plgpu.Layout.WGMMA)
+    else:
+        codes = hopper.load(ref, plgpu.Layout.WGMMA)
+    return codes.astype(jnp.float32)
+
+
+def _rotated_keys(k_lo, k_hi, grid, pos, per_channel, per_slot, interpret: bool):
+    """Pre-RoPE keys: the two halves' codes (64 tokens x channels 0-63 and 64-127) dequantized with the per-channel
+    grid (``grid`` rows: scale, offset ``lo - qmin scale``, frequency), rotated by each slot's position ``pos`` (64,)
+    (rotate-half RoPE, as :func:`llmeq_jax.core.rope.apply_rope`), as two bf16 tiles for ``S = q K^T``."""
+    import jax.experimental.pallas as pl
+
+    col = lambda row, j: per_channel(grid[row, pl.ds(j * HALF, HALF)])  # noqa: E731
+    k0 = _f32_codes(k_lo, interpret) * col(0, 0) + col(1, 0)
+    k1 = _f32_codes(k_hi, interpret) * col(0, 1) + col(1, 1)
+    angle = per_slot(pos) * col(2, 0)
+    # whole turns off first: the GPU's approximate cos / sin (approx_math) are accurate near zero only
+    r = reduced_angle(angle, jnp.round(angle * (1 / (2 * math.pi))))
+    cos, sin = jnp.cos(r), jnp.sin(r)
+    return (k0 * cos - k1 * sin).astype(jnp.bfloat16), (k1 * cos + k0 * sin).astype(jnp.bfloat16)
+
+
 def _kernel(q_gmem, k_gmem, v_gmem, vs_gmem, vl_gmem, ok_gmem, *rest, batch: int, heads: int, steps: int,
-            splits: int, rows: int, qmin: int, stages: int, stacked: bool, interpret: bool):
+            splits: int, rows: int, qmin: int, stages: int, stacked: bool, rope: bool, interpret: bool):
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     rest = list(rest)
+    # pre-RoPE keys: each slot's position (rows of 128, float32) and each (row, KV head)'s key grid [3, D]
+    pos_gmem, grid_gmem = (rest.pop(0), rest.pop(0)) if rope else (None, None)
     if stacked:  # the layer index, one int32 in global memory: the stacked store is read in place
         layer = rest.pop(0)[0]
         k_gmem, v_gmem, vs_gmem, vl_gmem = (a.at[layer] for a in (k_gmem, v_gmem, vs_gmem, vl_gmem))
     o_gmem, lse_gmem = rest
     per_split = steps // splits
     bf16 = jnp.bfloat16
+    # Post-RoPE keys come whole (the queries carry their scales: one bf16 tile a step); pre-RoPE keys in halves,
+    # channels 0-63 and 64-127, each with the other half of its rotation, so the queries and keys are halves too.
+    halves = 2 if rope else 1
+    width = HEAD_DIM // halves
 
     def pipeline(body, context):
-        codes = plgpu.BlockSpec((TOKENS, HEAD_DIM), lambda s: (s, 0), memory_space=plgpu.SMEM,
-                                transforms=hopper.swizzled(HEAD_DIM, k_gmem.dtype))
         row = plgpu.BlockSpec((1, TOKENS), lambda s: (s, 0), memory_space=plgpu.SMEM)
+        code_specs = [plgpu.BlockSpec((TOKENS, w), lambda s, j=j: (s, j), memory_space=plgpu.SMEM,
+                                      transforms=hopper.swizzled(w, k_gmem.dtype))
+                      for w, j in [(width, j) for j in range(halves)] + [(HEAD_DIM, 0)]]  # keys, then values
         return plgpu.emit_pipeline_warp_specialized(
-            body, grid=(per_split,), memory_registers=40, in_specs=[codes, codes, row, row, row], wg_axis="wg",
-            num_compute_wgs=2, max_concurrent_steps=stages, compute_context=context)
+            body, grid=(per_split,), memory_registers=40, in_specs=[*code_specs, row, row, row] + [row] * rope,
+            wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=stages, compute_context=context)
 
     def operands(b, h, si):
         tokens, step_rows = pl.ds(si * per_split * TOKENS, per_split * TOKENS), pl.ds(si * per_split, per_split)
-        return (k_gmem.at[b, h, tokens], v_gmem.at[b, h, tokens], vs_gmem.at[b, h, step_rows],
-                vl_gmem.at[b, h, step_rows], ok_gmem.at[b, step_rows])
+        return (*[k_gmem.at[b, h, tokens]] * halves, v_gmem.at[b, h, tokens], vs_gmem.at[b, h, step_rows],
+                vl_gmem.at[b, h, step_rows], ok_gmem.at[b, step_rows],
+                *([pos_gmem.at[b, step_rows]] if rope else []))
 
     ignore = lambda *_, **__: None  # noqa: E731 -- the allocations do not depend on the bodies
-    tile = lambda dtype: plgpu.SMEM((2, ROWS, HEAD_DIM), dtype, transforms=hopper.swizzled(HEAD_DIM, dtype))  # noqa: E731
+    tile = lambda dtype, w=HEAD_DIM: plgpu.SMEM((2, halves, ROWS, w), dtype,  # noqa: E731
+                                                transforms=hopper.swizzled(w, dtype))
+    scoped = dict(ring=pipeline(ignore, ignore).get_allocations(*operands(0, 0, 0)), q_smem=tile(bf16, width),
+                  k_smem=tile(bf16, width), v_smem=plgpu.SMEM((2, ROWS, HEAD_DIM), bf16,
+                                                              transforms=hopper.swizzled(HEAD_DIM, bf16)),
+                  out_smem=plgpu.SMEM((2, ROWS, STAGED), jnp.float32, transforms=hopper.swizzled(STAGED, jnp.float32)),
+                  lse_smem=plgpu.SMEM((2, ROWS), jnp.float32),
+                  q_loaded=plgpu.Barrier(num_arrivals=1 + rope, num_barriers=2))  # a copy arrives once
+    if rope:
+        scoped["grid_smem"] = plgpu.SMEM((2, 3, HEAD_DIM), jnp.float32)
 
-    @functools.partial(pl.run_scoped, ring=pipeline(ignore, ignore).get_allocations(*operands(0, 0, 0)),
-                       q_smem=tile(bf16), k_smem=tile(bf16), v_smem=tile(bf16),
-                       out_smem=plgpu.SMEM((2, ROWS, STAGED), jnp.float32,
-                                           transforms=hopper.swizzled(STAGED, jnp.float32)),
-                       lse_smem=plgpu.SMEM((2, ROWS), jnp.float32), q_loaded=plgpu.Barrier(num_arrivals=1,
-                                                                                          num_barriers=2),
-                       collective_axes="wg")
-    def _scope(ring, q_smem, k_smem, v_smem, out_smem, lse_smem, q_loaded):
+    @functools.partial(pl.run_scoped, **scoped, collective_axes="wg")
+    def _scope(ring, q_smem, k_smem, v_smem, out_smem, lse_smem, q_loaded, grid_smem=None):
         wg = lax.axis_index("wg")
         mine = pl.ds(wg * ROWS, ROWS)  # this warpgroup's 64 tokens of a step
         per_row = lambda v, shape: lax.broadcast_in_dim(v, shape, (0,))  # noqa: E731 -- a value per query row
         per_token = functools.partial(hopper.broadcast, shape=(ROWS, ROWS), along_rows=True, interpret=interpret)
         vector = lambda value: value if interpret else plgpu.layout_cast(value, plgpu.Layout.WGMMA.reduce(1))  # noqa: E731
         matrix = lambda value: value if interpret else plgpu.layout_cast(value, plgpu.Layout.WGMMA)  # noqa: E731
+        # a pre-RoPE key tile's per-channel (column) and per-slot (row) vectors
+        per_channel = functools.partial(hopper.broadcast, shape=(ROWS, HALF), along_rows=True, interpret=interpret)
+        per_slot = functools.partial(hopper.broadcast, shape=(ROWS, HALF), along_rows=False, interpret=interpret)
 
         @plgpu.nd_loop((batch * heads * splits,), collective_axes="sm")
         def _item(info):
@@ -176,6 +235,8 @@ def _kernel(q_gmem, k_gmem, v_gmem, vs_gmem, vl_gmem, ok_gmem, *rest, batch: int
             b, h, si = item // (heads * splits), item // splits % heads, item % splits
 
             def context(run_k_loop):
+                if rope:  # the key grid, on the queries' barrier (two arrivals)
+                    plgpu.copy_gmem_to_smem(grid_gmem.at[b, h], grid_smem.at[wg], q_loaded.at[wg])
                 plgpu.copy_gmem_to_smem(q_gmem.at[b, h], q_smem.at[wg], q_loaded.at[wg])
                 plgpu.barrier_wait(q_loaded.at[wg])
                 start = (matrix(jnp.zeros((ROWS, HEAD_DIM), jnp.float32)), vector(jnp.full((ROWS,), NEG_INF)),
@@ -195,15 +256,24 @@ def _kernel(q_gmem, k_gmem, v_gmem, vs_gmem, vl_gmem, ok_gmem, *rest, batch: int
                     if j == 0:
                         plgpu.copy_smem_to_gmem(lse_smem.at[wg, pl.ds(0, rows)], lse_gmem.at[b, h, part])
 
-            def step(_, k_codes, v_codes, v_scale, v_lo, ok, carry):
+            def step(_, *refs):
+                carry, pos = refs[-1], refs[-2] if rope else None
+                *k_codes, v_codes, v_scale, v_lo, ok = refs[:-2] if rope else refs[:-1]
                 acc, m, total, lo = carry
-                # the codes of this warpgroup's tokens, exact in bf16, as wgmma's operands
-                k_smem[wg] = _bf16_codes(k_codes.at[mine], interpret)
+                # the codes of this warpgroup's tokens as wgmma's bf16 operands: exact (post-RoPE keys, values), or
+                # dequantized and rotated (pre-RoPE keys)
+                if rope:
+                    k_smem[wg, 0], k_smem[wg, 1] = _rotated_keys(
+                        k_codes[0].at[mine], k_codes[1].at[mine], grid_smem.at[wg], pos[0, mine], per_channel,
+                        per_slot, interpret)
+                else:
+                    k_smem[wg, 0] = _bf16_codes(k_codes[0].at[mine], interpret)
                 v_smem[wg] = _bf16_codes(v_codes.at[mine], interpret)
                 plgpu.commit_smem()  # the generic-proxy stores, visible to the tensor cores
 
-                def scores(s_ref):  # q' K^T, log2-scaled below
-                    plgpu.wgmma(s_ref, q_smem.at[wg], plgpu.transpose_ref(k_smem.at[wg], (1, 0)))
+                def scores(s_ref):  # q' K^T (a half's dot at a time: pre-RoPE keys), log2-scaled below
+                    for j in range(halves):
+                        plgpu.wgmma(s_ref, q_smem.at[wg, j], plgpu.transpose_ref(k_smem.at[wg, j], (1, 0)))
                     return s_ref[...]
 
                 s = pl.run_scoped(scores, plgpu.ACC((ROWS, ROWS), jnp.float32))
@@ -236,10 +306,12 @@ def _kernel(q_gmem, k_gmem, v_gmem, vs_gmem, vl_gmem, ok_gmem, *rest, batch: int
 
 
 def kv_attention_hopper(q, k_codes, v_codes, k_scale, k_lo, v_scale, v_lo, length, *, bits: int = 8, allowed=None,
-                        sm_scale: float | None = None, layer=None, blocks: AttentionBlocks | None = None,
-                        interpret: bool | None = None):
+                        sm_scale: float | None = None, layer=None, slot_pos=None, inv_freq=None,
+                        blocks: AttentionBlocks | None = None, interpret: bool | None = None):
     """Single-query attention over one layer of the int8 / int4 store (module docstring: the contract) -> ``(out [B,
-    H_q, D] float32, lse [B, H_q])``."""
+    H_q, D] float32, lse [B, H_q])``. Keys stored before RoPE: ``slot_pos`` [B, T] each slot's position and
+    ``inv_freq`` [D / 2] the RoPE frequencies (rotate-half), as :func:`pallas_kernels.kv_cache.store_decode_attention`
+    takes them."""
     interpret = config.resolve_interpret(interpret)
     b_ = blocks or AttentionBlocks()
     with config.interpret(interpret):
@@ -252,6 +324,11 @@ def kv_attention_hopper(q, k_codes, v_codes, k_scale, k_lo, v_scale, v_lo, lengt
     if q.shape[0] != bsz or k_codes.ndim != 4 + int(layer is not None) or v_codes.shape != k_codes.shape:
         raise ValueError(f"kv_attention_hopper: q {q.shape}, codes {k_codes.shape} / {v_codes.shape} "
                          f"(expected [B, H_q, D] and [{'L, ' if layer is not None else ''}B, H_kv, T, D])")
+    rope = slot_pos is not None
+    if rope != (inv_freq is not None) or (rope and (slot_pos.shape != (bsz, t) or inv_freq.shape != (d // 2,))):
+        raise ValueError(f"kv_attention_hopper: pre-RoPE keys need slot_pos [{bsz}, {t}] and inv_freq [{d // 2}] "
+                         f"together; got {None if slot_pos is None else slot_pos.shape} and "
+                         f"{None if inv_freq is None else inv_freq.shape}")
     if bits == 4:  # the bytes as jnp.int4 codes [..., D], low nibble first (a bitcast: no copy of a stacked store)
         k_codes, v_codes = store_codes(k_codes, 4), store_codes(v_codes, 4)
     if v_scale.shape != (*k_codes.shape[:-1], 1) or v_lo.shape != v_scale.shape:
@@ -261,37 +338,38 @@ def kv_attention_hopper(q, k_codes, v_codes, k_scale, k_lo, v_scale, v_lo, lengt
     rows = 8 if g <= 8 else cdiv(g, 16) * 16  # the query rows each partial result keeps (TMA boxes of whole tiles)
     qmin, _ = int_range(bits)
     sm = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
-    # keys per channel: q . k = (q s_k) . c + q . (lo_k - qmin s_k); the second term shifts a query's scores alike
-    qg = q.astype(jnp.float32).reshape(bsz, heads, g, d) * sm
-    k_scale, k_lo = k_scale.astype(jnp.float32), k_lo.astype(jnp.float32)
-    row_shift = jnp.einsum("bhgd,bhzd->bhg", qg, k_lo - qmin * k_scale)
-    q_codes = jnp.pad((qg * k_scale).astype(jnp.bfloat16), ((0, 0), (0, 0), (0, ROWS - g), (0, 0)))
-    # each slot's mask: written (below length) and allowed, one byte a slot, 128 a row
-    ok = jnp.arange(t)[None, :] < jnp.broadcast_to(jnp.asarray(length, jnp.int32), (bsz,))[:, None]
-    if allowed is not None:
-        ok = ok & allowed.astype(bool)
     steps = t // TOKENS
-    ok = ok.astype(jnp.int8).reshape(bsz, steps, TOKENS)
-    # the per-token value grids as rows of 128 slots (a reshape: no copy of a stacked store)
-    grid_rows = lambda a: a.reshape(*a.shape[:-2], steps, TOKENS)  # noqa: E731
     splits = b_.splits or splits_for(bsz * heads, steps, hopper.num_sms(interpret))
     if steps % splits:
         raise ValueError(f"kv_attention_hopper: {splits} splits of {steps} steps of {TOKENS} tokens")
-    stages = hopper.stages_that_fit(b_.stages, steps // splits, lambda st: _shared_bytes(st, bits))
-    args = [q_codes, k_codes, v_codes, grid_rows(v_scale), grid_rows(v_lo), ok]
+    # the per-token rows (value grids, mask, positions) as rows of 128 slots (a reshape: no copy of a stacked store)
+    step_rows = lambda a: a.reshape(*a.shape[:-2], steps, TOKENS)  # noqa: E731
+    ok = step_rows(slot_mask(length, allowed, bsz, t).astype(jnp.int8)[..., None])  # one byte a slot
+    if rope:  # the keys dequantized and rotated in the kernel: plain queries, halves [.., 2, 64, 64] as k's tiles
+        queries = q.astype(jnp.float32).reshape(bsz, heads, g, d) * sm
+        queries = jnp.moveaxis(queries.reshape(bsz, heads, g, 2, HALF), 3, 2)
+        k_scale, k_lo = (jnp.broadcast_to(a[:, :, 0].astype(jnp.float32), (bsz, heads, d)) for a in (k_scale, k_lo))
+        key_grid = jnp.stack([k_scale, k_lo - qmin * k_scale,
+                              jnp.broadcast_to(jnp.tile(inv_freq.astype(jnp.float32), 2), (bsz, heads, d))], axis=2)
+        extra = [step_rows(slot_pos.astype(jnp.float32)[..., None]), key_grid]
+        row_shift = 0.0
+    else:  # keys per channel: q . k = (q s_k) . c + q . (lo_k - qmin s_k); the second shifts a query's scores alike
+        queries, row_shift = fold_key_grid(q, k_scale, k_lo, heads, bits, sm)
+        queries = queries[:, :, None]
+        extra = []
+    q_codes = jnp.pad(queries.astype(jnp.bfloat16), ((0, 0), (0, 0), (0, 0), (0, ROWS - g), (0, 0)))
+    stages = hopper.stages_that_fit(b_.stages, steps // splits, lambda st: _shared_bytes(st, bits, rope))
+    args = [q_codes, k_codes, v_codes, step_rows(v_scale), step_rows(v_lo), ok, *extra]
     args += [jnp.reshape(layer, (1,)).astype(jnp.int32)] if layer is not None else []
     body = functools.partial(_kernel, batch=bsz, heads=heads, steps=steps, splits=splits, rows=rows, qmin=qmin,
-                             stages=stages, stacked=layer is not None, interpret=interpret)
+                             stages=stages, stacked=layer is not None, rope=rope, interpret=interpret)
     out_type = (jax.ShapeDtypeStruct((bsz, heads, 2 * splits, rows, d), jnp.float32),
                 jax.ShapeDtypeStruct((bsz, heads, 2 * splits, rows), jnp.float32))
-    # approximate exp2 / log / reciprocal (ex2.approx: one MUFU a score): the softmax's terms carry bf16's rounding
+    # approximate exp2 / log / reciprocal / cos / sin (ex2.approx: one MUFU a score): the softmax's terms and the
+    # rotated keys carry bf16's rounding
     out, lse = hopper.launch(body, out_type, None, interpret, approx_math=True)(*args)
-    out, lse = out[..., :g, :], lse[..., :g]
-    # the partial results of each head merged by their log-sum-exp (a split with no allowed slot weighs ~0)
-    top = jnp.max(lse, axis=2, keepdims=True)
-    w = jnp.exp(lse - top)
-    denom = jnp.sum(w, axis=2)
-    merged = jnp.sum(w[..., None] * out, axis=2) / denom[..., None]
-    lse = top[:, :, 0] + jnp.log(denom) + row_shift
-    return merged.reshape(bsz, hq, d), lse.reshape(bsz, hq)
-
+    # the partial results of each head merged by their log-sum-exp (normalized: each weighs as a sum of 1; a split
+    # with no allowed slot weighs ~0)
+    out, lse = out[..., :g, :], lse[..., :g, None]
+    merged, lse = combine_splits(out, lse, jnp.ones_like(lse))
+    return merged.reshape(bsz, hq, d), (lse + row_shift).reshape(bsz, hq)

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from llmeq_jax.core.qarray import int_range, unpack
-from llmeq_jax.core.rope import apply_rope
+from llmeq_jax.core.rope import apply_rope, reduced_angle
 from llmeq_jax.kv.grid import dequantize_grid
 from pallas_kernels import config, kv_words, offsets
 from pallas_kernels.common import (
@@ -240,25 +240,15 @@ def _half_dot(a, c, contract):
 # RoPE angles reach pos * freq ~ 3e4 rad at long contexts. jnp.cos / jnp.sin compile to libdevice's accurate
 # cosf / sinf, whose slow path for large arguments (Payne-Hanek reduction over a table in local memory) made
 # XLA's Triton build the pre-RoPE loop as 47751 instructions at 32 registers with 33 KB of spills
-# (scripts/gpu_aot.py --sass, jax 0.11.2). The angle is reduced to [-pi, pi] here instead -- two-constant
-# Cody-Waite, exact for k * _TWO_PI_HI while k < 2^16 (angles below ~4e5), so the float32 angle itself is the
-# only error -- and the GPU's cos.approx / sin.approx (absolute error ~5e-7 there) take the rest for bf16/f16
-# queries. Float32 queries keep the accurate cos / sin of the reduced angle: their path promises float32
-# attention (1e-5 of the largest output), and ~5e-7 per rotated key lane is a tenth of that budget before
-# the dots add up 64-128 of them.
-_TWO_PI_HI = 6.28125  # 201 / 32: eight significant bits
-_TWO_PI_LO = 2 * math.pi - _TWO_PI_HI
-
-
-def _reduced_angle(angle):
-    """``angle`` minus the nearest multiple of 2 pi: the same cosine and sine, in [-pi, pi]."""
-    k = jnp.floor(angle * (1.0 / (2 * math.pi)) + 0.5)
-    return (angle - k * _TWO_PI_HI) - k * _TWO_PI_LO
+# (scripts/gpu_aot.py --sass, jax 0.11.2). The angle is reduced to [-pi, pi] first (core.rope.reduced_angle) and
+# the GPU's cos.approx / sin.approx (absolute error ~5e-7 there) take the rest for bf16/f16 queries. Float32
+# queries keep the accurate cos / sin of the reduced angle: their path promises float32 attention (1e-5 of the
+# largest output), and ~5e-7 per rotated key lane is a tenth of that budget before the dots add up 64-128 of them.
 
 
 def _cos_sin(angle, approx: bool):
     """(cos, sin) of float32 angles: reduced, then the GPU's approximate instructions (``approx``) or jnp's."""
-    r = _reduced_angle(angle)
+    r = reduced_angle(angle)
     if not approx:
         return jnp.cos(r), jnp.sin(r)
     out = jax.ShapeDtypeStruct(r.shape, jnp.float32)

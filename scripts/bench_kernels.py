@@ -479,13 +479,14 @@ def sweep_in_turns(kind: str, kinds: dict, xs: list, configs: list, reps: int, f
 
 
 def attention_bench(reps, sweep=False, table=None, table_path=None):
-    """int8 / int4 decode attention (the Pallas kernel and XLA's dots over the codes) against bf16 XLA attention at
-    KV_SHAPE, and at the shorter KV_OTHER_CONTEXTS; with a list ``table``, append the kernel's and XLA's times as
-    ``kv_attention`` entries (written to ``table_path``). ``sweep``: then the kernel's other settings at KV_SHAPE
+    """int8 / int4 decode attention (the Pallas kernel, XLA's dots over the codes and the Mosaic GPU kernel; both
+    kernels over pre-RoPE keys too) against bf16 XLA attention at KV_SHAPE, and at the shorter KV_OTHER_CONTEXTS; with
+    a list ``table``, append their times as ``kv_attention`` / ``kv_attention_hopper`` / ``kv_attention_hopper_rope``
+    entries (written to ``table_path``). ``sweep``: then the kernel's other settings at KV_SHAPE
     (after every length's defaults, so that a run cut short by its limit keeps them)."""
     longest = KV_SHAPE[3]
     for t in (longest, *(c for c in KV_OTHER_CONTEXTS if c < longest)):
-        attention_rows(t, [dict()], reps, table, xla=True)
+        attention_rows(t, [dict()], reps, table, xla=True, pre_rope=True)
         if table is not None and table_path:
             write_table(table_path, table)
     # --sweep: other split counts, a deeper cp.async pipeline for the codes (at 2 stages the compiled loop waits
@@ -658,35 +659,60 @@ def norm_bench(reps, features, rows, table=None, table_path=None):
             write_table(table_path, table)
 
 
-def hopper_row(t, bits, inputs, grids, t_bf, t_replaced, kv_bytes, reps, table, configs=({},)):
+def hopper_row(t, bits, inputs, grids, t_bf, t_replaced, kv_bytes, reps, table, configs=({},), rope=None):
     """The Mosaic GPU decode attention's rows (``kv_attention_hopper``, int``bits`` codes) under each of ``configs``
-    ({} = its defaults), and with a list ``table`` its defaults' entry (kernel ``kv_attention_hopper``) against
-    ``t_replaced``, the faster of the Triton kernel and XLA's dots timed in the same run."""
+    ({} = its defaults), and with a list ``table`` its defaults' entry against ``t_replaced``, timed in the same run:
+    post-RoPE keys, kernel ``kv_attention_hopper`` against the faster of the Triton kernel and XLA's dots; pre-RoPE
+    keys (``rope``: slot_pos and inv_freq), kernel ``kv_attention_hopper_rope`` against the Triton kernel."""
     from llmeq_jax import dispatch_table
     from pallas_kernels.kv_attention_hopper import kv_attention_hopper
 
     q = inputs[0][0]
     b, hq, d = q.shape
     h = inputs[0][1].shape[1]
+    label, kernel, rope = (f"int{bits} Mosaic GPU", "kv_attention_hopper", {}) if rope is None else \
+        (f"int{bits} pre-RoPE Mosaic GPU", "kv_attention_hopper_rope", rope)
     for cfg in configs:
-        fn = lambda q, k, v, cfg=cfg: kv_attention_hopper(q, k, v, *grids, bits=bits, **cfg)[0]  # noqa: E731
+        fn = lambda q, k, v, cfg=cfg: kv_attention_hopper(q, k, v, *grids, bits=bits, **rope, **cfg)[0]  # noqa: E731
         try:
             t_h = timed(fn, inputs, reps=reps)
         except Exception as e:  # a failing kind costs its own line
-            print(f"  int{bits} Mosaic GPU {cfg or 'default'}: failed: {type(e).__name__}: {str(e)[:200]}")
+            print(f"  {label} {cfg or 'default'}: failed: {type(e).__name__}: {str(e)[:200]}")
             continue
-        print(f"  int{bits} Mosaic GPU {cfg or 'default'}: {t_h * 1e3:.4f} ms ({kv_bytes / t_h / 1e9:.0f} GB/s), "
-              f"{t_bf / t_h:.2f}x bf16, {t_replaced / t_h:.2f}x the faster of the others", flush=True)
+        print(f"  {label} {cfg or 'default'}: {t_h * 1e3:.4f} ms ({kv_bytes / t_h / 1e9:.0f} GB/s), "
+              f"{t_bf / t_h:.2f}x bf16, {t_replaced / t_h:.2f}x the path it replaces", flush=True)
         if table is not None and not cfg:
-            key = dispatch_table.Key(jax.devices()[0].device_kind, "kv_attention_hopper", bits, None, d, t,
+            key = dispatch_table.Key(jax.devices()[0].device_kind, kernel, bits, None, d, t,
                                      dispatch_table.row_bucket(b * hq // h), jnp.dtype(q.dtype).name)
             table.append((key, {"pallas_s": t_h, "xla_s": t_replaced, "bf16_s": t_bf}))
 
 
-def attention_rows(t, configs, reps, table=None, xla=False, hopper_configs=({},)):
+def pre_rope_rows(t, bits, inputs, grids, t_bf, kv_bytes, reps, table):
+    """Keys stored before RoPE (the cache's default spec; a bf16 cache holds rotated keys, so bf16 attention is the
+    same baseline): the Triton kernel, which rotates each key by its slot's position, then the Mosaic GPU kernel,
+    which does too, against it (XLA's dots cannot rotate the codes' keys)."""
+    from llmeq_jax.core.rope import rope_inv_freq
+    from pallas_kernels.kv_cache import store_decode_attention
+
+    b, d = inputs[0][0].shape[0], inputs[0][0].shape[2]
+    rope = dict(slot_pos=jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)),
+                inv_freq=jnp.asarray(rope_inv_freq(d, 10000.0, None)))
+    fn = lambda q, k, v: store_decode_attention(q, k, v, *grids, bits=bits, **rope)[0]  # noqa: E731
+    try:
+        t_p = timed(fn, inputs, reps=reps)
+    except Exception as e:  # a failing kind costs its own line
+        print(f"  int{bits} pre-RoPE Pallas default: failed: {type(e).__name__}: {str(e)[:200]}")
+        return
+    print(f"  int{bits} pre-RoPE Pallas default: {t_p * 1e3:.4f} ms ({kv_bytes / t_p / 1e9:.0f} GB/s), "
+          f"{t_bf / t_p:.2f}x bf16", flush=True)
+    hopper_row(t, bits, inputs, grids, t_bf, t_p, kv_bytes, reps, table, rope=rope)
+
+
+def attention_rows(t, configs, reps, table=None, xla=False, hopper_configs=({},), pre_rope=False):
     """The attention bench's rows at ``t`` cached tokens (KV_SHAPE's other dims), int8 then int4: bf16 XLA
     attention, the Pallas kernel under each of ``configs`` ({} = its defaults) and, with ``xla``, XLA's dots over
-    the codes; a table entry of each width where the defaults and XLA's dots both ran."""
+    the codes and the Mosaic GPU kernel under each of ``hopper_configs``; a table entry of each width where the
+    defaults and XLA's dots both ran. ``pre_rope``: then both kernels over pre-RoPE keys (:func:`pre_rope_rows`)."""
     from llmeq_jax import dispatch_table
     from llmeq_jax.kv.store_attention import store_attention
     from pallas_kernels.kv_cache import store_decode_attention
@@ -743,6 +769,8 @@ def attention_rows(t, configs, reps, table=None, xla=False, hopper_configs=({},)
         # the Mosaic GPU kernel (pallas_kernels/kv_attention_hopper.py), against the faster of the two
         hopper_row(t, bits, inputs, (ks, kl, vs, vl, length), t_bf, min(t_x, t_default or t_x), kv_bytes[bits], reps,
                    table, hopper_configs)
+        if pre_rope:
+            pre_rope_rows(t, bits, inputs, (ks, kl, vs, vl, length), t_bf, kv_bytes[bits], reps, table)
 
 
 SWEEP_WEIGHT = (4096, 11008)  # the weight --sweep tries _sweep()'s settings on

@@ -166,8 +166,9 @@ step sweep 120 "$py" scripts/bench_kernels.py --reps 10 --sweep --rows 1 --kinds
 # tokens; dispatch_kv.json's kv_attention entries say which a decode step takes (merge them into the shipped table).
 # Since 2026-12-06 also the Mosaic GPU int8 kernel (pallas_kernels/kv_attention_hopper.py: the codes converted into
 # shared memory, flash decoding on wgmma; kv_attention_hopper entries against the faster of the other two) and its
-# split counts.
-step attention 100 "$py" scripts/bench_kernels.py --reps 10 --sweep --rows 1 --kinds bf16 --weights 4096x4096 \
+# split counts; and over pre-RoPE keys (the cache's default spec) the Triton kernel and the Mosaic kernel, both
+# rotating each key by its slot's position (kv_attention_hopper_rope entries, against the Triton kernel).
+step attention 160 "$py" scripts/bench_kernels.py --reps 10 --sweep --rows 1 --kinds bf16 --weights 4096x4096 \
     --write-table "$out/dispatch_kv.json"
 # FP8 W8A8 (E4M3, new since the H200 run): the Pallas kernel and XLA's FP8 dot against bf16, and PyTorch's
 # _scaled_mm beside them, on one weight shape (issue #15's target: >= 1.6x bf16).

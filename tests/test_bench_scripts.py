@@ -284,34 +284,40 @@ def test_bench_kernels_times_the_hopper_w8a8_decode_kernel_against_what_it_repla
 
 def test_bench_kernels_attention_step_times_the_kernel_and_xlas_dots(capsys, monkeypatch):
     """The attention step (a small cache here, interpret mode): the Pallas kernel, XLA's dots over the codes and the
-    Mosaic GPU kernel for int8 and int4 against bf16 attention at each length, a kv_attention table entry of each
-    width and a kv_attention_hopper one (against the faster of the other two); with --sweep, the kernels' other
-    settings at the longest length after every length's defaults."""
+    Mosaic GPU kernel for int8 and int4 against bf16 attention at each length, then both kernels over pre-RoPE keys;
+    a kv_attention table entry of each width, a kv_attention_hopper one (against the faster of the other two) and a
+    kv_attention_hopper_rope one (against the pre-RoPE Pallas kernel); with --sweep, the kernels' other settings at
+    the longest length after every length's defaults."""
     from pallas_kernels import config
 
     bench = _script("bench_kernels")
     monkeypatch.setattr(bench, "copies_for", lambda nbytes: 1)
     monkeypatch.setattr(bench, "KV_SHAPE", (1, 2, 4, 256, 128))
-    monkeypatch.setattr(bench, "KV_OTHER_CONTEXTS", (128, 4096))  # 4096: longer than KV_SHAPE's, left out
+    monkeypatch.setattr(bench, "KV_OTHER_CONTEXTS", (4096,))  # longer than KV_SHAPE's: left out (one length here)
     table = []
     with config.interpret(True):
         bench.attention_bench(1, table=table)
     out = capsys.readouterr().out
     for bits in (8, 4):
-        assert out.count(f"int{bits} Pallas default:") == 2 and out.count(f"int{bits} XLA dots over the codes:") == 2
-    assert out.count("int8 Mosaic GPU default:") == out.count("int4 Mosaic GPU default:") == 2 and "failed" not in out
+        for row in ("Pallas default:", "XLA dots over the codes:", "Mosaic GPU default:", "pre-RoPE Pallas default:",
+                    "pre-RoPE Mosaic GPU default:"):
+            assert out.count(f"int{bits} {row}") == 1, row
+    assert "failed" not in out and out.count("decode attention B=1 T=") == 1
     assert [(k.kernel, k.bits, k.k, k.n, k.rows) for k, _ in table] == [
-        (kernel, bits, 128, t, 4) for t in (256, 128) for bits in (8, 4)
-        for kernel in ("kv_attention", "kv_attention_hopper")]
+        (kernel, bits, 128, 256, 4) for bits in (8, 4)
+        for kernel in ("kv_attention", "kv_attention_hopper", "kv_attention_hopper_rope")]
     hopper = [times for k, times in table if k.kernel == "kv_attention_hopper"]
     others = [times for k, times in table if k.kernel == "kv_attention"]
     assert all(h["xla_s"] == min(o["pallas_s"], o["xla_s"]) for h, o in zip(hopper, others))
+    rope = [times["xla_s"] for k, times in table if k.kernel == "kv_attention_hopper_rope"]  # the pre-RoPE kernel's
+    assert len(set(rope)) == 2 and not set(rope) & {t for o in others for t in (o["pallas_s"], o["xla_s"])}
     rows_calls = []  # the sweep's order only (its rows are the same function's, run above)
-    monkeypatch.setattr(bench, "attention_rows", lambda t, configs, reps, table=None, xla=False, hopper_configs=():
-                        rows_calls.append((t, len(configs), xla, len(hopper_configs))))
+    monkeypatch.setattr(bench, "attention_rows", lambda t, configs, reps, table=None, xla=False, hopper_configs=(),
+                        pre_rope=False: rows_calls.append((t, len(configs), xla, len(hopper_configs), pre_rope)))
+    monkeypatch.setattr(bench, "KV_OTHER_CONTEXTS", (128, 4096))
     bench.attention_bench(1, sweep=True)
-    assert rows_calls[:2] == [(256, 1, True, 0), (128, 1, True, 0)]  # the Mosaic kernel at its defaults
-    assert rows_calls[2] == (256, 7, True, 3) and len(rows_calls) == 3
+    assert rows_calls[:2] == [(256, 1, True, 0, True), (128, 1, True, 0, True)]  # the Mosaic kernels at defaults
+    assert rows_calls[2] == (256, 7, True, 3, False) and len(rows_calls) == 3
 
 
 def test_bench_kernels_xla_int4_candidates_compute_the_product():

@@ -56,6 +56,21 @@ def freq_factors(head_dim: int, theta: float, scaling: tuple) -> np.ndarray:
             / rope_inv_freq(head_dim, theta, scaling).astype(np.float64)).astype(np.float32)
 
 
+# Cody-Waite reduction of an angle by whole turns in two constants: exact for turns * _TWO_PI_HI while turns < 2^16
+# (angles below ~4e5 rad, a 128K context's), so the float32 angle itself is the only error.
+_TWO_PI_HI = 6.28125  # 201 / 32: eight significant bits
+_TWO_PI_LO = 2 * math.pi - _TWO_PI_HI
+
+
+def reduced_angle(angle, turns=None):
+    """``angle`` (float32) minus its nearest whole number of turns: the same cosine and sine, in [-pi, pi] -- for a
+    GPU's approximate cos / sin, accurate near zero only. ``turns``: that number, where the caller rounds it itself
+    (Mosaic GPU lowers no floor: ``jnp.round(angle / (2 pi))``); default ``floor(angle / (2 pi) + 1/2)``."""
+    if turns is None:
+        turns = jnp.floor(angle * (1.0 / (2 * math.pi)) + 0.5)
+    return (angle - turns * _TWO_PI_HI) - turns * _TWO_PI_LO
+
+
 # Positions per call from which the tables are computed apart from the rotation (prefill); a decode
 # step's few positions keep them fused (a conditional per layer costs more than it saves there).
 _TABLES_APART_FROM = 16

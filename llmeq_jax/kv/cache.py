@@ -606,9 +606,10 @@ def store_path(spec: kvspec.KVSpec, head_dim: int, q_dtype, query_rows: int, slo
     XLA's dots also where no kernel runs on a GPU (kernels disabled). They need what the kernel's
     folding needs, and post-RoPE keys.
 
-    The Mosaic GPU kernel (int8 / int4 post-RoPE stores, head_dim 128, half queries, on Hopper) only where the
-    table measured it faster than both (kernel ``kv_attention_hopper``, whose "xla_s" is the faster of the two);
-    not yet timed.
+    The Mosaic GPU kernel (int8 / int4 stores, head_dim 128, half queries, on Hopper) only where the table measured
+    it faster than the path it replaces: kernel ``kv_attention_hopper`` for post-RoPE keys (its "xla_s" the faster
+    of the two above), ``kv_attention_hopper_rope`` for pre-RoPE keys (its "xla_s" the Pallas kernel's, which
+    rotates them as it does); not yet timed.
     """
     if native_reads_store(spec, head_dim):
         return "native"
@@ -617,14 +618,19 @@ def store_path(spec: kvspec.KVSpec, head_dim: int, q_dtype, query_rows: int, slo
         return None
     measured, kernel = _measured_store_path(spec.bits, head_dim, q_dtype, query_rows, slots), \
         kernel_config.kernels_available()
-    hopper = _measured_store_path(spec.bits, head_dim, q_dtype, query_rows, slots, "kv_attention_hopper")
+    hopper = _measured_store_path(spec.bits, head_dim, q_dtype, query_rows, slots, hopper_table_kernel(spec))
     codes = (1, 1, slots, head_dim * spec.bits // 8)  # the store's bytes a slot (int4: two codes a byte)
-    if kernel and not spec.pre_rope and hopper == "pallas" and \
-            kv_hopper.can_use((1, 1, head_dim), q_dtype, codes, spec.bits)[0]:
+    if kernel and hopper == "pallas" and kv_hopper.can_use((1, 1, head_dim), q_dtype, codes, spec.bits)[0]:
         return "hopper"
     if not spec.pre_rope and (measured == "xla" or (not kernel and kernel_config.target_backend() == "gpu")):
         return "xla"
     return "pallas" if kernel else None
+
+
+def hopper_table_kernel(spec: kvspec.KVSpec) -> str:
+    """The dispatch table's kernel name for the Mosaic GPU kernel over this spec's store: pre-RoPE keys (rotated in
+    the kernel) are timed apart from post-RoPE ones."""
+    return "kv_attention_hopper_rope" if spec.pre_rope else "kv_attention_hopper"
 
 
 # Cache lengths a measurement of another length stands in for, nearest first (powers of two): the two paths' ratio
@@ -690,9 +696,12 @@ def _kernel_store_part(cache: QuantKVCache, layer: int, q, quantized, scan, path
     # the Pallas kernel reads the layer's key grid from every layer's in place; XLA and the native kernel take it
     grid = _key_grids(cache) if path == "pallas" else _key_grid(cache, layer)[:2]
     args = (q.reshape(b, n_heads, d), cache.k.q, cache.v.q, *grid, cache.v.scale, cache.v.lo, scan)
-    if path in ("xla", "hopper"):  # the same contract: post-RoPE keys, one layer's key grid
-        attend = store_attention if path == "xla" else kv_hopper.kv_attention_hopper
-        out, lse = attend(*args, bits=bits, allowed=quantized[:, 0], layer=layer)
+    rope = dict(slot_pos=cache.slot_pos, inv_freq=cache.inv_freq) if cache.spec.pre_rope else {}
+    if path == "xla":  # post-RoPE keys, one layer's key grid
+        out, lse = store_attention(*args, bits=bits, allowed=quantized[:, 0], layer=layer)
+        return out[:, None], lse[:, None]
+    if path == "hopper":  # XLA's contract, and pre-RoPE keys as the Pallas kernel takes them
+        out, lse = kv_hopper.kv_attention_hopper(*args, bits=bits, allowed=quantized[:, 0], layer=layer, **rope)
         return out[:, None], lse[:, None]
     if path == "native":
         tables = None
@@ -703,7 +712,6 @@ def _kernel_store_part(cache: QuantKVCache, layer: int, q, quantized, scan, path
         out, lse = native.kv_store_attention(*args, bits=bits, layer=layer, allowed=quantized[:, 0], rope_tables=tables,
                                              extra=extra)
         return out[:, None], lse[:, None]
-    rope = dict(slot_pos=cache.slot_pos, inv_freq=cache.inv_freq) if cache.spec.pre_rope else {}
     # The kernel reads the layer from the stacked store (layer= may be traced: the scan over stacked
     # blocks); slicing it out here would copy the layer's whole store for the custom call every step.
     sinks = None if sinks_seen is None else (cache.k_sink, cache.v_sink, sinks_seen)

@@ -57,6 +57,24 @@ def operand_dtype(q_dtype):
     return jnp.dtype(jnp.bfloat16) if half else jnp.dtype(jnp.float32)
 
 
+def fold_key_grid(q, k_scale, k_lo, heads: int, bits: int, sm_scale: float):
+    """The per-channel key grid folded into the queries: ``(q s_k sm [B, H, G, D], q . (lo_k - qmin s_k) sm [B, H,
+    G])`` in float32 for queries ``q [B, H * G, D]`` and a key grid ``[B or 1, H, 1, D]``. The first is the
+    dot's operand against the codes; the second shifts every score of its query alike."""
+    bsz, hq, d = q.shape
+    qmin, _ = int_range(bits)
+    qg = q.astype(jnp.float32).reshape(bsz, heads, hq // heads, d) * sm_scale
+    k_scale, k_lo = k_scale.astype(jnp.float32), k_lo.astype(jnp.float32)
+    return qg * k_scale, jnp.einsum("bhgd,bhzd->bhg", qg, k_lo - qmin * k_scale)
+
+
+def slot_mask(length, allowed, bsz: int, slots: int) -> jax.Array:
+    """The slots each row reads ``[B, slots]`` bool: written (below ``length``, [B] or a scalar) and ``allowed``
+    ([B, slots], or None: all)."""
+    ok = jnp.arange(slots)[None, :] < jnp.broadcast_to(jnp.asarray(length, jnp.int32), (bsz,))[:, None]
+    return ok if allowed is None else ok & allowed.astype(bool)
+
+
 def store_attention(q, k_codes, v_codes, k_scale, k_lo, v_scale, v_lo, length, *, bits: int, allowed=None,
                     sm_scale: float | None = None, layer=None):
     """Single-query attention over one layer of the quantized store -> ``(out [B, H_q, D] float32, lse [B, H_q])``.
@@ -79,17 +97,10 @@ def store_attention(q, k_codes, v_codes, k_scale, k_lo, v_scale, v_lo, length, *
     precision = jax.lax.Precision.HIGHEST if dt == jnp.float32 else None
     sm = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
 
-    qg = q.astype(jnp.float32).reshape(bsz, h, hq // h, d) * sm
-    k_scale, k_lo = k_scale.astype(jnp.float32), k_lo.astype(jnp.float32)  # [B or 1, H, 1, D]
-    k_off = k_lo - qmin * k_scale
-    row_shift = jnp.einsum("bhgd,bhzd->bhg", qg, k_off)  # the same for every slot of a row
-    scores = jnp.einsum("bhgd,bhtd->bhgt", (qg * k_scale).astype(dt), k_codes.astype(dt),
+    q_codes, row_shift = fold_key_grid(q, k_scale, k_lo, h, bits, sm)
+    scores = jnp.einsum("bhgd,bhtd->bhgt", q_codes.astype(dt), k_codes.astype(dt),
                         preferred_element_type=jnp.float32, precision=precision) + row_shift[..., None]
-
-    ok = jnp.arange(t)[None, :] < jnp.broadcast_to(jnp.asarray(length, jnp.int32), (bsz,))[:, None]
-    if allowed is not None:
-        ok = ok & allowed.astype(bool)
-    scores = jnp.where(ok[:, None, None, :], scores, NEG_INF)
+    scores = jnp.where(slot_mask(length, allowed, bsz, t)[:, None, None, :], scores, NEG_INF)
     m = jnp.max(scores, axis=-1, keepdims=True)
     p = jnp.exp(scores - m)  # [B, H, G, T]
     denom = jnp.sum(p, axis=-1)

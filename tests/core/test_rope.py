@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from llmeq_jax.core.rope import apply_rope, rope_inv_freq, rope_tables
+from llmeq_jax.core.rope import apply_rope, reduced_angle, rope_inv_freq, rope_tables
 
 
 def _reference(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
@@ -82,3 +82,16 @@ def test_freq_factors_are_llama_cpps_rope_freqs_and_give_back_the_llama3_frequen
     np.testing.assert_array_equal(freq_factors(128, 500000.0, scaling), factors)  # divisors stay as they are
     with pytest.raises(ValueError, match="3 factors for head_dim 128"):
         rope_inv_freq(128, 500000.0, freq_factors_scaling(factors[:3]))
+
+
+def test_rope_angles_are_reduced_to_one_turn_exactly_enough():
+    """The pre-RoPE kernels reduce pos * freq to [-pi, pi] before the GPU's approximate cos / sin: up to the
+    angles of a 128K context the reduced angle has the float32 angle's cosine and sine (float64 reference)."""
+    angle = jnp.asarray(np.concatenate([np.linspace(-7, 7, 101), np.geomspace(1, 131072, 400)]), jnp.float32)
+    exact = np.asarray(angle, np.float64)  # the float32 angle, taken as exact
+    # the default turns (floor), and those of Mosaic GPU's kernel (round to nearest even)
+    for turns in (None, jnp.round(angle * (1 / (2 * np.pi)))):
+        r = np.asarray(reduced_angle(angle, turns), np.float64)
+        assert np.all(np.abs(r) <= np.pi + 1e-6)
+        np.testing.assert_allclose(np.cos(r), np.cos(exact), atol=2e-6)
+        np.testing.assert_allclose(np.sin(r), np.sin(exact), atol=2e-6)

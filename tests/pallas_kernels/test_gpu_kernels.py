@@ -619,9 +619,9 @@ for _shape in [c for c in STORE_CASES if not c[6]]:  # post-RoPE keys
         return _store_check(shape, store_attention, "store_attention (XLA)")
 
 
-# post-RoPE stores with head_dim 128 and T a multiple of 128: the Mosaic GPU kernel's (approximate exp2 and
-# reciprocal on the device, interpret mode exact)
-for _shape in [c for c in STORE_CASES if not c[6] and c[4] == 128 and c[3] % 128 == 0] + \
+# half queries over stores with head_dim 128 and T a multiple of 128, keys stored after or before RoPE: the Mosaic GPU
+# kernel's (approximate exp2, reciprocal, cos and sin on the device, interpret mode exact)
+for _shape in [c for c in STORE_CASES if c[7] != F32 and c[4] == 128 and c[3] % 128 == 0] + \
         [(2, 32, 1, 4096, 128, 8, False, F16)]:  # Llama-2-7B's heads, one query head each
 
     @case

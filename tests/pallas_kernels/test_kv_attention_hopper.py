@@ -61,6 +61,41 @@ def test_kernel_is_xlas_dots_over_the_codes(bits, b, h, g, t, length, masked, la
     assert np.abs(np.asarray(wrong)[seen] - np.asarray(want)[seen]).max() > 0.1 * scale
 
 
+ROPE_CASES = [  # bits, b, h, g, t, length, masked, layers, dtype, blocks
+    (8, 1, 2, 4, 512, [300], True, None, jnp.bfloat16, AttentionBlocks(splits=2)),  # GQA; 2 items an SM
+    (4, 2, 1, 2, 256, [256, 130], False, 2, jnp.float16, None),  # int4, layer 1 of a stack, two lengths
+]
+
+
+@pytest.mark.parametrize("bits,b,h,g,t,length,masked,layers,dtype,blocks", ROPE_CASES)
+def test_pre_rope_keys_are_dequantized_and_rotated_by_their_slots_position(bits, b, h, g, t, length, masked, layers,
+                                                                           dtype, blocks):
+    """Keys stored before RoPE: each dequantized with the per-channel grid and rotated by its slot's position (up to
+    a 32K context's angles, slots out of order) in the kernel, then q K^T in bf16 -- the dequantize, rotate and attend
+    reference within bf16's rounding of the rotated keys; other positions give another answer."""
+    from llmeq_jax.core.rope import rope_inv_freq
+
+    kc, vc, ks, kl, vs, vl = _store(bits, b, h, t, d=128, layers=layers, seed=t + g)
+    q = (jax.random.normal(jax.random.key(g), (b, h * g, 128)) * 2).astype(dtype)
+    allowed = jax.random.bernoulli(jax.random.key(t), 0.8, (b, t)) if masked else None
+    layer = None if layers is None else jnp.int32(1)
+    length = jnp.asarray(length, jnp.int32)
+    slot_pos = jax.random.randint(jax.random.key(7), (b, t), 0, 32768)
+    inv_freq = jnp.asarray(rope_inv_freq(128, 10000.0, None))
+    run = lambda pos: kv_attention_hopper(q, kc, vc, ks, kl, vs, vl, length, bits=bits, allowed=allowed,  # noqa: E731
+                                          layer=layer, slot_pos=pos, inv_freq=inv_freq, blocks=blocks, interpret=True)
+    got, got_lse = run(slot_pos)
+    one = (lambda a: a) if layers is None else (lambda a: a[1])  # noqa: E731
+    want, want_lse = store_decode_attention_reference(q, one(kc), one(vc), ks, kl, one(vs), one(vl), length, bits=bits,
+                                                      allowed=allowed, slot_pos=slot_pos, inv_freq=inv_freq)
+    seen = np.asarray(want_lse) > -1e29
+    scale = float(jnp.max(jnp.abs(want)))
+    np.testing.assert_allclose(np.asarray(got)[seen], np.asarray(want)[seen], atol=1e-2 * scale)
+    np.testing.assert_allclose(np.asarray(got_lse)[seen], np.asarray(want_lse)[seen], atol=0.05)
+    wrong, _ = run(slot_pos + 1)  # every key rotated one position further
+    assert np.abs(np.asarray(wrong)[seen] - np.asarray(want)[seen]).max() > 0.05 * scale
+
+
 def test_splits_fill_the_sms_and_divide_the_steps():
     assert splits_for(8, 256, 132) == 32  # Llama-3-8B's 8 KV heads at 32K tokens: 256 items on 132 SMs
     assert splits_for(32, 256, 132) == 8  # Llama-2-7B's 32 heads
@@ -75,7 +110,6 @@ def test_can_use_names_what_the_kernel_does_not_take():
         assert ok() == (True, "")
         assert ok(bits=4, codes_shape=(1, 8, 4096, 64)) == (True, "")  # int4: D / 2 bytes a slot
         assert "int2" in ok(bits=2)[1]
-        assert "before RoPE" in ok(pre_rope=True)[1]
         assert "head_dim 64" in ok(q_shape=(1, 32, 64), codes_shape=(1, 8, 4096, 64))[1]
         assert "at most 64" in ok(q_shape=(1, 8 * 65, 128))[1]
         assert "multiple of 128" in ok(codes_shape=(1, 8, 4000, 128))[1]
@@ -95,23 +129,29 @@ def test_bad_input_gets_one_clear_error():
         kv_attention_hopper(q, kc, vc, ks, kl, vs, vl, 256, blocks=AttentionBlocks(splits=3), interpret=True)
     with pytest.raises(ValueError, match="head_dim 256"):  # int8 codes read as int4 bytes: twice the width
         kv_attention_hopper(q, kc, vc, ks, kl, vs, vl, 256, bits=4, interpret=True)
+    with pytest.raises(ValueError, match=r"slot_pos \[1, 256\] and inv_freq \[64\] together"):
+        kv_attention_hopper(q, kc, vc, ks, kl, vs, vl, 256, slot_pos=jnp.zeros((1, 256), jnp.int32), interpret=True)
     with pytest.raises(ValueError, match="stages >= 2"):
         AttentionBlocks(stages=1)
 
 
-def test_kernel_lowers_for_cuda_to_one_mosaic_gpu_call():
-    """Lowered for a Hopper GPU on this CPU: the codes converted into shared memory, the row reductions of the
-    online softmax, P' V accumulated in place (run_state, which interpret mode does not run)."""
+@pytest.mark.parametrize("bits,rope", [(8, False), (8, True), (4, True)])
+def test_kernel_lowers_for_cuda_to_one_mosaic_gpu_call(bits, rope):
+    """Lowered for a Hopper GPU on this CPU: the codes converted into shared memory (or dequantized and rotated:
+    pre-RoPE keys), the row reductions of the online softmax, P' V accumulated in place (run_state, which interpret
+    mode does not run)."""
     b, h, g, t, layers = 1, 8, 4, 4096, 2
-    args = [jax.ShapeDtypeStruct((b, h * g, 128), jnp.bfloat16),
-            *[jax.ShapeDtypeStruct((layers, b, h, t, 128), jnp.int8)] * 2,
+    codes = jax.ShapeDtypeStruct((layers, b, h, t, 128 * bits // 8), jnp.int8 if bits == 8 else jnp.uint8)
+    args = [jax.ShapeDtypeStruct((b, h * g, 128), jnp.bfloat16), codes, codes,
             *[jax.ShapeDtypeStruct((1, h, 1, 128), jnp.float32)] * 2,
             *[jax.ShapeDtypeStruct((layers, b, h, t, 1), jnp.float16)] * 2,
             jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b, t), jnp.bool_),
             jax.ShapeDtypeStruct((), jnp.int32)]
+    rope_args = dict(slot_pos=jnp.zeros((b, t), jnp.int32), inv_freq=jnp.ones((64,), jnp.float32)) if rope else {}
 
     def f(q, kc, vc, ks, kl, vs, vl, length, allowed, layer):
-        return kv_attention_hopper(q, kc, vc, ks, kl, vs, vl, length, allowed=allowed, layer=layer)
+        return kv_attention_hopper(q, kc, vc, ks, kl, vs, vl, length, bits=bits, allowed=allowed, layer=layer,
+                                   **rope_args)
 
     with config.compiling_for(FAKE_H100):
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -119,20 +159,26 @@ def test_kernel_lowers_for_cuda_to_one_mosaic_gpu_call():
 
 
 def test_the_cache_takes_the_kernel_only_where_a_table_measured_it_faster():
-    """kv.cache.store_path: "hopper" for an int8 post-RoPE store where the table measured the Mosaic kernel faster
-    than the faster of the Triton kernel and XLA's dots (kernel kv_attention_hopper), never for pre-RoPE keys."""
+    """kv.cache.store_path: "hopper" for an int8 store where the table measured the Mosaic kernel faster than what it
+    replaces: post-RoPE keys by kernel kv_attention_hopper (against the faster of the Triton kernel and XLA's dots),
+    pre-RoPE keys by kv_attention_hopper_rope (against the Triton kernel), each by its own entry."""
     post, pre = kvspec.KVSpec(bits=8, pre_rope=False), kvspec.KVSpec(bits=8)
     device = config.target_device().device_kind
     key = dispatch_table.Key(device, "kv_attention_hopper", 8, None, 128, 4096, 4, "bfloat16")
-    table = lambda p: dispatch_table.Table(device, {key: {"pallas_s": p, "xla_s": 1.0, "bf16_s": 1.5}})  # noqa: E731
+    table = lambda p, k=key: dispatch_table.Table(device, {k: {"pallas_s": p, "xla_s": 1.0, "bf16_s": 1.5}})  # noqa: E731
     path = lambda spec, slots=4096: kvcache.store_path(spec, 128, jnp.bfloat16, 4, slots)  # noqa: E731
     with config.interpret(True):
-        assert path(post) == "pallas"  # unmeasured: as before
+        assert path(post) == "pallas" and path(pre) == "pallas"  # unmeasured: as before
         with dispatch_table.use(table(2.0)):
             assert path(post) == "pallas"
         with dispatch_table.use(table(0.5)):
             assert path(post) == "hopper"
             assert path(post, 8192) == "hopper"  # the nearest measured length
+            assert path(pre) == "pallas"  # the post-RoPE kernel's time says nothing of rotating keys
+        rope_key = dataclasses.replace(key, kernel="kv_attention_hopper_rope")
+        with dispatch_table.use(table(0.5, rope_key)):
+            assert path(pre) == "hopper" and path(post) == "pallas"
+        with dispatch_table.use(table(2.0, rope_key)):
             assert path(pre) == "pallas"
             int4 = kvspec.KVSpec(bits=4, pre_rope=False)
             assert kvcache.store_path(int4, 128, jnp.bfloat16, 4, 4096) != "hopper"  # int4's own measurement
@@ -141,10 +187,12 @@ def test_the_cache_takes_the_kernel_only_where_a_table_measured_it_faster():
             assert kvcache.store_path(int4, 128, jnp.bfloat16, 4, 4096) == "hopper"
 
 
-def test_a_decode_step_reads_the_store_through_the_kernel_where_a_table_says_so(monkeypatch):
-    """A bf16 model (head_dim 128, GQA) decoding into an int8 post-RoPE cache of 128 slots (a window and float sinks
-    beside the store) in GPU interpret mode: with a table choosing the Mosaic kernel every layer's store is read by it,
-    and the logits are XLA's dots' (the path it replaces) within the kernel's roundings."""
+@pytest.mark.parametrize("pre_rope", [False, True])
+def test_a_decode_step_reads_the_store_through_the_kernel_where_a_table_says_so(monkeypatch, pre_rope):
+    """A bf16 model (head_dim 128, GQA) decoding into an int8 cache of 128 slots (a window and float sinks beside the
+    store; keys stored after or before RoPE) in GPU interpret mode: with a table choosing the Mosaic kernel every
+    layer's store is read by it, and the logits are XLA's (the store dequantized, then attended) within the kernel's
+    roundings."""
     from llmeq_jax import calibrate, native
     from llmeq_jax.models import ModelConfig, forward_step, init_cache, init_params
     from pallas_kernels import kv_attention_hopper as kv_hopper
@@ -153,15 +201,13 @@ def test_a_decode_step_reads_the_store_through_the_kernel_where_a_table_says_so(
     params = jax.tree.map(lambda a: (a * 4).astype(jnp.bfloat16), init_params(model, jax.random.key(0)))
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, model.vocab_size, (2, 10)))
-    spec = kvspec.KVSpec(bits=8, pre_rope=False, window=3, sink_tokens=2)
+    spec = kvspec.KVSpec(bits=8, pre_rope=pre_rope, window=3, sink_tokens=2)
     kv = calibrate.make_kv_quantizer(spec, model, params, rng.integers(0, model.vocab_size, (4, 16)))
     calls = []
     real = kv_hopper.kv_attention_hopper
     monkeypatch.setattr(kv_hopper, "kv_attention_hopper", lambda *a, **kw: calls.append(kw["layer"]) or real(*a, **kw))
     device = config.target_device().device_kind
     rows = dispatch_table.row_bucket(2 * model.num_heads // model.num_kv_heads)
-    entry = {"pallas_s": 1.0, "xla_s": 2.0, "bf16_s": 2.0}
-    measured = {dispatch_table.Key(device, "kv_attention", 8, None, 128, 128, rows, "bfloat16"): entry}  # XLA's dots
 
     def decode():
         step = lambda p, t, m, c: forward_step(model, p, t, m, c)  # noqa: E731  a fresh function: traced here
@@ -174,12 +220,12 @@ def test_a_decode_step_reads_the_store_through_the_kernel_where_a_table_says_so(
         return jnp.stack(outs, 1).astype(jnp.float32)
 
     with native.disabled(), config.interpret(True):
-        with dispatch_table.use(dispatch_table.Table(device, {k: {**v, "pallas_s": 2.0, "xla_s": 1.0}
-                                                              for k, v in measured.items()})):
-            want = decode()  # XLA's dots over the codes
+        with config.disabled():
+            want = decode()  # the store dequantized, then attended
         assert not calls
-        hopper = dispatch_table.Key(device, "kv_attention_hopper", 8, None, 128, 128, rows, "bfloat16")
-        with dispatch_table.use(dispatch_table.Table(device, {hopper: entry})):
+        hopper = dispatch_table.Key(device, kvcache.hopper_table_kernel(spec), 8, None, 128, 128, rows, "bfloat16")
+        with dispatch_table.use(dispatch_table.Table(device, {hopper: {"pallas_s": 1.0, "xla_s": 2.0,
+                                                                       "bf16_s": 2.0}})):
             got = decode()
     assert calls == list(range(model.num_layers))  # the decode step, traced once: every layer's store
     scale = float(jnp.max(jnp.abs(want)))

@@ -188,19 +188,6 @@ def test_half_query_reads_the_store_as_words_within_float16_error(bits, d, dtype
     np.testing.assert_allclose(out, ref_out, atol=2e-3 * scale)
 
 
-def test_rope_angles_are_reduced_to_one_turn_exactly_enough():
-    """The pre-RoPE path reduces pos * freq to [-pi, pi] before the GPU's approximate cos / sin: up to the
-    angles of a 128K context the reduced angle has the float32 angle's cosine and sine (float64 reference)."""
-    from pallas_kernels.kv_cache import _reduced_angle
-
-    angle = jnp.asarray(np.concatenate([np.linspace(-7, 7, 101), np.geomspace(1, 131072, 400)]), jnp.float32)
-    r = np.asarray(_reduced_angle(angle), np.float64)
-    exact = np.asarray(angle, np.float64)  # the float32 angle, taken as exact
-    assert np.all(np.abs(r) <= np.pi + 1e-6)
-    np.testing.assert_allclose(np.cos(r), np.cos(exact), atol=2e-6)
-    np.testing.assert_allclose(np.sin(r), np.sin(exact), atol=2e-6)
-
-
 def test_store_decode_ignores_slots_past_length():
     b, h, t, d, bits = 1, 1, 48, 32, 8
     kc, vc, *grids = _store(b, h, t, d, bits)
