@@ -516,6 +516,17 @@ def test_fused_qkv_with_biases_generates_the_xla_tokens():
 # Head dims 64, 128, 32, 96 run in 16-slot AVX-512 blocks where the CPU has them (query heads per KV head 3, 5,
 # 7: the value sums' register groups and their remainders; 700 slots: several tasks' chunks merged); 12 and 8
 # run the AVX2 loops, as do the last two cases (the AVX-512 switch off).
+def _assert_gradients_match_xla(q, k, v, mask):
+    """d/d(q, k, v) of sum(attention ** 2) through the native path against XLA's attention, to 1e-4."""
+    def loss(f):
+        return lambda q, k, v: jnp.sum(f(q, k, v, mask) ** 2)
+
+    g = jax.jit(jax.grad(loss(attention.dot_product_attention), argnums=(0, 1, 2)))(q, k, v)
+    g_ref = jax.jit(jax.grad(loss(attention.attention_xla), argnums=(0, 1, 2)))(q, k, v)
+    for a, r in zip(g, g_ref):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("b,t,h,kv,s,d,avx2", [(1, 1, 9, 3, 160, 64, False), (2, 3, 4, 2, 17, 12, False),
                                                (8, 1, 4, 4, 5, 8, False), (64, 1, 9, 3, 40, 64, False),
                                                (1, 2, 10, 2, 700, 128, False), (2, 1, 14, 2, 333, 32, False),
@@ -530,14 +541,7 @@ def test_decode_attention_matches_xla_and_its_gradient(b, t, h, kv, s, d, avx2):
         y = jax.jit(attention.dot_product_attention)(q, k, v, mask)
     ref = jax.jit(attention.attention_xla)(q, k, v, mask)
     np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=1e-5, atol=1e-5)
-
-    def loss(f):
-        return lambda q, k, v: jnp.sum(f(q, k, v, mask) ** 2)
-
-    g = jax.jit(jax.grad(loss(attention.dot_product_attention), argnums=(0, 1, 2)))(q, k, v)
-    g_ref = jax.jit(jax.grad(loss(attention.attention_xla), argnums=(0, 1, 2)))(q, k, v)
-    for a, r in zip(g, g_ref):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-4, atol=1e-4)
+    _assert_gradients_match_xla(q, k, v, mask)
 
 
 def _prefill_mask(kind, b, t, s, rng):
@@ -574,14 +578,7 @@ def test_prefill_attention_matches_xla_and_its_gradient(b, t, h, kv, s, d, kind)
     assert "llmeq_decode_attention" in jax.jit(attention.dot_product_attention).lower(q, k, v, mask).as_text()
     ref = jax.jit(attention.attention_xla)(q, k, v, mask)
     np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=2e-5, atol=2e-5)
-
-    def loss(f):
-        return lambda q, k, v: jnp.sum(f(q, k, v, mask) ** 2)
-
-    g = jax.jit(jax.grad(loss(attention.dot_product_attention), argnums=(0, 1, 2)))(q, k, v)
-    g_ref = jax.jit(jax.grad(loss(attention.attention_xla), argnums=(0, 1, 2)))(q, k, v)
-    for a, r in zip(g, g_ref):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-4, atol=1e-4)
+    _assert_gradients_match_xla(q, k, v, mask)
 
 
 def test_prefill_attention_avx512_tiles_equal_the_avx2_tiles():
