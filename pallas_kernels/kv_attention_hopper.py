@@ -164,7 +164,7 @@ def _rotated_keys(k_lo, k_hi, grid, pos, per_channel, per_slot, interpret: bool)
     col = lambda row, j: per_channel(grid[row, pl.ds(j * HALF, HALF)])  # noqa: E731
     k0 = _f32_codes(k_lo, interpret) * col(0, 0) + col(1, 0)
     k1 = _f32_codes(k_hi, interpret) * col(0, 1) + col(1, 1)
-    angle = per_slot(pos) * col(2, 0)
+    angle = per_slot(pos.astype(jnp.float32)) * col(2, 0)
     # whole turns off first: the GPU's approximate cos / sin (approx_math) are accurate near zero only
     r = reduced_angle(angle, jnp.round(angle * (1 / (2 * math.pi))))
     cos, sin = jnp.cos(r), jnp.sin(r)
@@ -177,7 +177,7 @@ def _kernel(q_gmem, k_gmem, v_gmem, vs_gmem, vl_gmem, ok_gmem, *rest, batch: int
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     rest = list(rest)
-    # pre-RoPE keys: each slot's position (rows of 128, float32) and each (row, KV head)'s key grid [3, D]
+    # pre-RoPE keys: each slot's position (rows of 128, int32) and each (row, KV head)'s key grid [3, D]
     pos_gmem, grid_gmem = (rest.pop(0), rest.pop(0)) if rope else (None, None)
     if stacked:  # the layer index, one int32 in global memory: the stacked store is read in place
         layer = rest.pop(0)[0]
@@ -351,7 +351,8 @@ def kv_attention_hopper(q, k_codes, v_codes, k_scale, k_lo, v_scale, v_lo, lengt
         k_scale, k_lo = (jnp.broadcast_to(a[:, :, 0].astype(jnp.float32), (bsz, heads, d)) for a in (k_scale, k_lo))
         key_grid = jnp.stack([k_scale, k_lo - qmin * k_scale,
                               jnp.broadcast_to(jnp.tile(inv_freq.astype(jnp.float32), 2), (bsz, heads, d))], axis=2)
-        extra = [step_rows(slot_pos.astype(jnp.float32)[..., None]), key_grid]
+        # the positions as the cache keeps them (int32: converted in the kernel, not by a fusion of XLA's a layer)
+        extra = [step_rows(slot_pos.astype(jnp.int32)[..., None]), key_grid]
         row_shift = 0.0
     else:  # keys per channel: q . k = (q s_k) . c + q . (lo_k - qmin s_k); the second shifts a query's scores alike
         queries, row_shift = fold_key_grid(q, k_scale, k_lo, heads, bits, sm)

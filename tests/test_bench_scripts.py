@@ -27,6 +27,16 @@ def _script(name):
         sys.path.remove(str(SCRIPTS))
 
 
+def _bench_kernels(monkeypatch, copies: int = 1):
+    """scripts/bench_kernels.py for a run through in interpret mode: ``copies`` copies of each operand and one timed
+    round a variant (what is tested is what it times and writes, not the times: each Mosaic GPU kernel run in
+    interpret mode takes seconds)."""
+    bench = _script("bench_kernels")
+    monkeypatch.setattr(bench, "copies_for", lambda nbytes: copies)
+    monkeypatch.setattr(bench, "ROUNDS", 1)
+    return bench
+
+
 def _meta(pid, tid, kind, name):
     return {"ph": "M", "pid": pid, **({} if tid is None else {"tid": tid}), "name": kind, "args": {"name": name}}
 
@@ -129,8 +139,7 @@ def test_bench_kernels_gpu_steps_run_through_in_interpret_mode(capsys, monkeypat
     interpret mode: a GPU's minutes are not spent finding a broken kind. (The times mean nothing here.)"""
     from pallas_kernels import config
 
-    bench = _script("bench_kernels")
-    monkeypatch.setattr(bench, "copies_for", lambda nbytes: 1)
+    bench = _bench_kernels(monkeypatch)
     kinds = ("bf16", "w4g128", "w4_words", "w4_xla_rows", "w4_gemv", "bf16_stack", "w8_nk", "w8_nk_f16", "w4_xla_words",
              "w4_xla_groups")
     table = []
@@ -153,8 +162,7 @@ def _prompt_kind_bench(capsys, monkeypatch, sweep_fn: str, settings, kinds: tupl
     ``no_settings`` name: (its output, the table entries it wrote)."""
     from pallas_kernels import config
 
-    bench = _script("bench_kernels")
-    monkeypatch.setattr(bench, "copies_for", lambda nbytes: 1)
+    bench = _bench_kernels(monkeypatch)
     monkeypatch.setattr(bench, "PREFILL_WORDS_SWEEP_ROWS", (64,))
     monkeypatch.setattr(bench, "SWEEP_WEIGHT", weight)
     monkeypatch.setattr(bench, sweep_fn, settings if callable(settings) else lambda *_: settings)
@@ -173,8 +181,7 @@ def test_bench_kernels_prefill_sweep_tries_the_k_major_w8a8_settings(capsys, mon
     from pallas_kernels import config
     from pallas_kernels.blocks import Blocks
 
-    bench = _script("bench_kernels")
-    monkeypatch.setattr(bench, "copies_for", lambda nbytes: 1)
+    bench = _bench_kernels(monkeypatch)
     monkeypatch.setattr(bench, "SWEEP_WEIGHT", (256, 128))
     settings = [dict(transpose_w=False), dict(blocks=Blocks(128, 128, 128, 8, 3))]
     monkeypatch.setattr(bench, "_sweep", lambda: {1024: settings})
@@ -290,8 +297,7 @@ def test_bench_kernels_attention_step_times_the_kernel_and_xlas_dots(capsys, mon
     the longest length after every length's defaults."""
     from pallas_kernels import config
 
-    bench = _script("bench_kernels")
-    monkeypatch.setattr(bench, "copies_for", lambda nbytes: 1)
+    bench = _bench_kernels(monkeypatch)
     monkeypatch.setattr(bench, "KV_SHAPE", (1, 2, 4, 256, 128))
     monkeypatch.setattr(bench, "KV_OTHER_CONTEXTS", (4096,))  # longer than KV_SHAPE's: left out (one length here)
     table = []
@@ -476,8 +482,7 @@ def test_bench_kernels_float_attention_step_times_both_paths_and_writes_entries(
     from llmeq_jax import dispatch_table
     from pallas_kernels import config
 
-    bench = _script("bench_kernels")
-    monkeypatch.setattr(bench, "copies_for", lambda nbytes: 2)
+    bench = _bench_kernels(monkeypatch, copies=2)
     monkeypatch.setattr(bench, "FLOAT_KV_HEADS", ((2, 1), (1, 4)))
     monkeypatch.setattr(bench, "FLOAT_KV_CONTEXTS", (32, 64))
     monkeypatch.setattr(bench, "FLOAT_KV_STEPS", 3)
