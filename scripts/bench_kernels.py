@@ -662,6 +662,19 @@ def norm_bench(reps, features, rows, table=None, table_path=None):
             write_table(table_path, table)
 
 
+def attention_row(label: str, fn, inputs, reps, kv_bytes: int, t_bf: float, versus=None) -> float | None:
+    """``fn``'s seconds a call over ``inputs``, printed as a row (ms, GB/s of ``kv_bytes``, the ratio to bf16's
+    ``t_bf``, and ``versus(seconds)``'s text); None where it fails, which costs its own line only."""
+    try:
+        t = timed(fn, inputs, reps=reps)
+    except Exception as e:  # noqa: BLE001 -- a failing kind or setting costs its own line
+        print(f"  {label}: failed: {type(e).__name__}: {str(e)[:200]}")
+        return None
+    print(f"  {label}: {t * 1e3:.4f} ms ({kv_bytes / t / 1e9:.0f} GB/s), {t_bf / t:.2f}x bf16"
+          + (versus(t) if versus else ""), flush=True)
+    return t
+
+
 def hopper_row(t, bits, inputs, grids, t_bf, t_replaced, kv_bytes, reps, table, configs=({},), rope=None):
     """The Mosaic GPU decode attention's rows (``kv_attention_hopper``, int``bits`` codes) under each of ``configs``
     ({} = its defaults), and with a list ``table`` its defaults' entry against ``t_replaced``, timed in the same run:
@@ -677,14 +690,9 @@ def hopper_row(t, bits, inputs, grids, t_bf, t_replaced, kv_bytes, reps, table, 
         (f"int{bits} pre-RoPE Mosaic GPU", "kv_attention_hopper_rope", rope)
     for cfg in configs:
         fn = lambda q, k, v, cfg=cfg: kv_attention_hopper(q, k, v, *grids, bits=bits, **rope, **cfg)[0]  # noqa: E731
-        try:
-            t_h = timed(fn, inputs, reps=reps)
-        except Exception as e:  # a failing kind costs its own line
-            print(f"  {label} {cfg or 'default'}: failed: {type(e).__name__}: {str(e)[:200]}")
-            continue
-        print(f"  {label} {cfg or 'default'}: {t_h * 1e3:.4f} ms ({kv_bytes / t_h / 1e9:.0f} GB/s), "
-              f"{t_bf / t_h:.2f}x bf16, {t_replaced / t_h:.2f}x the path it replaces", flush=True)
-        if table is not None and not cfg:
+        t_h = attention_row(f"{label} {cfg or 'default'}", fn, inputs, reps, kv_bytes, t_bf,
+                            lambda t: f", {t_replaced / t:.2f}x the path it replaces")
+        if t_h is not None and table is not None and not cfg:
             key = dispatch_table.Key(jax.devices()[0].device_kind, kernel, bits, None, d, t,
                                      dispatch_table.row_bucket(b * hq // h), jnp.dtype(q.dtype).name)
             table.append((key, {"pallas_s": t_h, "xla_s": t_replaced, "bf16_s": t_bf}))
@@ -701,14 +709,9 @@ def pre_rope_rows(t, bits, inputs, grids, t_bf, kv_bytes, reps, table):
     rope = dict(slot_pos=jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)),
                 inv_freq=jnp.asarray(rope_inv_freq(d, 10000.0, None)))
     fn = lambda q, k, v: store_decode_attention(q, k, v, *grids, bits=bits, **rope)[0]  # noqa: E731
-    try:
-        t_p = timed(fn, inputs, reps=reps)
-    except Exception as e:  # a failing kind costs its own line
-        print(f"  int{bits} pre-RoPE Pallas default: failed: {type(e).__name__}: {str(e)[:200]}")
-        return
-    print(f"  int{bits} pre-RoPE Pallas default: {t_p * 1e3:.4f} ms ({kv_bytes / t_p / 1e9:.0f} GB/s), "
-          f"{t_bf / t_p:.2f}x bf16", flush=True)
-    hopper_row(t, bits, inputs, grids, t_bf, t_p, kv_bytes, reps, table, rope=rope)
+    t_p = attention_row(f"int{bits} pre-RoPE Pallas default", fn, inputs, reps, kv_bytes, t_bf)
+    if t_p is not None:
+        hopper_row(t, bits, inputs, grids, t_bf, t_p, kv_bytes, reps, table, rope=rope)
 
 
 def attention_rows(t, configs, reps, table=None, xla=False, hopper_configs=({},), pre_rope=False):
@@ -747,15 +750,10 @@ def attention_rows(t, configs, reps, table=None, xla=False, hopper_configs=({},)
         for cfg in configs:
             fn = lambda q, k, v, cfg=cfg, bits=bits: store_decode_attention(q, k, v, ks, kl, vs, vl, length, bits=bits,
                                                                           **cfg)[0]
-            try:
-                t_q = timed(fn, inputs, reps=reps)
-            except Exception as e:  # e.g. a block size that needs more shared memory than there is
-                print(f"  int{bits} Pallas {cfg or 'default'}: failed: {type(e).__name__}: {str(e)[:200]}")
-                continue
+            # (a setting may fail, e.g. a block size that needs more shared memory than there is)
+            t_q = attention_row(f"int{bits} Pallas {cfg or 'default'}", fn, inputs, reps, kv_bytes[bits], t_bf)
             if not cfg:
                 t_default = t_q
-            print(f"  int{bits} Pallas {cfg or 'default'}: {t_q * 1e3:.4f} ms ({kv_bytes[bits] / t_q / 1e9:.0f} GB/s), "
-                  f"{t_bf / t_q:.2f}x bf16", flush=True)
         if not xla:
             continue
         # XLA's own GEMM fusions over the codes, the grids folded out of the dots (llmeq_jax/kv/store_attention.py):
