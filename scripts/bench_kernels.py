@@ -724,9 +724,14 @@ def attention_rows(t, configs, reps, table=None, xla=False, hopper_configs=({},)
     from pallas_kernels.kv_cache import store_decode_attention
 
     b, h, g, _, d = KV_SHAPE
-    # The quantized cache's store: per-channel key grid, float16 per-token value scale and min.
-    ks, kl = jnp.full((1, h, 1, d), 0.01), jnp.zeros((1, h, 1, d))
-    vs, vl = jnp.full((b, h, t, 1), 0.01, jnp.float16), jnp.zeros((b, h, t, 1), jnp.float16)
+    # The quantized cache's store: per-channel key grid, float16 per-token value scale and min. Random, as a cache's
+    # are: XLA turns a constant of one value into a broadcast, which a kernel's custom call then needs written out
+    # (two launches writing the value grids before every kernel call, deviceless H100 compile; XLA's dots fuse it).
+    grid = jax.random.split(jax.random.key(5), 4)
+    ks = jax.random.uniform(grid[0], (1, h, 1, d), minval=0.005, maxval=0.015)
+    kl = jax.random.normal(grid[1], (1, h, 1, d)) * 0.01
+    vs = jax.random.uniform(grid[2], (b, h, t, 1), minval=0.005, maxval=0.015).astype(jnp.float16)
+    vl = (jax.random.normal(grid[3], (b, h, t, 1)) * 0.01).astype(jnp.float16)
     length = jnp.array([t], jnp.int32)
     q = jax.random.normal(jax.random.key(3), (b, h * g, d), jnp.bfloat16)
     kq = jax.random.randint(jax.random.key(2), (b, h, t, d), -127, 128).astype(jnp.int8)
