@@ -97,6 +97,10 @@
 #     STEPS="e2e" RECIPES="rtn-w4-g128 rtn-w8 rtn-w8a8 fp8-w8a8" TORCH=--no-torch E2E_LIMIT=250 \
 #         bash scripts/gpu_session.sh   (timeout_s 270)
 # then STEPS="attention hopper hopper_fp8 hopper_w8" (the KV and prompt kernels' tables) in the session after.
+# The session after (no GPU) let the Mosaic KV kernel read pre-RoPE stores (the cache's default spec: keys dequantized
+# and rotated in registers; table kernel kv_attention_hopper_rope) and fixed the attention step's constant value grids
+# (broadcasts every kernel call wrote out first). The plan above stands; its attention step (limit 160 s) now also
+# times both kernels over pre-RoPE keys, and its Triton rows should be read anew (they had carried that handicap).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-runs/gpu}"
