@@ -192,11 +192,12 @@ def _kernel(q_gmem, k_gmem, v_gmem, vs_gmem, vl_gmem, ok_gmem, *rest, batch: int
 
     def pipeline(body, context):
         row = plgpu.BlockSpec((1, TOKENS), lambda s: (s, 0), memory_space=plgpu.SMEM)
-        code_specs = [plgpu.BlockSpec((TOKENS, w), lambda s, j=j: (s, j), memory_space=plgpu.SMEM,
-                                      transforms=hopper.swizzled(w, k_gmem.dtype))
-                      for w, j in [(width, j) for j in range(halves)] + [(HEAD_DIM, 0)]]  # keys, then values
+        codes = lambda w, j: plgpu.BlockSpec((TOKENS, w), lambda s: (s, j), memory_space=plgpu.SMEM,  # noqa: E731
+                                             transforms=hopper.swizzled(w, k_gmem.dtype))  # column block j of width w
+        keys = [codes(width, j) for j in range(halves)]
         return plgpu.emit_pipeline_warp_specialized(
-            body, grid=(per_split,), memory_registers=40, in_specs=[*code_specs, row, row, row] + [row] * rope,
+            body, grid=(per_split,), memory_registers=40,
+            in_specs=[*keys, codes(HEAD_DIM, 0), row, row, row] + [row] * rope,
             wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=stages, compute_context=context)
 
     def operands(b, h, si):

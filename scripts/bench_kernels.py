@@ -88,7 +88,7 @@ def timed(fn, inputs, *, reps):
 ROUNDS = 3  # the measurements of a variant whose best :func:`timed_round_robin` keeps
 
 
-def timed_round_robin(variants: dict, *, reps, rounds=None) -> dict:
+def timed_round_robin(variants: dict, *, reps) -> dict:
     """:func:`timed` of several variants (``{name: (fn, inputs)}``) measured in turns -- each round times
     every variant once -- keeping each one's best round: a clock or cache state that drifts over a few
     seconds then touches all of them alike. (On an H200 one configuration timed 10-15 % apart when measured
@@ -98,7 +98,7 @@ def timed_round_robin(variants: dict, *, reps, rounds=None) -> dict:
     for f, inputs in many.values():
         jax.block_until_ready(f(inputs))
     best = dict.fromkeys(variants, float("inf"))
-    for _ in range(ROUNDS if rounds is None else rounds):
+    for _ in range(ROUNDS):
         for name, (f, inputs) in many.items():
             t0 = time.perf_counter()
             for _ in range(reps):
