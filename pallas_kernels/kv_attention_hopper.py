@@ -27,12 +27,20 @@ channel i with i + 64, each with its own scale. The kernel takes them as two hal
 its own TMA copy), dequantizes both in registers with the per-channel grid (``c s_k + lo_k - qmin s_k``), rotates the
 pair by the slot's position (the angle reduced by whole turns, then the approximate ``cos`` / ``sin``: as the Triton
 kernel does), stores them as bf16 and takes ``S = q_0 K_0^T + q_1 K_1^T`` in two wgmma chains. sm_90a (deviceless,
-Llama-2-7B at 32K slots): the SASS's hottest loop 2471 instructions at int8 and 2935 at int4 where post-RoPE keys'
+Llama-2-7B at 32K slots): the SASS's hottest loop 2554 instructions at int8 and 2977 at int4 where post-RoPE keys'
 is 1908 by the same count (``scripts/kernel_sass.py``'s), 32 MUFU.SIN and 32 MUFU.COS a thread a step, 168
-registers, no spills.
+registers, no spills. (2471 / 2935 with the offset ``lo - qmin s`` made by XLA: the kernel now reads the cache's
+``lo`` and scale rows as they are and makes it on the channels' vectors each step, ~3 % more instructions for a
+launch of XLA's less a layer; the GPU run decides, the table measuring the whole call.)
 
-Each warpgroup's work item leaves its normalized output rows and their log-sum-exp (the real query rows only); XLA
-merges the ``2 x splits`` partial results of each head (a few small fusions, as the Triton kernel's jnp merge).
+Each warpgroup's work item leaves its normalized output rows and their log-sum-exp (the real query rows only); one
+Triton kernel (:func:`pallas_kernels.split_merge.merge_splits`) merges the ``2 x splits`` partial results of each
+head, with the cache's float sinks' share of the softmax where it has sinks, and writes the output in the dtype the
+caller reads. What a cache's step passes is read where the cache keeps it: every layer's key grid (pre-RoPE keys),
+the step's one-byte slot mask made once for every layer (``length=None``), the sinks' stacks. A Llama-2-7B decode
+layer over an int8 pre-RoPE cache with 4 sinks (deviceless H100 compile, 32K slots): 27 -> 19 launches (XLA's merge,
+the sinks' attention and its merge, the key grid's rows and the mask's conversion were 9 small launches around the
+kernel); the Triton kernel's layer is 18.
 
 sm_90a (deviceless, jaxlib 0.11.2; 32K slots, 8 KV heads x 4 queries): ~1030 instructions a compute thread a 128-token
 step at int8 (~460 converting the two tiles, the rest the softmax and two wgmma chains), 168 registers (setmaxnreg
@@ -45,11 +53,13 @@ Contract (:func:`kv_attention_hopper`: :func:`llmeq_jax.kv.store_attention.store
   q        [B, H_q, D]          bf16 / f16, H_q = G H_kv with G <= 64
   k_codes  [B, H_kv, T, D]      int8; int4: uint8 [B, H_kv, T, D / 2] (a stack [L, ...] with ``layer``)
   v_codes  [B, H_kv, T, D]      as k_codes
-  k_scale, k_lo  [B or 1, H_kv, 1, D]   the keys' per-channel grid
+  k_scale, k_lo  [B or 1, H_kv, 1, D]   the keys' per-channel grid (or with ``layer`` every layer's, [L, ...])
   v_scale, v_lo  [B, H_kv, T, 1]        the values' per-token grid (a stack [L, ...] with ``layer``)
   length   [B] or scalar        slots written; ``allowed`` [B, T] bool: the slots a row reads
+           (``length=None``: ``allowed`` int8, 1 = read, says it all)
   slot_pos [B, T], inv_freq [D / 2]   keys stored before RoPE: each slot's position, the RoPE frequencies
-  -> (out [B, H_q, D] float32, lse [B, H_q] float32)
+  sinks    (k, v, seen)         optional float keys (post-RoPE) and values [(L,) B, H_kv, N, D], seen [B, N]
+  -> (out [B, H_q, D] ``out_dtype`` (float32), lse [B, H_q] float32)
 Needs D = 128, T a multiple of 128 (:func:`can_use`); sm_90 only.
 """
 
@@ -69,7 +79,8 @@ from llmeq_jax.kv.store_attention import codes as store_codes
 from llmeq_jax.kv.store_attention import fold_key_grid, slot_mask
 from pallas_kernels import config, hopper
 from pallas_kernels.common import cdiv
-from pallas_kernels.kv_cache import combine_splits
+from pallas_kernels.kv_cache import check_k_scale, check_sinks
+from pallas_kernels.split_merge import merge_splits
 
 TOKENS = 128  # tokens a ring step carries: 64 for each compute warpgroup
 ROWS = 64  # wgmma's M: a KV head's query rows, padded
@@ -122,7 +133,7 @@ def _shared_bytes(stages: int, bits: int, rope: bool = False) -> int:
     # codes, v_scale, v_lo, mask (and each slot's position: pre-RoPE keys)
     ring = stages * (2 * TOKENS * HEAD_DIM * bits // 8 + TOKENS * (2 + 2 + 1 + 4 * rope))
     per_wg = 3 * ROWS * HEAD_DIM * 2 + ROWS * STAGED * 4 + ROWS * 4  # q', keys, values (bf16); out, lse staging
-    per_wg += 3 * HEAD_DIM * 4 * rope  # pre-RoPE keys: the key grid's scale, offset and frequency rows
+    per_wg += (2 * HEAD_DIM + HALF) * 4 * rope  # pre-RoPE keys: the key grid's scale and lo rows, the frequencies
     return ring + 2 * per_wg
 
 
@@ -155,16 +166,19 @@ def _f32_codes(ref, interpret: bool):
     return codes.astype(jnp.float32)
 
 
-def _rotated_keys(k_lo, k_hi, grid, pos, per_channel, per_slot, interpret: bool):
+def _rotated_keys(k_lo, k_hi, grid, freq, pos, qmin: int, per_channel, per_slot, interpret: bool):
     """Pre-RoPE keys: the two halves' codes (64 tokens x channels 0-63 and 64-127) dequantized with the per-channel
-    grid (``grid`` rows: scale, offset ``lo - qmin scale``, frequency), rotated by each slot's position ``pos`` (64,)
-    (rotate-half RoPE, as :func:`llmeq_jax.core.rope.apply_rope`), as two bf16 tiles for ``S = q K^T``."""
+    grid (``grid`` [2, 1, D]: the cache's scale and lo rows, ``c s + lo - qmin s``), rotated by each slot's position
+    ``pos`` (64,) and the frequencies ``freq`` [1, D / 2] (rotate-half RoPE, as :func:`llmeq_jax.core.rope.apply_rope`),
+    as two bf16 tiles for ``S = q K^T``."""
     import jax.experimental.pallas as pl
 
-    col = lambda row, j: per_channel(grid[row, pl.ds(j * HALF, HALF)])  # noqa: E731
-    k0 = _f32_codes(k_lo, interpret) * col(0, 0) + col(1, 0)
-    k1 = _f32_codes(k_hi, interpret) * col(0, 1) + col(1, 1)
-    angle = per_slot(pos.astype(jnp.float32)) * col(2, 0)
+    def dequantized(codes, j):  # the offset on the channels' vector (a few registers), not on the tile
+        scale, lo = grid[0, 0, pl.ds(j * HALF, HALF)], grid[1, 0, pl.ds(j * HALF, HALF)]
+        return _f32_codes(codes, interpret) * per_channel(scale) + per_channel(lo - qmin * scale)
+
+    k0, k1 = dequantized(k_lo, 0), dequantized(k_hi, 1)
+    angle = per_slot(pos.astype(jnp.float32)) * per_channel(freq[0])
     # whole turns off first: the GPU's approximate cos / sin (approx_math) are accurate near zero only
     r = reduced_angle(angle, jnp.round(angle * (1 / (2 * math.pi))))
     cos, sin = jnp.cos(r), jnp.sin(r)
@@ -172,16 +186,20 @@ def _rotated_keys(k_lo, k_hi, grid, pos, per_channel, per_slot, interpret: bool)
 
 
 def _kernel(q_gmem, k_gmem, v_gmem, vs_gmem, vl_gmem, ok_gmem, *rest, batch: int, heads: int, steps: int,
-            splits: int, rows: int, qmin: int, stages: int, stacked: bool, rope: bool, interpret: bool):
+            splits: int, rows: int, qmin: int, stages: int, stacked: bool, rope: bool, grid_stacked: bool,
+            grid_rows: bool, interpret: bool):
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     rest = list(rest)
-    # pre-RoPE keys: each slot's position (rows of 128, int32) and each (row, KV head)'s key grid [3, D]
-    pos_gmem, grid_gmem = (rest.pop(0), rest.pop(0)) if rope else (None, None)
+    # pre-RoPE keys: each slot's position (rows of 128, int32), the key grid's scale and lo ([1 or B, H_kv, 1, D],
+    # as the cache keeps them: every layer's with grid_stacked) and the frequencies [1, D / 2]
+    pos_gmem, ks_gmem, kl_gmem, freq_gmem = (rest.pop(0) for _ in range(4)) if rope else (None,) * 4
     if stacked:  # the layer index, one int32 in global memory: the stacked store is read in place
         layer = rest.pop(0)[0]
         k_gmem, v_gmem, vs_gmem, vl_gmem = (a.at[layer] for a in (k_gmem, v_gmem, vs_gmem, vl_gmem))
+        if rope and grid_stacked:
+            ks_gmem, kl_gmem = ks_gmem.at[layer], kl_gmem.at[layer]
     o_gmem, lse_gmem = rest
     per_split = steps // splits
     bf16 = jnp.bfloat16
@@ -214,12 +232,13 @@ def _kernel(q_gmem, k_gmem, v_gmem, vs_gmem, vl_gmem, ok_gmem, *rest, batch: int
                                                               transforms=hopper.swizzled(HEAD_DIM, bf16)),
                   out_smem=plgpu.SMEM((2, ROWS, STAGED), jnp.float32, transforms=hopper.swizzled(STAGED, jnp.float32)),
                   lse_smem=plgpu.SMEM((2, ROWS), jnp.float32),
-                  q_loaded=plgpu.Barrier(num_arrivals=1 + rope, num_barriers=2))  # a copy arrives once
+                  q_loaded=plgpu.Barrier(num_arrivals=1 + 3 * rope, num_barriers=2))  # a copy arrives once
     if rope:
-        scoped["grid_smem"] = plgpu.SMEM((2, 3, HEAD_DIM), jnp.float32)
+        scoped.update(grid_smem=plgpu.SMEM((2, 2, 1, HEAD_DIM), jnp.float32),
+                      freq_smem=plgpu.SMEM((2, 1, HALF), jnp.float32))
 
     @functools.partial(pl.run_scoped, **scoped, collective_axes="wg")
-    def _scope(ring, q_smem, k_smem, v_smem, out_smem, lse_smem, q_loaded, grid_smem=None):
+    def _scope(ring, q_smem, k_smem, v_smem, out_smem, lse_smem, q_loaded, grid_smem=None, freq_smem=None):
         wg = lax.axis_index("wg")
         mine = pl.ds(wg * ROWS, ROWS)  # this warpgroup's 64 tokens of a step
         per_row = lambda v, shape: lax.broadcast_in_dim(v, shape, (0,))  # noqa: E731 -- a value per query row
@@ -236,8 +255,11 @@ def _kernel(q_gmem, k_gmem, v_gmem, vs_gmem, vl_gmem, ok_gmem, *rest, batch: int
             b, h, si = item // (heads * splits), item // splits % heads, item % splits
 
             def context(run_k_loop):
-                if rope:  # the key grid, on the queries' barrier (two arrivals)
-                    plgpu.copy_gmem_to_smem(grid_gmem.at[b, h], grid_smem.at[wg], q_loaded.at[wg])
+                if rope:  # the key grid and the frequencies, read where the cache keeps them, on the queries' barrier
+                    gb = b if grid_rows else 0
+                    plgpu.copy_gmem_to_smem(ks_gmem.at[gb, h], grid_smem.at[wg, 0], q_loaded.at[wg])
+                    plgpu.copy_gmem_to_smem(kl_gmem.at[gb, h], grid_smem.at[wg, 1], q_loaded.at[wg])
+                    plgpu.copy_gmem_to_smem(freq_gmem, freq_smem.at[wg], q_loaded.at[wg])
                 plgpu.copy_gmem_to_smem(q_gmem.at[b, h], q_smem.at[wg], q_loaded.at[wg])
                 plgpu.barrier_wait(q_loaded.at[wg])
                 start = (matrix(jnp.zeros((ROWS, HEAD_DIM), jnp.float32)), vector(jnp.full((ROWS,), NEG_INF)),
@@ -265,8 +287,8 @@ def _kernel(q_gmem, k_gmem, v_gmem, vs_gmem, vl_gmem, ok_gmem, *rest, batch: int
                 # dequantized and rotated (pre-RoPE keys)
                 if rope:
                     k_smem[wg, 0], k_smem[wg, 1] = _rotated_keys(
-                        k_codes[0].at[mine], k_codes[1].at[mine], grid_smem.at[wg], pos[0, mine], per_channel,
-                        per_slot, interpret)
+                        k_codes[0].at[mine], k_codes[1].at[mine], grid_smem.at[wg], freq_smem.at[wg], pos[0, mine],
+                        qmin, per_channel, per_slot, interpret)
                 else:
                     k_smem[wg, 0] = _bf16_codes(k_codes[0].at[mine], interpret)
                 v_smem[wg] = _bf16_codes(v_codes.at[mine], interpret)
@@ -307,11 +329,12 @@ def _kernel(q_gmem, k_gmem, v_gmem, vs_gmem, vl_gmem, ok_gmem, *rest, batch: int
 
 
 def kv_attention_hopper(q, k_codes, v_codes, k_scale, k_lo, v_scale, v_lo, length, *, bits: int = 8, allowed=None,
-                        sm_scale: float | None = None, layer=None, slot_pos=None, inv_freq=None,
-                        blocks: AttentionBlocks | None = None, interpret: bool | None = None):
+                        sm_scale: float | None = None, layer=None, slot_pos=None, inv_freq=None, sinks=None,
+                        out_dtype=jnp.float32, blocks: AttentionBlocks | None = None, interpret: bool | None = None):
     """Single-query attention over one layer of the int8 / int4 store (module docstring: the contract) -> ``(out [B,
-    H_q, D] float32, lse [B, H_q])``. Keys stored before RoPE: ``slot_pos`` [B, T] each slot's position and
-    ``inv_freq`` [D / 2] the RoPE frequencies (rotate-half), as :func:`pallas_kernels.kv_cache.store_decode_attention`
+    H_q, D] out_dtype, lse [B, H_q] float32)``. Keys stored before RoPE: ``slot_pos`` [B, T] each slot's position
+    and ``inv_freq`` [D / 2] the RoPE frequencies (rotate-half); ``sinks`` ``(k, v, seen)``: the cache's float sinks,
+    attended to in the merge of the kernel's splits -- as :func:`pallas_kernels.kv_cache.store_decode_attention`
     takes them."""
     interpret = config.resolve_interpret(interpret)
     b_ = blocks or AttentionBlocks()
@@ -325,11 +348,19 @@ def kv_attention_hopper(q, k_codes, v_codes, k_scale, k_lo, v_scale, v_lo, lengt
     if q.shape[0] != bsz or k_codes.ndim != 4 + int(layer is not None) or v_codes.shape != k_codes.shape:
         raise ValueError(f"kv_attention_hopper: q {q.shape}, codes {k_codes.shape} / {v_codes.shape} "
                          f"(expected [B, H_q, D] and [{'L, ' if layer is not None else ''}B, H_kv, T, D])")
+    layers = k_codes.shape[0] if layer is not None else None
+    check_k_scale(k_scale, bsz, heads, d, layers)
+    if k_lo.shape != k_scale.shape:
+        raise ValueError(f"kv_attention_hopper: k_lo {k_lo.shape} differs from k_scale {k_scale.shape}")
     rope = slot_pos is not None
     if rope != (inv_freq is not None) or (rope and (slot_pos.shape != (bsz, t) or inv_freq.shape != (d // 2,))):
         raise ValueError(f"kv_attention_hopper: pre-RoPE keys need slot_pos [{bsz}, {t}] and inv_freq [{d // 2}] "
                          f"together; got {None if slot_pos is None else slot_pos.shape} and "
                          f"{None if inv_freq is None else inv_freq.shape}")
+    if length is None and (allowed is None or jnp.dtype(allowed.dtype) != jnp.dtype(jnp.int8)):
+        raise ValueError("kv_attention_hopper: without a length, allowed must be the int8 [B, T] mask of the slots "
+                         f"to read; got {None if allowed is None else allowed.dtype}")
+    sink_keys = None if sinks is None else check_sinks(sinks, (*k_codes.shape[:-2], d), bsz, "kv_attention_hopper")
     if bits == 4:  # the bytes as jnp.int4 codes [..., D], low nibble first (a bitcast: no copy of a stacked store)
         k_codes, v_codes = store_codes(k_codes, 4), store_codes(v_codes, 4)
     if v_scale.shape != (*k_codes.shape[:-1], 1) or v_lo.shape != v_scale.shape:
@@ -345,18 +376,21 @@ def kv_attention_hopper(q, k_codes, v_codes, k_scale, k_lo, v_scale, v_lo, lengt
         raise ValueError(f"kv_attention_hopper: {splits} splits of {steps} steps of {TOKENS} tokens")
     # the per-token rows (value grids, mask, positions) as rows of 128 slots (a reshape: no copy of a stacked store)
     step_rows = lambda a: a.reshape(*a.shape[:-2], steps, TOKENS)  # noqa: E731
-    ok = step_rows(slot_mask(length, allowed, bsz, t).astype(jnp.int8)[..., None])  # one byte a slot
+    # one byte a slot: as the caller made it (a cache's step, once for every layer), or from length and allowed
+    ok = allowed if length is None else slot_mask(length, allowed, bsz, t).astype(jnp.int8)
+    ok = step_rows(ok[..., None])
+    grid_stacked = k_scale.ndim == 5
     if rope:  # the keys dequantized and rotated in the kernel: plain queries, halves [.., 2, 64, 64] as k's tiles
         queries = q.astype(jnp.float32).reshape(bsz, heads, g, d) * sm
         queries = jnp.moveaxis(queries.reshape(bsz, heads, g, 2, HALF), 3, 2)
-        k_scale, k_lo = (jnp.broadcast_to(a[:, :, 0].astype(jnp.float32), (bsz, heads, d)) for a in (k_scale, k_lo))
-        key_grid = jnp.stack([k_scale, k_lo - qmin * k_scale,
-                              jnp.broadcast_to(jnp.tile(inv_freq.astype(jnp.float32), 2), (bsz, heads, d))], axis=2)
-        # the positions as the cache keeps them (int32: converted in the kernel, not by a fusion of XLA's a layer)
-        extra = [step_rows(slot_pos.astype(jnp.int32)[..., None]), key_grid]
+        # the positions and the key grid as the cache keeps them (int32, float32), read in place: converting or
+        # slicing them here was a launch of XLA's a layer
+        extra = [step_rows(slot_pos.astype(jnp.int32)[..., None]), k_scale.astype(jnp.float32),
+                 k_lo.astype(jnp.float32), inv_freq.astype(jnp.float32).reshape(1, HALF)]
         row_shift = 0.0
     else:  # keys per channel: q . k = (q s_k) . c + q . (lo_k - qmin s_k); the second shifts a query's scores alike
-        queries, row_shift = fold_key_grid(q, k_scale, k_lo, heads, bits, sm)
+        one = (lambda a: a[layer]) if grid_stacked else (lambda a: a)  # noqa: E731 -- fused into the fold
+        queries, row_shift = fold_key_grid(q, one(k_scale), one(k_lo), heads, bits, sm)
         queries = queries[:, :, None]
         extra = []
     q_codes = jnp.pad(queries.astype(jnp.bfloat16), ((0, 0), (0, 0), (0, 0), (0, ROWS - g), (0, 0)))
@@ -364,14 +398,16 @@ def kv_attention_hopper(q, k_codes, v_codes, k_scale, k_lo, v_scale, v_lo, lengt
     args = [q_codes, k_codes, v_codes, step_rows(v_scale), step_rows(v_lo), ok, *extra]
     args += [jnp.reshape(layer, (1,)).astype(jnp.int32)] if layer is not None else []
     body = functools.partial(_kernel, batch=bsz, heads=heads, steps=steps, splits=splits, rows=rows, qmin=qmin,
-                             stages=stages, stacked=layer is not None, rope=rope, interpret=interpret)
+                             stages=stages, stacked=layer is not None, rope=rope, grid_stacked=grid_stacked,
+                             grid_rows=k_scale.shape[-4] > 1, interpret=interpret)
     out_type = (jax.ShapeDtypeStruct((bsz, heads, 2 * splits, rows, d), jnp.float32),
                 jax.ShapeDtypeStruct((bsz, heads, 2 * splits, rows), jnp.float32))
     # approximate exp2 / log / reciprocal / cos / sin (ex2.approx: one MUFU a score): the softmax's terms and the
     # rotated keys carry bf16's rounding
     out, lse = hopper.launch(body, out_type, None, interpret, approx_math=True)(*args)
-    # the partial results of each head merged by their log-sum-exp (normalized: each weighs as a sum of 1; a split
-    # with no allowed slot weighs ~0)
-    out, lse = out[..., :g, :], lse[..., :g, None]
-    merged, lse = combine_splits(out, lse, jnp.ones_like(lse))
-    return merged.reshape(bsz, hq, d), (lse + row_shift).reshape(bsz, hq)
+    # the partial results of each head (normalized: each weighs as a sum of 1; a split with no allowed slot weighs
+    # ~0), merged by their log-sum-exps in one kernel, with the sinks' share of the softmax where there are sinks
+    sink_args = None if sink_keys is None else (q.reshape(bsz, heads, g, d), *sink_keys)
+    merged, lse = merge_splits(out, lse, g, shift=None if rope else row_shift, sinks=sink_args, layer=layer,
+                               sm_scale=sm, out_dtype=out_dtype, interpret=interpret)
+    return merged.reshape(bsz, hq, d), lse.reshape(bsz, hq)

@@ -103,7 +103,7 @@ def _check_cache(k_cache, v_cache, v_scale, bits, d):
         raise ValueError(f"KV cache kernels need a power-of-two head_dim >= {min_head_dim(bits)} for int{bits}, got {d}")
 
 
-def _check_k_scale(k_scale, bsz, h, d, layers: int | None = None):
+def check_k_scale(k_scale, bsz, h, d, layers: int | None = None):
     """One layer's key grid (1 or B, H, 1, D), or with ``layers`` (a stacked store's) every layer's too."""
     grid = k_scale.shape[1:] if layers is not None and k_scale.ndim == 5 and k_scale.shape[0] == layers \
         else k_scale.shape
@@ -399,8 +399,8 @@ def _decode_kernel(*refs, lay: _Layout, g, bg, bt, d, sm_scale, split_blocks, pr
         return m_new, l_new, acc * corr + upd, rows_next
 
     if lay.sinks:  # the float sinks as split 0's first block: one softmax with the store, nothing merged after
-        m0, l0, acc0 = _sink_carry(q_ref, *sink_refs, at=at, b=b, h=h, heads=heads, head_mask=head_mask,
-                                   n=lay.sinks, first=sp == 0, sm_scale=sm_scale, precision=precision)
+        m0, l0, acc0 = sink_carry(q_ref, *sink_refs, at=at, b=b, h=h, heads=heads, head_mask=head_mask,
+                                  n=lay.sinks, first=sp == 0, sm_scale=sm_scale, precision=precision)
     else:
         m0, l0, acc0 = (jnp.full((bg, 1), NEG_INF, jnp.float32), jnp.zeros((bg, 1), jnp.float32),
                         jnp.zeros((bg, d), jnp.float32))
@@ -412,7 +412,7 @@ def _decode_kernel(*refs, lay: _Layout, g, bg, bt, d, sm_scale, split_blocks, pr
     plgpu.store(l_ref.at[b, h, sp, heads, :], l_fin, mask=head_mask[:, None])
 
 
-def _sink_carry(q_ref, k_ref, v_ref, seen_ref, *, at, b, h, heads, head_mask, n, first, sm_scale, precision):
+def sink_carry(q_ref, k_ref, v_ref, seen_ref, *, at, b, h, heads, head_mask, n, first, sm_scale, precision):
     """(max, sum, weighted values) of the query heads over the ``n`` float sink tokens they see, where ``first``
     (split 0; elsewhere the empty carry): float32 scores and products, as the cache's float attention parts."""
     rows, row_mask = span(0, max(MIN_DOT, next_pow2(n)), n)
@@ -546,8 +546,8 @@ def store_decode_attention(
     _check_cache(k_one, v_one, vs_one, bits, d)
     _check_query(q, h, bsz)
     layers = k_codes.shape[0] if stacked else None
-    _check_k_scale(k_scale, bsz, h, d, layers)
-    _check_k_scale(k_lo, bsz, h, d, layers)
+    check_k_scale(k_scale, bsz, h, d, layers)
+    check_k_scale(k_lo, bsz, h, d, layers)
     if k_lo.shape != k_scale.shape:
         raise ValueError(f"store_decode_attention: k_lo {k_lo.shape} differs from k_scale {k_scale.shape}")
     if vl_one.shape != vs_one.shape:
@@ -571,7 +571,7 @@ def store_decode_attention(
     if rope:
         extra += [slot_pos.astype(jnp.int32), inv_freq.astype(jnp.float32).reshape(1, d // 2)]
     if sinks is not None:
-        extra += _check_sinks(sinks, (*k_codes.shape[:-2], d), bsz)
+        extra += check_sinks(sinks, (*k_codes.shape[:-2], d), bsz)
     lay = _Layout(bits, shift=shift, v_lo=True, masked=allowed is not None, rope=rope, stacked=stacked,
                   words=reads_words(d, bits, q.dtype, rope=rope), sinks=0 if sinks is None else sinks[0].shape[-2],
                   grid_stacked=k_scale.ndim == 5)
@@ -580,13 +580,14 @@ def store_decode_attention(
                    interpret=interpret, layer=layer)
 
 
-def _check_sinks(sinks, lead, bsz) -> list:
-    """The ``sinks`` argument's three arrays as the kernel reads them (the mask as bool), or one clear error."""
+def check_sinks(sinks, lead, bsz, name: str = "store_decode_attention") -> list:
+    """The ``sinks`` argument's three arrays as the kernels read them (the mask as bool), or one clear error naming
+    the function ``name``."""
     k, v, seen = sinks
     if k.ndim != len(lead) + 1 or k.shape[:-2] != lead[:-1] or k.shape[-1] != lead[-1] or v.shape != k.shape \
             or jnp.dtype(k.dtype) not in FLOAT_DTYPES or seen.shape != (bsz, k.shape[-2]):
         want = f"k / v [{', '.join(map(str, lead[:-1]))}, N, {lead[-1]}] float and seen [{bsz}, N]"
-        raise ValueError(f"store_decode_attention: sinks must be {want}, got {k.dtype} {k.shape} / {v.shape} / "
+        raise ValueError(f"{name}: sinks must be {want}, got {k.dtype} {k.shape} / {v.shape} / "
                          f"{seen.shape}")
     return [k, v, seen.astype(bool)]
 

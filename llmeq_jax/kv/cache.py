@@ -182,6 +182,9 @@ class StepPlan:
     scan: jax.Array  # int32: the slots a one-token step's store attention scans (those before query - window)
     sinks_seen: jax.Array | None = None  # [B, T, N] bool: the float sinks each query sees (None: no sinks)
     sink_targets: jax.Array | None = None  # [B, T] int32: the sink each new token is copied to (N: none)
+    # [B, S] int8: a one-token step's store_allowed as the Mosaic GPU kernel reads it, one byte a slot (None: T > 1;
+    # XLA drops it where no kernel reads it)
+    store_bytes: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -507,14 +510,17 @@ def _q_attend(cache: QuantKVCache, layer: int, q, k, v, mask, k_raw):
     path = _store_path(cache, q) if t == 1 else None
     if cache.sink_slot is not None:
         sinks = (cache.k_sink[layer], cache.v_sink[layer], plan.sinks_seen)
-        if not w and (path == "pallas" or (path == "native" and cache.k_sink.dtype == jnp.float32)):
-            sinks_seen = sinks[2][:, 0]  # the kernel reads the sinks with the store: one softmax, no merge
+        if not w and (path in ("pallas", "hopper") or (path == "native" and cache.k_sink.dtype == jnp.float32)):
+            # the kernel reads the sinks with the store in one softmax (the Mosaic GPU kernel: in its splits' merge)
+            sinks_seen = sinks[2][:, 0]
         else:
             float_parts.append(sinks)
     if w:
         float_parts.append(_window_part(cache, layer, k, v, mask, query_slots))
         cache = _write_window(cache, layer, k, v, query_slots)
-    store = None if path is None else _kernel_store_part(cache, layer, q, quantized, plan.scan, path, sinks_seen)
+    # the Mosaic GPU kernel's merge writes q's dtype where nothing is merged after it (a conversion's launch less)
+    out_dtype = q.dtype if not float_parts else jnp.float32
+    store = None if path is None else _kernel_store_part(cache, layer, q, plan, path, sinks_seen, out_dtype)
     if store is None:
         k_deq, v_deq = _q_read(cache, layer)
         return split_attention(q, [(k_deq, v_deq, quantized)] + float_parts), cache
@@ -682,26 +688,30 @@ def _store_path(cache: QuantKVCache, q) -> str | None:
     return store_path(cache.spec, d, q.dtype, b * n_heads // cache.k.q.shape[2], cache.max_len)
 
 
-def _kernel_store_part(cache: QuantKVCache, layer: int, q, quantized, scan, path: str, sinks_seen=None):
+def _kernel_store_part(cache: QuantKVCache, layer: int, q, plan: StepPlan, path: str, sinks_seen=None,
+                       out_dtype=jnp.float32):
     """(out [B, 1, H, D], lse [B, 1, H]) of one query over the quantized store by ``path``
     (:func:`store_path`: the native kernel, the Pallas decode kernel or XLA's dots over the codes).
 
     Each reads the codes where they lie instead of writing a dequantized float copy of the whole
-    layer every step. ``quantized`` [B, 1, S] marks the slots to read. ``sinks_seen`` [B, N] (the native and
-    Pallas kernels): the float sinks of this layer seen by each row, read by the kernel in the same softmax (on a
-    GPU the float attention over the sinks and its merge with the store's were ~5 launches a layer). ``scan``: the
-    slots to scan (:class:`StepPlan`).
+    layer every step. ``plan``: the step's (the slots to read, to scan). ``sinks_seen`` [B, N] (the native, Pallas
+    and Mosaic GPU kernels): the float sinks of this layer seen by each row, read by the kernel in the same softmax
+    or merged with its splits (on a GPU the float attention over the sinks and its merge with the store's were ~5
+    launches a layer). ``out_dtype``: the Mosaic GPU kernel's output (the others' is float32).
     """
     bits, b, n_heads, d = cache.spec.bits, q.shape[0], q.shape[2], q.shape[3]
-    # the Pallas kernel reads the layer's key grid from every layer's in place; XLA and the native kernel take it
-    grid = _key_grids(cache) if path == "pallas" else _key_grid(cache, layer)[:2]
+    quantized, scan = plan.store_allowed, plan.scan
+    # the GPU kernels read the layer's key grid from every layer's in place; XLA and the native kernel take it
+    grid = _key_grids(cache) if path in ("pallas", "hopper") else _key_grid(cache, layer)[:2]
     args = (q.reshape(b, n_heads, d), cache.k.q, cache.v.q, *grid, cache.v.scale, cache.v.lo, scan)
     rope = dict(slot_pos=cache.slot_pos, inv_freq=cache.inv_freq) if cache.spec.pre_rope else {}
     if path == "xla":  # post-RoPE keys, one layer's key grid
         out, lse = store_attention(*args, bits=bits, allowed=quantized[:, 0], layer=layer)
         return out[:, None], lse[:, None]
-    if path == "hopper":  # XLA's contract, and pre-RoPE keys as the Pallas kernel takes them
-        out, lse = kv_hopper.kv_attention_hopper(*args, bits=bits, allowed=quantized[:, 0], layer=layer, **rope)
+    if path == "hopper":  # the Pallas kernel's contract; the step's one-byte mask (no length: it says it all)
+        sinks = None if sinks_seen is None else (cache.k_sink, cache.v_sink, sinks_seen)
+        out, lse = kv_hopper.kv_attention_hopper(*args[:-1], None, bits=bits, allowed=plan.store_bytes, layer=layer,
+                                                 sinks=sinks, out_dtype=out_dtype, **rope)
         return out[:, None], lse[:, None]
     if path == "native":
         tables = None
@@ -749,7 +759,8 @@ def step_plan(cache: QuantKVCache, mask: jax.Array) -> StepPlan:
         targets = _sink_targets(cache, t)
     # Slots past query - window are never read from the store: a one-token step scans only up to there.
     scan = jnp.maximum(cache.length + 1 - cache.spec.window, 0).astype(jnp.int32)
-    return StepPlan(allowed, scan, seen, targets)
+    store_bytes = allowed[:, 0].astype(jnp.int8) if t == 1 else None
+    return StepPlan(allowed, scan, seen, targets, store_bytes)
 
 
 def with_step_plan(cache, mask: jax.Array | None):

@@ -1,0 +1,118 @@
+"""Flash decoding's last step in one kernel: a decode attention's split results merged by their log-sum-exps, with
+the cache's float sinks' share of the same softmax.
+
+Why: the Mosaic GPU KV kernel (:mod:`pallas_kernels.kv_attention_hopper`) leaves each (row, KV head)'s splits as
+partial results. Merged by XLA (:func:`pallas_kernels.kv_cache.combine_splits`: a max over the splits, their weights,
+two sums) and beside the float sinks' attention, they were 7 small launches of a Llama-2-7B decode layer over an int8
+pre-RoPE cache (deviceless H100 compile): 9 launches around the kernel where it does ~25 us of work at 32K slots, each
+of them ~2 us on an H100. Here they are one: a program a (row, KV head) walks the splits in chunks with a running
+max, weight sum and output (the online softmax over whole splits), starting from the sinks' share where the cache has
+sinks, and writes the output in the dtype its consumer reads.
+
+Contract (:func:`merge_splits`):
+  out      [B, H, S, R, D] float32   each split's output for R >= G query rows (rows past G are not read)
+  lse      [B, H, S, R]    float32   their log-sum-exps (``total=None``: ``out`` is normalized) or score maxima
+  total    [B, H, S, R]    float32   with maxima: each split's weight sum (``out`` unnormalized), else None
+  shift    [B, H, G]       float32   optional: added to every split's log-sum-exp (a query's scores shifted alike)
+  sinks    (q [B, H, G, D], k [(L,) B, H, N, D], v, seen [B, N])   optional: float keys and values the queries
+           (scaled by ``sm_scale`` here) also attend to, ``layer`` picking a stack's layer in place
+  -> (out [B, H, G, D] ``out_dtype``, lse [B, H, G] float32)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import config
+from pallas_kernels.common import MIN_DOT, TINY, cdiv, compiler_params, f32_dot_precision, next_pow2, span
+from pallas_kernels.kv_cache import NEG_INF, sink_carry
+
+CHUNK = 4  # splits a step of the walk loads: [CHUNK, rows, D] float32 in registers
+
+
+def _kernel(*refs, g: int, parts: int, normalized: bool, shifted: bool, sinks: int, stacked: bool, sm_scale: float,
+            precision):
+    refs = list(refs)
+    at = (refs.pop(0)[0],) if stacked else ()  # the sinks' layer, read in place from their stacks
+    out_ref, lse_ref = refs.pop(0), refs.pop(0)
+    total_ref = None if normalized else refs.pop(0)
+    shift_ref = refs.pop(0) if shifted else None
+    sink_refs = [refs.pop(0) for _ in range(4)] if sinks else None
+    o_ref, l_ref = refs
+    b, h = pl.program_id(0), pl.program_id(1)
+    rows = max(MIN_DOT, next_pow2(g)) if sinks else next_pow2(g)  # the sinks' dots need 16 rows
+    heads, head_mask = span(0, rows, g)
+    d = out_ref.shape[-1]
+    if sinks:  # the running state starts as the queries' attention over the sinks they see
+        m, l, acc = sink_carry(*sink_refs, at=at, b=b, h=h, heads=heads, head_mask=head_mask, n=sinks, first=True,
+                               sm_scale=sm_scale, precision=precision)
+    else:
+        m, l, acc = (jnp.full((rows, 1), NEG_INF, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
+                     jnp.zeros((rows, d), jnp.float32))
+    shift = plgpu.load(shift_ref.at[b, h, heads], mask=head_mask, other=0.0) if shifted else 0.0
+
+    def chunk(c, carry):
+        m, l, acc = carry
+        splits, split_mask = span(c * CHUNK, CHUNK, parts)
+        mask = split_mask[:, None] & head_mask[None, :]
+        # a split past the end weighs exp(NEG_INF - max) = 0 (the kernel's empty splits as well)
+        lse = plgpu.load(lse_ref.at[b, h, splits, heads], mask=mask, other=NEG_INF) + shift
+        o = plgpu.load(out_ref.at[b, h, splits, heads, :], mask=mask[:, :, None], other=0.0)
+        weight = 1.0 if normalized else plgpu.load(total_ref.at[b, h, splits, heads], mask=mask, other=0.0)
+        m_new = jnp.maximum(m, jnp.max(lse, axis=0)[:, None])
+        w = jnp.exp(lse - m_new[:, 0][None, :])  # [CHUNK, rows]
+        corr = jnp.exp(m - m_new)
+        return m_new, l * corr + jnp.sum(w * weight, axis=0)[:, None], acc * corr + jnp.sum(o * w[:, :, None], axis=0)
+
+    m, l, acc = jax.lax.fori_loop(0, cdiv(parts, CHUNK), chunk, (m, l, acc))
+    denom = jnp.maximum(l, TINY)
+    plgpu.store(o_ref.at[b, h, heads, :], (acc / denom).astype(o_ref.dtype), mask=head_mask[:, None])
+    plgpu.store(l_ref.at[b, h, heads], (m + jnp.log(denom))[:, 0], mask=head_mask)
+
+
+def merge_splits(out, lse, g: int, *, total=None, shift=None, sinks=None, layer=None, sm_scale: float = 1.0,
+                 out_dtype=jnp.float32, interpret: bool | None = None):
+    """The splits of each (row, KV head) merged, with the sinks' share where given (module docstring: the contract)
+    -> ``(out [B, H, G, D] out_dtype, lse [B, H, G] float32)``."""
+    bsz, heads, parts, r, d = out.shape
+    if lse.shape != out.shape[:-1] or (total is not None and total.shape != lse.shape) or not 1 <= g <= r:
+        raise ValueError(f"merge_splits: out {out.shape}, lse {lse.shape}, total "
+                         f"{None if total is None else total.shape} for {g} query rows (expected [B, H, S, R, D], "
+                         f"[B, H, S, R] and R >= G)")
+    if shift is not None and shift.shape != (bsz, heads, g):
+        raise ValueError(f"merge_splits: shift must be {(bsz, heads, g)}, got {shift.shape}")
+    args = [out, lse] + ([] if total is None else [total]) + ([] if shift is None else [shift])
+    n = 0
+    if sinks is not None:
+        q, k, v, seen = sinks
+        n = k.shape[-2]
+        if q.shape != (bsz, heads, g, d) or k.shape[-4:] != (bsz, heads, n, d) or v.shape != k.shape \
+                or seen.shape != (bsz, n) or k.ndim != 4 + int(layer is not None):
+            raise ValueError(f"merge_splits: sinks q {q.shape}, k {k.shape}, v {v.shape}, seen {seen.shape} (expected "
+                             f"[{bsz}, {heads}, {g}, {d}], [{'L, ' if layer is not None else ''}{bsz}, {heads}, N, "
+                             f"{d}] twice and [{bsz}, N])")
+        args += [q, k, v, seen.astype(bool)]
+    stacked = sinks is not None and layer is not None
+    if stacked:
+        args = [jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), *args]
+    interpret = config.resolve_interpret(interpret)
+    kernel = functools.partial(_kernel, g=g, parts=parts, normalized=total is None, shifted=shift is not None,
+                               sinks=n, stacked=stacked, sm_scale=float(sm_scale),
+                               precision=f32_dot_precision(interpret))
+    return pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((bsz, heads, g, d), out_dtype),
+                   jax.ShapeDtypeStruct((bsz, heads, g), jnp.float32)),
+        grid=(bsz, heads),
+        compiler_params=compiler_params(4, 1),
+        interpret=interpret,
+        name="merge_splits",
+    )(*args)
+
+
+__all__ = ["CHUNK", "merge_splits"]
