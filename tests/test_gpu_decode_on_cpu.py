@@ -235,7 +235,7 @@ def _hopper_decode_case(recipe: str, kernel: str, bits: int, group):
     params = pipeline.run_recipe(CONFIG, params, None, pipeline.read_recipe(recipe), None, 16,
                                  progress=False).params
     params = stacked.stack_blocks(CONFIG, params)
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, CONFIG.vocab_size, (2, PROMPT + 3)))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, CONFIG.vocab_size, (2, PROMPT + 2)))
     products = ((256, 384), (256, 256), (256, 1024), (512, 256))  # q/k/v, o, gate/up, down
     entry = {"pallas_s": 1.0, "xla_s": 2.0, "bf16_s": 2.0}
     table = dispatch_table.Table(FAKE_H100.device_kind, {

@@ -248,7 +248,7 @@ def test_a_decode_step_reads_the_store_through_the_kernel_where_a_table_says_so(
     model = ModelConfig("llama", 64, 512, 2, 4, 2, 128, 256, 1e-5, 256, False)
     params = jax.tree.map(lambda a: (a * 4).astype(jnp.bfloat16), init_params(model, jax.random.key(0)))
     rng = np.random.default_rng(0)
-    tokens = jnp.asarray(rng.integers(0, model.vocab_size, (2, 10)))
+    tokens = jnp.asarray(rng.integers(0, model.vocab_size, (2, 9)))  # a prompt of 6, three decode steps
     # pre-RoPE keys with a float window (the sinks merged after the kernel), post-RoPE without (in its merge)
     spec = kvspec.KVSpec(bits=8, pre_rope=pre_rope, window=3 if pre_rope else 0, sink_tokens=2)
     kv = calibrate.make_kv_quantizer(spec, model, params, rng.integers(0, model.vocab_size, (4, 16)))
