@@ -412,13 +412,15 @@ def _decode_kernel(*refs, lay: _Layout, g, bg, bt, d, sm_scale, split_blocks, pr
     plgpu.store(l_ref.at[b, h, sp, heads, :], l_fin, mask=head_mask[:, None])
 
 
-def sink_carry(q_ref, k_ref, v_ref, seen_ref, *, at, b, h, heads, head_mask, n, first, sm_scale, precision):
+def sink_carry(q_ref, k_ref, v_ref, seen_ref, *, at, b, h, heads, head_mask, n, first, sm_scale, precision,
+               cols=slice(None)):
     """(max, sum, weighted values) of the query heads over the ``n`` float sink tokens they see, where ``first``
-    (split 0; elsewhere the empty carry): float32 scores and products, as the cache's float attention parts."""
+    (split 0; elsewhere the empty carry): float32 scores and products, as the cache's float attention parts. ``cols``:
+    the value columns to weigh (all: the scores always take every channel)."""
     rows, row_mask = span(0, max(MIN_DOT, next_pow2(n)), n)
     q = plgpu.load(q_ref.at[b, h, heads, :], mask=head_mask[:, None], other=0.0).astype(jnp.float32) * sm_scale
     keys = plgpu.load(k_ref.at[(*at, b, h, rows, slice(None))], mask=row_mask[:, None], other=0).astype(jnp.float32)
-    values = plgpu.load(v_ref.at[(*at, b, h, rows, slice(None))], mask=row_mask[:, None], other=0).astype(jnp.float32)
+    values = plgpu.load(v_ref.at[(*at, b, h, rows, cols)], mask=row_mask[:, None], other=0).astype(jnp.float32)
     ok = row_mask & (plgpu.load(seen_ref.at[b, rows], mask=row_mask, other=0) != 0) & first
     s = jnp.where(ok[None, :], jax.lax.dot_general(q, keys, (_NT, ((), ())), precision=precision,
                                                    preferred_element_type=jnp.float32), NEG_INF)

@@ -5,9 +5,11 @@ Why: the Mosaic GPU KV kernel (:mod:`pallas_kernels.kv_attention_hopper`) leaves
 partial results. Merged by XLA (:func:`pallas_kernels.kv_cache.combine_splits`: a max over the splits, their weights,
 two sums) and beside the float sinks' attention, they were 7 small launches of a Llama-2-7B decode layer over an int8
 pre-RoPE cache (deviceless H100 compile): 9 launches around the kernel where it does ~25 us of work at 32K slots, each
-of them ~2 us on an H100. Here they are one: a program a (row, KV head) walks the splits in chunks with a running
-max, weight sum and output (the online softmax over whole splits), starting from the sinks' share where the cache has
-sinks, and writes the output in the dtype its consumer reads.
+of them ~2 us on an H100. Here they are one: a program a (row, KV head, 32 output channels) takes the splits in as
+few chunks as its registers hold (one for up to 16 splits of 16 rows) with a running max, weight sum and output (the
+online softmax over whole splits), starting from the sinks' share where the cache has sinks, and writes the output in
+the dtype its consumer reads. (One program a head walking chunks of 4 splits would wait on a load a chunk: 16 in a
+row for Llama-3-8B's 64 splits.)
 
 Contract (:func:`merge_splits`):
   out      [B, H, S, R, D] float32   each split's output for R >= G query rows (rows past G are not read)
@@ -32,11 +34,12 @@ from pallas_kernels import config
 from pallas_kernels.common import MIN_DOT, TINY, cdiv, compiler_params, f32_dot_precision, next_pow2, span
 from pallas_kernels.kv_cache import NEG_INF, sink_carry
 
-CHUNK = 4  # splits a step of the walk loads: [CHUNK, rows, D] float32 in registers
+COLS = 32  # output channels a program merges
+TILE = 8192  # float32 values of the splits' outputs a chunk loads ([chunk, rows, COLS]): 64 a thread of 4 warps
 
 
-def _kernel(*refs, g: int, parts: int, normalized: bool, shifted: bool, sinks: int, stacked: bool, sm_scale: float,
-            precision):
+def _kernel(*refs, g: int, rows: int, chunk: int, parts: int, normalized: bool, shifted: bool, sinks: int,
+            stacked: bool, sm_scale: float, precision):
     refs = list(refs)
     at = (refs.pop(0)[0],) if stacked else ()  # the sinks' layer, read in place from their stacks
     out_ref, lse_ref = refs.pop(0), refs.pop(0)
@@ -44,35 +47,34 @@ def _kernel(*refs, g: int, parts: int, normalized: bool, shifted: bool, sinks: i
     shift_ref = refs.pop(0) if shifted else None
     sink_refs = [refs.pop(0) for _ in range(4)] if sinks else None
     o_ref, l_ref = refs
-    b, h = pl.program_id(0), pl.program_id(1)
-    rows = max(MIN_DOT, next_pow2(g)) if sinks else next_pow2(g)  # the sinks' dots need 16 rows
+    b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     heads, head_mask = span(0, rows, g)
-    d = out_ref.shape[-1]
+    cols = pl.ds(c * COLS, COLS)
     if sinks:  # the running state starts as the queries' attention over the sinks they see
         m, l, acc = sink_carry(*sink_refs, at=at, b=b, h=h, heads=heads, head_mask=head_mask, n=sinks, first=True,
-                               sm_scale=sm_scale, precision=precision)
+                               sm_scale=sm_scale, precision=precision, cols=cols)
     else:
         m, l, acc = (jnp.full((rows, 1), NEG_INF, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
-                     jnp.zeros((rows, d), jnp.float32))
+                     jnp.zeros((rows, COLS), jnp.float32))
     shift = plgpu.load(shift_ref.at[b, h, heads], mask=head_mask, other=0.0) if shifted else 0.0
 
-    def chunk(c, carry):
+    def merge_chunk(i, carry):
         m, l, acc = carry
-        splits, split_mask = span(c * CHUNK, CHUNK, parts)
+        splits, split_mask = span(i * chunk, chunk, parts)
         mask = split_mask[:, None] & head_mask[None, :]
         # a split past the end weighs exp(NEG_INF - max) = 0 (the kernel's empty splits as well)
         lse = plgpu.load(lse_ref.at[b, h, splits, heads], mask=mask, other=NEG_INF) + shift
-        o = plgpu.load(out_ref.at[b, h, splits, heads, :], mask=mask[:, :, None], other=0.0)
+        o = plgpu.load(out_ref.at[b, h, splits, heads, cols], mask=mask[:, :, None], other=0.0)
         weight = 1.0 if normalized else plgpu.load(total_ref.at[b, h, splits, heads], mask=mask, other=0.0)
         m_new = jnp.maximum(m, jnp.max(lse, axis=0)[:, None])
-        w = jnp.exp(lse - m_new[:, 0][None, :])  # [CHUNK, rows]
+        w = jnp.exp(lse - m_new[:, 0][None, :])  # [chunk, rows]
         corr = jnp.exp(m - m_new)
         return m_new, l * corr + jnp.sum(w * weight, axis=0)[:, None], acc * corr + jnp.sum(o * w[:, :, None], axis=0)
 
-    m, l, acc = jax.lax.fori_loop(0, cdiv(parts, CHUNK), chunk, (m, l, acc))
+    m, l, acc = jax.lax.fori_loop(0, cdiv(parts, chunk), merge_chunk, (m, l, acc))
     denom = jnp.maximum(l, TINY)
-    plgpu.store(o_ref.at[b, h, heads, :], (acc / denom).astype(o_ref.dtype), mask=head_mask[:, None])
-    plgpu.store(l_ref.at[b, h, heads], (m + jnp.log(denom))[:, 0], mask=head_mask)
+    plgpu.store(o_ref.at[b, h, heads, cols], (acc / denom).astype(o_ref.dtype), mask=head_mask[:, None])
+    plgpu.store(l_ref.at[b, h, heads], (m + jnp.log(denom))[:, 0], mask=head_mask & (c == 0))  # one program's
 
 
 def merge_splits(out, lse, g: int, *, total=None, shift=None, sinks=None, layer=None, sm_scale: float = 1.0,
@@ -80,6 +82,8 @@ def merge_splits(out, lse, g: int, *, total=None, shift=None, sinks=None, layer=
     """The splits of each (row, KV head) merged, with the sinks' share where given (module docstring: the contract)
     -> ``(out [B, H, G, D] out_dtype, lse [B, H, G] float32)``."""
     bsz, heads, parts, r, d = out.shape
+    if d % COLS:
+        raise ValueError(f"merge_splits: head_dim {d}, not a multiple of {COLS}")
     if lse.shape != out.shape[:-1] or (total is not None and total.shape != lse.shape) or not 1 <= g <= r:
         raise ValueError(f"merge_splits: out {out.shape}, lse {lse.shape}, total "
                          f"{None if total is None else total.shape} for {g} query rows (expected [B, H, S, R, D], "
@@ -101,18 +105,20 @@ def merge_splits(out, lse, g: int, *, total=None, shift=None, sinks=None, layer=
     if stacked:
         args = [jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), *args]
     interpret = config.resolve_interpret(interpret)
-    kernel = functools.partial(_kernel, g=g, parts=parts, normalized=total is None, shifted=shift is not None,
-                               sinks=n, stacked=stacked, sm_scale=float(sm_scale),
+    rows = max(MIN_DOT, next_pow2(g)) if n else next_pow2(g)  # the sinks' dots need 16 rows
+    chunk = max(1, min(next_pow2(parts), TILE // (rows * COLS)))
+    kernel = functools.partial(_kernel, g=g, rows=rows, chunk=chunk, parts=parts, normalized=total is None,
+                               shifted=shift is not None, sinks=n, stacked=stacked, sm_scale=float(sm_scale),
                                precision=f32_dot_precision(interpret))
     return pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((bsz, heads, g, d), out_dtype),
                    jax.ShapeDtypeStruct((bsz, heads, g), jnp.float32)),
-        grid=(bsz, heads),
+        grid=(bsz, heads, d // COLS),
         compiler_params=compiler_params(4, 1),
         interpret=interpret,
         name="merge_splits",
     )(*args)
 
 
-__all__ = ["CHUNK", "merge_splits"]
+__all__ = ["COLS", "merge_splits"]

@@ -127,7 +127,8 @@ def test_a_cache_steps_arguments_every_layers_key_grid_its_mask_and_sinks():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-2 * scale)
     np.testing.assert_allclose(np.asarray(got_lse), np.asarray(want_lse), atol=0.05)
     alone, _ = run(None)
-    np.testing.assert_array_equal(np.asarray(alone[1]), np.asarray(got[1]))  # row 1 sees no sink
+    # row 1 sees no sink: the same up to the merge's summation order
+    np.testing.assert_allclose(np.asarray(alone[1]), np.asarray(got[1]), rtol=1e-6, atol=1e-6 * scale)
     # row 0 sees two (the sinks' share of its softmax: ~95 % with these draws; ~18 % in an int8 post-RoPE draw)
     assert np.abs(np.asarray(alone[0]) - np.asarray(want[0])).max() > 0.05 * scale
 

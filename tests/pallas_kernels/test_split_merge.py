@@ -39,8 +39,9 @@ def _inputs(b=2, h=3, g=4, t=96, d=64, seed=0):
 
 @pytest.mark.parametrize("splits,rows", [(6, 8), (16, 4), (1, 8)])
 def test_merged_splits_are_attention_over_all_the_keys(splits, rows):
-    """Normalized splits (the Mosaic GPU kernel's: log-sum-exps), S not a multiple of the chunk, rows padded past G,
-    an empty split; and the same splits unnormalized (max and weight sum, the Triton kernel's)."""
+    """Normalized splits (the Mosaic GPU kernel's: log-sum-exps), S not a power of two, rows padded past G, an empty
+    split, two programs a head (32 channels each); and the same splits unnormalized (max and weight sum, the Triton
+    kernel's)."""
     q, k, v, ok = _inputs()
     out, lse, (acc, m, total) = _split_attention(q, k, v, ok, splits, rows)
     want, want_lse = attention_reference(q.reshape(2, 12, 64), k, v, ok, None)
@@ -59,11 +60,13 @@ def test_merged_splits_are_attention_over_all_the_keys(splits, rows):
 
 def test_a_shift_moves_every_splits_log_sum_exp_and_sinks_join_the_softmax():
     """``shift`` (the post-RoPE kernel's folded key offset: every score of a query moved alike) and float sinks read
-    from a stack at ``layer`` (seen by row 0 only): attention over the keys and the sinks, in bfloat16 out."""
+    from a stack at ``layer`` (seen by row 0 only): attention over the keys and the sinks, in bfloat16 out. 24 splits
+    of 16 rows (the sinks' dots) take two chunks, the second one part empty."""
     q, k, v, ok = _inputs(seed=1)
     b, h, g, d = q.shape
+    assert sm.TILE // (16 * sm.COLS) < 24 < 2 * sm.TILE // (16 * sm.COLS)
     shift = jax.random.normal(jax.random.key(9), (b, h, g)) * 3
-    out, lse, _ = _split_attention(q, k, v, ok, 4, 8)
+    out, lse, _ = _split_attention(q, k, v, ok, 24, 8)
     sink_k = jax.random.normal(jax.random.key(10), (3, b, h, 2, d)).astype(jnp.bfloat16) * 2
     sink_v = (jax.random.normal(jax.random.key(11), (3, b, h, 2, d)) + 3).astype(jnp.bfloat16)
     seen = jnp.array([[True, True], [False, False]])
@@ -83,7 +86,9 @@ def test_a_shift_moves_every_splits_log_sum_exp_and_sinks_join_the_softmax():
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=1e-2, atol=2e-2)
     np.testing.assert_allclose(np.asarray(got_lse), np.asarray(want_lse), rtol=1e-5, atol=1e-4)
     alone, _ = sm.merge_splits(out, lse, 4, shift=shift, out_dtype=jnp.bfloat16, interpret=True)
-    np.testing.assert_array_equal(np.asarray(alone[1]), np.asarray(got[1]))  # row 1 sees no sink
+    # row 1 sees no sink: the same up to the summation order (its chunks differ: 16 rows with sinks, 4 without)
+    np.testing.assert_allclose(np.asarray(alone[1], np.float32), np.asarray(got[1], np.float32), rtol=8e-3,
+                               atol=4e-3)
     assert float(jnp.abs(alone[0].astype(jnp.float32) - got[0].astype(jnp.float32)).max()) > 0.1
 
 
