@@ -631,6 +631,34 @@ for _shape in [c for c in STORE_CASES if c[7] != F32 and c[4] == 128 and c[3] % 
         return _store_check(shape, kv_attention_hopper, "kv_attention_hopper (Mosaic GPU)")
 
 
+for _bits in (8, 4):
+
+    @case
+    def _kv_attention_hopper_cache_step(bits=_bits):
+        """The Mosaic GPU kernel with what a cache's decode step passes (pre-RoPE keys, the default spec): layer 1 of a
+        stack read in place, every layer's per-row key grid, the step's byte mask and no length, 4 float sinks (row 1
+        sees none) merged with the splits by merge_splits in bf16."""
+        from pallas_kernels.kv_attention_hopper import kv_attention_hopper
+
+        b, h, g, t, d = 2, 8, 4, 4096, 128
+        q, (kc, vc, scale, lo, vs, vl), extra = _store_case(b, h, g, t, d, bits, True, BF16)
+        stack = lambda a: jnp.stack([jnp.zeros_like(a), a])  # noqa: E731 -- layer 1 holds the store
+        store = (*(stack(a) for a in (kc, vc)), *(stack(jnp.broadcast_to(a, (b, h, 1, d))) for a in (scale, lo)),
+                 *(stack(a) for a in (vs, vl)))
+        sink_kv = [jax.random.normal(jax.random.key(i), (2, b, h, 4, d)).astype(BF16) for i in (5, 6)]
+        sinks = (*sink_kv, jnp.array([[True, True, False, True], [False] * 4]))
+        allowed, rope = extra["allowed"].astype(jnp.int8), dict(slot_pos=extra["slot_pos"], inv_freq=extra["inv_freq"])
+        out, lse = jax.jit(lambda q, *a: kv_attention_hopper(q, *a, None, bits=bits, allowed=allowed, layer=1,
+                                                             sinks=sinks, out_dtype=BF16, **rope))(q, *store)
+        ref, ref_lse = reference(store_decode_attention_reference, q, *store, t, bits=bits, allowed=allowed, layer=1,
+                                 sinks=sinks, **rope)
+        err, tol = compare(out, ref, REL[BF16])
+        lse_err, lse_tol = compare(lse, ref_lse, REL[BF16])
+        name = (f"kv_attention_hopper (Mosaic GPU) + merge_splits, a cache step's arguments: int{bits} pre-RoPE, "
+                f"layer 1 of 2, sinks, B={b} H_kv={h} G={g} T={t} (lse err {lse_err:.3g}, tol {lse_tol:.3g})")
+        return name, err if lse_err <= lse_tol else float("nan"), tol, None
+
+
 @case
 def _quantized_cache_decode():
     """Decode steps of a random Llama over a quantized cache: kernel (auto on a GPU) vs XLA (kernels off)."""
