@@ -679,8 +679,11 @@ def hopper_row(t, bits, inputs, grids, t_bf, t_replaced, kv_bytes, reps, table, 
     """The Mosaic GPU decode attention's rows (``kv_attention_hopper``, int``bits`` codes) under each of ``configs``
     ({} = its defaults), and with a list ``table`` its defaults' entry against ``t_replaced``, timed in the same run:
     post-RoPE keys, kernel ``kv_attention_hopper`` against the faster of the Triton kernel and XLA's dots; pre-RoPE
-    keys (``rope``: slot_pos and inv_freq), kernel ``kv_attention_hopper_rope`` against the Triton kernel."""
+    keys (``rope``: slot_pos and inv_freq), kernel ``kv_attention_hopper_rope`` against the Triton kernel. The kernel
+    reads the slots' byte mask as a cache's step passes it, made once for all its layers (``length=None``), not
+    converted from ``length`` in every call (a launch the Triton kernel, which clips the length itself, does not pay)."""
     from llmeq_jax import dispatch_table
+    from llmeq_jax.kv.store_attention import slot_mask
     from pallas_kernels.kv_attention_hopper import kv_attention_hopper
 
     q = inputs[0][0]
@@ -688,8 +691,11 @@ def hopper_row(t, bits, inputs, grids, t_bf, t_replaced, kv_bytes, reps, table, 
     h = inputs[0][1].shape[1]
     label, kernel, rope = (f"int{bits} Mosaic GPU", "kv_attention_hopper", {}) if rope is None else \
         (f"int{bits} pre-RoPE Mosaic GPU", "kv_attention_hopper_rope", rope)
+    *grids, length = grids
+    step_mask = slot_mask(length, None, b, t).astype(jnp.int8)
     for cfg in configs:
-        fn = lambda q, k, v, cfg=cfg: kv_attention_hopper(q, k, v, *grids, bits=bits, **rope, **cfg)[0]  # noqa: E731
+        fn = lambda q, k, v, cfg=cfg: kv_attention_hopper(  # noqa: E731
+            q, k, v, *grids, None, bits=bits, allowed=step_mask, **rope, **cfg)[0]
         t_h = attention_row(f"{label} {cfg or 'default'}", fn, inputs, reps, kv_bytes, t_bf,
                             lambda t: f", {t_replaced / t:.2f}x the path it replaces")
         if t_h is not None and table is not None and not cfg:
