@@ -61,10 +61,10 @@ from pallas_kernels.common import (
     split_pairs,
 )
 from jax.experimental.pallas import triton as plgpu
+from pallas_kernels.split_merge import NEG_INF, merge_splits, sink_carry
 from pallas_kernels.weight_only import dequant_int4_asm, int4_offset
 
 SUPPORTED_BITS = (4, 8)
-NEG_INF = -1e30  # finite: a fully masked block must not produce inf - inf = nan
 
 
 def min_head_dim(bits: int) -> int:
@@ -412,24 +412,6 @@ def _decode_kernel(*refs, lay: _Layout, g, bg, bt, d, sm_scale, split_blocks, pr
     plgpu.store(l_ref.at[b, h, sp, heads, :], l_fin, mask=head_mask[:, None])
 
 
-def sink_carry(q_ref, k_ref, v_ref, seen_ref, *, at, b, h, heads, head_mask, n, first, sm_scale, precision,
-               cols=slice(None)):
-    """(max, sum, weighted values) of the query heads over the ``n`` float sink tokens they see, where ``first``
-    (split 0; elsewhere the empty carry): float32 scores and products, as the cache's float attention parts. ``cols``:
-    the value columns to weigh (all: the scores always take every channel)."""
-    rows, row_mask = span(0, max(MIN_DOT, next_pow2(n)), n)
-    q = plgpu.load(q_ref.at[b, h, heads, :], mask=head_mask[:, None], other=0.0).astype(jnp.float32) * sm_scale
-    keys = plgpu.load(k_ref.at[(*at, b, h, rows, slice(None))], mask=row_mask[:, None], other=0).astype(jnp.float32)
-    values = plgpu.load(v_ref.at[(*at, b, h, rows, cols)], mask=row_mask[:, None], other=0).astype(jnp.float32)
-    ok = row_mask & (plgpu.load(seen_ref.at[b, rows], mask=row_mask, other=0) != 0) & first
-    s = jnp.where(ok[None, :], jax.lax.dot_general(q, keys, (_NT, ((), ())), precision=precision,
-                                                   preferred_element_type=jnp.float32), NEG_INF)
-    m = jnp.max(s, axis=1, keepdims=True)
-    p = jnp.where(ok[None, :], jnp.exp(s - m), 0.0)  # none seen: m = NEG_INF, l = 0, acc = 0 (the empty carry)
-    acc = jax.lax.dot_general(p, values, (_NN, ((), ())), precision=precision, preferred_element_type=jnp.float32)
-    return m, jnp.sum(p, axis=1, keepdims=True), acc
-
-
 MIN_SPLIT_TOKENS = 256
 
 
@@ -440,8 +422,8 @@ def decode_splits(bsz: int, h: int, t: int, bt: int) -> int:
 
 
 def _decode(q, k_codes, v_codes, k_scale, k_lo, v_scale, extra, length, lay: _Layout, *, sm_scale, block_t,
-            num_splits, num_warps, num_stages, interpret, layer=None):
-    """Run the kernel; -> (out [B, H_q, D] float32, log-sum-exp of the scores [B, H_q])."""
+            num_splits, num_warps, num_stages, interpret, layer=None, out_dtype=jnp.float32):
+    """Run the kernel; -> (out [B, H_q, D] out_dtype, log-sum-exp of the scores [B, H_q])."""
     bsz, hq, d = q.shape
     h, t = k_codes.shape[-3], k_codes.shape[-2]
     if not (is_pow2(block_t) and block_t >= MIN_DOT):
@@ -474,7 +456,8 @@ def _decode(q, k_codes, v_codes, k_scale, k_lo, v_scale, extra, length, lay: _La
         interpret=interpret,
         name=f"decode_attention_int{lay.bits}" + ("_rope" if lay.rope else ""),
     )(*at, q.reshape(bsz, h, g, d), k_codes, v_codes, k_scale, k_lo, v_scale, *extra, length)  # clipped inside
-    out, lse = combine_splits(acc, m, l)
+    # the splits merged in one kernel (XLA's merge was 3 launches for grouped queries, deviceless H100)
+    out, lse = merge_splits(acc, m[..., 0], g, total=l[..., 0], out_dtype=out_dtype, interpret=interpret)
     return out.reshape(bsz, hq, d), lse.reshape(bsz, hq)
 
 
@@ -513,7 +496,7 @@ def attention_reference(q, k, v, allowed, sm_scale):
 def store_decode_attention(
     q, k_codes, v_codes, k_scale, k_lo, v_scale, v_lo, length, *, bits: int, allowed=None, slot_pos=None,
     inv_freq=None, sinks=None, sm_scale: float | None = None, block_t: int = 128, num_splits: int | None = None,
-    num_warps: int = 4, num_stages: int = 2, interpret: bool | None = None, layer=None,
+    num_warps: int = 4, num_stages: int = 2, interpret: bool | None = None, layer=None, out_dtype=jnp.float32,
 ):
     """Single-query attention over ``llmeq_jax.kv.cache.QuantKVCache``'s store of one layer.
 
@@ -531,7 +514,7 @@ def store_decode_attention(
                         ``layer``: stacks ``[L, B, H_kv, N, D]``) of N more tokens (the cache's attention sinks)
                         and ``[B, N]`` bool, the ones the query sees: attended in the same softmax as the store
                         (so the cache has nothing to merge after the kernel).
-    ``length`` ``[B]`` or scalar: slots to scan (>= 0). Returns ``(out [B, H_q, D] float32,
+    ``length`` ``[B]`` or scalar: slots to scan (>= 0). Returns ``(out [B, H_q, D] out_dtype (float32),
     lse [B, H_q])``, lse the log-sum-exp of the scaled scores (about -1e30 when no slot is
     allowed), so a caller can merge this with attention over other (float) keys.
 
@@ -579,7 +562,7 @@ def store_decode_attention(
                   grid_stacked=k_scale.ndim == 5)
     return _decode(q, k_codes, v_codes, k_scale, k_lo, v_scale, tuple(extra), length, lay, sm_scale=sm_scale,
                    block_t=block_t, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
-                   interpret=interpret, layer=layer)
+                   interpret=interpret, layer=layer, out_dtype=out_dtype)
 
 
 def check_sinks(sinks, lead, bsz, name: str = "store_decode_attention") -> list:

@@ -518,7 +518,7 @@ def _q_attend(cache: QuantKVCache, layer: int, q, k, v, mask, k_raw):
     if w:
         float_parts.append(_window_part(cache, layer, k, v, mask, query_slots))
         cache = _write_window(cache, layer, k, v, query_slots)
-    # the Mosaic GPU kernel's merge writes q's dtype where nothing is merged after it (a conversion's launch less)
+    # the GPU kernels' merge writes q's dtype where nothing is merged after it (a conversion's launch less)
     out_dtype = q.dtype if not float_parts else jnp.float32
     store = None if path is None else _kernel_store_part(cache, layer, q, plan, path, sinks_seen, out_dtype)
     if store is None:
@@ -697,7 +697,7 @@ def _kernel_store_part(cache: QuantKVCache, layer: int, q, plan: StepPlan, path:
     layer every step. ``plan``: the step's (the slots to read, to scan). ``sinks_seen`` [B, N] (the native, Pallas
     and Mosaic GPU kernels): the float sinks of this layer seen by each row, read by the kernel in the same softmax
     or merged with its splits (on a GPU the float attention over the sinks and its merge with the store's were ~5
-    launches a layer). ``out_dtype``: the Mosaic GPU kernel's output (the others' is float32).
+    launches a layer). ``out_dtype``: the GPU kernels' output (XLA's and the native kernel's is float32).
     """
     bits, b, n_heads, d = cache.spec.bits, q.shape[0], q.shape[2], q.shape[3]
     quantized, scan = plan.store_allowed, plan.scan
@@ -726,7 +726,7 @@ def _kernel_store_part(cache: QuantKVCache, layer: int, q, plan: StepPlan, path:
     # blocks); slicing it out here would copy the layer's whole store for the custom call every step.
     sinks = None if sinks_seen is None else (cache.k_sink, cache.v_sink, sinks_seen)
     out, lse = kv_kernels.store_decode_attention(*args, bits=bits, allowed=quantized[:, 0], layer=layer, sinks=sinks,
-                                                 **rope)
+                                                 out_dtype=out_dtype, **rope)
     return out[:, None], lse[:, None]
 
 

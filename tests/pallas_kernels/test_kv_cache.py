@@ -224,8 +224,9 @@ def test_store_decode_lowers_for_cuda(cuda_lowering, bits, rope):
             sds((b, t), bool), sds((b, t), jnp.int32), sds((d // 2,), jnp.float32))
     from pallas_kernels.ttir import triton_modules
 
-    (kernel,) = triton_modules(attend, *args)  # first: a second lowering of the same call is cached
-    cuda_lowering(attend, *args)
+    kernel, merge = triton_modules(attend, *args)  # first: a second lowering of the same call is cached
+    cuda_lowering(attend, *args, calls=2)
+    assert merge.name == "merge_splits"
     # Post-RoPE: the codes are read as words, every lane of the key and value tiles made float16 by inline PTX
     # (4 lanes for int8, 8 for int4). Pre-RoPE: int4 values become bf16 by inline PTX (low and high nibbles),
     # keys are dequantized in float32 to be rotated (cos.approx and sin.approx per key lane: even and odd
@@ -251,7 +252,7 @@ def test_store_decode_with_float_sinks_lowers_for_cuda(cuda_lowering, bits, rope
 
     cuda_lowering(attend, sds((b, h * g, d), jnp.bfloat16), cache, cache, grid, grid, tok, tok, sds((b,), jnp.int32),
                   sds((b, t), bool), sds((b, t), jnp.int32), sds((d // 2,), jnp.float32), sink, sink, sds((b, n), bool),
-                  sds((), jnp.int32))
+                  sds((), jnp.int32), calls=2)  # the kernel, then the merge of its splits
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -271,8 +272,8 @@ def test_pre_rope_approximate_cos_sin_only_for_half_queries(cuda_lowering, bits)
     for dtype, approx in ((jnp.bfloat16, True), (jnp.float32, False)):
         args = (sds((b, h * g, d), dtype), cache, cache, grid, grid, tok, tok, sds((b,), jnp.int32),
                 sds((b, t), jnp.int32), sds((d // 2,), jnp.float32))
-        (kernel,) = triton_modules(attend, *args)
-        cuda_lowering(attend, *args)
+        kernel, _ = triton_modules(attend, *args)  # the kernel, then the merge of its splits
+        cuda_lowering(attend, *args, calls=2)
         assert ("cos.approx" in kernel.ttir and "sin.approx" in kernel.ttir) == approx, jnp.dtype(dtype).name
 
 
@@ -297,7 +298,7 @@ def test_token_rows_are_read_one_block_ahead(masked, rope):
         return store_decode_attention(q, kc, vc, ks, kl, vs, vl, n, bits=8, allowed=allowed if masked else None,
                                       **extra)
 
-    (kernel,) = triton_modules(attend, *args)
+    kernel, _ = triton_modules(attend, *args)  # the kernel, then the merge of its splits
     (results,) = re.findall(r"scf\.for .*?-> \((.*?)\)\s*:", kernel.ttir)
     # max, sum and output, then (allowed,) value scale, value min: one row of the block each
     assert results.count("tensor<") == 3 + (3 if masked else 2), results
