@@ -95,7 +95,8 @@ def _kernel(*refs, g: int, rows: int, width: int, chunk: int, parts: int, normal
     m, l, acc = jax.lax.fori_loop(0, cdiv(parts, chunk), merge_chunk, (m, l, acc))
     denom = jnp.maximum(l, TINY)
     plgpu.store(o_ref.at[b, h, heads, cols], (acc / denom).astype(o_ref.dtype), mask=head_mask[:, None])
-    plgpu.store(l_ref.at[b, h, heads], (m + jnp.log(denom))[:, 0], mask=head_mask & (c == 0))  # one program's
+    # every program of a head has the log-sum-exp: the first of them writes it
+    plgpu.store(l_ref.at[b, h, heads], (m + jnp.log(denom))[:, 0], mask=head_mask & (c == 0))
 
 
 def merge_splits(out, lse, g: int, *, total=None, shift=None, sinks=None, layer=None, sm_scale: float = 1.0,
