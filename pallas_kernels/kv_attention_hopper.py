@@ -79,7 +79,7 @@ from llmeq_jax.kv.store_attention import codes as store_codes
 from llmeq_jax.kv.store_attention import fold_key_grid, slot_mask
 from pallas_kernels import config, hopper
 from pallas_kernels.common import cdiv
-from pallas_kernels.kv_cache import check_k_scale, check_sinks
+from pallas_kernels.kv_cache import check_key_grid, check_sinks
 from pallas_kernels.split_merge import merge_splits
 
 TOKENS = 128  # tokens a ring step carries: 64 for each compute warpgroup
@@ -349,9 +349,7 @@ def kv_attention_hopper(q, k_codes, v_codes, k_scale, k_lo, v_scale, v_lo, lengt
         raise ValueError(f"kv_attention_hopper: q {q.shape}, codes {k_codes.shape} / {v_codes.shape} "
                          f"(expected [B, H_q, D] and [{'L, ' if layer is not None else ''}B, H_kv, T, D])")
     layers = k_codes.shape[0] if layer is not None else None
-    check_k_scale(k_scale, bsz, heads, d, layers)
-    if k_lo.shape != k_scale.shape:
-        raise ValueError(f"kv_attention_hopper: k_lo {k_lo.shape} differs from k_scale {k_scale.shape}")
+    check_key_grid(k_scale, k_lo, bsz, heads, d, layers, "kv_attention_hopper")
     rope = slot_pos is not None
     if rope != (inv_freq is not None) or (rope and (slot_pos.shape != (bsz, t) or inv_freq.shape != (d // 2,))):
         raise ValueError(f"kv_attention_hopper: pre-RoPE keys need slot_pos [{bsz}, {t}] and inv_freq [{d // 2}] "

@@ -103,8 +103,11 @@ def _check_cache(k_cache, v_cache, v_scale, bits, d):
         raise ValueError(f"KV cache kernels need a power-of-two head_dim >= {min_head_dim(bits)} for int{bits}, got {d}")
 
 
-def check_k_scale(k_scale, bsz, h, d, layers: int | None = None):
-    """One layer's key grid (1 or B, H, 1, D), or with ``layers`` (a stacked store's) every layer's too."""
+def check_key_grid(k_scale, k_lo, bsz, h, d, layers: int | None = None, name: str = "store_decode_attention"):
+    """The key grid's scale and lo: one layer's (1 or B, H, 1, D), or with ``layers`` (a stacked store's) every
+    layer's too, the two alike; else one clear error (naming the function ``name`` where they differ)."""
+    if k_lo.shape != k_scale.shape:
+        raise ValueError(f"{name}: k_lo {k_lo.shape} differs from k_scale {k_scale.shape}")
     grid = k_scale.shape[1:] if layers is not None and k_scale.ndim == 5 and k_scale.shape[0] == layers \
         else k_scale.shape
     if len(grid) != 4 or grid[0] not in (1, bsz) or grid[1:] != (h, 1, d):
@@ -531,10 +534,7 @@ def store_decode_attention(
     _check_cache(k_one, v_one, vs_one, bits, d)
     _check_query(q, h, bsz)
     layers = k_codes.shape[0] if stacked else None
-    check_k_scale(k_scale, bsz, h, d, layers)
-    check_k_scale(k_lo, bsz, h, d, layers)
-    if k_lo.shape != k_scale.shape:
-        raise ValueError(f"store_decode_attention: k_lo {k_lo.shape} differs from k_scale {k_scale.shape}")
+    check_key_grid(k_scale, k_lo, bsz, h, d, layers)
     if vl_one.shape != vs_one.shape:
         raise ValueError(f"store_decode_attention: v_lo must be {vs_one.shape}, got {vl_one.shape}")
     rope = slot_pos is not None
