@@ -132,11 +132,18 @@ step() {  # step NAME SECONDS CMD...: run CMD with a time limit, its output in $
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/device.txt" 2>&1
 "$py" -c "import jax; print(jax.__version__, jax.devices())" >> "$out/device.txt" 2>&1
 cat "$out/device.txt"
-# -v: each case's verdict as it finishes (a run stopped by its limit keeps them); TESTS: a -k expression
-step gpu_tests "${TESTS_LIMIT:-90}" "$py" -m pytest -v --tb=line -p no:cacheprovider -m gpu tests/pallas_kernels/test_gpu_kernels.py \
+# -v: each case's verdict as it finishes (a run stopped by its limit keeps them); TESTS: a -k expression.
+# The cases run in TESTS_WORKERS processes at once (pytest-xdist; 4 by default, 0: one process): a case's time is
+# almost all compiling on the host's CPUs (16 cores), so one process left the GPU idle and ~25 Mosaic cases took
+# more than 150 s. Each process takes GPU memory as it needs it (no preallocation: four would ask 75 % each).
+gpu_test_workers=(-n "${TESTS_WORKERS:-4}" --dist load)
+[[ "${TESTS_WORKERS:-4}" == 0 ]] && gpu_test_workers=()
+XLA_PYTHON_CLIENT_PREALLOCATE=false step gpu_tests "${TESTS_LIMIT:-90}" "$py" -m pytest -v --tb=line \
+    -p no:cacheprovider "${gpu_test_workers[@]}" -m gpu tests/pallas_kernels/test_gpu_kernels.py \
     -k "${TESTS:-float_decode or int8 or words or store or quantized_cache}"
 # cuDNN's prompt attention failing on this GPU would fail every later prefill: those keep XLA's attention instead
-if grep -q "prompt_attention.* FAILED" "$out/gpu_tests.log" 2>/dev/null; then
+# (a verdict line reads "... prompt_attention8 FAILED" from one process, "FAILED ...prompt_attention8" from xdist's)
+if grep -Eq "prompt_attention.* FAILED|FAILED .*prompt_attention" "$out/gpu_tests.log" 2>/dev/null; then
     export LLMEQ_PROMPT_ATTENTION=xla
     echo "   cuDNN's prompt attention failed its gpu case: LLMEQ_PROMPT_ATTENTION=xla for the steps after"
 fi
