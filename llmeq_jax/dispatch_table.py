@@ -22,6 +22,14 @@ all chose one path. (The H200's weight-only kernels lost to XLA by 2.3-3.3x at e
 and shape measured, yet a Llama-3-8B's unmeasured shapes took them: its int4 prefill ran at 0.47x bf16.)
 Where they disagree, or fewer were measured, the static rule stays. A table measured on another device
 kind is ignored, with one warning: kernel speed ratios do not carry from one GPU to another.
+
+One exception, for the shipped tables only: where none was measured on this device kind, the one measured on a
+GPU of the same architecture -- the same compute capability and number of SMs, as the table's header records
+them -- applies, with one warning naming it (the H100 SXM and the H200 are one GH100 chip, 132 SMs at the same
+clocks, with 3.35 against 4.8 TB/s of HBM). Its choices are between paths of the same product on the same SMs:
+at prompt rows both compute-bound, at decode rows both streaming the weights, where the quantized path reads
+fewer bytes and a slower memory favours it further. That is closer to this GPU than the static rule, which
+sends a prompt's weight-only products to a kernel that ran at 0.27-0.34x bf16 on both.
 """
 
 from __future__ import annotations
@@ -109,6 +117,7 @@ class Table:
     device: str
     entries: dict
     source: str = ""
+    architecture: tuple[str, int] | None = None  # (compute capability, SMs) of the GPU measured, where recorded
 
     def choice(self, key: Key) -> str | None:
         """"pallas" or "xla", whichever was measured faster for ``key``, else the one its measured neighbours
@@ -133,6 +142,34 @@ class Table:
         if len(paths) != 1 or len(shapes) < MIN_AGREEING_SHAPES or key.k * key.n < min(a * b for a, b in shapes) / 2:
             return None  # no agreement, or a product far smaller than any measured (launch-bound: another regime)
         return paths.pop()
+
+    def for_device(self, device: str, why: str) -> Table:
+        """These measurements looked up as ``device``'s (a GPU of the same architecture: module docstring)."""
+        entries = {dataclasses.replace(k, device=device): t for k, t in self.entries.items()}
+        return Table(device, entries, f"{self.source} ({why})", self.architecture)
+
+
+def architecture(device) -> tuple[str, int] | None:
+    """(compute capability, SM count) of a jax GPU device (its ``compute_capability`` and ``core_count``), or
+    None where the device does not say (a CPU)."""
+    cc, cores = getattr(device, "compute_capability", None), getattr(device, "core_count", None)
+    return None if cc is None or cores is None else (str(cc), int(cores))
+
+
+def architecture_meta(device) -> dict:
+    """A table header's record of the GPU it was measured on (empty where :func:`architecture` is None)."""
+    arch = architecture(device)
+    return {} if arch is None else {"compute_capability": arch[0], "core_count": arch[1]}
+
+
+def _read_architecture(data: dict, where: str) -> tuple[str, int] | None:
+    cc, cores = data.get("compute_capability"), data.get("core_count")
+    if cc is None and cores is None:
+        return None
+    if not isinstance(cc, str) or not isinstance(cores, int) or isinstance(cores, bool) or cores < 1:
+        raise DispatchTableError(f"{where}: \"compute_capability\" (a string, e.g. \"9.0\") and \"core_count\" "
+                                 f"(a positive integer) go together, got {cc!r} and {cores!r}")
+    return cc, cores
 
 
 def _faster(times: dict) -> str:
@@ -179,7 +216,7 @@ def from_json(data: dict, source: str = "") -> Table:
             raise DispatchTableError(f"{where}: entries[{i}] must be an object, got {raw!r}")
         key, times = _entry_key(device, raw, f"{where}: entries[{i}]")
         table[key] = times
-    return Table(device, table, source)
+    return Table(device, table, source, _read_architecture(data, where))
 
 
 def to_json(device: str, measured: Iterable[tuple[Key, dict]], **meta) -> dict:
@@ -202,13 +239,16 @@ def merge(base: Table, *newer: Table) -> Table:
             raise DispatchTableError(f"cannot merge {table.source or 'a table'} measured on {table.device!r} into "
                                      f"{base.source or 'a table'} of {base.device!r}")
         entries.update(table.entries)
-    return Table(base.device, entries, base.source)
+    return Table(base.device, entries, base.source,
+                 next((t.architecture for t in (*reversed(newer), base) if t.architecture), None))
 
 
 def write(path: str | Path, table: Table, **meta) -> None:
     """Write ``table`` as JSON (sorted by product, for readable diffs); ``meta`` joins the header."""
     order = sorted(table.entries.items(), key=lambda kv: (kv[0].kernel, kv[0].bits, kv[0].k, kv[0].n, kv[0].rows,
                                                           kv[0].group or 0, kv[0].dtype))
+    if table.architecture is not None:
+        meta = {"compute_capability": table.architecture[0], "core_count": table.architecture[1], **meta}
     Path(path).write_text(json.dumps(to_json(table.device, order, **meta), indent=1) + "\n")
 
 
@@ -274,10 +314,32 @@ def shipped_path(device: str) -> Path:
 
 
 @functools.lru_cache(maxsize=8)
-def shipped(device: str) -> Table | None:
-    """The shipped table of ``device``, or None when none was measured there."""
+def shipped(device: str, arch: tuple[str, int] | None = None) -> Table | None:
+    """The shipped table of ``device``; where none was measured there, the one of a GPU of architecture ``arch``
+    (:func:`architecture`: the same compute capability and SM count), looked up as ``device``'s, with one
+    warning; else None."""
     path = shipped_path(device)
-    return load(path) if path.exists() else None
+    if path.exists():
+        return load(path)
+    if arch is None:
+        return None
+    for other in sorted(SHIPPED.glob("*.json")):
+        table = load(other)
+        if table.architecture == arch:
+            why = f"measured on {table.device!r}, compute capability {arch[0]} with {arch[1]} SMs as this GPU"
+            warnings.warn(f"dispatch: no table measured on {device!r} ships; {other.name} applies ({why})",
+                          stacklevel=3)
+            return table.for_device(device, why)
+    return None
+
+
+def _architecture_traced_for(device: str) -> tuple[str, int] | None:
+    """:func:`architecture` of the device traced for (``pallas_kernels.config.target_device``), where that is
+    ``device``."""
+    from pallas_kernels import config  # imported here: this module reads JSON, and is read without jax
+
+    target = config.target_device()
+    return architecture(target) if getattr(target, "device_kind", None) == device else None
 
 
 def active() -> Table | None:
@@ -305,7 +367,7 @@ def _table_for(key: Key) -> Table | None:
     """The active table, else the one shipped for ``key``'s device; None without one (or one of another device)."""
     table = active()
     if table is None:
-        return None if os.environ.get(ENV) == OFF else shipped(key.device)
+        return None if os.environ.get(ENV) == OFF else shipped(key.device, _architecture_traced_for(key.device))
     if table.device != key.device:
         _warn_other_device(table.source, table.device, key.device)
         return None
@@ -339,21 +401,30 @@ def main(argv=None) -> None:
     m.add_argument("tables", nargs="+", help="measured tables, oldest first")
     m.add_argument("--into", required=True, help="the table to update (created when missing)")
     m.add_argument("--jax", help="the jax version the measurements ran under (written in the header)")
+    m.add_argument("--over-shipped", action="store_true",
+                   help="where --into does not exist, start from the table shipped for the measurements' device (or, "
+                        "where none ships, of a GPU of the architecture their header records) rather than from none")
     args = ap.parse_args(argv)
     newer = [load(p) for p in args.tables]
     into = Path(args.into)
-    base = load(into) if into.exists() else Table(newer[0].device, {}, str(into))
+    base = load(into) if into.exists() else None
+    if base is None and args.over_shipped:
+        arch = next((t.architecture for t in newer if t.architecture), None)
+        base = shipped(newer[0].device, arch)
+    if base is None:
+        base = Table(newer[0].device, {}, str(into))
     table = merge(base, *newer)
     header = json.loads(into.read_text()) if into.exists() else {}
-    meta = {k: v for k, v in header.items() if k not in ("format", "device", "entries")}
+    meta = {k: v for k, v in header.items()
+            if k not in ("format", "device", "entries", "compute_capability", "core_count")}  # the table's own
     if args.jax:
         meta["jax"] = args.jax
     write(into, table, **meta)
     print(f"{into}: {len(table.entries)} products ({len(table.entries) - len(base.entries)} new)")
 
 
-__all__ = ["DispatchTableError", "ENV", "OFF", "Key", "Table", "active", "choice", "from_json", "load", "merge",
-           "row_bucket", "shipped", "shipped_path", "to_json", "use", "write"]
+__all__ = ["DispatchTableError", "ENV", "OFF", "Key", "Table", "active", "architecture", "architecture_meta", "choice",
+           "from_json", "load", "merge", "row_bucket", "shipped", "shipped_path", "to_json", "use", "write"]
 
 
 if __name__ == "__main__":

@@ -135,7 +135,9 @@ def write_table(path, measured):
     """Write the measured (key, times) pairs as a dispatch table (llmeq_jax/dispatch_table.py)."""
     from llmeq_jax import dispatch_table
 
-    data = dispatch_table.to_json(jax.devices()[0].device_kind, measured, jax=jax.__version__)
+    device = jax.devices()[0]
+    data = dispatch_table.to_json(device.device_kind, measured, jax=jax.__version__,
+                                  **dispatch_table.architecture_meta(device))
     Path(path).write_text(json.dumps(data, indent=1))
     slower = [e for e in data["entries"] if min(e["pallas_s"], e["xla_s"]) > e["bf16_s"]]
     print(f"dispatch table: {len(data['entries'])} products -> {path}; both quantized paths slower than bf16 in "

@@ -281,13 +281,13 @@ LLMEQ_DISPATCH_TABLE="$out/dispatch_words.json" step layout_float 60 "$py" scrip
 # Tables this machine measured in an earlier call (kept under runs/tables: ignored paths survive between calls
 # while the machine is warm), merged over the shipped table, so that e2e decodes with the choices a user of this
 # GPU would get once they ship; none here: the shipped table as it is.
+# (--over-shipped: where no table ships for this GPU, e.g. an H100, the one of its architecture, the H200's)
 merge_tables() {  # LLMEQ_DISPATCH_TABLE = the shipped table with those measured so far on this machine merged over it
-  local tables=(runs/tables/dispatch_*.json) kind shipped merged="$out/merged_table.json"
+  local tables=(runs/tables/dispatch_*.json) merged="$out/merged_table.json"
   [[ -e "${tables[0]}" ]] || return 0
-  kind=$("$py" -c "import jax; print(jax.devices()[0].device_kind)")
-  shipped=$("$py" -c "from llmeq_jax import dispatch_table as t; print(t.shipped_path('$kind'))")
-  cp "$shipped" "$merged" 2>/dev/null || true
-  "$py" -m llmeq_jax.dispatch_table merge "${tables[@]}" --into "$merged" && export LLMEQ_DISPATCH_TABLE="$merged"
+  rm -f "$merged"
+  "$py" -m llmeq_jax.dispatch_table merge "${tables[@]}" --over-shipped --into "$merged" \
+      && export LLMEQ_DISPATCH_TABLE="$merged"
 }
 # A small model's products (SmolLM2-135M: q/k/v fused 576x960, o 576x576, gate/up fused 576x3072, down 1536x576;
 # K = 576 is not a multiple of the 128-value groups), which the shipped table never measured: on 2026-12-04 its

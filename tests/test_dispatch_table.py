@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import types
 
 import jax
 import jax.numpy as jnp
@@ -74,6 +75,9 @@ def test_merge_adds_and_replaces_measurements(tmp_path):
     (lambda d: d["entries"][0].update(group=0), "group must be"),
     (lambda d: d["entries"][0].update(pallas_s=-1.0), "pallas_s must be a positive"),
     (lambda d: d.update(entries={}), "entries"),
+    (lambda d: d.update(compute_capability="9.0"), "go together"),
+    (lambda d: d.update(compute_capability=9.0, core_count=132), "go together"),
+    (lambda d: d.update(compute_capability="9.0", core_count=0), "go together"),
 ])
 def test_bad_table_is_one_clear_error(edit, message):
     data = dt.to_json(DEVICE, [(_key(), TIMES)])
@@ -245,6 +249,60 @@ def test_a_shipped_table_applies_on_its_device_unless_turned_off(monkeypatch):
         assert dt.choice(prefill) == "pallas"
     monkeypatch.setenv(dt.ENV, dt.OFF)
     assert dt.active() is None and dt.choice(prefill) is None
+
+
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+def _gpu(kind, cc="9.0", cores=132):
+    return types.SimpleNamespace(platform="gpu", device_kind=kind, compute_capability=cc, core_count=cores)
+
+
+def test_where_no_table_ships_for_a_gpu_the_one_of_its_architecture_applies(monkeypatch):
+    """No table ships for the H100: traced for one (compute capability 9.0, 132 SMs, as the H200 table's header
+    records), dispatch reads the H200's measurements as the H100's, with one warning naming them; a GPU of
+    another SM count or compute capability, or one that does not say, gets none (the static rule)."""
+    monkeypatch.delenv(dt.ENV, raising=False)
+    assert not dt.shipped_path(H100).exists()  # else this test tests nothing
+    assert dt.shipped("NVIDIA H200").architecture == ("9.0", 132)
+    prefill = dt.Key(H100, "weight_only", 4, 128, 4096, 4096, 2048, "bfloat16")
+    decode = dataclasses.replace(prefill, rows=1)
+    dt.shipped.cache_clear()  # its one warning again
+    with config.compiling_for(_gpu(H100)), pytest.warns(UserWarning, match=r"NVIDIA_H200.json applies"):
+        assert dt.choice(prefill) == "xla" and dt.choice(decode) == "pallas"  # the H200's verdicts
+    table = dt.shipped(H100, ("9.0", 132))
+    assert table.device == H100 and all(k.device == H100 for k in table.entries)
+    assert len(table.entries) == len(dt.shipped("NVIDIA H200").entries) and "NVIDIA H200" in table.source
+    for other in (_gpu(H100, cores=114), _gpu(H100, cc="8.0"),
+                  types.SimpleNamespace(platform="gpu", device_kind=H100, compute_capability="9.0")):
+        with config.compiling_for(other):
+            assert dt.choice(prefill) is None
+    # a kernel_dispatch decision under it: a prompt's int4 weight-only product goes to XLA (the kernel ran at
+    # 0.27-0.34x bf16 on both GPUs), which the static rule would have sent to the kernel
+    w = quantize(jnp.ones((4096, 4096), jnp.float32), W4)
+    with config.compiling_for(_gpu(H100)):
+        assert not kernel_dispatch.kernel_takes("weight_only", 2048, jnp.bfloat16, w, 128)
+    with config.compiling_for(_gpu(H100, cores=114)):
+        assert kernel_dispatch.kernel_takes("weight_only", 2048, jnp.bfloat16, w, 128)
+
+
+def test_merge_over_the_shipped_table_of_the_measured_gpus_architecture(tmp_path, monkeypatch):
+    """``merge --over-shipped`` (gpu_session.sh's e2e step): measurements of a GPU no table ships for, their header
+    naming its architecture, go over the table of that architecture, its entries as this GPU's."""
+    monkeypatch.delenv(dt.ENV, raising=False)
+    h200 = dt.shipped("NVIDIA H200")
+    mine = dt.Key(H100, "decode_hopper", 4, 128, 4096, 4096, 1, "bfloat16")
+    measured, into = tmp_path / "new.json", tmp_path / "merged.json"
+    measured.write_text(json.dumps(dt.to_json(H100, [(mine, TIMES)], compute_capability="9.0", core_count=132)))
+    dt.shipped.cache_clear()  # its one warning again
+    with pytest.warns(UserWarning, match="NVIDIA_H200.json applies"):
+        dt.main(["merge", str(measured), "--over-shipped", "--into", str(into)])
+    merged = dt.load(into)
+    assert merged.device == H100 and merged.architecture == ("9.0", 132)
+    assert set(merged.entries) == {dataclasses.replace(k, device=H100) for k in h200.entries} | {mine}
+    into.unlink()  # without the flag, or without the header's record: the measurements alone
+    dt.main(["merge", str(measured), "--into", str(into)])
+    assert set(dt.load(into).entries) == {mine}
 
 
 def test_bench_kernels_int4_rows_in_xla_equal_the_dequantized_product():
