@@ -374,6 +374,17 @@ def _table_for(key: Key) -> Table | None:
     return table
 
 
+def describe(device) -> str:
+    """Which table dispatch follows on the jax ``device`` (a benchmark's header line): the active one, the one
+    shipped for it or for its architecture (:func:`shipped`), or none (the static rule)."""
+    table = active()
+    if table is None and os.environ.get(ENV) != OFF:
+        table = shipped(device.device_kind, architecture(device))
+    if table is None or table.device != device.device_kind:
+        return "none (the static kernel rule)"
+    return f"{table.source or 'in memory'}, {len(table.entries)} products"
+
+
 def choice(key: Key) -> str | None:
     """The measured path for ``key`` under the active table, else the table shipped for its device
     ("pallas" / "xla"), or None (no table, another device, or no measurement of this product)."""
@@ -424,7 +435,7 @@ def main(argv=None) -> None:
 
 
 __all__ = ["DispatchTableError", "ENV", "OFF", "Key", "Table", "active", "architecture", "architecture_meta", "choice",
-           "from_json", "load", "merge", "row_bucket", "shipped", "shipped_path", "to_json", "use", "write"]
+           "describe", "from_json", "load", "merge", "row_bucket", "shipped", "shipped_path", "to_json", "use", "write"]
 
 
 if __name__ == "__main__":

@@ -357,9 +357,12 @@ def torch_variants(args) -> list[str]:
 def machine_line() -> str:
     import jax
 
+    from llmeq_jax import dispatch_table
+
     device = jax.devices()[0]
     return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}; "
-            f"jax {jax.__version__} ({jax.default_backend()}: {device.device_kind})")
+            f"jax {jax.__version__} ({jax.default_backend()}: {device.device_kind}); "
+            f"dispatch table: {dispatch_table.describe(device)}")
 
 
 def table(rows: dict[str, dict], base_name: str, batches: list[int]) -> str:

@@ -272,6 +272,11 @@ def test_where_no_table_ships_for_a_gpu_the_one_of_its_architecture_applies(monk
         assert dt.choice(prefill) == "xla" and dt.choice(decode) == "pallas"  # the H200's verdicts
     table = dt.shipped(H100, ("9.0", 132))
     assert table.device == H100 and all(k.device == H100 for k in table.entries)
+    assert dt.describe(_gpu(H100)).startswith(f"{dt.shipped_path('NVIDIA H200')} (measured on 'NVIDIA H200'")
+    assert dt.describe(_gpu(H100, cores=114)) == "none (the static kernel rule)"
+    with dt.use(_table(TIMES)):  # an active table of this (CPU) device: it, and never on the GPU
+        assert dt.describe(jax.devices()[0]) == "in memory, 1 products"
+        assert dt.describe(_gpu(H100)) == "none (the static kernel rule)"
     assert len(table.entries) == len(dt.shipped("NVIDIA H200").entries) and "NVIDIA H200" in table.source
     for other in (_gpu(H100, cores=114), _gpu(H100, cc="8.0"),
                   types.SimpleNamespace(platform="gpu", device_kind=H100, compute_capability="9.0")):
