@@ -104,7 +104,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-runs/gpu}"
-py="${PYTHON:-python}"                   # the interpreter with jax (CUDA), torch and transformers
+py="${PYTHON:-$(command -v python || command -v python3)}"  # the interpreter with jax (CUDA), torch, transformers
 shapes="${SHAPES:-llama-2-7b}"            # SHAPES / LAYERS: other published shapes or fewer layers (a quick check)
 layers=(${LAYERS:+--layers "$LAYERS"})
 mkdir -p "$out"
