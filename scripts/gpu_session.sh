@@ -101,6 +101,13 @@
 # and rotated in registers; table kernel kv_attention_hopper_rope) and fixed the attention step's constant value grids
 # (broadcasts every kernel call wrote out first). The plan above stands; its attention step (limit 160 s) now also
 # times both kernels over pre-RoPE keys, and its Triton rows should be read anew (they had carried that handicap).
+# The session after had an H100 lent, then loans paused before its first call: nothing ran. The H100 (the default
+# kind) now dispatches by the H200's table (same architecture; none ships for the H100), gpu_tests runs four cases at
+# once, and the next session's first call is (docs/kernels.md, "the H100's dispatch"; ~9.5 min with the start):
+#     STEPS="gpu_tests decode_hopper e2e" TESTS_LIMIT=120 TESTS="decode_hopper or kv_attention_hopper or \
+#         store_decode or weight_only_hopper or w8a8_hopper or fp8_hopper" RECIPES="rtn-w4-g128 rtn-w8" \
+#         TORCH=--no-torch E2E_LIMIT=200 bash scripts/gpu_session.sh   (timeout_s 590)
+# then STEPS="attention" (timeout_s 200) on the machine still warm.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-runs/gpu}"
