@@ -27,7 +27,8 @@ built (Machete; JAX's ``hopper_mixed_type_matmul_mgpu``):
   place from a stacked layer, as stored, and converted in registers.
 - **Split-K partial sums in float32**, ``(splits, N, Mp)`` (:func:`splits_for`), summed and transposed by XLA where
   the product's consumer reads it (the decode step's following fusion: no launch of its own in the usual case).
-- **x as it is**: on a GPU the TMA copy of an ``(Mp, tile_k)`` box fills x's rows past M with zeros (no pad launch).
+- **x as it is** up to 8 rows: on a GPU the TMA copy of an ``(8, tile_k)`` box fills x's rows past M with zeros (no
+  pad launch); 9-15 rows are padded to 16 by XLA (Mosaic GPU takes x's tiled box as whole tiles of 8 rows).
 
 The weights are ``(N, K)``, K contiguous, made once at load time: int4 as the decode layout's :func:`transpose_codes`
 (``decode_layout.Int4RowKernel``), int8 as the K-major layout the decode steps' int8 kernels read already
@@ -360,10 +361,11 @@ def _partials(x, w_t, operands: list, b: DecodeBlocks, *, group: int, has_zp: bo
     n = w_t.shape[-2]
     quantized_x = not operands
     rows = padded_rows(m)
-    # x's rows up to wgmma's 8 or 16: on a GPU the TMA copy of an (Mp, tile_k) box from the (M, K) array fills the
-    # rows past M with zeros (no pad launch); GPU interpret mode copies by slicing, so x is padded there. Either way
-    # a pad row only makes output columns that are cut off below.
-    xp = jnp.pad(x, ((0, rows - m), (0, 0))) if interpret and rows != m else x
+    # x's rows up to wgmma's 8 or 16: on a GPU the TMA copy of an (8, tile_k) box from an (M < 8, K) array fills the
+    # rows past M with zeros (no pad launch at batch 1); 9-15 rows are padded to 16 (x's (8, 64)-tiled box takes a
+    # whole number of tiles: Mosaic GPU refuses a 12-row array), and so is any x in GPU interpret mode, which copies
+    # by slicing. Either way a pad row only makes output columns that are cut off below.
+    xp = jnp.pad(x, ((0, rows - m), (0, 0))) if rows != m and (interpret or m > 8) else x
     k_steps = k // b.tile_k
     splits = b.splits or splits_for(n // (2 * ROWS_PER_WG), k_steps, hopper.num_sms(interpret),
                                     step_bytes=_code_bytes(w_t.dtype, 2 * ROWS_PER_WG * b.tile_k),

@@ -109,6 +109,22 @@ def swizzled(minor: int, dtype) -> tuple:
     return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
 
 
+def wait_released(step, steps: int) -> None:
+    """The wgmma wait closing step ``step`` of ``steps`` in a pipeline whose slots are released one step late
+    (``delay_release=1``): the previous step's group, the step's own left in flight -- except on the last step, which
+    waits for its own too. The pipeline never releases the last step's slot; once it returns, its memory warpgroup
+    starts the next tile's copies into every slot, that one included, while the last wgmma may still be reading it.
+    (Interpret mode runs wgmma synchronously and cannot show the race.)"""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    plgpu.wgmma_wait(1)
+
+    @pl.when(step == steps - 1)
+    def _last():
+        plgpu.wgmma_wait(0)
+
+
 def broadcast(vector, shape: tuple[int, int], along_rows: bool, interpret: bool):
     """A vector of per-column (``along_rows``: one value per column, repeated down the rows) or per-row values as an
     array of ``shape`` in the wgmma accumulator's register layout. (Indexing, ``v[None, :]``, finds no layout in

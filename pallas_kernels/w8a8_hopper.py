@@ -108,6 +108,8 @@ def can_use(x_shape, x_dtype, wq_dtype, k: int, n: int, group, has_zero_point: b
         return False, "per-group scales or zero points (the kernel takes symmetric per-channel weights)"
     if k % b.tile_k or n % (2 * b.tile_n):
         return False, f"K {k} not a multiple of {b.tile_k} or N {n} not of {2 * b.tile_n}"
+    if not fp8 and k < 2 * b.tile_k:  # int8's slots are released a step late (wgmma left in flight): 2 steps
+        return False, f"K {k} is one step of {b.tile_k} (the int8 pipeline takes at least two)"
     if fp8 and b.tile_k != fp8_dot.PROMOTE_EVERY:
         return False, f"FP8 K steps of {b.tile_k} values (its sums are promoted every {fp8_dot.PROMOTE_EVERY})"
     return hopper.wgmma_available()
@@ -193,7 +195,7 @@ def _kernel(x_gmem, sx_gmem, w_gmem, ws_gmem, *rest, b: HopperBlocks, m: int, n:
                     run_k_loop(acc_ref)
                     epilogue(acc_ref[...].astype(jnp.float32))
 
-            def step(_, x_smem, w_smem, carry):
+            def step(index, x_smem, w_smem, carry):
                 w_kmajor = plgpu.transpose_ref(w_smem.at[pl.ds(wg * tn, tn)], (1, 0))
                 if fp8:  # this step's products in a fresh accumulator, then added to the float32 sum
                     def chain(acc_ref):
@@ -202,7 +204,7 @@ def _kernel(x_gmem, sx_gmem, w_gmem, ws_gmem, *rest, b: HopperBlocks, m: int, n:
 
                     return carry + pl.run_scoped(chain, plgpu.ACC((tm, tn), jnp.float32))
                 plgpu.wgmma(carry, x_smem, w_kmajor)
-                plgpu.wgmma_wait(1)  # the previous step's group done: its slot is released (delay_release=1)
+                hopper.wait_released(index[0], k // tk)  # the previous step's group done: its slot is released
                 return carry
 
             pipeline(step, context)(x_gmem.at[rows], w_gmem.at[pl.ds(2 * ni * tn, 2 * tn)], allocations=ring)

@@ -116,6 +116,8 @@ def can_use(x_shape, x_dtype, wq_dtype, k: int, n: int, group: int | None,
         return False, f"tile_k {b.tile_k}: int4 steps take multiples of 128 K values (64 rows of packed bytes)"
     if k % b.tile_k or n % (2 * b.tile_n):
         return False, f"K {k} not a multiple of {b.tile_k} or N {n} not of {2 * b.tile_n}"
+    if k < 2 * b.tile_k:  # a slot released a step late (wgmma left in flight) needs a step after it
+        return False, f"K {k} is one step of {b.tile_k} (the pipeline takes at least two)"
     if group is not None and (group % b.tile_k or k % group):
         return False, f"group {group} (the kernel takes groups that are multiples of {b.tile_k} and divide K)"
     return hopper.wgmma_available()
@@ -258,7 +260,7 @@ def _kernel(x_gmem, w_gmem, s_gmem, *rest, b: WeightOnlyBlocks, m: int, n: int, 
                     buffer.at[pl.ds(half * (tk // per), tk // per)][...] = dequantize(codes)
                 plgpu.commit_smem()  # the generic-proxy stores, visible to the tensor cores
                 plgpu.wgmma(acc_ref, x_smem, buffer)
-                plgpu.wgmma_wait(1)  # the previous step's group done: its slots and buffer are free
+                hopper.wait_released(index[0], k // tk)  # the previous step's group done: its slots and buffer free
                 return acc_ref
 
             pipeline(step, context)(*operands(rows, ni), allocations=ring)

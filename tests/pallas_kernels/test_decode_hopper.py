@@ -161,11 +161,13 @@ def test_bad_input_gets_one_clear_error():
 @pytest.mark.parametrize("m,group,zp,bias,stacked,codes", [(1, 128, True, False, False, jnp.int4),
                                                            (16, None, False, True, True, jnp.int4),
                                                            (4, 128, False, True, True, jnp.int4),
+                                                           (12, 128, False, False, True, jnp.int4),
                                                            (1, None, False, False, True, jnp.int8),
                                                            (16, 128, True, True, False, jnp.int8)])
 def test_kernel_lowers_for_cuda_to_one_mosaic_gpu_call(m, group, zp, bias, stacked, codes):
     """Lowered for a Hopper GPU on this CPU: Mosaic GPU's layout inference accepts the int4 tile loaded from shared
-    memory into wgmma's register layout, converted to bf16 there and given as the A operand."""
+    memory into wgmma's register layout, converted to bf16 there and given as the A operand. 9-15 rows: x padded to
+    16 first (its (8, 64)-tiled TMA box takes 8 rows or 16, a box past a shorter x's end filled with zeros)."""
     k, n = 1024, 512
     lead = (4,) if stacked else ()
     groups = 1 if group is None else k // group
@@ -242,7 +244,7 @@ def test_w8a8_decode_bad_input_gets_one_clear_error():
 
 
 @pytest.mark.parametrize("m,fp8,stacked,bias", [(1, False, True, False), (16, True, True, True),
-                                                 (4, True, False, False)])
+                                                 (4, True, False, False), (9, True, False, False)])
 def test_w8a8_decode_lowers_for_cuda_to_one_mosaic_gpu_call(m, fp8, stacked, bias):
     """Lowered for a Hopper GPU on this CPU: int8 / E4M3 codes as wgmma's A operand from shared memory, x's codes its
     transposed B, int32 / float32 accumulators carried through the K loop."""

@@ -177,7 +177,7 @@ DECODE_W8A8 = [  # (M, K, N, fp8, layer of a stack of 3 or None, dtype): decode_
     (1, 4096, 12288, False, 2, BF16),  # batch-1 decode, a fused q/k/v of a stack read in place: the reference's bits
     (16, 11008, 4096, False, None, F16),  # 43 steps in uneven K splits
     (1, 4096, 22016, True, 1, BF16),  # FP8, a fused gate/up of a stack
-    (8, 11008, 4096, True, None, BF16),  # FP8, the longest K: its sums promoted every 128 values
+    (12, 11008, 4096, True, None, BF16),  # FP8, the longest K (sums promoted every 128 values); x padded to 16
 ]
 
 for _shape in DECODE_W8A8:
@@ -260,7 +260,7 @@ HOPPER_DECODE = [  # (M, K, N, group, zero points, layer of a stack of 3 or None
     # simulates none)
     (1, 4096, 4096, 128, True, None, False, BF16, 4),  # issue #15's batch-1 row, rtn-w4-g128's zero points
     (16, 4096, 11008, 128, False, 1, False, BF16, 4),  # 16 rows, a layer of a stack in place
-    (5, 11008, 4096, 128, True, 2, True, F16, 4),  # 43 steps of 256 in 4 uneven splits, bias
+    (12, 11008, 4096, 128, True, 2, True, F16, 4),  # 43 steps of 256 in 4 uneven splits, bias; x padded to 16
     (3, 4096, 12288, None, True, None, False, BF16, 4),  # per channel (one group over K)
     (1, 4096, 22016, None, False, 1, False, BF16, 8),  # rtn-w8's gate/up: per channel, symmetric, a stacked layer
     (16, 11008, 4096, 128, True, None, True, F16, 8),  # groups, zero points (|q - z| up to 255), bias

@@ -96,6 +96,7 @@ def test_can_use_names_what_the_kernel_does_not_take():
         assert "two codes a byte" in ok(bits=4)[1] and "expected int8" in ok(wq_dtype=jnp.uint8)[1]
         assert "multiples of 128 K values" in ok(**int4, blocks=WeightOnlyBlocks(tile_k=64))[1]
         assert "group 64" in ok(**int4, group=64)[1] and "int3" in ok(bits=3)[1]
+        assert "at least two" in ok(**int4, k=128, x_shape=(64, 128))[1]  # slots released a step late: 2 steps
     with config.compiling_for(FAKE_H100):
         assert ok() == (True, "")
     with config.compiling_for(FAKE_A100):
