@@ -103,10 +103,13 @@
 # times both kernels over pre-RoPE keys, and its Triton rows should be read anew (they had carried that handicap).
 # The session after had an H100 lent, then loans paused before its first call: nothing ran. The H100 (the default
 # kind) now dispatches by the H200's table (same architecture; none ships for the H100), gpu_tests runs four cases at
-# once, and the next session's first call is (docs/kernels.md, "the H100's dispatch"; ~9.5 min with the start):
-#     STEPS="gpu_tests decode_hopper e2e" TESTS_LIMIT=120 TESTS="decode_hopper or kv_attention_hopper or \
-#         store_decode or weight_only_hopper or w8a8_hopper or fp8_hopper" RECIPES="rtn-w4-g128 rtn-w8" \
-#         TORCH=--no-torch E2E_LIMIT=200 bash scripts/gpu_session.sh   (timeout_s 590)
+# once, and a table measured here of a kernel whose gpu cases failed here is not merged for e2e. Every kernel written
+# since 2026-12-04's GPU run (the Mosaic ones, the float cache's decode attention, the RMSNorm and KV store kernels,
+# cuDNN's prompt attention) has its cases in the next session's first call (docs/kernels.md, "the H100's dispatch";
+# ~10 min with the start):
+#     STEPS="gpu_tests decode_hopper e2e" TESTS_LIMIT=150 \
+#         TESTS="hopper or store or float_decode or rms_norm or prompt_attention or int8_f16" \
+#         RECIPES="rtn-w4-g128 rtn-w8" TORCH=--no-torch E2E_LIMIT=190 bash scripts/gpu_session.sh   (timeout_s 600)
 # then STEPS="attention" (timeout_s 200) on the machine still warm.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -134,6 +137,7 @@ step() {  # step NAME SECONDS CMD...: run CMD with a time limit, its output in $
   # the tables measured so far, kept on this machine for a later call's e2e step (ignored paths survive between
   # calls while the machine is warm; a call stopped by its limit has kept those of its finished steps)
   mkdir -p runs/tables && cp "$out"/dispatch_*.json runs/tables/ 2>/dev/null
+  [[ $name == gpu_tests ]] && cat "$out/gpu_tests.log" >> runs/tables/gpu_tests.log  # every call's verdicts
   return 0
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/device.txt" 2>&1
@@ -148,9 +152,13 @@ gpu_test_workers=(-n "${TESTS_WORKERS:-4}" --dist load)
 XLA_PYTHON_CLIENT_PREALLOCATE=false step gpu_tests "${TESTS_LIMIT:-90}" "$py" -m pytest -v --tb=line \
     -p no:cacheprovider "${gpu_test_workers[@]}" -m gpu tests/pallas_kernels/test_gpu_kernels.py \
     -k "${TESTS:-float_decode or int8 or words or store or quantized_cache}"
+failed_case() {  # failed_case NAME: whether a gpu case whose id holds NAME failed in this call's gpu_tests
+  # (a verdict line reads "... prompt_attention8 FAILED" from one process, "FAILED ...prompt_attention8" from xdist's)
+  # (runs/tables keeps every call's verdicts on a machine still warm, beside its tables)
+  grep -Eqs "$1.* FAILED|FAILED .*$1" "$out/gpu_tests.log" runs/tables/gpu_tests.log
+}
 # cuDNN's prompt attention failing on this GPU would fail every later prefill: those keep XLA's attention instead
-# (a verdict line reads "... prompt_attention8 FAILED" from one process, "FAILED ...prompt_attention8" from xdist's)
-if grep -Eq "prompt_attention.* FAILED|FAILED .*prompt_attention" "$out/gpu_tests.log" 2>/dev/null; then
+if failed_case prompt_attention; then
     export LLMEQ_PROMPT_ATTENTION=xla
     echo "   cuDNN's prompt attention failed its gpu case: LLMEQ_PROMPT_ATTENTION=xla for the steps after"
 fi
@@ -289,9 +297,22 @@ LLMEQ_DISPATCH_TABLE="$out/dispatch_words.json" step layout_float 60 "$py" scrip
 # while the machine is warm), merged over the shipped table, so that e2e decodes with the choices a user of this
 # GPU would get once they ship; none here: the shipped table as it is.
 # (--over-shipped: where no table ships for this GPU, e.g. an H100, the one of its architecture, the H200's)
+# A table measured here of a kernel whose gpu cases failed here is left out: dispatch would send products to it.
+declare -A TABLE_KERNELS=([dispatch_decode_hopper.json]=decode_hopper [dispatch_decode_w8a8.json]=decode_hopper
+    [dispatch_kv.json]=kv_attention_hopper [dispatch_hopper.json]=w8a8_hopper [dispatch_hopper_fp8.json]=fp8_hopper
+    [dispatch_hopper_w8.json]=weight_only_hopper [dispatch_prefill_words.json]=int4_words_prefill)
 merge_tables() {  # LLMEQ_DISPATCH_TABLE = the shipped table with those measured so far on this machine merged over it
-  local tables=(runs/tables/dispatch_*.json) merged="$out/merged_table.json"
-  [[ -e "${tables[0]}" ]] || return 0
+  local tables=() table kernel merged="$out/merged_table.json"
+  for table in runs/tables/dispatch_*.json; do
+    [[ -e "$table" ]] || continue
+    kernel=${TABLE_KERNELS[$(basename "$table")]:-}
+    if [[ -n "$kernel" ]] && failed_case "$kernel"; then
+      echo "   $table left out: a $kernel gpu case failed"
+      continue
+    fi
+    tables+=("$table")
+  done
+  (( ${#tables[@]} )) || return 0
   rm -f "$merged"
   "$py" -m llmeq_jax.dispatch_table merge "${tables[@]}" --over-shipped --into "$merged" \
       && export LLMEQ_DISPATCH_TABLE="$merged"

@@ -504,6 +504,30 @@ for _shape in FLOAT_STACK:
         return f"float matmul layer 2 of 3 M={m} K={k} N={n} {jnp.dtype(dtype).name}", *compare(y, r, REL[dtype]), None
 
 
+RMS_NORM = [  # (M, K, stacked scale, dtype): pallas_kernels.rms_norm, on by default in a GPU's decode steps
+    (1, 4096, True, BF16),  # Llama-2-7B's batch-1 norm, its scale layer 2 of a stack of 3
+    (16, 576, False, BF16),  # SmolLM2's width (not a power of two: masked), 16 rows
+    (5, 11008, True, F32),
+]
+
+for _shape in RMS_NORM:
+
+    @case
+    def _rms_norm(shape=_shape):
+        from pallas_kernels.rms_norm import rms_norm, rms_norm_reference
+
+        m, k, stacked, dtype = shape
+        scales = jax.random.uniform(jax.random.key(13), (3, k), minval=0.5, maxval=1.5)
+        x = (jax.random.normal(jax.random.key(14), (m, k)) * 3).astype(dtype)
+        if stacked:
+            y = jax.jit(lambda x, s, i: rms_norm(x, s, 1e-5, layer=i, interpret=INTERPRET))(x, scales, jnp.int32(2))
+        else:
+            y = jax.jit(lambda x, s: rms_norm(x, s, 1e-5, interpret=INTERPRET))(x, scales[2])
+        r = rms_norm_reference(x, scales[2], 1e-5)
+        label = f"rms_norm M={m} K={k}{' layer 2 of 3' if stacked else ''} {jnp.dtype(dtype).name}"
+        return label, *compare(y, r, REL[dtype]), None
+
+
 @case
 def _stacked_layer():
     """One layer of stacked weights read in place (the scan over stacked blocks): int4 weight-only and
