@@ -364,7 +364,8 @@ def _warn_other_device(source: str, measured: str, here: str) -> None:
 
 
 def _table_for(key: Key) -> Table | None:
-    """The active table, else the one shipped for ``key``'s device; None without one (or one of another device)."""
+    """The active table, else the one shipped for ``key``'s device (or its architecture: :func:`shipped`); None
+    without one (or one of another device)."""
     table = active()
     if table is None:
         return None if os.environ.get(ENV) == OFF else shipped(key.device, _architecture_traced_for(key.device))
