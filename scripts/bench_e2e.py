@@ -13,7 +13,12 @@ measures:
   tokenizing, compiling and evaluating (what a user waits for), and the perplexity;
 * compile seconds: the first call of the decode loop (at the first batch size) and of the
   ``--prefill-len`` forward, minus warm ones;
-* peak RSS (MiB) of the variant's process, and on a GPU its peak device memory.
+* peak RSS (MiB) of the variant's process, and on a GPU its peak device memory;
+* its logits (``logits``): one prompt's last position (the prompt's kernels) and two teacher-forced decode steps
+  after it (the decode step's), the same tokens for every variant, against the same model with no kernel (XLA
+  alone: ``vs_xla``, the kernels' own error) and against the baseline's (``vs_base``, what quantizing cost on
+  these weights) -- the largest relative error of the three positions and how many agree on the top token. A fast
+  kernel with wrong sums shows here, where tokens/s alone would count it a win.
 
 Two modes:
 
@@ -235,7 +240,59 @@ def measure_ours(args, variant: str) -> dict:
         out["ppl_run_s"] = time.perf_counter() - t0
         out["ppl"] = res["ppl"]
     out["device_peak_mib"] = device_peak_mib()
+    if args.result:  # after the measurements: the logits the parent compares, with kernels and with XLA alone
+        np.savez(logits_path(Path(args.result)), kernels=logits_probe(config, params, args.prompt_len),
+                 xla=logits_probe(config, params, args.prompt_len, kernels=False))
+        done("logits probed, with the kernels and with XLA alone")
     return out
+
+
+LOGITS_STEPS = 2  # teacher-forced decode steps whose logits are compared with the baseline's
+
+
+def logits_probe(config, params, prompt_len: int, kernels: bool = True):
+    """Row 0's float32 logits ``[1 + LOGITS_STEPS, vocab]``: a random prompt's last position (generate's prefill)
+    and LOGITS_STEPS decode steps fed fixed tokens (generate's decode step, its layout and kernels) -- the same
+    tokens for every variant of a run (their own seed). ``kernels=False``: no Pallas or native kernel, XLA alone."""
+    import contextlib
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    from llmeq_jax import generate as gen, native
+    from llmeq_jax.models import init_cache
+    from pallas_kernels import config as kernel_config
+
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, config.vocab_size, (1, prompt_len + LOGITS_STEPS)),
+                         jnp.int32)
+    with contextlib.ExitStack() as off:
+        if not kernels:
+            off.enter_context(native.disabled())
+            off.enter_context(kernel_config.disabled())
+        state = gen.kernel_state()
+        cache = init_cache(config, 1, prompt_len + LOGITS_STEPS, gen.cache_dtype_for(params))
+        logits, cache = gen.prefill(config, params, tokens[:, :prompt_len], jnp.ones((1, prompt_len), jnp.int32),
+                                    cache, kernels=state)
+        out, laid = [logits[0]], gen.decode_params(params, 1)
+        for i in range(prompt_len, prompt_len + LOGITS_STEPS):
+            logits, cache = gen.decode_step(config, laid, tokens[:, i], cache, kernels=state)
+            out.append(logits[0])
+        return np.asarray(jnp.stack(out).astype(jnp.float32))
+
+
+def logits_agreement(got, want) -> dict:
+    """How far a variant's :func:`logits_probe` is from the baseline's: the largest relative L2 error over its
+    positions, and at how many of them the top token agrees (NaN logits: an infinite error)."""
+    import numpy as np
+
+    errors = [float(np.linalg.norm(g - w) / max(float(np.linalg.norm(w)), 1e-30)) if np.all(np.isfinite(g))
+              else float("inf") for g, w in zip(got, want)]
+    agree = int(sum(int(np.argmax(g) == np.argmax(w)) for g, w in zip(got, want)))
+    return {"rel_err": max(errors), "top1": agree, "positions": len(errors)}
+
+
+def logits_path(result: Path) -> Path:
+    return result.with_suffix(".logits.npz")
 
 
 def kv_quantizer(bits: int, prompt_len: int):
@@ -365,6 +422,10 @@ def machine_line() -> str:
             f"dispatch table: {dispatch_table.describe(device)}")
 
 
+def agreement_cell(agree: dict | None) -> str:
+    return "–" if agree is None else f"{100 * agree['rel_err']:.2f} %, {agree['top1']}/{agree['positions']}"
+
+
 def table(rows: dict[str, dict], base_name: str, batches: list[int]) -> str:
     base = rows.get(base_name, {})
 
@@ -380,6 +441,9 @@ def table(rows: dict[str, dict], base_name: str, batches: list[int]) -> str:
     kv = any("decode_kv" in r for r in rows.values())
     if kv:  # --kv-bits: the first batch's decode over a quantized cache, and against the row's own float cache
         head += [f"decode b{batches[0]} quantized KV tok/s", "vs float KV"]
+    probed = any("logits" in r for r in rows.values())
+    if probed:  # the kernels' own error (vs XLA on the same weights), then quantizing's (vs the baseline)
+        head += ["logits vs XLA: max rel. err, top-1", f"logits vs {base_name}"]
     lines = ["| variant | " + " | ".join(head) + " |", "|" + "---|" * (len(head) + 1)]
     for name, r in rows.items():
         if "error" in r:
@@ -392,6 +456,8 @@ def table(rows: dict[str, dict], base_name: str, batches: list[int]) -> str:
             own = r.get(f"decode_b{batches[0]}")
             cells += [num(r.get("decode_kv"), ".1f"),
                       f"{r['decode_kv'] / own:.2f}x" if r.get("decode_kv") and own else "–"]
+        if probed:
+            cells += [agreement_cell(r.get("logits", {}).get(which)) for which in ("vs_xla", "vs_base")]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -435,6 +501,19 @@ def failure_of(stderr: str) -> str:
     return "\n".join(kept) or stderr.strip()
 
 
+def add_logits_agreement(row: dict, mine: Path, base: Path) -> None:
+    """``row["logits"]``: the variant's probed logits (:func:`logits_probe`) against its own XLA path's and, where
+    the baseline probed its own, against those."""
+    import numpy as np
+
+    if not mine.exists():
+        return
+    probe = np.load(mine)
+    row["logits"] = {"vs_xla": logits_agreement(probe["kernels"], probe["xla"])}
+    if base.exists():
+        row["logits"]["vs_base"] = logits_agreement(probe["kernels"], np.load(base)["kernels"])
+
+
 def run_child(command: list[str]) -> tuple[int, str]:
     """Run one variant's process: (exit code, its stderr); its progress lines echoed to ours as they come."""
     lines = []
@@ -450,6 +529,7 @@ def run_all(args) -> None:
     rows: dict[str, dict] = {}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    base = baseline(args) + (SCAN_SUFFIX if args.scan_only else "")
     with tempfile.TemporaryDirectory() as tmp:
         for v in variants_of(args):
             result = Path(tmp) / f"{v}.json"
@@ -461,11 +541,12 @@ def run_all(args) -> None:
                 print(f"[bench_e2e] {v} failed:\n{message[-3000:]}", file=sys.stderr)
             else:
                 rows[v] = json.loads(result.read_text())
+                add_logits_agreement(rows[v], logits_path(result), logits_path(Path(tmp) / f"{base}.json"))
             # After every variant: a run stopped by a time limit keeps the rows it finished.
             out.write_text(json.dumps(report_of(args, rows), indent=1))
     report = report_of(args, rows)
     print(f"Model {report['model']} ({args.dtype}); {report['machine']}.\n{report['protocol']}.\n")
-    print(table(rows, baseline(args) + (SCAN_SUFFIX if args.scan_only else ""), args.batches))
+    print(table(rows, base, args.batches))
     for name, row in rows.items():
         if row.get("profile"):
             print("\n" + profile_table(name, row["profile"]))

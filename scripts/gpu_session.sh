@@ -107,9 +107,10 @@
 # since 2026-12-04's GPU run (the Mosaic ones, the float cache's decode attention, the RMSNorm and KV store kernels,
 # cuDNN's prompt attention) has its cases in the next session's first call (docs/kernels.md, "the H100's dispatch";
 # ~10 min with the start):
-#     STEPS="gpu_tests decode_hopper e2e" TESTS_LIMIT=150 \
+#     STEPS="gpu_tests decode_hopper e2e" TESTS_LIMIT=140 \
 #         TESTS="hopper or store or float_decode or rms_norm or prompt_attention or int8_f16" \
-#         RECIPES="rtn-w4-g128 rtn-w8" TORCH=--no-torch E2E_LIMIT=190 bash scripts/gpu_session.sh   (timeout_s 600)
+#         RECIPES="rtn-w4-g128 rtn-w8" TORCH=--no-torch E2E_LIMIT=200 bash scripts/gpu_session.sh   (timeout_s 600)
+# (e2e's rows now carry each variant's logits against XLA alone on the same weights: read them before the speeds)
 # then STEPS="attention" (timeout_s 200) on the machine still warm.
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -514,3 +514,33 @@ def test_bench_e2e_puts_a_quantized_kv_caches_decode_beside_the_float_caches():
     assert "decode b1 quantized KV tok/s | vs float KV |" in text
     assert "| 150.0 | 0.75x |" in text and "| 300.0 | 0.75x |" in text
     assert "quantized KV" not in bench.table({"bf16": row}, "bf16", [1])  # no column without a measurement
+
+
+def test_bench_e2e_sets_each_variants_logits_beside_its_xla_path_and_the_baselines(tmp_path):
+    """A variant's probed logits (one prompt position, two decode steps) against the same weights through XLA alone
+    and against the baseline's: the largest relative error and the top-1 agreements, in the row and the table; a
+    kernel that returns garbage or NaN shows as a large or infinite error."""
+    import numpy as np
+
+    bench = _script("bench_e2e")
+    rng = np.random.default_rng(0)
+    base = rng.normal(size=(3, 50)).astype(np.float32)
+    near = base + 0.01 * rng.normal(size=base.shape).astype(np.float32)
+    garbage = rng.normal(size=base.shape).astype(np.float32)
+    close = bench.logits_agreement(near, base)
+    assert 0 < close["rel_err"] < 0.02 and close["top1"] == 3 and close["positions"] == 3
+    assert bench.logits_agreement(garbage, base)["rel_err"] > 1.0
+    assert bench.logits_agreement(np.where(base > 0, np.nan, base), base)["rel_err"] == float("inf")
+    np.savez(tmp_path / "bf16.logits.npz", kernels=base, xla=base)
+    np.savez(tmp_path / "w4.logits.npz", kernels=garbage, xla=near)
+    rows = {"bf16": {}, "w4": {}, "torch": {}}
+    for name in rows:
+        bench.add_logits_agreement(rows[name], bench.logits_path(tmp_path / f"{name}.json"),
+                                   bench.logits_path(tmp_path / "bf16.json"))
+    assert rows["bf16"]["logits"]["vs_xla"]["rel_err"] == 0 and rows["bf16"]["logits"]["vs_base"]["top1"] == 3
+    assert rows["w4"]["logits"]["vs_xla"]["rel_err"] > 1.0 and "logits" not in rows["torch"]
+    row = {"decode_b1": 200.0, "prefill": 1000.0, "compile_s": 1.0, "peak_rss_mib": 1.0}
+    text = bench.table({name: row | r for name, r in rows.items()}, "bf16", [1])
+    assert "| logits vs XLA: max rel. err, top-1 | logits vs bf16 |" in text
+    assert "| 0.00 %, 3/3 | 0.00 %, 3/3 |" in text and text.splitlines()[-1].endswith("| – | – |")
+    assert "logits vs XLA" not in bench.table({"bf16": row}, "bf16", [1])  # no columns without a probe
