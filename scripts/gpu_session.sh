@@ -261,9 +261,11 @@ step hopper_w8 200 "$py" scripts/bench_kernels.py --reps 10 --sweep --rows 512,2
 # products (fused q/k/v 4096x12288, o, fused gate/up 4096x22016, down) and Llama-3-8B's MLP ->
 # dispatch_decode_hopper.json (decode_hopper, 4 and 8 bits, against the faster of those: e2e's rtn-w4-g128 and
 # rtn-w8 decode then run it where it won); then its step size, ring depth and K splits in turns with bf16 at M = 1.
+# DECODE_WEIGHTS: Llama-2-7B's four decode products by default (Llama-3-8B's MLP, 4096x14336, follows them by
+# inference where they agree; add it for a Llama-3-8B e2e run).
 step decode_hopper 240 "$py" scripts/bench_kernels.py --reps 10 --rows 1,16 \
     --kinds bf16,w4_words,w4_decode_hopper,w8_nk_f16,w8_decode_hopper \
-    --weights 4096x4096,4096x12288,4096x22016,11008x4096,4096x14336 --no-attention \
+    --weights "${DECODE_WEIGHTS:-4096x4096,4096x12288,4096x22016,11008x4096}" --no-attention \
     --write-table "$out/dispatch_decode_hopper.json"
 # The same kernel's W8A8 mode (decode_hopper.w8a8_decode_hopper: x's int8 / E4M3 codes against the weights' straight
 # from shared memory, no dequantization; rtn-w8a8's and fp8-w8a8's decode products) against bf16, the K-major Triton
