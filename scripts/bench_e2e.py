@@ -247,7 +247,7 @@ def measure_ours(args, variant: str) -> dict:
     return out
 
 
-LOGITS_STEPS = 2  # teacher-forced decode steps whose logits are compared with the baseline's
+LOGITS_STEPS = 2  # teacher-forced decode steps whose logits are compared (with XLA alone's, with the baseline's)
 
 
 def logits_probe(config, params, prompt_len: int, kernels: bool = True):
@@ -281,8 +281,9 @@ def logits_probe(config, params, prompt_len: int, kernels: bool = True):
 
 
 def logits_agreement(got, want) -> dict:
-    """How far a variant's :func:`logits_probe` is from the baseline's: the largest relative L2 error over its
-    positions, and at how many of them the top token agrees (NaN logits: an infinite error)."""
+    """How far one :func:`logits_probe` is from another (XLA alone's on the same weights, or the baseline's): the
+    largest relative L2 error over its positions, and at how many of them the top token agrees (NaN logits: an
+    infinite error)."""
     import numpy as np
 
     errors = [float(np.linalg.norm(g - w) / max(float(np.linalg.norm(w)), 1e-30)) if np.all(np.isfinite(g))
