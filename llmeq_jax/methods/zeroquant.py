@@ -77,13 +77,17 @@ def block_mse(config, layer, block, kernels, specs, act_rules, hidden, positions
     return jnp.mean((out - target) ** 2)
 
 
+LKD_CHECKPOINTS = 8  # how often (evenly over the steps) LKD measures its kernels to keep the best
+
+
 def distill_block(config, layer: int, block: dict, recipe, inputs: list, steps: int, lr: float, batch: int,
                   ) -> tuple[dict, dict]:
     """LKD for one float block -> (block with trained float kernels, {"mse_before", "mse_after"}).
 
     ``inputs`` are ``(hidden, positions)`` batches; the float block's outputs on
-    them are the targets. The reported MSEs are on the first batch (a cheap
-    check that training helped), before and after.
+    them are the targets. The block returned has the kernels that gave the lowest MSE on the first batch at
+    ``LKD_CHECKPOINTS`` checkpoints (the untrained kernels included); the reported MSEs are on that batch,
+    before and of the kernels returned.
     """
     from llmeq_jax.models.model import apply_block
 
@@ -114,14 +118,21 @@ def distill_block(config, layer: int, block: dict, recipe, inputs: list, steps: 
         updates, state = opt.update(grads, state, k)
         return optax.apply_updates(k, updates), state, loss
 
-    before = first_batch_mse(kernels)
+    # Adam on fake-quantized weights does not descend steadily (a code that flips back and forth moves the loss
+    # by more than a step's gain), so the last iterate can be worse than an earlier one, even than the start:
+    # checkpoints along the way keep the best kernels seen, the untrained ones included.
+    best, best_mse = kernels, first_batch_mse(kernels)
+    before, every = best_mse, max(1, steps // LKD_CHECKPOINTS)
     for i in range(steps):
         h, p, t = seqs[i % len(seqs)]
         kernels, state, _ = step(kernels, state, h, p, t)
-    after = first_batch_mse(kernels)
-    for r, w in kernels.items():
+        if (i + 1) % every == 0 or i + 1 == steps:
+            now = first_batch_mse(kernels)
+            if now < best_mse:
+                best, best_mse = kernels, now
+    for r, w in best.items():
         block = set_path(block, r, w)
-    return block, {"mse_before": before, "mse_after": after}
+    return block, {"mse_before": before, "mse_after": best_mse}
 
 
 def block_processor(config, recipe, opts: ZeroQuantOptions, info: dict):

@@ -33,6 +33,20 @@ def test_lkd_lowers_block_mse_and_model_error():
     assert mse(lkd) < mse(plain)
 
 
+
+def test_lkd_never_returns_kernels_worse_than_it_started_from():
+    """A learning rate far too large makes every step worse: LKD keeps the untrained kernels (the best it measured),
+    so the block is what plain ZeroQuant gives."""
+    config, params = tiny_model("qwen2", seed=3)
+    windows = tiny_windows(config, n=4)
+    plain, _ = quantize_model(config, params, Recipe(rules=RULES, method="zeroquant"), windows)
+    lkd, info = quantize_model(config, params, Recipe(rules=RULES, method="zeroquant",
+                                                      method_args={"lkd_steps": 8, "lkd_lr": 1.0}), windows)
+    for m in info["lkd"].values():
+        assert m["mse_after"] == m["mse_before"]
+    k, k0 = (p["layers_1"]["mlp"]["down_proj"]["kernel"] for p in (lkd, plain))
+    assert jnp.array_equal(k.qvalue, k0.qvalue) and jnp.array_equal(k.scale, k0.scale)
+
 def test_bad_lkd_args():
     config, params = tiny_model("qwen2")
     with pytest.raises(RecipeError, match="lkd_steps must be a non-negative integer"):
