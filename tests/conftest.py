@@ -41,9 +41,12 @@ import os
 import shutil
 import tempfile
 
+from tests.xla_flags import with_test_flags
+
 MIN_CPU_THREADS = 8
 # before anything makes JAX's CPU client (importing jax does not)
 os.environ.setdefault("PJRT_NPROC", str(max(MIN_CPU_THREADS, os.cpu_count() or 1)))
+os.environ["XLA_FLAGS"] = with_test_flags(os.environ.get("XLA_FLAGS", ""))  # LLVM -O0: tests/xla_flags.py
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -1,7 +1,6 @@
 """Online (EMA) activation scales: state updates, the model forward on stories260K, 1 vs 2 devices, recipes."""
 
 import dataclasses
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ from llmeq_jax.core.quantize import Spec, quantize
 from llmeq_jax.core.rules import RecipeError, quantize_params, recipe_from_dict
 from llmeq_jax.pipeline import read_recipe
 from llmeq_jax.models.layers import Linear
+from tests.distributed_helpers import subprocess_env
 from tests.shared_data import shared_data_path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -81,8 +81,7 @@ def test_online_perplexity_is_close_to_float_and_generation_carries_state(storie
 
 
 def test_one_and_two_devices_track_the_same_state():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    env = subprocess_env(XLA_FLAGS="--xla_force_host_platform_device_count=2")
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "distributed_helpers" / "online_two_devices.py")],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
