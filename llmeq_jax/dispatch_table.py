@@ -9,6 +9,8 @@ weights -- and writes them as one JSON table. Activated (``LLMEQ_DISPATCH_TABLE=
 ``with dispatch_table.use(PATH):``), it overrules the static rule where it has a measurement:
 the kernel takes a product only where it was measured faster than XLA on this device, kernel,
 width, group, (K, N), activation dtype and row bucket. Where it has none the static rule stays.
+The benchmark checks each kernel's output against XLA's on the same inputs before it trusts a time: an
+entry marked ``"wrong": true`` (the kernel disagreed) chooses XLA's path whatever the times.
 
 Tables measured by this project ship in ``llmeq_jax/dispatch_tables/`` (one JSON file per device
 kind, e.g. ``NVIDIA_H200.json``) and apply by themselves on that device when no table is active;
@@ -173,7 +175,8 @@ def _read_architecture(data: dict, where: str) -> tuple[str, int] | None:
 
 
 def _faster(times: dict) -> str:
-    return "pallas" if times["pallas_s"] <= times["xla_s"] else "xla"
+    """The path an entry chooses: the faster, unless the kernel's output was wrong where it was timed."""
+    return "pallas" if times["pallas_s"] <= times["xla_s"] and not times.get("wrong") else "xla"
 
 
 def _entry_key(device: str, raw: dict, where: str) -> tuple[Key, dict]:
@@ -195,8 +198,10 @@ def _entry_key(device: str, raw: dict, where: str) -> tuple[Key, dict]:
         v = raw[t]
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0 or v == float("inf"):
             raise DispatchTableError(f"{where}: {t} must be a positive number of seconds, got {v!r}")
+    if not isinstance(raw.get("wrong", False), bool):
+        raise DispatchTableError(f"{where}: wrong must be true or false, got {raw['wrong']!r}")
     key = Key(device, raw["kernel"], raw["bits"], raw["group"], raw["k"], raw["n"], raw["rows"], raw["dtype"])
-    return key, {t: float(raw[t]) for t in times}
+    return key, {t: float(raw[t]) for t in times} | ({"wrong": True} if raw.get("wrong") else {})
 
 
 def from_json(data: dict, source: str = "") -> Table:
@@ -220,13 +225,15 @@ def from_json(data: dict, source: str = "") -> Table:
 
 
 def to_json(device: str, measured: Iterable[tuple[Key, dict]], **meta) -> dict:
-    """The JSON object of a table: ``measured`` is (key, {"pallas_s", "xla_s", "bf16_s"}) pairs."""
+    """The JSON object of a table: ``measured`` is (key, {"pallas_s", "xla_s", "bf16_s"[, "wrong"]}) pairs
+    ("wrong": True where the benchmark found the kernel's output wrong; the entry then chooses XLA's path)."""
     entries = []
     for key, times in measured:
         if key.device != device:
             raise ValueError(f"a measurement of device {key.device!r} in a table of {device!r}")
         row = {f: getattr(key, f) for f in ("kernel", "bits", "group", "k", "n", "rows", "dtype")}
-        entries.append(row | {t: float(times[t]) for t in ("pallas_s", "xla_s", "bf16_s")})
+        entries.append(row | {t: float(times[t]) for t in ("pallas_s", "xla_s", "bf16_s")}
+                       | ({"wrong": True} if times.get("wrong") else {}))
     return {"format": FORMAT, "device": device, **meta, "entries": entries}
 
 

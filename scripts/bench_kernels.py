@@ -21,6 +21,8 @@ cache nor host dispatch flatters the small decode shapes.
 ``--write-table PATH`` also times XLA's path of each quantized product and writes the
 measured dispatch table (``llmeq_jax/dispatch_table.py``): with ``LLMEQ_DISPATCH_TABLE=PATH``
 a product goes to the kernel only where it was measured faster than XLA on this device.
+Every timed kernel's output is checked against a float32 reference of the same operands first (:func:`agrees`): a
+kernel that disagrees prints WRONG, and its entry is marked ``"wrong"`` (dispatch then takes XLA's path there).
 """
 
 from __future__ import annotations
@@ -73,30 +75,37 @@ def copies_for(nbytes: int) -> int:
     return max(4, min(32, -(-3 * L2_BYTES // max(nbytes, 1))))
 
 
-def timed(fn, inputs, *, reps):
+def timed(fn, inputs, *, reps, outputs: list | None = None):
     """Device time of ``fn`` per call: ``fn`` applied once to each input set, in one jit.
 
     ``inputs`` is a list of argument tuples (distinct copies of the operands, so the
     weights stream from HBM as in a real model instead of sitting in L2). All
     calls of one rep are one executable; ``reps`` executables are dispatched
     back to back and waited for once, so host dispatch overlaps the GPU work.
-    Returns seconds per call (best of 3 such measurements).
+    Returns seconds per call (best of 3 such measurements); ``outputs``: a list the first input set's result is
+    appended to (from the warm-up call: no second compile), for :func:`agrees`.
     """
-    return timed_round_robin({"": (fn, inputs)}, reps=reps)[""]
+    first = {} if outputs is not None else None
+    t = timed_round_robin({"": (fn, inputs)}, reps=reps, outputs=first)[""]
+    if outputs is not None:
+        outputs.append(first[""])
+    return t
 
 
 ROUNDS = 3  # the measurements of a variant whose best :func:`timed_round_robin` keeps
 
 
-def timed_round_robin(variants: dict, *, reps) -> dict:
+def timed_round_robin(variants: dict, *, reps, outputs: dict | None = None) -> dict:
     """:func:`timed` of several variants (``{name: (fn, inputs)}``) measured in turns -- each round times
     every variant once -- keeping each one's best round: a clock or cache state that drifts over a few
     seconds then touches all of them alike. (On an H200 one configuration timed 10-15 % apart when measured
-    a few seconds apart in a sweep.)"""
+    a few seconds apart in a sweep.) ``outputs``: a dict that gets each variant's result of its first input set."""
     many = {name: (jax.jit(lambda sets, fn=fn: [fn(*a) for a in sets]), inputs)
             for name, (fn, inputs) in variants.items()}
-    for f, inputs in many.values():
-        jax.block_until_ready(f(inputs))
+    for name, (f, inputs) in many.items():
+        warm = jax.block_until_ready(f(inputs))
+        if outputs is not None:
+            outputs[name] = warm[0]
     best = dict.fromkeys(variants, float("inf"))
     for _ in range(ROUNDS):
         for name, (f, inputs) in many.items():
@@ -110,6 +119,45 @@ def timed_round_robin(variants: dict, *, reps) -> dict:
 
 def _copies(a, n):
     return [a + jnp.zeros((), a.dtype) if i else a for i in range(n)]
+
+
+# How far a kernel's result may be from the float32 reference of the same operands (relative to the reference's
+# norm) before it is called wrong: bf16 / float16 rounding of operands and outputs stays under ~1 %, int8
+# activations add ~1 %, E4M3 activations and weights ~3-5 %; a kernel that reads the wrong bytes is off by ~100 %.
+TOLERANCE = 0.03
+TOLERANCE_INT8_ACTIVATIONS = 0.05
+TOLERANCE_FP8 = 0.15
+
+
+def relative_error(out, ref) -> float:
+    """||out - ref|| / ||ref|| in float32 (NaN where ``out`` holds one)."""
+    out, ref = (jnp.asarray(a, jnp.float32).reshape(-1) for a in (out, ref))
+    return float(jnp.linalg.norm(out - ref) / jnp.maximum(jnp.linalg.norm(ref), 1e-30))
+
+
+def agrees(label: str, out, ref, tol: float = TOLERANCE) -> bool:
+    """Whether a kernel's result ``out`` is within ``tol`` of ``ref`` (:func:`relative_error`); prints a WRONG
+    line naming ``label`` where not (a NaN is wrong too), which marks its table entry."""
+    err = relative_error(out, ref)
+    if err <= tol:
+        return True
+    print(f"  {label}: WRONG: relative error {err:.3g} against the reference (tolerance {tol:g}); its table entry "
+          f"chooses XLA's path", flush=True)
+    return False
+
+
+def tolerance_of(kind: str) -> float:
+    """The :func:`agrees` tolerance of a matmul kind, by the operands it rounds."""
+    if kind.startswith("fp8"):
+        return TOLERANCE_FP8
+    return TOLERANCE_INT8_ACTIVATIONS if "a8" in kind else TOLERANCE
+
+
+def operands_of(kind: str) -> str:
+    """Which of a weight's versions a matmul kind multiplies: "bf16", "fp8", "int4" or "int8"."""
+    if kind in ("bf16", "bf16_stack"):
+        return "bf16"
+    return "fp8" if kind.startswith("fp8") else "int4" if "w4" in kind else "int8"
 
 
 def table_key(kind: str, k: int, n: int, m: int):
@@ -320,6 +368,8 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
         wbs = jnp.stack(wb) if "bf16_stack" in kinds_wanted else None  # r layers of bf16 weights
         layers = [jnp.int32(i) for i in range(r)] if wbs is not None else []
         del w
+        # each version of the weight in float32, for the reference products the kernels are checked against
+        versions = {"bf16": wb[0], "int8": q8, "fp8": qf, "int4": q4}
         kinds = {
             "bf16": (lambda x, w: x @ w, list(zip(wb))),
             "w8a8": (lambda x, w, s: w8a8_matmul(x, w, s), list(zip(w8, s8))),
@@ -362,34 +412,45 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
         for m in rows:
             xs = _copies(jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16), r)
             base = None
-            row_times = {}
+            row_times = {}  # the kinds timed in this row whose results were right
+            refs = {}  # x @ each float32 weight version, made as a kind first needs it
             for kind, (fn, ws) in kinds.items():
                 if (kind in DECODE_ONLY_KINDS and m > DECODE_M[-1] or kind in GEMV_ONLY_ROWS and m > GEMV_MAX_ROWS
                         or kind in PREFILL_ONLY_KINDS and m <= DECODE_M[-1]):
                     continue
+                got = []
                 try:
-                    t = timed(fn, [(x, *wargs) for x, wargs in zip(xs, ws)], reps=reps)
+                    t = timed(fn, [(x, *wargs) for x, wargs in zip(xs, ws)], reps=reps, outputs=got)
                 except Exception as e:  # one kind failing to compile or run costs its row, not the step's others
                     if kind == "bf16":
                         raise
                     print(f"{f'{k}x{n}':>12} {m:>5} {kind:>7} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
                     continue
+                op = operands_of(kind)
+                if op not in refs:
+                    weight = versions[op]
+                    weight = weight.astype(jnp.float32) if op == "bf16" else weight.dequantize(jnp.float32)
+                    refs[op] = jnp.dot(xs[0].astype(jnp.float32), weight, precision=jax.lax.Precision.HIGHEST)
+                right = agrees(f"{k}x{n} M={m} {kind}", got.pop(), refs[op], tolerance_of(kind))
+                mark = {} if right else {"wrong": True}  # a wrong kernel's entries choose XLA's path
                 base = base or t
-                row_times[kind] = t
+                if right:
+                    row_times[kind] = t
                 line = (f"{f'{k}x{n}':>12} {m:>5} {kind:>7} {t * 1e3:>8.4f} {2 * m * k * n / t / 1e12:>8.1f} "
                         f"{bytes_moved(m, k, n, kind) / t / 1e9:>7.0f} {base / t:>7.2f}x")
                 origin = LAYOUT_OF.get(kind, kind)
                 if table is not None and origin in xla_of and kind not in NOT_IN_TABLE:
                     xla_inputs = [(x, *wargs) for x, wargs in zip(xs, kinds_all[origin][1])]
                     t_xla = timed(xla_of[origin], xla_inputs, reps=reps)
-                    table.append((table_key(kind, k, n, m), {"pallas_s": t, "xla_s": t_xla, "bf16_s": base}))
+                    table.append((table_key(kind, k, n, m), {"pallas_s": t, "xla_s": t_xla, "bf16_s": base} | mark))
                     line += f"  (XLA {t_xla * 1e3:.4f} ms, {base / t_xla:.2f}x)"
                 if table is not None and kind == "w8_nk_f16" and "w8_nk" in row_times:  # against the kernel it replaces
-                    table.append((table_key(kind, k, n, m), {"pallas_s": t, "xla_s": row_times["w8_nk"], "bf16_s": base}))
+                    table.append((table_key(kind, k, n, m),
+                                  {"pallas_s": t, "xla_s": row_times["w8_nk"], "bf16_s": base} | mark))
                     line += f"  ({row_times['w8_nk'] / t:.2f}x w8_nk)"
                 replaced = HOPPER_REPLACES.get(kind)
                 if table is not None and replaced in row_times:  # against the Triton kernel it replaces
-                    times = {"pallas_s": t, "xla_s": row_times[replaced], "bf16_s": base}
+                    times = {"pallas_s": t, "xla_s": row_times[replaced], "bf16_s": base} | mark
                     table.append((table_key(kind, k, n, m), times))
                     line += f"  ({row_times[replaced] / t:.2f}x {replaced})"
                 if table is not None and kind in REPLACES:  # against the path it replaces
@@ -398,7 +459,7 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
                                   reps=reps)
                     others = [o for o in REPLACES[kind] if o in row_times]
                     replaced = min([t_xla] + [row_times[o] for o in others])
-                    table.append((table_key(kind, k, n, m), {"pallas_s": t, "xla_s": replaced, "bf16_s": base}))
+                    table.append((table_key(kind, k, n, m), {"pallas_s": t, "xla_s": replaced, "bf16_s": base} | mark))
                     line += f"  (XLA {t_xla * 1e3:.4f} ms" + "".join(f", {row_times[o] / t:.2f}x {o}"
                                                                      for o in others) + ")"
                 if kind == "w4_xla_words" and "w4_words" in row_times:
@@ -450,12 +511,15 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
                         layout = "nk" if kind == "w8a8_nk" else "kn"
                         fn = lambda x, w, s, cfg=cfg, lay=layout: w8a8_matmul(x, w, s, w_layout=lay, **cfg)  # noqa: E731
                     try:
-                        t = timed(fn, [(x, *wargs) for x, wargs in zip(xs, kinds[kind][1])], reps=reps)
+                        got = []
+                        t = timed(fn, [(x, *wargs) for x, wargs in zip(xs, kinds[kind][1])], reps=reps, outputs=got)
                         print(f"   sweep {kind} M={m} {cfg}: {t * 1e3:.4f} ms, {base / t:.2f}x bf16", flush=True)
+                        if operands_of(kind) in refs:  # the kind's own row made it
+                            agrees(f"sweep {kind} M={m} {cfg}", got[0], refs[operands_of(kind)], tolerance_of(kind))
                     except Exception as e:  # a config Triton rejects (e.g. too much shared memory)
                         print(f"   sweep {kind} M={m} {cfg}: failed: {type(e).__name__}: {str(e)[:200]}")
-            del xs
-        del wb, w8, s8, wf, sf, w4, s4, w8t, wft, w4w, w4r, w4t, s4t, wbs, layers, kinds, kinds_all
+            del xs, refs
+        del wb, versions, w8, s8, wf, sf, w4, s4, w8t, wft, w4w, w4r, w4t, s4t, wbs, layers, kinds, kinds_all
         if table is not None and table_path:  # after every weight shape: a run cut short keeps what it measured
             write_table(table_path, table)
     if attention:
@@ -464,7 +528,8 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
 
 def sweep_in_turns(kind: str, kinds: dict, xs: list, configs: list, reps: int, fn_of) -> None:
     """Time ``kind``'s kernel under each of ``configs`` (``fn_of(cfg)``: the call with those settings) in turns with
-    the bf16 dot and the kernel's defaults (:func:`timed_round_robin`) on ``kind``'s weights, and print each."""
+    the bf16 dot and the kernel's defaults (:func:`timed_round_robin`) on ``kind``'s weights, and print each (WRONG
+    where a setting's result strays from the defaults', which the row checked)."""
     def inputs(of):
         return [(x, *wargs) for x, wargs in zip(xs, kinds[of][1])]
 
@@ -477,10 +542,13 @@ def sweep_in_turns(kind: str, kinds: dict, xs: list, configs: list, reps: int, f
             print(f"   sweep {kind} M={m} {cfg}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
             continue
         variants[str(cfg)] = (fn_of(cfg), inputs(kind))
-    times = timed_round_robin(variants, reps=reps)
+    firsts = {}
+    times = timed_round_robin(variants, reps=reps, outputs=firsts)
     for name, t in times.items():
+        err = relative_error(firsts[name], firsts["defaults"]) if name != "bf16" else 0.0
+        wrong = f"  WRONG: relative error {err:.3g} against the defaults" if not err <= tolerance_of(kind) else ""
         print(f"   sweep {kind} M={m} {name}: {t * 1e3:.4f} ms, {times['bf16'] / t:.2f}x bf16, "
-              f"{times['defaults'] / t:.2f}x the defaults", flush=True)
+              f"{times['defaults'] / t:.2f}x the defaults{wrong}", flush=True)
 
 
 def attention_bench(reps, sweep=False, table=None, table_path=None):
@@ -562,6 +630,9 @@ def float_attention_bench(reps, table=None, table_path=None):
                 first = program(q, kn, vn, *cache)  # from the same inputs for both: compared below
                 state[name] = [program, (*first[:1], kn, vn, *first[1:])]
             err = jnp.max(jnp.abs(state["kernel"][1][0].astype(jnp.float32) - state["xla"][1][0].astype(jnp.float32)))
+            # bf16 outputs fed back as the next step's query, 32 times: more rounding than one call
+            right = agrees(f"float decode attention H_kv={h} G={g} T={t}", state["kernel"][1][0], state["xla"][1][0],
+                           2 * TOLERANCE)
             best = dict.fromkeys(state, float("inf"))
             for _ in range(3):  # in turns, each variant's best round
                 for name, (program, args) in state.items():
@@ -580,7 +651,8 @@ def float_attention_bench(reps, table=None, table_path=None):
             if table is not None:
                 key = dispatch_table.Key(jax.devices()[0].device_kind, "kv_attention", 16, None, d, t,
                                          dispatch_table.row_bucket(b * g), "bfloat16")
-                table.append((key, {"pallas_s": best["kernel"], "xla_s": best["xla"], "bf16_s": best["xla"]}))
+                table.append((key, {"pallas_s": best["kernel"], "xla_s": best["xla"], "bf16_s": best["xla"]}
+                              | ({} if right else {"wrong": True})))
             del state
     if table is not None and table_path:
         write_table(table_path, table)
@@ -613,16 +685,19 @@ def prompt_attention_bench(reps, lengths=PROMPT_LENGTHS, table=None, table_path=
             k, v = (jax.random.normal(key, (1, kv, t, d), jnp.bfloat16) for key in keys[1:])
             mask = jnp.tril(jnp.ones((t, t), bool))[None]
             inputs = [(q, k, v, mask)]
-            err = jnp.max(jnp.abs(jax.jit(flash)(*inputs[0]).astype(jnp.float32)
-                                  - jax.jit(attention.attention_xla)(*inputs[0]).astype(jnp.float32)))
-            best = timed_round_robin({"flash": (flash, inputs), "xla": (attention.attention_xla, inputs)}, reps=reps)
+            firsts = {}
+            best = timed_round_robin({"flash": (flash, inputs), "xla": (attention.attention_xla, inputs)}, reps=reps,
+                                     outputs=firsts)
+            err = jnp.max(jnp.abs(firsts["flash"].astype(jnp.float32) - firsts["xla"].astype(jnp.float32)))
+            right = agrees(f"prompt attention T={t} H={h} H_kv={kv}", firsts["flash"], firsts["xla"])
             print(f"prompt attention T={t} H={h} H_kv={kv} D={d} bf16 causal: cuDNN flash "
                   f"{best['flash'] * 1e6:.1f} us, XLA {best['xla'] * 1e6:.1f} us: {best['xla'] / best['flash']:.2f}x; "
                   f"max |flash - XLA| {float(err):.2g}", flush=True)
             if table is not None:
                 key = dispatch_table.Key(jax.devices()[0].device_kind, "prompt_attention", 16, None, d,
                                          dispatch_table.row_bucket(t), dispatch_table.row_bucket(t), "bfloat16")
-                table.append((key, {"pallas_s": best["flash"], "xla_s": best["xla"], "bf16_s": best["xla"]}))
+                table.append((key, {"pallas_s": best["flash"], "xla_s": best["xla"], "bf16_s": best["xla"]}
+                              | ({} if right else {"wrong": True})))
     if table is not None and table_path:
         write_table(table_path, table)
 
@@ -652,32 +727,38 @@ def norm_bench(reps, features, rows, table=None, table_path=None):
         stack = jax.random.uniform(jax.random.key(k), (NORM_LAYERS, k), minval=0.5, maxval=1.5)
         for m in (r for r in rows if r <= 16):
             x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
-            chains = timed_round_robin({name: (f, [(x, stack)]) for name, f in variants.items()}, reps=reps)
+            firsts = {}
+            chains = timed_round_robin({name: (f, [(x, stack)]) for name, f in variants.items()}, reps=reps,
+                                       outputs=firsts)
+            right = agrees(f"rms_norm K={k} M={m}", firsts["kernel"], firsts["xla"])
             best = {name: t / NORM_LAYERS for name, t in chains.items()}
             print(f"rms_norm K={k} M={m}: kernel {best['kernel'] * 1e6:.2f} us, XLA {best['xla'] * 1e6:.2f} us "
                   f"({best['xla'] / best['kernel']:.2f}x)", flush=True)
             if table is not None:
                 key = dispatch_table.Key(jax.devices()[0].device_kind, "rms_norm", 32, None, k, k,
                                          dispatch_table.row_bucket(m), "bfloat16")
-                table.append((key, {"pallas_s": best["kernel"], "xla_s": best["xla"], "bf16_s": best["xla"]}))
+                table.append((key, {"pallas_s": best["kernel"], "xla_s": best["xla"], "bf16_s": best["xla"]}
+                              | ({} if right else {"wrong": True})))
         if table is not None and table_path:
             write_table(table_path, table)
 
 
-def attention_row(label: str, fn, inputs, reps, kv_bytes: int, t_bf: float, versus=None) -> float | None:
-    """``fn``'s seconds a call over ``inputs``, printed as a row (ms, GB/s of ``kv_bytes``, the ratio to bf16's
-    ``t_bf``, and ``versus(seconds)``'s text); None where it fails, which costs its own line only."""
+def attention_row(label: str, fn, inputs, reps, kv_bytes: int, t_bf: float, ref, versus=None) -> tuple:
+    """(``fn``'s seconds a call over ``inputs``, whether its result on the first input set agrees with ``ref``),
+    printed as a row (ms, GB/s of ``kv_bytes``, the ratio to bf16's ``t_bf``, and ``versus(seconds)``'s text);
+    (None, False) where it fails, which costs its own line only."""
+    got = []
     try:
-        t = timed(fn, inputs, reps=reps)
+        t = timed(fn, inputs, reps=reps, outputs=got)
     except Exception as e:  # noqa: BLE001 -- a failing kind or setting costs its own line
         print(f"  {label}: failed: {type(e).__name__}: {str(e)[:200]}")
-        return None
+        return None, False
     print(f"  {label}: {t * 1e3:.4f} ms ({kv_bytes / t / 1e9:.0f} GB/s), {t_bf / t:.2f}x bf16"
           + (versus(t) if versus else ""), flush=True)
-    return t
+    return t, agrees(label, got[0], ref)
 
 
-def hopper_row(t, bits, inputs, grids, t_bf, t_replaced, kv_bytes, reps, table, configs=({},), rope=None):
+def hopper_row(t, bits, inputs, grids, t_bf, t_replaced, kv_bytes, reps, table, ref, configs=({},), rope=None):
     """The Mosaic GPU decode attention's rows (``kv_attention_hopper``, int``bits`` codes) under each of ``configs``
     ({} = its defaults), and with a list ``table`` its defaults' entry against ``t_replaced``, timed in the same run:
     post-RoPE keys, kernel ``kv_attention_hopper`` against the faster of the Triton kernel and XLA's dots; pre-RoPE
@@ -698,12 +779,13 @@ def hopper_row(t, bits, inputs, grids, t_bf, t_replaced, kv_bytes, reps, table, 
     for cfg in configs:
         fn = lambda q, k, v, cfg=cfg: kv_attention_hopper(  # noqa: E731
             q, k, v, *grids, None, bits=bits, allowed=step_mask, **rope, **cfg)[0]
-        t_h = attention_row(f"{label} {cfg or 'default'}", fn, inputs, reps, kv_bytes, t_bf,
-                            lambda t: f", {t_replaced / t:.2f}x the path it replaces")
+        t_h, right = attention_row(f"{label} {cfg or 'default'}", fn, inputs, reps, kv_bytes, t_bf, ref,
+                                   lambda t: f", {t_replaced / t:.2f}x the path it replaces")
         if t_h is not None and table is not None and not cfg:
             key = dispatch_table.Key(jax.devices()[0].device_kind, kernel, bits, None, d, t,
                                      dispatch_table.row_bucket(b * hq // h), jnp.dtype(q.dtype).name)
-            table.append((key, {"pallas_s": t_h, "xla_s": t_replaced, "bf16_s": t_bf}))
+            times = {"pallas_s": t_h, "xla_s": t_replaced, "bf16_s": t_bf}
+            table.append((key, times | ({} if right else {"wrong": True})))
 
 
 def pre_rope_rows(t, bits, inputs, grids, t_bf, kv_bytes, reps, table):
@@ -716,10 +798,21 @@ def pre_rope_rows(t, bits, inputs, grids, t_bf, kv_bytes, reps, table):
     b, d = inputs[0][0].shape[0], inputs[0][0].shape[2]
     rope = dict(slot_pos=jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)),
                 inv_freq=jnp.asarray(rope_inv_freq(d, 10000.0, None)))
+    ref = attention_reference(inputs[0], grids, bits, rope)
     fn = lambda q, k, v: store_decode_attention(q, k, v, *grids, bits=bits, **rope)[0]  # noqa: E731
-    t_p = attention_row(f"int{bits} pre-RoPE Pallas default", fn, inputs, reps, kv_bytes, t_bf)
+    t_p, _ = attention_row(f"int{bits} pre-RoPE Pallas default", fn, inputs, reps, kv_bytes, t_bf, ref)
     if t_p is not None:
-        hopper_row(t, bits, inputs, grids, t_bf, t_p, kv_bytes, reps, table, rope=rope)
+        hopper_row(t, bits, inputs, grids, t_bf, t_p, kv_bytes, reps, table, ref, rope=rope)
+
+
+def attention_reference(first_inputs, grids, bits: int, rope=None):
+    """The float32 reference of a decode attention over the store (``pallas_kernels.kv_cache``'s jnp one) on one
+    input set (q, key codes, value codes) with the store's ``grids`` (key scale and min, value scale and min,
+    length) and, for pre-RoPE keys, ``rope`` (slot_pos, inv_freq)."""
+    from pallas_kernels.kv_cache import store_decode_attention_reference
+
+    call = jax.jit(lambda q, k, v: store_decode_attention_reference(q, k, v, *grids, bits=bits, **(rope or {}))[0])
+    return call(*first_inputs)
 
 
 def attention_rows(t, configs, reps, table=None, xla=False, hopper_configs=({},), pre_rope=False):
@@ -759,14 +852,16 @@ def attention_rows(t, configs, reps, table=None, xla=False, hopper_configs=({},)
           f"({kv_bytes['bf16'] / t_bf / 1e9:.0f} GB/s)")
     for bits, caches in ((8, kqs), (4, k4s)):
         inputs = [(q, caches[i], caches[r + i]) for i in range(r)]
-        t_default = None
+        ref = attention_reference(inputs[0], (ks, kl, vs, vl, length), bits)
+        t_default, default_right = None, False
         for cfg in configs:
             fn = lambda q, k, v, cfg=cfg, bits=bits: store_decode_attention(q, k, v, ks, kl, vs, vl, length, bits=bits,
                                                                           **cfg)[0]
             # (a setting may fail, e.g. a block size that needs more shared memory than there is)
-            t_q = attention_row(f"int{bits} Pallas {cfg or 'default'}", fn, inputs, reps, kv_bytes[bits], t_bf)
+            t_q, right = attention_row(f"int{bits} Pallas {cfg or 'default'}", fn, inputs, reps, kv_bytes[bits], t_bf,
+                                       ref)
             if not cfg:
-                t_default = t_q
+                t_default, default_right = t_q, right
         if not xla:
             continue
         # XLA's own GEMM fusions over the codes, the grids folded out of the dots (llmeq_jax/kv/store_attention.py):
@@ -779,10 +874,11 @@ def attention_rows(t, configs, reps, table=None, xla=False, hopper_configs=({},)
         if table is not None and t_default:
             key = dispatch_table.Key(jax.devices()[0].device_kind, "kv_attention", bits, None, d, t,
                                      dispatch_table.row_bucket(b * g), jnp.dtype(q.dtype).name)
-            table.append((key, {"pallas_s": t_default, "xla_s": t_x, "bf16_s": t_bf}))
+            table.append((key, {"pallas_s": t_default, "xla_s": t_x, "bf16_s": t_bf}
+                          | ({} if default_right else {"wrong": True})))
         # the Mosaic GPU kernel (pallas_kernels/kv_attention_hopper.py), against the faster of the two
         hopper_row(t, bits, inputs, (ks, kl, vs, vl, length), t_bf, min(t_x, t_default or t_x), kv_bytes[bits], reps,
-                   table, hopper_configs)
+                   table, ref, hopper_configs)
         if pre_rope:
             pre_rope_rows(t, bits, inputs, (ks, kl, vs, vl, length), t_bf, kv_bytes[bits], reps, table)
 

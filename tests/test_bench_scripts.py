@@ -151,6 +151,7 @@ def test_bench_kernels_gpu_steps_run_through_in_interpret_mode(capsys, monkeypat
     for kind in kinds:
         assert f"256x128     1 {kind:>7}" in out, kind
     assert sorted(k.kernel for k, _ in table) == ["float", "int4_words", "int8_f16", "weight_only"]
+    assert "WRONG" not in out and not any("wrong" in times for _, times in table)  # every result checked right
     assert out.count("sweep w4_words M=1") == len(bench._words_sweep(256, 128)) + 2  # + bf16 and the defaults
     assert out.count("sweep w8_nk_f16 M=1") == len(bench._int8_f16_sweep()) + 2
 
@@ -309,6 +310,7 @@ def test_bench_kernels_attention_step_times_the_kernel_and_xlas_dots(capsys, mon
                     "pre-RoPE Mosaic GPU default:"):
             assert out.count(f"int{bits} {row}") == 1, row
     assert "failed" not in out and out.count("decode attention B=1 T=") == 1
+    assert "WRONG" not in out and not any("wrong" in times for _, times in table)  # each kernel checked right
     assert [(k.kernel, k.bits, k.k, k.n, k.rows) for k, _ in table] == [
         (kernel, bits, 128, 256, 4) for bits in (8, 4)
         for kernel in ("kv_attention", "kv_attention_hopper", "kv_attention_hopper_rope")]
@@ -324,6 +326,29 @@ def test_bench_kernels_attention_step_times_the_kernel_and_xlas_dots(capsys, mon
     bench.attention_bench(1, sweep=True)
     assert rows_calls[:2] == [(256, 1, True, 0, True), (128, 1, True, 0, True)]  # the Mosaic kernels at defaults
     assert rows_calls[2] == (256, 7, True, 3, False) and len(rows_calls) == 3
+
+
+def test_bench_kernels_marks_a_kernel_whose_result_is_wrong(capsys, monkeypatch):
+    """A kernel whose product is wrong (the word kernel's, halved here) is timed, then named WRONG, and its table
+    entry is marked so that dispatch takes XLA's path there however fast it ran; the kinds beside it keep their
+    entries unmarked. A broken Triton or Mosaic lowering that only a GPU shows must not win a table by being fast."""
+    from llmeq_jax import dispatch_table
+    from pallas_kernels import config, int4_words
+
+    bench = _bench_kernels(monkeypatch)
+    real = int4_words.int4_words_matmul
+    monkeypatch.setattr(int4_words, "int4_words_matmul", lambda *a, **kw: real(*a, **kw) * 0.5)
+    table = []
+    with config.interpret(True):
+        bench.gpu_bench(1, table=table, kinds_wanted=("bf16", "w4g128", "w4_words"), weights=((256, 128),),
+                        attention=False, rows=(1,))
+    out = capsys.readouterr().out
+    assert out.count("WRONG") == 1 and "256x128 M=1 w4_words: WRONG: relative error 0.5" in out
+    marked = {k.kernel: times.get("wrong", False) for k, times in table}
+    assert marked == {"weight_only": False, "int4_words": True}
+    words = next((k, times | {"pallas_s": times["xla_s"] / 10}) for k, times in table if k.kernel == "int4_words")
+    read = dispatch_table.from_json(dispatch_table.to_json(words[0].device, [words]))
+    assert read.choice(words[0]) == "xla"  # ten times faster, and wrong
 
 
 def test_bench_kernels_xla_int4_candidates_compute_the_product():
@@ -468,7 +493,7 @@ def test_bench_kernels_norm_step_times_the_kernel_and_xla_and_writes_entries(tmp
     with config.interpret(True):
         bench.norm_bench(1, [64, 300], (1, 16, 2048), table, str(path))
     out = capsys.readouterr().out
-    assert out.count("rms_norm K=") == 4 and "K=300 M=16" in out
+    assert out.count("rms_norm K=") == 4 and "K=300 M=16" in out and "WRONG" not in out
     read = dispatch_table.from_json(json.loads(path.read_text()))
     key = dispatch_table.Key(jax.devices()[0].device_kind, "rms_norm", 32, None, 300, 300, 16, "bfloat16")
     assert sorted((k.k, k.rows) for k, _ in table) == [(64, 1), (64, 16), (300, 1), (300, 16)]

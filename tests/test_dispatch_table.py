@@ -33,6 +33,25 @@ def test_row_bucket(m, bucket):
     assert dt.row_bucket(m) == bucket
 
 
+def test_a_kernel_found_wrong_where_it_was_timed_is_never_chosen(tmp_path):
+    """An entry marked "wrong" (the benchmark's check of the kernel's output failed) chooses XLA however fast the
+    kernel was, keeps the mark through a file, and sends its unmeasured neighbours to XLA too; a mark that is not a
+    boolean is one clear error."""
+    fast, wrong = TIMES | {"pallas_s": 5e-6}, TIMES | {"pallas_s": 5e-6, "wrong": True}
+    assert _table(fast).choice(_key()) == "pallas"
+    table = _table(wrong, _key(), _key(k=512), _key(k=1024))
+    assert table.choice(_key()) == "xla"
+    assert table.choice(_key(k=768)) == "xla"  # inferred from the three
+    path = tmp_path / "t.json"
+    dt.write(path, table)
+    assert dt.load(path).entries[_key()] == wrong and dt.load(path).choice(_key()) == "xla"
+    assert "wrong" not in dt.to_json(DEVICE, [(_key(), fast)])["entries"][0]
+    data = dt.to_json(DEVICE, [(_key(), fast)])
+    data["entries"][0]["wrong"] = "yes"
+    with pytest.raises(dt.DispatchTableError, match=r"entries\[0\]: wrong must be true or false, got 'yes'"):
+        dt.from_json(data)
+
+
 def test_json_round_trip_and_choice(tmp_path):
     slow_kernel, fast_kernel = _key(rows=1), _key(rows=512, kernel="w8a8", bits=8, group=None)
     data = dt.to_json(DEVICE, [(slow_kernel, TIMES), (fast_kernel, TIMES | {"pallas_s": 5e-6})], jax="x")
