@@ -81,17 +81,18 @@ def cache_dtype_for(params):
 def kernel_state() -> tuple:
     """The kernel switches a trace depends on (Pallas interpret mode, Pallas kernels disabled,
     native CPU kernels enabled, the dispatch table read: ``dispatch_table.identity``, the kernels' launch
-    settings overridden: ``pallas_kernels.settings``).
+    settings overridden: ``pallas_kernels.settings``, the kernels not yet run on a GPU turned on:
+    ``pallas_kernels.hardware_checked``).
 
     The jitted steps below take it as a static argument, so a step traced with kernels
     on is not reused inside ``pallas_kernels.config.disabled()`` or ``native.disabled()``
     (or the other way round), nor one traced under another dispatch table or other launch settings.
     """
     from llmeq_jax import dispatch_table, native
-    from pallas_kernels import config as kernel_config, settings
+    from pallas_kernels import config as kernel_config, hardware_checked, settings
 
     return (kernel_config.interpret_enabled(), kernel_config.is_disabled(), native.enabled(),
-            dispatch_table.identity(), settings.current())
+            dispatch_table.identity(), settings.current(), hardware_checked.named())
 
 
 def _layout_state() -> tuple:

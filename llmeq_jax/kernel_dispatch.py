@@ -38,7 +38,7 @@ from llmeq_jax import dispatch_table
 from llmeq_jax.core.qarray import QArray, is_packed
 from llmeq_jax.decode_layout import GPU_KMAJOR_MAX_ROWS, scale_group
 from llmeq_jax.layer_slice import take_layer
-from pallas_kernels import config, decode_hopper, float_matmul, int4_words, int4_words_prefill, \
+from pallas_kernels import config, decode_hopper, float_matmul, hardware_checked, int4_words, int4_words_prefill, \
     rms_norm as norm_kernel, w8a8, w8a8_hopper, weight_only, weight_only_hopper
 
 
@@ -315,8 +315,9 @@ def linear_float(x, stack, layer, force: bool = False):
 
 def rms_norm(x, scale, eps: float, layer=None, force: bool = False):
     """RMSNorm of ``x`` by ``pallas_kernels.rms_norm`` (one kernel where XLA launches two at batch 1), or None
-    (XLA's then). ``scale``: (K,), or with ``layer`` a stack (L, K) read in place. Taken at decode rows on a
-    GPU unless the active or shipped dispatch table measured XLA's norm faster (kernel ``rms_norm``), and
+    (XLA's then). ``scale``: (K,), or with ``layer`` a stack (L, K) read in place. Taken at decode rows where
+    the active or shipped dispatch table measured it faster than XLA's norm (kernel ``rms_norm``), on a GPU where
+    no table measured it once it passed its gpu cases on one (``pallas_kernels.hardware_checked``: not yet), and
     with ``force``; interpret mode keeps XLA's norm unless forced (the CPU tests' models stay as they were)."""
     if not config.kernels_available():
         return None
@@ -326,7 +327,9 @@ def rms_norm(x, scale, eps: float, layer=None, force: bool = False):
         return None
     key = dispatch_table.Key(config.target_device().device_kind, "rms_norm", 32, None, k, k,
                              dispatch_table.row_bucket(x2.shape[0]), jnp.dtype(x.dtype).name)
-    if not (force or (config.on_gpu() and dispatch_table.choice(key) != "xla")):
+    measured = dispatch_table.choice(key)
+    unmeasured = measured is None and config.on_gpu() and hardware_checked.allowed("rms_norm")
+    if not (force or measured == "pallas" or unmeasured):
         return None
     return norm_kernel.rms_norm(x2, scale, eps, layer=layer).reshape(x.shape)
 

@@ -8,7 +8,7 @@ model of Llama-2-7B shapes decoded at 90 tok/s, a third of what its bytes allow.
 already read their layer in place (``layer=``); this is the same for float kernels: ``x @ w[layer]``
 tile by tile, split K when the (M, N) grid is small, float32 accumulation (TF32x3 for float32).
 
-Off unless a measured dispatch table says it beats XLA's slice-and-dot (kernel ``float``,
+Taken on a GPU unless a measured dispatch table says XLA's slice-and-dot is faster (kernel ``float``,
 ``scripts/bench_kernels.py --kinds bf16_stack``): ``llmeq_jax.kernel_dispatch.linear_float``.
 
 Contract: x (M, K), w (K, N) or a stack [L, K, N] with ``layer``, both of one float dtype -> (M, N).

@@ -41,7 +41,7 @@ from jax.experimental import pallas as pl
 from llmeq_jax.core.qarray import int_range, unpack
 from llmeq_jax.core.rope import apply_rope, reduced_angle
 from llmeq_jax.kv.grid import dequantize_grid
-from pallas_kernels import config, kv_words, offsets
+from pallas_kernels import config, hardware_checked, kv_words, offsets
 from pallas_kernels.common import (
     FLOAT_DTYPES,
     MIN_DOT,
@@ -459,8 +459,13 @@ def _decode(q, k_codes, v_codes, k_scale, k_lo, v_scale, extra, length, lay: _La
         interpret=interpret,
         name=f"decode_attention_int{lay.bits}" + ("_rope" if lay.rope else ""),
     )(*at, q.reshape(bsz, h, g, d), k_codes, v_codes, k_scale, k_lo, v_scale, *extra, length)  # clipped inside
-    # the splits merged in one kernel (XLA's merge was 3 launches for grouped queries, deviceless H100)
-    out, lse = merge_splits(acc, m[..., 0], g, total=l[..., 0], out_dtype=out_dtype, interpret=interpret)
+    # the splits merged in one kernel (XLA's merge was 3 launches for grouped queries, deviceless H100), once that
+    # kernel passed its gpu cases on a GPU (pallas_kernels.hardware_checked); until then XLA's merge
+    if hardware_checked.allowed("merge_splits"):
+        out, lse = merge_splits(acc, m[..., 0], g, total=l[..., 0], out_dtype=out_dtype, interpret=interpret)
+    else:
+        out, lse = combine_splits(acc, m, l)
+        out = out.astype(out_dtype)
     return out.reshape(bsz, hq, d), lse.reshape(bsz, hq)
 
 

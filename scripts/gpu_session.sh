@@ -1,117 +1,33 @@
 #!/usr/bin/env bash
-# Prepared runs for a lent GPU machine (issue #15): kernel correctness, the int4 word and FP8 kernels, KV decode
-# attention, compile seconds unrolled vs scanned, end-to-end decode/prefill on Llama-2-7B shapes (random weights,
-# bf16 baseline, transformers bf16 static cache beside). Each step has its own time limit and writes under $OUT
-# (default runs/gpu), so a slow step cannot eat the others' time. The machine reaches no registry: the device
-# tool carries the working tree; run from its root.
-# A session has 15 minutes of device time, a call at most 10, and a machine stays warm 30 s after a call. What the
-# last session learned (docs/kernels.md, "On a GPU again"): a start costs ~40 s; gpu_tests' 66 cases need more than
-# 120 s (give the subset that changed); an e2e variant at 32 layers takes ~100 s (quantizing, compiling prefill and
-# decode), so bf16 + two recipes + transformers need ~400 s. Two calls, the second issued at once (warm), ~850 s
-# with the start:
-#     STEPS="gpu_tests words sweep attention fp8" bash scripts/gpu_session.sh   # ~7.8 min of limits (timeout_s 480)
-#     STEPS="e2e" bash scripts/gpu_session.sh                                        # ~5.7 min (timeout_s 350)
-# (the second call's e2e decodes with the first call's tables merged over the shipped one: see the e2e step)
-# then, in a later session: layout layout_float kernels gemv prefill layout_dsf.
-# 2026-11-28 ran the two calls above (docs/kernels.md): rtn-w8 hit an illegal address (32-bit offsets over the
-# 2.9 GB int8 gate/up stack, fixed since) and rtn-w4-g128 did not finish in e2e's limit after bf16 and
-# transformers (both measured). Next session, two calls, the second at once (~10 min with the start):
-#     STEPS="gpu_tests probe w8a8_sweep" TESTS="stack_past or stacked or int8_f16" bash scripts/gpu_session.sh
-#         (timeout_s 280)
-#     STEPS="e2e" TORCH=--no-torch bash scripts/gpu_session.sh   (timeout_s 350)
-# 2026-12-04 ran both (docs/kernels.md): the tests pass, the probe put the int4 kernel's bound in its loads, rtn-w8
-# end to end 1.49x bf16; rtn-w4-g128 did not finish in e2e's limit twice (bench_e2e now echoes each phase's seconds).
-# The next session ran that (docs/kernels.md, "the next session"): the random weights took 97 s a variant (fixed);
-# then e2e with rtn-w8, rtn-w4-g128, rtn-w8a8 at batches 1 and 16 in 184 s, and Llama-3-8B / SmolLM2-135M shapes.
-# SmolLM2's quantized decode ran at 0.34-0.50x bf16. Next session, first (~5 min with the start):
-#     STEPS="small small_e2e" bash scripts/gpu_session.sh   (timeout_s 240)
-#     SHAPES=llama-3-8b STEPS=e2e RECIPES="rtn-w4-g128 rtn-w8" BATCHES="1 16" TORCH=--no-torch E2E_LIMIT=200 \
-#         bash scripts/gpu_session.sh   (timeout_s 220; prefill by inferred dispatch, GQA attention as sums)
-# The session after (no GPU) added the end-to-end sweep of the kernels' launch settings; first in the next GPU
-# session, as it bears on #15's end-to-end targets directly (~6 min with the start):
-#     STEPS="decode_sweep decode_sweep_w8 norms" bash scripts/gpu_session.sh   (timeout_s 420)
-#     STEPS="graphs_off graphs_on graphs_7b" bash scripts/gpu_session.sh   (timeout_s 290; whole loops as CUDA graphs)
-# The session after (no GPU) made a float cache's decode attention one kernel, a GQA model's small k / v
-# projections one q/k/v kernel with q, rtn-w8's norms one launch (its int8 kernel converts x itself; the w8 sweep
-# tries convert=xla) and a small model's int4 products one XLA reduction each (K-major): 12-13 launches an int4 or
-# int8 layer where the 2026-12-04 rows had 22. Every variant's decode changed: first, the end-to-end rows again
-# (~6 min with the start), then the sweeps and the kernel-level attention rows:
-#     STEPS="gpu_tests e2e" TESTS="float_decode or int8_f16" RECIPES="rtn-w4-g128 rtn-w8" BATCHES="1 16" \
-#         TORCH=--no-torch bash scripts/gpu_session.sh   (timeout_s 450; the new kernel's and the int8 kernel's
-#         gpu cases first: the e2e rows mean nothing if they fail)
-#     STEPS="float_attention decode_sweep_w8 small_e2e" bash scripts/gpu_session.sh   (timeout_s 360)
-# The session after (no GPU) cut a quantized KV cache's decode launches (its write one kernel, the float sinks in the
-# store kernel, a written online grid left alone: 35-51 -> 20 a layer) and made rtn-w8's GPU prefill one GEMM over
-# the int8 codes (no bf16 copy of each weight; e2e's prefill column times it). Add its gpu cases to the first call's
-# tests (TESTS="float_decode or int8_f16 or kv_store"); after the two calls, as time allows:
-#     STEPS="e2e_kv" bash scripts/gpu_session.sh   (timeout_s 260; int8 KV vs float KV at 4096 tokens)
-# The session after (no GPU) sent a GPU prompt's attention to cuDNN's flash attention and kept W8A8's stacked
-# weights from being transposed whole before a prompt's layer loop (every variant's prefill column changes). First
-# call, its gpu case added:
-#     STEPS="gpu_tests e2e" TESTS="float_decode or int8_f16 or kv_store or prompt_attention" \
-#         RECIPES="rtn-w4-g128 rtn-w8" BATCHES="1 16" TORCH=--no-torch bash scripts/gpu_session.sh   (timeout_s 450)
-# then STEPS="prompt_attention float_attention decode_sweep_w8" (timeout_s 420; cuDNN vs XLA attention at 128-4096
-# positions and its table entries first), e2e_kv as time allows.
-# The session after (no GPU) laid W8A8 prompts' weights out K-major (no per-call transpose: rtn-w8a8's e2e prefill
-# column) and made a quantized cache's per-step masks once a step (20 -> 15 launches a layer: e2e_kv's rows; its
-# store kernel's gpu cases are "store"). The plan above stands, with RECIPES="rtn-w4-g128 rtn-w8 rtn-w8a8" in the
-# first call and TESTS="float_decode or int8_f16 or store or prompt_attention" ("store": the kv_store cases too).
-# The session after (no GPU) wrote a prompt kernel over the int4 decode words (pallas_kernels/int4_words_prefill.py:
-# the weights as wgmma's A operand from registers; dispatch takes it only where a table measured it faster than
-# XLA's path). First its gpu cases and its table, then e2e at once with that table merged (the prefill column):
-#     STEPS="gpu_tests prefill_words" TESTS="words_prefill or float_decode or int8_f16 or store or prompt_attention" \
-#         bash scripts/gpu_session.sh   (timeout_s 330)
-#     STEPS="e2e" RECIPES="rtn-w4-g128 rtn-w8 rtn-w8a8" BATCHES="1 16" TORCH=--no-torch bash scripts/gpu_session.sh
-#         (timeout_s 360)
-# then STEPS="prompt_attention float_attention decode_sweep_w8" as time allows.
-# The session after (no GPU) wrote a W8A8 kernel for prompts in Mosaic GPU (pallas_kernels/w8a8_hopper.py: int8
-# wgmma kept in flight; dispatch takes it only where a table measured it faster than the Triton kernel). First call:
-#     STEPS="gpu_tests prefill_words hopper" TESTS="words_prefill or w8a8_hopper or float_decode or int8_f16 or store"
-#         bash scripts/gpu_session.sh   (timeout_s 450)
-# then the e2e call above at once (its rtn-w8a8 prefill column runs the Mosaic kernel where hopper measured it faster).
-# The session after (no GPU) wrote the weight-only prompt kernel in Mosaic GPU too (pallas_kernels/
-# weight_only_hopper.py: int8 codes or int4 pairs dequantized into shared memory, then bf16 wgmma; dispatch takes it
-# only where a table measured it faster than XLA's path). First call, its gpu cases and table added:
-#     STEPS="gpu_tests hopper hopper_w8" \
-#         TESTS="words_prefill or w8a8_hopper or weight_only_hopper or float_decode or int8_f16 or store" \
-#         bash scripts/gpu_session.sh   (timeout_s 520: 490 s of step limits)
-# then STEPS="e2e" RECIPES="rtn-w4-g128 rtn-w8 rtn-w8a8" BATCHES="1 16" TORCH=--no-torch E2E_LIMIT=280 at once
-# (timeout_s 300; the last run took 184 s); prefill_words in a later session (a call may run 600 s, a session 900 s
-# with the start).
-# The session after (no GPU) wrote a decode kernel in Mosaic GPU (pallas_kernels/decode_hopper.py: one program an SM
-# streaming (out, in) int4 or int8 rows by TMA, dequantized in registers as wgmma's A operand; decode takes it only
-# where a table measured it faster than the Triton kernels and XLA). First its gpu cases and table, then e2e at once
-# with that table merged (rtn-w4-g128's decode column is #15's largest gap, rtn-w8's a near miss):
-#     STEPS="gpu_tests decode_hopper hopper_w8" \
-#         TESTS="decode_hopper or weight_only_hopper or w8a8_hopper or float_decode or int8_f16" \
-#         bash scripts/gpu_session.sh   (timeout_s 560: 530 s of step limits)
-#     STEPS="e2e" RECIPES="rtn-w4-g128 rtn-w8" BATCHES="1 16" TORCH=--no-torch E2E_LIMIT=240 bash scripts/gpu_session.sh
-#         (timeout_s 260)
-# The session after (no GPU) gave the W8A8 recipes Mosaic GPU paths: FP8 prompts (w8a8_hopper(fp8=True), step
-# hopper_fp8) and int8 / FP8 W8A8 decode steps (decode_hopper.w8a8_decode_hopper, step decode_hopper_w8a8), and a
-# quantized cache's decode attention one (kv_attention_hopper, in the attention step). Next session, two calls, the
-# second at once (~15 min with the start; ~25 Mosaic gpu cases compile, hence TESTS_LIMIT):
-#     STEPS="gpu_tests decode_hopper decode_hopper_w8a8" TESTS_LIMIT=150 \
-#         TESTS="decode_hopper or weight_only_hopper or w8a8_hopper or fp8_hopper or kv_attention_hopper" \
-#         bash scripts/gpu_session.sh   (timeout_s 560: 540 s of step limits)
-#     STEPS="e2e" RECIPES="rtn-w4-g128 rtn-w8 rtn-w8a8 fp8-w8a8" TORCH=--no-torch E2E_LIMIT=250 \
-#         bash scripts/gpu_session.sh   (timeout_s 270)
-# then STEPS="attention hopper hopper_fp8 hopper_w8" (the KV and prompt kernels' tables) in the session after.
-# The session after (no GPU) let the Mosaic KV kernel read pre-RoPE stores (the cache's default spec: keys dequantized
-# and rotated in registers; table kernel kv_attention_hopper_rope) and fixed the attention step's constant value grids
-# (broadcasts every kernel call wrote out first). The plan above stands; its attention step (limit 160 s) now also
-# times both kernels over pre-RoPE keys, and its Triton rows should be read anew (they had carried that handicap).
-# The session after had an H100 lent, then loans paused before its first call: nothing ran. The H100 (the default
-# kind) now dispatches by the H200's table (same architecture; none ships for the H100), gpu_tests runs four cases at
-# once, and a table measured here of a kernel whose gpu cases failed here is not merged for e2e. Every kernel written
-# since 2026-12-04's GPU run (the Mosaic ones, the float cache's decode attention, the RMSNorm and KV store kernels,
-# cuDNN's prompt attention) has its cases in the next session's first call (docs/kernels.md, "the H100's dispatch";
-# ~10 min with the start):
+# Prepared runs for a lent GPU machine (issue #15): the kernels' gpu test cases, kernel-level timings that write
+# dispatch-table entries, and end-to-end decode / prefill of published shapes with random weights against our bf16.
+# Each step has its own time limit and writes its log (and any table it measures) under $OUT (default runs/gpu), so
+# a slow step cannot eat the others' time. The device tool carries the working tree; run from its root (the machine
+# reaches no registry). Every GPU session's record, and which kernel has run on hardware, is in docs/kernels.md
+# ("Status at a glance" first).
+#
+# Budget, as measured so far: a session has 15 minutes of device time, a call at most 10; a start takes ~40 s to a
+# few minutes; the machine stays warm ~30 s after a call, and ignored paths (runs/tables: the tables and gpu-test
+# verdicts of the calls so far) survive between calls only while it is warm. Compiling dominates: ~25 Mosaic gpu
+# cases need ~150 s on four processes; an e2e variant of a 32-layer model ~60-100 s (weights, quantizing, the
+# decode and prefill programs).
+#
+# The next GPU session, first call (every kernel written since the last hardware run has its gpu cases here; the
+# tables the call measures are merged over the shipped one before e2e runs):
 #     STEPS="gpu_tests decode_hopper e2e" TESTS_LIMIT=140 \
 #         TESTS="hopper or store or float_decode or rms_norm or prompt_attention or int8_f16" \
 #         RECIPES="rtn-w4-g128 rtn-w8" TORCH=--no-torch E2E_LIMIT=200 bash scripts/gpu_session.sh   (timeout_s 600)
-# (e2e's rows now carry each variant's logits against XLA alone on the same weights: read them before the speeds)
-# then STEPS="attention" (timeout_s 200) on the machine still warm.
+# (e2e's rows carry each variant's logits against XLA alone on the same weights: read them before the speeds), then
+# at once, on the machine still warm: STEPS="attention" (timeout_s 200). A later session: STEPS="decode_hopper_w8a8
+# hopper hopper_fp8 hopper_w8"; then the steps docs/kernels.md lists as never run.
+# A measured table joins the shipped ones with
+#     python -m llmeq_jax.dispatch_table merge runs/gpu/dispatch_X.json --over-shipped --into \
+#         llmeq_jax/dispatch_tables/<DEVICE>.json
+#
+# Knobs (environment): STEPS (a subset of the step names below; default all), OUT, PYTHON, SHAPES / LAYERS (other
+# published shapes, fewer layers), RECIPES / BATCHES / TORCH (--no-torch: no transformers rows) for e2e, E2E_LIMIT /
+# E2E_KV_LIMIT / SWEEP_LIMIT / TESTS_LIMIT (seconds), TESTS (a pytest -k expression) and TESTS_WORKERS for gpu_tests,
+# DECODE_WEIGHTS for decode_hopper, KV_BITS for e2e_kv.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-runs/gpu}"
@@ -150,19 +66,32 @@ cat "$out/device.txt"
 # more than 150 s. Each process takes GPU memory as it needs it (no preallocation: four would ask 75 % each).
 gpu_test_workers=(-n "${TESTS_WORKERS:-4}" --dist load)
 [[ "${TESTS_WORKERS:-4}" == 0 ]] && gpu_test_workers=()
-XLA_PYTHON_CLIENT_PREALLOCATE=false step gpu_tests "${TESTS_LIMIT:-90}" "$py" -m pytest -v --tb=line \
-    -p no:cacheprovider "${gpu_test_workers[@]}" -m gpu tests/pallas_kernels/test_gpu_kernels.py \
-    -k "${TESTS:-float_decode or int8 or words or store or quantized_cache}"
+# LLMEQ_UNCHECKED_KERNELS=all: the cases reach every kernel, those not yet run on a GPU included (a GPU's default
+# trace leaves them out: pallas_kernels/hardware_checked.py)
+LLMEQ_UNCHECKED_KERNELS=all XLA_PYTHON_CLIENT_PREALLOCATE=false step gpu_tests "${TESTS_LIMIT:-90}" \
+    "$py" -m pytest -v --tb=line -p no:cacheprovider "${gpu_test_workers[@]}" -m gpu \
+    tests/pallas_kernels/test_gpu_kernels.py -k "${TESTS:-float_decode or int8 or words or store or quantized_cache}"
 failed_case() {  # failed_case NAME: whether a gpu case whose id holds NAME failed in this call's gpu_tests
   # (a verdict line reads "... prompt_attention8 FAILED" from one process, "FAILED ...prompt_attention8" from xdist's)
   # (runs/tables keeps every call's verdicts on a machine still warm, beside its tables)
   grep -Eqs "$1.* FAILED|FAILED .*$1" "$out/gpu_tests.log" runs/tables/gpu_tests.log
 }
-# cuDNN's prompt attention failing on this GPU would fail every later prefill: those keep XLA's attention instead
-if failed_case prompt_attention; then
-    export LLMEQ_PROMPT_ATTENTION=xla
-    echo "   cuDNN's prompt attention failed its gpu case: LLMEQ_PROMPT_ATTENTION=xla for the steps after"
+passed_case() {  # passed_case NAME: whether a gpu case whose id holds NAME passed in a call of this session
+  grep -Eqs "$1.* PASSED|PASSED .*$1" "$out/gpu_tests.log" runs/tables/gpu_tests.log
+}
+# The kernels not yet run on a GPU (pallas_kernels/hardware_checked.py; e.g. the norm and float-cache attention
+# kernels, cuDNN's prompt attention) join the steps after where their gpu cases passed in this session and none
+# failed: the e2e rows then time them. One whose cases failed keeps XLA's path.
+unchecked=()
+cases_of="from pallas_kernels.hardware_checked import UNCHECKED as U; print(*(f'{k}={v}' for k, v in U.items()))"
+for pair in $("$py" -c "$cases_of"); do  # kernel=its gpu cases' id
+  if passed_case "${pair#*=}" && ! failed_case "${pair#*=}"; then unchecked+=("${pair%%=*}"); fi
+done
+if (( ${#unchecked[@]} )); then
+  LLMEQ_UNCHECKED_KERNELS=$(IFS=,; echo "${unchecked[*]}")
+  export LLMEQ_UNCHECKED_KERNELS
 fi
+echo "   kernels not yet checked on a GPU, on for the steps after: ${LLMEQ_UNCHECKED_KERNELS:-none}"
 # int4 decode as words of eight K values (pallas_kernels.int4_words: 1.2-1.8x bf16 at M = 1 on the last H200 run;
 # since, its scale rows are read one K step ahead, which the SASS showed as a synchronous load every step), on the
 # four shapes of issue #15's int4 target (>= 2.5x bf16 at M <= 16), beside the int8 K-major kernel (w8_nk, rtn-w8's

@@ -97,6 +97,15 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def unchecked_kernels(monkeypatch):
+    """The kernels not yet run on a GPU (``pallas_kernels.hardware_checked.UNCHECKED``) turned on, as the GPU
+    session's end-to-end runs turn on those whose gpu cases passed: for tests of what a GPU traces with them."""
+    from pallas_kernels import hardware_checked
+
+    monkeypatch.setenv(hardware_checked.ENV, "all")
+
+
+@pytest.fixture
 def cudnn_as_xla(monkeypatch):
     """JAX's cuDNN attention (the entry attention_flash calls: head-major "BNTH" operands) computed by
     jax.nn.dot_product_attention's XLA implementation on the same arguments (a CPU has no cuDNN): what

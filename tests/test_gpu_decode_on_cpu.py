@@ -17,6 +17,9 @@ from llmeq_jax import native, pipeline
 from llmeq_jax.models import ModelConfig, forward_step, init_cache, init_params, stacked
 from pallas_kernels import config as kernel_config
 
+# what a GPU traces with the kernels not yet run on one turned on (pallas_kernels.hardware_checked), as the GPU
+# session's end-to-end runs turn them on
+pytestmark = pytest.mark.usefixtures("unchecked_kernels")
 FAKE_H100 = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3", compute_capability="9.0")
 CONFIG = ModelConfig("llama", 256, 256, 2, 8, 2, 32, 512, 1e-5, 128, False)  # grouped-query: 8 heads over 2
 GPT2 = ModelConfig("gpt2", 256, 256, 2, 4, 4, 64, 512, 1e-5, 128, True, act="gelu_tanh")  # LayerNorm, no RoPE

@@ -486,10 +486,14 @@ def test_a_grouped_query_models_small_k_and_v_join_q_in_one_kernel_on_a_gpu():
     assert set(laid["mha"]) == {"qkv_proj"} and laid["mha"]["qkv_proj"]["kernel"].w.shape == (4096, 12288)
 
 
-def test_a_stacked_norm_goes_to_the_norm_kernel_on_a_gpu_at_decode_rows():
+def test_a_stacked_norm_goes_to_the_norm_kernel_on_a_gpu_at_decode_rows(monkeypatch):
     """Traced for a GPU: an RMSNorm whose scale is a layer of a stack (a scanned block's) is one kernel reading
-    the stack in place -- no slice of it -- at decode rows; XLA's norm past 16 rows, where a table measured XLA
-    faster, and on a CPU (interpret mode included, unless forced)."""
+    the stack in place -- no slice of it -- at decode rows, where a table measured it faster or, unmeasured, once
+    the kernel is turned on (not yet run on a GPU: pallas_kernels.hardware_checked); XLA's norm past 16 rows,
+    where a table measured XLA faster, unmeasured by default, and on a CPU (interpret mode included, unless
+    forced)."""
+    from pallas_kernels import hardware_checked
+
     from llmeq_jax import dispatch_table
     from llmeq_jax.layer_slice import LayerSlice
     from llmeq_jax.models.layers import RMSNorm
@@ -506,6 +510,13 @@ def test_a_stacked_norm_goes_to_the_norm_kernel_on_a_gpu_at_decode_rows():
     key = dispatch_table.Key(FAKE_H100.device_kind, "rms_norm", 32, None, 256, 256, 1, "bfloat16")
     slower = dispatch_table.from_json(dispatch_table.to_json(
         key.device, [(key, {"pallas_s": 3e-6, "xla_s": 2e-6, "bf16_s": 2e-6})]))
+    faster = dispatch_table.from_json(dispatch_table.to_json(
+        key.device, [(key, {"pallas_s": 1e-6, "xla_s": 2e-6, "bf16_s": 2e-6})]))
+    with config.compiling_for(FAKE_H100):
+        assert "pallas_call" not in traced(1)  # unmeasured, not yet run on a GPU: XLA's norm
+        with dispatch_table.use(faster):
+            assert "pallas_call" in traced(1)
+    monkeypatch.setenv(hardware_checked.ENV, "rms_norm")
     with config.compiling_for(FAKE_H100):
         text = traced(1)
         assert "pallas_call" in text and "dynamic_slice" not in text

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from llmeq_jax import dispatch_table, native, ops
 from pallas_kernels import config as kernel_config
+from pallas_kernels import hardware_checked
 
 # Masked attention scores: a large finite value, so a row with no visible key
 # (a left-padding query) gives a uniform softmax instead of NaN.
@@ -94,8 +95,9 @@ PROMPT_ATTENTION_CHOICES = ("cudnn", "xla")
 def flash_ok(q: jax.Array, k: jax.Array) -> bool:
     """Whether a GPU's attention of these queries goes to :func:`attention_flash`: a prompt's worth of query
     positions (the active or shipped dispatch table's ``prompt_attention`` entry where it measured one, else
-    :data:`FLASH_MIN_ROWS`), half-precision queries and keys of one dtype, a head dim cuDNN takes, kernels not
-    turned off (``pallas_kernels.config.disabled``: XLA everywhere) and ``LLMEQ_PROMPT_ATTENTION`` not "xla"."""
+    :data:`FLASH_MIN_ROWS` once cuDNN's call passed its gpu cases on a GPU: ``pallas_kernels.hardware_checked``, not
+    yet), half-precision queries and keys of one dtype, a head dim cuDNN takes, kernels not turned off
+    (``pallas_kernels.config.disabled``: XLA everywhere) and ``LLMEQ_PROMPT_ATTENTION`` not "xla"."""
     b, t, _, d = q.shape
     if not kernel_config.on_gpu() or kernel_config.is_disabled() or b * t == 0 or prompt_attention() == "xla":
         return False
@@ -104,7 +106,8 @@ def flash_ok(q: jax.Array, k: jax.Array) -> bool:
     key = dispatch_table.Key(kernel_config.target_device().device_kind, "prompt_attention", 16, None, d,
                              dispatch_table.row_bucket(k.shape[-2]), dispatch_table.row_bucket(t), q.dtype.name)
     measured = dispatch_table.choice(key)
-    return measured == "pallas" or (measured is None and t >= FLASH_MIN_ROWS)
+    unmeasured = measured is None and t >= FLASH_MIN_ROWS and hardware_checked.allowed("cudnn_attention")
+    return measured == "pallas" or unmeasured
 
 
 def prompt_attention() -> str:

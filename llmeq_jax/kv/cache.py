@@ -40,6 +40,7 @@ from llmeq_jax.kv.attention import dot_product_attention, flash_ok, layer_attent
 from llmeq_jax.kv.store_attention import store_attention
 from pallas_kernels import config as kernel_config
 from pallas_kernels import decode_attention as float_kernel
+from pallas_kernels import hardware_checked
 from pallas_kernels import kv_attention_hopper as kv_hopper
 from pallas_kernels import kv_cache as kv_kernels
 from pallas_kernels import kv_store_append as kv_append
@@ -442,9 +443,11 @@ def _native_write(cache: QuantKVCache, layer: int, keys, v) -> QuantKVCache:
 def kernel_appends(spec: kvspec.KVSpec, head_dim: int, keys) -> bool:
     """Whether a step's keys [B, KV, T, D] and values go into the store through the Pallas write
     (``pallas_kernels.kv_store_append``): one-token steps where Pallas kernels run, per-channel keys, no outliers.
-    On a GPU it is one launch a layer where XLA's quantize-and-write was ~10 (deviceless H200 compile)."""
-    return (keys.shape[2] == 1 and kernel_config.kernels_available() and spec.per_channel_keys
-            and not spec.n_outliers(head_dim) and kv_append.can_use(head_dim, spec.bits, keys.dtype)[0])
+    On a GPU it is one launch a layer where XLA's quantize-and-write was ~10 (deviceless H200 compile), once it
+    passed its gpu cases on one (``pallas_kernels.hardware_checked``: not yet)."""
+    return (keys.shape[2] == 1 and kernel_config.kernels_available() and hardware_checked.allowed("store_append")
+            and spec.per_channel_keys and not spec.n_outliers(head_dim)
+            and kv_append.can_use(head_dim, spec.bits, keys.dtype)[0])
 
 
 def _kernel_write(cache: QuantKVCache, layer: int, keys, v, k) -> QuantKVCache:
@@ -649,10 +652,12 @@ def float_path(cache: KVCache, q) -> str:
     ``pallas_kernels.decode_attention``: the token's key and value written in place, the slots up to it read)
     or "xla" (a dynamic-update-slice per cache, then :func:`layer_attention`).
 
-    The kernel for one-token steps on a GPU where it takes the shapes, unless the dispatch table measured XLA
-    faster there (kernel ``kv_attention`` at the cache's width, 16 or 32 bits: ``scripts/bench_kernels.py``'s
-    float rows); XLA's path was six launches a layer (deviceless H200 compile, Llama-2-7B shapes), the kernel's
-    two. Interpret mode keeps XLA's path (the CPU tests' models stay fast; tests force the kernel)."""
+    The kernel for one-token steps on a GPU where it takes the shapes and the dispatch table measured it faster
+    than XLA's path (kernel ``kv_attention`` at the cache's width, 16 or 32 bits: ``scripts/bench_kernels.py``'s
+    float rows), or measured neither there and the kernel passed its gpu cases on a GPU
+    (``pallas_kernels.hardware_checked``: not yet); XLA's path was six launches a layer (deviceless H200 compile,
+    Llama-2-7B shapes), the kernel's two. Interpret mode keeps XLA's path (the CPU tests' models stay fast; tests
+    force the kernel)."""
     if q.shape[1] != 1 or not (kernel_config.on_gpu() and kernel_config.kernels_available()):
         return "xla"
     b, _, h, d = q.shape
@@ -660,7 +665,9 @@ def float_path(cache: KVCache, q) -> str:
         return "xla"
     bits = 8 * jnp.dtype(cache.k.dtype).itemsize
     measured = _measured_store_path(bits, d, q.dtype, b * h // cache.k.shape[2], cache.max_len)
-    return "xla" if measured == "xla" else "pallas"
+    if measured is None:
+        return "pallas" if hardware_checked.allowed("append_decode_attention") else "xla"
+    return measured
 
 
 def _measured_store_path(bits: int, head_dim: int, q_dtype, query_rows: int, slots: int,

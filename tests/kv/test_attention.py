@@ -66,6 +66,7 @@ def _prompt(t=160, heads=8, kv=2, d=16, dtype=jnp.bfloat16, layers=2):
     return q, k, v, causal & left_pad
 
 
+@pytest.mark.usefixtures("unchecked_kernels")
 @pytest.mark.parametrize("heads, kv", [(8, 2), (4, 4)])
 def test_a_gpus_prompt_goes_to_cudnn_with_the_same_numbers(cudnn_as_xla, heads, kv):
     """Traced for a GPU, a bf16 prompt's attention (the models' and a stacked cache's layer) is cuDNN's flash
@@ -85,6 +86,7 @@ def test_a_gpus_prompt_goes_to_cudnn_with_the_same_numbers(cudnn_as_xla, heads, 
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.usefixtures("unchecked_kernels")
 def test_what_stays_on_xlas_attention(cudnn_as_xla):
     """Short prompts and decode steps, float32, a head dim cuDNN does not take, a CPU, kernels turned off: no cuDNN."""
     q, k, v, mask = _prompt()
@@ -102,6 +104,7 @@ def test_what_stays_on_xlas_attention(cudnn_as_xla):
     assert cudnn_as_xla == []
 
 
+@pytest.mark.usefixtures("unchecked_kernels")
 def test_the_environment_can_keep_prompts_on_xla(cudnn_as_xla, monkeypatch):
     """LLMEQ_PROMPT_ATTENTION=xla: no cuDNN call (the escape hatch for a GPU whose cuDNN fails the call); a value
     it does not know: one clear error."""

@@ -62,6 +62,7 @@ def test_decode_through_the_kernel_equals_xla(config, scanned, monkeypatch):
     assert config.sliding_window is None or tokens.shape[1] > config.sliding_window + 6  # the window slides
 
 
+@pytest.mark.usefixtures("unchecked_kernels")
 def test_the_kernel_is_a_gpus_one_token_path_unless_a_table_measured_xla_faster():
     """Traced for a GPU: a one-token step over a float cache is the kernel and no dynamic-update-slice; a
     prompt (several tokens), a CPU, interpret mode and a table that measured XLA faster keep XLA's path."""

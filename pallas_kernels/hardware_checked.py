@@ -1,0 +1,67 @@
+"""Which kernels have passed their gpu test cases on a real GPU, and the switch for those that have not.
+
+Every kernel is checked on a CPU -- in Pallas interpret mode against its reference, lowered for CUDA, compiled
+deviceless for an H100 / H200 (``scripts/gpu_aot.py``) -- but interpret mode runs neither Triton's nor Mosaic's
+compiler, and hardware found what the CPU could not: an illegal address past 2**31 bytes in the int8 kernels
+(H200, 2026-11-28) and wrong float32 queries over int4 keys in the KV kernel (H200, 2026-11-27). So a kernel a model
+takes on a GPU by itself, where no dispatch table measured it, is one whose gpu cases
+(``tests/pallas_kernels/test_gpu_kernels.py``, ``pytest -m gpu``) passed on a GPU: :data:`CHECKED`. The kernels of
+:data:`UNCHECKED` run on a GPU only where a dispatch table measured them faster (``scripts/bench_kernels.py`` writes
+such an entry only for output it checked against XLA's), where ``LLMEQ_UNCHECKED_KERNELS`` names them
+(comma-separated, or ``all``: ``scripts/gpu_session.sh`` names those whose gpu cases passed in the same session), or
+where a caller forces one (``force=True``, ``backend="pallas"``). The Mosaic GPU kernels and the prompt kernel over
+int4 words are not listed: they run only where a table measured them, checked or not.
+
+Interpret mode (no GPU: the CPU tests) is not gated. A kernel moves to :data:`CHECKED` when a GPU session's gpu
+cases pass, with the run named beside it (docs/kernels.md has each run).
+"""
+
+from __future__ import annotations
+
+import os
+
+from pallas_kernels import config
+
+ENV = "LLMEQ_UNCHECKED_KERNELS"
+
+# kernel -> the GPU run its gpu cases passed on
+CHECKED = {
+    "weight_only": "H100, 2026-11-22",
+    "w8a8": "H100, 2026-11-22 (FP8 operands: H200, 2026-11-27)",
+    "float_matmul": "H200, 2026-11-27",
+    "int4_words": "H200, 2026-11-28",
+    "store_decode_attention": "H100, 2026-11-22 (its fixes: H200, 2026-11-28)",
+    "int8_f16": "H200, 2026-12-04",
+}
+
+# kernel -> the gpu case ids (a substring) that check it: the kernels a GPU decode or prompt would take by themselves
+# where no table measured them, none of which has run on a GPU yet
+UNCHECKED = {
+    "rms_norm": "rms_norm",  # pallas_kernels.rms_norm: a decode step's norms
+    "append_decode_attention": "float_decode_attention",  # pallas_kernels.decode_attention: a float cache's step
+    "store_append": "kv_store_append",  # pallas_kernels.kv_store_append: a quantized cache's write
+    "merge_splits": "store_decode",  # pallas_kernels.split_merge: the KV kernel's splits merged (else XLA's merge)
+    "cudnn_attention": "prompt_attention",  # llmeq_jax.kv.attention.attention_flash: a prompt's attention
+}
+
+
+def named() -> frozenset[str]:
+    """The kernels of :data:`UNCHECKED` that ``LLMEQ_UNCHECKED_KERNELS`` turns on (``all``: every one)."""
+    raw = os.environ.get(ENV, "")
+    names = {name.strip() for name in raw.split(",") if name.strip()}
+    if "all" in names:
+        return frozenset(UNCHECKED)
+    unknown = names - set(UNCHECKED) - set(CHECKED)
+    if unknown:
+        raise ValueError(f"{ENV}={raw!r}: no unchecked kernel named {', '.join(sorted(unknown))}; expected "
+                         f"comma-separated names of {', '.join(UNCHECKED)}, or 'all'")
+    return frozenset(names & set(UNCHECKED))
+
+
+def allowed(kernel: str) -> bool:
+    """Whether ``kernel`` (a key of :data:`CHECKED` or :data:`UNCHECKED`) may run where no dispatch table measured
+    it: checked on a GPU, named by ``LLMEQ_UNCHECKED_KERNELS``, or traced for no GPU (interpret mode)."""
+    if kernel not in CHECKED and kernel not in UNCHECKED:
+        raise ValueError(f"hardware_checked.allowed: unknown kernel {kernel!r}; expected one of "
+                         f"{', '.join([*CHECKED, *UNCHECKED])}")
+    return kernel in CHECKED or not config.on_gpu() or kernel in named()
