@@ -50,7 +50,7 @@ FORMAT = 1
 ENV = "LLMEQ_DISPATCH_TABLE"
 # int4_words: the weight-only int4 decode kernel on the word layout (decode_layout.Int4WordKernel);
 # float: a float kernel's layer read in place from its stack (pallas_kernels.float_matmul) against XLA's
-# slice-and-dot, bits = the float width; unlike the others it is off where the table has no measurement.
+# slice-and-dot, bits = the float width; on a GPU taken where unmeasured (interpret mode: only where measured).
 # int8_f16: the K-major int8 decode kernel with float16 operands (pallas_kernels.int8_f16) against the one it
 # replaces, the K-major int8 kernel with x's dtype as operands: its "xla_s" is that kernel's time.
 # kv_attention: one query token's attention over the quantized KV store, the Pallas decode kernel
@@ -61,7 +61,8 @@ ENV = "LLMEQ_DISPATCH_TABLE"
 # layout for decode rows on a GPU) against XLA's path: another kernel than the (K, N) one of the same name, whose
 # verdicts do not apply to it (the K-major W8A8 kernel ran at 1.29x bf16 at M = 16 where the (K, N) one lost to XLA).
 # rms_norm: a decode step's RMSNorm in one kernel (pallas_kernels.rms_norm) against XLA's two; bits 32 (the scale's),
-# k = n = the features; on a GPU taken where unmeasured.
+# k = n = the features; on a GPU taken where unmeasured only once it passed its gpu cases on one
+# (pallas_kernels.hardware_checked: not yet).
 # prompt_attention: a prompt's attention as cuDNN's flash attention ("pallas_s": the fused kernel's time, though
 # it is cuDNN's, not a Pallas one) against XLA's dots and softmax; bits 16, k = head_dim, n = the keys (a
 # power-of-two bucket), rows = the query positions (bucketed), dtype the query's.

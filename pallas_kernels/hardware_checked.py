@@ -19,6 +19,9 @@ cases pass, with the run named beside it (docs/kernels.md has each run).
 from __future__ import annotations
 
 import os
+import re
+import sys
+from pathlib import Path
 
 from pallas_kernels import config
 
@@ -65,3 +68,36 @@ def allowed(kernel: str) -> bool:
         raise ValueError(f"hardware_checked.allowed: unknown kernel {kernel!r}; expected one of "
                          f"{', '.join([*CHECKED, *UNCHECKED])}")
     return kernel in CHECKED or not config.on_gpu() or kernel in named()
+
+
+_VERDICT = re.compile(r"\b(PASSED|FAILED|ERROR)\b")
+_CASE = re.compile(r"test_kernel_matches_reference\[(.*?)\](?:\s|$)")
+
+
+def passed_in(log: str) -> list[str]:
+    """The kernels of :data:`UNCHECKED` whose gpu cases passed in ``log`` (``pytest -v`` verdict lines of
+    ``tests/pallas_kernels/test_gpu_kernels.py``, from one process or from xdist's) and none failed or erred: a
+    kernel none of whose cases ran is not among them."""
+    verdicts: dict[str, set[str]] = {}
+    for line in log.splitlines():
+        verdict, case = _VERDICT.search(line), _CASE.search(line)
+        if verdict and case:
+            verdicts.setdefault(case.group(1), set()).add(verdict.group(1))
+    passed = []
+    for kernel, cases in UNCHECKED.items():
+        seen = [v for case, v in verdicts.items() if cases in case]
+        if seen and all(v == {"PASSED"} for v in seen):
+            passed.append(kernel)
+    return passed
+
+
+def main(argv=None) -> None:
+    """``python -m pallas_kernels.hardware_checked LOG...``: print, comma-separated, the unchecked kernels whose gpu
+    cases passed in these logs (read together; a missing one is skipped) and none failed -- what
+    ``scripts/gpu_session.sh`` sets ``LLMEQ_UNCHECKED_KERNELS`` to for the steps after its gpu cases."""
+    paths = [Path(p) for p in (sys.argv[1:] if argv is None else argv)]
+    print(",".join(passed_in("\n".join(p.read_text(errors="replace") for p in paths if p.is_file()))))
+
+
+if __name__ == "__main__":
+    main()

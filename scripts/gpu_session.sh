@@ -76,19 +76,11 @@ failed_case() {  # failed_case NAME: whether a gpu case whose id holds NAME fail
   # (runs/tables keeps every call's verdicts on a machine still warm, beside its tables)
   grep -Eqs "$1.* FAILED|FAILED .*$1" "$out/gpu_tests.log" runs/tables/gpu_tests.log
 }
-passed_case() {  # passed_case NAME: whether a gpu case whose id holds NAME passed in a call of this session
-  grep -Eqs "$1.* PASSED|PASSED .*$1" "$out/gpu_tests.log" runs/tables/gpu_tests.log
-}
 # The kernels not yet run on a GPU (pallas_kernels/hardware_checked.py; e.g. the norm and float-cache attention
 # kernels, cuDNN's prompt attention) join the steps after where their gpu cases passed in this session and none
 # failed: the e2e rows then time them. One whose cases failed keeps XLA's path.
-unchecked=()
-cases_of="from pallas_kernels.hardware_checked import UNCHECKED as U; print(*(f'{k}={v}' for k, v in U.items()))"
-for pair in $("$py" -c "$cases_of"); do  # kernel=its gpu cases' id
-  if passed_case "${pair#*=}" && ! failed_case "${pair#*=}"; then unchecked+=("${pair%%=*}"); fi
-done
-if (( ${#unchecked[@]} )); then
-  LLMEQ_UNCHECKED_KERNELS=$(IFS=,; echo "${unchecked[*]}")
+if [[ -z "${LLMEQ_UNCHECKED_KERNELS:-}" ]]; then  # (one given to the script is kept)
+  LLMEQ_UNCHECKED_KERNELS=$("$py" -m pallas_kernels.hardware_checked "$out/gpu_tests.log" runs/tables/gpu_tests.log)
   export LLMEQ_UNCHECKED_KERNELS
 fi
 echo "   kernels not yet checked on a GPU, on for the steps after: ${LLMEQ_UNCHECKED_KERNELS:-none}"

@@ -96,3 +96,22 @@ def test_a_decode_loop_traced_with_other_kernels_on_is_not_reused(monkeypatch):
     before = generate.kernel_state()
     monkeypatch.setenv(hardware_checked.ENV, "rms_norm")
     assert generate.kernel_state() != before
+
+
+def test_the_gpu_session_turns_on_the_kernels_whose_cases_all_passed(tmp_path, capsys):
+    """``python -m pallas_kernels.hardware_checked LOG...`` (scripts/gpu_session.sh, after its gpu cases): the
+    unchecked kernels with a passed case and no failed one, in the verdict lines of one process or of xdist's, over
+    several calls' logs; a kernel none of whose cases ran stays off."""
+    case = "tests/pallas_kernels/test_gpu_kernels.py::test_kernel_matches_reference"
+    first = tmp_path / "call1.log"
+    first.write_text(f"[gw0] [ 10%] PASSED {case}[rms_norm(1, 4096)]\n"
+                     f"[gw1] [ 20%] PASSED {case}[store_decode(1, 8)]\n"
+                     f"[gw1] [ 30%] FAILED {case}[store_decode(2, 8)]\n"
+                     f"[gw0] [ 40%] PASSED {case}[kv_store_append(8, 'f16')]\n"
+                     f"FAILED {case}[store_decode(2, 8)] - AssertionError: [x] err 1.0 > tol 0.01\n")
+    second = tmp_path / "call2.log"
+    second.write_text(f"{case}[prompt_attention8] PASSED\n{case}[kv_store_append(4, 'f32')] ERROR\n")
+    hardware_checked.main([str(first), str(second), str(tmp_path / "none.log")])
+    assert capsys.readouterr().out.strip() == "rms_norm,cudnn_attention"
+    assert hardware_checked.passed_in(first.read_text()) == ["rms_norm", "store_append"]
+    assert hardware_checked.passed_in("") == []
