@@ -344,3 +344,37 @@ def test_int4_operands_carry_the_fold_offset_only_for_half_queries():
         assert all(o.dtype == jnp.bfloat16 for o in ops)
         for o, s in zip(ops, signed):
             np.testing.assert_array_equal(np.asarray(o, np.float32), np.asarray(s, np.float32) + fold)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_gpus_default_merges_the_splits_by_xla_until_the_merge_kernel_is_checked(bits, monkeypatch):
+    """Traced for a GPU with no unchecked kernel turned on (pallas_kernels.hardware_checked), the kernel's splits
+    are merged by XLA (combine_splits: no merge_splits launch), in the output dtype asked for, with the reference's
+    numbers; turned on, by the merge kernel."""
+    import types
+
+    from pallas_kernels import config, hardware_checked
+
+    gpu = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3", compute_capability="9.0")
+    monkeypatch.delenv(hardware_checked.ENV, raising=False)
+    b, h, g, t, d = 2, 2, 3, 70, 64
+    store = _store(b, h, t, d, bits)
+    q = jax.random.normal(jax.random.key(9), (b, h * g, d))
+    length = jnp.array([t, 41])
+    ref_out, ref_lse = store_decode_attention_reference(q, *store, length, bits=bits)
+
+    def call(q):
+        return store_decode_attention(q, *store, length, bits=bits, block_t=16, num_splits=3, interpret=True,
+                                      out_dtype=jnp.bfloat16)
+
+    def traced() -> str:  # a fresh function each time: JAX's trace cache does not know the setting
+        return str(jax.make_jaxpr(lambda q: call(q))(q))
+
+    with config.compiling_for(gpu):
+        assert "merge_splits" not in traced()
+        out, lse = call(q)
+        monkeypatch.setenv(hardware_checked.ENV, "merge_splits")
+        assert "merge_splits" in traced()
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(out, np.float32), ref_out, atol=1e-2 * float(jnp.max(jnp.abs(ref_out))))
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-5)
