@@ -146,6 +146,11 @@ def agrees(label: str, out, ref, tol: float = TOLERANCE) -> bool:
     return False
 
 
+def marked(times: dict, right: bool) -> dict:
+    """A table entry's ``times`` with the mark dispatch reads as XLA's path where the kernel's result was wrong."""
+    return times if right else times | {"wrong": True}
+
+
 def tolerance_of(kind: str) -> float:
     """The :func:`agrees` tolerance of a matmul kind, by the operands it rounds."""
     if kind.startswith("fp8"):
@@ -432,7 +437,6 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
                     weight = weight.astype(jnp.float32) if op == "bf16" else weight.dequantize(jnp.float32)
                     refs[op] = jnp.dot(xs[0].astype(jnp.float32), weight, precision=jax.lax.Precision.HIGHEST)
                 right = agrees(f"{k}x{n} M={m} {kind}", got.pop(), refs[op], tolerance_of(kind))
-                mark = {} if right else {"wrong": True}  # a wrong kernel's entries choose XLA's path
                 base = base or t
                 if right:
                     row_times[kind] = t
@@ -442,15 +446,16 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
                 if table is not None and origin in xla_of and kind not in NOT_IN_TABLE:
                     xla_inputs = [(x, *wargs) for x, wargs in zip(xs, kinds_all[origin][1])]
                     t_xla = timed(xla_of[origin], xla_inputs, reps=reps)
-                    table.append((table_key(kind, k, n, m), {"pallas_s": t, "xla_s": t_xla, "bf16_s": base} | mark))
+                    times = marked({"pallas_s": t, "xla_s": t_xla, "bf16_s": base}, right)
+                    table.append((table_key(kind, k, n, m), times))
                     line += f"  (XLA {t_xla * 1e3:.4f} ms, {base / t_xla:.2f}x)"
                 if table is not None and kind == "w8_nk_f16" and "w8_nk" in row_times:  # against the kernel it replaces
                     table.append((table_key(kind, k, n, m),
-                                  {"pallas_s": t, "xla_s": row_times["w8_nk"], "bf16_s": base} | mark))
+                                  marked({"pallas_s": t, "xla_s": row_times["w8_nk"], "bf16_s": base}, right)))
                     line += f"  ({row_times['w8_nk'] / t:.2f}x w8_nk)"
                 replaced = HOPPER_REPLACES.get(kind)
                 if table is not None and replaced in row_times:  # against the Triton kernel it replaces
-                    times = {"pallas_s": t, "xla_s": row_times[replaced], "bf16_s": base} | mark
+                    times = marked({"pallas_s": t, "xla_s": row_times[replaced], "bf16_s": base}, right)
                     table.append((table_key(kind, k, n, m), times))
                     line += f"  ({row_times[replaced] / t:.2f}x {replaced})"
                 if table is not None and kind in REPLACES:  # against the path it replaces
@@ -459,7 +464,8 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
                                   reps=reps)
                     others = [o for o in REPLACES[kind] if o in row_times]
                     replaced = min([t_xla] + [row_times[o] for o in others])
-                    table.append((table_key(kind, k, n, m), {"pallas_s": t, "xla_s": replaced, "bf16_s": base} | mark))
+                    times = marked({"pallas_s": t, "xla_s": replaced, "bf16_s": base}, right)
+                    table.append((table_key(kind, k, n, m), times))
                     line += f"  (XLA {t_xla * 1e3:.4f} ms" + "".join(f", {row_times[o] / t:.2f}x {o}"
                                                                      for o in others) + ")"
                 if kind == "w4_xla_words" and "w4_words" in row_times:
@@ -651,8 +657,8 @@ def float_attention_bench(reps, table=None, table_path=None):
             if table is not None:
                 key = dispatch_table.Key(jax.devices()[0].device_kind, "kv_attention", 16, None, d, t,
                                          dispatch_table.row_bucket(b * g), "bfloat16")
-                table.append((key, {"pallas_s": best["kernel"], "xla_s": best["xla"], "bf16_s": best["xla"]}
-                              | ({} if right else {"wrong": True})))
+                times = {"pallas_s": best["kernel"], "xla_s": best["xla"], "bf16_s": best["xla"]}
+                table.append((key, marked(times, right)))
             del state
     if table is not None and table_path:
         write_table(table_path, table)
@@ -696,8 +702,8 @@ def prompt_attention_bench(reps, lengths=PROMPT_LENGTHS, table=None, table_path=
             if table is not None:
                 key = dispatch_table.Key(jax.devices()[0].device_kind, "prompt_attention", 16, None, d,
                                          dispatch_table.row_bucket(t), dispatch_table.row_bucket(t), "bfloat16")
-                table.append((key, {"pallas_s": best["flash"], "xla_s": best["xla"], "bf16_s": best["xla"]}
-                              | ({} if right else {"wrong": True})))
+                times = {"pallas_s": best["flash"], "xla_s": best["xla"], "bf16_s": best["xla"]}
+                table.append((key, marked(times, right)))
     if table is not None and table_path:
         write_table(table_path, table)
 
@@ -737,8 +743,8 @@ def norm_bench(reps, features, rows, table=None, table_path=None):
             if table is not None:
                 key = dispatch_table.Key(jax.devices()[0].device_kind, "rms_norm", 32, None, k, k,
                                          dispatch_table.row_bucket(m), "bfloat16")
-                table.append((key, {"pallas_s": best["kernel"], "xla_s": best["xla"], "bf16_s": best["xla"]}
-                              | ({} if right else {"wrong": True})))
+                times = {"pallas_s": best["kernel"], "xla_s": best["xla"], "bf16_s": best["xla"]}
+                table.append((key, marked(times, right)))
         if table is not None and table_path:
             write_table(table_path, table)
 
@@ -785,7 +791,7 @@ def hopper_row(t, bits, inputs, grids, t_bf, t_replaced, kv_bytes, reps, table, 
             key = dispatch_table.Key(jax.devices()[0].device_kind, kernel, bits, None, d, t,
                                      dispatch_table.row_bucket(b * hq // h), jnp.dtype(q.dtype).name)
             times = {"pallas_s": t_h, "xla_s": t_replaced, "bf16_s": t_bf}
-            table.append((key, times | ({} if right else {"wrong": True})))
+            table.append((key, marked(times, right)))
 
 
 def pre_rope_rows(t, bits, inputs, grids, t_bf, kv_bytes, reps, table):
@@ -874,8 +880,7 @@ def attention_rows(t, configs, reps, table=None, xla=False, hopper_configs=({},)
         if table is not None and t_default:
             key = dispatch_table.Key(jax.devices()[0].device_kind, "kv_attention", bits, None, d, t,
                                      dispatch_table.row_bucket(b * g), jnp.dtype(q.dtype).name)
-            table.append((key, {"pallas_s": t_default, "xla_s": t_x, "bf16_s": t_bf}
-                          | ({} if default_right else {"wrong": True})))
+            table.append((key, marked({"pallas_s": t_default, "xla_s": t_x, "bf16_s": t_bf}, default_right)))
         # the Mosaic GPU kernel (pallas_kernels/kv_attention_hopper.py), against the faster of the two
         hopper_row(t, bits, inputs, (ks, kl, vs, vl, length), t_bf, min(t_x, t_default or t_x), kv_bytes[bits], reps,
                    table, ref, hopper_configs)
