@@ -12,8 +12,10 @@ such an entry only for output it checked against XLA's), where ``LLMEQ_UNCHECKED
 where a caller forces one (``force=True``, ``backend="pallas"``). The Mosaic GPU kernels and the prompt kernel over
 int4 words are not listed: they run only where a table measured them, checked or not.
 
-Interpret mode (no GPU: the CPU tests) is not gated. A kernel moves to :data:`CHECKED` when a GPU session's gpu
-cases pass, with the run named beside it (docs/kernels.md has each run).
+Interpret mode (no GPU: the CPU tests) is not gated. :data:`CHECKED` is the kernels of the record
+(``pallas_kernels/hardware_fingerprints.json``): a kernel joins it when a GPU session's gpu cases pass, recorded with
+the run and digests of its lowerings as they ran (``python -m pallas_kernels.fingerprints --run RUN KERNEL``), so a
+later change to it shows (``pallas_kernels.fingerprints``; docs/kernels.md has each run).
 """
 
 from __future__ import annotations
@@ -23,29 +25,39 @@ import re
 import sys
 from pathlib import Path
 
-from pallas_kernels import config
+from pallas_kernels import config, fingerprints
 
 ENV = "LLMEQ_UNCHECKED_KERNELS"
 
-# kernel -> the GPU run its gpu cases passed on
-CHECKED = {
-    "weight_only": "H100, 2026-11-22",
-    "w8a8": "H100, 2026-11-22 (FP8 operands: H200, 2026-11-27)",
-    "float_matmul": "H200, 2026-11-27",
-    "int4_words": "H200, 2026-11-28",
-    "store_decode_attention": "H100, 2026-11-22 (its fixes: H200, 2026-11-28)",
-    "int8_f16": "H200, 2026-12-04",
+# kernel -> the gpu case ids (substrings of ``test_kernel_matches_reference[...]``) that check it
+GPU_CASES = {
+    "weight_only": ("weight_only",),
+    "w8a8": ("w8a8", "fp8"),
+    "float_matmul": ("float_stack",),
+    "int4_words": ("int4_words",),
+    "store_decode_attention": ("store_decode", "quantized_cache_decode"),
+    "int8_f16": ("int8_f16",),
+    "rms_norm": ("rms_norm",),  # pallas_kernels.rms_norm: a decode step's norms
+    "append_decode_attention": ("float_decode_attention",),  # pallas_kernels.decode_attention: a float cache's step
+    "store_append": ("kv_store_append",),  # pallas_kernels.kv_store_append: a quantized cache's write
+    "merge_splits": ("store_decode",),  # pallas_kernels.split_merge: the KV kernel's splits merged (else XLA's merge)
+    "cudnn_attention": ("prompt_attention",),  # llmeq_jax.kv.attention.attention_flash: a prompt's attention
 }
 
-# kernel -> the gpu case ids (a substring) that check it: the kernels a GPU decode or prompt would take by themselves
-# where no table measured them, none of which has run on a GPU yet
-UNCHECKED = {
-    "rms_norm": "rms_norm",  # pallas_kernels.rms_norm: a decode step's norms
-    "append_decode_attention": "float_decode_attention",  # pallas_kernels.decode_attention: a float cache's step
-    "store_append": "kv_store_append",  # pallas_kernels.kv_store_append: a quantized cache's write
-    "merge_splits": "store_decode",  # pallas_kernels.split_merge: the KV kernel's splits merged (else XLA's merge)
-    "cudnn_attention": "prompt_attention",  # llmeq_jax.kv.attention.attention_flash: a prompt's attention
-}
+# kernel -> the GPU run its gpu cases passed on: the kernels of the record (pallas_kernels.fingerprints, which also
+# says which of their lowerings changed since and have not run on a GPU)
+RECORD = fingerprints.read()
+CHECKED = {kernel: entry["run"] for kernel, entry in RECORD.items()}
+
+# kernel -> its gpu case ids, for the kernels a GPU decode or prompt would take by themselves where no table
+# measured them and whose gpu cases have not passed on a GPU yet
+UNCHECKED = {kernel: cases for kernel, cases in GPU_CASES.items() if kernel not in CHECKED}
+
+
+def unrun_cases() -> str:
+    """A pytest ``-k`` expression for the gpu cases of the checked kernels whose lowerings changed since their run
+    (the record's ``unrun``), or "" where none did."""
+    return " or ".join(case for kernel, entry in RECORD.items() if entry.get("unrun") for case in GPU_CASES[kernel])
 
 
 def named() -> frozenset[str]:
@@ -85,7 +97,7 @@ def passed_in(log: str) -> list[str]:
             verdicts.setdefault(case.group(1), set()).add(verdict.group(1))
     passed = []
     for kernel, cases in UNCHECKED.items():
-        seen = [v for case, v in verdicts.items() if cases in case]
+        seen = [v for case, v in verdicts.items() if any(name in case for name in cases)]
         if seen and all(v == {"PASSED"} for v in seen):
             passed.append(kernel)
     return passed
@@ -94,8 +106,13 @@ def passed_in(log: str) -> list[str]:
 def main(argv=None) -> None:
     """``python -m pallas_kernels.hardware_checked LOG...``: print, comma-separated, the unchecked kernels whose gpu
     cases passed in these logs (read together; a missing one is skipped) and none failed -- what
-    ``scripts/gpu_session.sh`` sets ``LLMEQ_UNCHECKED_KERNELS`` to for the steps after its gpu cases."""
-    paths = [Path(p) for p in (sys.argv[1:] if argv is None else argv)]
+    ``scripts/gpu_session.sh`` sets ``LLMEQ_UNCHECKED_KERNELS`` to for the steps after its gpu cases.
+    ``--unrun-cases``: print :func:`unrun_cases` instead."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args == ["--unrun-cases"]:
+        print(unrun_cases())
+        return
+    paths = [Path(p) for p in args]
     print(",".join(passed_in("\n".join(p.read_text(errors="replace") for p in paths if p.is_file()))))
 
 

@@ -14,13 +14,13 @@ The activations become float16 operands: float16 x as it is, bfloat16 x multipli
 value beyond that would become inf; nothing checks, LLM activations stay orders of magnitude below) and
 puts values under 2^-6 in float16's subnormal range, where their absolute error is at most 2^-17 --
 below what bf16 itself resolves at that size. The result is scaled back before it is stored.
-Where: in the kernel, each K step's x tile (by default), or by XLA before the launch
-(``settings.override("int8_f16", convert="xla")``). XLA fuses its conversion into the op that makes x, but
-a decode step's x comes from an RMSNorm, which at batch 1 XLA compiles to two kernels and the norm kernel
-(``pallas_kernels.rms_norm``) to one: converted in the kernel, the norms can be the one-launch kernel
-(``models.stacked.norms_in_place``), 14 -> 12 launches a Llama-2-7B rtn-w8 decode layer, for 0.3 more
-instructions per weight (2.21 -> 2.52 in sm_90 SASS at M = 1; the kernels measured bound by something other
-than instructions on an H200: this kernel, with half ``w8_nk``'s instructions, was 0.60-1.21x of it).
+Where: in the kernel, each K step's x tile, or by XLA before the launch (``settings.override("int8_f16",
+convert="xla")``; on a GPU by default while the norm kernel has not run on one: :func:`converts_in_xla`). XLA fuses
+its conversion into the op that makes x, but a decode step's x comes from an RMSNorm, which at batch 1 XLA compiles
+to two kernels and the norm kernel (``pallas_kernels.rms_norm``) to one: converted in the kernel, the norms can be
+the one-launch kernel (``models.stacked.norms_in_place``), 14 -> 12 launches a Llama-2-7B rtn-w8 decode layer, for
+0.3 more instructions per weight (2.21 -> 2.52 in sm_90 SASS at M = 1; the kernels measured bound by something
+other than instructions on an H200: this kernel, with half ``w8_nk``'s instructions, was 0.60-1.21x of it).
 
 sm_90 SASS at M = 1 (``scripts/kernel_sass.py`` cases ``wo_int8_m1_kmajor_f16*``): 2.2 instructions per
 weight (256 columns, K steps of 128; 2.0 with 256, 1.8 with 512 columns) against 4.5; float32
@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import settings
+from pallas_kernels import hardware_checked, settings
 from pallas_kernels.blocks import Blocks
 from pallas_kernels.common import (
     launch_matmul,
@@ -115,9 +115,16 @@ def _kernel(*refs, m, n, k, blocks, has_zp, has_bias, split_blocks, split, stack
 
 
 def converts_in_xla(m: int) -> bool:
-    """Whether a launch of ``m`` rows has XLA make its float16 x (``settings`` ``convert="xla"``; rows past the
-    decode settings' keep the kernel's default, in the kernel)."""
-    return settings.of("int8_f16", m).convert == "xla"
+    """Whether a launch of ``m`` rows has XLA make its float16 x: where a setting says (``convert``; rows past the
+    decode settings' take the default), else on a GPU unless the norm kernel may run there
+    (``hardware_checked.allowed("rms_norm")``). Converting in the kernel pays only by letting that one-launch norm
+    make x (``models.stacked.norms_in_place``); with XLA's norm, XLA fuses the conversion into it and the kernel's
+    would cost 0.3 instructions per weight for nothing. XLA's conversion is also the way this kernel's gpu cases
+    passed (H200, 2026-12-04); the kernel's own has not run on a GPU (``pallas_kernels.fingerprints``)."""
+    chosen = settings.of("int8_f16", m).convert
+    if chosen is not None:
+        return chosen == "xla"
+    return not hardware_checked.allowed("rms_norm")
 
 
 def int8_f16_matmul(x, wq, w_scale, *, w_zero_point=None, bias=None, blocks: Blocks | None = None,
