@@ -12,8 +12,9 @@
 # cases need ~150 s on four processes; an e2e variant of a 32-layer model ~60-100 s (weights, quantizing, the
 # decode and prefill programs).
 #
-# The next GPU session, first call (every kernel written since the last hardware run has its gpu cases here; the
-# tables the call measures are merged over the shipped one before e2e runs):
+# The next GPU session, first call (every kernel written since the last hardware run has its gpu cases here, and
+# gpu_tests adds those of the checked kernels changed since their runs; the tables the call measures are merged over
+# the shipped one before e2e runs):
 #     STEPS="gpu_tests decode_hopper e2e" TESTS_LIMIT=140 \
 #         TESTS="hopper or store or float_decode or rms_norm or prompt_attention or int8_f16" \
 #         RECIPES="rtn-w4-g128 rtn-w8" TORCH=--no-torch E2E_LIMIT=200 bash scripts/gpu_session.sh   (timeout_s 600)
@@ -23,6 +24,8 @@
 # A measured table joins the shipped ones with
 #     python -m llmeq_jax.dispatch_table merge runs/gpu/dispatch_X.json --over-shipped --into \
 #         llmeq_jax/dispatch_tables/<DEVICE>.json
+# and a kernel whose gpu cases all passed joins (or renews) the checked ones, back on the CPU at the commit that ran:
+#     python -m pallas_kernels.fingerprints --run "H100, <date>" KERNEL   (pallas_kernels/hardware_fingerprints.json)
 #
 # Knobs (environment): STEPS (a subset of the step names below; default all), OUT, PYTHON, SHAPES / LAYERS (other
 # published shapes, fewer layers), RECIPES / BATCHES / TORCH (--no-torch: no transformers rows) for e2e, E2E_LIMIT /
@@ -67,10 +70,14 @@ cat "$out/device.txt"
 gpu_test_workers=(-n "${TESTS_WORKERS:-4}" --dist load)
 [[ "${TESTS_WORKERS:-4}" == 0 ]] && gpu_test_workers=()
 # LLMEQ_UNCHECKED_KERNELS=all: the cases reach every kernel, those not yet run on a GPU included (a GPU's default
-# trace leaves them out: pallas_kernels/hardware_checked.py)
+# trace leaves them out: pallas_kernels/hardware_checked.py). The cases of checked kernels changed since their run
+# (pallas_kernels/hardware_fingerprints.json's "unrun") join TESTS' by themselves.
+tests="${TESTS:-float_decode or int8 or words or store or quantized_cache}"
+unrun=$("$py" -m pallas_kernels.hardware_checked --unrun-cases)
+[[ -n "$unrun" ]] && tests="($tests) or $unrun"
 LLMEQ_UNCHECKED_KERNELS=all XLA_PYTHON_CLIENT_PREALLOCATE=false step gpu_tests "${TESTS_LIMIT:-90}" \
     "$py" -m pytest -v --tb=line -p no:cacheprovider "${gpu_test_workers[@]}" -m gpu \
-    tests/pallas_kernels/test_gpu_kernels.py -k "${TESTS:-float_decode or int8 or words or store or quantized_cache}"
+    tests/pallas_kernels/test_gpu_kernels.py -k "$tests"
 failed_case() {  # failed_case NAME: whether a gpu case whose id holds NAME failed in this call's gpu_tests
   # (a verdict line reads "... prompt_attention8 FAILED" from one process, "FAILED ...prompt_attention8" from xdist's)
   # (runs/tables keeps every call's verdicts on a machine still warm, beside its tables)
