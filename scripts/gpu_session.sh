@@ -13,8 +13,8 @@
 # decode and prefill programs).
 #
 # The next GPU session, first call (every kernel written since the last hardware run has its gpu cases here, and
-# gpu_tests adds those of the checked kernels changed since their runs; the tables the call measures are merged over
-# the shipped one before e2e runs):
+# gpu_tests adds those of the checked kernels changed since their runs: 85 cases where TESTS alone selects 59; the
+# tables the call measures are merged over the shipped one before e2e runs):
 #     STEPS="gpu_tests decode_hopper e2e" TESTS_LIMIT=140 \
 #         TESTS="hopper or store or float_decode or rms_norm or prompt_attention or int8_f16" \
 #         RECIPES="rtn-w4-g128 rtn-w8" TORCH=--no-torch E2E_LIMIT=200 bash scripts/gpu_session.sh   (timeout_s 600)
