@@ -115,14 +115,27 @@ def table_key(kind: str, rows: int, x_dtype, w: QArray, group: int | None) -> di
 MIN_KERNEL_WEIGHTS = 1 << 23
 
 
+# On a GPU, a prompt's weight-only product over (K, N) codes that no table measured (nor inferred) goes to XLA's path
+# from this many rows on: the (K, N) kernel lost to it at every prompt size measured, 3-4x, on both GPUs that ran it
+# (H100 2026-11-22: 0.27-0.29x bf16; H200 2026-11-27: the shipped table's 512-4096-row entries, every shape, int8 and
+# int4), and up to 16 rows it won. A GPU with no table of its own or of its architecture (an A100, an L40S, an H100
+# PCIe) took it for every prompt.
+WEIGHT_ONLY_PROMPT_ROWS = 17
+
+
 def kernel_takes(kind: str, rows: int, x_dtype, w: QArray, group: int | None) -> bool:
     """Whether a product of ``rows`` rows with the (in, out) QArray ``w`` goes to kernel ``kind`` (a
     :data:`dispatch_table.KERNELS` name) rather than XLA: the dispatch table's measured or inferred path where
-    it has one; else, on a GPU, a weight of at least :data:`MIN_KERNEL_WEIGHTS` values."""
+    it has one; else, on a GPU, a weight of at least :data:`MIN_KERNEL_WEIGHTS` values, and for the (K, N)
+    weight-only kernel fewer than :data:`WEIGHT_ONLY_PROMPT_ROWS` rows."""
     measured = dispatch_table.choice(table_key(kind, rows, x_dtype, w, group))
     if measured is not None:
         return measured == "pallas"
-    return not config.on_gpu() or math.prod(w.shape) >= MIN_KERNEL_WEIGHTS
+    if not config.on_gpu():
+        return True
+    if kind == "weight_only" and rows >= WEIGHT_ONLY_PROMPT_ROWS:
+        return False
+    return math.prod(w.shape) >= MIN_KERNEL_WEIGHTS
 
 
 def _act_scale(w: QArray, layer):
