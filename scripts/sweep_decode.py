@@ -40,7 +40,10 @@ KERNELS_OF = {"rtn-w4-g128": ("int4_words",), "rtn-w8": ("int8_f16", "weight_onl
 DEFAULT_SETTINGS = {
     "int4_words": ["programs=132", "programs=528", "bn=128", "bn=256", "bk=256", "bk=512", "stages=2", "stages=4",
                    "warps=8", "epilogue=mma", "bk=256,stages=4", "bk=256,programs=528", "bn=256,programs=132"],
-    "int8_f16": ["programs=132", "programs=528", "bn=128", "bk=1024", "stages=4", "warps=8", "convert=xla"],
+    # x made float16 by XLA or in the kernel: which is the default depends on whether the norm kernel runs
+    # (int8_f16.converts_in_xla), so both are tried
+    "int8_f16": ["programs=132", "programs=528", "bn=128", "bk=1024", "stages=4", "warps=8", "convert=xla",
+                 "convert=kernel"],
     "weight_only": ["programs=528", "stages=4"],
     "w8a8": ["programs=132", "programs=528", "bn=128", "stages=4", "warps=8"],
     "float_matmul": ["programs=132", "programs=528", "bn=128", "stages=4", "warps=8"],
