@@ -209,6 +209,7 @@ _CASES = {"weight_only": _weight_only, "w8a8": _w8a8, "float_matmul": _float_mat
           "append_decode_attention": _append_decode_attention, "store_append": _store_append,
           "merge_splits": _merge_splits,
           "cudnn_attention": lambda: []}  # cuDNN's own kernel: nothing of ours lowers to Triton, its record is the run
+
 # What the lowerings are traced for: a GPU, so that what a GPU decides by itself (hardware_checked's switches, the
 # int8 kernel's x conversion) is decided as there; kernels are called directly, no dispatch table is read.
 GPU = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3", compute_capability="9.0")
