@@ -9,11 +9,17 @@ weights -- reaches the callback as the array itself, which it reads as a buffer'
 :func:`install` replaces that one callback with one that takes a register operand as it is and reads a buffer
 through its index transforms, then transposes it as the trailing transposes say. A canary test
 (``tests/pallas_kernels/test_w8a8_hopper.py``) fails once JAX's own interpreter takes a transposed operand.
+
+It also compiles each simulated thread's program once: the interpreter runs a kernel's warpgroups as one jaxpr on
+several host threads, and lowered and compiled that jaxpr again in every thread of every call (``Lowered.compile``
+misses JAX's caches), which was ~60 % of a small kernel's time in interpret mode. :func:`install` keeps the compiled
+program per (jaxpr, argument types), so a kernel's threads and later calls reuse it.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 
 import jax
 import numpy as np
@@ -64,9 +70,44 @@ def _wgmma(*, token, device_id, grid_point_coords, thread_id, acc_allocation_key
     return token
 
 
+_THREAD_PROGRAMS: dict = {}  # (jaxpr, argument types) -> its compiled program
+_THREAD_PROGRAMS_LOCK = threading.Lock()
+_MAX_THREAD_PROGRAMS = 512  # a test process interprets a few hundred kernels; past this, start afresh
+
+
+def _types(values) -> tuple:
+    return tuple((np.shape(v), v.dtype) for v in values)  # NumPy arrays and the thread id: all have one
+
+
+def _thread_program(jaxpr, consts, args):
+    """The compiled program of one simulated thread's ``jaxpr`` (the interpreter's ``eval_jaxpr`` of it), made once
+    per argument types; the jaxpr is kept by the key, so its identity is not reused while the entry lives."""
+    from jax._src import core
+
+    key = (jaxpr, _types(consts), _types(args))
+    with _THREAD_PROGRAMS_LOCK:  # a kernel's threads ask at once: one compiles, the others wait for it
+        program = _THREAD_PROGRAMS.get(key)
+        if program is None:
+            if len(_THREAD_PROGRAMS) >= _MAX_THREAD_PROGRAMS:
+                _THREAD_PROGRAMS.clear()
+            shapes = lambda values: [jax.ShapeDtypeStruct(s, d) for s, d in _types(values)]  # noqa: E731
+            run = lambda c, *a: core.eval_jaxpr(jaxpr, c, *a)  # noqa: E731  returns nothing: effects only
+            program = jax.jit(run).trace(shapes(consts), *shapes(args)).lower().compile()
+            _THREAD_PROGRAMS[key] = program
+    return program
+
+
+def _run_thread(jaxpr, consts, *args) -> None:
+    """The interpreter's ``thread_map._run_jaxpr``: one simulated thread's jaxpr, its program compiled once."""
+    _thread_program(jaxpr, consts, args)(list(consts), *args)
+
+
 @functools.cache
 def install() -> None:
-    """Let GPU interpret mode's wgmma take transposed operands (once per process)."""
+    """Let GPU interpret mode's wgmma take transposed operands, and compile each simulated thread's program once
+    (once per process)."""
+    from jax._src.pallas.mosaic.interpret import thread_map
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 
     gpu_callbacks.wgmma = _wgmma  # looked up by the interpreter at each wgmma it runs
+    thread_map._run_jaxpr = _run_thread  # looked up by the thread-map callback for each thread it starts
