@@ -29,8 +29,8 @@ def _script(name):
 
 def _bench_kernels(monkeypatch, copies: int = 1):
     """scripts/bench_kernels.py for a run through in interpret mode: ``copies`` copies of each operand and one timed
-    round a variant (what is tested is what it times and writes, not the times: each Mosaic GPU kernel run in
-    interpret mode takes seconds)."""
+    round a variant (what is tested is what it times and writes, not the times: a Mosaic GPU kernel's run in
+    interpret mode takes a tenth of a second or more)."""
     bench = _script("bench_kernels")
     monkeypatch.setattr(bench, "copies_for", lambda nbytes: copies)
     monkeypatch.setattr(bench, "ROUNDS", 1)

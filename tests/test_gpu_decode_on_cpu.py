@@ -274,14 +274,13 @@ def test_a_gpus_int4_decode_runs_the_hopper_kernel_where_a_table_says_so(monkeyp
     assert float(jnp.max(jnp.abs(got[:, 1:] - got[:, :-1]))) > 0.2 * scale
 
 
-@pytest.mark.parametrize("recipe,kernel", [("fp8-w8a8", "fp8_w8a8_decode_hopper")])
+@pytest.mark.parametrize("recipe,kernel", [("rtn-w8a8", "w8a8_decode_hopper"),
+                                           ("fp8-w8a8", "fp8_w8a8_decode_hopper")])
 def test_a_gpus_w8a8_decode_runs_the_hopper_kernel_where_a_table_says_so(monkeypatch, recipe, kernel):
     """Where a dispatch table measured the Mosaic GPU decode kernel's W8A8 mode faster than the path it replaces,
     every decode step's four W8A8 products per layer (q/k/v and gate/up joined, K-major) run on it, each layer read
     in place from the stack (GPU interpret mode): the logits of the Triton W8A8 kernel it replaces, step by step.
-    (Against XLA's W8A8 path a code of x at a rounding boundary moves the logits by more than a kernel's rounding.)
-    FP8 only here (~50 s a recipe in CI): int8's route through the same dispatch and layout is
-    tests/test_kernel_dispatch.py's, its kernel tests/pallas_kernels/test_decode_hopper.py's."""
+    (Against XLA's W8A8 path a code of x at a rounding boundary moves the logits by more than a kernel's rounding.)"""
     from llmeq_jax import dispatch_table, kernel_dispatch
     from pallas_kernels import decode_hopper
 
