@@ -53,17 +53,25 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # never initialise a GPU backend:
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # kernel_sass (--sass)
 
-# GpuTargetConfig text protos of the GPUs the device tool lends (device_description_str is the device_kind
-# the dispatch tables are keyed by).
+# GpuTargetConfig text protos of GPUs: the two the device tool lends, and two it does not (an A100; an L40, which
+# stands for the sm_89 cards, L40S and RTX 4090 alike, whose names JAX's deviceless Pallas lowering does not know)
+# that users run, with less shared memory per block than Hopper: a kernel sized for an H100 that does not fit fails
+# their compile (device_description_str is the device_kind the dispatch tables are keyed by).
 _DEVICE_INFO = ("threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152 "
-                "shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132 fpus_per_core: 128 "
-                "block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535 "
-                "l2_cache_size: 52428800 clock_rate_ghz: 1.98 shared_memory_per_block_optin: 232448 "
-                "cuda_compute_capability {{ major: 9 }} registers_per_core_limit: 65536 "
+                "shared_memory_per_core: {smem_core} threads_per_core_limit: {threads} core_count: {cores} "
+                "fpus_per_core: 128 block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535 "
+                "l2_cache_size: {l2} clock_rate_ghz: {clock} shared_memory_per_block_optin: {smem_block} "
+                "cuda_compute_capability {{ major: {major} minor: {minor} }} registers_per_core_limit: 65536 "
                 "registers_per_block_limit: 65536 memory_bandwidth: {bandwidth} device_memory_size: {memory}")
+_HOPPER = dict(major=9, minor=0, cores=132, smem_block=232448, smem_core=233472, threads=2048, l2=52428800,
+               clock=1.98)
 TARGETS = {
-    "h100": ("NVIDIA H100 80GB HBM3", 3352320000000, 84929347584),
-    "h200": ("NVIDIA H200", 4800000000000, 150754820096),
+    "h100": dict(_HOPPER, kind="NVIDIA H100 80GB HBM3", bandwidth=3352320000000, memory=84929347584),
+    "h200": dict(_HOPPER, kind="NVIDIA H200", bandwidth=4800000000000, memory=150754820096),
+    "a100": dict(kind="NVIDIA A100-SXM4-80GB", major=8, minor=0, cores=108, smem_block=166912, smem_core=167936,
+                 threads=2048, l2=41943040, clock=1.41, bandwidth=2039000000000, memory=85100000000),
+    "l40": dict(kind="NVIDIA L40", major=8, minor=9, cores=142, smem_block=101376, smem_core=102400,
+                 threads=1536, l2=100663296, clock=2.52, bandwidth=864000000000, memory=48305799168),
 }
 COPY_MIN_BYTES = 1 << 20
 BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
@@ -71,10 +79,10 @@ BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "
 
 
 def target_config(device: str) -> str:
-    kind, bandwidth, memory = TARGETS[device]
-    info = _DEVICE_INFO.format(bandwidth=bandwidth, memory=memory)
+    target = TARGETS[device]
+    info = _DEVICE_INFO.format(**target)
     return (f"gpu_device_info {{ {info} }}\nplatform_name: \"CUDA\"\ndnn_version_info {{ major: 9 minor: 7 }}\n"
-            f"runtime_version {{ major: 12 minor: 8 patch: 0 }}\ndevice_description_str: \"{kind}\"\n")
+            f"runtime_version {{ major: 12 minor: 8 patch: 0 }}\ndevice_description_str: \"{target['kind']}\"\n")
 
 
 # --------------------------------------------------------------------------- reading XLA's dumps
