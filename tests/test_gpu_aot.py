@@ -2,6 +2,7 @@
 plugin, which the test venv does not hold: see the script's docstring)."""
 
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -149,3 +150,17 @@ def test_ptx_for_ptxas_lowers_only_a_newer_isa_version():
     triton = ".version 8.7\n.target sm_90a\n"
     assert gpu_aot.ptx_for_ptxas(triton) == triton
     assert gpu_aot.ptx_for_ptxas(".version 8.10\n") == ".version 8.8\n"  # numbers, not strings, compared
+
+
+def test_each_target_describes_its_gpu():
+    """The GpuTargetConfig of each target: its device kind (what dispatch tables are keyed by), compute capability
+    and the shared memory a block may opt into, which is what a kernel sized for Hopper can overflow elsewhere."""
+    expected = {"h100": ("NVIDIA H100 80GB HBM3", 9, 0, 232448), "h200": ("NVIDIA H200", 9, 0, 232448),
+                "a100": ("NVIDIA A100-SXM4-80GB", 8, 0, 166912), "l40": ("NVIDIA L40", 8, 9, 101376)}
+    assert set(gpu_aot.TARGETS) == set(expected)
+    for name, (kind, major, minor, smem) in expected.items():
+        text = gpu_aot.target_config(name)
+        assert f'device_description_str: "{kind}"' in text
+        assert f"cuda_compute_capability {{ major: {major} minor: {minor} }}" in text
+        assert f"shared_memory_per_block_optin: {smem} " in text
+        assert not re.search(r"\{[a-z_]+\}", text)  # every field filled in
