@@ -12,7 +12,7 @@ through its index transforms, then transposes it as the trailing transposes say.
 
 It also compiles each simulated thread's program once: the interpreter runs a kernel's warpgroups as one jaxpr on
 several host threads, and lowered and compiled that jaxpr again in every thread of every call (``Lowered.compile``
-misses JAX's caches), which was ~60 % of a small kernel's time in interpret mode. :func:`install` keeps the compiled
+misses JAX's in-memory caches): ~90 % of a small kernel's time in interpret mode (2.3 s a call -> 0.15 s). :func:`install` keeps the compiled
 program per (jaxpr, argument types), so a kernel's threads and later calls reuse it.
 """
 
