@@ -84,15 +84,16 @@ def _thread_program(jaxpr, consts, args):
     per argument types; the jaxpr is kept by the key, so its identity is not reused while the entry lives."""
     from jax._src import core
 
-    key = (jaxpr, _types(consts), _types(args))
+    const_types, arg_types = _types(consts), _types(args)
+    key = (jaxpr, const_types, arg_types)
     with _THREAD_PROGRAMS_LOCK:  # a kernel's threads ask at once: one compiles, the others wait for it
         program = _THREAD_PROGRAMS.get(key)
         if program is None:
             if len(_THREAD_PROGRAMS) >= _MAX_THREAD_PROGRAMS:
                 _THREAD_PROGRAMS.clear()
-            shapes = lambda values: [jax.ShapeDtypeStruct(s, d) for s, d in _types(values)]  # noqa: E731
+            shapes = lambda types: [jax.ShapeDtypeStruct(s, d) for s, d in types]  # noqa: E731
             run = lambda c, *a: core.eval_jaxpr(jaxpr, c, *a)  # noqa: E731  returns nothing: effects only
-            program = jax.jit(run).trace(shapes(consts), *shapes(args)).lower().compile()
+            program = jax.jit(run).trace(shapes(const_types), *shapes(arg_types)).lower().compile()
             _THREAD_PROGRAMS[key] = program
     return program
 

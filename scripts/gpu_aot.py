@@ -71,7 +71,7 @@ TARGETS = {
     "a100": dict(kind="NVIDIA A100-SXM4-80GB", major=8, minor=0, cores=108, smem_block=166912, smem_core=167936,
                  threads=2048, l2=41943040, clock=1.41, bandwidth=2039000000000, memory=85100000000),
     "l40": dict(kind="NVIDIA L40", major=8, minor=9, cores=142, smem_block=101376, smem_core=102400,
-                 threads=1536, l2=100663296, clock=2.52, bandwidth=864000000000, memory=48305799168),
+                threads=1536, l2=100663296, clock=2.52, bandwidth=864000000000, memory=48305799168),
 }
 COPY_MIN_BYTES = 1 << 20
 BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
