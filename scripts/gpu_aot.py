@@ -172,18 +172,52 @@ def innermost_body(comps: dict[str, list[str]]) -> str:
 
 def big_copies(hlo: str) -> list[tuple[str, int]]:
     """(instruction, bytes) of every copy or dynamic-slice fusion of at least COPY_MIN_BYTES in the innermost
-    loop's body (what runs there as a copy of its own, not what a fusion reads in place)."""
+    loop's body (what runs there as a copy of its own, not what a fusion reads in place). An asynchronous one
+    (``copy-start``, or an ``async-start`` / ``fusion-start`` of a dynamic-slice fusion, which XLA 0.11 schedules
+    on another stream: a prompt's stacked bf16 weights) counts its result, not the operands its tuple also holds."""
     out, comps = [], computations(hlo)
     for line in comps[innermost_body(comps)]:
-        m = re.match(r"\s+(?:ROOT )?%([\w.\-]+) = (.+?) (copy|copy-start|dynamic-slice|fusion|fusion-start)\(", line)
+        m = re.match(r"\s+(?:ROOT )?%([\w.\-]+) = (.+?) (copy|copy-start|dynamic-slice|fusion|fusion-start|async-start)\(",
+                     line)
         if not m:
             continue
         name, result, op = m.groups()
-        if op.startswith("fusion") and "dynamic_slice" not in name and "dynamic-slice" not in line.split("calls=")[-1][:80]:
+        if op in ("fusion", "fusion-start", "async-start") and not _slices(line, comps if op == "async-start" else {}):
             continue
+        if op.endswith("-start"):  # ((operands) or operand, result, context)
+            result = tuple_elements(result)[1]
         nbytes = shape_bytes(result.split(" ")[0] if op in ("copy", "dynamic-slice") else result)
         if nbytes >= COPY_MIN_BYTES:
             out.append((name, nbytes))
+    return out
+
+
+def _slices(line: str, comps: dict[str, list[str]]) -> bool:
+    """Whether a fusion (or an asynchronous start of one) is a dynamic-slice fusion: by its name, the fused
+    computation it calls, or the fusion a called computation in ``comps`` holds (an ``async-start``'s)."""
+    name = line.split("=", 1)[0]
+    called = re.search(r"calls=%([\w.\-]+)", line)
+    inner = comps.get(called.group(1), []) if called else []
+    return any("dynamic_slice" in s or "dynamic-slice" in s
+               for s in (name, called.group(1) if called else "", *(x.split("=", 1)[0] for x in inner)))
+
+
+def tuple_elements(text: str) -> list[str]:
+    """The top-level elements of an HLO tuple type ``(a, (b, c), d)``; a non-tuple type as its only element."""
+    text = text.strip()
+    if not text.startswith("("):
+        return [text]
+    out, depth, start = [], 0, 1
+    for i, ch in enumerate(text):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+            if depth == 0:
+                out.append(text[start:i].strip())
+        elif ch == "," and depth == 1:
+            out.append(text[start:i].strip())
+            start = i + 1
     return out
 
 

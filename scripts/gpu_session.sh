@@ -17,7 +17,9 @@
 # tables the call measures are merged over the shipped one before e2e runs):
 #     STEPS="gpu_tests decode_hopper e2e" TESTS_LIMIT=140 \
 #         TESTS="hopper or store or float_decode or rms_norm or prompt_attention or int8_f16" \
-#         RECIPES="rtn-w4-g128 rtn-w8" TORCH=--no-torch E2E_LIMIT=200 bash scripts/gpu_session.sh   (timeout_s 600)
+#         RECIPES="rtn-w4-g128 rtn-w8" TORCH=--no-torch E2E_LIMIT=200 bash scripts/gpu_session.sh   (timeout_s 600,
+#     carry ["runs/wheels"]: pytest-xdist's wheels, made here with
+#     pip download --no-deps pytest-xdist==3.8.0 execnet==2.1.2 -d runs/wheels)
 # (e2e's rows carry each variant's logits against XLA alone on the same weights: read them before the speeds), then
 # at once, on the machine still warm: STEPS="attention" (timeout_s 200). A later session: STEPS="decode_hopper_w8a8
 # hopper hopper_fp8 hopper_w8"; then the steps docs/kernels.md lists as never run.
@@ -67,8 +69,19 @@ cat "$out/device.txt"
 # The cases run in TESTS_WORKERS processes at once (pytest-xdist; 4 by default, 0: one process): a case's time is
 # almost all compiling on the host's CPUs (16 cores), so one process left the GPU idle and ~25 Mosaic cases took
 # more than 150 s. Each process takes GPU memory as it needs it (no preallocation: four would ask 75 % each).
-gpu_test_workers=(-n "${TESTS_WORKERS:-4}" --dist load)
-[[ "${TESTS_WORKERS:-4}" == 0 ]] && gpu_test_workers=()
+# The GPU machine reaches no registry and may lack pytest-xdist: its pure-Python wheels travel with the call
+# (here: pip download --no-deps pytest-xdist==3.8.0 execnet==2.1.2 -d runs/wheels; the device tool's carry:
+# runs/wheels), unpacked onto PYTHONPATH (their dist-info's entry point registers -n). Without them: one process.
+workers="${TESTS_WORKERS:-4}"
+if [[ $workers != 0 ]] && ! "$py" -c "import xdist" 2> /dev/null; then
+  for wheel in runs/wheels/*.whl; do
+    [[ -f $wheel ]] && "$py" -m zipfile -e "$wheel" runs/pylib
+  done
+  export PYTHONPATH="$PWD/runs/pylib:$PYTHONPATH"
+  "$py" -c "import xdist" 2> /dev/null || { echo "   no pytest-xdist (carry runs/wheels): the gpu cases in one process"; workers=0; }
+fi
+gpu_test_workers=(-n "$workers" --dist load)
+[[ $workers == 0 ]] && gpu_test_workers=()
 # LLMEQ_UNCHECKED_KERNELS=all: the cases reach every kernel, those not yet run on a GPU included (a GPU's default
 # trace leaves them out: pallas_kernels/hardware_checked.py). The cases of checked kernels changed since their run
 # (pallas_kernels/hardware_fingerprints.json's "unrun") join TESTS' by themselves.

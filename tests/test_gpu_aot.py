@@ -117,6 +117,34 @@ def test_big_copies_of_the_innermost_loop_only():
     assert copies == {"loop_dynamic_slice_fusion": 2 * (512 * 1024 * 2), "copy.3": 4 << 20}
 
 
+def test_big_copies_counts_an_asynchronous_slice_by_its_result():
+    """XLA 0.11 runs a layer's slice of a stacked weight as an ``async-start`` of a dynamic-slice fusion on another
+    stream (a bf16 prompt's weights): listed with the slice's bytes, not the stack's its tuple also names; an
+    asynchronous start of something else is not a copy."""
+    body = (
+        '  %fusion-start.4 = ((bf16[2,4096,4096]{2,1,0}, s32[]), bf16[1,4096,4096]{2,1,0}, u32[]) '
+        'async-start(%a, %i), calls=%async_computation.4, metadata={scheduling_name="fusion-start.4"}\n'
+        '  %all-gather-start = ((bf16[1024,1024]{1,0}), bf16[4096,1024]{1,0}, u32[]) '
+        'async-start(%b), calls=%async_computation.5, metadata={op_name="x/all_gather"}\n'
+        '  %copy-start.2 = (f32[1024,1024]{1,0}, f32[1024,1024]{1,0}, u32[]) copy-start(%x)\n')
+    called = """\
+%async_computation.4 (p0: bf16[2,4096,4096], p1: s32[]) -> bf16[1,4096,4096] {
+  ROOT %loop_dynamic_slice_fusion.17 = bf16[1,4096,4096]{2,1,0} fusion(%p0, %p1), kind=kLoop, calls=%fused_dynamic_slice
+}
+
+%async_computation.5 (p0: bf16[1024,1024]) -> bf16[4096,1024] {
+  ROOT %all-gather = bf16[4096,1024]{1,0} all-gather(%p0), dimensions={0}
+}
+
+"""
+    hlo = called + HLO.replace("  %small = ", body + "  %small = ")
+    copies = dict(gpu_aot.big_copies(hlo))
+    assert copies["fusion-start.4"] == 4096 * 4096 * 2 and copies["copy-start.2"] == 4 << 20
+    assert "all-gather-start" not in copies
+    assert gpu_aot.tuple_elements("((bf16[2,3]{1,0}, s32[]), bf16[1,3]{1,0}, u32[])") == \
+        ["(bf16[2,3]{1,0}, s32[])", "bf16[1,3]{1,0}", "u32[]"]
+
+
 def test_read_dump_finds_the_named_module(tmp_path):
     """The decode loop's dump by default, the prefill's (--prefill) by its module name; a missing one is named."""
     for module in ("jit__decode_loop", "jit_prefill"):
