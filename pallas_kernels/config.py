@@ -77,6 +77,17 @@ def target_device():
     return device if device is not None else jax.devices()[0]
 
 
+def compute_capability(device=None) -> tuple[int, int] | None:
+    """(major, minor) of ``device``'s CUDA compute capability (default: the traced-for device), or None where it has
+    none (a CPU, a device that does not say)."""
+    device = device or target_device()
+    try:
+        major, minor = (int(v) for v in str(getattr(device, "compute_capability", "")).split(".")[:2])
+    except ValueError:
+        return None
+    return major, minor
+
+
 def target_backend() -> str:
     """The backend traced for ("cpu", "gpu", ...): the :func:`compiling_for` device's, else the default."""
     device = _TARGET.get()

@@ -89,13 +89,8 @@ def fp8_supported(device=None) -> bool:
         return True
     if not fp8_dot.TRITON_LOWERING:  # this JAX's Pallas took no FP8 dot rule: its dots would miss wgmma
         return False
-    device = device or config.target_device()
-    cc = getattr(device, "compute_capability", None)
-    try:
-        major, minor = (int(v) for v in str(cc).split(".")[:2])
-    except ValueError:
-        return False
-    return (major, minor) >= (8, 9)
+    cc = config.compute_capability(device)
+    return cc is not None and cc >= (8, 9)
 
 
 def _kernel(*refs, m, n, k, blocks, group, has_zp, has_bias, split_blocks, split, w_kmajor, stacked, fp8):
@@ -103,7 +98,7 @@ def _kernel(*refs, m, n, k, blocks, group, has_zp, has_bias, split_blocks, split
         refs, stacked=stacked, inputs=4, has_zp=has_zp, has_bias=has_bias)
     bm, bn, bk = blocks.bm, blocks.bn, blocks.bk
     prog = matmul_program(m, n, k, blocks, split_blocks)
-    rows, cols, first, last, whole_k = prog  # whole_k: every K block in bounds, unmasked loads
+    rows, cols, first, last, whole_k = prog[:5]  # whole_k: every K block in bounds, unmasked loads
 
     def row_of(ref, g, lay=None):  # one (1, bn) row of a per-group array
         return load_tile(ref, span(g, 1, ref.shape[-2], in_bounds=True), cols, 0, lay).astype(jnp.float32)

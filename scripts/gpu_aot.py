@@ -349,7 +349,7 @@ def compile_decode(args, recipe: str, topo, folder: Path):
     config, params = abstract_model(args, recipe)
     kv = None if args.kv_bits is None else kv_quantizer(args, config)
     off = kernel_config.disabled() if args.xla else contextlib.nullcontext()
-    with kernel_config.compiling_for(device), off:
+    with kernel_config.compiling_for(device), off, launch_settings(args.settings):
         # the blocks stacked for one scan: a prompt in the layout llmeq eval and bench_e2e's prefill run it
         # (pipeline.run_layout: W8A8 weights K-major for a GPU), the decode loop over the checkpoint's layout
         # (generate lays it out for decode inside)
@@ -377,6 +377,18 @@ def compile_decode(args, recipe: str, topo, folder: Path):
     if args.sass:  # jax >= 0.11 writes the PTX only when asked for the LLVM IR of every emitter
         dumps.update(xla_gpu_dump_llvmir=True, xla_dump_emitter_re=".*")
     lowered.compile(compiler_options=dumps)
+
+
+@contextlib.contextmanager
+def launch_settings(texts: list[str]):
+    """Every ``kernel:fields`` setting of ``texts`` (``pallas_kernels.settings.parse``) in force for the block."""
+    from pallas_kernels import settings
+
+    with contextlib.ExitStack() as stack:
+        for text in texts:
+            kernel, fields = settings.parse(text)
+            stack.enter_context(settings.override(kernel, **fields))
+        yield
 
 
 def report(name: str, hlo: str, thunks: str) -> str:
@@ -412,6 +424,9 @@ def main(argv=None):
     parser.add_argument("--unchecked", action="store_true",
                         help="with the kernels not yet run on a GPU (pallas_kernels.hardware_checked), as a GPU "
                              "session's e2e step runs them once their gpu cases pass (LLMEQ_UNCHECKED_KERNELS=all)")
+    parser.add_argument("--settings", nargs="+", default=[], metavar="KERNEL:FIELDS",
+                        help="kernel launch settings at decode rows (pallas_kernels.settings, as sweep_decode.py takes "
+                             "them), e.g. int4_words:dependents=early")
     parser.add_argument("--keep", type=Path, help="keep XLA's dumps here (one folder per recipe)")
     parser.add_argument("--sass", action="store_true",
                         help="each Pallas kernel's SASS as XLA's Triton (or Mosaic GPU) compiled it")
@@ -437,6 +452,7 @@ def main(argv=None):
           + (f", int{args.kv_bits} KV cache ({'post' if args.kv_post_rope else 'pre'}-RoPE keys, "
              f"{'calibrated' if args.kv_static else 'online'} ranges, {args.kv_sinks} sinks)" if args.kv_bits else "")
           + (", Pallas kernels off" if args.xla else "")
+          + (f", settings {' '.join(args.settings)}" if args.settings else "")
           + (", the kernels not yet run on a GPU on" if os.environ.get("LLMEQ_UNCHECKED_KERNELS") else "")
           + "; per decoder layer and token:")
     print("| recipe | thunks | Pallas / cuDNN kernels | XLA GEMMs | other fusions | copies | copied (>= 1 MiB) "
