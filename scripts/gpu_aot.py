@@ -74,6 +74,7 @@ TARGETS = {
                 threads=1536, l2=100663296, clock=2.52, bandwidth=864000000000, memory=48305799168),
 }
 COPY_MIN_BYTES = 1 << 20
+COPY_OPS = "copy|copy-start|dynamic-slice|fusion|fusion-start|async-start"  # HLO ops that may copy (big_copies)
 BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
          "s64": 8, "u64": 8, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
 
@@ -177,8 +178,7 @@ def big_copies(hlo: str) -> list[tuple[str, int]]:
     on another stream: a prompt's stacked bf16 weights) counts its result, not the operands its tuple also holds."""
     out, comps = [], computations(hlo)
     for line in comps[innermost_body(comps)]:
-        m = re.match(r"\s+(?:ROOT )?%([\w.\-]+) = (.+?) (copy|copy-start|dynamic-slice|fusion|fusion-start|async-start)\(",
-                     line)
+        m = re.match(rf"\s+(?:ROOT )?%([\w.\-]+) = (.+?) ({COPY_OPS})\(", line)
         if not m:
             continue
         name, result, op = m.groups()

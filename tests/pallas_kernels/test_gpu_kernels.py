@@ -897,7 +897,8 @@ for _kernel in ("int4_words", "int8_f16", "weight_only", "w8a8", "float_matmul")
                 want = jax.jit(lowering.fn)(*args)
             with settings.override(kernel, dependents="early", **splits):
                 got = jax.jit(lowering.fn)(*args)
-            return f"{kernel} {lowering.label} k_splits={k_splits} dependents=early vs exit", *compare(got, want, 0.0), None
+            name = f"{kernel} {lowering.label} k_splits={k_splits} dependents=early vs exit"
+            return name, *compare(got, want, 0.0), None
 
 
 def _label(fn):
