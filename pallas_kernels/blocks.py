@@ -21,7 +21,6 @@ class Blocks:
     bk: int
     num_warps: int = 4
     num_stages: int = 2
-    dependents: str = "exit"  # when the next kernel may launch: common.DEPENDENTS (common.dependents_early)
 
 
 # (max M, bm, bn, bk, warps, stages); the last row covers everything larger.

@@ -14,7 +14,6 @@ mask built from the logical sizes, so ragged M/N/K are handled, not rejected.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from typing import NamedTuple
@@ -24,7 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import config, offsets
+from pallas_kernels import offsets
 
 TINY = float(jnp.finfo(jnp.float32).tiny)
 # tl.dot needs every operand dim >= 16 on NVIDIA tensor cores.
@@ -246,62 +245,33 @@ def split_refs(refs, *, stacked: bool, inputs: int, has_zp: bool, has_bias: bool
 
 class MatmulProgram(NamedTuple):
     """Where one program of a :func:`launch_matmul` grid works: its row and column :func:`span` s, its K
-    blocks ``[first, last)`` (its split of the K loop), whether K is whole blocks (unmasked loads), and, where it
-    carries :func:`dependents_early`'s trigger, the index of its K split as :func:`store_matmul` writes it (else
-    None: ``pl.program_id(2)`` there)."""
+    blocks ``[first, last)`` (its split of the K loop), and whether K is whole blocks (unmasked loads)."""
 
     rows: tuple
     cols: tuple
     first: jax.Array
     last: jax.Array
     whole_k: bool
-    split_index: jax.Array | None
 
 
 def matmul_program(m: int, n: int, k: int, blocks, split_blocks: int) -> MatmulProgram:
-    """The :class:`MatmulProgram` of the running program (``pl.program_id`` 0, 1, 2: M tile, N tile, K split);
-    with ``blocks.dependents == "early"`` the program first lets the next kernel launch (:func:`dependents_early`;
-    its value goes to the output's index, not the K loop's, whose Triton IR is the same as without it)."""
+    """The :class:`MatmulProgram` of the running program (``pl.program_id`` 0, 1, 2: M tile, N tile, K split)."""
     bm, bn, bk = blocks.bm, blocks.bn, blocks.bk
     first = pl.program_id(2) * split_blocks
-    split_index = dependents_early(pl.program_id(2)) if blocks.dependents == "early" else None
     return MatmulProgram(rows=span(pl.program_id(0) * bm, bm, m, in_bounds=m % bm == 0),
                          cols=span(pl.program_id(1) * bn, bn, n, in_bounds=n % bn == 0),
-                         first=first, last=jnp.minimum(first + split_blocks, cdiv(k, bk)), whole_k=k % bk == 0,
-                         split_index=split_index)
-
-
-def dependents_early(index: jax.Array) -> jax.Array:
-    """``index`` (a program id on the grid's third axis, < 2**16) unchanged, through
-    ``griddepcontrol.launch_dependents`` (PTX, sm_90+): once every
-    program of this grid has run it, the kernel after this one may launch, before this one ends.
-
-    Why: XLA launches every kernel of a Hopper GPU's program with programmatic dependent launch and starts each with
-    ``griddepcontrol.wait`` (which waits for the whole previous grid and its writes), but only its own Triton GEMMs
-    trigger their successors early; after a Pallas kernel, the next kernel (a decode step's split-K sum, RoPE, the
-    residual add) launches only as its programs exit. Triggered here, its launch overlaps this kernel's run, and its
-    own wait still orders the data: correctness does not depend on it. The asm is pure to Triton, so it rides on a
-    value the program uses (its K split's index); every thread of a program runs it (repeats are no-ops).
-    Only on a GPU with PDL (:func:`launch_matmul` checks): interpret mode cannot run PTX."""
-    [out] = plgpu.elementwise_inline_asm("griddepcontrol.launch_dependents;\n\tmov.u32 $0, $1;",
-                                         args=[jnp.full((1,), index, jnp.int32)], constraints="=r,r", pack=1,
-                                         result_shape_dtypes=[jax.ShapeDtypeStruct((1,), jnp.int32)])
-    return jnp.sum(out)  # a (1,) tensor back to the scalar the index arithmetic takes
+                         first=first, last=jnp.minimum(first + split_blocks, cdiv(k, bk)), whole_k=k % bk == 0)
 
 
 def store_matmul(o_ref, b_ref, acc, program: MatmulProgram, *, split: bool, has_bias: bool) -> None:
     """Write a program's float32 (bm, bn) result: with K splits as its float32 partial sum (bias and the cast
     come after :func:`sum_splits` adds them), else plus the bias row, cast to the output's dtype."""
     rows, cols = program.rows, program.cols
-    triggered = program.split_index is not None
     if split:
-        index = program.split_index if triggered else pl.program_id(2)
-        plgpu.store(o_ref.at[index, rows[0], cols[0]], acc, mask=tile_mask(rows, cols))
+        plgpu.store(o_ref.at[pl.program_id(2), rows[0], cols[0]], acc, mask=tile_mask(rows, cols))
         return
     if has_bias:
         acc = acc + load_tile(b_ref, span(0, 1, 1, in_bounds=True), cols, 0).astype(jnp.float32)
-    if triggered:  # + the split's index, 0 without splits: the value that carries the trigger
-        rows = (pl.ds(rows[0].start + program.split_index, rows[0].size), rows[1])
     store_tile(o_ref, rows, cols, acc.astype(o_ref.dtype))
 
 
@@ -319,7 +289,6 @@ def launch_matmul(kernel, args: list, *, m: int, n: int, k: int, blocks, bias, k
     ``kernel`` gets ``m, n, k, blocks, has_bias, split_blocks, split, stacked`` and ``static`` as
     keyword arguments.
     """
-    blocks = _dependents_here(blocks, interpret)
     grid_mn = (cdiv(m, blocks.bm), cdiv(n, blocks.bn))
     k_blocks = cdiv(k, blocks.bk)
     wanted = k_splits or splits_for(grid_mn[0] * grid_mn[1], k_blocks, target=programs or TARGET_PROGRAMS)
@@ -342,23 +311,6 @@ def launch_matmul(kernel, args: list, *, m: int, n: int, k: int, blocks, bias, k
         name=name,
     )(*args)
     return sum_splits(y, splits, bias, out_dtype)
-
-
-# When a kernel lets the kernel after it launch (programmatic dependent launch: :func:`dependents_early`): "exit",
-# CUDA's default (as its programs end), or "early" (as each program starts).
-DEPENDENTS = ("exit", "early")
-PDL_CAPABILITY = (9, 0)  # griddepcontrol: Hopper and later
-
-
-def _dependents_here(blocks, interpret: bool):
-    """``blocks`` with ``dependents`` as this launch can take it: "early" only on a GPU with programmatic dependent
-    launch (sm_90+), not in interpret mode (no PTX) nor on an older GPU (no such instruction); else "exit", which
-    every GPU does anyway. A value that is neither is a ValueError."""
-    if blocks.dependents not in DEPENDENTS:
-        raise ValueError(f"blocks.dependents must be 'exit' or 'early', got {blocks.dependents!r}")
-    if blocks.dependents == "early" and (interpret or (config.compute_capability() or (0, 0)) < PDL_CAPABILITY):
-        return dataclasses.replace(blocks, dependents="exit")
-    return blocks
 
 
 def compiler_params(num_warps: int = 4, num_stages: int = 2):

@@ -27,8 +27,8 @@ EPILOGUE_SLOTS = 2  # store pieces in flight per compute warpgroup
 
 def is_hopper(device=None) -> bool:
     """Whether ``device`` (default: the traced-for device) has wgmma: compute capability 9.x."""
-    device = device or config.target_device()
-    return str(getattr(device, "compute_capability", "")).split(".")[0] == "9"
+    cc = config.compute_capability(device)
+    return cc is not None and cc[0] == 9
 
 
 def wgmma_available() -> tuple[bool, str]:

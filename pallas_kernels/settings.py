@@ -24,7 +24,6 @@ import contextvars
 import dataclasses
 
 from pallas_kernels.blocks import Blocks
-from pallas_kernels.common import DEPENDENTS
 
 # The kernels that take settings, by the name used here (their modules).
 KERNELS = ("int4_words", "int8_f16", "weight_only", "w8a8", "float_matmul")
@@ -32,9 +31,8 @@ KERNELS = ("int4_words", "int8_f16", "weight_only", "w8a8", "float_matmul")
 DECODE_ROWS = 16
 EPILOGUES = ("rows", "mma")
 CONVERTS = ("kernel", "xla")
-# The settings that are words, not counts: the kernels that take each and the words it takes.
-WORDS = {"epilogue": (("int4_words",), EPILOGUES), "convert": (("int8_f16",), CONVERTS),
-         "dependents": (KERNELS, DEPENDENTS)}
+# The settings that are words, not counts: the kernel that takes each and the words it takes.
+WORDS = {"epilogue": ("int4_words", EPILOGUES), "convert": ("int8_f16", CONVERTS)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,9 +44,7 @@ class Settings:
     SM of an H100 by default); ``k_splits``: the splits themselves (wins over ``programs``);
     ``epilogue``: the int4 word kernel's scale epilogue (``int4_words.EPILOGUES``); ``convert``: where the int8
     float16-operand kernel makes its float16 x from bfloat16 x, "kernel" (each K step's tile) or "xla" (before
-    the launch: XLA fuses it into the op that makes x, but a decode step's norm then stays XLA's two kernels);
-    ``dependents``: when the kernel after this one may launch (``common.DEPENDENTS``): "exit" (CUDA's default) or
-    "early" (as each program starts: ``common.dependents_early``; sm_90+, elsewhere "exit")."""
+    the launch: XLA fuses it into the op that makes x, but a decode step's norm then stays XLA's two kernels)."""
 
     bn: int | None = None
     bk: int | None = None
@@ -58,12 +54,10 @@ class Settings:
     k_splits: int | None = None
     epilogue: str | None = None
     convert: str | None = None
-    dependents: str | None = None
 
     def blocks(self, default: Blocks) -> Blocks:
         """``default`` with the fields this setting gives."""
-        given = {"bn": self.bn, "bk": self.bk, "num_warps": self.warps, "num_stages": self.stages,
-                 "dependents": self.dependents}
+        given = {"bn": self.bn, "bk": self.bk, "num_warps": self.warps, "num_stages": self.stages}
         return dataclasses.replace(default, **{k: v for k, v in given.items() if v is not None})
 
 
@@ -81,9 +75,9 @@ def _checked(kernel: str, fields: dict) -> Settings:
                          f"known: {', '.join(sorted(names))}")
     for name, value in fields.items():
         if name in WORDS:
-            owners, words = WORDS[name]
-            if kernel not in owners or value not in words:
-                raise ValueError(f"settings: {name} is the {' / '.join(owners)} kernel's, one of {words}; "
+            owner, words = WORDS[name]
+            if kernel != owner or value not in words:
+                raise ValueError(f"settings: {name} is the {owner} kernel's, one of {words}; "
                                  f"got {value!r} for {kernel}")
         elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"settings: {kernel}.{name} must be a positive integer, got {value!r}")

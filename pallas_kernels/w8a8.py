@@ -98,7 +98,7 @@ def _kernel(*refs, m, n, k, blocks, group, has_zp, has_bias, split_blocks, split
         refs, stacked=stacked, inputs=4, has_zp=has_zp, has_bias=has_bias)
     bm, bn, bk = blocks.bm, blocks.bn, blocks.bk
     prog = matmul_program(m, n, k, blocks, split_blocks)
-    rows, cols, first, last, whole_k = prog[:5]  # whole_k: every K block in bounds, unmasked loads
+    rows, cols, first, last, whole_k = prog  # whole_k: every K block in bounds, unmasked loads
 
     def row_of(ref, g, lay=None):  # one (1, bn) row of a per-group array
         return load_tile(ref, span(g, 1, ref.shape[-2], in_bounds=True), cols, 0, lay).astype(jnp.float32)

@@ -144,7 +144,7 @@ def _kernel(*refs, m, n, k, bits, blocks, group, has_zp, has_bias, split_blocks,
     fold = dequant in ("fold", "asm") and bits == 4  # int8 values are converted: no offset to fold
     scaled = dequant == "scaled"  # int4 with group scales (the wrapper refuses it otherwise)
     prog = matmul_program(m, n, k, blocks, split_blocks)
-    rows, cols, first, last, whole_k = prog[:5]  # whole_k: every K step (and scale group it reads) in bounds
+    rows, cols, first, last, whole_k = prog  # whole_k: every K step (and scale group it reads) in bounds
 
     def row_of(ref, g, lay=None):
         return load_tile(ref, span(g, 1, ref.shape[-2], in_bounds=whole_k), cols, 0, lay).astype(jnp.float32)

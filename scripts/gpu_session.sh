@@ -16,15 +16,13 @@
 # gpu_tests adds those of the checked kernels changed since their runs: 85 cases where TESTS alone selects 59; the
 # tables the call measures are merged over the shipped one before e2e runs):
 #     STEPS="gpu_tests decode_hopper e2e" TESTS_LIMIT=140 \
-#         TESTS="hopper or store or float_decode or rms_norm or prompt_attention or int8_f16 or dependents" \
+#         TESTS="hopper or store or float_decode or rms_norm or prompt_attention or int8_f16" \
 #         RECIPES="rtn-w4-g128 rtn-w8" TORCH=--no-torch E2E_LIMIT=200 bash scripts/gpu_session.sh   (timeout_s 600,
 #     carry ["runs/wheels"]: pytest-xdist's wheels, made here with
 #     pip download --no-deps pytest-xdist==3.8.0 execnet==2.1.2 -d runs/wheels)
 # (e2e's rows carry each variant's logits against XLA alone on the same weights: read them before the speeds), then
-# at once, on the machine still warm: STEPS="attention" (timeout_s 200), and with time left STEPS="dependents"
-# (timeout_s 220: each recipe's decode with the next kernel launched early, if the "dependents" cases passed).
-# A later session: STEPS="decode_hopper_w8a8 hopper hopper_fp8 hopper_w8"; then the steps docs/kernels.md lists as
-# never run.
+# at once, on the machine still warm: STEPS="attention" (timeout_s 200). A later session: STEPS="decode_hopper_w8a8
+# hopper hopper_fp8 hopper_w8"; then the steps docs/kernels.md lists as never run.
 # A measured table joins the shipped ones with
 #     python -m llmeq_jax.dispatch_table merge runs/gpu/dispatch_X.json --over-shipped --into \
 #         llmeq_jax/dispatch_tables/<DEVICE>.json
@@ -45,8 +43,7 @@ mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 start=$SECONDS
 all_steps="gpu_tests words sweep attention fp8 w8a8_sweep probe small small_e2e e2e e2e_kv"
-all_steps+=" decode_sweep decode_sweep_w8 decode_sweep_bf16 dependents norms float_attention graphs_off graphs_on"
-all_steps+=" graphs_7b"
+all_steps+=" decode_sweep decode_sweep_w8 decode_sweep_bf16 norms float_attention graphs_off graphs_on graphs_7b"
 all_steps+=" gemv prefill prefill_words hopper hopper_fp8 hopper_w8 decode_hopper decode_hopper_sweep layout"
 all_steps+=" layout_dsf decode_hopper_w8a8"
 all_steps+=" prompt_attention"
@@ -296,24 +293,6 @@ step decode_sweep_w8 "${SWEEP_LIMIT:-150}" "$py" scripts/sweep_decode.py --shape
     --recipe rtn-w8 --out "$out/sweep_w8.json"
 step decode_sweep_bf16 90 "$py" scripts/sweep_decode.py --shapes "$shapes" "${layers[@]}" --recipe bf16 \
     --out "$out/sweep_bf16.json"
-# The next kernel's launch triggered as each program of a decode matmul starts (dependents=early: programmatic
-# dependent launch; XLA starts every kernel of a Hopper program with griddepcontrol.wait but triggers early only in
-# its own Triton GEMMs, so after a Pallas kernel the next launch waited for its programs to exit). Each recipe's
-# kernels with and without, bf16's float kernel too (the baseline gets the same chance); the gpu cases
-# "dependents" check the same bits first. If it wins end to end it becomes the default (blocks.Blocks).
-dependents_sweeps() {  # dependents_sweeps [--layers N]: a sweep a recipe, its defaults against dependents=early
-  local pair recipe kernels k settings
-  for pair in "rtn-w4-g128 int4_words" "rtn-w8 int8_f16,weight_only" "bf16 float_matmul"; do
-    read -r recipe kernels <<< "$pair"
-    settings=()
-    for k in ${kernels//,/ }; do settings+=("$k:dependents=early"); done
-    "$py" scripts/sweep_decode.py --shapes "$shapes" "$@" --recipe "$recipe" --settings "${settings[@]}" \
-        --out "$out/dependents_$recipe.json"
-  done
-}
-export -f dependents_sweeps
-export py shapes out
-step dependents "${SWEEP_LIMIT:-200}" bash -c 'dependents_sweeps "$@"' _ "${layers[@]}"
 # Loops as CUDA graphs: XLA records each layer's kernels as a command buffer, but a while loop only when asked
 # (+WHILE; its defaults: FUSION CUBLAS CUBLASLT CUDNN CUSTOM_CALL CONDITIONAL DYNAMIC_SLICE_FUSION), so the host
 # launches every layer of every token. Until 2026-12-04 the scan's index array made a dynamic-slice thunk per layer

@@ -34,22 +34,19 @@ import time
 from pathlib import Path
 
 # Which kernels a recipe's decode products run on a GPU (kernel_dispatch), and what is tried for each: the
-# split target (programs; 264 by default), the column tile, K steps of more bytes, pipeline depth, warps, and
-# the next kernel's launch triggered as each program starts (dependents=early: programmatic dependent launch, which
-# XLA's own kernels on a Hopper GPU wait for but only its Triton GEMMs trigger early; bf16 gets it too).
+# split target (programs; 264 by default), the column tile, K steps of more bytes, pipeline depth, warps.
 KERNELS_OF = {"rtn-w4-g128": ("int4_words",), "rtn-w8": ("int8_f16", "weight_only"), "rtn-w8a8": ("w8a8",),
               "bf16": ("float_matmul",)}
 DEFAULT_SETTINGS = {
     "int4_words": ["programs=132", "programs=528", "bn=128", "bn=256", "bk=256", "bk=512", "stages=2", "stages=4",
-                   "warps=8", "epilogue=mma", "bk=256,stages=4", "bk=256,programs=528", "bn=256,programs=132",
-                   "dependents=early"],
+                   "warps=8", "epilogue=mma", "bk=256,stages=4", "bk=256,programs=528", "bn=256,programs=132"],
     # x made float16 by XLA or in the kernel: which is the default depends on whether the norm kernel runs
     # (int8_f16.converts_in_xla), so both are tried
     "int8_f16": ["programs=132", "programs=528", "bn=128", "bk=1024", "stages=4", "warps=8", "convert=xla",
-                 "convert=kernel", "dependents=early"],
-    "weight_only": ["programs=528", "stages=4", "dependents=early"],
-    "w8a8": ["programs=132", "programs=528", "bn=128", "stages=4", "warps=8", "dependents=early"],
-    "float_matmul": ["programs=132", "programs=528", "bn=128", "stages=4", "warps=8", "dependents=early"],
+                 "convert=kernel"],
+    "weight_only": ["programs=528", "stages=4"],
+    "w8a8": ["programs=132", "programs=528", "bn=128", "stages=4", "warps=8"],
+    "float_matmul": ["programs=132", "programs=528", "bn=128", "stages=4", "warps=8"],
 }
 DEFAULTS = "defaults"
 

@@ -864,43 +864,6 @@ for _name in MLP_RECIPES:
             ), None
 
 
-def _random_operands(structs, seed: int) -> list:
-    """Arrays of the shapes and dtypes of a canonical lowering's arguments (pallas_kernels.fingerprints): small
-    floats, integer codes in a 4-bit range (int8 zero points included), 0 for an integer scalar (a layer index)."""
-    out = []
-    for i, a in enumerate(structs):
-        key = jax.random.key(seed + i)
-        if jnp.issubdtype(a.dtype, jnp.floating):
-            out.append((0.05 * jax.random.normal(key, a.shape)).astype(a.dtype))
-        elif a.shape == ():
-            out.append(jnp.zeros((), a.dtype))
-        else:
-            lo, hi = (0, 16) if jnp.issubdtype(a.dtype, jnp.unsignedinteger) else (-8, 8)
-            out.append(jax.random.randint(key, a.shape, lo, hi).astype(a.dtype))
-    return out
-
-
-for _kernel in ("int4_words", "int8_f16", "weight_only", "w8a8", "float_matmul"):
-    for _k_splits in (None, 1):  # the split store and the whole-K one carry the trigger differently
-
-        @case
-        def _dependents_early(launch=(_kernel, _k_splits)):
-            """A decode launch that triggers the next kernel early (pallas_kernels.settings' dependents=early,
-            programmatic dependent launch: sm_90+) against the same launch without: the same bits."""
-            from pallas_kernels import fingerprints, settings
-
-            kernel, k_splits = launch
-            lowering = fingerprints.cases(kernel)[0]
-            args = _random_operands(lowering.args, seed=11)
-            splits = {} if k_splits is None else {"k_splits": k_splits}
-            with settings.override(kernel, **splits):
-                want = jax.jit(lowering.fn)(*args)
-            with settings.override(kernel, dependents="early", **splits):
-                got = jax.jit(lowering.fn)(*args)
-            name = f"{kernel} {lowering.label} k_splits={k_splits} dependents=early vs exit"
-            return name, *compare(got, want, 0.0), None
-
-
 def _label(fn):
     return f"{fn.__name__.strip('_')}{(fn.__defaults__ or ('',))[0]}"
 

@@ -1,7 +1,5 @@
 """Kernel launch settings overridden for a block (pallas_kernels/settings.py): grids, numerics, refusals."""
 
-import types
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -117,7 +115,6 @@ def test_overrides_nest_and_are_hashable_state():
     ("int4_words", {"epilogue": "cols"}, "one of ('rows', 'mma')"),
     ("int4_words", {"convert": "xla"}, "convert is the int8_f16 kernel's"),
     ("int8_f16", {"convert": "host"}, "one of ('kernel', 'xla')"),
-    ("float_matmul", {"dependents": "soon"}, "one of ('exit', 'early')"),
 ])
 def test_bad_settings_are_refused(kernel, fields, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -137,57 +134,9 @@ def test_parse_reads_a_command_lines_setting():
     assert settings.parse("int4_words:epilogue=mma") == ("int4_words", {"epilogue": "mma"})
     assert settings.parse("int8_f16") == ("int8_f16", {})
     assert settings.parse("int8_f16:convert=xla,bn=128") == ("int8_f16", {"convert": "xla", "bn": 128})
-    assert settings.parse("w8a8:dependents=early") == ("w8a8", {"dependents": "early"})
     with pytest.raises(ValueError, match="'bn' in 'int4_words:bn' is not name=value"):
         settings.parse("int4_words:bn")
     with pytest.raises(ValueError, match="'x' in 'int4_words:bn=x' is not an integer"):
         settings.parse("int4_words:bn=x")
     with pytest.raises(ValueError, match="unknown kernel"):
         settings.parse("int9:bn=64")
-
-
-# dependents=early: the next kernel's launch triggered as each program starts (programmatic dependent launch)
-TRIGGER = "griddepcontrol.launch_dependents"
-H100 = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3", compute_capability="9.0")
-A100 = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA A100-SXM4-80GB", compute_capability="8.0")
-
-
-def _decode_ttir(kernel: str, device, **fields) -> str:
-    """The Triton IR of ``kernel``'s first canonical decode lowering (fingerprints: one row or 16), traced for
-    ``device`` under ``fields``."""
-    from pallas_kernels import config, fingerprints
-    from pallas_kernels.ttir import triton_modules
-
-    lowering = fingerprints.cases(kernel)[0]
-    with config.compiling_for(device), settings.override(kernel, **fields):
-        modules = triton_modules(lowering.fn, *lowering.args)
-    return "\n".join(m.ttir for m in modules if m.name.startswith(lowering.name))
-
-
-@pytest.mark.parametrize("splits", [{}, {"k_splits": 1}], ids=["split", "whole K"])
-@pytest.mark.parametrize("kernel", settings.KERNELS)
-def test_dependents_early_triggers_the_next_launch_on_hopper_only(kernel, splits):
-    """Every matmul kernel takes the setting through the shared program prologue and store (a split K's partial
-    store and a whole K's store carry it differently): the trigger is in its Triton IR for an sm_90 GPU, once; by
-    default it is not, and the lowering is the one without the setting; on an sm_80 GPU (no such PTX) it is not."""
-    early = _decode_ttir(kernel, H100, dependents="early", **splits)
-    assert early.count(TRIGGER) == 1
-    default = _decode_ttir(kernel, H100, **splits)
-    assert TRIGGER not in default and default == _decode_ttir(kernel, H100, dependents="exit", **splits)
-    assert TRIGGER not in _decode_ttir(kernel, A100, dependents="early", **splits)
-
-
-def test_dependents_early_leaves_interpret_modes_results_as_they_were():
-    """Interpret mode cannot run PTX: the setting falls back to "exit" there, the same sums."""
-    x, w, s, z = _int4()
-    want = _words(x, w, s, z)
-    with settings.override("int4_words", dependents="early"):
-        got = _words(x, w, s, z)
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-
-
-def test_a_launch_with_unknown_dependents_is_refused():
-    x, w, s, z = _int4()
-    with pytest.raises(ValueError, match="blocks.dependents must be 'exit' or 'early', got 'soon'"):
-        int4_words.int4_words_matmul(x, w, s, group=128, w_zero_point=z, interpret=True,
-                                     blocks=Blocks(16, 128, 128, 4, 3, dependents="soon"))
