@@ -192,3 +192,16 @@ def test_each_target_describes_its_gpu():
         assert f"cuda_compute_capability {{ major: {major} minor: {minor} }}" in text
         assert f"shared_memory_per_block_optin: {smem} " in text
         assert not re.search(r"\{[a-z_]+\}", text)  # every field filled in
+
+
+def test_launch_settings_put_every_given_setting_in_force_for_the_block():
+    """--settings: each ``kernel:fields`` parsed and overridden while the loop is traced, none after; a typo fails
+    before anything compiles."""
+    from pallas_kernels import settings
+
+    with gpu_aot.launch_settings(["int4_words:bn=256,stages=4", "int8_f16:convert=xla"]):
+        assert settings.of("int4_words", 1) == settings.Settings(bn=256, stages=4)
+        assert settings.of("int8_f16", 1) == settings.Settings(convert="xla")
+    assert settings.current() == ()
+    with pytest.raises(ValueError, match="unknown field"), gpu_aot.launch_settings(["int4_words:tile=3"]):
+        pass
