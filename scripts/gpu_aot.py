@@ -182,7 +182,7 @@ def big_copies(hlo: str) -> list[tuple[str, int]]:
         if not m:
             continue
         name, result, op = m.groups()
-        if op in ("fusion", "fusion-start", "async-start") and not _slices(line, comps if op == "async-start" else {}):
+        if op in ("fusion", "fusion-start", "async-start") and not _slices(line, comps):
             continue
         if op.endswith("-start"):  # ((operands) or operand, result, context)
             result = tuple_elements(result)[1]
@@ -194,10 +194,11 @@ def big_copies(hlo: str) -> list[tuple[str, int]]:
 
 def _slices(line: str, comps: dict[str, list[str]]) -> bool:
     """Whether a fusion (or an asynchronous start of one) is a dynamic-slice fusion: by its name, the fused
-    computation it calls, or the fusion a called computation in ``comps`` holds (an ``async-start``'s)."""
+    computation it calls, or, for an ``async-start``, the fusion its called computation holds (a fusion's own
+    computation is not searched: slicing inside it reads in place)."""
     name = line.split("=", 1)[0]
     called = re.search(r"calls=%([\w.\-]+)", line)
-    inner = comps.get(called.group(1), []) if called else []
+    inner = comps.get(called.group(1), []) if called and " async-start(" in line else []
     return any("dynamic_slice" in s or "dynamic-slice" in s
                for s in (name, called.group(1) if called else "", *(x.split("=", 1)[0] for x in inner)))
 
