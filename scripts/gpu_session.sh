@@ -22,7 +22,7 @@
 #     pip download --no-deps pytest-xdist==3.8.0 execnet==2.1.2 -d runs/wheels)
 # (e2e's rows carry each variant's logits against XLA alone on the same weights: read them before the speeds), then
 # at once, on the machine still warm: STEPS="attention" (timeout_s 200). A later session: STEPS="decode_hopper_w8a8
-# hopper hopper_fp8 hopper_w8"; then the steps docs/kernels.md lists as never run.
+# hopper hopper_fp8 hopper_w8 prefetch"; then the steps docs/kernels.md lists as never run.
 # A measured table joins the shipped ones with
 #     python -m llmeq_jax.dispatch_table merge runs/gpu/dispatch_X.json --over-shipped --into \
 #         llmeq_jax/dispatch_tables/<DEVICE>.json
@@ -46,7 +46,7 @@ all_steps="gpu_tests words sweep attention fp8 w8a8_sweep probe small small_e2e 
 all_steps+=" decode_sweep decode_sweep_w8 decode_sweep_bf16 norms float_attention graphs_off graphs_on graphs_7b"
 all_steps+=" gemv prefill prefill_words hopper hopper_fp8 hopper_w8 decode_hopper decode_hopper_sweep layout"
 all_steps+=" layout_dsf decode_hopper_w8a8"
-all_steps+=" prompt_attention"
+all_steps+=" prompt_attention prefetch"
 steps="${STEPS:-$all_steps layout_float kernels}"  # STEPS: a subset
 step() {  # step NAME SECONDS CMD...: run CMD with a time limit, its output in $out/NAME.log
   local name=$1 limit=$2
@@ -154,6 +154,12 @@ step w8a8_sweep 80 "$py" scripts/bench_kernels.py --reps 10 --sweep --rows 2048 
 # then + the nibbles' dequantization and MMAs, then + the offset's sums, beside the kernel and the bf16 dot, and the
 # loads under other splits, stages, warps and widths -- whether the loop's work or the launch bounds int4 decode.
 step probe 75 "$py" scripts/probe_words.py --reps 10 --weights 4096x4096,4096x11008
+# Whether the bus, idle while a decode layer's small kernels run, can bring the next product's int4 weights into L2
+# (scripts/probe_prefetch.py, new): a stacked layer loop of norms then the word kernel, with each layer's first 8-32
+# MB of words read beside the norms, on the main stream and on a second one; then a longer window (the ~6 kernels
+# between a layer's down projection and the next q/k/v).
+step prefetch 180 bash -c "\"$py\" scripts/probe_prefetch.py --reps 10 --window 2 && \
+    \"$py\" scripts/probe_prefetch.py --reps 10 --window 6 --weights 4096x12288 --mb 16,24"
 # bf16 decode of Llama-2-7B shapes ran at 90 tok/s scanned on an H200 (a third of the weights' bandwidth):
 # unrolled vs scanned on 4 layers says whether the scan's weight slicing costs it (docs/kernels.md).
 # Quantized kernels read their layer in place inside the scan since (llmeq_jax/layer_slice.py); bf16's XLA dot
