@@ -82,17 +82,17 @@ def kernel_state() -> tuple:
     """The kernel switches a trace depends on (Pallas interpret mode, Pallas kernels disabled,
     native CPU kernels enabled, the dispatch table read: ``dispatch_table.identity``, the kernels' launch
     settings overridden: ``pallas_kernels.settings``, the kernels not yet run on a GPU turned on:
-    ``pallas_kernels.hardware_checked``).
+    ``pallas_kernels.hardware_checked``, the decode products' weights read ahead: ``pallas_kernels.prefetch``).
 
     The jitted steps below take it as a static argument, so a step traced with kernels
     on is not reused inside ``pallas_kernels.config.disabled()`` or ``native.disabled()``
     (or the other way round), nor one traced under another dispatch table or other launch settings.
     """
     from llmeq_jax import dispatch_table, native
-    from pallas_kernels import config as kernel_config, hardware_checked, settings
+    from pallas_kernels import config as kernel_config, hardware_checked, prefetch, settings
 
     return (kernel_config.interpret_enabled(), kernel_config.is_disabled(), native.enabled(),
-            dispatch_table.identity(), settings.current(), hardware_checked.named())
+            dispatch_table.identity(), settings.current(), hardware_checked.named(), prefetch.current())
 
 
 def _layout_state() -> tuple:

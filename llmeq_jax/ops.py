@@ -129,7 +129,10 @@ def linear(
         y = _linear_panels(x, w, backend)
         return y if bias is None else y + bias.astype(y.dtype)
     if isinstance(w, LayerSlice):
-        y = _linear_layer_slice(x, w, act, backend)
+        from pallas_kernels import prefetch  # where asked, the layer's weights read ahead (decode, on a GPU)
+
+        y = _linear_layer_slice(prefetch.before(x, w), w, act, backend)
+        prefetch.after(y)
         return y if bias is None else y + bias.astype(y.dtype)
     if not isinstance(w, QArray):
         y = _try_native_float(x, w) if backend == "auto" else None

@@ -125,6 +125,37 @@ def parse(text: str) -> tuple[str, dict]:
     return kernel.strip(), fields
 
 
+def is_prefetch(text: str) -> bool:
+    """Whether a setting's text is the read-ahead's (``"prefetch:mb=16,stream=side"``,
+    :mod:`pallas_kernels.prefetch`) rather than a kernel's launch setting."""
+    return text.partition(":")[0].strip() == "prefetch"
+
+
+def check(text: str) -> None:
+    """Raise ValueError unless ``text`` is a kernel's setting (:func:`parse`) or the read-ahead's."""
+    if is_prefetch(text):
+        from pallas_kernels import prefetch
+
+        prefetch.parse(text)
+    else:
+        parse(text)
+
+
+@contextlib.contextmanager
+def scope(text: str):
+    """The setting ``text`` in force for the block: a kernel's launch setting (``"int4_words:bn=256"``) or the
+    decode products' read-ahead (``"prefetch:mb=16,stream=side"``)."""
+    if is_prefetch(text):
+        from pallas_kernels import prefetch
+
+        with prefetch.ahead(**prefetch.parse(text)):
+            yield
+    else:
+        kernel, fields = parse(text)
+        with override(kernel, **fields):
+            yield
+
+
 def _int(value: str, text: str) -> int:
     try:
         return int(value)
@@ -132,4 +163,5 @@ def _int(value: str, text: str) -> int:
         raise ValueError(f"settings: {value!r} in {text!r} is not an integer") from None
 
 
-__all__ = ["CONVERTS", "DECODE_ROWS", "KERNELS", "NONE", "Settings", "current", "of", "override", "parse"]
+__all__ = ["CONVERTS", "DECODE_ROWS", "KERNELS", "NONE", "Settings", "check", "current", "is_prefetch", "of",
+           "override", "parse", "scope"]

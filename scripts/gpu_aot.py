@@ -382,13 +382,13 @@ def compile_decode(args, recipe: str, topo, folder: Path):
 
 @contextlib.contextmanager
 def launch_settings(texts: list[str]):
-    """Every ``kernel:fields`` setting of ``texts`` (``pallas_kernels.settings.parse``) in force for the block."""
+    """Every setting of ``texts`` in force for the block: ``kernel:fields`` (``pallas_kernels.settings.parse``) or
+    ``prefetch:mb=N,stream=S`` (``pallas_kernels.prefetch``)."""
     from pallas_kernels import settings
 
     with contextlib.ExitStack() as stack:
         for text in texts:
-            kernel, fields = settings.parse(text)
-            stack.enter_context(settings.override(kernel, **fields))
+            stack.enter_context(settings.scope(text))
         yield
 
 

@@ -22,7 +22,7 @@
 #     pip download --no-deps pytest-xdist==3.8.0 execnet==2.1.2 -d runs/wheels)
 # (e2e's rows carry each variant's logits against XLA alone on the same weights: read them before the speeds), then
 # at once, on the machine still warm: STEPS="attention" (timeout_s 200). A later session: STEPS="decode_hopper_w8a8
-# hopper hopper_fp8 hopper_w8 prefetch"; then the steps docs/kernels.md lists as never run.
+# hopper hopper_fp8 hopper_w8 prefetch decode_prefetch"; then the steps docs/kernels.md lists as never run.
 # A measured table joins the shipped ones with
 #     python -m llmeq_jax.dispatch_table merge runs/gpu/dispatch_X.json --over-shipped --into \
 #         llmeq_jax/dispatch_tables/<DEVICE>.json
@@ -46,7 +46,7 @@ all_steps="gpu_tests words sweep attention fp8 w8a8_sweep probe small small_e2e 
 all_steps+=" decode_sweep decode_sweep_w8 decode_sweep_bf16 norms float_attention graphs_off graphs_on graphs_7b"
 all_steps+=" gemv prefill prefill_words hopper hopper_fp8 hopper_w8 decode_hopper decode_hopper_sweep layout"
 all_steps+=" layout_dsf decode_hopper_w8a8"
-all_steps+=" prompt_attention prefetch"
+all_steps+=" prompt_attention prefetch decode_prefetch"
 steps="${STEPS:-$all_steps layout_float kernels}"  # STEPS: a subset
 step() {  # step NAME SECONDS CMD...: run CMD with a time limit, its output in $out/NAME.log
   local name=$1 limit=$2
@@ -299,6 +299,14 @@ step decode_sweep_w8 "${SWEEP_LIMIT:-150}" "$py" scripts/sweep_decode.py --shape
     --recipe rtn-w8 --out "$out/sweep_w8.json"
 step decode_sweep_bf16 90 "$py" scripts/sweep_decode.py --shapes "$shapes" "${layers[@]}" --recipe bf16 \
     --out "$out/sweep_bf16.json"
+# Each decode product's weights read ahead into L2 while the small kernels before it run (pallas_kernels/prefetch.py,
+# new; off by default): whole decodes under the read-ahead's sizes and streams, rtn-w4-g128 then bf16 (the baseline
+# gets the same chance). Its one-product probe is the prefetch step (scripts/probe_prefetch.py).
+step decode_prefetch 240 bash -c "\"$py\" scripts/sweep_decode.py --shapes $shapes ${layers[*]} --recipe rtn-w4-g128 \
+    --settings prefetch:mb=4 prefetch:mb=12 prefetch:mb=4,stream=side prefetch:mb=12,stream=side \
+    prefetch:mb=24,stream=side --out $out/sweep_prefetch_w4.json && \
+    \"$py\" scripts/sweep_decode.py --shapes $shapes ${layers[*]} --recipe bf16 --settings prefetch:mb=12 \
+    prefetch:mb=12,stream=side prefetch:mb=24,stream=side --out $out/sweep_prefetch_bf16.json"
 # Loops as CUDA graphs: XLA records each layer's kernels as a command buffer, but a while loop only when asked
 # (+WHILE; its defaults: FUSION CUBLAS CUBLASLT CUDNN CUSTOM_CALL CONDITIONAL DYNAMIC_SLICE_FUSION), so the host
 # launches every layer of every token. Until 2026-12-04 the scan's index array made a dynamic-slice thunk per layer

@@ -17,18 +17,19 @@ and times, in turns (``bench_kernels.timed_round_robin``), a layer step as:
 
   window only / product only   the two parts alone (what the window costs; what the product streams at);
   both                         window then product: the baseline;
-  main N MB                    both, and the first N MB of the layer's words XOR-reduced by an XLA kernel that
-                               depends only on the step's input (the window's start) and feeds the product's x
-                               a zero: if XLA runs it beside the window (a command buffer's graph has no edge
-                               between them), the window hides its reads;
-  side N MB                    the same reduction on a second stream (``compute_on("gpu_stream:1")``, jax >= 0.11):
-                               concurrency by construction.
+  main N MB                    both, with the decode loop's read-ahead (``pallas_kernels.prefetch.read_token``):
+                               the first N MB of the layer's words XOR-reduced by an XLA kernel that depends only
+                               on the step's input (the window's start) and feeds the product's x a zero; if XLA
+                               runs it beside the window (a command buffer's graph has no edge between them), the
+                               window hides its reads;
+  side N MB                    the same reduction on a second stream (``compute_on("gpu_stream:1")``): concurrency
+                               by construction.
 
 Reading it: a prefetch variant faster than ``both`` by about N MB at the product's rate (printed as "ideal")
-says the lever works at that size: the decode loop would then prefetch each product's weights after the one
-before it. Slower than ``both``: the reads do not overlap, or they evict each other, or the extra kernel
-delays the product. Every variant's output is the baseline's bit for bit (the token enters as ``0.0 *``),
-which the script checks.
+says the lever works at that size; ``scripts/sweep_decode.py --settings prefetch:mb=N,stream=S`` then times it in
+a whole decode, where every product's weights are read ahead after the product before it. Slower than ``both``:
+the reads do not overlap, or they evict each other, or the extra kernel delays the product. Every variant's output
+is the baseline's bit for bit (the token enters as ``0.0 *``), which the script checks.
 
     PYTHONPATH=. python scripts/probe_prefetch.py [--weights 4096x22016,4096x12288] [--layers 8]
         [--window 2] [--mb 8,16,32] [--reps 10]
@@ -37,7 +38,6 @@ which the script checks.
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 from pathlib import Path
 
@@ -47,63 +47,31 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pallas_kernels import int4_words as iw  # noqa: E402
+from pallas_kernels import int4_words as iw, prefetch  # noqa: E402
 
 # Llama-2-7B's decode products as the decode layout fuses them: gate/up, q/k/v, down
 WEIGHTS = ((4096, 22016), (4096, 12288), (11008, 4096))
 GROUP = 128
 PREFETCH_MB = (8, 16, 32)
-SIDE_STREAM = "gpu_stream:1"
 
 
 def prefetch_rows(words_shape, nbytes: int) -> int:
-    """How many leading rows of one layer's ``(rows, N)`` int32 words hold ``nbytes`` (at least one, at most
-    all): the rows are contiguous in memory, so these are the layer's first ``nbytes`` bytes."""
-    rows, n = words_shape[-2:]
-    return max(1, min(rows, nbytes // (4 * n)))
-
-
-def prefetch_token(words, layer, after, *, rows: int):
-    """XOR of ``words[layer, :rows]`` (every byte read once) -> an int32 scalar. ``after`` (any array) only
-    orders it: the reduction depends on it, so it cannot start before ``after`` exists."""
-    # lax primitives only: a nested jit (``dynamic_index_in_dim`` is one) on the side stream becomes an async call
-    # of its own inside the stream's, which XLA cannot assign a stream to
-    part = jax.lax.dynamic_slice(words, (layer, 0, 0), (1, rows, words.shape[-1]))
-    token = jax.lax.reduce(part, jnp.int32(0), jax.lax.bitwise_xor, (0, 1, 2))
-    return token ^ jax.lax.convert_element_type(jax.lax.reshape(after, (after.size,))[0] * 0.0, jnp.int32)
-
-
-def on_side_stream(fn):
-    """``fn`` run on a second GPU stream (XLA's explicit stream annotation through ``compute_on``). jax >= 0.11
-    wraps a function; jax 0.10 has only the context-manager form, around a jitted function."""
-    from jax.experimental import compute_on as co
-
-    try:
-        return co.compute_on(fn, compute_type=SIDE_STREAM, out_memory_spaces=jax.memory.Space.Device)
-    except TypeError:  # jax 0.10: compute_on(compute_type) is a context manager
-        jitted = jax.jit(fn)
-
-        def wrapped(*args):
-            with co.compute_on(SIDE_STREAM):
-                return jitted(*args)
-        return wrapped
+    """How many leading rows of one layer's ``(rows, N)`` int32 words :func:`prefetch.read_token` reads for
+    ``nbytes`` (at least one, at most all): the layer's first ``nbytes`` bytes."""
+    return prefetch.leading_rows(words_shape[-2:], 4, nbytes)
 
 
 def rms_norm(h, eps: float = 1e-6):
     return h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
 
 
-def layer_step(h, words, scales, layer, *, window: int, product: bool, prefetch: str | None, rows: int):
+def layer_step(h, words, scales, layer, *, window: int, product: bool, stream: str | None, nbytes: int):
     """One scan step: ``window`` norms with residual adds on the (1, K) row ``h``, then (``product``) the layer's
-    int4 product, its output folded back onto K columns. ``prefetch``: None, "main" or "side"."""
+    int4 product, its output folded back onto K columns. ``stream``: None (no read-ahead), "main" or "side"."""
     k = h.shape[-1]
     token = None
-    if prefetch == "main":
-        token = jax.lax.optimization_barrier(prefetch_token(words, layer, h, rows=rows))  # a kernel of its own
-    elif prefetch == "side":
-        token = on_side_stream(functools.partial(prefetch_token, rows=rows))(words, layer, h)
-    elif prefetch is not None:
-        raise ValueError(f"prefetch must be None, 'main' or 'side', got {prefetch!r}")
+    if stream is not None:  # the decode loop's own read-ahead (pallas_kernels.prefetch), after the step's input
+        token = prefetch.read_token(words, layer, h, nbytes=nbytes, stream=stream)
     v = h
     for _ in range(window):
         v = h + rms_norm(v) * 0.5
@@ -117,14 +85,13 @@ def layer_step(h, words, scales, layer, *, window: int, product: bool, prefetch:
     return v + jnp.tile(y, (1, reps))[:, :k] * 1e-3
 
 
-def layer_loop(h, words, scales, *, window: int = 2, product: bool = True, prefetch: str | None = None,
+def layer_loop(h, words, scales, *, window: int = 2, product: bool = True, stream: str | None = None,
                nbytes: int = 0):
     """``layer_step`` over every layer of the stacks ``words`` [L, rows, N], ``scales`` [L, K/group, N]."""
-    rows = prefetch_rows(words.shape, nbytes)
 
     def step(carry, layer):
         h, i = carry
-        h = layer_step(h, words, scales, i, window=window, product=product, prefetch=prefetch, rows=rows)
+        h = layer_step(h, words, scales, i, window=window, product=product, stream=stream, nbytes=nbytes)
         return (h, i + 1), None
 
     (h, _), _ = jax.lax.scan(step, (h, jnp.int32(0)), None, length=words.shape[0])
@@ -137,9 +104,9 @@ def variants(window: int, mbs, side: bool) -> dict:
            "both": dict(window=window)}
     for mb in mbs:
         nbytes = int(mb * (1 << 20))
-        out[f"main {mb:g} MB"] = dict(window=window, prefetch="main", nbytes=nbytes)
+        out[f"main {mb:g} MB"] = dict(window=window, stream="main", nbytes=nbytes)
         if side:
-            out[f"side {mb:g} MB"] = dict(window=window, prefetch="side", nbytes=nbytes)
+            out[f"side {mb:g} MB"] = dict(window=window, stream="side", nbytes=nbytes)
     return out
 
 
@@ -177,10 +144,10 @@ def run(weights=WEIGHTS, layers: int = 8, window: int = 2, mbs=PREFETCH_MB, reps
             per_layer = t / layers
             kw = named[name]
             ideal = None
-            if kw.get("prefetch"):
+            if kw.get("stream"):
                 prefetched = prefetch_rows(words.shape, kw["nbytes"]) * 4 * n
                 ideal = product * prefetched / (words[0].nbytes + scales[0].nbytes)
-            same = bool(jnp.array_equal(outputs[name], outputs["both"])) if kw.get("prefetch") else None
+            same = bool(jnp.array_equal(outputs[name], outputs["both"])) if kw.get("stream") else None
             row = dict(weight=f"{k}x{n}", variant=name, us=per_layer * 1e6, vs_both=base / t,
                        saved_us=(base - t) / layers * 1e6, ideal_us=None if ideal is None else ideal * 1e6,
                        same_output=same)

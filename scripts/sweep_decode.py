@@ -13,9 +13,10 @@ are shared), in ``--rounds`` rounds (the later rounds find the loops compiled), 
 the median over rounds; ratios against the defaults and bf16 of the same process.
 
 A setting is ``kernel:field=value,...`` (``pallas_kernels.settings``: bn, bk, warps, stages, programs,
-k_splits, epilogue), e.g. ``int4_words:bn=256,stages=4``; without ``--settings`` the recipe's kernels get
-:data:`DEFAULT_SETTINGS`. Settings apply to the launches of at most 16 rows (decode); the dispatch is the
-shipped table's (a setting does not move a product between a kernel and XLA).
+k_splits, epilogue), e.g. ``int4_words:bn=256,stages=4``, or a read-ahead of each decode product's weights into
+L2 while the small kernels before it run, ``prefetch:mb=16,stream=side`` (``pallas_kernels.prefetch``); without
+``--settings`` the recipe's kernels get :data:`DEFAULT_SETTINGS`. Settings apply to the launches of at most 16
+rows (decode); the dispatch is the shipped table's (a setting does not move a product between a kernel and XLA).
 
     PYTHONPATH=. python scripts/sweep_decode.py --shapes llama-2-7b --recipe rtn-w4-g128   # a GPU
     PYTHONPATH=. python scripts/sweep_decode.py --shapes llama-2-7b --recipe rtn-w8 --settings int8_f16:stages=4
@@ -65,7 +66,7 @@ def settings_of(args) -> list[str]:
         wanted = [f"{kernel}:{fields}" for kernel in kernels for fields in DEFAULT_SETTINGS[kernel]]
     for text in wanted:
         try:
-            settings.parse(text)
+            settings.check(text)
         except ValueError as e:
             raise SystemExit(f"--settings: {e}") from None
     return wanted
@@ -136,9 +137,8 @@ def run(args) -> dict:
             row = rows.setdefault(name, {"tok_s": [], "first_s": None, "error": None})
             if row["error"]:
                 return
-            kernel, fields = settings.parse(setting) if setting else (None, {})
             try:
-                with settings.override(kernel, **fields) if kernel else contextlib.nullcontext():
+                with settings.scope(setting) if setting else contextlib.nullcontext():
                     rate, first = decode_rate(config, params, prompt, args)
             except Exception as e:  # noqa: BLE001 -- a setting Triton or the kernel refuses: reported, the rest go on
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
@@ -191,7 +191,8 @@ def parse_args(argv=None):
     ap.add_argument("--shapes", default="llama-2-7b", choices=sorted(shapes.PUBLISHED))
     ap.add_argument("--layers", type=int, help="this many layers instead of the model's own")
     ap.add_argument("--recipe", default="rtn-w4-g128", help="a round-to-nearest recipe, or bf16 (the float kernel)")
-    ap.add_argument("--settings", nargs="+", help="kernel:field=value,... (default: the recipe's DEFAULT_SETTINGS)")
+    ap.add_argument("--settings", nargs="+", help="kernel:field=value,... or prefetch:mb=N,stream=main|side "
+                    "(default: the recipe's DEFAULT_SETTINGS)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)

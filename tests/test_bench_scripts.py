@@ -446,6 +446,22 @@ def test_sweep_decode_times_each_setting_in_turns_and_reports_the_ones_that_fail
     assert "| int4_words:bn=64,k_splits=2 |" in printed and "failed: ValueError" in printed
 
 
+def test_sweep_decode_times_the_read_ahead_as_a_setting(tmp_path, monkeypatch):
+    """``prefetch:mb=N,stream=S`` settings decode under ``pallas_kernels.prefetch.ahead`` (and no kernel setting);
+    a bad one fails before any weight is made."""
+    from pallas_kernels import prefetch, settings
+
+    sweep = _script("sweep_decode")
+    seen = []
+    monkeypatch.setattr(sweep, "decode_rate",
+                        lambda *a: seen.append((prefetch.current(), settings.current())) or (1.0, 0.1))
+    sweep.main(["--shapes", "smollm2-135m", "--layers", "1", "--interpret", "--rounds", "1", "--settings",
+                "prefetch:mb=2,stream=side", "--out", str(tmp_path / "sweep.json")])
+    assert seen == [(None, ()), (None, ()), (prefetch.Ahead(2 << 20, "side"), ())]
+    with pytest.raises(SystemExit, match="stream must be one of"):
+        sweep.main(["--shapes", "smollm2-135m", "--interpret", "--settings", "prefetch:mb=2,stream=l2"])
+
+
 def test_sweep_decode_times_a_too_quick_decode_again_before_giving_up(monkeypatch):
     """A decode whose steps vanished in the loop's noise (decode_timing's floor) is timed once more with five times
     the runs (a loaded machine); only when that vanishes too is it an error."""

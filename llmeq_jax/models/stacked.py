@@ -204,13 +204,17 @@ def scan_blocks(run_block, blocks, carry, num_layers: int):
     index rides in the carry rather than being scanned over (an index array): XLA sliced that array with a
     dynamic-slice fusion every layer, on a GPU a thunk of its own that command buffers cannot hold, which
     split each layer's kernels into several launches from the host."""
+    from pallas_kernels import prefetch
+
     in_place = in_place_kernels()
     floats = float_views(in_place)
     norms = norms_in_place(blocks, in_place)
 
     def body(state, _):
         c, layer = state
-        return (run_block(block_at(blocks, layer, in_place, floats, norms), layer, c), layer + 1), None
+        with prefetch.layer_chain(jax.tree.leaves(c)[0]):  # where asked, each product's weights read ahead
+            c = run_block(block_at(blocks, layer, in_place, floats, norms), layer, c)
+        return (c, layer + 1), None
 
     (carry, _), _ = jax.lax.scan(body, (carry, jnp.int32(0)), None, length=num_layers)
     return carry
