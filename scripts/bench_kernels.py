@@ -99,9 +99,10 @@ def timed_round_robin(variants: dict, *, reps, outputs: dict | None = None) -> d
     """:func:`timed` of several variants (``{name: (fn, inputs)}``) measured in turns -- each round times
     every variant once -- keeping each one's best round: a clock or cache state that drifts over a few
     seconds then touches all of them alike. (On an H200 one configuration timed 10-15 % apart when measured
-    a few seconds apart in a sweep.) ``outputs``: a dict that gets each variant's result of its first input set."""
-    many = {name: (jax.jit(lambda sets, fn=fn: [fn(*a) for a in sets]), inputs)
-            for name, (fn, inputs) in variants.items()}
+    a few seconds apart in a sweep.) ``outputs``: a dict that gets each variant's result of its first input set.
+    A variant may carry XLA compiler options third (``(fn, inputs, {"xla_...": value})``), compiled with them."""
+    many = {name: (jax.jit(lambda sets, fn=fn: [fn(*a) for a in sets], compiler_options=options), inputs)
+            for name, (fn, inputs, *rest) in variants.items() for options in [rest[0] if rest else None]}
     for name, (f, inputs) in many.items():
         warm = jax.block_until_ready(f(inputs))
         if outputs is not None:

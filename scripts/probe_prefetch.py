@@ -23,7 +23,11 @@ and times, in turns (``bench_kernels.timed_round_robin``), a layer step as:
                                runs it beside the window (a command buffer's graph has no edge between them), the
                                window hides its reads;
   side N MB                    the same reduction on a second stream (``compute_on("gpu_stream:1")``): concurrency
-                               by construction.
+                               by construction;
+
+each under XLA's default command-buffer scheduling (the latency-hiding scheduler's order, which may serialize
+the main stream's read with the window) and again under CONCURRENT (kernels ordered by their data alone: the
+rows named ", concurrent"; also a measure of what that mode does to the baseline itself).
 
 Reading it: a prefetch variant faster than ``both`` by about N MB at the product's rate (printed as "ideal")
 says the lever works at that size; ``scripts/sweep_decode.py --settings prefetch:mb=N,stream=S`` then times it in
@@ -32,7 +36,7 @@ the reads do not overlap, or they evict each other, or the extra kernel delays t
 is the baseline's bit for bit (the token enters as ``0.0 *``), which the script checks.
 
     PYTHONPATH=. python scripts/probe_prefetch.py [--weights 4096x22016,4096x12288] [--layers 8]
-        [--window 2] [--mb 8,16,32] [--reps 10]
+        [--window 2] [--mb 8,16,32] [--reps 10] [--graphs lhs,concurrent]
 """
 
 from __future__ import annotations
@@ -53,6 +57,10 @@ from pallas_kernels import int4_words as iw, prefetch  # noqa: E402
 WEIGHTS = ((4096, 22016), (4096, 12288), (11008, 4096))
 GROUP = 128
 PREFETCH_MB = (8, 16, 32)
+# How XLA orders a command buffer's kernels (xla_gpu_command_buffer_scheduling_mode): its default follows the
+# latency-hiding scheduler's order, where a read on the program's stream runs where the order puts it; CONCURRENT
+# orders kernels by their data alone, where it may run beside the window.
+GRAPHS = {"lhs": None, "concurrent": {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}}
 
 
 def prefetch_rows(words_shape, nbytes: int) -> int:
@@ -98,15 +106,19 @@ def layer_loop(h, words, scales, *, window: int = 2, product: bool = True, strea
     return h
 
 
-def variants(window: int, mbs, side: bool) -> dict:
-    """{name: keyword arguments of :func:`layer_loop`} the probe times."""
-    out = {"window only": dict(window=window, product=False), "product only": dict(window=0),
-           "both": dict(window=window)}
-    for mb in mbs:
-        nbytes = int(mb * (1 << 20))
-        out[f"main {mb:g} MB"] = dict(window=window, stream="main", nbytes=nbytes)
-        if side:
-            out[f"side {mb:g} MB"] = dict(window=window, stream="side", nbytes=nbytes)
+def variants(window: int, mbs, side: bool, graphs=("lhs",)) -> dict:
+    """{name: (keyword arguments of :func:`layer_loop`, the command-buffer scheduling of :data:`GRAPHS`)} the probe
+    times: each variant under each of ``graphs``, named with ", concurrent" where it is not XLA's default."""
+    out = {}
+    for graph in graphs:
+        tag = "" if graph == "lhs" else f", {graph}"
+        out |= {f"window only{tag}": (dict(window=window, product=False), graph),
+                f"product only{tag}": (dict(window=0), graph), f"both{tag}": (dict(window=window), graph)}
+        for mb in mbs:
+            nbytes = int(mb * (1 << 20))
+            out[f"main {mb:g} MB{tag}"] = (dict(window=window, stream="main", nbytes=nbytes), graph)
+            if side:
+                out[f"side {mb:g} MB{tag}"] = (dict(window=window, stream="side", nbytes=nbytes), graph)
     return out
 
 
@@ -125,34 +137,35 @@ def stacked_weights(k: int, n: int, layers: int):
 
 
 def run(weights=WEIGHTS, layers: int = 8, window: int = 2, mbs=PREFETCH_MB, reps: int = 10,
-        side: bool = True) -> list[dict]:
-    """Time each variant per layer step on each (K, N); print a line each and return them as dicts."""
+        side: bool = True, graphs=tuple(GRAPHS)) -> list[dict]:
+    """Time each variant per layer step on each (K, N); print a line each and return them as dicts. A variant's
+    ratio and saving are against "both" under the same command-buffer scheduling."""
     import bench_kernels as bench
 
     rows = []
     for k, n in weights:
         words, scales = stacked_weights(k, n, layers)
         h = jax.random.normal(jax.random.key(99), (1, k), jnp.float32)
-        named = variants(window, [mb for mb in mbs if mb * (1 << 20) <= words[0].nbytes], side)
-        fns = {name: (lambda h, w, s, kw=kw: layer_loop(h, w, s, **kw), [(h, words, scales)])
-               for name, kw in named.items()}
+        named = variants(window, [mb for mb in mbs if mb * (1 << 20) <= words[0].nbytes], side, graphs)
+        fns = {name: (lambda h, w, s, kw=kw: layer_loop(h, w, s, **kw), [(h, words, scales)], GRAPHS[graph])
+               for name, (kw, graph) in named.items()}
         outputs = {}
         times = bench.timed_round_robin(fns, reps=reps, outputs=outputs)
-        base = times["both"]
-        product = times["product only"] / layers
         for name, t in times.items():
-            per_layer = t / layers
-            kw = named[name]
-            ideal = None
+            kw, graph = named[name]
+            tag = "" if graph == "lhs" else f", {graph}"
+            base, product = times[f"both{tag}"], times[f"product only{tag}"] / layers
+            ideal = same = None
             if kw.get("stream"):
                 prefetched = prefetch_rows(words.shape, kw["nbytes"]) * 4 * n
                 ideal = product * prefetched / (words[0].nbytes + scales[0].nbytes)
-            same = bool(jnp.array_equal(outputs[name], outputs["both"])) if kw.get("stream") else None
-            row = dict(weight=f"{k}x{n}", variant=name, us=per_layer * 1e6, vs_both=base / t,
-                       saved_us=(base - t) / layers * 1e6, ideal_us=None if ideal is None else ideal * 1e6,
-                       same_output=same)
+                same = bool(jnp.array_equal(outputs[name], outputs["both"]))
+            row = dict(weight=f"{k}x{n}", variant=name, graph=graph, us=t / layers * 1e6, vs_both=base / t,
+                       vs_default_both=times["both"] / t, saved_us=(base - t) / layers * 1e6,
+                       ideal_us=None if ideal is None else ideal * 1e6, same_output=same)
             rows.append(row)
-            print(f"{row['weight']:>11} {name:>14} {row['us']:8.1f} us/layer {row['vs_both']:6.3f}x both"
+            print(f"{row['weight']:>11} {name:>26} {row['us']:8.1f} us/layer {row['vs_both']:6.3f}x both "
+                  f"({row['vs_default_both']:6.3f}x XLA's default)"
                   + (f"  saved {row['saved_us']:6.1f} us (ideal {row['ideal_us']:5.1f})" if ideal is not None else "")
                   + ("" if same is None else "  output: " + ("same" if same else "DIFFERENT")), flush=True)
         del words, scales
@@ -168,6 +181,8 @@ def main(argv=None):
     parser.add_argument("--mb", default=",".join(map(str, PREFETCH_MB)), help="prefetch sizes in MB, comma-separated")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--no-side", action="store_true", help="only the main-stream prefetch")
+    parser.add_argument("--graphs", default=",".join(GRAPHS),
+                        help=f"command-buffer scheduling(s) to compile each variant under: {', '.join(GRAPHS)}")
     args = parser.parse_args(argv)
     try:
         weights = tuple(tuple(int(v) for v in s.split("x")) for s in args.weights.split(","))
@@ -180,13 +195,16 @@ def main(argv=None):
         assert all(mb > 0 for mb in mbs)
     except (ValueError, AssertionError):
         parser.error(f"--mb {args.mb!r}: expected positive sizes in MB, comma-separated")
+    graphs = tuple(filter(None, args.graphs.split(",")))
+    if not graphs or set(graphs) - set(GRAPHS):
+        parser.error(f"--graphs {args.graphs!r}: expected some of {', '.join(GRAPHS)}")
     if args.layers < 2 or args.window < 0:
         parser.error(f"--layers must be >= 2 and --window >= 0, got {args.layers} and {args.window}")
     if jax.default_backend() != "gpu":
         parser.error(f"no GPU found (JAX backend: {jax.default_backend()}): the probe times GPU memory traffic")
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}; batch 1, int4 g{GROUP} words, "
           f"{args.layers} layers, a window of {args.window} norms")
-    run(weights, args.layers, args.window, mbs, args.reps, side=not args.no_side)
+    run(weights, args.layers, args.window, mbs, args.reps, side=not args.no_side, graphs=graphs)
 
 
 if __name__ == "__main__":

@@ -75,9 +75,12 @@ def test_prefetch_rows_are_the_layers_first_bytes(probe):
 def test_variants_name_what_they_time(probe):
     names = probe.variants(3, (8, 16), side=True)
     assert list(names)[:3] == ["window only", "product only", "both"]
-    assert names["side 16 MB"] == dict(window=3, stream="side", nbytes=16 << 20)
-    assert probe.variants(1, (0.5,), side=False)["main 0.5 MB"]["nbytes"] == 1 << 19
+    assert names["side 16 MB"] == (dict(window=3, stream="side", nbytes=16 << 20), "lhs")
+    assert probe.variants(1, (0.5,), side=False)["main 0.5 MB"][0]["nbytes"] == 1 << 19
     assert "side 8 MB" not in probe.variants(3, (8,), side=False)
+    both = probe.variants(3, (8,), side=False, graphs=("lhs", "concurrent"))
+    assert both["main 8 MB, concurrent"] == (dict(window=3, stream="main", nbytes=8 << 20), "concurrent")
+    assert probe.GRAPHS["concurrent"] == {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
 
 
 def test_an_unknown_stream_is_refused(probe, stacks):
@@ -90,6 +93,7 @@ def test_an_unknown_stream_is_refused(probe, stacks):
     (["--weights", "100x256"], "--weights"),
     (["--mb", "0"], "--mb"),
     (["--layers", "1"], "--layers"),
+    (["--graphs", "serial"], "--graphs"),
     ([], "no GPU found"),
 ])
 def test_the_script_refuses_what_it_cannot_time(probe, argv, message, capsys):
@@ -113,15 +117,18 @@ def test_lowered_for_cuda_the_prefetch_is_there_and_on_its_stream(probe, stacks,
 
 
 def test_a_run_times_every_variant_and_checks_its_output(probe, capsys):
-    """The whole run on the CPU (interpret mode; its times mean nothing here): a row per variant, the prefetch rows
-    with their ideal saving, and every variant with a product giving the baseline's output bit for bit."""
+    """The whole run on the CPU (interpret mode; its times mean nothing here): a row per variant and command-buffer
+    scheduling (compiled with its option), the prefetch rows with their ideal saving, and every variant with a
+    product giving the baseline's output bit for bit."""
     with config.interpret(True):
         rows = probe.run(weights=((K, N),), layers=2, window=1, mbs=(0.02, 1000), reps=1)
     by_name = {r["variant"]: r for r in rows}
-    assert set(by_name) == {"window only", "product only", "both", "main 0.02 MB", "side 0.02 MB"}  # 1000 MB: > a layer
-    assert by_name["main 0.02 MB"]["same_output"] is True and by_name["side 0.02 MB"]["same_output"] is True
+    plain = {"window only", "product only", "both", "main 0.02 MB", "side 0.02 MB"}  # 1000 MB: > a layer
+    assert set(by_name) == plain | {f"{name}, concurrent" for name in plain}
+    assert all(by_name[f"{name}, concurrent"]["graph"] == "concurrent" for name in plain)
+    for name in ("main 0.02 MB", "side 0.02 MB", "main 0.02 MB, concurrent"):
+        assert by_name[name]["same_output"] is True and by_name[name]["ideal_us"] > 0
     assert all(by_name[name]["same_output"] is None for name in ("window only", "product only", "both"))
-    assert by_name["main 0.02 MB"]["ideal_us"] > 0 and by_name["both"]["ideal_us"] is None
-    assert all(r["us"] > 0 for r in rows)
+    assert by_name["both"]["ideal_us"] is None and all(r["us"] > 0 for r in rows)
     printed = capsys.readouterr().out
-    assert printed.count("output: same") == 2 and "DIFFERENT" not in printed
+    assert printed.count("output: same") == 4 and "DIFFERENT" not in printed
