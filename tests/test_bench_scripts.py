@@ -2,36 +2,23 @@
 scripts/bench_kernels.py (its GPU steps run through in interpret mode, its XLA candidates checked)."""
 
 import gzip
-import importlib.util
 import json
 import re
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-SCRIPTS = Path(__file__).parents[1] / "scripts"
-
-
-def _script(name):
-    sys.path.insert(0, str(SCRIPTS))  # bench_e2e imports profile_decode as its sibling
-    try:
-        spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(SCRIPTS))
+from tests.scripts_loader import SCRIPTS, load_script
 
 
 def _bench_kernels(monkeypatch, copies: int = 1):
     """scripts/bench_kernels.py for a run through in interpret mode: ``copies`` copies of each operand and one timed
     round a variant (what is tested is what it times and writes, not the times: a Mosaic GPU kernel's run in
     interpret mode takes a tenth of a second or more)."""
-    bench = _script("bench_kernels")
+    bench = load_script("bench_kernels")
     monkeypatch.setattr(bench, "copies_for", lambda nbytes: copies)
     monkeypatch.setattr(bench, "ROUNDS", 1)
     return bench
@@ -61,7 +48,7 @@ EVENTS = [
 
 
 def test_device_kernel_times_reads_the_decode_loops_gpu_kernels_once(tmp_path):
-    profile = _script("profile_decode")
+    profile = load_script("profile_decode")
     path = tmp_path / "plugins/profile/run/host.trace.json.gz"
     path.parent.mkdir(parents=True)
     with gzip.open(path, "wt") as f:
@@ -78,7 +65,7 @@ def test_device_kernel_times_reads_the_decode_loops_gpu_kernels_once(tmp_path):
 
 
 def test_bench_e2e_prints_a_profile_per_variant():
-    bench = _script("bench_e2e")
+    bench = load_script("bench_e2e")
     args = bench.parse_args(["--shapes", "llama-2-7b", "--dtype", "bfloat16", "--profile", "--profile-top", "5"])
     assert args.profile and args.profile_top == 5
     profile = {"batch": 1, "steps": 31, "layers": 32, "wall_us_per_step": 2820.0, "kernel_us_per_step": 2500.0,
@@ -94,7 +81,7 @@ def test_bench_e2e_prints_a_profile_per_variant():
 def test_bench_e2e_runs_the_other_frameworks_right_after_the_baseline(monkeypatch):
     """A run cut short by a time limit keeps the rows it finished: transformers' row comes right after our
     baseline, before our recipes."""
-    bench = _script("bench_e2e")
+    bench = load_script("bench_e2e")
     monkeypatch.setattr(bench, "torch_variants", lambda args: ["transformers-bf16-static"])
     args = bench.parse_args(["--shapes", "llama-2-7b", "--dtype", "bfloat16", "--recipes", "rtn-w8", "rtn-w4-g128",
                              "--scan-only"])
@@ -106,7 +93,7 @@ def test_bench_e2e_runs_the_other_frameworks_right_after_the_baseline(monkeypatc
 def test_bench_e2e_reports_a_failed_variants_traceback_without_the_runtimes_log():
     """After a GPU fault the child's stderr ended in hundreds of XLA log lines (an H200 run): the row's error and
     the printed message are the Python traceback's, its exception last."""
-    bench = _script("bench_e2e")
+    bench = load_script("bench_e2e")
     noise = ("E1128 20:33:10.291921    7022 cuda_event.cc:50] CUDA error: Error destroying CUDA event\n"
              "E1128 20:33:10.293399    7022 cuda_host_allocator.cc:107] [0] Failed to free host memory\n"
              "=== Source Location Trace: === \nexternal/xla+/xla/stream_executor/cuda/cuda_status.cc:50\n\n")
@@ -123,7 +110,7 @@ def test_bench_e2e_echoes_a_variants_progress_as_it_comes(capsys):
     """A variant's phases (phase_clock) reach the parent's stderr line by line, the runtime's log does not; the
     whole stderr and the exit code come back for the failure message (an H200 run was stopped by its limit inside
     one variant with nothing to say which phase took the time)."""
-    bench = _script("bench_e2e")
+    bench = load_script("bench_e2e")
     child = (f"import sys; sys.path.insert(0, {str(SCRIPTS)!r}); import bench_e2e as b; done = b.phase_clock('v');"
              "print('I1128 20:33:10.291921 7022 x.cc:1] log', file=sys.stderr, flush=True); done('quantized');"
              "print('to stdout'); sys.exit(3)")
@@ -357,7 +344,7 @@ def test_bench_kernels_xla_int4_candidates_compute_the_product():
     from llmeq_jax.core.quantize import Spec, quantize
     from pallas_kernels.weight_only import weight_only_reference
 
-    bench = _script("bench_kernels")
+    bench = load_script("bench_kernels")
     w = jax.random.normal(jax.random.key(0), (384, 96)) * 0.02
     q = quantize(w, Spec(bits=4, granularity="group", group_size=bench.GROUP))
     x = jax.random.normal(jax.random.key(1), (3, 384)).astype(jnp.bfloat16)
@@ -372,7 +359,7 @@ def test_bench_kernels_xla_int4_candidates_compute_the_product():
 
 def test_bench_export_times_ours_and_the_runtime_in_turn():
     """interleaved_medians calls every timer once a round, in turn, and reports each timer's median."""
-    be = _script("bench_export")
+    be = load_script("bench_export")
     calls = []
     values = {"ours": iter([5.0, 1.0, 3.0]), "runtime": iter([2.0, 9.0, 4.0])}
 
@@ -385,7 +372,7 @@ def test_bench_export_times_ours_and_the_runtime_in_turn():
 
 
 def test_bench_export_perplexity_is_the_mean_next_token_nll():
-    be = _script("bench_export")
+    be = load_script("bench_export")
     logits = np.random.default_rng(0).standard_normal((6, 11)) * 4
     ids = np.array([3, 1, 4, 1, 5, 9])
     want = -np.mean(np.asarray(jax.nn.log_softmax(jnp.asarray(logits, jnp.float32)))[np.arange(5), ids[1:]])
@@ -406,7 +393,7 @@ def test_bench_gguf_runs_a_file_kept_and_dequantized(tmp_path):
         {"pattern": ".*down_proj.*", "skip": True},
         {"pattern": ".*/kernel", "weight": {"bits": 8, "granularity": "group", "group_size": 32}}]})
     path = write_gguf(config, quantize_params(params, recipe), tmp_path / "q8.gguf", source=stories)
-    row = _script("bench_gguf").bench_file(path, rounds=1, n_tokens=16, n_windows=1)
+    row = load_script("bench_gguf").bench_file(path, rounds=1, n_tokens=16, n_windows=1)
     assert row["types"].get("Q8_0", 0) > 0
     assert row["kept_mb"] < 0.6 * row["float_mb"]
     assert row["rel_logit_diff"] < 1e-5
@@ -422,7 +409,7 @@ def test_sweep_decode_times_each_setting_in_turns_and_reports_the_ones_that_fail
     kernel refuses is reported once and skipped after); the JSON holds the rounds' rates and their medians."""
     from pallas_kernels import settings
 
-    sweep = _script("sweep_decode")
+    sweep = load_script("sweep_decode")
     seen = []
     real = sweep.decode_rate
 
@@ -451,7 +438,7 @@ def test_sweep_decode_times_the_read_ahead_as_a_setting(tmp_path, monkeypatch):
     a bad one fails before any weight is made."""
     from pallas_kernels import prefetch, settings
 
-    sweep = _script("sweep_decode")
+    sweep = load_script("sweep_decode")
     seen = []
     monkeypatch.setattr(sweep, "decode_rate",
                         lambda *a: seen.append((prefetch.current(), settings.current())) or (1.0, 0.1))
@@ -469,7 +456,7 @@ def test_sweep_decode_times_a_too_quick_decode_again_before_giving_up(monkeypatc
 
     from llmeq_jax import generate
 
-    sweep = _script("sweep_decode")
+    sweep = load_script("sweep_decode")
     timings = iter([(1e-9, 2.0), (0.03, 2.5)])
     runs = []
     monkeypatch.setattr(generate, "decode_timing",
@@ -485,7 +472,7 @@ def test_sweep_decode_times_a_too_quick_decode_again_before_giving_up(monkeypatc
 def test_sweep_decode_default_settings_are_settings_their_kernels_take():
     from pallas_kernels import settings
 
-    sweep = _script("sweep_decode")
+    sweep = load_script("sweep_decode")
     for kernel, fields in sweep.DEFAULT_SETTINGS.items():
         for field in fields:
             assert settings.parse(f"{kernel}:{field}")[0] == kernel
@@ -493,7 +480,7 @@ def test_sweep_decode_default_settings_are_settings_their_kernels_take():
 
 
 def test_sweep_decode_refuses_a_bad_setting_before_making_weights():
-    sweep = _script("sweep_decode")
+    sweep = load_script("sweep_decode")
     with pytest.raises(SystemExit, match=r"unknown field\(s\) tile"):
         sweep.main(["--shapes", "smollm2-135m", "--interpret", "--settings", "int4_words:tile=3"])
 
@@ -504,7 +491,7 @@ def test_bench_kernels_norm_step_times_the_kernel_and_xla_and_writes_entries(tmp
     from llmeq_jax import dispatch_table
     from pallas_kernels import config
 
-    bench = _script("bench_kernels")
+    bench = load_script("bench_kernels")
     table, path = [], tmp_path / "norms.json"
     with config.interpret(True):
         bench.norm_bench(1, [64, 300], (1, 16, 2048), table, str(path))
@@ -543,7 +530,7 @@ def test_bench_kernels_float_attention_step_times_both_paths_and_writes_entries(
 def test_bench_e2e_puts_a_quantized_kv_caches_decode_beside_the_float_caches():
     """--kv-bits: each row also decodes over a quantized cache (online key ranges from the prompt, the default
     float sinks); the table gives it and its ratio to the row's own float-cache decode."""
-    bench = _script("bench_e2e")
+    bench = load_script("bench_e2e")
     args = bench.parse_args(["--shapes", "llama-2-7b", "--dtype", "bfloat16", "--kv-bits", "8", "--prompt-len", "4096"])
     kv = bench.kv_quantizer(args.kv_bits, args.prompt_len)
     assert kv.key_ranges is None and kv.spec.bits == 8 and kv.spec.online_keys and kv.spec.prompt_tokens == 4096
@@ -563,7 +550,7 @@ def test_bench_e2e_sets_each_variants_logits_beside_its_xla_path_and_the_baselin
     kernel that returns garbage or NaN shows as a large or infinite error."""
     import numpy as np
 
-    bench = _script("bench_e2e")
+    bench = load_script("bench_e2e")
     rng = np.random.default_rng(0)
     base = rng.normal(size=(3, 50)).astype(np.float32)
     near = base + 0.01 * rng.normal(size=base.shape).astype(np.float32)

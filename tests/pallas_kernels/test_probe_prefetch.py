@@ -1,10 +1,6 @@
 """scripts/probe_prefetch.py: the layer loop it times computes what it says with and without the prefetch (interpret
 mode on the CPU), the prefetch reads the bytes it says, and the script refuses what it cannot time."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,21 +8,14 @@ import pytest
 
 from pallas_kernels import config
 from pallas_kernels import int4_words as iw
+from tests.scripts_loader import load_script
 
-SCRIPTS = Path(__file__).parents[2] / "scripts"
 K, N, LAYERS = 256, 384, 3
 
 
 @pytest.fixture(scope="module")
 def probe():
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        spec = importlib.util.spec_from_file_location("probe_prefetch", SCRIPTS / "probe_prefetch.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(SCRIPTS))
+    return load_script("probe_prefetch")
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,6 @@
 """scripts/probe_words.py: the word kernel's launch with less work a K step (interpret mode, lowering for CUDA),
 so that the GPU minutes it is written for time what it says."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,20 +9,13 @@ import pytest
 from pallas_kernels import int4_words as iw
 from pallas_kernels.blocks import Blocks
 from pallas_kernels.ttir import triton_modules
+from tests.scripts_loader import load_script
 
-SCRIPTS = Path(__file__).parents[2] / "scripts"
 
 
 @pytest.fixture(scope="module")
 def probe():
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        spec = importlib.util.spec_from_file_location("probe_words", SCRIPTS / "probe_words.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(SCRIPTS))
+    return load_script("probe_words")
 
 
 def _words(k, n, seed=0):
