@@ -101,11 +101,13 @@ def parse(text: str) -> dict:
 @contextlib.contextmanager
 def layer_chain(start):
     """One layer's chain of products (``models.stacked.scan_blocks``): its first product's read-ahead follows
-    ``start`` (an array: the layer's input), each later one the product before it. Nothing without :func:`ahead`."""
-    if _AHEAD.get() is None:
+    ``start`` (the layer's input: its first array, or a pytree's), each later one the product before it. Nothing
+    without :func:`ahead`, or without an array to follow."""
+    leaves = jax.tree.leaves(start)
+    if _AHEAD.get() is None or not leaves:
         yield
         return
-    token = _CHAIN.set({"output": start, "input": None})
+    token = _CHAIN.set({"output": leaves[0], "input": None})
     try:
         yield
     finally:
@@ -150,7 +152,7 @@ def _on_side_stream(fn):
 
     try:
         return co.compute_on(fn, compute_type=SIDE_STREAM, out_memory_spaces=jax.memory.Space.Device)
-    except TypeError:  # jax 0.10: compute_on(compute_type) is a context manager
+    except (TypeError, AttributeError):  # jax 0.10: compute_on(compute_type) is a context manager, no jax.memory
         jitted = jax.jit(fn)
 
         def wrapped(*args):

@@ -212,7 +212,7 @@ def scan_blocks(run_block, blocks, carry, num_layers: int):
 
     def body(state, _):
         c, layer = state
-        with prefetch.layer_chain(jax.tree.leaves(c)[0]):  # where asked, each product's weights read ahead
+        with prefetch.layer_chain(c):  # where asked, each product's weights read ahead of it
             c = run_block(block_at(blocks, layer, in_place, floats, norms), layer, c)
         return (c, layer + 1), None
 

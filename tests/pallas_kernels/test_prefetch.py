@@ -87,8 +87,11 @@ def test_nothing_is_read_ahead_outside_a_layer_chain_or_without_ahead():
         assert prefetch.before(x, w) is x  # no chain open
     with prefetch.layer_chain(x):
         assert prefetch.before(x, w) is x  # no read-ahead asked
-    with prefetch.ahead(mb=1), prefetch.layer_chain(x):
-        assert prefetch.before(jnp.ones((17, 16), jnp.bfloat16), w).shape == (17, 16)  # a prompt's rows: as is
+    with prefetch.ahead(mb=1), prefetch.layer_chain((None, {})):
+        assert prefetch.before(x, w) is x  # a layer input with no array to follow: no chain
+    with prefetch.ahead(mb=1), prefetch.layer_chain((x, None)):
+        prompt = jnp.ones((17, 16), jnp.bfloat16)
+        assert prefetch.before(prompt, w) is prompt  # a prompt's rows (more than a decode step's): as they are
         y = prefetch.before(x, w)
         assert y is not x and bool(jnp.array_equal(y, x))  # x with the token's zero joined
         assert prefetch.before(x, w) is x  # the same x again: a sibling product, nothing runs between
