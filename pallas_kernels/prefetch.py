@@ -126,6 +126,7 @@ def read_token(stack, layer, after, *, nbytes: int, stream: str = "main"):
     if stream not in STREAMS:
         raise ValueError(f"prefetch: stream must be one of {STREAMS}, got {stream!r}")
     rows = leading_rows(stack.shape[1:], stack.dtype.itemsize, nbytes)
+    layer = jnp.asarray(layer, jnp.int32)
 
     def token(stack, layer, after):
         # lax primitives only: a nested jit on the side stream becomes an async call of its own inside the

@@ -22,8 +22,9 @@
 #     pip download --no-deps pytest-xdist==3.8.0 execnet==2.1.2 -d runs/wheels)
 # (e2e's rows carry each variant's logits against XLA alone on the same weights: read them before the speeds), then
 # at once, on the machine still warm: STEPS="attention" (timeout_s 200). A later session: STEPS="decode_hopper_w8a8
-# hopper hopper_fp8 hopper_w8", then STEPS="prefetch decode_prefetch decode_concurrent" (timeout_s 600: the
-# read-ahead of pallas_kernels/prefetch.py); then the steps docs/kernels.md lists as never run.
+# hopper hopper_fp8 hopper_w8"; the read-ahead of pallas_kernels/prefetch.py in two calls, STEPS="prefetch
+# decode_prefetch" (timeout_s 420) and STEPS="decode_prefetch_bf16 decode_concurrent" (timeout_s 300); then the
+# steps docs/kernels.md lists as never run.
 # A measured table joins the shipped ones with
 #     python -m llmeq_jax.dispatch_table merge runs/gpu/dispatch_X.json --over-shipped --into \
 #         llmeq_jax/dispatch_tables/<DEVICE>.json
@@ -47,7 +48,7 @@ all_steps="gpu_tests words sweep attention fp8 w8a8_sweep probe small small_e2e 
 all_steps+=" decode_sweep decode_sweep_w8 decode_sweep_bf16 norms float_attention graphs_off graphs_on graphs_7b"
 all_steps+=" gemv prefill prefill_words hopper hopper_fp8 hopper_w8 decode_hopper decode_hopper_sweep layout"
 all_steps+=" layout_dsf decode_hopper_w8a8"
-all_steps+=" prompt_attention prefetch decode_prefetch decode_concurrent"
+all_steps+=" prompt_attention prefetch decode_prefetch decode_prefetch_bf16 decode_concurrent"
 steps="${STEPS:-$all_steps layout_float kernels}"  # STEPS: a subset
 step() {  # step NAME SECONDS CMD...: run CMD with a time limit, its output in $out/NAME.log
   local name=$1 limit=$2
@@ -161,7 +162,7 @@ step probe 75 "$py" scripts/probe_words.py --reps 10 --weights 4096x4096,4096x11
 # order and under CONCURRENT; gate/up and down after 2 norms, then q/k/v after 6 (the ~6 kernels between a layer's
 # down projection and the next q/k/v). ~42 compiles.
 step prefetch 200 bash -c "\"$py\" scripts/probe_prefetch.py --reps 10 --window 2 --weights 4096x22016,11008x4096 \
-    --mb 8,16 && \"$py\" scripts/probe_prefetch.py --reps 10 --window 6 --weights 4096x12288 --mb 8,16"
+    --mb 8,16; \"$py\" scripts/probe_prefetch.py --reps 10 --window 6 --weights 4096x12288 --mb 8,16"
 # bf16 decode of Llama-2-7B shapes ran at 90 tok/s scanned on an H200 (a third of the weights' bandwidth):
 # unrolled vs scanned on 4 layers says whether the scan's weight slicing costs it (docs/kernels.md).
 # Quantized kernels read their layer in place inside the scan since (llmeq_jax/layer_slice.py); bf16's XLA dot
@@ -304,11 +305,12 @@ step decode_sweep_bf16 90 "$py" scripts/sweep_decode.py --shapes "$shapes" "${la
 # Each decode product's weights read ahead into L2 while the small kernels before it run (pallas_kernels/prefetch.py,
 # new; off by default): whole decodes under the read-ahead's sizes and streams, rtn-w4-g128 then bf16 (the baseline
 # gets the same chance). Its one-product probe is the prefetch step (scripts/probe_prefetch.py).
-step decode_prefetch 200 bash -c "\"$py\" scripts/sweep_decode.py --shapes $shapes ${layers[*]} --recipe rtn-w4-g128 \
+step decode_prefetch 200 "$py" scripts/sweep_decode.py --shapes "$shapes" "${layers[@]}" --recipe rtn-w4-g128 \
     --settings prefetch:mb=4 prefetch:mb=12 prefetch:mb=4,stream=side prefetch:mb=12,stream=side \
-    prefetch:mb=24,stream=side --out $out/sweep_prefetch_w4.json && \
-    \"$py\" scripts/sweep_decode.py --shapes $shapes ${layers[*]} --recipe bf16 --settings prefetch:mb=12 \
-    prefetch:mb=12,stream=side prefetch:mb=24,stream=side --out $out/sweep_prefetch_bf16.json"
+    prefetch:mb=24,stream=side --out "$out/sweep_prefetch_w4.json"
+step decode_prefetch_bf16 120 "$py" scripts/sweep_decode.py --shapes "$shapes" "${layers[@]}" --recipe bf16 \
+    --settings prefetch:mb=12 prefetch:mb=12,stream=side prefetch:mb=24,stream=side \
+    --out "$out/sweep_prefetch_bf16.json"
 # The same under XLA's CONCURRENT command-buffer order (kernels ordered by their data alone, where the default
 # follows the latency-hiding scheduler's order): the main stream's read-ahead may only overlap the window there, and
 # independent small kernels (a cache's writes, split-K sums) may overlap each other for every variant. Its bf16 and

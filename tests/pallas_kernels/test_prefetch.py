@@ -31,6 +31,7 @@ def test_the_token_is_the_xor_of_the_layers_leading_bytes(dtype):
     assert got == int(np.bitwise_xor.reduce(bits.ravel()))
     other = np.asarray(stack[2, :7]).view(f"u{stack.dtype.itemsize}")
     assert got != int(np.bitwise_xor.reduce(other.ravel()))  # the layer it was given, not another
+    assert int(prefetch.read_token(stack, 1, jnp.ones(3), nbytes=7 * row_bytes)) == int(token)  # a Python int layer
 
 
 def test_leading_rows_stay_within_the_layer():
