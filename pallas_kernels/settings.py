@@ -133,12 +133,8 @@ def is_prefetch(text: str) -> bool:
 
 def check(text: str) -> None:
     """Raise ValueError unless ``text`` is a kernel's setting (:func:`parse`) or the read-ahead's."""
-    if is_prefetch(text):
-        from pallas_kernels import prefetch
-
-        prefetch.parse(text)
-    else:
-        parse(text)
+    with scope(text):
+        pass
 
 
 @contextlib.contextmanager

@@ -427,7 +427,7 @@ def main(argv=None):
                              "session's e2e step runs them once their gpu cases pass (LLMEQ_UNCHECKED_KERNELS=all)")
     parser.add_argument("--settings", nargs="+", default=[], metavar="KERNEL:FIELDS",
                         help="kernel launch settings at decode rows (pallas_kernels.settings, as sweep_decode.py takes "
-                             "them), e.g. int4_words:bn=256,stages=4")
+                             "them), e.g. int4_words:bn=256,stages=4, or the read-ahead prefetch:mb=16,stream=side")
     parser.add_argument("--keep", type=Path, help="keep XLA's dumps here (one folder per recipe)")
     parser.add_argument("--sass", action="store_true",
                         help="each Pallas kernel's SASS as XLA's Triton (or Mosaic GPU) compiled it")
