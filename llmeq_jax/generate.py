@@ -159,25 +159,41 @@ def _laid_out_for_decode(params, rows: int, kernels):
     return decode_layout.for_decode(params, rows=rows)
 
 
+def _narrows_norm_scales(params, rows: int) -> bool:
+    """Whether :func:`decode_params` stores the stacked norms' scales in the activations' dtype where exact
+    (``decode_layout.narrow_norm_scales``): where a decode step may fold its norms into its products on a GPU."""
+    from llmeq_jax.models import stacked
+    from pallas_kernels import config as kernel_config, hardware_checked
+
+    return (decode_layout.decode_target(rows) == "pallas" and kernel_config.on_gpu() and stacked.is_stacked(params)
+            and hardware_checked.allowed("norm_fold"))
+
+
 def decode_params(params, rows: int):
     """``params`` in the layout a decode loop of ``rows`` rows reads (``decode_layout.for_decode``),
     made once for the most recent params, batch size and kernel switches and reused while they last.
     Unchanged params where the loop reads the checkpoint's layout (float kernels, no native or Pallas
-    decode kernels for this many rows)."""
+    decode kernels for this many rows), except that where the loop may fold its norms into its products on a
+    GPU the stacked norms' scales are stored in the activations' dtype where exact
+    (``decode_layout.narrow_norm_scales``), float models too."""
     from llmeq_jax.core.qarray import QArray
 
     leaves = jax.tree_util.tree_leaves(params, is_leaf=lambda a: isinstance(a, QArray))
-    if decode_layout.decode_target(rows) is None or not any(isinstance(a, QArray) for a in leaves):
+    quantized = any(isinstance(a, QArray) for a in leaves)
+    narrow = _narrows_norm_scales(params, rows)
+    if decode_layout.decode_target(rows) is None or not (quantized or narrow):
         return params
     leaves = jax.tree_util.tree_leaves(params)
-    key = (rows, _layout_state(), jax.tree_util.tree_structure(params), tuple(map(id, leaves)))
+    key = (rows, _layout_state(), narrow, jax.tree_util.tree_structure(params), tuple(map(id, leaves)))
     held = _decode_layout_memo.get("params")
     if held is not None and held[0] == key and all(ref() is a for ref, a in zip(held[1], leaves)):
         return held[2]
     _decode_layout_memo.clear()  # the previous params' copy goes before this one is made
-    laid_out = _laid_out_for_decode(params, rows=rows, kernels=_layout_state())
+    laid_out = _laid_out_for_decode(params, rows=rows, kernels=_layout_state()) if quantized else params
     if decode_layout.decode_target(rows) == "native":  # host-side: which kernels' scales are int8 codes
         laid_out = decode_layout.split_rows(decode_layout.compact_scales(laid_out), rows)
+    if narrow:  # host-side too: which scales are exact in the activations' dtype
+        laid_out = decode_layout.narrow_norm_scales(laid_out, activation_dtype(params))
     _decode_layout_memo["params"] = (key, [_ref(a) for a in leaves], laid_out)
     # the copy goes with the params it was made from (the memo holds them weakly)
     first = next((a for a in leaves if isinstance(a, jax.Array)), None)

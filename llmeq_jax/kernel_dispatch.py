@@ -274,14 +274,23 @@ def linear_rows(x, w: QArray, require: bool = False, layer=None):
     return y.reshape(*x.shape[:-1], n)
 
 
-def linear_words(x, w: QArray, require: bool = False, layer=None):
+def linear_words(x, w: QArray, require: bool = False, layer=None, norm=None):
     """``x @ w`` for a ``decode_layout.Int4WordKernel``'s QArray (its codes as ``pallas_kernels.int4_words``
     words), or None (an error if ``require``). Decode rows (up to ``decode_layout.GPU_KMAJOR_MAX_ROWS``): the word
     kernel, no table lookup (``decode_layout.for_decode`` consulted it when it made the words). A prompt's rows:
     the prompt kernel over the same words where :func:`prompt_words_take` (or ``require``, half activations) sends
-    them, else None (XLA's path of the packed codes; with ``require`` and float32 activations, the word kernel)."""
+    them, else None (XLA's path of the packed codes; with ``require`` and float32 activations, the word kernel).
+    ``norm`` (``pallas_kernels.norm_fold.NormFold``): ``rms_norm(x) @ w`` by the word kernel, which folds it, or
+    None where another path would take the product (:func:`words_fold_norm`)."""
     if not config.kernels_available():
         return _unavailable(require)
+    if norm is not None:
+        if not words_fold_norm(x.shape, x.dtype, w):
+            return None
+        group, scale, zp, _ = _layout(w)
+        y = int4_words.int4_words_matmul(x.reshape(-1, w.shape[0]), w.qvalue, scale, group=group, w_zero_point=zp,
+                                         layer=layer, norm=norm)
+        return y.reshape(*x.shape[:-1], w.shape[1])
     kind, why = plan(x.shape, x.dtype, w, None)
     if kind != "weight_only" or w.act_spec is not None:
         if require:
@@ -302,7 +311,27 @@ def linear_words(x, w: QArray, require: bool = False, layer=None):
     return y.reshape(*x.shape[:-1], n)
 
 
-def linear_float(x, stack, layer, force: bool = False):
+def folds_norm(x) -> bool:
+    """Whether a norm of ``x`` may be left for the products after it to fold (``llmeq_jax.normed_rows``): a decode
+    step's rows where the Pallas kernels run on a GPU (traced for one, interpret mode included) and the fold may
+    run there: it has not run on a GPU yet, so only where ``LLMEQ_UNCHECKED_KERNELS`` names it
+    (``pallas_kernels.hardware_checked``: ``norm_fold``). bfloat16 or float32 x: the kernels' operand is then x times
+    the scale before the norm factor, which float16 (largest value 65504) could overflow where the norm's output
+    would not."""
+    rows = math.prod(x.shape[:-1])
+    return (config.kernels_available() and 0 < rows <= GPU_KMAJOR_MAX_ROWS
+            and jnp.dtype(x.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+            and config.on_gpu() and hardware_checked.allowed("norm_fold"))
+
+
+def words_fold_norm(x_shape, x_dtype, w: QArray) -> bool:
+    """Whether :func:`linear_words` with a norm takes ``x @ w``: the decode word kernel's product."""
+    rows = math.prod(x_shape[:-1])
+    return (0 < rows <= GPU_KMAJOR_MAX_ROWS and w.act_spec is None
+            and plan(x_shape, x_dtype, w, None)[0] == "weight_only")
+
+
+def linear_float(x, stack, layer, force: bool = False, norm=None):
     """``x @ stack[layer]`` for a stacked float kernel ``[L, in, out]`` by ``pallas_kernels.float_matmul``
     (reading the layer in place), or None (XLA's slice-and-dot then). The kernel takes a product it can
     (decode rows, one float dtype) where the active or shipped dispatch table measured it faster than
@@ -311,19 +340,26 @@ def linear_float(x, stack, layer, force: bool = False):
     step (``scripts/gpu_aot.py``: a 404 MB copy per Llama-2-7B layer and token, three passes over the
     weights where one is needed). Interpret mode keeps XLA's path unless a table or ``force`` says
     otherwise (the CPU tests' stacked float models stay fast). Float products never require a kernel:
-    where none applies this is None, not an error."""
-    if not config.kernels_available():
-        return None
-    k, n = stack.shape[1:]
-    x2 = x.reshape(-1, k)
-    if not float_matmul.can_use(x2.shape, x.dtype, stack.dtype)[0]:
-        return None
-    key = dispatch_table.Key(config.target_device().device_kind, "float", 8 * jnp.dtype(stack.dtype).itemsize, None, k, n,
-                             dispatch_table.row_bucket(x2.shape[0]), jnp.dtype(x.dtype).name)
-    measured = dispatch_table.choice(key)
-    if not (force or measured == "pallas" or (measured is None and config.on_gpu())):
+    where none applies this is None, not an error. ``norm`` (``pallas_kernels.norm_fold.NormFold``):
+    ``rms_norm(x) @ stack[layer]``, the kernel folding the norm, where it takes the product (else None)."""
+    if not float_kernel_takes(x.shape, x.dtype, stack, force):
         return None  # XLA's slice-and-dot
-    return float_matmul.float_matmul(x2, stack, layer=layer).reshape(*x.shape[:-1], n)
+    k, n = stack.shape[1:]
+    return float_matmul.float_matmul(x.reshape(-1, k), stack, layer=layer, norm=norm).reshape(*x.shape[:-1], n)
+
+
+def float_kernel_takes(x_shape, x_dtype, stack, force: bool = False) -> bool:
+    """Whether :func:`linear_float` gives ``x @ stack[layer]`` to the float kernel (its doc: where)."""
+    if not config.kernels_available():
+        return False
+    k, n = stack.shape[1:]
+    rows = math.prod(x_shape[:-1])
+    if not float_matmul.can_use((rows, k), x_dtype, stack.dtype)[0]:
+        return False
+    key = dispatch_table.Key(config.target_device().device_kind, "float", 8 * jnp.dtype(stack.dtype).itemsize, None, k, n,
+                             dispatch_table.row_bucket(rows), jnp.dtype(x_dtype).name)
+    measured = dispatch_table.choice(key)
+    return force or measured == "pallas" or (measured is None and config.on_gpu())
 
 
 def rms_norm(x, scale, eps: float, layer=None, force: bool = False):

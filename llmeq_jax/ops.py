@@ -41,6 +41,7 @@ from llmeq_jax.core.quantize import Spec, largest_value
 from llmeq_jax.decode_layout import Int4RowKernel, Int4WordKernel, PanelKernel, RowMajorKernel, kernel_view, \
     unpack_panels
 from llmeq_jax.layer_slice import LayerSlice
+from llmeq_jax.normed_rows import NormedRows
 from pallas_kernels import config as kernel_config
 
 # Up to this many rows of activations, weight-only avoids materialising the
@@ -119,6 +120,11 @@ def linear(
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {list(BACKENDS)}")
     _check_shapes(x, w)
+    if isinstance(x, NormedRows):  # a norm left for its products (models.layers.RMSNorm(fold=True))
+        y = _linear_folded(x, w, backend)
+        if y is not None:
+            return y if bias is None else y + bias.astype(y.dtype)
+        x = x.value()
     if isinstance(w, RowMajorKernel):
         y = _linear_row_major(x, w, act if act is not None else w.w.act_spec, backend)
         return y if bias is None else y + bias.astype(y.dtype)
@@ -151,6 +157,38 @@ def linear(
             y = w8a8_xla(x, w, act) if act is not None else weight_only_xla(x, w)
     if bias is not None:
         y = y + bias.astype(y.dtype)
+    return y
+
+
+def _linear_folded(x: NormedRows, w, backend):
+    """``rms_norm(...) @ w`` by a kernel that folds the norm in (``pallas_kernels.norm_fold``) -- the float kernel
+    or the int4 word kernel, reading the norm's layer of the stacked weights -- or None where neither takes it."""
+    from pallas_kernels import prefetch, settings
+
+    if backend == "xla" or not isinstance(w, LayerSlice):
+        return None
+    norm = x.fold_for(w.layer)
+    force = backend == "pallas"
+    if norm is None:
+        return None
+    if isinstance(w.stack, jax.Array) and kernel_dispatch.float_kernel_takes(x.shape, x.dtype, w.stack, force):
+        kernel = "float_matmul"
+
+        def run(raw):
+            return kernel_dispatch.linear_float(raw, w.stack, w.layer, force=force, norm=norm)
+    elif (isinstance(w.stack, Int4WordKernel) and kernel_config.kernels_available()
+          and kernel_dispatch.words_fold_norm(x.shape, x.dtype, w.stack.w)):
+        kernel = "int4_words"
+
+        def run(raw):
+            return kernel_dispatch.linear_words(raw, w.stack.w, layer=w.layer, norm=norm)
+    else:
+        return None
+    if settings.of(kernel, math.prod(x.shape[:-1])).norm == "apart":
+        return None
+
+    y = run(prefetch.before(x.x, w))
+    prefetch.after(y)
     return y
 
 

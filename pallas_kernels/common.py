@@ -212,14 +212,29 @@ def fit_splits(n_blocks: int, wanted: int) -> tuple[int, int]:
     return cdiv(n_blocks, per_split), per_split
 
 
-def sum_splits(y: jax.Array, splits: int, bias, dtype) -> jax.Array:
+def sum_splits(y: jax.Array, splits: int, bias, dtype, fold: tuple[int, float] | None = None) -> jax.Array:
     """Finish a split-K matmul: add the float32 partial sums ``[splits, M, N]``, then bias, then cast.
 
-    With one split the kernel already wrote the finished ``[M, N]`` result.
+    With one split the kernel already wrote the finished ``[M, N]`` result. ``fold`` (K, eps): the kernel folded
+    an RMSNorm (:class:`NormFold`) and ``y`` is (partial sums, partial sums of squares ``[splits, M, 1]``): the
+    sum is scaled by the rows' norm factor before the bias.
     """
     if splits == 1:
         return y
-    y = jnp.sum(y, axis=0)
+    if fold is not None:
+        y, sumsq = y
+        k, eps = fold
+        # the splits' squares added one by one: XLA fuses those adds into the loop that sums the partials, where
+        # a reduce over the splits would be a kernel of its own (deviceless H100 compile)
+        total = sumsq[0]
+        for s in range(1, splits):
+            total = total + sumsq[s]
+        return _finish(jnp.sum(y, axis=0) * jax.lax.rsqrt(total / k + eps), bias, dtype)
+    return _finish(jnp.sum(y, axis=0), bias, dtype)
+
+
+def _finish(y: jax.Array, bias, dtype) -> jax.Array:
+    """A finished float32 product plus the bias, in ``dtype``."""
     if bias is not None:
         y = y + bias.astype(jnp.float32)
     return y.astype(dtype)
@@ -231,16 +246,18 @@ def weight_operands(w, w_scale, w_zero_point) -> list:
     return [w, w_scale.astype(jnp.float32)] + ([] if w_zero_point is None else [w_zero_point.astype(jnp.int8)])
 
 
-def split_refs(refs, *, stacked: bool, inputs: int, has_zp: bool, has_bias: bool):
+def split_refs(refs, *, stacked: bool, inputs: int, has_zp: bool, has_bias: bool, outputs: int = 1):
     """A :func:`launch_matmul` kernel's refs in the order it passes them: (the layer index or None, the
-    first ``inputs`` operand refs, the zero point ref or None, the bias ref or None, the output ref)."""
+    first ``inputs`` operand refs, the zero point ref or None, the bias ref or None, the output ref -- a tuple
+    of ``outputs`` refs where there are several: ``pallas_kernels.norm_fold.outputs``)."""
     rest = list(refs)
     layer = rest.pop(0)[0] if stacked else None  # the weights are a stack: this layer of it
     operands, rest = rest[:inputs], rest[inputs:]
     zp_ref = rest.pop(0) if has_zp else None
     b_ref = rest.pop(0) if has_bias else None
-    (o_ref,) = rest
-    return layer, operands, zp_ref, b_ref, o_ref
+    if len(rest) != outputs:
+        raise ValueError(f"split_refs: {len(rest)} output refs left, expected {outputs}")
+    return layer, operands, zp_ref, b_ref, rest[0] if outputs == 1 else tuple(rest)
 
 
 class MatmulProgram(NamedTuple):
@@ -276,7 +293,8 @@ def store_matmul(o_ref, b_ref, acc, program: MatmulProgram, *, split: bool, has_
 
 
 def launch_matmul(kernel, args: list, *, m: int, n: int, k: int, blocks, bias, k_splits: int | None, out_dtype,
-                  interpret: bool, name: str, layer=None, programs: int | None = None, **static):
+                  interpret: bool, name: str, layer=None, programs: int | None = None,
+                  fold_eps: float | None = None, **static):
     """Run a tiled ``(M, N)`` matmul kernel over the grid ``(M / bm, N / bn, K splits)``: the launch
     shared by the W8A8 and weight-only kernels.
 
@@ -288,6 +306,10 @@ def launch_matmul(kernel, args: list, *, m: int, n: int, k: int, blocks, bias, k
     ``stacked=True``.
     ``kernel`` gets ``m, n, k, blocks, has_bias, split_blocks, split, stacked`` and ``static`` as
     keyword arguments.
+
+    ``fold_eps``: the kernel folds an RMSNorm of this eps into its x (``pallas_kernels.norm_fold``): split programs
+    write their rows' partial sums of squares as a second output ``[splits, M, 1]``, which :func:`sum_splits`
+    turns into the rows' norm factor.
     """
     grid_mn = (cdiv(m, blocks.bm), cdiv(n, blocks.bn))
     k_blocks = cdiv(k, blocks.bk)
@@ -300,17 +322,19 @@ def launch_matmul(kernel, args: list, *, m: int, n: int, k: int, blocks, bias, k
         args = [jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), *args]
     body = functools.partial(kernel, m=m, n=n, k=k, blocks=blocks, has_bias=fused_bias, split_blocks=split_blocks,
                              split=splits > 1, stacked=layer is not None, **static)
-    out_shape = (splits, m, n) if splits > 1 else (m, n)
+    out_shape = jax.ShapeDtypeStruct((splits, m, n) if splits > 1 else (m, n), jnp.float32 if splits > 1 else out_dtype)
+    if fold_eps is not None and splits > 1:
+        out_shape = (out_shape, jax.ShapeDtypeStruct((splits, m, 1), jnp.float32))
     offsets.check(args, name)
     y = pl.pallas_call(
         body,
-        out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32 if splits > 1 else out_dtype),
+        out_shape=out_shape,
         grid=(*grid_mn, splits),
         compiler_params=compiler_params(blocks.num_warps, blocks.num_stages),
         interpret=interpret,
         name=name,
     )(*args)
-    return sum_splits(y, splits, bias, out_dtype)
+    return sum_splits(y, splits, bias, out_dtype, fold=None if fold_eps is None else (k, fold_eps))
 
 
 def compiler_params(num_warps: int = 4, num_stages: int = 2):

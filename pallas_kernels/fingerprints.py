@@ -161,6 +161,23 @@ def _rms_norm() -> list[Lowering]:
             for m in (1, 16)]
 
 
+def _norm_fold() -> list[Lowering]:
+    from pallas_kernels.float_matmul import float_matmul
+    from pallas_kernels.int4_words import int4_words_matmul
+    from pallas_kernels.norm_fold import NormFold
+
+    k, n = 4096, 12288
+    scale = sds((4, k), F32)
+    return [
+        Lowering("int4 words g128, bf16, M=1, a stack's layer, the norm folded", "int4_words_matmul",
+                 lambda x, w, s, g, i: int4_words_matmul(x, w, s, group=128, layer=i, norm=NormFold(g, 1e-5)),
+                 (sds((1, k), BF16), sds((4, k // 8, n), I32), sds((4, k // 128, n), F32), scale, sds((), I32))),
+        Lowering("float bf16, M=1, a stack's layer, the norm folded", "float_matmul",
+                 lambda x, w, g, i: float_matmul(x, w, layer=i, norm=NormFold(g, 1e-5)),
+                 (sds((1, k), BF16), sds((4, k, 4096), BF16), scale, sds((), I32))),
+    ]
+
+
 def _append_decode_attention() -> list[Lowering]:
     from pallas_kernels.decode_attention import append_decode_attention
 
@@ -207,7 +224,7 @@ def _merge_splits() -> list[Lowering]:
 _CASES = {"weight_only": _weight_only, "w8a8": _w8a8, "float_matmul": _float_matmul, "int4_words": _int4_words,
           "store_decode_attention": _store_decode_attention, "int8_f16": _int8_f16, "rms_norm": _rms_norm,
           "append_decode_attention": _append_decode_attention, "store_append": _store_append,
-          "merge_splits": _merge_splits,
+          "merge_splits": _merge_splits, "norm_fold": _norm_fold,
           "cudnn_attention": lambda: []}  # cuDNN's own kernel: nothing of ours lowers to Triton, its record is the run
 
 # What the lowerings are traced for: a GPU, so that what a GPU decides by itself (hardware_checked's switches, the

@@ -16,10 +16,12 @@ Contract: x (M, K), w (K, N) or a stack [L, K, N] with ``layer``, both of one fl
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import config, settings
+from pallas_kernels import config, norm_fold, settings
 from pallas_kernels.blocks import Blocks
 from pallas_kernels.common import (
     FLOAT_DTYPES,
@@ -40,19 +42,34 @@ DECODE_BLOCKS = (16, 128, 128, 4, 3)
 MAX_ROWS = 16  # the rows this kernel is meant for (decode steps); larger M is XLA's GEMM's
 
 
-def _kernel(*refs, m, n, k, blocks, has_bias, split_blocks, split, stacked, precision):
-    layer, (x_ref, w_ref), _, b_ref, o_ref = split_refs(refs, stacked=stacked, inputs=2, has_zp=False,
-                                                        has_bias=has_bias)
+def _kernel(*refs, m, n, k, blocks, has_bias, split_blocks, split, stacked, precision, eps=None):
+    """``eps``: x is a norm's input, folded here (:mod:`pallas_kernels.norm_fold`; its scale is the third input)."""
+    folded = eps is not None
+    layer, (x_ref, w_ref, *scale_ref), _, b_ref, o_ref = split_refs(
+        refs, stacked=stacked, inputs=2 + folded, has_zp=False, has_bias=has_bias,
+        outputs=norm_fold.outputs(folded, split))
     bm, bn, bk = blocks.bm, blocks.bn, blocks.bk
     prog = matmul_program(m, n, k, blocks, split_blocks)
 
-    def body(kb, acc):
+    def body(kb, carry, squared: bool):
+        acc, sumsq = carry
         ks = span(kb * bk, bk, k, in_bounds=prog.whole_k)
-        return acc + dot(load_tile(x_ref, prog.rows, ks, 0), load_tile(w_ref, ks, prog.cols, 0, layer),
-                         precision=precision)
+        xt = load_tile(x_ref, prog.rows, ks, 0)
+        if folded:
+            xt, squares = norm_fold.fold_tile(xt, scale_ref[0], ks, layer, squared)
+            sumsq = sumsq + squares if squared else sumsq
+        return acc + dot(xt, load_tile(w_ref, ks, prog.cols, 0, layer), precision=precision), sumsq
 
-    acc = jax.lax.fori_loop(prog.first, prog.last, body, jnp.zeros((bm, bn), jnp.float32))
-    store_matmul(o_ref, b_ref, acc, prog, split=split, has_bias=has_bias)
+    def loop(squared: bool):
+        sumsq = jnp.zeros((bm, 1), jnp.float32) if folded else ()
+        return jax.lax.fori_loop(prog.first, prog.last, functools.partial(body, squared=squared),
+                                 (jnp.zeros((bm, bn), jnp.float32), sumsq))
+
+    acc, sumsq = norm_fold.run(loop, folded, split)
+    if folded:
+        norm_fold.store(o_ref, b_ref, acc, sumsq, prog, split=split, has_bias=has_bias, k=k, eps=eps)
+    else:
+        store_matmul(o_ref, b_ref, acc, prog, split=split, has_bias=has_bias)
 
 
 def can_use(x_shape, x_dtype, w_dtype, rows_max: int = MAX_ROWS) -> tuple[bool, str]:
@@ -66,9 +83,10 @@ def can_use(x_shape, x_dtype, w_dtype, rows_max: int = MAX_ROWS) -> tuple[bool, 
     return True, ""
 
 
-def float_matmul(x, w, *, bias=None, layer=None, blocks: Blocks | None = None, k_splits: int | None = None,
-                 interpret: bool | None = None):
-    """``x @ w`` (``w[layer]`` of a stack [L, K, N], read in place) with float32 accumulation."""
+def float_matmul(x, w, *, bias=None, layer=None, norm: norm_fold.NormFold | None = None, blocks: Blocks | None = None,
+                 k_splits: int | None = None, interpret: bool | None = None):
+    """``x @ w`` (``w[layer]`` of a stack [L, K, N], read in place) with float32 accumulation; with ``norm``,
+    ``rms_norm(x) @ w`` (:mod:`pallas_kernels.norm_fold`; the norm's scale stacked like ``w``)."""
     lead = 1 if layer is not None else 0
     if x.ndim != 2 or w.ndim != 2 + lead or x.shape[1] != w.shape[lead]:
         raise ValueError(f"float_matmul expects x (M, K) and w (K, N){' stacked [L, K, N] with layer=' if lead else ''};"
@@ -78,6 +96,8 @@ def float_matmul(x, w, *, bias=None, layer=None, blocks: Blocks | None = None, k
         raise ValueError(f"float_matmul: {why}")
     m, k = x.shape
     n = w.shape[-1]
+    if norm is not None:
+        norm_fold.check("float_matmul", norm, k, layer)
     bm, bn, bk, warps, stages = DECODE_BLOCKS
     chosen = settings.of("float_matmul", m)
     own = Blocks(bm if m <= bm else min(64, next_pow2(m)), max(MIN_DOT, min(bn, next_pow2(n))),
@@ -85,10 +105,13 @@ def float_matmul(x, w, *, bias=None, layer=None, blocks: Blocks | None = None, k
     blocks = blocks or chosen.blocks(own)
     interpret = config.resolve_interpret(interpret)
     precision = f32_dot_precision(interpret) if jnp.dtype(x.dtype) == jnp.float32 else None
-    return launch_matmul(_kernel, [x, w], m=m, n=n, k=k, blocks=blocks, bias=bias,
+    args, fold = [x, w], {}
+    if norm is not None:
+        args, fold = [x, w, norm_fold.operand(norm, layer)], dict(eps=float(norm.eps), fold_eps=float(norm.eps))
+    return launch_matmul(_kernel, args, m=m, n=n, k=k, blocks=blocks, bias=bias,
                          k_splits=k_splits or chosen.k_splits, out_dtype=x.dtype, interpret=interpret,
                          name="float_matmul", layer=layer, programs=chosen.programs,
-                         precision=precision)
+                         precision=precision, **fold)
 
 
 __all__ = ["DECODE_BLOCKS", "MAX_ROWS", "can_use", "float_matmul"]

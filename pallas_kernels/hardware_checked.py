@@ -42,6 +42,7 @@ GPU_CASES = {
     "store_append": ("kv_store_append",),  # pallas_kernels.kv_store_append: a quantized cache's write
     "merge_splits": ("store_decode",),  # pallas_kernels.split_merge: the KV kernel's splits merged (else XLA's merge)
     "cudnn_attention": ("prompt_attention",),  # llmeq_jax.kv.attention.attention_flash: a prompt's attention
+    "norm_fold": ("norm_fold",),  # pallas_kernels.norm_fold: a decode step's norms folded into their products
 }
 
 # kernel -> the GPU run its gpu cases passed on: the kernels of the record (pallas_kernels.fingerprints, which also

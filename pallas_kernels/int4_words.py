@@ -39,12 +39,14 @@ Contract:
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import config, settings
+from pallas_kernels import config, norm_fold, settings
 from pallas_kernels.blocks import Blocks
 from pallas_kernels.common import (
     FLOAT_DTYPES,
@@ -149,9 +151,11 @@ def nibble_operands(words, j: int, cdt, interpret: bool):
 
 
 def _kernel(*refs, m, n, k, blocks, group, has_zp, has_bias, split_blocks, split, stacked, precision, interpreted,
-            epilogue):
-    layer, (x_ref, w_ref, ws_ref), zp_ref, b_ref, o_ref = split_refs(
-        refs, stacked=stacked, inputs=3, has_zp=has_zp, has_bias=has_bias)
+            epilogue, eps=None):
+    folded = eps is not None  # x is a norm's input, folded here (pallas_kernels.norm_fold; its scale: 4th input)
+    layer, (x_ref, w_ref, ws_ref, *scale_ref), zp_ref, b_ref, o_ref = split_refs(
+        refs, stacked=stacked, inputs=3 + folded, has_zp=has_zp, has_bias=has_bias,
+        outputs=norm_fold.outputs(folded, split))
     bm, bn, bk = blocks.bm, blocks.bn, blocks.bk
     cdt = x_ref.dtype
     offset = code_offset(cdt)
@@ -212,8 +216,8 @@ def _kernel(*refs, m, n, k, blocks, group, has_zp, has_bias, split_blocks, split
         part = part - xs * (offset + (zp if has_zp else 0.0))
         return acc + (part if group is None else part * scale)
 
-    def body(kb, carry):
-        acc, rows_now = carry
+    def body(kb, carry, squared: bool):
+        acc, rows_now, sumsq = carry
         if epilogue == "mma":  # each group's rows loaded where used (pipelined), nothing carried
             rows_now, rows_next = tuple(group_rows(kb * per_step + i) for i in range(per_step)), ()
         else:
@@ -225,7 +229,11 @@ def _kernel(*refs, m, n, k, blocks, group, has_zp, has_bias, split_blocks, split
             for j in range(NIBBLES):
                 t = b * NIBBLES + j  # the slice's index in the step
                 k0 = kb * bk + t * SLICE
-                xt = load_tile(x_ref, rows, span(k0, SLICE, k, in_bounds=prog.whole_k), 0)
+                ks = span(k0, SLICE, k, in_bounds=prog.whole_k)
+                xt = load_tile(x_ref, rows, ks, 0)
+                if folded:  # x's sums below are of the folded operand too: they take the offsets off its product
+                    xt, squares = norm_fold.fold_tile(xt, scale_ref[0], ks, layer, squared)
+                    sumsq = sumsq + squares if squared else sumsq
                 # two accumulator chains (Triton folds each ``acc + dot`` into the MMA)
                 term = dot(xt, nibble_operands(words, j, cdt, interpreted), precision=precision)
                 part = term if part is None else part + term
@@ -234,13 +242,21 @@ def _kernel(*refs, m, n, k, blocks, group, has_zp, has_bias, split_blocks, split
                 if (t + 1) % slices_per_sum == 0:  # a sum block (scale group, or the step) ends here
                     acc = finish_sum(part, xs, acc, *(rows_now[(t + 1) // slices_per_sum - 1] if per_step else ()))
                     part = xs = None
-        return acc, rows_next
+        return acc, rows_next, sumsq
 
-    carried = () if epilogue == "mma" else step_rows(first)
-    acc, _ = jax.lax.fori_loop(first, last, body, (jnp.zeros((bm, bn), jnp.float32), carried))
+    def loop(squared: bool):
+        carried = () if epilogue == "mma" else step_rows(first)
+        sumsq = jnp.zeros((bm, 1), jnp.float32) if folded else ()
+        return jax.lax.fori_loop(first, last, functools.partial(body, squared=squared),
+                                 (jnp.zeros((bm, bn), jnp.float32), carried, sumsq))
+
+    acc, _, sumsq = norm_fold.run(loop, folded, split)
     if group is None:
         acc = acc * row_of(ws_ref, 0, True, layer)
-    store_matmul(o_ref, b_ref, acc, prog, split=split, has_bias=has_bias)
+    if folded:
+        norm_fold.store(o_ref, b_ref, acc, sumsq, prog, split=split, has_bias=has_bias, k=k, eps=eps)
+    else:
+        store_matmul(o_ref, b_ref, acc, prog, split=split, has_bias=has_bias)
 
 
 def check_words(name: str, x, words, w_scale, w_zero_point, group, layer) -> None:
@@ -278,7 +294,8 @@ EPILOGUES = ("rows", "mma")
 
 def int4_words_matmul(x, words, w_scale, *, group: int | None = None, w_zero_point=None, bias=None,
                       blocks: Blocks | None = None, k_splits: int | None = None, layer=None,
-                      epilogue: str | None = None, interpret: bool | None = None):
+                      norm: norm_fold.NormFold | None = None, epilogue: str | None = None,
+                      interpret: bool | None = None):
     """``x @ dequantize(w)`` for int4 weights stored as :func:`pack_words` words (see the module doc).
 
     ``layer`` (an int32 scalar): ``words``, ``w_scale`` and the zero point are stacks [L, ...] and
@@ -290,9 +307,14 @@ def int4_words_matmul(x, words, w_scale, *, group: int | None = None, w_zero_poi
     scales, loaded one K step ahead and converted to the accumulator's layout) or "mma" (the rows in x's
     dtype, loaded where used as products with a constant tile: no layout conversion; see the kernel). With
     half activations "mma" rounds the scales to x's dtype; which is faster is for a GPU to say. Default:
-    "rows", or a :mod:`pallas_kernels.settings` override's (as for ``blocks`` and ``k_splits``)."""
+    "rows", or a :mod:`pallas_kernels.settings` override's (as for ``blocks`` and ``k_splits``).
+
+    ``norm``: ``rms_norm(x) @ dequantize(w)`` (:mod:`pallas_kernels.norm_fold`; the norm's scale stacked like the
+    words where ``layer`` is given)."""
     check_words("int4_words_matmul", x, words, w_scale, w_zero_point, group, layer)
     m, k = x.shape
+    if norm is not None:
+        norm_fold.check("int4_words_matmul", norm, k, layer)
     n = words.shape[-1]
     chosen = settings.of("int4_words", m)
     blocks = blocks or chosen.blocks(default_blocks(m, n, group))
@@ -308,10 +330,15 @@ def int4_words_matmul(x, words, w_scale, *, group: int | None = None, w_zero_poi
     args = [x, *weight_operands(words, w_scale, w_zero_point)]
     if epilogue == "mma" and group is not None:  # scales and zero points as x's dtype: dot operands beside x
         args[2:] = [a.astype(x.dtype) for a in args[2:]]
+    fold = {}
+    if norm is not None:  # the norm's scale after the kernel's three inputs, before the zero points
+        args.insert(3, norm_fold.operand(norm, layer))
+        fold = dict(eps=float(norm.eps), fold_eps=float(norm.eps))
     return launch_matmul(_kernel, args, m=m, n=n, k=k, blocks=blocks, bias=bias, k_splits=k_splits, out_dtype=x.dtype,
                          interpret=interpret, name="int4_words_matmul", layer=layer, programs=chosen.programs,
                          group=group, has_zp=w_zero_point is not None, precision=f32_dot_precision(interpret) if
-                         jnp.dtype(x.dtype) == jnp.float32 else None, interpreted=interpret, epilogue=epilogue)
+                         jnp.dtype(x.dtype) == jnp.float32 else None, interpreted=interpret, epilogue=epilogue,
+                         **fold)
 
 
 def int4_words_reference(x, words, w_scale, *, group: int | None = None, w_zero_point=None, bias=None):

@@ -31,8 +31,10 @@ KERNELS = ("int4_words", "int8_f16", "weight_only", "w8a8", "float_matmul")
 DECODE_ROWS = 16
 EPILOGUES = ("rows", "mma")
 CONVERTS = ("kernel", "xla")
-# The settings that are words, not counts: the kernel that takes each and the words it takes.
-WORDS = {"epilogue": ("int4_words", EPILOGUES), "convert": ("int8_f16", CONVERTS)}
+NORMS = ("fold", "apart")
+# The settings that are words, not counts: the kernels that take each and the words it takes.
+WORDS = {"epilogue": (("int4_words",), EPILOGUES), "convert": (("int8_f16",), CONVERTS),
+         "norm": (("int4_words", "float_matmul"), NORMS)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +46,10 @@ class Settings:
     SM of an H100 by default); ``k_splits``: the splits themselves (wins over ``programs``);
     ``epilogue``: the int4 word kernel's scale epilogue (``int4_words.EPILOGUES``); ``convert``: where the int8
     float16-operand kernel makes its float16 x from bfloat16 x, "kernel" (each K step's tile) or "xla" (before
-    the launch: XLA fuses it into the op that makes x, but a decode step's norm then stays XLA's two kernels)."""
+    the launch: XLA fuses it into the op that makes x, but a decode step's norm then stays XLA's two kernels);
+    ``norm``: whether a decode step's RMSNorm before the word or float kernel's product is folded into it where it
+    may be (``pallas_kernels.norm_fold``; "fold", the default there) or left to a
+    launch of its own ("apart")."""
 
     bn: int | None = None
     bk: int | None = None
@@ -54,6 +59,7 @@ class Settings:
     k_splits: int | None = None
     epilogue: str | None = None
     convert: str | None = None
+    norm: str | None = None
 
     def blocks(self, default: Blocks) -> Blocks:
         """``default`` with the fields this setting gives."""
@@ -75,9 +81,9 @@ def _checked(kernel: str, fields: dict) -> Settings:
                          f"known: {', '.join(sorted(names))}")
     for name, value in fields.items():
         if name in WORDS:
-            owner, words = WORDS[name]
-            if kernel != owner or value not in words:
-                raise ValueError(f"settings: {name} is the {owner} kernel's, one of {words}; "
+            owners, words = WORDS[name]
+            if kernel not in owners or value not in words:
+                raise ValueError(f"settings: {name} belongs to {', '.join(owners)}, one of {words}; "
                                  f"got {value!r} for {kernel}")
         elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"settings: {kernel}.{name} must be a positive integer, got {value!r}")
@@ -159,5 +165,5 @@ def _int(value: str, text: str) -> int:
         raise ValueError(f"settings: {value!r} in {text!r} is not an integer") from None
 
 
-__all__ = ["CONVERTS", "DECODE_ROWS", "KERNELS", "NONE", "Settings", "check", "current", "is_prefetch", "of",
+__all__ = ["CONVERTS", "DECODE_ROWS", "KERNELS", "NONE", "NORMS", "Settings", "check", "current", "is_prefetch", "of",
            "override", "parse", "scope"]

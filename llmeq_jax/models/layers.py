@@ -13,7 +13,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from llmeq_jax import kernel_dispatch, ops
+from llmeq_jax import normed_rows, ops
 from llmeq_jax.layer_slice import LayerSlice
 
 _INIT_STD = 0.02
@@ -65,21 +65,19 @@ class Embed(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in float32, output in the input dtype."""
+    """Root-mean-square norm, computed in float32, output in the input dtype.
+
+    ``fold``: the caller passes the output only to ``Linear`` s, so where their kernels can fold the norm in
+    (a decode step of stacked blocks on a GPU) it may come back unevaluated (``llmeq_jax.normed_rows``)."""
 
     eps: float
+    fold: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
+        # a scanned block's scale may be a LayerSlice: left in its stack for the norm kernel or a folding product
         scale = self.variable("params", "scale", lambda: jnp.ones((x.shape[-1],), jnp.float32)).value
-        if isinstance(scale, LayerSlice):  # a scanned block's scale, left in its stack for the norm kernel
-            y = kernel_dispatch.rms_norm(x, scale.stack, self.eps, layer=scale.layer)
-            if y is not None:
-                return y
-            scale = scale.value()
-        xf = x.astype(jnp.float32)
-        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return (y * scale.astype(jnp.float32)).astype(x.dtype)
+        return normed_rows.normed(x, scale, self.eps) if self.fold else normed_rows.rms_norm(x, scale, self.eps)
 
 
 class LayerNorm(nn.Module):

@@ -99,7 +99,7 @@ class LlamaBlock(nn.Module):
     @nn.compact
     def __call__(self, x, positions, mask, cache=None):
         c = self.config
-        h, cache = LlamaAttention(c, self.layer, name="attn")(RMSNorm(c.norm_eps, name="input_norm")(x), positions, mask, cache)
+        h, cache = LlamaAttention(c, self.layer, name="attn")(RMSNorm(c.norm_eps, fold=True, name="input_norm")(x), positions, mask, cache)
         x = x + h
-        x = x + SwiGLU(c, name="mlp")(RMSNorm(c.norm_eps, name="post_attn_norm")(x))
+        x = x + SwiGLU(c, name="mlp")(RMSNorm(c.norm_eps, fold=True, name="post_attn_norm")(x))
         return x, cache

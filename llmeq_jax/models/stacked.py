@@ -175,7 +175,7 @@ def block_at(blocks, layer, in_place: bool, floats: bool, norms: bool = False):
             return LayerSlice(leaf, layer)
         if floats and _is_float_kernel(path, leaf):
             return LayerSlice(leaf, layer)
-        if norms and _is_norm_scale(path, leaf):  # the norm kernel reads it in place (models.layers)
+        if norms and is_norm_scale(path, leaf):  # the norm kernel reads it in place (models.layers)
             return LayerSlice(leaf, layer)
         return jax.tree.map(lambda a: take_layer(a, layer), leaf)
 
@@ -183,7 +183,7 @@ def block_at(blocks, layer, in_place: bool, floats: bool, norms: bool = False):
     return jax.tree_util.tree_map_with_path(one, blocks, is_leaf=lambda a: not isinstance(a, (dict, list, tuple)))
 
 
-def _is_norm_scale(path, leaf) -> bool:
+def is_norm_scale(path, leaf) -> bool:
     """A stacked norm's scale ([L, features] under the key "scale")."""
     last = path[-1] if path else None
     return (getattr(last, "key", None) == "scale" and isinstance(leaf, jax.Array) and leaf.ndim == 2

@@ -528,6 +528,46 @@ for _shape in RMS_NORM:
         return label, *compare(y, r, REL[dtype]), None
 
 
+NORM_FOLD = [  # (kernel, M, K, N, scale dtype, K splits): pallas_kernels.norm_fold, layer 1 of a stack of 3
+    ("words", 1, 4096, 12288, BF16, None),  # Llama-2-7B's fused q/k/v, the squares in the first column's programs
+    ("words", 16, 4096, 22016, F32, None),  # gate/up, a batch of 16, the scale multiplied in float32
+    ("words", 1, 4096, 4096, BF16, 1),  # no K split: every program scales its rows itself
+    ("float", 1, 4096, 4096, BF16, None),
+    ("float", 4, 5120, 13824, F32, 1),
+]
+
+for _shape in NORM_FOLD:
+
+    @case
+    def _norm_fold(shape=_shape):
+        from pallas_kernels.float_matmul import float_matmul
+        from pallas_kernels.int4_words import int4_words_matmul, int4_words_reference, pack_words
+        from pallas_kernels.norm_fold import NormFold
+        from pallas_kernels.rms_norm import rms_norm_reference
+
+        kernel, m, k, n, scale_dtype, splits = shape
+        scales = jax.random.uniform(jax.random.key(15), (3, k), minval=0.5, maxval=1.5).astype(scale_dtype)
+        x = (jax.random.normal(jax.random.key(16), (m, k)) * 3).astype(BF16)
+        normed = rms_norm_reference(x, scales[1], 1e-5)
+        if kernel == "words":
+            spec = Spec(bits=4, granularity="group", group_size=128, symmetric=False)
+            q = quantize(jax.random.normal(jax.random.key(17), (k, n)), spec)
+            words = jnp.stack([pack_words(q.values(), 128)] * 3)
+            stack = lambda a: jnp.stack([a] * 3)  # noqa: E731
+            y = jax.jit(lambda x, w, s, z, g, i: int4_words_matmul(
+                x, w, s, group=128, w_zero_point=z, layer=i, norm=NormFold(g, 1e-5), k_splits=splits,
+                interpret=INTERPRET))(x, words, stack(q.scale), stack(q.zero_point), scales, jnp.int32(1))
+            r = reference(int4_words_reference, normed, words[1], q.scale, w_zero_point=q.zero_point, group=128)
+        else:
+            w = (jax.random.normal(jax.random.key(18), (3, k, n)) * 0.02).astype(BF16)
+            y = jax.jit(lambda x, w, g, i: float_matmul(x, w, layer=i, norm=NormFold(g, 1e-5), k_splits=splits,
+                                                        interpret=INTERPRET))(x, w, scales, jnp.int32(1))
+            r = reference(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32), normed, w[1])
+        label = (f"norm folded into {kernel} M={m} K={k} N={n} scale {jnp.dtype(scale_dtype).name} "
+                 f"splits={splits or 'auto'}")
+        return label, *compare(y, r, 2e-2), None
+
+
 @case
 def _stacked_layer():
     """One layer of stacked weights read in place (the scan over stacked blocks): int4 weight-only and

@@ -111,10 +111,12 @@ def test_overrides_nest_and_are_hashable_state():
     ("int4_words", {"tile": 3}, "unknown field(s) tile"),
     ("int4_words", {"bn": 0}, "int4_words.bn must be a positive integer"),
     ("int4_words", {"stages": True}, "must be a positive integer"),
-    ("int8_f16", {"epilogue": "mma"}, "epilogue is the int4_words kernel's"),
+    ("int8_f16", {"epilogue": "mma"}, "epilogue belongs to int4_words,"),
     ("int4_words", {"epilogue": "cols"}, "one of ('rows', 'mma')"),
-    ("int4_words", {"convert": "xla"}, "convert is the int8_f16 kernel's"),
+    ("int4_words", {"convert": "xla"}, "convert belongs to int8_f16,"),
     ("int8_f16", {"convert": "host"}, "one of ('kernel', 'xla')"),
+    ("int8_f16", {"norm": "apart"}, "norm belongs to int4_words, float_matmul,"),
+    ("float_matmul", {"norm": "after"}, "one of ('fold', 'apart')"),
 ])
 def test_bad_settings_are_refused(kernel, fields, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -132,6 +134,7 @@ def test_a_setting_the_kernel_cannot_take_fails_its_own_check():
 def test_parse_reads_a_command_lines_setting():
     assert settings.parse("int4_words:bn=256,stages=4") == ("int4_words", {"bn": 256, "stages": 4})
     assert settings.parse("int4_words:epilogue=mma") == ("int4_words", {"epilogue": "mma"})
+    assert settings.parse("float_matmul:norm=apart") == ("float_matmul", {"norm": "apart"})
     assert settings.parse("int8_f16") == ("int8_f16", {})
     assert settings.parse("int8_f16:convert=xla,bn=128") == ("int8_f16", {"convert": "xla", "bn": 128})
     with pytest.raises(ValueError, match="'bn' in 'int4_words:bn' is not name=value"):
