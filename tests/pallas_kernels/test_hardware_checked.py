@@ -68,9 +68,12 @@ def test_a_gpus_float_decode_step_keeps_xlas_norm_and_attention_until_turned_on(
     default = _decode_step_jaxpr()
     assert "name=float_matmul" in default  # a checked kernel still runs
     assert not any(name in default for name in UNCHECKED_NAMES)
-    monkeypatch.setenv(hardware_checked.ENV, "all")
+    monkeypatch.setenv(hardware_checked.ENV, "rms_norm,append_decode_attention")
     on = _decode_step_jaxpr()
     assert on.count("name=rms_norm") == 2 and on.count("name=append_decode_attention") == 1
+    monkeypatch.setenv(hardware_checked.ENV, "all")  # the norms folded into the float kernels' products too
+    folded = _decode_step_jaxpr()
+    assert "name=rms_norm" not in folded and folded.count("name=append_decode_attention") == 1
 
 
 def test_a_gpus_quantized_cache_step_keeps_xlas_write_and_merge_until_turned_on(monkeypatch):
