@@ -168,9 +168,9 @@ def _linear_folded(x: NormedRows, w, backend):
     if backend == "xla" or not isinstance(w, LayerSlice):
         return None
     norm = x.fold_for(w.layer)
-    force = backend == "pallas"
     if norm is None:
         return None
+    force = backend == "pallas"
     if isinstance(w.stack, jax.Array) and kernel_dispatch.float_kernel_takes(x.shape, x.dtype, w.stack, force):
         kernel = "float_matmul"
 
@@ -186,7 +186,6 @@ def _linear_folded(x: NormedRows, w, backend):
         return None
     if settings.of(kernel, math.prod(x.shape[:-1])).norm == "apart":
         return None
-
     y = run(prefetch.before(x.x, w))
     prefetch.after(y)
     return y

@@ -61,28 +61,18 @@ def operand(norm: NormFold, layer) -> jax.Array:
     return scale.reshape(1, -1) if layer is None else scale.reshape(scale.shape[0], 1, -1)
 
 
-def scale_row(scale_ref, ks, layer):
-    """The norm's scale over the K :func:`~pallas_kernels.common.span` ``ks``: a (1, width) tile in its own dtype."""
-    return load_tile(scale_ref, span(0, 1, 1, in_bounds=True), ks, 0, layer)
-
-
-def squares(xf, squared: bool = True):
-    """The rows' sums of squares (bm, 1) of a float32 x tile, or None unless ``squared``."""
-    return jnp.sum(xf * xf, axis=1, keepdims=True) if squared else None
-
-
 def fold_tile(xt, scale_ref, ks, layer, squared: bool = True):
     """(the x tile times the norm's scale, in x's dtype; the tile's rows' sums of squares (bm, 1) in float32, or
     None unless ``squared``). ``ks``: the tile's K :func:`~pallas_kernels.common.span`."""
-    scale = scale_row(scale_ref, ks, layer)
+    scale = load_tile(scale_ref, span(0, 1, 1, in_bounds=True), ks, 0, layer)
     xf = xt.astype(jnp.float32)
-    squares_ = squares(xf, squared)
+    squares = jnp.sum(xf * xf, axis=1, keepdims=True) if squared else None
     if scale.dtype == xt.dtype:
         # one rounding either way (a product of two bf16 / f16 values is exact in float32), but in x's dtype it is
         # one packed multiply a pair (sm_90 HMUL2) where float32 unpacks and repacks every value: 911 -> 735
         # instructions a K step of the word kernel (570 without a fold)
-        return xt * scale, squares_
-    return (xf * scale.astype(jnp.float32)).astype(xt.dtype), squares_
+        return xt * scale, squares
+    return (xf * scale.astype(jnp.float32)).astype(xt.dtype), squares
 
 
 def run(loop, folded: bool, split: bool):
@@ -117,4 +107,4 @@ def outputs(fold: bool, split: bool) -> int:
     return 2 if fold and split else 1
 
 
-__all__ = ["NormFold", "check", "fold_tile", "operand", "outputs", "run", "scale_row", "squares", "store"]
+__all__ = ["NormFold", "check", "fold_tile", "operand", "outputs", "run", "store"]
