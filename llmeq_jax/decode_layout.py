@@ -109,9 +109,11 @@ class Int4WordKernel(_Int4Layout):
     """An ``(in, out)`` int4 kernel whose codes are stored as 32-bit words of eight ``in`` values
     (:func:`pallas_kernels.int4_words.pack_words`, ``(in'/8, out)`` int32) for the GPU decode kernel
     that reads them: ``w.qvalue`` holds the words; scales, zero points, shape and tile are the
-    original QArray's (a stack [L, ...] too)."""
+    original QArray's (a stack [L, ...] too). ``paired``: a SwiGLU's joined gate/up kernel with its output
+    columns paired, gate ``i`` at ``2 i`` and up ``i`` at ``2 i + 1`` (:func:`pair_swiglu`): ``ops.swiglu`` runs it."""
 
     w: QArray
+    paired: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     def packed(self) -> QArray:
         """The same kernel with its codes two per byte along ``in`` again (for XLA's path)."""
@@ -669,8 +671,8 @@ def for_decode(params, rows: int):
     :func:`fuse_linears`). On a CPU: what the native row-major kernels take, up to
     ``ops.row_major_max_rows`` rows. Where the Pallas kernels run (a GPU), up to
     :data:`GPU_KMAJOR_MAX_ROWS` rows: int8-stored kernels, which the W8A8 and weight-only kernels then
-    read K-major as stored, and int4 weight-only kernels as words (``pallas_kernels.int4_words``).
-    Unchanged otherwise. Idempotent: params laid out already come back as they are (same leaves).
+    read K-major as stored, and int4 weight-only kernels as words (``pallas_kernels.int4_words``; a SwiGLU's
+    joined gate/up words paired where the kernel gates them: :func:`pair_swiglu`). Unchanged otherwise. Idempotent: params laid out already come back as they are (same leaves).
     ``generate.decode_params`` calls it once per params, jitted, outside the decode loop, and keeps the
     copy (one more copy of the quantized kernels) for the most recent params, batch size and kernel
     switches; the loop calls it again, a no-op on that copy, so a loop handed the checkpoint's layout
@@ -702,7 +704,19 @@ def for_decode(params, rows: int):
         params = _join_small_siblings(params, rows)
     converted = jax.tree_util.tree_map_with_path(convert, params, is_leaf=lambda a: isinstance(a, QArray))
     fused = fuse_linears(converted)
-    return _rows_for_hopper(fused, rows) if target == "pallas" else fused
+    if target != "pallas":
+        return fused
+    fused = _rows_for_hopper(fused, rows)
+    return pair_swiglu(fused) if _gates_in_kernel() else fused
+
+
+def _gates_in_kernel() -> bool:
+    """Whether a GPU's decode word kernels gate a SwiGLU's product as they finish it (:func:`pair_swiglu`): where
+    they finish their products themselves (``pallas_kernels.split_fixup``: not yet run on a GPU, so only where
+    ``LLMEQ_UNCHECKED_KERNELS`` names it)."""
+    from pallas_kernels import config, hardware_checked
+
+    return config.on_gpu() and hardware_checked.allowed("split_fixup")
 
 
 def narrow_norm_scales(params, dtype):
@@ -725,6 +739,32 @@ def narrow_norm_scales(params, dtype):
     return {**params, stacked.BLOCKS: jax.tree_util.tree_map_with_path(narrow, params[stacked.BLOCKS])}
 
 
+def pair_swiglu(params):
+    """``params`` with every SwiGLU's joined gate/up :class:`Int4WordKernel` (``gate_up_proj``, gate then up along
+    its outputs) stored ``paired``: output columns interleaved, gate ``i`` then up ``i``, so that each of the word
+    kernel's column tiles holds both halves of its outputs and gates them where it finishes the product
+    (``pallas_kernels.common.swiglu_pairs``; ``ops.swiglu``) -- no launch for the activation. Words, scales and
+    zero points move together (a stack [L, ...] too); other leaves come back as they are."""
+    def pair(a):
+        half = a.shape[-1] // 2
+        return jnp.stack([a[..., :half], a[..., half:]], axis=-1).reshape(a.shape)
+
+    def walk(tree):
+        if not isinstance(tree, dict):
+            return tree
+        out = {k: walk(v) for k, v in tree.items()}
+        kernel = out.get("gate_up_proj", {}).get("kernel") if isinstance(out.get("gate_up_proj"), dict) else None
+        if (isinstance(kernel, Int4WordKernel) and not kernel.paired and kernel.shape[1] % 2 == 0
+                and "bias" not in out["gate_up_proj"]):
+            w = kernel.w
+            w = dataclasses.replace(w, qvalue=pair(w.qvalue), scale=pair(w.scale),
+                                    zero_point=None if w.zero_point is None else pair(w.zero_point))
+            out["gate_up_proj"] = {**out["gate_up_proj"], "kernel": Int4WordKernel(w, paired=True)}
+        return out
+
+    return walk(params)
+
+
 def _rows_for_hopper(params, rows: int):
     """``params`` with every int4 word kernel (fused siblings included) whose decode product a dispatch table
     measured faster through the Mosaic GPU decode kernel than through both the word kernel and XLA's path
@@ -734,7 +774,7 @@ def _rows_for_hopper(params, rows: int):
     from pallas_kernels.int4_words import unpack_words
 
     def convert(leaf):
-        if not (isinstance(leaf, Int4WordKernel)
+        if not (isinstance(leaf, Int4WordKernel) and not leaf.paired  # paired columns: for the word kernel's gate
                 and kernel_dispatch.hopper_decode_takes(rows, leaf.w.dtype, leaf.w, leaf.group)):
             return leaf
         codes = unpack_words(leaf.w.qvalue, leaf.w.shape[0])
@@ -986,6 +1026,6 @@ __all__ = ["FUSED_LINEARS", "Int4RowKernel", "Int4WordKernel", "PREFILL_FUSE_MAX
            "PanelKernel", "RowMajorKernel", "SCALE_STEP_VALUES", "SPLIT_BITS", "ScaleCodes", "compact_scales",
            "decode_target", "for_decode", "for_prefill", "fuse_linears", "int4_word_kernel", "join_codes",
            "kernel_view", "narrowest_split_bits", "pack_float_kernels", "pack_panels", "pack_swiglu_panels",
-           "prompt_target", "scale_codes", "scale_group", "serves_prompts", "split_codes", "split_rows",
+           "pair_swiglu", "prompt_target", "scale_codes", "scale_group", "serves_prompts", "split_codes", "split_rows",
            "split_tile_takes", "stack_quantized", "stack_rows", "transpose_kernel", "unpack_panels", "w8a8_kmajor",
            "widen_to_int4", "words_for_prompts"]

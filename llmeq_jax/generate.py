@@ -96,9 +96,10 @@ def kernel_state() -> tuple:
 
 
 def _layout_state() -> tuple:
-    """:func:`kernel_state` without the launch settings: which kernels run (hence the decode layout) does not
-    depend on their tiles, so a sweep over settings keeps one copy of the layout."""
-    return kernel_state()[:4]
+    """:func:`kernel_state` without the launch settings and the read-ahead: which kernels run (hence the decode
+    layout: the unchecked kernels turned on too) does not depend on their tiles, so a sweep over settings keeps one
+    copy of the layout."""
+    return kernel_state()[:4] + kernel_state()[5:6]
 
 
 PROMPT_ACTIVATION_BITS = (16, 8)

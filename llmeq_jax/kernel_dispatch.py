@@ -274,23 +274,27 @@ def linear_rows(x, w: QArray, require: bool = False, layer=None):
     return y.reshape(*x.shape[:-1], n)
 
 
-def linear_words(x, w: QArray, require: bool = False, layer=None, norm=None):
+def linear_words(x, w: QArray, require: bool = False, layer=None, norm=None, residual=None, bias=None, act=None):
     """``x @ w`` for a ``decode_layout.Int4WordKernel``'s QArray (its codes as ``pallas_kernels.int4_words``
     words), or None (an error if ``require``). Decode rows (up to ``decode_layout.GPU_KMAJOR_MAX_ROWS``): the word
     kernel, no table lookup (``decode_layout.for_decode`` consulted it when it made the words). A prompt's rows:
     the prompt kernel over the same words where :func:`prompt_words_take` (or ``require``, half activations) sends
     them, else None (XLA's path of the packed codes; with ``require`` and float32 activations, the word kernel).
-    ``norm`` (``pallas_kernels.norm_fold.NormFold``): ``rms_norm(x) @ w`` by the word kernel, which folds it, or
-    None where another path would take the product (:func:`words_fold_norm`)."""
+    ``norm`` (``pallas_kernels.norm_fold.NormFold``) / ``residual`` (x's rows by w's outputs): ``rms_norm(x) @ w`` /
+    ``residual + x @ w + bias`` by the decode word kernel, which folds the norm / adds the bias and residual, or None
+    where another path would take the product (:func:`words_decode_takes`). ``act`` "swiglu": a paired gate/up
+    kernel's product gated (``int4_words_matmul``'s ``act``), half as many outputs."""
     if not config.kernels_available():
         return _unavailable(require)
-    if norm is not None:
-        if not words_fold_norm(x.shape, x.dtype, w):
+    if norm is not None or residual is not None or act is not None:
+        if not words_decode_takes(x.shape, x.dtype, w):
             return None
+        k, n = w.shape
         group, scale, zp, _ = _layout(w)
-        y = int4_words.int4_words_matmul(x.reshape(-1, w.shape[0]), w.qvalue, scale, group=group, w_zero_point=zp,
-                                         layer=layer, norm=norm)
-        return y.reshape(*x.shape[:-1], w.shape[1])
+        y = int4_words.int4_words_matmul(x.reshape(-1, k), w.qvalue, scale, group=group, w_zero_point=zp,
+                                         layer=layer, norm=norm, bias=bias, act=act,
+                                         residual=None if residual is None else residual.reshape(-1, n))
+        return y.reshape(*x.shape[:-1], y.shape[-1])
     kind, why = plan(x.shape, x.dtype, w, None)
     if kind != "weight_only" or w.act_spec is not None:
         if require:
@@ -324,14 +328,14 @@ def folds_norm(x) -> bool:
             and config.on_gpu() and hardware_checked.allowed("norm_fold"))
 
 
-def words_fold_norm(x_shape, x_dtype, w: QArray) -> bool:
-    """Whether :func:`linear_words` with a norm takes ``x @ w``: the decode word kernel's product."""
+def words_decode_takes(x_shape, x_dtype, w: QArray) -> bool:
+    """Whether :func:`linear_words` with a norm or a residual takes ``x @ w``: the decode word kernel's product."""
     rows = math.prod(x_shape[:-1])
     return (0 < rows <= GPU_KMAJOR_MAX_ROWS and w.act_spec is None
             and plan(x_shape, x_dtype, w, None)[0] == "weight_only")
 
 
-def linear_float(x, stack, layer, force: bool = False, norm=None):
+def linear_float(x, stack, layer, force: bool = False, norm=None, residual=None, bias=None):
     """``x @ stack[layer]`` for a stacked float kernel ``[L, in, out]`` by ``pallas_kernels.float_matmul``
     (reading the layer in place), or None (XLA's slice-and-dot then). The kernel takes a product it can
     (decode rows, one float dtype) where the active or shipped dispatch table measured it faster than
@@ -341,11 +345,14 @@ def linear_float(x, stack, layer, force: bool = False, norm=None):
     weights where one is needed). Interpret mode keeps XLA's path unless a table or ``force`` says
     otherwise (the CPU tests' stacked float models stay fast). Float products never require a kernel:
     where none applies this is None, not an error. ``norm`` (``pallas_kernels.norm_fold.NormFold``):
-    ``rms_norm(x) @ stack[layer]``, the kernel folding the norm, where it takes the product (else None)."""
+    ``rms_norm(x) @ stack[layer]``, the kernel folding the norm, where it takes the product (else None);
+    ``residual`` (x's rows by the outputs): ``residual + x @ stack[layer] + bias``, added by the kernel."""
     if not float_kernel_takes(x.shape, x.dtype, stack, force):
         return None  # XLA's slice-and-dot
     k, n = stack.shape[1:]
-    return float_matmul.float_matmul(x.reshape(-1, k), stack, layer=layer, norm=norm).reshape(*x.shape[:-1], n)
+    y = float_matmul.float_matmul(x.reshape(-1, k), stack, layer=layer, norm=norm, bias=bias,
+                                  residual=None if residual is None else residual.reshape(-1, n))
+    return y.reshape(*x.shape[:-1], n)
 
 
 def float_kernel_takes(x_shape, x_dtype, stack, force: bool = False) -> bool:
@@ -383,8 +390,10 @@ def rms_norm(x, scale, eps: float, layer=None, force: bool = False):
     return norm_kernel.rms_norm(x2, scale, eps, layer=layer).reshape(x.shape)
 
 
-def linear(x, w: QArray, act=None, require: bool = False, layer=None, *, w_layout: str = "kn"):
-    """``x @ w`` by a Pallas kernel, or None when none applies (an error if ``require``).
+def linear(x, w: QArray, act=None, require: bool = False, layer=None, *, w_layout: str = "kn", residual=None):
+    """``x @ w`` by a Pallas kernel, or None when none applies (an error if ``require``); with ``residual`` (x's rows
+    by the outputs), ``residual + x @ w``, added by the Triton kernels where they finish their products
+    (``pallas_kernels.split_fixup``), else after the product.
 
     With ``layer``, ``w`` is a stack of kernels (``llmeq_jax.layer_slice.LayerSlice``) and the
     product is with its layer ``layer``, read in place. ``w_layout="nk"``: ``w`` is stored K-major,
@@ -402,36 +411,42 @@ def linear(x, w: QArray, act=None, require: bool = False, layer=None, *, w_layou
         return None
     k, n = view.shape
     x2 = x.reshape(-1, k)
+    r2 = None if residual is None else residual.reshape(-1, n)
+
+    def done(y, added: bool = False):  # x's leading dims back, the residual added where the kernel did not
+        y = y.reshape(*x.shape[:-1], n)
+        return y if residual is None or added else residual + y
+
     group, scale, zp, _ = _layout(view)
     measured_as = f"{kind}_nk" if w_layout == "nk" else kind  # K-major: another kernel, measured apart
     if kind == "weight_only" and w_layout == "kn" and not require and hopper_weight_only_takes(x2, view, group):
         y = weight_only_hopper.weight_only_hopper(x2, w.qvalue, scale, zero_point=zp, group=group, layer=layer,
                                                   bits=hopper_weight_only_bits(view))
-        return y.reshape(*x.shape[:-1], n)
+        return done(y)
     if kind == "weight_only" and w_layout == "nk" and not require and not is_packed(w.bits) \
             and hopper_decode_takes(x2.shape[0], x.dtype, view, group):  # a decode step's K-major int8 product
         scale, zp = _as_stored(view, scale, zp)
         y = decode_hopper.decode_hopper(x2, w.qvalue, scale, zero_point=zp, group=group, layer=layer)
-        return y.reshape(*x.shape[:-1], n)
+        return done(y)
     fp8 = kind == "fp8_w8a8"
     if kind in ("w8a8", "fp8_w8a8") and w_layout == "nk" and not require \
             and hopper_decode_takes(x2.shape[0], x.dtype, view, group, kind):  # a decode step's K-major W8A8 product
         y = decode_hopper.w8a8_decode_hopper(x2, w.qvalue, scale, act_scale=_act_scale(w, layer), layer=layer, fp8=fp8)
-        return y.reshape(*x.shape[:-1], n)
+        return done(y)
     if not require and not kernel_takes(measured_as, x2.shape[0], x.dtype, view, group):
         return None  # XLA's path: measured faster on this device, or a small product no table measured
     if kind in ("w8a8", "fp8_w8a8") and w_layout == "nk" and not require \
             and hopper_w8a8_takes(x2, view, group, zp is not None, fp8=fp8):
-        y = w8a8_hopper.w8a8_hopper(x2, w.qvalue, scale, act_scale=_act_scale(w, layer), layer=layer, fp8=fp8)
-    elif kind in ("w8a8", "fp8_w8a8"):
+        return done(w8a8_hopper.w8a8_hopper(x2, w.qvalue, scale, act_scale=_act_scale(w, layer), layer=layer, fp8=fp8))
+    if kind in ("w8a8", "fp8_w8a8"):
         y = w8a8.w8a8_matmul(x2, w.qvalue, scale, w_zero_point=zp, act_scale=_act_scale(w, layer), group=group,
-                             layer=layer, fp8=fp8, w_layout=w_layout)
+                             layer=layer, fp8=fp8, w_layout=w_layout, residual=r2)
     else:
         bits = 4 if is_packed(w.bits) else 8
         dequant = "f16" if _float16_operands(x2, view, group, w_layout) else None
         y = weight_only.weight_only_matmul(x2, w.qvalue, scale, bits=bits, w_zero_point=zp, group=group, layer=layer,
-                                           w_layout=w_layout, dequant=dequant)
-    return y.reshape(*x.shape[:-1], n)
+                                           w_layout=w_layout, dequant=dequant, residual=r2)
+    return done(y, added=True)
 
 
 def _float16_operands(x2, view: QArray, group: int | None, w_layout: str) -> bool:

@@ -110,7 +110,7 @@ def run_tracked(fn, state: State, alphas: dict[str, float], axis_name: Any = Non
         w = context.module.get_variable("params", "kernel")
         w = dataclasses.replace(w, act_scale=ema.scale(new[path], w.act_spec.bits).reshape(()))
         bias = context.module.get_variable("params", "bias") if context.module.use_bias else None
-        return ops.linear(x, w, bias)
+        return ops.linear(x, w, bias, residual=kwargs.get("residual"))
 
     with nn.intercept_methods(interceptor):
         out = fn()

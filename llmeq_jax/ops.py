@@ -112,14 +112,24 @@ def linear(
     *,
     act: Spec | None = None,
     backend: str = "auto",
+    residual: jax.Array | None = None,
 ) -> jax.Array:
     """``x @ w + bias`` for a float or quantized ``(in, out)`` kernel; output in ``x.dtype``.
 
-    ``act`` overrides the activation spec carried by a QArray weight.
+    ``act`` overrides the activation spec carried by a QArray weight. ``residual`` (x's leading dims by the
+    outputs): ``residual + (x @ w + bias)``, a decoder block's residual stream -- added by a decode step's float,
+    int4 word or int8 kernel where it finishes its product itself (``pallas_kernels.split_fixup``), else after;
+    the same numbers either way (the product rounded to x's dtype, then the add), as the caller's own add.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {list(BACKENDS)}")
     _check_shapes(x, w)
+    if residual is not None:
+        if residual.shape != (*x.shape[:-1], w.shape[1]):
+            raise ValueError(f"linear: the residual must be {(*x.shape[:-1], w.shape[1])} (x's rows by the "
+                             f"outputs), got {tuple(residual.shape)}")
+        y = _linear_into(x, w, bias, residual, backend)
+        return y if y is not None else residual + linear(x, w, bias, act=act, backend=backend)
     if isinstance(x, NormedRows):  # a norm left for its products (models.layers.RMSNorm(fold=True))
         y = _linear_folded(x, w, backend)
         if y is not None:
@@ -163,30 +173,68 @@ def linear(
 def _linear_folded(x: NormedRows, w, backend):
     """``rms_norm(...) @ w`` by a kernel that folds the norm in (``pallas_kernels.norm_fold``) -- the float kernel
     or the int4 word kernel, reading the norm's layer of the stacked weights -- or None where neither takes it."""
-    from pallas_kernels import prefetch, settings
+    kernel = _decode_kernel(x, w, backend)
+    norm = _norm_to_fold(x, w, kernel)
+    return None if norm is None else _run_decode_kernel(kernel, x.x, w, backend, norm=norm)
 
-    if backend == "xla" or not isinstance(w, LayerSlice):
+
+def _norm_to_fold(x, w, kernel: str | None):
+    """The norm (``pallas_kernels.norm_fold.NormFold``) that :func:`_decode_kernel`'s ``kernel`` folds into ``x @ w``
+    where ``x`` is a norm's unevaluated output and the kernel may fold it (setting ``norm``), else None."""
+    from pallas_kernels import settings
+
+    if kernel is None or not isinstance(x, NormedRows):
         return None
     norm = x.fold_for(w.layer)
-    if norm is None:
+    return None if norm is None or settings.of(kernel, math.prod(x.shape[:-1])).norm == "apart" else norm
+
+
+def _linear_into(x, w, bias, residual, backend):
+    """``residual + x @ w`` by the decode float kernel, int4 word kernel or K-major weight-only int8 kernels
+    (reading ``w``'s layer in place), which add the residual themselves (to the product rounded, as the add after
+    it would); or None where none takes the product, or there is a bias."""
+    if isinstance(x, NormedRows) or bias is not None:  # (a bias: added after the rounded product, as before)
         return None
-    force = backend == "pallas"
-    if isinstance(w.stack, jax.Array) and kernel_dispatch.float_kernel_takes(x.shape, x.dtype, w.stack, force):
-        kernel = "float_matmul"
+    kernel = _decode_kernel(x, w, backend)
+    if kernel is not None:
+        return _run_decode_kernel(kernel, x, w, backend, residual=residual)
+    if (backend != "xla" and isinstance(w, LayerSlice) and isinstance(w.stack, RowMajorKernel)
+            and not w.stack.split and w.stack.w.act_spec is None):  # the weight-only int8 kernels over K-major codes
+        # (not W8A8: the next product quantizes the residual stream, whose codes follow any change in where
+        # XLA rounds -- it keeps excess float32 precision across the add it fuses, a kernel's add cannot)
+        from pallas_kernels import prefetch
 
-        def run(raw):
-            return kernel_dispatch.linear_float(raw, w.stack, w.layer, force=force, norm=norm)
-    elif (isinstance(w.stack, Int4WordKernel) and kernel_config.kernels_available()
-          and kernel_dispatch.words_fold_norm(x.shape, x.dtype, w.stack.w)):
-        kernel = "int4_words"
+        y = kernel_dispatch.linear(prefetch.before(x, w), w.stack.w, w.stack.w.act_spec, layer=w.layer,
+                                   w_layout="nk", residual=residual)
+        prefetch.after(y)
+        return y
+    return None
 
-        def run(raw):
-            return kernel_dispatch.linear_words(raw, w.stack.w, layer=w.layer, norm=norm)
+
+def _decode_kernel(x, w, backend) -> str | None:
+    """The decode kernel that takes ``x @ w`` for a stacked layer ``w`` (a :class:`LayerSlice`) with a norm to fold
+    or a residual to add: "float_matmul", "int4_words", or None (another path)."""
+    if backend == "xla" or not isinstance(w, LayerSlice):
+        return None
+    if isinstance(w.stack, jax.Array) and kernel_dispatch.float_kernel_takes(x.shape, x.dtype, w.stack,
+                                                                             backend == "pallas"):
+        return "float_matmul"
+    if (isinstance(w.stack, Int4WordKernel) and kernel_config.kernels_available()
+            and kernel_dispatch.words_decode_takes(x.shape, x.dtype, w.stack.w)):
+        return "int4_words"
+    return None
+
+
+def _run_decode_kernel(kernel: str, x, w: LayerSlice, backend, **extra):
+    """:func:`_decode_kernel`'s ``kernel`` on ``x @ w`` (``extra``: its norm, residual, bias), with the read-ahead
+    of ``pallas_kernels.prefetch`` where asked."""
+    from pallas_kernels import prefetch
+
+    x = prefetch.before(x, w)
+    if kernel == "float_matmul":
+        y = kernel_dispatch.linear_float(x, w.stack, w.layer, force=backend == "pallas", **extra)
     else:
-        return None
-    if settings.of(kernel, math.prod(x.shape[:-1])).norm == "apart":
-        return None
-    y = run(prefetch.before(x.x, w))
+        y = kernel_dispatch.linear_words(x, w.stack.w, layer=w.layer, **extra)
     prefetch.after(y)
     return y
 
@@ -316,13 +364,20 @@ def _panels_native(x, backend) -> bool:
     return native.enabled() and native.avx512() and native.prefill_kernels_ok()
 
 
-def swiglu(x: jax.Array, w: PanelKernel | QArray, *, backend: str = "auto") -> jax.Array:
+def swiglu(x: jax.Array, w: PanelKernel | QArray | Int4WordKernel | LayerSlice, *, backend: str = "auto") -> jax.Array:
     """``silu(x @ gate) * (x @ up)`` for a SwiGLU MLP's joined gate/up kernel: one packed by
     ``decode_layout.pack_swiglu_panels`` (one native pass, the activation applied in the GEMM's
-    registers, else XLA), or a weight-only ``(in, 2 F)`` QArray, gate first (the same native pass
-    on dequantized panels where :func:`swiglu_fuses`, else :func:`linear` and the activation)."""
+    registers, else XLA), a weight-only ``(in, 2 F)`` QArray, gate first (the same native pass
+    on dequantized panels where :func:`swiglu_fuses`, else :func:`linear` and the activation), or a word kernel
+    with paired columns (``decode_layout.pair_swiglu``; a stacked layer of one): the decode word kernel gates its
+    tiles. ``x`` may be a norm's unevaluated output (``llmeq_jax.normed_rows``)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {list(BACKENDS)}")
+    if paired_swiglu(w):  # decode_layout.pair_swiglu: gate and up interleaved
+        _check_shapes(x, w)
+        return _swiglu_paired(x, w, backend)
+    if isinstance(x, NormedRows):
+        x = x.value()
     if isinstance(w, QArray):
         _check_shapes(x, w)
         if w.shape[1] % 2:
@@ -340,6 +395,25 @@ def swiglu(x: jax.Array, w: PanelKernel | QArray, *, backend: str = "auto") -> j
 
         return native.panel_matmul(x, w.panels, w.features, swiglu=True)
     return gated(jnp.matmul(x, unpack_panels(w.panels, w.features, swiglu=True).astype(x.dtype)))
+
+
+def paired_swiglu(w) -> bool:
+    """Whether ``w`` is a SwiGLU's gate/up word kernel with paired columns (or a stacked layer of one)."""
+    stack = w.stack if isinstance(w, LayerSlice) else w
+    return isinstance(stack, Int4WordKernel) and stack.paired
+
+
+def _swiglu_paired(x, w, backend):
+    """``silu(x @ gate) * (x @ up)`` of a paired word kernel (``decode_layout.pair_swiglu``): gated by the decode word
+    kernel as it finishes each tile (a norm before it folded in too), else the paired product gated after."""
+    kernel = _decode_kernel(x, w, backend)
+    if kernel is not None:
+        norm = _norm_to_fold(x, w, kernel)
+        raw = x.x if norm is not None else (x.value() if isinstance(x, NormedRows) else x)
+        return _run_decode_kernel(kernel, raw, w, backend, norm=norm, act="swiglu")
+    from pallas_kernels.common import swiglu_pairs
+
+    return swiglu_pairs(linear(x, w, backend=backend))
 
 
 def gated(y: jax.Array) -> jax.Array:

@@ -246,29 +246,45 @@ def weight_operands(w, w_scale, w_zero_point) -> list:
     return [w, w_scale.astype(jnp.float32)] + ([] if w_zero_point is None else [w_zero_point.astype(jnp.int8)])
 
 
-def split_refs(refs, *, stacked: bool, inputs: int, has_zp: bool, has_bias: bool, outputs: int = 1):
+def split_refs(refs, *, stacked: bool, inputs: int, has_zp: bool, has_bias: bool, outputs: int = 1,
+               fixup: dict | None = None):
     """A :func:`launch_matmul` kernel's refs in the order it passes them: (the layer index or None, the
     first ``inputs`` operand refs, the zero point ref or None, the bias ref or None, the output ref -- a tuple
-    of ``outputs`` refs where there are several: ``pallas_kernels.norm_fold.outputs``)."""
+    of ``outputs`` refs where there are several: ``pallas_kernels.norm_fold.outputs``). ``fixup`` (the kernel's
+    static argument of that name, :func:`launch_matmul`): the output is a ``pallas_kernels.split_fixup.Refs``."""
     rest = list(refs)
     layer = rest.pop(0)[0] if stacked else None  # the weights are a stack: this layer of it
     operands, rest = rest[:inputs], rest[inputs:]
     zp_ref = rest.pop(0) if has_zp else None
     b_ref = rest.pop(0) if has_bias else None
+    if fixup:
+        from pallas_kernels import split_fixup
+
+        residual = rest.pop(0) if fixup["residual"] else None
+        split = fixup["splits"] > 1
+        counters, out = (rest.pop(0), rest.pop(0)) if split else (None, rest.pop(0))
+        partials = rest.pop(0) if split else None
+        rest.pop(0) if split else None  # the counters again: the aliased output
+        outputs = 0
+        final = split_fixup.Refs(out, residual, partials, counters, fixup["splits"], fixup["interpret"])
     if len(rest) != outputs:
         raise ValueError(f"split_refs: {len(rest)} output refs left, expected {outputs}")
+    if fixup:
+        return layer, operands, zp_ref, b_ref, final
     return layer, operands, zp_ref, b_ref, rest[0] if outputs == 1 else tuple(rest)
 
 
 class MatmulProgram(NamedTuple):
     """Where one program of a :func:`launch_matmul` grid works: its row and column :func:`span` s, its K
-    blocks ``[first, last)`` (its split of the K loop), and whether K is whole blocks (unmasked loads)."""
+    blocks ``[first, last)`` (its split of the K loop), whether K is whole blocks (unmasked loads), and the
+    product's N."""
 
     rows: tuple
     cols: tuple
     first: jax.Array
     last: jax.Array
     whole_k: bool
+    n: int
 
 
 def matmul_program(m: int, n: int, k: int, blocks, split_blocks: int) -> MatmulProgram:
@@ -277,24 +293,57 @@ def matmul_program(m: int, n: int, k: int, blocks, split_blocks: int) -> MatmulP
     first = pl.program_id(2) * split_blocks
     return MatmulProgram(rows=span(pl.program_id(0) * bm, bm, m, in_bounds=m % bm == 0),
                          cols=span(pl.program_id(1) * bn, bn, n, in_bounds=n % bn == 0),
-                         first=first, last=jnp.minimum(first + split_blocks, cdiv(k, bk)), whole_k=k % bk == 0)
+                         first=first, last=jnp.minimum(first + split_blocks, cdiv(k, bk)), whole_k=k % bk == 0, n=n)
 
 
-def store_matmul(o_ref, b_ref, acc, program: MatmulProgram, *, split: bool, has_bias: bool) -> None:
+ACTS = ("swiglu",)
+
+
+def swiglu_pairs(y: jax.Array) -> jax.Array:
+    """``silu(gate) * up`` of a product whose columns pair a SwiGLU's gate and up (column ``2 i`` gate ``i``,
+    ``2 i + 1`` up ``i``: ``llmeq_jax.decode_layout.pair_swiglu``), in float32, back in ``y``'s dtype. On a
+    kernel's float32 tile too (a reshape and a split of the last axis: what Triton lowers; a strided slice is not)."""
+    pairs = y.astype(jnp.float32).reshape(*y.shape[:-1], y.shape[-1] // 2, 2)
+    gate, up = (half.reshape(pairs.shape[:-1]) for half in jnp.split(pairs, 2, axis=-1))
+    return (gate * jax.nn.sigmoid(gate) * up).astype(y.dtype)
+
+
+def store_matmul(o_ref, b_ref, acc, program: MatmulProgram, *, split: bool, has_bias: bool, factor=None,
+                 act: str | None = None) -> None:
     """Write a program's float32 (bm, bn) result: with K splits as its float32 partial sum (bias and the cast
-    come after :func:`sum_splits` adds them), else plus the bias row, cast to the output's dtype."""
+    come after :func:`sum_splits` adds them), else plus the bias row, cast to the output's dtype. A
+    ``pallas_kernels.split_fixup.Refs`` ``o_ref``: the kernel finishes the sum itself (that module), and
+    ``factor()`` (if given, called where the finished sum is made) scales its rows before the bias. ``act``
+    "swiglu": the finished tile's column pairs gated (:func:`swiglu_pairs`), half as many output columns."""
     rows, cols = program.rows, program.cols
-    if split:
+    out_cols = cols
+    if act is not None:  # read here: interpret mode has no program ids inside a branch (split_fixup's)
+        half = cols[0].size // 2
+        out_cols = span(pl.program_id(1) * half, half, program.n // 2, in_bounds=cols[1] is None)
+
+    def finished(total):
+        """(the finished float32 tile, its output columns)."""
+        if factor is not None:
+            total = total * factor()
+        if has_bias:
+            total = total + load_tile(b_ref, span(0, 1, 1, in_bounds=True), cols, 0).astype(jnp.float32)
+        return (total if act is None else swiglu_pairs(total)), out_cols
+
+    from pallas_kernels import split_fixup  # (it imports this module)
+
+    if isinstance(o_ref, split_fixup.Refs):
+        split_fixup.finish(o_ref, acc, program, finished)
+    elif split:
         plgpu.store(o_ref.at[pl.program_id(2), rows[0], cols[0]], acc, mask=tile_mask(rows, cols))
-        return
-    if has_bias:
-        acc = acc + load_tile(b_ref, span(0, 1, 1, in_bounds=True), cols, 0).astype(jnp.float32)
-    store_tile(o_ref, rows, cols, acc.astype(o_ref.dtype))
+    else:
+        total, out_cols = finished(acc)
+        store_tile(o_ref, rows, out_cols, total.astype(o_ref.dtype))
 
 
 def launch_matmul(kernel, args: list, *, m: int, n: int, k: int, blocks, bias, k_splits: int | None, out_dtype,
                   interpret: bool, name: str, layer=None, programs: int | None = None,
-                  fold_eps: float | None = None, **static):
+                  fold_eps: float | None = None, residual=None, fixup: bool = False, act: str | None = None,
+                  **static):
     """Run a tiled ``(M, N)`` matmul kernel over the grid ``(M / bm, N / bn, K splits)``: the launch
     shared by the W8A8 and weight-only kernels.
 
@@ -305,36 +354,74 @@ def launch_matmul(kernel, args: list, *, m: int, n: int, k: int, blocks, bias, k
     integer scalar, the weights being stacks [L, ...]) a (1,) int32 operand holding it goes first, and
     ``stacked=True``.
     ``kernel`` gets ``m, n, k, blocks, has_bias, split_blocks, split, stacked`` and ``static`` as
-    keyword arguments.
+    keyword arguments (and ``fixup`` where asked for).
 
     ``fold_eps``: the kernel folds an RMSNorm of this eps into its x (``pallas_kernels.norm_fold``): split programs
     write their rows' partial sums of squares as a second output ``[splits, M, 1]``, which :func:`sum_splits`
     turns into the rows' norm factor.
+
+    ``residual`` (M, N): added to the product (``residual + x @ w``, the residual stream of a decoder block).
+    ``fixup`` (the kernel can): the kernel finishes the product itself -- bias, norm factor, residual and cast,
+    with split K by the last program of each tile (``pallas_kernels.split_fixup``) -- where it holds no splits or
+    takes the scan's counters; its ``fixup`` argument is then ``{splits, residual, interpret}``, else None.
+    Elsewhere the residual is added after the product (rounded first, as ``residual + linear(x)`` would).
+    ``act`` "swiglu" (a kernel that takes it): the product's column pairs gated (:func:`swiglu_pairs`), (M, N / 2)
+    out -- by the kernel where it finishes the product, else after XLA's sum.
     """
+    from pallas_kernels import split_fixup  # (it imports this module)
+
     grid_mn = (cdiv(m, blocks.bm), cdiv(n, blocks.bn))
     k_blocks = cdiv(k, blocks.bk)
     wanted = k_splits or splits_for(grid_mn[0] * grid_mn[1], k_blocks, target=programs or TARGET_PROGRAMS)
     splits, split_blocks = fit_splits(k_blocks, wanted)
-    fused_bias = bias is not None and splits == 1
+    counters = split_fixup.take(grid_mn[0] * grid_mn[1]) if fixup and splits > 1 else None
+    finishes = fixup and (splits == 1 or counters is not None)
+    if residual is not None and residual.shape != (m, n):
+        raise ValueError(f"{name}: the residual must be ({m}, {n}) like the product, got {tuple(residual.shape)}")
+    if act is not None and (act not in ACTS or n % 2 or blocks.bn % 2 or residual is not None):
+        raise ValueError(f"{name}: act must be one of {ACTS} on an even N and column tile, without a residual; got "
+                         f"{act!r}, N={n}, bn={blocks.bn}{', a residual' if residual is not None else ''}")
+    fused_bias = bias is not None and (splits == 1 or finishes)
     if fused_bias:
         args = [*args, bias.astype(jnp.float32).reshape(1, n)]
     if layer is not None:
         args = [jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), *args]
-    body = functools.partial(kernel, m=m, n=n, k=k, blocks=blocks, has_bias=fused_bias, split_blocks=split_blocks,
-                             split=splits > 1, stacked=layer is not None, **static)
-    out_shape = jax.ShapeDtypeStruct((splits, m, n) if splits > 1 else (m, n), jnp.float32 if splits > 1 else out_dtype)
+    out_shape = jax.ShapeDtypeStruct((splits, m, n) if splits > 1 else (m, n if act is None else n // 2),
+                                     jnp.float32 if splits > 1 else out_dtype)
     if fold_eps is not None and splits > 1:
         out_shape = (out_shape, jax.ShapeDtypeStruct((splits, m, 1), jnp.float32))
+    aliases, fixed = {}, None
+    if finishes:
+        fixed = dict(splits=splits, residual=residual is not None, interpret=interpret)
+        args = [*args, residual] if residual is not None else args
+        out_shape = jax.ShapeDtypeStruct((m, n if act is None else n // 2), out_dtype)
+        if splits > 1:  # the partials' scratch, and the counters back (aliased: updated in place)
+            aliases = {len(args): 2}
+            args = [*args, counters]
+            out_shape = (out_shape, jax.ShapeDtypeStruct((splits, m, n), jnp.float32),
+                         jax.ShapeDtypeStruct(counters.shape, counters.dtype))
+    body = functools.partial(kernel, m=m, n=n, k=k, blocks=blocks, has_bias=fused_bias, split_blocks=split_blocks,
+                             split=splits > 1, stacked=layer is not None, **static,
+                             **({"fixup": fixed} if fixup else {}), **({"act": act} if act else {}))
     offsets.check(args, name)
     y = pl.pallas_call(
         body,
         out_shape=out_shape,
         grid=(*grid_mn, splits),
+        input_output_aliases=aliases,
         compiler_params=compiler_params(blocks.num_warps, blocks.num_stages),
         interpret=interpret,
         name=name,
     )(*args)
-    return sum_splits(y, splits, bias, out_dtype, fold=None if fold_eps is None else (k, fold_eps))
+    if finishes:
+        if splits > 1:
+            y, _, counters = y
+            split_fixup.give(counters)
+        return y
+    y = sum_splits(y, splits, None if fused_bias else bias, out_dtype, fold=None if fold_eps is None else (k, fold_eps))
+    if act is not None and splits > 1:  # the kernel gated its tiles where it finished them
+        y = swiglu_pairs(y)
+    return y if residual is None else residual + y
 
 
 def compiler_params(num_warps: int = 4, num_stages: int = 2):

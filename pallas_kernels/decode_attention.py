@@ -11,7 +11,9 @@ Grid (batch, kv head, split of the slots). A program takes the G = H / KV query 
 softmax. The step's own key and value enter split 0 as its starting carry, so no program reads the slot being
 written; split 0 also writes them into the cache at that slot (the cache outputs alias the cache inputs: the
 update is in place, as XLA's dynamic-update-slice was). One split: the output is normalized in the kernel; more
-(long caches, few heads): partial sums with their max and sum, merged by a small jnp step (flash decoding).
+(long caches, few heads): partial sums with their max and sum, merged by a small jnp step (flash decoding) -- or,
+where a scan over the layers holds counters (``pallas_kernels.split_fixup``), by the last program of each (batch, kv
+head), which spares the merge its launch.
 
 The math is ``llmeq_jax.kv.attention.attention_xla``'s: scores in float32 from the query and keys in their
 dtype, scaled by 1/sqrt(D); the (unnormalized) weights cast to the values' dtype for the second product.
@@ -27,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import config
+from pallas_kernels import config, settings, split_fixup
 from pallas_kernels.common import FLOAT_DTYPES, MIN_DOT, TINY, cdiv, check_int_scalar, compiler_params, \
     f32_dot_precision, fit_splits, is_pow2, next_pow2, span
 from pallas_kernels.kv_cache import NEG_INF, attention_reference, combine_splits, decode_splits
@@ -61,13 +63,17 @@ def can_use(q_shape, q_dtype, cache_shape, cache_dtype, *, stacked: bool = True)
     return True, ""
 
 
-def _kernel(*refs, g, bg, q_heads, kv, bt, sm_scale, split_blocks, splits, precision, stacked):
+def _kernel(*refs, g, bg, q_heads, kv, bt, sm_scale, split_blocks, splits, precision, stacked, merges=False,
+            interpret=False):
     """One (batch, kv head, split of the slots before the step's). ``precision``: the (scores, weighted values)
-    dots' (TF32x3 where an operand is float32 on a GPU)."""
+    dots' (TF32x3 where an operand is float32 on a GPU). ``merges``: the splits' last program merges them (the
+    counters the last input, the output then first, before the partials)."""
     refs = list(refs)
     at = (refs.pop(0)[0],) if stacked else ()  # the layer of a stacked cache, read in place
     slot_ref, qkv_ref, allow_ref, k_ref, v_ref = refs[:5]
-    outs = refs[5:]
+    counters = refs.pop(5) if merges else None
+    outs = refs[5:-1] if merges else refs[5:]  # (the counters' aliased output last: the same buffer)
+    out_ref = outs.pop(0) if merges else None
     o_ref, m_ref, l_ref = (outs[0], None, None) if splits == 1 else outs[:3]
     k_out, v_out = outs[-2:]
     b, h, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -111,6 +117,21 @@ def _kernel(*refs, g, bg, q_heads, kv, bt, sm_scale, split_blocks, splits, preci
         plgpu.store(o_ref.at[b, h, sp, heads, :], acc, mask=rows)
         plgpu.store(m_ref.at[b, h, sp, heads, :], m_fin, mask=rows)
         plgpu.store(l_ref.at[b, h, sp, heads, :], l_fin, mask=rows)
+    if merges:
+        tile = b * kv + h  # read outside the branch: interpret mode has no program ids inside one
+
+        @pl.when(split_fixup.arrived_last(counters, tile, splits, interpret))
+        def _():  # combine_splits' merge, split by split in order
+            m_all = NEG_INF + jnp.zeros((bg, 1), jnp.float32)
+            for t in range(splits):
+                m_all = jnp.maximum(m_all, split_fixup.read(m_ref.at[b, h, jnp.int32(t), heads, :], rows, NEG_INF))
+            num, den = jnp.zeros_like(acc), jnp.zeros((bg, 1), jnp.float32)
+            for t in range(splits):
+                w = jnp.exp(split_fixup.read(m_ref.at[b, h, jnp.int32(t), heads, :], rows, NEG_INF) - m_all)
+                num = num + split_fixup.read(o_ref.at[b, h, jnp.int32(t), heads, :], rows) * w
+                den = den + split_fixup.read(l_ref.at[b, h, jnp.int32(t), heads, :], rows) * w
+            plgpu.store(out_ref.at[b, h, heads, :], (num / jnp.maximum(den, TINY)).astype(out_ref.dtype), mask=rows)
+            split_fixup.release(counters, tile)
     # Split 0 writes the step's key and value into the cache (the outputs alias the inputs: in place).
     writes = jnp.broadcast_to((sp == 0)[None, None], k_new.shape)
     plgpu.store(k_out.at[(*at, b, h, pl.ds(slot, 1), slice(None))], k_new, mask=writes)
@@ -158,15 +179,21 @@ def append_decode_attention(q, k_new, v_new, k_cache, v_cache, slot, allowed, *,
         q_dot, precision = q.astype(jnp.float32), (f32, f32 if jnp.dtype(k_cache.dtype) == jnp.float32 else None)
     else:
         q_dot, precision = q.astype(k_cache.dtype), (None, None)
+    # the splits merged by their last program where the scan's counters are held (pallas_kernels.split_fixup)
+    counters = split_fixup.take(bsz * kv) if splits > 1 and settings.of("append_decode_attention", bsz).reduce \
+        != "xla" else None
+    merges = counters is not None
     kernel = functools.partial(
         _kernel, g=g, bg=max(MIN_DOT, next_pow2(g)), q_heads=hq, kv=kv, bt=bt, split_blocks=split_blocks, splits=splits,
         sm_scale=float(sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)), precision=precision,
-        stacked=stacked)
+        stacked=stacked, merges=merges, interpret=interpret)
     if splits == 1:
         outs = (jax.ShapeDtypeStruct((bsz, kv, g, d), q.dtype),)
     else:
         stat = jax.ShapeDtypeStruct((bsz, kv, splits, g, 1), jnp.float32)
         outs = (jax.ShapeDtypeStruct((bsz, kv, splits, g, d), jnp.float32), stat, stat)
+    if merges:  # the merged output first, the counters after the caches (updated in place)
+        outs = (jax.ShapeDtypeStruct((bsz, kv, g, d), q.dtype), *outs)
     at = [] if layer is None else [jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))]
     # One operand for the three: in a decode step XLA writes it in one fusion (the projection's split-K sums and
     # RoPE), where three operands were three fusions. The key and value are rounded to the cache's dtype first
@@ -175,18 +202,26 @@ def append_decode_attention(q, k_new, v_new, k_cache, v_cache, slot, allowed, *,
     qkv = jnp.concatenate([q_dot, *new], axis=1)
     # (scalars as they are and the mask as bool: a conversion here would be a launch of its own every layer)
     args = [*at, jnp.reshape(jnp.asarray(slot, jnp.int32), (1,)), qkv, allowed.astype(bool), k_cache, v_cache]
+    aliases = {len(args) - 2: len(outs), len(args) - 1: len(outs) + 1}
+    cache_outs = (jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype), jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
+    if merges:
+        aliases[len(args)] = len(outs) + 2
+        args.append(counters)
+        cache_outs = (*cache_outs, jax.ShapeDtypeStruct(counters.shape, counters.dtype))
     result = pl.pallas_call(
         kernel,
-        out_shape=(*outs, jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
-                   jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)),
+        out_shape=(*outs, *cache_outs),
         grid=(bsz, kv, splits),
-        input_output_aliases={len(args) - 2: len(outs), len(args) - 1: len(outs) + 1},
+        input_output_aliases=aliases,
         compiler_params=compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="append_decode_attention",
     )(*args)
+    if merges:
+        split_fixup.give(result[-1])
+        result = result[:-1]
     k_cache, v_cache = result[-2:]
-    if splits == 1:
+    if splits == 1 or merges:
         out = result[0]
     else:
         out, _ = combine_splits(*result[:3])

@@ -178,6 +178,40 @@ def _norm_fold() -> list[Lowering]:
     ]
 
 
+def _split_fixup() -> list[Lowering]:
+    from pallas_kernels import split_fixup
+    from pallas_kernels.float_matmul import float_matmul
+    from pallas_kernels.int4_words import int4_words_matmul
+    from pallas_kernels.norm_fold import NormFold
+
+    k = 4096
+
+    def held(product):  # as a scan's layer calls it: the counters held, handed back
+        def call(*args):
+            with split_fixup.scope(split_fixup.zeros()) as counters:
+                return product(*args), counters.value
+        return call
+
+    return [
+        Lowering("int4 words g128, bf16, M=1, a stack's layer, the residual added", "int4_words_matmul",
+                 held(lambda x, w, s, r, i: int4_words_matmul(x, w, s, group=128, layer=i, residual=r)),
+                 (sds((1, k), BF16), sds((4, k // 8, k), I32), sds((4, k // 128, k), BF16), sds((1, k), BF16),
+                  sds((), I32))),
+        Lowering("int4 words g128, bf16, M=1, a stack's layer, the norm folded", "int4_words_matmul",
+                 held(lambda x, w, s, g, i: int4_words_matmul(x, w, s, group=128, layer=i, norm=NormFold(g, 1e-5))),
+                 (sds((1, k), BF16), sds((4, k // 8, 12288), I32), sds((4, k // 128, 12288), BF16),
+                  sds((4, k), BF16), sds((), I32))),
+        Lowering("int4 words g128, bf16, M=1, a stack's layer, the norm folded, SwiGLU pairs gated", "int4_words_matmul",
+                 held(lambda x, w, s, g, i: int4_words_matmul(x, w, s, group=128, layer=i, norm=NormFold(g, 1e-5),
+                                                              act="swiglu")),
+                 (sds((1, k), BF16), sds((4, k // 8, 22016), I32), sds((4, k // 128, 22016), BF16),
+                  sds((4, k), BF16), sds((), I32))),
+        Lowering("float bf16, M=1, a stack's layer, the residual added", "float_matmul",
+                 held(lambda x, w, r, i: float_matmul(x, w, layer=i, residual=r)),
+                 (sds((1, k), BF16), sds((4, k, k), BF16), sds((1, k), BF16), sds((), I32))),
+    ]
+
+
 def _append_decode_attention() -> list[Lowering]:
     from pallas_kernels.decode_attention import append_decode_attention
 
@@ -224,7 +258,7 @@ def _merge_splits() -> list[Lowering]:
 _CASES = {"weight_only": _weight_only, "w8a8": _w8a8, "float_matmul": _float_matmul, "int4_words": _int4_words,
           "store_decode_attention": _store_decode_attention, "int8_f16": _int8_f16, "rms_norm": _rms_norm,
           "append_decode_attention": _append_decode_attention, "store_append": _store_append,
-          "merge_splits": _merge_splits, "norm_fold": _norm_fold,
+          "merge_splits": _merge_splits, "norm_fold": _norm_fold, "split_fixup": _split_fixup,
           "cudnn_attention": lambda: []}  # cuDNN's own kernel: nothing of ours lowers to Triton, its record is the run
 
 # What the lowerings are traced for: a GPU, so that what a GPU decides by itself (hardware_checked's switches, the

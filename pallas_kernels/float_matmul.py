@@ -42,12 +42,12 @@ DECODE_BLOCKS = (16, 128, 128, 4, 3)
 MAX_ROWS = 16  # the rows this kernel is meant for (decode steps); larger M is XLA's GEMM's
 
 
-def _kernel(*refs, m, n, k, blocks, has_bias, split_blocks, split, stacked, precision, eps=None):
+def _kernel(*refs, m, n, k, blocks, has_bias, split_blocks, split, stacked, precision, eps=None, fixup=None):
     """``eps``: x is a norm's input, folded here (:mod:`pallas_kernels.norm_fold`; its scale is the third input)."""
     folded = eps is not None
     layer, (x_ref, w_ref, *scale_ref), _, b_ref, o_ref = split_refs(
         refs, stacked=stacked, inputs=2 + folded, has_zp=False, has_bias=has_bias,
-        outputs=norm_fold.outputs(folded, split))
+        outputs=norm_fold.outputs(folded, split), fixup=fixup)
     bm, bn, bk = blocks.bm, blocks.bn, blocks.bk
     prog = matmul_program(m, n, k, blocks, split_blocks)
 
@@ -65,9 +65,10 @@ def _kernel(*refs, m, n, k, blocks, has_bias, split_blocks, split, stacked, prec
         return jax.lax.fori_loop(prog.first, prog.last, functools.partial(body, squared=squared),
                                  (jnp.zeros((bm, bn), jnp.float32), sumsq))
 
-    acc, sumsq = norm_fold.run(loop, folded, split)
+    acc, sumsq = norm_fold.run(loop, folded, split, squares_after=bool(fixup))
     if folded:
-        norm_fold.store(o_ref, b_ref, acc, sumsq, prog, split=split, has_bias=has_bias, k=k, eps=eps)
+        norm_fold.store(o_ref, b_ref, acc, sumsq, prog, split=split, has_bias=has_bias, k=k, eps=eps,
+                        fixup=fixup, x_ref=x_ref)
     else:
         store_matmul(o_ref, b_ref, acc, prog, split=split, has_bias=has_bias)
 
@@ -84,9 +85,11 @@ def can_use(x_shape, x_dtype, w_dtype, rows_max: int = MAX_ROWS) -> tuple[bool, 
 
 
 def float_matmul(x, w, *, bias=None, layer=None, norm: norm_fold.NormFold | None = None, blocks: Blocks | None = None,
-                 k_splits: int | None = None, interpret: bool | None = None):
+                 k_splits: int | None = None, residual=None, interpret: bool | None = None):
     """``x @ w`` (``w[layer]`` of a stack [L, K, N], read in place) with float32 accumulation; with ``norm``,
-    ``rms_norm(x) @ w`` (:mod:`pallas_kernels.norm_fold`; the norm's scale stacked like ``w``)."""
+    ``rms_norm(x) @ w`` (:mod:`pallas_kernels.norm_fold`; the norm's scale stacked like ``w``); with ``residual``
+    (M, N), ``residual + x @ w``, added by the kernel where it finishes the product itself
+    (``pallas_kernels.split_fixup``; setting ``reduce``), else after it."""
     lead = 1 if layer is not None else 0
     if x.ndim != 2 or w.ndim != 2 + lead or x.shape[1] != w.shape[lead]:
         raise ValueError(f"float_matmul expects x (M, K) and w (K, N){' stacked [L, K, N] with layer=' if lead else ''};"
@@ -111,7 +114,7 @@ def float_matmul(x, w, *, bias=None, layer=None, norm: norm_fold.NormFold | None
     return launch_matmul(_kernel, args, m=m, n=n, k=k, blocks=blocks, bias=bias,
                          k_splits=k_splits or chosen.k_splits, out_dtype=x.dtype, interpret=interpret,
                          name="float_matmul", layer=layer, programs=chosen.programs,
-                         precision=precision, **fold)
+                         precision=precision, residual=residual, fixup=chosen.reduce != "xla", **fold)
 
 
 __all__ = ["DECODE_BLOCKS", "MAX_ROWS", "can_use", "float_matmul"]

@@ -43,6 +43,7 @@ GPU_CASES = {
     "merge_splits": ("store_decode",),  # pallas_kernels.split_merge: the KV kernel's splits merged (else XLA's merge)
     "cudnn_attention": ("prompt_attention",),  # llmeq_jax.kv.attention.attention_flash: a prompt's attention
     "norm_fold": ("norm_fold",),  # pallas_kernels.norm_fold: a decode step's norms folded into their products
+    "split_fixup": ("split_fixup",),  # pallas_kernels.split_fixup: split products' partials added by the kernel
 }
 
 # kernel -> the GPU run its gpu cases passed on: the kernels of the record (pallas_kernels.fingerprints, which also

@@ -151,11 +151,11 @@ def nibble_operands(words, j: int, cdt, interpret: bool):
 
 
 def _kernel(*refs, m, n, k, blocks, group, has_zp, has_bias, split_blocks, split, stacked, precision, interpreted,
-            epilogue, eps=None):
+            epilogue, eps=None, fixup=None, act=None):
     folded = eps is not None  # x is a norm's input, folded here (pallas_kernels.norm_fold; its scale: 4th input)
     layer, (x_ref, w_ref, ws_ref, *scale_ref), zp_ref, b_ref, o_ref = split_refs(
         refs, stacked=stacked, inputs=3 + folded, has_zp=has_zp, has_bias=has_bias,
-        outputs=norm_fold.outputs(folded, split))
+        outputs=norm_fold.outputs(folded, split), fixup=fixup)
     bm, bn, bk = blocks.bm, blocks.bn, blocks.bk
     cdt = x_ref.dtype
     offset = code_offset(cdt)
@@ -250,13 +250,14 @@ def _kernel(*refs, m, n, k, blocks, group, has_zp, has_bias, split_blocks, split
         return jax.lax.fori_loop(first, last, functools.partial(body, squared=squared),
                                  (jnp.zeros((bm, bn), jnp.float32), carried, sumsq))
 
-    acc, _, sumsq = norm_fold.run(loop, folded, split)
+    acc, _, sumsq = norm_fold.run(loop, folded, split, squares_after=bool(fixup))
     if group is None:
         acc = acc * row_of(ws_ref, 0, True, layer)
     if folded:
-        norm_fold.store(o_ref, b_ref, acc, sumsq, prog, split=split, has_bias=has_bias, k=k, eps=eps)
+        norm_fold.store(o_ref, b_ref, acc, sumsq, prog, split=split, has_bias=has_bias, k=k, eps=eps,
+                        fixup=fixup, x_ref=x_ref, act=act)
     else:
-        store_matmul(o_ref, b_ref, acc, prog, split=split, has_bias=has_bias)
+        store_matmul(o_ref, b_ref, acc, prog, split=split, has_bias=has_bias, act=act)
 
 
 def check_words(name: str, x, words, w_scale, w_zero_point, group, layer) -> None:
@@ -295,7 +296,7 @@ EPILOGUES = ("rows", "mma")
 def int4_words_matmul(x, words, w_scale, *, group: int | None = None, w_zero_point=None, bias=None,
                       blocks: Blocks | None = None, k_splits: int | None = None, layer=None,
                       norm: norm_fold.NormFold | None = None, epilogue: str | None = None,
-                      interpret: bool | None = None):
+                      residual=None, act: str | None = None, interpret: bool | None = None):
     """``x @ dequantize(w)`` for int4 weights stored as :func:`pack_words` words (see the module doc).
 
     ``layer`` (an int32 scalar): ``words``, ``w_scale`` and the zero point are stacks [L, ...] and
@@ -310,7 +311,10 @@ def int4_words_matmul(x, words, w_scale, *, group: int | None = None, w_zero_poi
     "rows", or a :mod:`pallas_kernels.settings` override's (as for ``blocks`` and ``k_splits``).
 
     ``norm``: ``rms_norm(x) @ dequantize(w)`` (:mod:`pallas_kernels.norm_fold`; the norm's scale stacked like the
-    words where ``layer`` is given)."""
+    words where ``layer`` is given). ``residual`` (M, N): ``residual + x @ dequantize(w)``, added by the kernel where
+    it finishes the product itself (``pallas_kernels.split_fixup``; setting ``reduce``), else after it. ``act``
+    "swiglu": a SwiGLU's joined gate/up kernel with its columns paired (``llmeq_jax.decode_layout.pair_swiglu``),
+    ``silu(gate) * up`` out (M, N / 2), gated by the kernel where it finishes the product."""
     check_words("int4_words_matmul", x, words, w_scale, w_zero_point, group, layer)
     m, k = x.shape
     if norm is not None:
@@ -338,7 +342,7 @@ def int4_words_matmul(x, words, w_scale, *, group: int | None = None, w_zero_poi
                          interpret=interpret, name="int4_words_matmul", layer=layer, programs=chosen.programs,
                          group=group, has_zp=w_zero_point is not None, precision=f32_dot_precision(interpret) if
                          jnp.dtype(x.dtype) == jnp.float32 else None, interpreted=interpret, epilogue=epilogue,
-                         **fold)
+                         residual=residual, fixup=chosen.reduce != "xla", act=act, **fold)
 
 
 def int4_words_reference(x, words, w_scale, *, group: int | None = None, w_zero_point=None, bias=None):

@@ -83,11 +83,11 @@ def _codes(wq, interpret: bool):
                                         result_shape_dtypes=[out])[0]
 
 
-def _kernel(*refs, m, n, k, blocks, has_zp, has_bias, split_blocks, split, stacked, x_scale, interpreted):
+def _kernel(*refs, m, n, k, blocks, has_zp, has_bias, split_blocks, split, stacked, x_scale, interpreted, fixup=None):
     """``x_scale``: what x is multiplied by to become float16 operands here (bf16 x: :data:`X_SCALE`), or 1.0 (x
     float16 already)."""
     layer, (x_ref, w_ref, ws_ref), zp_ref, b_ref, o_ref = split_refs(
-        refs, stacked=stacked, inputs=3, has_zp=has_zp, has_bias=has_bias)
+        refs, stacked=stacked, inputs=3, has_zp=has_zp, has_bias=has_bias, fixup=fixup)
     bm, bn, bk = blocks.bm, blocks.bn, blocks.bk
     prog = matmul_program(m, n, k, blocks, split_blocks)
 
@@ -128,9 +128,10 @@ def converts_in_xla(m: int) -> bool:
 
 
 def int8_f16_matmul(x, wq, w_scale, *, w_zero_point=None, bias=None, blocks: Blocks | None = None,
-                    k_splits: int | None = None, layer=None, interpret: bool = False):
+                    k_splits: int | None = None, layer=None, residual=None, interpret: bool = False):
     """``x @ dequantize(w)`` for K-major int8 weights with per-channel scales, float16 operands (module doc).
-    The caller (``weight_only_matmul(..., dequant="f16")``) has checked the shapes."""
+    The caller (``weight_only_matmul(..., dequant="f16")``) has checked the shapes. ``residual``:
+    ``common.launch_matmul``'s (added by the kernel where it finishes its product: ``pallas_kernels.split_fixup``)."""
     if jnp.dtype(x.dtype) not in HALF_DTYPES:
         raise ValueError(f"int8_f16_matmul: x must be bfloat16/float16 (float16 operands), got {x.dtype}")
     if w_scale.shape[-2] != 1:
@@ -147,7 +148,7 @@ def int8_f16_matmul(x, wq, w_scale, *, w_zero_point=None, bias=None, blocks: Blo
     args = [x16, *weight_operands(wq, w_scale, w_zero_point)]
     return launch_matmul(_kernel, args, m=m, n=n, k=k, blocks=blocks, bias=bias, k_splits=k_splits or chosen.k_splits,
                          out_dtype=x.dtype, interpret=interpret, name="weight_only_int8_f16_matmul", layer=layer,
-                         programs=chosen.programs,
+                         programs=chosen.programs, residual=residual, fixup=chosen.reduce != "xla",
                          has_zp=w_zero_point is not None, x_scale=x_scale, interpreted=interpret)
 
 

@@ -10,7 +10,9 @@ The kernel reads x raw, multiplies each tile by the norm's scale on its way into
 of the same tiles, and scales its float32 rows by the norm factor at the end. Split-K programs each see part of
 K: they write their partial sums of squares beside their partial products (the programs of the first column tile
 only), and ``common.sum_splits`` applies the factor while it adds the splits -- XLA fuses that into the loop it
-runs anyway (deviceless H100 compile), so the norm costs no launch at all.
+runs anyway (deviceless H100 compile), so the norm costs no launch at all. Where the kernel adds its splits
+itself (``pallas_kernels.split_fixup``) no program's loop adds squares: the last program of each tile sums the
+squares of x's whole rows (:func:`row_squares`) when it makes the finished tile.
 
 Rounding: the reference rounds ``x * rsqrt(...) * scale`` to x's dtype once before the product; the fold rounds
 ``x * scale`` once instead and applies the row factor in float32 -- one rounding of each operand either way (closer
@@ -75,22 +77,45 @@ def fold_tile(xt, scale_ref, ks, layer, squared: bool = True):
     return (xf * scale.astype(jnp.float32)).astype(xt.dtype), squares
 
 
-def run(loop, folded: bool, split: bool):
+def run(loop, folded: bool, split: bool, squares_after: bool = False):
     """``loop(squared)``, a kernel's K loop, where the rows' squares are needed: everywhere without K splits (each
     program scales its rows), and with them only in the first column tile's programs, which write them
     (:func:`store`) -- the other programs run the loop without (the squares were a third of the folded word
-    kernel's loop in sm_90 SASS). The loop's sums of squares come last in what it returns."""
+    kernel's loop in sm_90 SASS). The loop's sums of squares come last in what it returns. ``squares_after``
+    (split K finished by the kernel): no program's loop adds squares (:func:`row_squares` after it)."""
+    if squares_after and split:
+        return loop(False)
     if not (folded and split):
         return loop(folded)
     return jax.lax.cond(pl.program_id(1) == 0, lambda: loop(True), lambda: loop(False))
 
 
-def store(o_ref, b_ref, acc, sumsq, program, *, split: bool, has_bias: bool, k: int, eps: float) -> None:
+def row_squares(x_ref, rows, k: int, chunk: int = 128):
+    """The sums of squares (bm, 1) float32 of x's rows ``rows`` (a span) over all K, read in ``chunk`` columns."""
+    def add(i, total):
+        xt = load_tile(x_ref, rows, span(i * chunk, chunk, k, in_bounds=k % chunk == 0), 0).astype(jnp.float32)
+        return total + jnp.sum(xt * xt, axis=1, keepdims=True)
+
+    return jax.lax.fori_loop(0, -(-k // chunk), add, jnp.zeros((rows[0].size, 1), jnp.float32))
+
+
+def store(o_ref, b_ref, acc, sumsq, program, *, split: bool, has_bias: bool, k: int, eps: float,
+          fixup=None, x_ref=None, act: str | None = None) -> None:
     """Write a folding program's float32 (bm, bn) result: split, its partial product and (first column tile)
     its rows' partial sums of squares ``sumsq`` (bm, 1) -- ``o_ref`` is then the pair of outputs; else the rows
-    scaled by their norm factor (then :func:`~pallas_kernels.common.store_matmul`'s bias and cast)."""
+    scaled by their norm factor (then :func:`~pallas_kernels.common.store_matmul`'s bias and cast). ``fixup``
+    (``o_ref`` a ``split_fixup.Refs``): the kernel finishes the tile, the norm factor from the loop's squares
+    without splits, else from x's rows (``x_ref``) summed by the tile's last program. ``act``: store_matmul's."""
+    if fixup:
+        def factor():
+            squares = sumsq if not split else row_squares(x_ref, program.rows, k)
+            return jax.lax.rsqrt(squares / k + eps)
+
+        store_matmul(o_ref, b_ref, acc, program, split=split, has_bias=has_bias, factor=factor, act=act)
+        return
     if not split:
-        store_matmul(o_ref, b_ref, acc * jax.lax.rsqrt(sumsq / k + eps), program, split=False, has_bias=has_bias)
+        store_matmul(o_ref, b_ref, acc * jax.lax.rsqrt(sumsq / k + eps), program, split=False, has_bias=has_bias,
+                     act=act)
         return
     o_ref, sumsq_ref = o_ref
     store_matmul(o_ref, b_ref, acc, program, split=True, has_bias=has_bias)
@@ -107,4 +132,4 @@ def outputs(fold: bool, split: bool) -> int:
     return 2 if fold and split else 1
 
 
-__all__ = ["NormFold", "check", "fold_tile", "operand", "outputs", "run", "store"]
+__all__ = ["NormFold", "check", "fold_tile", "operand", "outputs", "row_squares", "run", "store"]

@@ -26,15 +26,21 @@ import dataclasses
 from pallas_kernels.blocks import Blocks
 
 # The kernels that take settings, by the name used here (their modules).
-KERNELS = ("int4_words", "int8_f16", "weight_only", "w8a8", "float_matmul")
+KERNELS = ("int4_words", "int8_f16", "weight_only", "w8a8", "float_matmul", "append_decode_attention")
 # Rows a launch may have for its settings to apply: a decode step's batch (the kernels' 16-row tiles).
 DECODE_ROWS = 16
 EPILOGUES = ("rows", "mma")
 CONVERTS = ("kernel", "xla")
 NORMS = ("fold", "apart")
+REDUCES = ("kernel", "xla")
 # The settings that are words, not counts: the kernels that take each and the words it takes.
 WORDS = {"epilogue": (("int4_words",), EPILOGUES), "convert": (("int8_f16",), CONVERTS),
-         "norm": (("int4_words", "float_matmul"), NORMS)}
+         "norm": (("int4_words", "float_matmul"), NORMS), "reduce": (("int4_words", "float_matmul", "int8_f16", "weight_only", "w8a8", "append_decode_attention"),
+                    REDUCES)}
+
+
+# Kernels that take only some fields (the others would be read by no one).
+ONLY = {"append_decode_attention": ("reduce",)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +55,10 @@ class Settings:
     the launch: XLA fuses it into the op that makes x, but a decode step's norm then stays XLA's two kernels);
     ``norm``: whether a decode step's RMSNorm before the word or float kernel's product is folded into it where it
     may be (``pallas_kernels.norm_fold``; "fold", the default there) or left to a
-    launch of its own ("apart")."""
+    launch of its own ("apart"); ``reduce``: who adds a split product's partial sums (the float cache's attention
+    kernel: merges its splits) where a scan carries the counters (``pallas_kernels.split_fixup``): the kernel's last
+    program of each tile ("kernel", the default there) or XLA after it ("xla"). ``append_decode_attention`` takes
+    ``reduce`` alone, for a launch of its batch's rows."""
 
     bn: int | None = None
     bk: int | None = None
@@ -60,6 +69,7 @@ class Settings:
     epilogue: str | None = None
     convert: str | None = None
     norm: str | None = None
+    reduce: str | None = None
 
     def blocks(self, default: Blocks) -> Blocks:
         """``default`` with the fields this setting gives."""
@@ -79,6 +89,9 @@ def _checked(kernel: str, fields: dict) -> Settings:
     if unknown:
         raise ValueError(f"settings: unknown field(s) {', '.join(unknown)} for {kernel}; "
                          f"known: {', '.join(sorted(names))}")
+    only = ONLY.get(kernel)
+    if only is not None and set(fields) - set(only):
+        raise ValueError(f"settings: {kernel} takes {', '.join(only)} only, got {', '.join(sorted(fields))}")
     for name, value in fields.items():
         if name in WORDS:
             owners, words = WORDS[name]

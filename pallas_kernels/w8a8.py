@@ -93,12 +93,12 @@ def fp8_supported(device=None) -> bool:
     return cc is not None and cc >= (8, 9)
 
 
-def _kernel(*refs, m, n, k, blocks, group, has_zp, has_bias, split_blocks, split, w_kmajor, stacked, fp8):
+def _kernel(*refs, m, n, k, blocks, group, has_zp, has_bias, split_blocks, split, w_kmajor, stacked, fp8, fixup=None):
     layer, (xq_ref, sx_ref, w_ref, ws_ref), zp_ref, b_ref, o_ref = split_refs(
-        refs, stacked=stacked, inputs=4, has_zp=has_zp, has_bias=has_bias)
+        refs, stacked=stacked, inputs=4, has_zp=has_zp, has_bias=has_bias, fixup=fixup)
     bm, bn, bk = blocks.bm, blocks.bn, blocks.bk
     prog = matmul_program(m, n, k, blocks, split_blocks)
-    rows, cols, first, last, whole_k = prog  # whole_k: every K block in bounds, unmasked loads
+    rows, cols, first, last, whole_k = prog[:5]  # whole_k: every K block in bounds, unmasked loads
 
     def row_of(ref, g, lay=None):  # one (1, bn) row of a per-group array
         return load_tile(ref, span(g, 1, ref.shape[-2], in_bounds=True), cols, 0, lay).astype(jnp.float32)
@@ -181,9 +181,12 @@ def w8a8_matmul(
     layer=None,
     fp8: bool = False,
     w_layout: str = "kn",
+    residual=None,
     interpret: bool | None = None,
 ):
-    """Quantize activations + int8 GEMM with fused rescale (see module docstring for the contract).
+    """Quantize activations + int8 GEMM with fused rescale (see module docstring for the contract); with
+    ``residual`` (M, N), ``residual + x @ w`` (added by the kernel where it finishes its product:
+    ``pallas_kernels.split_fixup``).
 
     ``fp8``: ``wq`` holds E4M3 bit patterns; x is quantized to E4M3 and the dots are FP8 x FP8.
 
@@ -220,7 +223,7 @@ def w8a8_matmul(
     return launch_matmul(_kernel, args, m=m, n=n, k=k, blocks=blocks, bias=bias, k_splits=k_splits, out_dtype=x.dtype,
                          interpret=config.resolve_interpret(interpret), name="w8a8_matmul", group=group,
                          has_zp=w_zero_point is not None, w_kmajor=w_kmajor, layer=layer, fp8=fp8,
-                         programs=chosen.programs)
+                         programs=chosen.programs, residual=residual, fixup=chosen.reduce != "xla")
 
 
 def w8a8_reference(x, wq, w_scale, *, w_zero_point=None, bias=None, act_scale=None, group=None, fp8=False):

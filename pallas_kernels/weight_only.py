@@ -132,9 +132,9 @@ def dequant_int4_asm(packed, cdt, interpret: bool):
 
 
 def _kernel(*refs, m, n, k, bits, blocks, group, has_zp, has_bias, split_blocks, split, precision, dequant,
-            strided_x, stacked, kmajor, interpreted):
+            strided_x, stacked, kmajor, interpreted, fixup=None):
     layer, (x_ref, w_ref, ws_ref), zp_ref, b_ref, o_ref = split_refs(
-        refs, stacked=stacked, inputs=3, has_zp=has_zp, has_bias=has_bias)
+        refs, stacked=stacked, inputs=3, has_zp=has_zp, has_bias=has_bias, fixup=fixup)
     bm, bn, bk = blocks.bm, blocks.bn, blocks.bk
     # one K step covers `steps` scale groups (per-channel scales: one step, scaled at the end)
     sub = group if group is not None else bk
@@ -144,7 +144,7 @@ def _kernel(*refs, m, n, k, bits, blocks, group, has_zp, has_bias, split_blocks,
     fold = dequant in ("fold", "asm") and bits == 4  # int8 values are converted: no offset to fold
     scaled = dequant == "scaled"  # int4 with group scales (the wrapper refuses it otherwise)
     prog = matmul_program(m, n, k, blocks, split_blocks)
-    rows, cols, first, last, whole_k = prog  # whole_k: every K step (and scale group it reads) in bounds
+    rows, cols, first, last, whole_k = prog[:5]  # whole_k: every K step (and scale group it reads) in bounds
 
     def row_of(ref, g, lay=None):
         return load_tile(ref, span(g, 1, ref.shape[-2], in_bounds=whole_k), cols, 0, lay).astype(jnp.float32)
@@ -248,9 +248,11 @@ def weight_only_matmul(
     gemv: bool | None = None,
     layer=None,
     w_layout: str = "kn",
+    residual=None,
     interpret: bool | None = None,
 ):
-    """``x @ dequantize(w)`` with the weight dequantized tile by tile in registers.
+    """``x @ dequantize(w)`` with the weight dequantized tile by tile in registers; with ``residual`` (M, N),
+    ``residual + x @ dequantize(w)`` (added by the kernel where it finishes its product: ``pallas_kernels.split_fixup``).
 
     ``gemv=True`` (M <= ``gemv.GEMV_MAX_ROWS``) runs the multiply-and-sum formulation of
     :mod:`pallas_kernels.gemv` instead of tensor-core dots (``blocks`` then gives its N and K blocks;
@@ -279,9 +281,9 @@ def weight_only_matmul(
     if gemv:
         from pallas_kernels.gemv import weight_only_gemv
 
-        return weight_only_gemv(x, wq, w_scale, bits=bits, w_zero_point=w_zero_point, bias=bias, group=group,
-                                blocks=blocks, k_splits=k_splits, layer=layer,
-                                interpret=config.resolve_interpret(interpret))
+        y = weight_only_gemv(x, wq, w_scale, bits=bits, w_zero_point=w_zero_point, bias=bias, group=group,
+                             blocks=blocks, k_splits=k_splits, layer=layer, interpret=config.resolve_interpret(interpret))
+        return y if residual is None else residual + y
     m, k = x.shape
     n = logical.shape[-1]
     dequant = dequant or default_dequant(x.dtype)
@@ -293,7 +295,8 @@ def weight_only_matmul(
             raise ValueError("weight_only_matmul: dequant='f16' takes int8 weights stored K-major (w_layout='nk') "
                              "with per-channel scales and bfloat16/float16 activations")
         return int8_f16_matmul(x, wq, w_scale, w_zero_point=w_zero_point, bias=bias, blocks=blocks,
-                               k_splits=k_splits, layer=layer, interpret=config.resolve_interpret(interpret))
+                               k_splits=k_splits, layer=layer, residual=residual,
+                               interpret=config.resolve_interpret(interpret))
     if dequant not in DEQUANT_MODES or (dequant in ("fold", "asm") and not half) or (
             dequant == "scaled" and not (half and bits == 4 and group is not None)):
         raise ValueError(f"weight_only_matmul: dequant={dequant!r} is not one of {DEQUANT_MODES} "
@@ -313,7 +316,7 @@ def weight_only_matmul(
                          interpret=interpret, name=f"weight_only_int{bits}_matmul", bits=bits, group=group,
                          has_zp=w_zero_point is not None, precision=f32_dot_precision(interpret), dequant=dequant,
                          strided_x=bool(strided_x) and not interpret, layer=layer, kmajor=kmajor, interpreted=interpret,
-                         programs=chosen.programs)
+                         programs=chosen.programs, residual=residual, fixup=chosen.reduce != "xla")
 
 
 def default_dequant(x_dtype) -> str:

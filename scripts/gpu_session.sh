@@ -16,13 +16,14 @@
 # gpu_tests adds those of the checked kernels changed since their runs: 85 cases where TESTS alone selects 59; the
 # tables the call measures are merged over the shipped one before e2e runs):
 #     STEPS="gpu_tests decode_hopper e2e" TESTS_LIMIT=140 \
-#         TESTS="hopper or store or float_decode or rms_norm or norm_fold or prompt_attention or int8_f16" \
+#         TESTS="hopper or store or float_decode or rms_norm or norm_fold or split_fixup or prompt_attention or int8_f16" \
 #         RECIPES="rtn-w4-g128 rtn-w8" TORCH=--no-torch E2E_LIMIT=200 bash scripts/gpu_session.sh   (timeout_s 600,
 #     carry ["runs/wheels"]: pytest-xdist's wheels, made here with
 #     pip download --no-deps pytest-xdist==3.8.0 execnet==2.1.2 -d runs/wheels)
 # (e2e's rows carry each variant's logits against XLA alone on the same weights: read them before the speeds), then
 # at once, on the machine still warm: STEPS="attention" (timeout_s 200). A later session: STEPS="decode_fold
-# decode_fold_bf16" (timeout_s 360: the norms folded against apart, end to end), STEPS="decode_hopper_w8a8 hopper
+# decode_fold_bf16" (timeout_s 360: the norms folded against apart, end to end), STEPS="decode_fixup
+# decode_fixup_bf16" (timeout_s 360: split sums in the kernels against XLA's), STEPS="decode_hopper_w8a8 hopper
 # hopper_fp8 hopper_w8"; the read-ahead of pallas_kernels/prefetch.py in two calls, STEPS="prefetch
 # decode_prefetch" (timeout_s 420) and STEPS="decode_prefetch_bf16 decode_concurrent" (timeout_s 300); then the
 # steps docs/kernels.md lists as never run.
@@ -50,7 +51,7 @@ all_steps+=" decode_sweep decode_sweep_w8 decode_sweep_bf16 norms float_attentio
 all_steps+=" gemv prefill prefill_words hopper hopper_fp8 hopper_w8 decode_hopper decode_hopper_sweep layout"
 all_steps+=" layout_dsf decode_hopper_w8a8"
 all_steps+=" prompt_attention prefetch decode_prefetch decode_prefetch_bf16 decode_concurrent decode_fold"
-all_steps+=" decode_fold_bf16"
+all_steps+=" decode_fold_bf16 decode_fixup decode_fixup_bf16"
 steps="${STEPS:-$all_steps layout_float kernels}"  # STEPS: a subset
 step() {  # step NAME SECONDS CMD...: run CMD with a time limit, its output in $out/NAME.log
   local name=$1 limit=$2
@@ -329,6 +330,17 @@ LLMEQ_UNCHECKED_KERNELS="$fold_on" step decode_fold 200 "$py" scripts/sweep_deco
     "${layers[@]}" --recipe rtn-w4-g128 --settings int4_words:norm=apart --out "$out/sweep_fold_w4.json"
 LLMEQ_UNCHECKED_KERNELS="$fold_on" step decode_fold_bf16 120 "$py" scripts/sweep_decode.py --shapes "$shapes" \
     "${layers[@]}" --recipe bf16 --settings float_matmul:norm=apart --out "$out/sweep_fold_bf16.json"
+# A split product's partial sums added by its own kernel's last program of each tile, with the bias and the residual
+# (pallas_kernels/split_fixup.py, new: with the SwiGLU gate and the attention's merge, 11 -> 7 launches a rtn-w4-g128
+# layer, 14 -> 11 bf16, deviceless H100): whole decodes with the fix-up (the default, where split_fixup's gpu cases
+# passed) and with XLA's sums (the products', the attention's), rtn-w4-g128 then bf16.
+fixup_on="${LLMEQ_UNCHECKED_KERNELS:-}"
+failed_case split_fixup || fixup_on="${fixup_on:+$fixup_on,}split_fixup"  # a failed case keeps XLA's sums
+LLMEQ_UNCHECKED_KERNELS="$fixup_on" step decode_fixup 200 "$py" scripts/sweep_decode.py --shapes "$shapes" \
+    "${layers[@]}" --recipe rtn-w4-g128 --settings int4_words:reduce=xla append_decode_attention:reduce=xla \
+    --out "$out/sweep_fixup_w4.json"
+LLMEQ_UNCHECKED_KERNELS="$fixup_on" step decode_fixup_bf16 120 "$py" scripts/sweep_decode.py --shapes "$shapes" \
+    "${layers[@]}" --recipe bf16 --settings float_matmul:reduce=xla --out "$out/sweep_fixup_bf16.json"
 # Loops as CUDA graphs: XLA records each layer's kernels as a command buffer, but a while loop only when asked
 # (+WHILE; its defaults: FUSION CUBLAS CUBLASLT CUDNN CUSTOM_CALL CONDITIONAL DYNAMIC_SLICE_FUSION), so the host
 # launches every layer of every token. Until 2026-12-04 the scan's index array made a dynamic-slice thunk per layer

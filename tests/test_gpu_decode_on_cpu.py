@@ -73,7 +73,8 @@ def test_a_gpus_decode_in_interpret_mode_follows_the_cpus(recipe):
 
 @pytest.mark.parametrize("recipe", ["bf16", "rtn-w4-g128"])
 def test_a_gpus_decode_folds_its_norms_into_the_products_after_them(recipe, monkeypatch):
-    """Both norms of a layer folded into the q/k/v and gate/up products (``pallas_kernels.norm_fold``): no norm
+    """Both norms of a layer folded into the q/k/v and gate/up products (``pallas_kernels.norm_fold``), and every
+    product's split sums and residual add finished by its kernel (``pallas_kernels.split_fixup``): no norm
     launch in the step, the products the same kernels as with the norms apart (``settings`` ``norm=apart``), the
     logits within bf16 rounding of the CPU's XLA decode -- and for bf16 weights closer to the float32 model's than
     with the norms apart: the fold rounds ``x * scale``, here an exact product (the norms' scales are 4), where the
@@ -100,11 +101,23 @@ def test_a_gpus_decode_folds_its_norms_into_the_products_after_them(recipe, monk
         want, _, _ = _logits(params, tokens, config)
         truth = want if wide is None else _logits(wide, tokens, config)[0]
     with native.disabled(), kernel_config.compiling_for(FAKE_H100), kernel_config.interpret(True):
-        folded, step, _ = _logits(params, tokens, config)
-        with settings.override(kernel, norm="apart"):
+        # two K splits everywhere (K of 256-384 would be one): what a 7B model's products have
+        with settings.override(kernel, k_splits=2):
+            folded, step, _ = _logits(params, tokens, config)
+        with settings.override(kernel, k_splits=2, norm="apart"):
             apart, apart_step, _ = _logits(params, tokens, config)
+        with settings.override(kernel, k_splits=2, reduce="xla"):  # split sums and residuals after the kernels
+            summed, summed_step, _ = _logits(params, tokens, config)
+        if recipe != "bf16":  # the gate/up words paired: the word kernel gates them (decode_layout.pair_swiglu)
+            assert gen.decode_params(params, 2)[stacked.BLOCKS]["mlp"]["gate_up_proj"]["kernel"].paired
     assert step.count("name=rms_norm") == 0 and apart_step.count("name=rms_norm") == 2
     assert step.count(products) == apart_step.count(products) >= 2  # q/k/v and gate/up at least
+    # pallas_kernels.split_fixup: every product of a layer (bf16: q, k, v, o, gate, up, down; the words: q/k/v,
+    # o, gate/up, down) finishes its own sum, the scan's counters updated in place; with reduce=xla none takes them
+    products_a_layer = {"bf16": 7, "rtn-w4-g128": 4}[recipe]
+    aliased = lambda jaxpr: jaxpr.count("input_output_aliases=((")  # noqa: E731
+    assert aliased(step) == aliased(summed_step) + products_a_layer
+    np.testing.assert_allclose(np.asarray(folded), np.asarray(summed), atol=0.05 * float(jnp.max(jnp.abs(want))))
     # bf16 through two layers of x4 weights: XLA's own logits were up to 8 % of their scale from the float32
     # model's (a wrong scale, layer or norm factor moves them by far more)
     np.testing.assert_allclose(np.asarray(folded), np.asarray(want), atol=0.1 * float(jnp.max(jnp.abs(want))))

@@ -23,18 +23,19 @@ def _normal_init(module: nn.Module, shape: tuple[int, ...]):
 
 
 class Linear(nn.Module):
-    """``x @ kernel + bias`` through ``ops.linear``; kernel is ``(in, out)``, float or QArray."""
+    """``x @ kernel + bias`` through ``ops.linear``; kernel is ``(in, out)``, float or QArray. ``residual``:
+    ``residual + (x @ kernel + bias)``, which a decode step's kernel may add itself (``ops.linear``)."""
 
     features: int
     use_bias: bool = False
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, residual: jax.Array | None = None) -> jax.Array:
         kernel = self.variable("params", "kernel", _normal_init(self, (x.shape[-1], self.features))).value
         bias = None
         if self.use_bias:
             bias = self.variable("params", "bias", lambda: jnp.zeros((self.features,), jnp.float32)).value
-        return ops.linear(x, kernel, bias)
+        return ops.linear(x, kernel, bias, residual=residual)
 
 
 def parallel_linears(module: nn.Module, x: jax.Array, fused_name: str, linears) -> list[jax.Array]:

@@ -29,7 +29,8 @@ class LlamaAttention(nn.Module):
     layer: int
 
     @nn.compact
-    def __call__(self, x, positions, mask, cache):
+    def __call__(self, x, positions, mask, cache, residual=None):
+        """(``residual`` + the attention's output, the cache); ``residual`` None: the output alone."""
         c = self.config
         b, t, _ = x.shape
         q, k, v = parallel_linears(self, x, "qkv_proj", [
@@ -53,7 +54,7 @@ class LlamaAttention(nn.Module):
         else:  # the cache type decides how keys/values are stored and read back
             out, cache = kvcache.attend(cache, self.layer, q, k, v, mask, k_raw=k_raw)
         out = out.reshape(b, t, c.num_heads * c.head_dim)
-        return Linear(c.hidden_size, c.o_bias, name="o_proj")(out), cache
+        return Linear(c.hidden_size, c.o_bias, name="o_proj")(out, residual=residual), cache
 
 
 class KronRotation(nn.Module):
@@ -71,12 +72,14 @@ class SwiGLU(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, residual=None):
+        """``residual`` + the MLP's output (``residual`` None: the output alone)."""
         c = self.config
         joined = self.variables.get("params", {}).get("gate_up_proj", {}).get("kernel")
-        # Prefill layout (packed float panels) or a weight-only kernel on the dequantized panels: the
-        # activation inside the GEMM.
-        if (isinstance(joined, PanelKernel) and joined.swiglu) or ops.swiglu_fuses(x, joined):
+        # Prefill layout (packed float panels), a weight-only kernel on the dequantized panels, or the decode
+        # layout's paired gate/up words (which only ops.swiglu reads right): the activation inside the GEMM.
+        if (isinstance(joined, PanelKernel) and joined.swiglu) or ops.swiglu_fuses(x, joined) \
+                or ops.paired_swiglu(joined):
             h = ops.swiglu(x, joined)
         else:
             gate, up = parallel_linears(self, x, "gate_up_proj", [
@@ -89,7 +92,7 @@ class SwiGLU(nn.Module):
         rot = self.variables.get("params", {}).get("down_rot")
         if rot is not None:
             h = KronRotation(len(rot), name="down_rot")(h)
-        return Linear(c.hidden_size, name="down_proj")(h)
+        return Linear(c.hidden_size, name="down_proj")(h, residual=residual)
 
 
 class LlamaBlock(nn.Module):
@@ -99,7 +102,9 @@ class LlamaBlock(nn.Module):
     @nn.compact
     def __call__(self, x, positions, mask, cache=None):
         c = self.config
-        h, cache = LlamaAttention(c, self.layer, name="attn")(RMSNorm(c.norm_eps, fold=True, name="input_norm")(x), positions, mask, cache)
-        x = x + h
-        x = x + SwiGLU(c, name="mlp")(RMSNorm(c.norm_eps, fold=True, name="post_attn_norm")(x))
+        # the residual adds inside o_proj and down_proj: a decode step's kernels add them as they finish their
+        # products (ops.linear's residual)
+        x, cache = LlamaAttention(c, self.layer, name="attn")(RMSNorm(c.norm_eps, fold=True, name="input_norm")(x),
+                                                              positions, mask, cache, residual=x)
+        x = SwiGLU(c, name="mlp")(RMSNorm(c.norm_eps, fold=True, name="post_attn_norm")(x), residual=x)
         return x, cache

@@ -18,6 +18,7 @@ layer index is traced, so the KV cache is indexed dynamically.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any
 
@@ -203,18 +204,24 @@ def scan_blocks(run_block, blocks, carry, num_layers: int):
     step takes its block with :func:`block_at`, so kernels that can read a layer in place do. The layer
     index rides in the carry rather than being scanned over (an index array): XLA sliced that array with a
     dynamic-slice fusion every layer, on a GPU a thunk of its own that command buffers cannot hold, which
-    split each layer's kernels into several launches from the host."""
-    from pallas_kernels import prefetch
+    split each layer's kernels into several launches from the host.
+
+    Where the kernels may add their split products' partials themselves (``pallas_kernels.split_fixup.wanted``),
+    the counters they share ride in the carry too, made once before the layers."""
+    from pallas_kernels import prefetch, split_fixup
 
     in_place = in_place_kernels()
     floats = float_views(in_place)
     norms = norms_in_place(blocks, in_place)
+    counting = in_place and split_fixup.wanted()
 
     def body(state, _):
-        c, layer = state
-        with prefetch.layer_chain(c):  # where asked, each product's weights read ahead of it
+        c, layer, counters = state
+        with prefetch.layer_chain(c), contextlib.ExitStack() as stack:  # where asked, weights read ahead
+            held = stack.enter_context(split_fixup.scope(counters)) if counting else None
             c = run_block(block_at(blocks, layer, in_place, floats, norms), layer, c)
-        return (c, layer + 1), None
+        return (c, layer + 1, held.value if counting else counters), None
 
-    (carry, _), _ = jax.lax.scan(body, (carry, jnp.int32(0)), None, length=num_layers)
+    start = (carry, jnp.int32(0), split_fixup.zeros() if counting else ())
+    (carry, _, _), _ = jax.lax.scan(body, start, None, length=num_layers)
     return carry

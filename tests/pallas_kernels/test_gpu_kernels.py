@@ -568,6 +568,164 @@ for _shape in NORM_FOLD:
         return label, *compare(y, r, 2e-2), None
 
 
+SPLIT_FIXUP = [  # (kernel, M, K, N, K splits, norm folded): pallas_kernels.split_fixup, layer 1 of a stack of 3
+    ("words", 1, 4096, 4096, None, False),  # Llama-2-7B's o projection, its residual added by the last program
+    ("words", 16, 11008, 4096, None, False),  # down, a batch of 16
+    ("words", 1, 4096, 12288, None, True),  # q/k/v with the norm folded: the last program sums x's squares
+    ("words", 3, 4096, 4096, 1, False),  # no K split: every program finishes its tile
+    ("float", 1, 4096, 4096, None, False),
+    ("float", 1, 4096, 11008, 13, True),  # 13 asked for: 11 splits of 3 K blocks or fewer, the norm folded
+]
+
+for _shape in SPLIT_FIXUP:
+
+    @case
+    def _split_fixup(shape=_shape):
+        from pallas_kernels import split_fixup
+        from pallas_kernels.float_matmul import float_matmul
+        from pallas_kernels.int4_words import int4_words_matmul, int4_words_reference, pack_words
+        from pallas_kernels.norm_fold import NormFold
+        from pallas_kernels.rms_norm import rms_norm_reference
+
+        kernel, m, k, n, splits, folded = shape
+        scales = jax.random.uniform(jax.random.key(25), (3, k), minval=0.5, maxval=1.5).astype(BF16)
+        x = (jax.random.normal(jax.random.key(26), (m, k)) * 3).astype(BF16)
+        residual = (jax.random.normal(jax.random.key(27), (m, n)) * 4).astype(BF16)
+        norm = NormFold(scales, 1e-5) if folded else None
+        x_in = rms_norm_reference(x, scales[1], 1e-5) if folded else x
+
+        def finished(product, *operands):  # twice, the counters handed from the first call to the second
+            with split_fixup.scope(split_fixup.zeros()) as held:
+                first = product(*operands)
+                second = product(*operands)
+                return first, second, held.value
+
+        if kernel == "words":
+            spec = Spec(bits=4, granularity="group", group_size=128, symmetric=False)
+            q = quantize(jax.random.normal(jax.random.key(28), (k, n)), spec)
+            words = jnp.stack([pack_words(q.values(), 128)] * 3)
+            stack = lambda a: jnp.stack([a] * 3)  # noqa: E731
+            product = lambda x, w, s, z, r: int4_words_matmul(  # noqa: E731
+                x, w, s, group=128, w_zero_point=z, layer=jnp.int32(1), norm=norm, residual=r, k_splits=splits,
+                interpret=INTERPRET)
+            y, y2, counters = jax.jit(lambda *a: finished(product, *a))(x, words, stack(q.scale),
+                                                                         stack(q.zero_point), residual)
+            r = reference(int4_words_reference, x_in, words[1], q.scale, w_zero_point=q.zero_point, group=128)
+        else:
+            w = (jax.random.normal(jax.random.key(29), (3, k, n)) * 0.02).astype(BF16)
+            product = lambda x, w, r: float_matmul(x, w, layer=jnp.int32(1), norm=norm, residual=r,  # noqa: E731
+                                                   k_splits=splits, interpret=INTERPRET)
+            y, y2, counters = jax.jit(lambda *a: finished(product, *a))(x, w, residual)
+            r = reference(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32), x_in, w[1])
+        r = r.astype(jnp.float32) + residual.astype(jnp.float32)
+        label = (f"split sums finished by {kernel} M={m} K={k} N={n} splits={splits or 'auto'}"
+                 f"{' norm folded' if folded else ''}")
+        err, tol = compare(y, r, 2e-2)
+        # the same sum in the same order whichever program came last; the counters left zero for the next kernel
+        return label, err, tol, int(jnp.sum(y != y2)) + int(jnp.count_nonzero(counters))
+
+
+SPLIT_FIXUP_SWIGLU = [  # (M, K, I, norm folded): Llama-2-7B's gate/up words paired, gated by the last programs
+    (1, 4096, 11008, True), (16, 4096, 11008, False),
+]
+
+for _shape in SPLIT_FIXUP_SWIGLU:
+
+    @case
+    def _split_fixup_swiglu(shape=_shape):
+        from llmeq_jax.decode_layout import int4_word_kernel, pair_swiglu
+        from pallas_kernels import split_fixup
+        from pallas_kernels.int4_words import int4_words_matmul, int4_words_reference
+        from pallas_kernels.norm_fold import NormFold
+        from pallas_kernels.rms_norm import rms_norm_reference
+
+        m, k, i, folded = shape
+        spec = Spec(bits=4, granularity="group", group_size=128, symmetric=False)
+        q = quantize(jax.random.normal(jax.random.key(30), (k, 2 * i)), spec)
+        joined = int4_word_kernel(q)
+        w = pair_swiglu({"gate_up_proj": {"kernel": joined}})["gate_up_proj"]["kernel"].w
+        scales = jax.random.uniform(jax.random.key(31), (k,), minval=0.5, maxval=1.5).astype(BF16)
+        x = (jax.random.normal(jax.random.key(32), (m, k)) * 3).astype(BF16)
+        norm = NormFold(scales, 1e-5) if folded else None
+
+        def finished(x, words, scale, zp):
+            with split_fixup.scope(split_fixup.zeros()) as held:
+                y = int4_words_matmul(x, words, scale, group=128, w_zero_point=zp, norm=norm, act="swiglu",
+                                      interpret=INTERPRET)
+                return y, held.value
+
+        y, counters = jax.jit(finished)(x, w.qvalue, w.scale, w.zero_point)
+        x_in = rms_norm_reference(x, scales, 1e-5) if folded else x
+        r = reference(int4_words_reference, x_in, joined.w.qvalue, q.scale, w_zero_point=q.zero_point, group=128)
+        r = jax.nn.silu(r[:, :i].astype(jnp.float32)) * r[:, i:].astype(jnp.float32)
+        label = f"split sums gated (SwiGLU pairs) by words M={m} K={k} I={i}{' norm folded' if folded else ''}"
+        return label, *compare(y, r, 2e-2), int(jnp.count_nonzero(counters))
+
+
+SPLIT_FIXUP_INT8 = [  # (kernel, M, K, N): the K-major int8 kernels of rtn-w8 / rtn-w8a8, the residual added
+    ("int8_f16", 1, 4096, 4096), ("weight_only", 1, 11008, 4096), ("w8a8", 16, 11008, 4096),
+]
+
+for _shape in SPLIT_FIXUP_INT8:
+
+    @case
+    def _split_fixup_int8(shape=_shape):
+        from pallas_kernels import split_fixup
+
+        kernel, m, k, n = shape
+        wq = jax.random.randint(jax.random.key(33), (3, n, k), -127, 128).astype(jnp.int8)
+        scale = jax.random.uniform(jax.random.key(34), (3, 1, n), minval=0.001, maxval=0.002)
+        x = jax.random.normal(jax.random.key(35), (m, k)).astype(BF16)
+        residual = (jax.random.normal(jax.random.key(36), (m, n)) * 4).astype(BF16)
+
+        def product(x, r):
+            if kernel == "w8a8":
+                return w8a8_matmul(x, wq, scale, layer=jnp.int32(1), w_layout="nk", residual=r, interpret=INTERPRET)
+            return weight_only_matmul(x, wq, scale, bits=8, layer=jnp.int32(1), w_layout="nk", residual=r,
+                                      dequant="f16" if kernel == "int8_f16" else None, interpret=INTERPRET)
+
+        def finished(x, r):
+            with split_fixup.scope(split_fixup.zeros()) as held:
+                return product(x, r), held.value
+
+        y, counters = jax.jit(finished)(x, residual)
+        r = jax.jit(product)(x, None).astype(jnp.float32) + residual.astype(jnp.float32)  # XLA's sum, then the add
+        label = f"split sums finished by {kernel} M={m} K={k} N={n}, the residual added"
+        return label, *compare(y, r, 2e-2), int(jnp.count_nonzero(counters))
+
+
+SPLIT_FIXUP_ATTENTION = [  # (batch, heads, kv heads, slots): the float cache's attention, its splits merged in-kernel
+    (1, 32, 32, 4096), (4, 32, 8, 8192),
+]
+
+for _shape in SPLIT_FIXUP_ATTENTION:
+
+    @case
+    def _split_fixup_attention(shape=_shape):
+        from pallas_kernels import split_fixup
+        from pallas_kernels.decode_attention import append_decode_attention, append_decode_attention_reference
+
+        b, heads, kv, t = shape
+        keys = jax.random.split(jax.random.key(37), 5)
+        q = jax.random.normal(keys[0], (b, heads, 128)).astype(BF16)
+        k_new, v_new = (jax.random.normal(key, (b, kv, 128)).astype(BF16) for key in keys[1:3])
+        k_cache, v_cache = (jax.random.normal(key, (2, b, kv, t, 128)).astype(BF16) for key in keys[3:5])
+        slot = jnp.int32(t - 100)
+        allowed = jnp.broadcast_to(jnp.arange(t) <= t - 100, (b, t))
+
+        def finished(q, kc, vc):
+            with split_fixup.scope(split_fixup.zeros()) as held:
+                out = append_decode_attention(q, k_new, v_new, kc, vc, slot, allowed, layer=jnp.int32(1),
+                                              interpret=INTERPRET)
+                return out[0], held.value
+
+        y, counters = jax.jit(finished)(q, k_cache, v_cache)
+        r = reference(append_decode_attention_reference, q, k_new, v_new, k_cache, v_cache, slot, allowed,
+                      layer=jnp.int32(1))[0]
+        label = f"float cache attention, splits merged in the kernel, batch {b}, {heads} heads over {kv}, {t} slots"
+        return label, *compare(y, r, 2e-2), int(jnp.count_nonzero(counters))
+
+
 @case
 def _stacked_layer():
     """One layer of stacked weights read in place (the scan over stacked blocks): int4 weight-only and
