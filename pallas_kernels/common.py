@@ -261,11 +261,12 @@ def split_refs(refs, *, stacked: bool, inputs: int, has_zp: bool, has_bias: bool
         from pallas_kernels import split_fixup
 
         residual = rest.pop(0) if fixup["residual"] else None
-        split = fixup["splits"] > 1
-        counters, out = (rest.pop(0), rest.pop(0)) if split else (None, rest.pop(0))
-        partials = rest.pop(0) if split else None
-        rest.pop(0) if split else None  # the counters again: the aliased output
-        outputs = 0
+        counters = partials = None
+        if fixup["splits"] > 1:  # inputs: ..., counters; outputs: out, partials, counters (aliased: the same)
+            counters, out, partials, _ = rest
+        else:
+            (out,) = rest
+        rest, outputs = [], 0
         final = split_fixup.Refs(out, residual, partials, counters, fixup["splits"], fixup["interpret"])
     if len(rest) != outputs:
         raise ValueError(f"split_refs: {len(rest)} output refs left, expected {outputs}")

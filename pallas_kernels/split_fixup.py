@@ -21,9 +21,13 @@ each kernel takes it (:func:`take`) as an input aliased to an output and hands t
 kernel leaving it zero as it found it. Outside a scope (or traced at another level than the scope's, e.g. inside a
 nested loop) the kernels write their partials for ``common.sum_splits`` as before.
 
+The kernels that finish their products so: the float, int4 word and int8 matmul kernels (``common.launch_matmul``:
+bias, a folded norm's factor, a residual, a SwiGLU gate -- ``common.store_matmul``) and the float cache's decode
+attention (``decode_attention``: the splits' softmax merge).
+
 On a GPU it runs where :func:`wanted` (the scan then carries the counters): it has not run on one yet, so only where
-``LLMEQ_UNCHECKED_KERNELS`` names ``split_fixup`` (``pallas_kernels.hardware_checked``); the setting
-``int4_words:reduce=xla`` / ``float_matmul:reduce=xla`` keeps a kernel's sums in XLA (A/B runs).
+``LLMEQ_UNCHECKED_KERNELS`` names ``split_fixup`` (``pallas_kernels.hardware_checked``); the setting ``reduce=xla``
+of a kernel (``pallas_kernels.settings``) keeps its sums in XLA (A/B runs).
 """
 
 from __future__ import annotations
@@ -42,7 +46,8 @@ from pallas_kernels import config
 from pallas_kernels.common import load_tile, store_tile, tile_mask
 
 # Counters the threaded buffer holds: one per output tile of a launch (a 7B model's widest decode product,
-# 12288 or 22016 columns in 256-column tiles, has under 100). A launch with more tiles sums in XLA.
+# 12288 or 22016 columns in 256-column tiles, has under 100; the float cache's attention, one a batch row and kv
+# head: 512 at batch 16 over 32 heads). A launch with more tiles sums in XLA.
 CAPACITY = 1024
 
 

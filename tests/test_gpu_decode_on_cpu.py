@@ -106,18 +106,21 @@ def test_a_gpus_decode_folds_its_norms_into_the_products_after_them(recipe, monk
             folded, step, _ = _logits(params, tokens, config)
         with settings.override(kernel, k_splits=2, norm="apart"):
             apart, apart_step, _ = _logits(params, tokens, config)
-        with settings.override(kernel, k_splits=2, reduce="xla"):  # split sums and residuals after the kernels
-            summed, summed_step, _ = _logits(params, tokens, config)
-        if recipe != "bf16":  # the gate/up words paired: the word kernel gates them (decode_layout.pair_swiglu)
+        if recipe != "bf16":  # split sums and residuals after the kernels; the gate/up words paired
+            with settings.override(kernel, k_splits=2, reduce="xla"):
+                summed, summed_step, _ = _logits(params, tokens, config)
             assert gen.decode_params(params, 2)[stacked.BLOCKS]["mlp"]["gate_up_proj"]["kernel"].paired
     assert step.count("name=rms_norm") == 0 and apart_step.count("name=rms_norm") == 2
     assert step.count(products) == apart_step.count(products) >= 2  # q/k/v and gate/up at least
     # pallas_kernels.split_fixup: every product of a layer (bf16: q, k, v, o, gate, up, down; the words: q/k/v,
-    # o, gate/up, down) finishes its own sum, the scan's counters updated in place; with reduce=xla none takes them
+    # o, gate/up, down) finishes its own sum, the scan's counters updated in place (besides the attention kernel's
+    # cache, the one aliased launch with reduce=xla)
     products_a_layer = {"bf16": 7, "rtn-w4-g128": 4}[recipe]
     aliased = lambda jaxpr: jaxpr.count("input_output_aliases=((")  # noqa: E731
-    assert aliased(step) == aliased(summed_step) + products_a_layer
-    np.testing.assert_allclose(np.asarray(folded), np.asarray(summed), atol=0.05 * float(jnp.max(jnp.abs(want))))
+    assert aliased(step) == 1 + products_a_layer
+    if recipe != "bf16":
+        assert aliased(summed_step) == 1
+        np.testing.assert_allclose(np.asarray(folded), np.asarray(summed), atol=0.05 * float(jnp.max(jnp.abs(want))))
     # bf16 through two layers of x4 weights: XLA's own logits were up to 8 % of their scale from the float32
     # model's (a wrong scale, layer or norm factor moves them by far more)
     np.testing.assert_allclose(np.asarray(folded), np.asarray(want), atol=0.1 * float(jnp.max(jnp.abs(want))))
