@@ -274,14 +274,14 @@ def linear_rows(x, w: QArray, require: bool = False, layer=None):
     return y.reshape(*x.shape[:-1], n)
 
 
-def linear_words(x, w: QArray, require: bool = False, layer=None, norm=None, residual=None, bias=None, act=None):
+def linear_words(x, w: QArray, require: bool = False, layer=None, norm=None, residual=None, act=None):
     """``x @ w`` for a ``decode_layout.Int4WordKernel``'s QArray (its codes as ``pallas_kernels.int4_words``
     words), or None (an error if ``require``). Decode rows (up to ``decode_layout.GPU_KMAJOR_MAX_ROWS``): the word
     kernel, no table lookup (``decode_layout.for_decode`` consulted it when it made the words). A prompt's rows:
     the prompt kernel over the same words where :func:`prompt_words_take` (or ``require``, half activations) sends
     them, else None (XLA's path of the packed codes; with ``require`` and float32 activations, the word kernel).
     ``norm`` (``pallas_kernels.norm_fold.NormFold``) / ``residual`` (x's rows by w's outputs): ``rms_norm(x) @ w`` /
-    ``residual + x @ w + bias`` by the decode word kernel, which folds the norm / adds the bias and residual, or None
+    ``residual + x @ w`` by the decode word kernel, which folds the norm / adds the residual, or None
     where another path would take the product (:func:`words_decode_takes`). ``act`` "swiglu": a paired gate/up
     kernel's product gated (``int4_words_matmul``'s ``act``), half as many outputs."""
     if not config.kernels_available():
@@ -292,7 +292,7 @@ def linear_words(x, w: QArray, require: bool = False, layer=None, norm=None, res
         k, n = w.shape
         group, scale, zp, _ = _layout(w)
         y = int4_words.int4_words_matmul(x.reshape(-1, k), w.qvalue, scale, group=group, w_zero_point=zp,
-                                         layer=layer, norm=norm, bias=bias, act=act,
+                                         layer=layer, norm=norm, act=act,
                                          residual=None if residual is None else residual.reshape(-1, n))
         return y.reshape(*x.shape[:-1], y.shape[-1])
     kind, why = plan(x.shape, x.dtype, w, None)
@@ -335,7 +335,7 @@ def words_decode_takes(x_shape, x_dtype, w: QArray) -> bool:
             and plan(x_shape, x_dtype, w, None)[0] == "weight_only")
 
 
-def linear_float(x, stack, layer, force: bool = False, norm=None, residual=None, bias=None):
+def linear_float(x, stack, layer, force: bool = False, norm=None, residual=None):
     """``x @ stack[layer]`` for a stacked float kernel ``[L, in, out]`` by ``pallas_kernels.float_matmul``
     (reading the layer in place), or None (XLA's slice-and-dot then). The kernel takes a product it can
     (decode rows, one float dtype) where the active or shipped dispatch table measured it faster than
@@ -346,11 +346,11 @@ def linear_float(x, stack, layer, force: bool = False, norm=None, residual=None,
     otherwise (the CPU tests' stacked float models stay fast). Float products never require a kernel:
     where none applies this is None, not an error. ``norm`` (``pallas_kernels.norm_fold.NormFold``):
     ``rms_norm(x) @ stack[layer]``, the kernel folding the norm, where it takes the product (else None);
-    ``residual`` (x's rows by the outputs): ``residual + x @ stack[layer] + bias``, added by the kernel."""
+    ``residual`` (x's rows by the outputs): ``residual + x @ stack[layer]``, added by the kernel."""
     if not float_kernel_takes(x.shape, x.dtype, stack, force):
         return None  # XLA's slice-and-dot
     k, n = stack.shape[1:]
-    y = float_matmul.float_matmul(x.reshape(-1, k), stack, layer=layer, norm=norm, bias=bias,
+    y = float_matmul.float_matmul(x.reshape(-1, k), stack, layer=layer, norm=norm,
                                   residual=None if residual is None else residual.reshape(-1, n))
     return y.reshape(*x.shape[:-1], n)
 

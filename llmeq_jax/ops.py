@@ -226,7 +226,7 @@ def _decode_kernel(x, w, backend) -> str | None:
 
 
 def _run_decode_kernel(kernel: str, x, w: LayerSlice, backend, **extra):
-    """:func:`_decode_kernel`'s ``kernel`` on ``x @ w`` (``extra``: its norm, residual, bias), with the read-ahead
+    """:func:`_decode_kernel`'s ``kernel`` on ``x @ w`` (``extra``: its norm, residual, act), with the read-ahead
     of ``pallas_kernels.prefetch`` where asked."""
     from pallas_kernels import prefetch
 
