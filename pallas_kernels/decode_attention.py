@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -63,30 +64,53 @@ def can_use(q_shape, q_dtype, cache_shape, cache_dtype, *, stacked: bool = True)
     return True, ""
 
 
+def _added(parts):
+    """The sum of an iterable of arrays (one part: itself, no add)."""
+    return functools.reduce(operator.add, parts)
+
+
 def _kernel(*refs, g, bg, q_heads, kv, bt, sm_scale, split_blocks, splits, precision, stacked, merges=False,
-            interpret=False):
+            rope=False, dot_dtype=None, interpret=False):
     """One (batch, kv head, split of the slots before the step's). ``precision``: the (scores, weighted values)
     dots' (TF32x3 where an operand is float32 on a GPU). ``merges``: the splits' last program merges them (the
-    counters the last input, the output then first, before the partials)."""
+    counters the last input, the output then first, before the partials). ``rope``: the query and key arrive
+    before RoPE, with the step's cos / sin after the mask; each is rotated in float32 and rounded to its dtype (as
+    ``core.rope.apply_rope``), the query then cast to ``dot_dtype``; everything that touches a head's features
+    works on its two halves apart (rotate-half pairs feature i with i + D/2; a dot over the halves is two dots)."""
     refs = list(refs)
     at = (refs.pop(0)[0],) if stacked else ()  # the layer of a stacked cache, read in place
-    slot_ref, qkv_ref, allow_ref, k_ref, v_ref = refs[:5]
-    counters = refs.pop(5) if merges else None
-    outs = refs[5:-1] if merges else refs[5:]  # (the counters' aliased output last: the same buffer)
+    slot_ref, qkv_ref, allow_ref = refs[:3]
+    del refs[:3]
+    cos_ref, sin_ref = (refs.pop(0), refs.pop(0)) if rope else (None, None)
+    k_ref, v_ref = refs[:2]
+    counters = refs.pop(2) if merges else None
+    outs = refs[2:-1] if merges else refs[2:]  # (the counters' aliased output last: the same buffer)
     out_ref = outs.pop(0) if merges else None
     o_ref, m_ref, l_ref = (outs[0], None, None) if splits == 1 else outs[:3]
     k_out, v_out = outs[-2:]
     b, h, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     slot = jnp.minimum(slot_ref[0], allow_ref.shape[1] - 1)  # a slot past the cache's end writes its last one
     heads, head_mask = span(0, bg, g)
+    d = qkv_ref.shape[-1]
+    cols = (slice(None),) if not rope else (pl.ds(0, d // 2), pl.ds(d // 2, d // 2))  # the features, or each half
+
+    def step_rows(rows, mask=None) -> list:
+        """Rows of the step's q | k | v operand, as ``cols`` parts: rotated where ``rope``."""
+        parts = [plgpu.load(qkv_ref.at[b, rows, c], mask=mask, other=None if mask is None else 0) for c in cols]
+        if not rope:
+            return parts
+        cos, sin = (plgpu.load(r.at[pl.ds(b, 1), :]) for r in (cos_ref, sin_ref))  # (1, d / 2) float32
+        lo, hi = (a.astype(jnp.float32) for a in parts)
+        return [(lo * cos - hi * sin).astype(parts[0].dtype), (hi * cos + lo * sin).astype(parts[1].dtype)]
 
     # the query heads of kv head h, then its key and value: rows h * g.., q_heads + h and q_heads + kv + h
-    q = plgpu.load(qkv_ref.at[b, pl.ds(h * g, bg), :], mask=head_mask[:, None], other=0)  # (bg, d)
-    k_new = plgpu.load(qkv_ref.at[b, pl.ds(q_heads + h, 1), :]).astype(k_ref.dtype)  # (1, d), the cache's values
+    q = [a.astype(dot_dtype or a.dtype) for a in step_rows(pl.ds(h * g, bg), head_mask[:, None])]  # (bg, d) parts
+    k_new = [a.astype(k_ref.dtype) for a in step_rows(pl.ds(q_heads + h, 1))]  # (1, d) parts, the cache's values
     v_new = plgpu.load(qkv_ref.at[b, pl.ds(q_heads + kv + h, 1), :]).astype(v_ref.dtype)
     # The step's own key as the first "block" of split 0 (where the mask lets the query see it).
     own = (sp == 0) & (plgpu.load(allow_ref.at[b, pl.ds(slot, 1)]) != 0)  # (1,)
-    s_own = jnp.sum(q.astype(jnp.float32) * k_new.astype(jnp.float32), axis=1, keepdims=True) * sm_scale
+    s_own = _added(jnp.sum(qp.astype(jnp.float32) * kp.astype(jnp.float32), axis=1, keepdims=True)
+                   for qp, kp in zip(q, k_new)) * sm_scale
     m0 = jnp.where(own[None, :], s_own, NEG_INF)  # (bg, 1)
     l0 = jnp.where(own[None, :], 1.0, 0.0) + jnp.zeros_like(m0)
     acc0 = jnp.where(own[None, :], v_new.astype(jnp.float32), 0.0) + jnp.zeros((bg, 1), jnp.float32)
@@ -95,9 +119,10 @@ def _kernel(*refs, g, bg, q_heads, kv, bt, sm_scale, split_blocks, splits, preci
         m_prev, l_prev, acc = carry
         toks, before = span(tb * bt, bt, slot)  # slots before the step's
         ok = before & (plgpu.load(allow_ref.at[b, toks], mask=before, other=0) != 0)
-        keys = plgpu.load(k_ref.at[(*at, b, h, toks, slice(None))], mask=before[:, None], other=0)
-        s = jax.lax.dot_general(q, keys.astype(q.dtype), (_NT, ((), ())), precision=precision[0],
-                                preferred_element_type=jnp.float32)
+        s = _added(jax.lax.dot_general(qp, plgpu.load(k_ref.at[(*at, b, h, toks, c)], mask=before[:, None],
+                                                       other=0).astype(qp.dtype),
+                                       (_NT, ((), ())), precision=precision[0], preferred_element_type=jnp.float32)
+                   for qp, c in zip(q, cols))
         s = jnp.where(ok[None, :], s * sm_scale, NEG_INF)
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
         p = jnp.where(ok[None, :], jnp.exp(s - m_new), 0.0)  # a block with nothing allowed adds nothing
@@ -133,12 +158,13 @@ def _kernel(*refs, g, bg, q_heads, kv, bt, sm_scale, split_blocks, splits, preci
             plgpu.store(out_ref.at[b, h, heads, :], (num / jnp.maximum(den, TINY)).astype(out_ref.dtype), mask=rows)
             split_fixup.release(counters, tile)
     # Split 0 writes the step's key and value into the cache (the outputs alias the inputs: in place).
-    writes = jnp.broadcast_to((sp == 0)[None, None], k_new.shape)
-    plgpu.store(k_out.at[(*at, b, h, pl.ds(slot, 1), slice(None))], k_new, mask=writes)
-    plgpu.store(v_out.at[(*at, b, h, pl.ds(slot, 1), slice(None))], v_new, mask=writes)
+    for kp, c in zip(k_new, cols):
+        plgpu.store(k_out.at[(*at, b, h, pl.ds(slot, 1), c)], kp, mask=jnp.broadcast_to((sp == 0)[None, None], kp.shape))
+    plgpu.store(v_out.at[(*at, b, h, pl.ds(slot, 1), slice(None))], v_new,
+                mask=jnp.broadcast_to((sp == 0)[None, None], v_new.shape))
 
 
-def append_decode_attention(q, k_new, v_new, k_cache, v_cache, slot, allowed, *, layer=None,
+def append_decode_attention(q, k_new, v_new, k_cache, v_cache, slot, allowed, *, layer=None, rope=None,
                             sm_scale: float | None = None, block_t: int = 64, num_splits: int | None = None,
                             num_warps: int = 4, num_stages: int = 2, interpret: bool | None = None):
     """Write one token's key and value into a float cache at ``slot`` and attend over the cache: ->
@@ -150,6 +176,12 @@ def append_decode_attention(q, k_new, v_new, k_cache, v_cache, slot, allowed, *,
     takes (slots after it are not read); ``allowed`` ``[B, S]`` bool, the slots the query sees (valid tokens,
     causal, sliding window; its own slot included where it is a real token). A query that sees nothing gets
     zeros (XLA's masked softmax averages every slot there; only padding queries see nothing).
+
+    ``rope``: ``(cos, sin)`` ``[B, D / 2]`` float32, the step's RoPE tables (``core.rope.RopeTables`` of its
+    position): q and k_new are then the projections' outputs before RoPE (one dtype with v_new), and the kernel
+    rotates them as ``core.rope.apply_rope`` would (rotate-half, float32, rounded to their dtype) before it attends
+    and writes the key. Why: the rotation was a launch of its own every layer (XLA's fusion between the q/k/v
+    product and this kernel); the product's output now reaches the kernel as it is.
     """
     stacked = layer is not None
     ok, why = can_use(q.shape, q.dtype, k_cache.shape, k_cache.dtype, stacked=stacked)
@@ -170,15 +202,17 @@ def append_decode_attention(q, k_new, v_new, k_cache, v_cache, slot, allowed, *,
             check_int_scalar("append_decode_attention", name, s)
     if not (is_pow2(block_t) and block_t >= MIN_DOT):
         raise ValueError(f"append_decode_attention: block_t must be a power of two >= {MIN_DOT}, got {block_t}")
+    if rope is not None:
+        _check_rope(rope, q, k_new, v_new)
     g = hq // kv
     bt = min(block_t, max(MIN_DOT, next_pow2(t)))
     splits, split_blocks = fit_splits(cdiv(t, bt), num_splits or decode_splits(bsz, kv, t, bt))
     interpret = config.resolve_interpret(interpret)
     f32 = f32_dot_precision(interpret)
     if jnp.dtype(q.dtype) != jnp.dtype(k_cache.dtype) or jnp.dtype(q.dtype) == jnp.float32:  # float32 scores
-        q_dot, precision = q.astype(jnp.float32), (f32, f32 if jnp.dtype(k_cache.dtype) == jnp.float32 else None)
+        dot_dtype, precision = jnp.float32, (f32, f32 if jnp.dtype(k_cache.dtype) == jnp.float32 else None)
     else:
-        q_dot, precision = q.astype(k_cache.dtype), (None, None)
+        dot_dtype, precision = k_cache.dtype, (None, None)
     # the splits merged by their last program where the scan's counters are held (pallas_kernels.split_fixup)
     counters = split_fixup.take(bsz * kv) if splits > 1 and settings.of("append_decode_attention", bsz).reduce \
         != "xla" else None
@@ -186,7 +220,8 @@ def append_decode_attention(q, k_new, v_new, k_cache, v_cache, slot, allowed, *,
     kernel = functools.partial(
         _kernel, g=g, bg=max(MIN_DOT, next_pow2(g)), q_heads=hq, kv=kv, bt=bt, split_blocks=split_blocks, splits=splits,
         sm_scale=float(sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)), precision=precision,
-        stacked=stacked, merges=merges, interpret=interpret)
+        stacked=stacked, merges=merges, rope=rope is not None, dot_dtype=dot_dtype if rope is not None else None,
+        interpret=interpret)
     if splits == 1:
         outs = (jax.ShapeDtypeStruct((bsz, kv, g, d), q.dtype),)
     else:
@@ -195,13 +230,10 @@ def append_decode_attention(q, k_new, v_new, k_cache, v_cache, slot, allowed, *,
     if merges:  # the merged output first, the counters after the caches (updated in place)
         outs = (jax.ShapeDtypeStruct((bsz, kv, g, d), q.dtype), *outs)
     at = [] if layer is None else [jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))]
-    # One operand for the three: in a decode step XLA writes it in one fusion (the projection's split-K sums and
-    # RoPE), where three operands were three fusions. The key and value are rounded to the cache's dtype first
-    # (what the cache holds); the query's dtype holds those exactly (the same, or float32).
-    new = [a.astype(k_cache.dtype).astype(q_dot.dtype) for a in (k_new, v_new)]
-    qkv = jnp.concatenate([q_dot, *new], axis=1)
     # (scalars as they are and the mask as bool: a conversion here would be a launch of its own every layer)
-    args = [*at, jnp.reshape(jnp.asarray(slot, jnp.int32), (1,)), qkv, allowed.astype(bool), k_cache, v_cache]
+    args = [*at, jnp.reshape(jnp.asarray(slot, jnp.int32), (1,)), _step_operand(q, k_new, v_new, k_cache.dtype,
+                                                                               dot_dtype, rope is not None),
+            allowed.astype(bool), *([] if rope is None else [a.astype(jnp.float32) for a in rope]), k_cache, v_cache]
     aliases = {len(args) - 2: len(outs), len(args) - 1: len(outs) + 1}
     cache_outs = (jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype), jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
     if merges:
@@ -228,9 +260,44 @@ def append_decode_attention(q, k_new, v_new, k_cache, v_cache, slot, allowed, *,
     return out.reshape(bsz, hq, d).astype(q.dtype), k_cache, v_cache
 
 
-def append_decode_attention_reference(q, k_new, v_new, k_cache, v_cache, slot, allowed, *, layer=None,
+def _check_rope(rope, q, k_new, v_new) -> None:
+    bsz, _, d = q.shape
+    if len(rope) != 2 or any(a.shape != (bsz, d // 2) for a in rope):
+        raise ValueError(f"append_decode_attention: rope must be (cos, sin), each {(bsz, d // 2)}, got "
+                         f"{[getattr(a, 'shape', a) for a in rope]}")
+    if d // 2 < MIN_DOT:
+        raise ValueError(f"append_decode_attention: with rope, head_dim must be >= {2 * MIN_DOT} (each half a dot "
+                         f"of >= {MIN_DOT}), got {d}")
+    if not (q.dtype == k_new.dtype == v_new.dtype):
+        raise ValueError(f"append_decode_attention: with rope, q, k_new and v_new must share a dtype (the "
+                         f"projections' outputs as they are), got {q.dtype}, {k_new.dtype}, {v_new.dtype}")
+
+
+def _step_operand(q, k_new, v_new, cache_dtype, dot_dtype, rope: bool):
+    """The step's q | k | v rows ``[B, H + 2 KV, D]``: one operand for the three, which XLA writes in one fusion
+    at most (three operands were three). Without ``rope`` the query in ``dot_dtype`` and the key and value
+    rounded to the cache's dtype first (what the cache holds; ``dot_dtype`` holds those exactly: the same, or
+    float32). With it, all three as they are (the kernel rotates and converts), joined as flat rows ``[B, 1, n]``:
+    where they are one product's columns (a q/k/v product, reshaped), XLA's simplifier sees the concatenate of that
+    product's adjacent slices and makes it the product itself, so no fusion runs before the kernel (joined as
+    heads, the reshapes between the slices and the concatenate kept it a launch of its own)."""
+    if rope:
+        bsz, rows = q.shape[0], q.shape[1] + k_new.shape[1] + v_new.shape[1]
+        flat = jnp.concatenate([a.reshape(bsz, 1, -1) for a in (q, k_new, v_new)], axis=2)
+        return flat.reshape(bsz, rows, q.shape[2])
+    new = [a.astype(cache_dtype).astype(dot_dtype) for a in (k_new, v_new)]
+    return jnp.concatenate([q.astype(dot_dtype), *new], axis=1)
+
+
+def append_decode_attention_reference(q, k_new, v_new, k_cache, v_cache, slot, allowed, *, layer=None, rope=None,
                                       sm_scale: float | None = None):
-    """Pure-jnp reference: write the token's key and value, then masked attention over slots ``0 .. slot``."""
+    """Pure-jnp reference: write the token's key and value, then masked attention over slots ``0 .. slot``
+    (``rope``: q and k_new rotated first by ``core.rope.apply_rope``)."""
+    if rope is not None:
+        from llmeq_jax.core.rope import RopeTables, apply_rope
+
+        tables = RopeTables(*(a.astype(jnp.float32)[:, None] for a in rope))  # [B, 1, D / 2]
+        q, k_new = (apply_rope(a[:, None], tables, None)[:, 0] for a in (q, k_new))
     start = (0, 0, slot, 0) if layer is None else (layer, 0, 0, slot, 0)
     new_k, new_v = (a.astype(k_cache.dtype)[:, :, None, :] for a in (k_new, v_new))  # [B, KV, 1, D]
     if layer is not None:

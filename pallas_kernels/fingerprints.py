@@ -223,7 +223,13 @@ def _append_decode_attention() -> list[Lowering]:
                         (sds((1, heads, 128), BF16), sds((1, kv_heads, 128), BF16), sds((1, kv_heads, 128), BF16), cache,
                          cache, sds((), I32), sds((1, 2048), bool), sds((), I32)))
 
-    return [case(32, 32), case(32, 8)]
+    cache = sds((2, 1, 32, 2048, 128), BF16)
+    rope = Lowering("bf16, 32 heads, 2048 slots, a stack's layer, RoPE in the kernel", "append_decode_attention",
+                    lambda q, k, v, kc, vc, slot, allowed, i, cos, sin: append_decode_attention(
+                        q, k, v, kc, vc, slot, allowed, layer=i, rope=(cos, sin)),
+                    (*(sds((1, 32, 128), BF16),) * 3, cache, cache, sds((), I32), sds((1, 2048), bool), sds((), I32),
+                     sds((1, 64), F32), sds((1, 64), F32)))
+    return [case(32, 32), case(32, 8), rope]
 
 
 def _store_append() -> list[Lowering]:

@@ -33,14 +33,16 @@ EPILOGUES = ("rows", "mma")
 CONVERTS = ("kernel", "xla")
 NORMS = ("fold", "apart")
 REDUCES = ("kernel", "xla")
+ROPES = ("kernel", "xla")
 # The settings that are words, not counts: the kernels that take each and the words it takes.
 WORDS = {"epilogue": (("int4_words",), EPILOGUES), "convert": (("int8_f16",), CONVERTS),
          "norm": (("int4_words", "float_matmul"), NORMS), "reduce": (("int4_words", "float_matmul", "int8_f16", "weight_only", "w8a8", "append_decode_attention"),
-                    REDUCES)}
+                    REDUCES),
+         "rope": (("append_decode_attention",), ROPES)}
 
 
 # Kernels that take only some fields (the others would be read by no one).
-ONLY = {"append_decode_attention": ("reduce",)}
+ONLY = {"append_decode_attention": ("reduce", "rope")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +59,10 @@ class Settings:
     may be (``pallas_kernels.norm_fold``; "fold", the default there) or left to a
     launch of its own ("apart"); ``reduce``: who adds a split product's partial sums (the float cache's attention
     kernel: merges its splits) where a scan carries the counters (``pallas_kernels.split_fixup``): the kernel's last
-    program of each tile ("kernel", the default there) or XLA after it ("xla"). ``append_decode_attention`` takes
-    ``reduce`` alone, for a launch of its batch's rows."""
+    program of each tile ("kernel", the default there) or XLA after it ("xla"); ``rope``: who rotates a decode
+    step's query and key by RoPE where the float cache's attention kernel takes the step: the kernel ("kernel", the
+    default: the q/k/v product's output reaches it as it is) or XLA's fusion before it ("xla").
+    ``append_decode_attention`` takes ``reduce`` and ``rope`` alone, for a launch of its batch's rows."""
 
     bn: int | None = None
     bk: int | None = None
@@ -70,6 +74,7 @@ class Settings:
     convert: str | None = None
     norm: str | None = None
     reduce: str | None = None
+    rope: str | None = None
 
     def blocks(self, default: Blocks) -> Blocks:
         """``default`` with the fields this setting gives."""

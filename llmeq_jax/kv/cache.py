@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from llmeq_jax import dispatch_table, native
-from llmeq_jax.core.rope import apply_rope, rope_tables
+from llmeq_jax.core.rope import RopeTables, apply_rope, rope_tables
 from llmeq_jax.kv import grid as kvgrid
 from llmeq_jax.kv import spec as kvspec
 from llmeq_jax.kv.attention import dot_product_attention, flash_ok, layer_attention, merge_attention, split_attention
@@ -133,16 +133,23 @@ def read(cache, layer: int) -> tuple[jax.Array, jax.Array]:
     return cache.k[layer], cache.v[layer]
 
 
-def attend(cache, layer: int, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, k_raw=None):
+def attend(cache, layer: int, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, k_raw=None,
+           rope: RopeTables | None = None):
     """Write the step's keys/values (``[B, KV, T, D]``) and attend over the cache: -> (out [B, T, H, D], cache).
 
-    q [B, T, H, D]; mask [B, T, max_len] (causal, valid, sliding window).
+    q [B, T, H, D]; mask [B, T, max_len] (causal, valid, sliding window). ``rope``: q and k are before RoPE,
+    to be rotated by these tables (the float cache's kernel does it itself where :func:`rotates` says so;
+    anywhere else, ``core.rope.apply_rope`` here).
     """
+    pallas = not isinstance(cache, QuantKVCache) and float_path(cache, q) == "pallas"
+    if rope is not None and not (pallas and _rotates_in_kernel(q) and q.dtype == k.dtype == v.dtype):
+        q, k, rope = apply_rope(q, rope, None), apply_rope(k, rope, None, heads_axis=1), None
     if isinstance(cache, QuantKVCache):
         out, cache = _q_attend(cache, layer, q, k, v, mask, k_raw)
-    elif float_path(cache, q) == "pallas":  # a GPU's decode step: one kernel writes the token and attends
+    elif pallas:  # a GPU's decode step: one kernel writes the token and attends (and rotates q and k: rope)
+        tables = None if rope is None else (rope.cos[:, 0], rope.sin[:, 0])
         out, k_cache, v_cache = float_kernel.append_decode_attention(q[:, 0], k[:, :, 0], v[:, :, 0], cache.k, cache.v,
-                                                                     cache.length, mask[:, 0], layer=layer)
+                                                                     cache.length, mask[:, 0], layer=layer, rope=tables)
         out, cache = out[:, None], dataclasses.replace(cache, k=k_cache, v=v_cache)
     else:
         cache = update(cache, layer, k, v)
@@ -645,6 +652,24 @@ def hopper_table_kernel(spec: kvspec.KVSpec) -> str:
 # Cache lengths a measurement of another length stands in for, nearest first (powers of two): the two paths' ratio
 # moves slowly with the length, and the benchmark times a few lengths only (4K and 32K).
 _NEIGHBOUR_LENGTHS = (1, 2, 1 / 2, 4, 1 / 4, 8, 1 / 8)
+
+
+def rotates(cache, q, positions) -> bool:
+    """Whether :func:`attend` should be handed the step's q and k before RoPE (``rope=``): a float cache's decode
+    step through the kernel, which rotates them itself, where the model passes RoPE tables (computed once a step)
+    and the setting ``append_decode_attention:rope`` is not "xla". Why: XLA's rotation was a launch of its own
+    between the q/k/v product and the kernel, every layer (deviceless H100 compile, Llama-2-7B, rtn-w4-g128's
+    word kernels: 7 launches a layer, 6 without it)."""
+    return (isinstance(positions, RopeTables) and isinstance(cache, KVCache) and float_path(cache, q) == "pallas"
+            and _rotates_in_kernel(q))
+
+
+def _rotates_in_kernel(q) -> bool:
+    """The kernel's own conditions on a pre-RoPE step (a half of each head a dot of its own) and the setting."""
+    from pallas_kernels import common, settings
+
+    return (q.shape[-1] // 2 >= common.MIN_DOT
+            and settings.of("append_decode_attention", q.shape[0]).rope != "xla")
 
 
 def float_path(cache: KVCache, q) -> str:

@@ -44,15 +44,18 @@ class LlamaAttention(nn.Module):
         if c.qk_norm:  # Qwen3: RMSNorm over each head's features, before RoPE
             q = RMSNorm(c.norm_eps, name="q_norm")(q)
             k = RMSNorm(c.norm_eps, name="k_norm")(k)
-        inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
-        q = apply_rope(q, positions, inv_freq)
         k_raw = k.transpose(0, 2, 1, 3)  # before RoPE: a pre-RoPE quantized cache stores these
-        k = apply_rope(k, positions, inv_freq)
+        # a float cache's decode kernel rotates q and k itself (kv.cache.rotates): they reach it before RoPE
+        deferred = cache is not None and kvcache.rotates(cache, q, positions)
+        if not deferred:
+            inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
+            q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, KV, T, D]
         if cache is None:
             out = dot_product_attention(q, k, v, mask)
         else:  # the cache type decides how keys/values are stored and read back
-            out, cache = kvcache.attend(cache, self.layer, q, k, v, mask, k_raw=k_raw)
+            out, cache = kvcache.attend(cache, self.layer, q, k, v, mask, k_raw=k_raw,
+                                        rope=positions if deferred else None)
         out = out.reshape(b, t, c.num_heads * c.head_dim)
         return Linear(c.hidden_size, c.o_bias, name="o_proj")(out, residual=residual), cache
 

@@ -49,10 +49,15 @@ def test_decode_through_the_kernel_equals_xla(config, scanned, monkeypatch):
     with native.disabled():  # the CPU's native attention otherwise reads the float cache
         xla_logits, xla_cache = _decode(config, params, tokens)
         _forced(monkeypatch)
+        real, rotated = kvcache.float_kernel.append_decode_attention, set()
+        monkeypatch.setattr(kvcache.float_kernel, "append_decode_attention",
+                            lambda *a, **kw: rotated.add(kw["rope"] is not None) or real(*a, **kw))
         with kernel_config.interpret(True):
             logits, cache = _decode(config, params, tokens)
             step = jax.make_jaxpr(lambda p, t, c: forward_step(config, p, t, jnp.ones((2, 1), jnp.int32), c))
             assert "append_decode_attention" in str(step(params, tokens[:, 6:7], cache))
+    # the kernel rotates the query and key itself where each half of a head is a dot (head_dim 32, not 16)
+    assert rotated == {config.head_dim // 2 >= 16}
     # the same keys and values in the same slots (to XLA's fusions' last bits: the two graphs compile apart)
     for got, want in ((cache.k, xla_cache.k), (cache.v, xla_cache.v)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5 * float(jnp.max(jnp.abs(want))))
@@ -90,3 +95,37 @@ def test_the_kernel_is_a_gpus_one_token_path_unless_a_table_measured_xla_faster(
             assert "append_decode_attention" not in text and "bf16[2,1,2,64,32] = dynamic_update_slice" in text
         with kernel_config.disabled():
             assert "append_decode_attention" not in traced(1)
+
+
+def test_rope_is_left_to_the_kernel_only_where_it_takes_the_step(monkeypatch):
+    """``kvcache.rotates``: a one-token step's q and k reach ``attend`` before RoPE only with the model's RoPE
+    tables, a float cache through the kernel, head halves of at least 16 features and the setting not "xla"; and
+    ``attend`` handed pre-RoPE q and k on any other path rotates them itself (XLA's update-then-attend here)."""
+    from llmeq_jax.core.rope import apply_rope, rope_inv_freq, rope_tables
+    from llmeq_jax.kv import spec as kvspec
+    from pallas_kernels import settings
+
+    keys = jax.random.split(jax.random.key(3), 3)
+    q = jax.random.normal(keys[0], (2, 1, 4, 32))
+    k, v = (jax.random.normal(key, (2, 2, 1, 32)) for key in keys[1:])
+    positions = jnp.asarray([[5], [9]])
+    tables = rope_tables(positions, rope_inv_freq(32, 10000.0, None))
+    cache = init_cache(LLAMA, 2, 16)
+    assert not kvcache.rotates(cache, q, tables)  # a CPU: XLA's path, XLA's rotation
+    _forced(monkeypatch)
+    assert kvcache.rotates(cache, q, tables)
+    assert not kvcache.rotates(cache, q, positions)  # positions, no tables: the model rotates
+    assert not kvcache.rotates(cache, q[..., :16], tables)  # halves of 8 features: too small a dot
+    quantized = kvspec.KVQuantizer(None, kvspec.KVSpec(bits=8, key_range="online", prompt_tokens=4))
+    assert not kvcache.rotates(init_cache(LLAMA, 2, 16, kv=quantized), q, tables)
+    with settings.override("append_decode_attention", rope="xla"):
+        assert not kvcache.rotates(cache, q, tables)
+    # attend on XLA's path with rope= equals attend with q and k rotated before
+    monkeypatch.setattr(kvcache, "float_path", lambda cache, q: "xla")
+    mask = jnp.ones((2, 1, 16), bool)
+    got, got_cache = kvcache.attend(cache, 1, q, k, v, mask, rope=tables)
+    want, want_cache = kvcache.attend(cache, 1, apply_rope(q, tables, None), apply_rope(k, tables, None, heads_axis=1),
+                                      v, mask)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(got_cache.k), np.asarray(want_cache.k))
+    assert not np.array_equal(np.asarray(got_cache.k[1, :, :, 0]), np.asarray(k[:, :, 0]))  # the key was rotated

@@ -51,6 +51,35 @@ def test_matches_the_reference(b, h, kv, s, d, dtype, stacked, slot, splits, blo
     _check(got, want, dtype)
 
 
+@pytest.mark.parametrize("b, h, kv, s, d, dtype, cache_dtype, slot, splits", [
+    (2, 8, 2, 100, 64, jnp.bfloat16, jnp.bfloat16, 70, None),  # a GQA model's bf16 step
+    (1, 4, 4, 96, 32, jnp.float32, jnp.float32, 50, 3),  # float32, the smallest halves, splits merged after
+    (2, 4, 2, 64, 128, jnp.bfloat16, jnp.float32, 33, None),  # a float32 cache under bf16 projections
+])
+def test_rope_rotates_the_query_and_key_in_the_kernel(b, h, kv, s, d, dtype, cache_dtype, slot, splits):
+    """``rope=(cos, sin)``: the query and key arrive before RoPE and the kernel rotates them as
+    ``core.rope.apply_rope`` (rounded to their dtype), the key written rotated -- within the dtype's rounding of
+    the reference (XLA's rotation, then the same attention), far from the unrotated step's."""
+    q, k_new, v_new, k_cache, v_cache = _case(b, h, kv, s, d, dtype, True, seed=d)
+    k_cache, v_cache = k_cache.astype(cache_dtype), v_cache.astype(cache_dtype)
+    angles = jnp.asarray(np.random.default_rng(d).uniform(-40, 40, (b, d // 2)), jnp.float32)
+    rope = (jnp.cos(angles), jnp.sin(angles))
+    allowed = jnp.ones((b, s), bool).at[0, : slot // 4].set(False)
+    got = da.append_decode_attention(q, k_new, v_new, k_cache, v_cache, jnp.int32(slot), allowed, layer=jnp.int32(2),
+                                     rope=rope, num_splits=splits, block_t=16, interpret=True)
+    want = da.append_decode_attention_reference(q, k_new, v_new, k_cache, v_cache, slot, allowed, layer=2, rope=rope)
+    tol = {jnp.float32: 2e-6, jnp.bfloat16: 2e-2}[dtype]
+    np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32), atol=tol, rtol=tol)
+    # the rotated key in the cache: the rotation rounded to its dtype, as XLA's (1 ulp where it contracts an FMA)
+    np.testing.assert_allclose(np.asarray(got[1][2, :, :, slot], np.float32),
+                               np.asarray(want[1][2, :, :, slot], np.float32), rtol=1e-2 if dtype != jnp.float32
+                               else 1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(got[1][:, :, :, :slot]), np.asarray(k_cache[:, :, :, :slot]))
+    np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(want[2]))
+    unrotated = da.append_decode_attention_reference(q, k_new, v_new, k_cache, v_cache, slot, allowed, layer=2)
+    assert float(jnp.max(jnp.abs(unrotated[0].astype(jnp.float32) - want[0].astype(jnp.float32)))) > 20 * tol
+
+
 def test_slots_after_the_steps_are_not_read():
     """Unwritten slots (garbage here) past the step's slot change nothing, even where ``allowed`` says yes."""
     q, k_new, v_new, k_cache, v_cache = _case(1, 4, 2, 64, 32, jnp.float32, True)
@@ -98,16 +127,25 @@ def test_bad_inputs_are_refused_with_what_was_expected():
         call(slot=jnp.ones(2, jnp.int32))
     with pytest.raises(ValueError, match="block_t must be a power of two"):
         call(block_t=24)
+    with pytest.raises(ValueError, match=r"rope must be \(cos, sin\), each \(1, 8\)"):
+        call(rope=(jnp.ones((1, 16)), jnp.ones((1, 16))))
+    with pytest.raises(ValueError, match="with rope, head_dim must be >= 32"):
+        call(rope=(jnp.ones((1, 8)), jnp.ones((1, 8))))
+    with pytest.raises(ValueError, match="must share a dtype"):
+        call(q=jnp.ones((1, 4, 32)), k_new=jnp.ones((1, 2, 32), jnp.bfloat16), v_new=jnp.ones((1, 2, 32)),
+             k_cache=jnp.ones((L, 1, 2, 32, 32)), v_cache=jnp.ones((L, 1, 2, 32, 32)),
+             rope=(jnp.ones((1, 16)), jnp.ones((1, 16))))
 
 
-@pytest.mark.parametrize("splits", [1, 8])
-def test_lowers_for_cuda_in_place(cuda_lowering, splits):
-    """Lowered for CUDA (Llama-2-7B's heads, bf16, 2048 slots): one Triton call whose cache outputs alias the
-    cache inputs (no copy of the cache for the update)."""
+@pytest.mark.parametrize("splits, rope", [(1, False), (8, False), (8, True)])
+def test_lowers_for_cuda_in_place(cuda_lowering, splits, rope):
+    """Lowered for CUDA (Llama-2-7B's heads, bf16, 2048 slots; RoPE in the kernel or not): one Triton call whose
+    cache outputs alias the cache inputs (no copy of the cache for the update)."""
     q, k_new, v_new = jnp.ones((1, 32, 128), jnp.bfloat16), jnp.ones((1, 32, 128), jnp.bfloat16), \
         jnp.ones((1, 32, 128), jnp.bfloat16)
     cache = jnp.ones((2, 1, 32, 2048, 128), jnp.bfloat16)
+    tables = (jnp.ones((1, 64)), jnp.zeros((1, 64))) if rope else None
     text = cuda_lowering(lambda q, kn, vn, kc, vc, slot, i: da.append_decode_attention(
-        q, kn, vn, kc, vc, slot, jnp.ones((1, 2048), bool), layer=i, num_splits=splits),
+        q, kn, vn, kc, vc, slot, jnp.ones((1, 2048), bool), layer=i, num_splits=splits, rope=tables),
         q, k_new, v_new, cache, cache, jnp.int32(5), jnp.int32(1))
     assert text.count("#stablehlo.output_operand_alias<") == 2

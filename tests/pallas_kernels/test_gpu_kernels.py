@@ -910,32 +910,39 @@ def _quantized_cache_decode():
     return "QuantKVCache int4 pre-RoPE w32 decode: kernel vs XLA, Llama 2x(8q/4kv x 128)", *compare(got, want, 1e-4), None
 
 
-# (B, H, KV, S, D, dtype, splits): Llama-2-7B's and Llama-3-8B's heads, one and several splits, a float32 cache
-FLOAT_DECODE = [(1, 32, 32, 160, 128, BF16, None), (2, 32, 8, 2048, 128, BF16, None), (3, 8, 2, 700, 64, F32, 4),
-                (16, 32, 8, 300, 128, BF16, 1)]
+# (B, H, KV, S, D, dtype, splits, rope): Llama-2-7B's and Llama-3-8B's heads, one and several splits, a float32
+# cache; RoPE in the kernel (the step's q and k before it) for the 7B models' steps
+FLOAT_DECODE = [(1, 32, 32, 160, 128, BF16, None, False), (2, 32, 8, 2048, 128, BF16, None, False),
+                (3, 8, 2, 700, 64, F32, 4, False), (16, 32, 8, 300, 128, BF16, 1, False),
+                (1, 32, 32, 2048, 128, BF16, None, True), (16, 32, 8, 300, 128, BF16, None, True)]
 for _shape in FLOAT_DECODE:
 
     @case
     def _float_decode_attention(shape=_shape):
-        """A float cache's decode step (pallas_kernels.decode_attention: write the token, attend) vs the reference,
-        layer 1 of a stacked cache, the query at a slot in the middle, row 0 left-padded."""
+        """A float cache's decode step (pallas_kernels.decode_attention: write the token, attend; with ``rope``, q
+        and k rotated first by the step's tables) vs the reference, layer 1 of a stacked cache, the query at a slot in
+        the middle, row 0 left-padded. The caches: the token written, nothing else (with RoPE, the key's features
+        that differ from XLA's rotation by more than one bf16 rounding count too)."""
         from pallas_kernels.decode_attention import append_decode_attention, append_decode_attention_reference
 
-        b, h, kv, s, d, dtype, splits = shape
-        keys = jax.random.split(jax.random.key(s), 5)
+        b, h, kv, s, d, dtype, splits, rope = shape
+        keys = jax.random.split(jax.random.key(s), 6)
         k_cache, v_cache = (jax.random.normal(k, (2, b, kv, s, d)).astype(dtype) for k in keys[:2])
         q = jax.random.normal(keys[2], (b, h, d)).astype(dtype)
-        k_new, v_new = (jax.random.normal(k, (b, kv, d)).astype(dtype) for k in keys[3:])
+        k_new, v_new = (jax.random.normal(k, (b, kv, d)).astype(dtype) for k in keys[3:5])
+        angles = jax.random.uniform(keys[5], (b, d // 2), minval=-2000.0, maxval=2000.0)
+        tables = (jnp.cos(angles), jnp.sin(angles)) if rope else None
         slot = s * 2 // 3
         allowed = jnp.ones((b, s), bool).at[0, : slot // 4].set(False)
         out, kc, vc = jax.jit(lambda *a: append_decode_attention(*a, layer=jnp.int32(1), num_splits=splits,
-                                                                 interpret=INTERPRET))(
+                                                                 rope=tables, interpret=INTERPRET))(
             q, k_new, v_new, k_cache, v_cache, jnp.int32(slot), allowed)
         ref, ref_k, ref_v = reference(append_decode_attention_reference, q, k_new, v_new, k_cache, v_cache, slot,
-                                      allowed, layer=1)
-        same = int(jnp.sum(kc != ref_k) + jnp.sum(vc != ref_v))  # the caches: the token written, nothing else
-        return (f"append_decode_attention B={b} H={h} KV={kv} S={s} D={d} {jnp.dtype(dtype).name} splits={splits}",
-                *compare(out, ref, REL[dtype]), same)
+                                      allowed, layer=1, rope=tables)
+        ulp = 2.0 ** -7 * jnp.abs(ref_k.astype(jnp.float32)) if rope else 0.0  # an FMA contracted apart: one rounding
+        same = int(jnp.sum(jnp.abs(kc.astype(jnp.float32) - ref_k.astype(jnp.float32)) > ulp) + jnp.sum(vc != ref_v))
+        return (f"append_decode_attention B={b} H={h} KV={kv} S={s} D={d} {jnp.dtype(dtype).name} splits={splits}"
+                f"{' rope' if rope else ''}", *compare(out, ref, REL[dtype]), same)
 
 
 KV_APPEND = [(8, BF16), (4, BF16), (8, F32), (4, F16)]
