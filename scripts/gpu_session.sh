@@ -23,7 +23,7 @@
 # (e2e's rows carry each variant's logits against XLA alone on the same weights: read them before the speeds), then
 # at once, on the machine still warm: STEPS="attention" (timeout_s 200). A later session: STEPS="decode_fold
 # decode_fold_bf16" (timeout_s 360: the norms folded against apart, end to end), STEPS="decode_fixup
-# decode_fixup_bf16" (timeout_s 360: split sums in the kernels against XLA's), STEPS="decode_hopper_w8a8 hopper
+# decode_fixup_bf16" (timeout_s 420: split sums and RoPE in the kernels against XLA's), STEPS="decode_hopper_w8a8 hopper
 # hopper_fp8 hopper_w8"; the read-ahead of pallas_kernels/prefetch.py in two calls, STEPS="prefetch
 # decode_prefetch" (timeout_s 420) and STEPS="decode_prefetch_bf16 decode_concurrent" (timeout_s 300); then the
 # steps docs/kernels.md lists as never run.
@@ -336,9 +336,9 @@ LLMEQ_UNCHECKED_KERNELS="$fold_on" step decode_fold_bf16 120 "$py" scripts/sweep
 # passed) and with XLA's sums (the products', the attention's), rtn-w4-g128 then bf16.
 fixup_on="${LLMEQ_UNCHECKED_KERNELS:-}"
 failed_case split_fixup || fixup_on="${fixup_on:+$fixup_on,}split_fixup"  # a failed case keeps XLA's sums
-LLMEQ_UNCHECKED_KERNELS="$fixup_on" step decode_fixup 200 "$py" scripts/sweep_decode.py --shapes "$shapes" \
+LLMEQ_UNCHECKED_KERNELS="$fixup_on" step decode_fixup 260 "$py" scripts/sweep_decode.py --shapes "$shapes" \
     "${layers[@]}" --recipe rtn-w4-g128 --settings int4_words:reduce=xla append_decode_attention:reduce=xla \
-    --out "$out/sweep_fixup_w4.json"
+    append_decode_attention:rope=xla --out "$out/sweep_fixup_w4.json"
 LLMEQ_UNCHECKED_KERNELS="$fixup_on" step decode_fixup_bf16 120 "$py" scripts/sweep_decode.py --shapes "$shapes" \
     "${layers[@]}" --recipe bf16 --settings float_matmul:reduce=xla --out "$out/sweep_fixup_bf16.json"
 # Loops as CUDA graphs: XLA records each layer's kernels as a command buffer, but a while loop only when asked
