@@ -39,7 +39,7 @@ from llmeq_jax.core.qarray import QArray, is_packed
 from llmeq_jax.decode_layout import GPU_KMAJOR_MAX_ROWS, scale_group
 from llmeq_jax.layer_slice import take_layer
 from pallas_kernels import config, decode_hopper, float_matmul, hardware_checked, int4_words, int4_words_prefill, \
-    rms_norm as norm_kernel, w8a8, w8a8_hopper, weight_only, weight_only_hopper
+    int8_f16, rms_norm as norm_kernel, w8a8, w8a8_hopper, weight_only, weight_only_hopper
 
 
 class KernelUnavailable(ValueError):
@@ -390,16 +390,21 @@ def rms_norm(x, scale, eps: float, layer=None, force: bool = False):
     return norm_kernel.rms_norm(x2, scale, eps, layer=layer).reshape(x.shape)
 
 
-def linear(x, w: QArray, act=None, require: bool = False, layer=None, *, w_layout: str = "kn", residual=None):
+def linear(x, w: QArray, act=None, require: bool = False, layer=None, *, w_layout: str = "kn", residual=None,
+           norm=None):
     """``x @ w`` by a Pallas kernel, or None when none applies (an error if ``require``); with ``residual`` (x's rows
     by the outputs), ``residual + x @ w``, added by the Triton kernels where they finish their products
-    (``pallas_kernels.split_fixup``), else after the product.
+    (``pallas_kernels.split_fixup``), else after the product. ``norm`` (``pallas_kernels.norm_fold.NormFold``):
+    ``rms_norm(x) @ w`` where the product goes to the int8 float16-operand kernel and it folds the norm
+    (``int8_f16.folds``), else None (the caller evaluates the norm; not with ``require``).
 
     With ``layer``, ``w`` is a stack of kernels (``llmeq_jax.layer_slice.LayerSlice``) and the
     product is with its layer ``layer``, read in place. ``w_layout="nk"``: ``w`` is stored K-major,
     ``(out, in)``; its int8-stored products go to the kernels reading it as stored (packed codes: None)."""
     if not config.kernels_available():
         return _unavailable(require)
+    if norm is not None and require:
+        raise ValueError("kernel_dispatch.linear: a folded norm is taken where a kernel folds it, never required")
     view = logical_view(w) if w_layout == "nk" else w
     if w_layout == "nk" and is_packed(w.bits):
         kind, why = None, f"int{w.bits} codes stored K-major (the kernels read K-major int8 only)"
@@ -419,6 +424,12 @@ def linear(x, w: QArray, act=None, require: bool = False, layer=None, *, w_layou
 
     group, scale, zp, _ = _layout(view)
     measured_as = f"{kind}_nk" if w_layout == "nk" else kind  # K-major: another kernel, measured apart
+    if norm is not None and not (kind == "weight_only" and not is_packed(w.bits)
+                                 and not hopper_decode_takes(x2.shape[0], x.dtype, view, group)
+                                 and kernel_takes(measured_as, x2.shape[0], x.dtype, view, group)
+                                 and _float16_operands(x2, view, group, w_layout)
+                                 and int8_f16.folds(x2.shape[0], x.dtype)):
+        return None  # no kernel that folds the norm takes the product
     if kind == "weight_only" and w_layout == "kn" and not require and hopper_weight_only_takes(x2, view, group):
         y = weight_only_hopper.weight_only_hopper(x2, w.qvalue, scale, zero_point=zp, group=group, layer=layer,
                                                   bits=hopper_weight_only_bits(view))
@@ -445,7 +456,7 @@ def linear(x, w: QArray, act=None, require: bool = False, layer=None, *, w_layou
         bits = 4 if is_packed(w.bits) else 8
         dequant = "f16" if _float16_operands(x2, view, group, w_layout) else None
         y = weight_only.weight_only_matmul(x2, w.qvalue, scale, bits=bits, w_zero_point=zp, group=group, layer=layer,
-                                           w_layout=w_layout, dequant=dequant, residual=r2)
+                                           w_layout=w_layout, dequant=dequant, residual=r2, norm=norm)
     return done(y, added=True)
 
 

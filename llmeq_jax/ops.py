@@ -171,11 +171,26 @@ def linear(
 
 
 def _linear_folded(x: NormedRows, w, backend):
-    """``rms_norm(...) @ w`` by a kernel that folds the norm in (``pallas_kernels.norm_fold``) -- the float kernel
-    or the int4 word kernel, reading the norm's layer of the stacked weights -- or None where neither takes it."""
+    """``rms_norm(...) @ w`` by a kernel that folds the norm in (``pallas_kernels.norm_fold``) -- the float kernel,
+    the int4 word kernel or the int8 float16-operand kernel over K-major codes, reading the norm's layer of the
+    stacked weights -- or None where none takes it."""
     kernel = _decode_kernel(x, w, backend)
     norm = _norm_to_fold(x, w, kernel)
-    return None if norm is None else _run_decode_kernel(kernel, x.x, w, backend, norm=norm)
+    if norm is not None:
+        return _run_decode_kernel(kernel, x.x, w, backend, norm=norm)
+    return _int8_folded(x, w, backend)
+
+
+def _int8_folded(x: NormedRows, w, backend):
+    """``rms_norm(...) @ w`` for a stacked layer of K-major int8 weight-only codes (rtn-w8's decode) by
+    ``pallas_kernels.int8_f16``, folding the norm, where kernel_dispatch sends the product there; else None."""
+    if (backend == "xla" or not isinstance(w, LayerSlice) or not isinstance(w.stack, RowMajorKernel)
+            or w.stack.split or w.stack.w.act_spec is not None):
+        return None
+    norm = _norm_to_fold(x, w, "int8_f16")
+    # (no read-ahead, pallas_kernels.prefetch: whether the kernel takes the product is known only after the call)
+    return None if norm is None else kernel_dispatch.linear(x.x, w.stack.w, None, layer=w.layer, w_layout="nk",
+                                                            norm=norm)
 
 
 def _norm_to_fold(x, w, kernel: str | None):

@@ -164,6 +164,7 @@ def _rms_norm() -> list[Lowering]:
 def _norm_fold() -> list[Lowering]:
     from pallas_kernels.float_matmul import float_matmul
     from pallas_kernels.int4_words import int4_words_matmul
+    from pallas_kernels.int8_f16 import int8_f16_matmul
     from pallas_kernels.norm_fold import NormFold
 
     k, n = 4096, 12288
@@ -175,6 +176,10 @@ def _norm_fold() -> list[Lowering]:
         Lowering("float bf16, M=1, a stack's layer, the norm folded", "float_matmul",
                  lambda x, w, g, i: float_matmul(x, w, layer=i, norm=NormFold(g, 1e-5)),
                  (sds((1, k), BF16), sds((4, k, 4096), BF16), scale, sds((), I32))),
+        Lowering("int8 K-major float16 operands, bf16, M=1, a stack's layer, the norm folded",
+                 "weight_only_int8_f16_matmul",
+                 lambda x, w, s, g, i: int8_f16_matmul(x, w, s, layer=i, norm=NormFold(g, 1e-5)),
+                 (sds((1, k), BF16), sds((4, n, k), I8), sds((4, 1, n), F32), scale, sds((), I32))),
     ]
 
 

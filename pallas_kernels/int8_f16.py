@@ -22,6 +22,9 @@ the one-launch kernel (``models.stacked.norms_in_place``), 14 -> 12 launches a L
 0.3 more instructions per weight (2.21 -> 2.52 in sm_90 SASS at M = 1; the kernels measured bound by something
 other than instructions on an H200: this kernel, with half ``w8_nk``'s instructions, was 0.60-1.21x of it).
 
+With ``norm=`` the kernel folds the RMSNorm before it (:mod:`pallas_kernels.norm_fold`; bf16 x, converted here):
+the norm kernel's two launches a rtn-w8 decode layer go (9 -> 7, deviceless H100 compile).
+
 sm_90 SASS at M = 1 (``scripts/kernel_sass.py`` cases ``wo_int8_m1_kmajor_f16*``): 2.2 instructions per
 weight (256 columns, K steps of 128; 2.0 with 256, 1.8 with 512 columns) against 4.5; float32
 accumulation in the MMAs. ``weight_only_matmul(..., w_layout="nk", dequant="f16")``; a GPU decode step's
@@ -41,11 +44,13 @@ Contract:
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import hardware_checked, settings
+from pallas_kernels import hardware_checked, norm_fold, settings
 from pallas_kernels.blocks import Blocks
 from pallas_kernels.common import (
     launch_matmul,
@@ -83,21 +88,28 @@ def _codes(wq, interpret: bool):
                                         result_shape_dtypes=[out])[0]
 
 
-def _kernel(*refs, m, n, k, blocks, has_zp, has_bias, split_blocks, split, stacked, x_scale, interpreted, fixup=None):
+def _kernel(*refs, m, n, k, blocks, has_zp, has_bias, split_blocks, split, stacked, x_scale, interpreted, eps=None,
+            fixup=None):
     """``x_scale``: what x is multiplied by to become float16 operands here (bf16 x: :data:`X_SCALE`), or 1.0 (x
-    float16 already)."""
-    layer, (x_ref, w_ref, ws_ref), zp_ref, b_ref, o_ref = split_refs(
-        refs, stacked=stacked, inputs=3, has_zp=has_zp, has_bias=has_bias, fixup=fixup)
+    float16 already). ``eps``: x is an RMSNorm's input, folded here (:mod:`pallas_kernels.norm_fold`: x times the
+    norm's scale in bf16, then into float16; its scale the fourth input)."""
+    folded = eps is not None
+    layer, (x_ref, w_ref, ws_ref, *scale_ref), zp_ref, b_ref, o_ref = split_refs(
+        refs, stacked=stacked, inputs=3 + folded, has_zp=has_zp, has_bias=has_bias,
+        outputs=norm_fold.outputs(folded, split), fixup=fixup)
     bm, bn, bk = blocks.bm, blocks.bn, blocks.bk
     prog = matmul_program(m, n, k, blocks, split_blocks)
 
     def row_of(ref, lay=None):
         return load_tile(ref, span(0, 1, 1, in_bounds=True), prog.cols, 0, lay).astype(jnp.float32)
 
-    def body(kb, carry):
-        acc, x_sum = carry
+    def body(kb, carry, squared: bool):
+        acc, x_sum, sumsq = carry
         ks = span(kb * bk, bk, k, in_bounds=prog.whole_k)
         xt = load_tile(x_ref, prog.rows, ks, 0)
+        if folded:
+            xt, squares = norm_fold.fold_tile(xt, scale_ref[0], ks, layer, squared)
+            sumsq = sumsq + squares if squared else sumsq
         if xt.dtype != jnp.float16:  # bf16 x into float16 operands, scaled (module doc)
             xt = (xt.astype(jnp.float32) * x_scale).astype(jnp.float16)
         wt = load_tile(w_ref, prog.cols, ks, 0, layer)  # (bn, bk): K-major, contracted on its last dim
@@ -105,13 +117,23 @@ def _kernel(*refs, m, n, k, blocks, has_zp, has_bias, split_blocks, split, stack
                                    preferred_element_type=jnp.float32)
         # x's row sums in the loop (a dot against ones would double the MMAs; a narrow one re-laid the
         # whole loop out, four warps repeating each other's work, in sm_90 SASS)
-        return acc + part, x_sum + jnp.sum(xt.astype(jnp.float32), axis=1, keepdims=True)
+        return acc + part, x_sum + jnp.sum(xt.astype(jnp.float32), axis=1, keepdims=True), sumsq
 
-    zero = jnp.zeros((bm, bn), jnp.float32)
-    acc, x_sum = jax.lax.fori_loop(prog.first, prog.last, body, (zero, jnp.zeros((bm, 1), jnp.float32)))
+    def loop(squared: bool):
+        zero = jnp.zeros((bm, bn), jnp.float32)
+        rows = jnp.zeros((bm, 1), jnp.float32)
+        acc, x_sum, sumsq = jax.lax.fori_loop(prog.first, prog.last, functools.partial(body, squared=squared),
+                                              (zero, rows, rows if folded else ()))
+        return (acc, x_sum), sumsq
+
+    (acc, x_sum), sumsq = norm_fold.run(loop, folded, split, squares_after=bool(fixup))
     base = CODE_BASE + (row_of(zp_ref, layer) if has_zp else 0.0)
     acc = (acc - x_sum * base) * (row_of(ws_ref, layer) / x_scale)
-    store_matmul(o_ref, b_ref, acc, prog, split=split, has_bias=has_bias)
+    if folded:
+        norm_fold.store(o_ref, b_ref, acc, sumsq, prog, split=split, has_bias=has_bias, k=k, eps=eps, fixup=fixup,
+                        x_ref=x_ref)
+    else:
+        store_matmul(o_ref, b_ref, acc, prog, split=split, has_bias=has_bias)
 
 
 def converts_in_xla(m: int) -> bool:
@@ -127,10 +149,19 @@ def converts_in_xla(m: int) -> bool:
     return not hardware_checked.allowed("rms_norm")
 
 
+def folds(m: int, x_dtype) -> bool:
+    """Whether the kernel may fold an RMSNorm into a launch of ``m`` rows of ``x_dtype``: bfloat16 x (float16 x
+    times the norm's scale could overflow where the norm's output would not) converted in the kernel (a setting
+    ``convert="xla"`` makes the float16 x before the launch, from the norm's output)."""
+    return jnp.dtype(x_dtype) == jnp.dtype(jnp.bfloat16) and settings.of("int8_f16", m).convert != "xla"
+
+
 def int8_f16_matmul(x, wq, w_scale, *, w_zero_point=None, bias=None, blocks: Blocks | None = None,
-                    k_splits: int | None = None, layer=None, residual=None, interpret: bool = False):
+                    k_splits: int | None = None, layer=None, norm: norm_fold.NormFold | None = None, residual=None,
+                    interpret: bool = False):
     """``x @ dequantize(w)`` for K-major int8 weights with per-channel scales, float16 operands (module doc).
-    The caller (``weight_only_matmul(..., dequant="f16")``) has checked the shapes. ``residual``:
+    The caller (``weight_only_matmul(..., dequant="f16")``) has checked the shapes. ``norm``: ``rms_norm(x) @ w``,
+    the norm folded in (:mod:`pallas_kernels.norm_fold`; where :func:`folds`). ``residual``:
     ``common.launch_matmul``'s (added by the kernel where it finishes its product: ``pallas_kernels.split_fixup``)."""
     if jnp.dtype(x.dtype) not in HALF_DTYPES:
         raise ValueError(f"int8_f16_matmul: x must be bfloat16/float16 (float16 operands), got {x.dtype}")
@@ -138,18 +169,26 @@ def int8_f16_matmul(x, wq, w_scale, *, w_zero_point=None, bias=None, blocks: Blo
         raise ValueError(f"int8_f16_matmul takes per-channel scales (1, N), got {w_scale.shape[-2:]}")
     m, k = x.shape
     n = wq.shape[-2]
+    if norm is not None:
+        norm_fold.check("int8_f16_matmul", norm, k, layer)
+        if not folds(m, x.dtype):
+            raise ValueError(f"int8_f16_matmul: a folded norm needs bfloat16 x converted in the kernel, got {x.dtype}"
+                             f" with convert={settings.of('int8_f16', m).convert!r}")
     x_scale = 1.0 if x.dtype == jnp.float16 else X_SCALE
     bm, bn, bk, warps, stages = DEFAULT_BLOCKS
     chosen = settings.of("int8_f16", m)
     x16 = x  # bf16 x converted each K step in the kernel, or here by XLA (module doc: where)
-    if x.dtype != jnp.float16 and converts_in_xla(m):
+    if x.dtype != jnp.float16 and norm is None and converts_in_xla(m):
         x16 = (x.astype(jnp.float32) * x_scale).astype(jnp.float16)
     blocks = blocks or chosen.blocks(Blocks(bm if m <= bm else 64, bn, bk, warps, stages))
-    args = [x16, *weight_operands(wq, w_scale, w_zero_point)]
+    args, fold = [x16, *weight_operands(wq, w_scale, w_zero_point)], {}
+    if norm is not None:  # the norm's scale after the weights' scales (split_refs: inputs, then the zero points)
+        args, fold = [*args[:3], norm_fold.operand(norm, layer), *args[3:]], dict(eps=float(norm.eps),
+                                                                                   fold_eps=float(norm.eps))
     return launch_matmul(_kernel, args, m=m, n=n, k=k, blocks=blocks, bias=bias, k_splits=k_splits or chosen.k_splits,
                          out_dtype=x.dtype, interpret=interpret, name="weight_only_int8_f16_matmul", layer=layer,
                          programs=chosen.programs, residual=residual, fixup=chosen.reduce != "xla",
-                         has_zp=w_zero_point is not None, x_scale=x_scale, interpreted=interpret)
+                         has_zp=w_zero_point is not None, x_scale=x_scale, interpreted=interpret, **fold)
 
 
-__all__ = ["CODE_ASM", "CODE_BASE", "X_SCALE", "codes", "converts_in_xla", "int8_f16_matmul"]
+__all__ = ["CODE_ASM", "CODE_BASE", "X_SCALE", "codes", "converts_in_xla", "folds", "int8_f16_matmul"]

@@ -20,7 +20,8 @@ to float32 where the scale is a power of two, as initialized norms are). A scale
 in it (the same rounding, a cheaper loop): ``llmeq_jax.decode_layout`` stores a stacked norm's scale so where that
 loses nothing.
 
-Kernels that fold: ``float_matmul`` and ``int4_words`` (``norm=``). ``llmeq_jax.normed_rows`` hands a norm's
+Kernels that fold: ``float_matmul``, ``int4_words`` and ``int8_f16`` (``norm=``; the last multiplies x by the
+scale in bf16, then makes its float16 operands as before). ``llmeq_jax.normed_rows`` hands a norm's
 output to them unevaluated.
 """
 

@@ -36,7 +36,7 @@ REDUCES = ("kernel", "xla")
 ROPES = ("kernel", "xla")
 # The settings that are words, not counts: the kernels that take each and the words it takes.
 WORDS = {"epilogue": (("int4_words",), EPILOGUES), "convert": (("int8_f16",), CONVERTS),
-         "norm": (("int4_words", "float_matmul"), NORMS), "reduce": (("int4_words", "float_matmul", "int8_f16", "weight_only", "w8a8", "append_decode_attention"),
+         "norm": (("int4_words", "float_matmul", "int8_f16"), NORMS), "reduce": (("int4_words", "float_matmul", "int8_f16", "weight_only", "w8a8", "append_decode_attention"),
                     REDUCES),
          "rope": (("append_decode_attention",), ROPES)}
 
@@ -55,7 +55,7 @@ class Settings:
     ``epilogue``: the int4 word kernel's scale epilogue (``int4_words.EPILOGUES``); ``convert``: where the int8
     float16-operand kernel makes its float16 x from bfloat16 x, "kernel" (each K step's tile) or "xla" (before
     the launch: XLA fuses it into the op that makes x, but a decode step's norm then stays XLA's two kernels);
-    ``norm``: whether a decode step's RMSNorm before the word or float kernel's product is folded into it where it
+    ``norm``: whether a decode step's RMSNorm before the word, float or int8 float16-operand kernel's product is folded into it where it
     may be (``pallas_kernels.norm_fold``; "fold", the default there) or left to a
     launch of its own ("apart"); ``reduce``: who adds a split product's partial sums (the float cache's attention
     kernel: merges its splits) where a scan carries the counters (``pallas_kernels.split_fixup``): the kernel's last

@@ -249,10 +249,12 @@ def weight_only_matmul(
     layer=None,
     w_layout: str = "kn",
     residual=None,
+    norm=None,
     interpret: bool | None = None,
 ):
     """``x @ dequantize(w)`` with the weight dequantized tile by tile in registers; with ``residual`` (M, N),
     ``residual + x @ dequantize(w)`` (added by the kernel where it finishes its product: ``pallas_kernels.split_fixup``).
+    ``norm`` (``dequant="f16"`` only): ``rms_norm(x) @ dequantize(w)``, folded by ``pallas_kernels.int8_f16``.
 
     ``gemv=True`` (M <= ``gemv.GEMV_MAX_ROWS``) runs the multiply-and-sum formulation of
     :mod:`pallas_kernels.gemv` instead of tensor-core dots (``blocks`` then gives its N and K blocks;
@@ -278,6 +280,9 @@ def weight_only_matmul(
         raise ValueError(f"weight_only_matmul: w_layout={w_layout!r} is not one of 'kn' (K, N) or 'nk' (N, K, int8 "
                          "weights and the dot kernel only: K-major int4 bytes would be gathered one at a time)")
     _check(x, logical, w_scale, w_zero_point, bits, group, layer)
+    if norm is not None and (gemv or dequant != "f16"):
+        raise ValueError(f"weight_only_matmul: a folded norm needs dequant='f16' (pallas_kernels.int8_f16), got "
+                         f"dequant={dequant!r}{', gemv' if gemv else ''}")
     if gemv:
         from pallas_kernels.gemv import weight_only_gemv
 
@@ -295,7 +300,7 @@ def weight_only_matmul(
             raise ValueError("weight_only_matmul: dequant='f16' takes int8 weights stored K-major (w_layout='nk') "
                              "with per-channel scales and bfloat16/float16 activations")
         return int8_f16_matmul(x, wq, w_scale, w_zero_point=w_zero_point, bias=bias, blocks=blocks,
-                               k_splits=k_splits, layer=layer, residual=residual,
+                               k_splits=k_splits, layer=layer, norm=norm, residual=residual,
                                interpret=config.resolve_interpret(interpret))
     if dequant not in DEQUANT_MODES or (dequant in ("fold", "asm") and not half) or (
             dequant == "scaled" and not (half and bits == 4 and group is not None)):

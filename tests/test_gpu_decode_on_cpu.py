@@ -130,6 +130,38 @@ def test_a_gpus_decode_folds_its_norms_into_the_products_after_them(recipe, monk
         assert rms(folded) <= 1.1 * rms(apart), (rms(folded), rms(apart))  # seen: 0.14 vs 0.19
 
 
+def test_a_gpus_int8_decode_folds_its_norms_into_the_float16_operand_kernel(monkeypatch):
+    """rtn-w8's decode (K-major int8 codes, ``pallas_kernels.int8_f16``) traced for an H100: both norms of a layer
+    folded into its q/k/v and gate/up products -- no norm launch, the same products as with the norms apart
+    (``int8_f16:norm=apart``: the norm kernel twice) -- and the logits within bf16 rounding of the CPU's XLA
+    decode. (MIN_KERNEL_WEIGHTS lowered: small products are XLA's.)"""
+    from llmeq_jax import kernel_dispatch
+    from pallas_kernels import settings
+
+    monkeypatch.setattr(kernel_dispatch, "MIN_KERNEL_WEIGHTS", 0)
+    config = dataclasses.replace(CONFIG, intermediate_size=448)  # shapes of its own (the fold test's reason)
+    params = jax.tree.map(lambda a: (a * 4).astype(jnp.bfloat16), init_params(config, jax.random.key(6)))
+    params = pipeline.run_recipe(config, params, None, pipeline.read_recipe("rtn-w8"), None, 16, progress=False).params
+    params = stacked.stack_blocks(config, params)
+    tokens = jnp.asarray(np.random.default_rng(6).integers(0, config.vocab_size, (2, PROMPT + 2)))
+    with native.disabled(), kernel_config.disabled():
+        want, _, _ = _logits(params, tokens, config)
+    with native.disabled(), kernel_config.compiling_for(FAKE_H100), kernel_config.interpret(True):
+        folded, step, kinds = _logits(params, tokens, config)
+        with settings.override("int8_f16", norm="apart"):
+            apart, apart_step, _ = _logits(params, tokens, config)
+    products = "name=weight_only_int8_f16_matmul"
+    assert kinds == {"RowMajorKernel"}
+    assert step.count("name=rms_norm") == 0 and apart_step.count("name=rms_norm") == 2
+    assert step.count(products) == apart_step.count(products) >= 2  # q/k/v and gate/up at least
+    # bf16 through two layers of x4 weights, as the fold test: seen 0.52 (folded) and 0.22 (apart) of 22 -- the norms
+    # apart round where XLA's decode does; against float32 the fold is as close (tests/pallas_kernels/test_norm_fold.py)
+    scale = float(jnp.max(jnp.abs(want)))
+    np.testing.assert_allclose(np.asarray(folded), np.asarray(want), atol=0.1 * scale)
+    np.testing.assert_allclose(np.asarray(apart), np.asarray(want), atol=0.1 * scale)
+    assert not np.array_equal(np.asarray(folded), np.asarray(apart))  # another rounding: the fold did run
+
+
 def test_gpt2s_decode_takes_the_attention_kernel_too():
     """GPT-2 (LayerNorm, learned positions, multi-head) through the same float cache's attention kernel."""
     params = stacked.stack_blocks(GPT2, jax.tree.map(lambda a: (a * 4).astype(jnp.bfloat16),

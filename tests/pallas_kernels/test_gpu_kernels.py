@@ -534,6 +534,8 @@ NORM_FOLD = [  # (kernel, M, K, N, scale dtype, K splits): pallas_kernels.norm_f
     ("words", 1, 4096, 4096, BF16, 1),  # no K split: every program scales its rows itself
     ("float", 1, 4096, 4096, BF16, None),
     ("float", 4, 5120, 13824, F32, 1),
+    ("int8_f16", 1, 4096, 12288, BF16, None),  # rtn-w8's q/k/v: K-major int8 codes, float16 operands
+    ("int8_f16", 16, 4096, 22016, F32, 1),
 ]
 
 for _shape in NORM_FOLD:
@@ -558,6 +560,15 @@ for _shape in NORM_FOLD:
                 x, w, s, group=128, w_zero_point=z, layer=i, norm=NormFold(g, 1e-5), k_splits=splits,
                 interpret=INTERPRET))(x, words, stack(q.scale), stack(q.zero_point), scales, jnp.int32(1))
             r = reference(int4_words_reference, normed, words[1], q.scale, w_zero_point=q.zero_point, group=128)
+        elif kernel == "int8_f16":
+            from pallas_kernels.int8_f16 import int8_f16_matmul
+
+            q = jax.random.randint(jax.random.key(19), (3, n, k), -127, 128).astype(jnp.int8)  # K-major
+            s = jax.random.uniform(jax.random.key(20), (3, 1, n), minval=1e-3, maxval=3e-3)
+            y = jax.jit(lambda x, q, s, g, i: int8_f16_matmul(x, q, s, layer=i, norm=NormFold(g, 1e-5),
+                                                              k_splits=splits, interpret=INTERPRET))(
+                x, q, s, scales, jnp.int32(1))
+            r = reference(lambda x, w: jnp.dot(x.astype(jnp.float32), w), normed, (q[1].astype(F32) * s[1].T).T)
         else:
             w = (jax.random.normal(jax.random.key(18), (3, k, n)) * 0.02).astype(BF16)
             y = jax.jit(lambda x, w, g, i: float_matmul(x, w, layer=i, norm=NormFold(g, 1e-5), k_splits=splits,

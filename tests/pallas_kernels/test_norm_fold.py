@@ -1,5 +1,5 @@
 """An RMSNorm folded into the decode products that read its output (pallas_kernels/norm_fold.py): the float and int4
-word kernels with ``norm=`` against the norm then the product, in interpret mode; split K; refusals; lowering."""
+word kernels and the int8 float16-operand kernel with ``norm=`` against the norm then the product, in interpret mode; split K; refusals; lowering."""
 
 import jax
 import jax.numpy as jnp
@@ -67,6 +67,31 @@ def test_float_kernel_folds_the_norm(m, k, n, splits, dtype):
     normed = rms_norm_reference(x, scales[2], EPS).astype(jnp.float32)
     want = (jnp.dot(normed, w[2].astype(jnp.float32), precision="highest") + b).astype(dtype)
     _close(got, want, dtype)
+
+
+@pytest.mark.parametrize("m, k, n, zp, bias, splits", [
+    (1, 512, 256, False, False, None),  # the launch's own splits: the factor from the splits' squares
+    (1, 384, 200, True, True, 1),       # one program over K, zero points, bias after the factor
+    (16, 1000, 130, False, False, 3),   # ragged K and N, a batch of 16 decode rows
+])
+def test_int8_float16_kernel_folds_the_norm(m, k, n, zp, bias, splits):
+    """rtn-w8's decode kernel (float16 operands, K-major codes): bf16 x times the norm's scale, then into float16."""
+    from pallas_kernels.int8_f16 import int8_f16_matmul
+
+    x, scales, key = _operands(m, k, n, jnp.bfloat16, seed=2)
+    keys = jax.random.split(key, 4)
+    q = jax.random.randint(keys[0], (3, n, k), -127, 128).astype(jnp.int8)  # K-major: (N, K) a layer
+    s = 0.002 * (1 + jax.random.uniform(keys[1], (3, 1, n)))
+    z = jax.random.randint(keys[2], (3, 1, n), -3, 4).astype(jnp.int8) if zp else None
+    b = jax.random.normal(keys[3], (n,)) if bias else None
+    got = int8_f16_matmul(x, q, s, w_zero_point=z, bias=b, layer=jnp.int32(1), norm=NormFold(scales, EPS),
+                          k_splits=splits, interpret=True)
+    normed = rms_norm_reference(x, scales[1], EPS).astype(jnp.float32)
+    w = (q[1].astype(jnp.float32) - (0 if z is None else z[1].astype(jnp.float32).T)) * s[1].T  # (N, K)
+    want = (jnp.dot(normed, w.T, precision="highest") + (0 if b is None else b)).astype(jnp.bfloat16)
+    _close(got, want, jnp.bfloat16)
+    with pytest.raises(ValueError, match="a folded norm needs bfloat16 x converted in the kernel"):
+        int8_f16_matmul(x.astype(jnp.float16), q, s, layer=jnp.int32(1), norm=NormFold(scales, EPS), interpret=True)
 
 
 @pytest.mark.parametrize("scales", ["powers of two", "bf16 values", "float32 values"])
@@ -144,3 +169,8 @@ def test_folding_kernels_lower_for_cuda(cuda_lowering):
                                                           k_splits=1), x, words, s, scales, jnp.int32(1))
     cuda_lowering(lambda x, w, g, i: float_matmul(x, w, layer=i, norm=NormFold(g, EPS)),
                   x, jnp.ones((4, 4096, 512), jnp.bfloat16), scales.astype(jnp.bfloat16), jnp.int32(3))
+    from pallas_kernels.int8_f16 import int8_f16_matmul
+
+    cuda_lowering(lambda x, w, s, g, i: int8_f16_matmul(x, w, s, layer=i, norm=NormFold(g, EPS)),
+                  x, jnp.ones((4, 12288, 4096), jnp.int8), jnp.ones((4, 1, 12288)), scales.astype(jnp.bfloat16),
+                  jnp.int32(1))

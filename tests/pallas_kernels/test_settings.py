@@ -115,7 +115,7 @@ def test_overrides_nest_and_are_hashable_state():
     ("int4_words", {"epilogue": "cols"}, "one of ('rows', 'mma')"),
     ("int4_words", {"convert": "xla"}, "convert belongs to int8_f16,"),
     ("int8_f16", {"convert": "host"}, "one of ('kernel', 'xla')"),
-    ("int8_f16", {"norm": "apart"}, "norm belongs to int4_words, float_matmul,"),
+    ("w8a8", {"norm": "apart"}, "norm belongs to int4_words, float_matmul, int8_f16,"),
     ("float_matmul", {"norm": "after"}, "one of ('fold', 'apart')"),
 ])
 def test_bad_settings_are_refused(kernel, fields, message):

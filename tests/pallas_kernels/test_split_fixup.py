@@ -242,7 +242,7 @@ def test_the_float_caches_attention_merges_its_splits_in_the_kernel():
     np.testing.assert_array_equal(np.asarray(kept), np.asarray(out))
 
 
-def test_the_attention_kernel_takes_no_launch_settings_but_reduce():
-    with pytest.raises(ValueError, match="takes reduce only"):
+def test_the_attention_kernel_takes_no_launch_settings_but_reduce_and_rope():
+    with pytest.raises(ValueError, match="takes reduce, rope only, got bn"):
         with settings.override("append_decode_attention", bn=64):
             pass
