@@ -423,41 +423,60 @@ def linear(x, w: QArray, act=None, require: bool = False, layer=None, *, w_layou
         return y if residual is None or added else residual + y
 
     group, scale, zp, _ = _layout(view)
-    measured_as = f"{kind}_nk" if w_layout == "nk" else kind  # K-major: another kernel, measured apart
-    if norm is not None and not (kind == "weight_only" and not is_packed(w.bits)
-                                 and not hopper_decode_takes(x2.shape[0], x.dtype, view, group)
-                                 and kernel_takes(measured_as, x2.shape[0], x.dtype, view, group)
-                                 and _float16_operands(x2, view, group, w_layout)
-                                 and int8_f16.folds(x2.shape[0], x.dtype)):
+    path = _linear_path(kind, x2, view, group, w_layout, zp is not None, require)
+    if norm is not None and not (path == "int8_f16" and int8_f16.folds(x2.shape[0], x.dtype)):
         return None  # no kernel that folds the norm takes the product
-    if kind == "weight_only" and w_layout == "kn" and not require and hopper_weight_only_takes(x2, view, group):
+    fp8 = kind == "fp8_w8a8"
+    if path == "xla":
+        return None  # XLA's path: measured faster on this device, or a small product no table measured
+    if path == "weight_only_hopper":
         y = weight_only_hopper.weight_only_hopper(x2, w.qvalue, scale, zero_point=zp, group=group, layer=layer,
                                                   bits=hopper_weight_only_bits(view))
         return done(y)
-    if kind == "weight_only" and w_layout == "nk" and not require and not is_packed(w.bits) \
-            and hopper_decode_takes(x2.shape[0], x.dtype, view, group):  # a decode step's K-major int8 product
+    if path == "decode_hopper":  # a decode step's K-major int8 product
         scale, zp = _as_stored(view, scale, zp)
         y = decode_hopper.decode_hopper(x2, w.qvalue, scale, zero_point=zp, group=group, layer=layer)
         return done(y)
-    fp8 = kind == "fp8_w8a8"
-    if kind in ("w8a8", "fp8_w8a8") and w_layout == "nk" and not require \
-            and hopper_decode_takes(x2.shape[0], x.dtype, view, group, kind):  # a decode step's K-major W8A8 product
+    if path == "w8a8_decode_hopper":  # a decode step's K-major W8A8 product
         y = decode_hopper.w8a8_decode_hopper(x2, w.qvalue, scale, act_scale=_act_scale(w, layer), layer=layer, fp8=fp8)
         return done(y)
-    if not require and not kernel_takes(measured_as, x2.shape[0], x.dtype, view, group):
-        return None  # XLA's path: measured faster on this device, or a small product no table measured
-    if kind in ("w8a8", "fp8_w8a8") and w_layout == "nk" and not require \
-            and hopper_w8a8_takes(x2, view, group, zp is not None, fp8=fp8):
+    if path == "w8a8_hopper":
         return done(w8a8_hopper.w8a8_hopper(x2, w.qvalue, scale, act_scale=_act_scale(w, layer), layer=layer, fp8=fp8))
-    if kind in ("w8a8", "fp8_w8a8"):
+    if path == "w8a8":
         y = w8a8.w8a8_matmul(x2, w.qvalue, scale, w_zero_point=zp, act_scale=_act_scale(w, layer), group=group,
                              layer=layer, fp8=fp8, w_layout=w_layout, residual=r2)
     else:
         bits = 4 if is_packed(w.bits) else 8
-        dequant = "f16" if _float16_operands(x2, view, group, w_layout) else None
+        dequant = "f16" if path == "int8_f16" else None
         y = weight_only.weight_only_matmul(x2, w.qvalue, scale, bits=bits, w_zero_point=zp, group=group, layer=layer,
                                            w_layout=w_layout, dequant=dequant, residual=r2, norm=norm)
     return done(y, added=True)
+
+
+def _linear_path(kind: str, x2, view: QArray, group: int | None, w_layout: str, has_zero_point: bool,
+                 require: bool) -> str:
+    """Which kernel :func:`linear` hands ``x2 @ view`` to (``kind`` from :func:`plan`): "weight_only_hopper",
+    "decode_hopper", "w8a8_decode_hopper", "w8a8_hopper", "w8a8", "int8_f16" (the weight-only kernel with float16
+    operands), "weight_only", or "xla" where a table measured XLA faster. Decided once, so that what takes a folded
+    norm and what runs the product cannot drift apart. ``require`` keeps to the portable kernels."""
+    rows, packed = x2.shape[0], is_packed(view.bits)
+    weight_only_kind = kind == "weight_only"
+    if not require:
+        if weight_only_kind and w_layout == "kn" and hopper_weight_only_takes(x2, view, group):
+            return "weight_only_hopper"
+        if weight_only_kind and w_layout == "nk" and not packed and hopper_decode_takes(rows, x2.dtype, view, group):
+            return "decode_hopper"
+        if not weight_only_kind and w_layout == "nk" and hopper_decode_takes(rows, x2.dtype, view, group, kind):
+            return "w8a8_decode_hopper"
+        measured_as = f"{kind}_nk" if w_layout == "nk" else kind  # K-major: another kernel, measured apart
+        if not kernel_takes(measured_as, rows, x2.dtype, view, group):
+            return "xla"
+        if not weight_only_kind and w_layout == "nk" \
+                and hopper_w8a8_takes(x2, view, group, has_zero_point, fp8=kind == "fp8_w8a8"):
+            return "w8a8_hopper"
+    if not weight_only_kind:
+        return "w8a8"
+    return "int8_f16" if _float16_operands(x2, view, group, w_layout) else "weight_only"
 
 
 def _float16_operands(x2, view: QArray, group: int | None, w_layout: str) -> bool:
