@@ -67,11 +67,15 @@ class RowMajorKernel:
 
     ``split``: ``w.qvalue`` holds int2-int6 codes as :func:`split_codes` bytes (:func:`split_rows`), which
     only the native kernel reads; every other path reads :meth:`qarray`. ``w.bits`` is then the split codes'
-    width: 2 or 3 where the kernel's int4 slots held 2- or 3-bit values (GGUF Q2_K / Q3_K)."""
+    width: 2 or 3 where the kernel's int4 slots held 2- or 3-bit values (GGUF Q2_K / Q3_K).
+
+    ``paired``: a SwiGLU's joined gate/up kernel with its outputs (``w``'s rows) paired, gate ``i`` at ``2 i`` and
+    up ``i`` at ``2 i + 1`` (:func:`pair_swiglu`): ``ops.swiglu`` runs it."""
 
     w: QArray
     codes: ScaleCodes | None = None
     split: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    paired: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -740,29 +744,48 @@ def narrow_norm_scales(params, dtype):
 
 
 def pair_swiglu(params):
-    """``params`` with every SwiGLU's joined gate/up :class:`Int4WordKernel` (``gate_up_proj``, gate then up along
-    its outputs) stored ``paired``: output columns interleaved, gate ``i`` then up ``i``, so that each of the word
-    kernel's column tiles holds both halves of its outputs and gates them where it finishes the product
-    (``pallas_kernels.common.swiglu_pairs``; ``ops.swiglu``) -- no launch for the activation. Words, scales and
-    zero points move together (a stack [L, ...] too); other leaves come back as they are."""
-    def pair(a):
-        half = a.shape[-1] // 2
-        return jnp.stack([a[..., :half], a[..., half:]], axis=-1).reshape(a.shape)
-
+    """``params`` with every SwiGLU's joined gate/up kernel (``gate_up_proj``, gate then up along its outputs) that a
+    decode kernel can gate -- an :class:`Int4WordKernel`, or an int8 weight-only :class:`RowMajorKernel` (the
+    float16-operand and K-major int8 kernels) -- stored ``paired``: outputs interleaved, gate ``i`` then up ``i``, so
+    that each of the kernel's column tiles holds both halves of its outputs and gates them where it finishes the
+    product (``pallas_kernels.common.swiglu_pairs``; ``ops.swiglu``) -- no launch for the activation. Codes, scales
+    and zero points move together (a stack [L, ...] too); other leaves come back as they are."""
     def walk(tree):
         if not isinstance(tree, dict):
             return tree
         out = {k: walk(v) for k, v in tree.items()}
-        kernel = out.get("gate_up_proj", {}).get("kernel") if isinstance(out.get("gate_up_proj"), dict) else None
-        if (isinstance(kernel, Int4WordKernel) and not kernel.paired and kernel.shape[1] % 2 == 0
-                and "bias" not in out["gate_up_proj"]):
-            w = kernel.w
-            w = dataclasses.replace(w, qvalue=pair(w.qvalue), scale=pair(w.scale),
-                                    zero_point=None if w.zero_point is None else pair(w.zero_point))
-            out["gate_up_proj"] = {**out["gate_up_proj"], "kernel": Int4WordKernel(w, paired=True)}
+        module = out.get("gate_up_proj")
+        if isinstance(module, dict) and "bias" not in module and _pairable(module.get("kernel")):
+            out["gate_up_proj"] = {**module, "kernel": _paired(module["kernel"])}
         return out
 
     return walk(params)
+
+
+def _pairable(kernel) -> bool:
+    """Whether :func:`pair_swiglu` pairs ``kernel``'s outputs: a decode kernel that gates paired tiles reads it."""
+    if isinstance(kernel, Int4WordKernel):
+        return not kernel.paired and kernel.shape[1] % 2 == 0
+    return (isinstance(kernel, RowMajorKernel) and not kernel.paired and not kernel.split and kernel.codes is None
+            and kernel.w.bits == 8 and kernel.w.act_spec is None and kernel.shape[1] % 2 == 0)
+
+
+def _paired(kernel):
+    """``kernel`` (:func:`_pairable`) with its outputs interleaved, gate ``i`` then up ``i``: along the last axis of
+    an ``(in, out)`` word kernel's arrays, along ``w``'s rows (axis -2) of a row-major one's."""
+    axis = -1 if isinstance(kernel, Int4WordKernel) else -2
+
+    def pair(a):
+        if a is None or a.shape[axis] == 1:  # None, or one scale for every output
+            return a
+        moved = jnp.moveaxis(a, axis, -1)
+        half = moved.shape[-1] // 2
+        paired = jnp.stack([moved[..., :half], moved[..., half:]], axis=-1).reshape(moved.shape)
+        return jnp.moveaxis(paired, -1, axis)
+
+    w = kernel.w
+    w = dataclasses.replace(w, qvalue=pair(w.qvalue), scale=pair(w.scale), zero_point=pair(w.zero_point))
+    return dataclasses.replace(kernel, w=w, paired=True)
 
 
 def _rows_for_hopper(params, rows: int):

@@ -391,12 +391,15 @@ def rms_norm(x, scale, eps: float, layer=None, force: bool = False):
 
 
 def linear(x, w: QArray, act=None, require: bool = False, layer=None, *, w_layout: str = "kn", residual=None,
-           norm=None):
+           norm=None, swiglu: bool = False):
     """``x @ w`` by a Pallas kernel, or None when none applies (an error if ``require``); with ``residual`` (x's rows
     by the outputs), ``residual + x @ w``, added by the Triton kernels where they finish their products
     (``pallas_kernels.split_fixup``), else after the product. ``norm`` (``pallas_kernels.norm_fold.NormFold``):
     ``rms_norm(x) @ w`` where the product goes to the int8 float16-operand kernel and it folds the norm
-    (``int8_f16.folds``), else None (the caller evaluates the norm; not with ``require``).
+    (``int8_f16.folds``), else None (the caller evaluates the norm; not with ``require``). ``swiglu``: ``w``'s
+    outputs pair a SwiGLU's gate and up (``decode_layout.pair_swiglu``) and ``silu(gate) * up`` comes back, gated by
+    the weight-only kernels as they finish their tiles, or None where the product goes to another kernel or XLA
+    (the caller gates the paired product; not with ``require`` or a residual).
 
     With ``layer``, ``w`` is a stack of kernels (``llmeq_jax.layer_slice.LayerSlice``) and the
     product is with its layer ``layer``, read in place. ``w_layout="nk"``: ``w`` is stored K-major,
@@ -405,6 +408,9 @@ def linear(x, w: QArray, act=None, require: bool = False, layer=None, *, w_layou
         return _unavailable(require)
     if norm is not None and require:
         raise ValueError("kernel_dispatch.linear: a folded norm is taken where a kernel folds it, never required")
+    if swiglu and (require or residual is not None):
+        raise ValueError("kernel_dispatch.linear: a SwiGLU gate is taken where a kernel gates, never required, and "
+                         "without a residual")
     view = logical_view(w) if w_layout == "nk" else w
     if w_layout == "nk" and is_packed(w.bits):
         kind, why = None, f"int{w.bits} codes stored K-major (the kernels read K-major int8 only)"
@@ -419,13 +425,15 @@ def linear(x, w: QArray, act=None, require: bool = False, layer=None, *, w_layou
     r2 = None if residual is None else residual.reshape(-1, n)
 
     def done(y, added: bool = False):  # x's leading dims back, the residual added where the kernel did not
-        y = y.reshape(*x.shape[:-1], n)
+        y = y.reshape(*x.shape[:-1], y.shape[-1])
         return y if residual is None or added else residual + y
 
     group, scale, zp, _ = _layout(view)
     path = _linear_path(kind, x2, view, group, w_layout, zp is not None, require)
     if norm is not None and not (path == "int8_f16" and int8_f16.folds(x2.shape[0], x.dtype)):
         return None  # no kernel that folds the norm takes the product
+    if swiglu and path not in ("int8_f16", "weight_only"):
+        return None  # no kernel that gates takes the product
     fp8 = kind == "fp8_w8a8"
     if path == "xla":
         return None  # XLA's path: measured faster on this device, or a small product no table measured
@@ -449,7 +457,8 @@ def linear(x, w: QArray, act=None, require: bool = False, layer=None, *, w_layou
         bits = 4 if is_packed(w.bits) else 8
         dequant = "f16" if path == "int8_f16" else None
         y = weight_only.weight_only_matmul(x2, w.qvalue, scale, bits=bits, w_zero_point=zp, group=group, layer=layer,
-                                           w_layout=w_layout, dequant=dequant, residual=r2, norm=norm)
+                                           w_layout=w_layout, dequant=dequant, residual=r2, norm=norm,
+                                           act="swiglu" if swiglu else None)
     return done(y, added=True)
 
 

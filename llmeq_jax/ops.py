@@ -413,22 +413,43 @@ def swiglu(x: jax.Array, w: PanelKernel | QArray | Int4WordKernel | LayerSlice, 
 
 
 def paired_swiglu(w) -> bool:
-    """Whether ``w`` is a SwiGLU's gate/up word kernel with paired columns (or a stacked layer of one)."""
+    """Whether ``w`` is a SwiGLU's gate/up kernel with paired outputs (``decode_layout.pair_swiglu``: a word kernel
+    or an int8 row-major one), or a stacked layer of one."""
     stack = w.stack if isinstance(w, LayerSlice) else w
-    return isinstance(stack, Int4WordKernel) and stack.paired
+    return isinstance(stack, (Int4WordKernel, RowMajorKernel)) and stack.paired
 
 
 def _swiglu_paired(x, w, backend):
-    """``silu(x @ gate) * (x @ up)`` of a paired word kernel (``decode_layout.pair_swiglu``): gated by the decode word
-    kernel as it finishes each tile (a norm before it folded in too), else the paired product gated after."""
+    """``silu(x @ gate) * (x @ up)`` of a paired kernel (``decode_layout.pair_swiglu``): gated by the decode word
+    kernel or the int8 kernels as they finish each tile (a norm before it folded in too), else the paired product
+    gated after."""
     kernel = _decode_kernel(x, w, backend)
     if kernel is not None:
         norm = _norm_to_fold(x, w, kernel)
         raw = x.x if norm is not None else (x.value() if isinstance(x, NormedRows) else x)
         return _run_decode_kernel(kernel, raw, w, backend, norm=norm, act="swiglu")
+    y = _int8_gated(x, w, backend)
+    if y is not None:
+        return y
     from pallas_kernels.common import swiglu_pairs
 
     return swiglu_pairs(linear(x, w, backend=backend))
+
+
+def _int8_gated(x, w, backend):
+    """``silu(x @ gate) * (x @ up)`` of a paired int8 row-major kernel (or a stacked layer of one) by the K-major int8
+    weight-only kernels, which gate their tiles (the float16-operand one folding a norm before it where it may), or
+    None where kernel_dispatch sends the product elsewhere."""
+    stack, layer = (w.stack, w.layer) if isinstance(w, LayerSlice) else (w, None)
+    if backend == "xla" or not isinstance(stack, RowMajorKernel):
+        return None
+    norm = _norm_to_fold(x, w, "int8_f16") if layer is not None else None
+    if norm is not None:
+        y = kernel_dispatch.linear(x.x, stack.w, None, layer=layer, w_layout="nk", norm=norm, swiglu=True)
+        if y is not None:
+            return y
+    raw = x.value() if isinstance(x, NormedRows) else x
+    return kernel_dispatch.linear(raw, stack.w, None, layer=layer, w_layout="nk", swiglu=True)
 
 
 def gated(y: jax.Array) -> jax.Array:

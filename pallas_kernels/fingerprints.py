@@ -187,6 +187,7 @@ def _split_fixup() -> list[Lowering]:
     from pallas_kernels import split_fixup
     from pallas_kernels.float_matmul import float_matmul
     from pallas_kernels.int4_words import int4_words_matmul
+    from pallas_kernels.int8_f16 import int8_f16_matmul
     from pallas_kernels.norm_fold import NormFold
 
     k = 4096
@@ -211,6 +212,11 @@ def _split_fixup() -> list[Lowering]:
                                                               act="swiglu")),
                  (sds((1, k), BF16), sds((4, k // 8, 22016), I32), sds((4, k // 128, 22016), BF16),
                   sds((4, k), BF16), sds((), I32))),
+        Lowering("int8 K-major float16 operands, bf16, M=1, a stack's layer, the norm folded, SwiGLU pairs gated",
+                 "weight_only_int8_f16_matmul",
+                 held(lambda x, w, s, g, i: int8_f16_matmul(x, w, s, layer=i, norm=NormFold(g, 1e-5), act="swiglu")),
+                 (sds((1, k), BF16), sds((4, 22016, k), I8), sds((4, 1, 22016), F32), sds((4, k), BF16),
+                  sds((), I32))),
         Lowering("float bf16, M=1, a stack's layer, the residual added", "float_matmul",
                  held(lambda x, w, r, i: float_matmul(x, w, layer=i, residual=r)),
                  (sds((1, k), BF16), sds((4, k, k), BF16), sds((1, k), BF16), sds((), I32))),

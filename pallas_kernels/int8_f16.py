@@ -89,10 +89,10 @@ def _codes(wq, interpret: bool):
 
 
 def _kernel(*refs, m, n, k, blocks, has_zp, has_bias, split_blocks, split, stacked, x_scale, interpreted, eps=None,
-            fixup=None):
+            fixup=None, act=None):
     """``x_scale``: what x is multiplied by to become float16 operands here (bf16 x: :data:`X_SCALE`), or 1.0 (x
     float16 already). ``eps``: x is an RMSNorm's input, folded here (:mod:`pallas_kernels.norm_fold`: x times the
-    norm's scale in bf16, then into float16; its scale the fourth input)."""
+    norm's scale in bf16, then into float16; its scale the fourth input). ``act``: ``common.store_matmul``'s."""
     folded = eps is not None
     layer, (x_ref, w_ref, ws_ref, *scale_ref), zp_ref, b_ref, o_ref = split_refs(
         refs, stacked=stacked, inputs=3 + folded, has_zp=has_zp, has_bias=has_bias,
@@ -131,9 +131,9 @@ def _kernel(*refs, m, n, k, blocks, has_zp, has_bias, split_blocks, split, stack
     acc = (acc - x_sum * base) * (row_of(ws_ref, layer) / x_scale)
     if folded:
         norm_fold.store(o_ref, b_ref, acc, sumsq, prog, split=split, has_bias=has_bias, k=k, eps=eps, fixup=fixup,
-                        x_ref=x_ref)
+                        x_ref=x_ref, act=act)
     else:
-        store_matmul(o_ref, b_ref, acc, prog, split=split, has_bias=has_bias)
+        store_matmul(o_ref, b_ref, acc, prog, split=split, has_bias=has_bias, act=act)
 
 
 def converts_in_xla(m: int) -> bool:
@@ -158,11 +158,13 @@ def folds(m: int, x_dtype) -> bool:
 
 def int8_f16_matmul(x, wq, w_scale, *, w_zero_point=None, bias=None, blocks: Blocks | None = None,
                     k_splits: int | None = None, layer=None, norm: norm_fold.NormFold | None = None, residual=None,
-                    interpret: bool = False):
+                    act: str | None = None, interpret: bool = False):
     """``x @ dequantize(w)`` for K-major int8 weights with per-channel scales, float16 operands (module doc).
     The caller (``weight_only_matmul(..., dequant="f16")``) has checked the shapes. ``norm``: ``rms_norm(x) @ w``,
     the norm folded in (:mod:`pallas_kernels.norm_fold`; where :func:`folds`). ``residual``:
-    ``common.launch_matmul``'s (added by the kernel where it finishes its product: ``pallas_kernels.split_fixup``)."""
+    ``common.launch_matmul``'s (added by the kernel where it finishes its product: ``pallas_kernels.split_fixup``).
+    ``act`` "swiglu": the rows of ``wq`` pair a SwiGLU's gate and up (``llmeq_jax.decode_layout.pair_swiglu``), and
+    the product comes back gated, (M, N / 2) (``common.launch_matmul``'s)."""
     if jnp.dtype(x.dtype) not in HALF_DTYPES:
         raise ValueError(f"int8_f16_matmul: x must be bfloat16/float16 (float16 operands), got {x.dtype}")
     if w_scale.shape[-2] != 1:
@@ -187,7 +189,7 @@ def int8_f16_matmul(x, wq, w_scale, *, w_zero_point=None, bias=None, blocks: Blo
                                                                                    fold_eps=float(norm.eps))
     return launch_matmul(_kernel, args, m=m, n=n, k=k, blocks=blocks, bias=bias, k_splits=k_splits or chosen.k_splits,
                          out_dtype=x.dtype, interpret=interpret, name="weight_only_int8_f16_matmul", layer=layer,
-                         programs=chosen.programs, residual=residual, fixup=chosen.reduce != "xla",
+                         programs=chosen.programs, residual=residual, fixup=chosen.reduce != "xla", act=act,
                          has_zp=w_zero_point is not None, x_scale=x_scale, interpreted=interpret, **fold)
 
 

@@ -132,7 +132,7 @@ def dequant_int4_asm(packed, cdt, interpret: bool):
 
 
 def _kernel(*refs, m, n, k, bits, blocks, group, has_zp, has_bias, split_blocks, split, precision, dequant,
-            strided_x, stacked, kmajor, interpreted, fixup=None):
+            strided_x, stacked, kmajor, interpreted, fixup=None, act=None):
     layer, (x_ref, w_ref, ws_ref), zp_ref, b_ref, o_ref = split_refs(
         refs, stacked=stacked, inputs=3, has_zp=has_zp, has_bias=has_bias, fixup=fixup)
     bm, bn, bk = blocks.bm, blocks.bn, blocks.bk
@@ -204,7 +204,7 @@ def _kernel(*refs, m, n, k, bits, blocks, group, has_zp, has_bias, split_blocks,
     acc = jax.lax.fori_loop(first, last, body, jnp.zeros((bm, bn), jnp.float32))
     if group is None:
         acc = acc * row_of(ws_ref, 0, layer)
-    store_matmul(o_ref, b_ref, acc, prog, split=split, has_bias=has_bias)
+    store_matmul(o_ref, b_ref, acc, prog, split=split, has_bias=has_bias, act=act)
 
 
 def _check(x, wq, w_scale, w_zero_point, bits, group, layer=None):
@@ -250,11 +250,15 @@ def weight_only_matmul(
     w_layout: str = "kn",
     residual=None,
     norm=None,
+    act: str | None = None,
     interpret: bool | None = None,
 ):
     """``x @ dequantize(w)`` with the weight dequantized tile by tile in registers; with ``residual`` (M, N),
     ``residual + x @ dequantize(w)`` (added by the kernel where it finishes its product: ``pallas_kernels.split_fixup``).
     ``norm`` (``dequant="f16"`` only): ``rms_norm(x) @ dequantize(w)``, folded by ``pallas_kernels.int8_f16``.
+    ``act`` "swiglu" (not ``gemv``): ``w``'s outputs pair a SwiGLU's gate and up
+    (``llmeq_jax.decode_layout.pair_swiglu``), and the product comes back gated, (M, N / 2): by the kernel where it
+    finishes the product (``common.launch_matmul``).
 
     ``gemv=True`` (M <= ``gemv.GEMV_MAX_ROWS``) runs the multiply-and-sum formulation of
     :mod:`pallas_kernels.gemv` instead of tensor-core dots (``blocks`` then gives its N and K blocks;
@@ -283,6 +287,8 @@ def weight_only_matmul(
     if norm is not None and (gemv or dequant != "f16"):
         raise ValueError(f"weight_only_matmul: a folded norm needs dequant='f16' (pallas_kernels.int8_f16), got "
                          f"dequant={dequant!r}{', gemv' if gemv else ''}")
+    if gemv and act is not None:
+        raise ValueError(f"weight_only_matmul: act={act!r} is for the dot kernels, not gemv")
     if gemv:
         from pallas_kernels.gemv import weight_only_gemv
 
@@ -300,7 +306,7 @@ def weight_only_matmul(
             raise ValueError("weight_only_matmul: dequant='f16' takes int8 weights stored K-major (w_layout='nk') "
                              "with per-channel scales and bfloat16/float16 activations")
         return int8_f16_matmul(x, wq, w_scale, w_zero_point=w_zero_point, bias=bias, blocks=blocks,
-                               k_splits=k_splits, layer=layer, norm=norm, residual=residual,
+                               k_splits=k_splits, layer=layer, norm=norm, residual=residual, act=act,
                                interpret=config.resolve_interpret(interpret))
     if dequant not in DEQUANT_MODES or (dequant in ("fold", "asm") and not half) or (
             dequant == "scaled" and not (half and bits == 4 and group is not None)):
@@ -321,7 +327,7 @@ def weight_only_matmul(
                          interpret=interpret, name=f"weight_only_int{bits}_matmul", bits=bits, group=group,
                          has_zp=w_zero_point is not None, precision=f32_dot_precision(interpret), dequant=dequant,
                          strided_x=bool(strided_x) and not interpret, layer=layer, kmajor=kmajor, interpreted=interpret,
-                         programs=chosen.programs, residual=residual, fixup=chosen.reduce != "xla")
+                         programs=chosen.programs, residual=residual, fixup=chosen.reduce != "xla", act=act)
 
 
 def default_dequant(x_dtype) -> str:

@@ -133,12 +133,16 @@ def test_a_gpus_decode_folds_its_norms_into_the_products_after_them(recipe, monk
 def test_a_gpus_int8_decode_folds_its_norms_into_the_float16_operand_kernel(monkeypatch):
     """rtn-w8's decode (K-major int8 codes, ``pallas_kernels.int8_f16``) traced for an H100: both norms of a layer
     folded into its q/k/v and gate/up products -- no norm launch, the same products as with the norms apart
-    (``int8_f16:norm=apart``: the norm kernel twice) -- and the logits within bf16 rounding of the CPU's XLA
-    decode. (MIN_KERNEL_WEIGHTS lowered: small products are XLA's.)"""
+    (``int8_f16:norm=apart``: the norm kernel twice) -- the gate/up rows paired and gated by the kernel
+    (``decode_layout.pair_swiglu``), and the logits within bf16 rounding of the CPU's XLA decode.
+    (MIN_KERNEL_WEIGHTS lowered: small products are XLA's.)"""
     from llmeq_jax import kernel_dispatch
-    from pallas_kernels import settings
+    from pallas_kernels import int8_f16, settings
 
     monkeypatch.setattr(kernel_dispatch, "MIN_KERNEL_WEIGHTS", 0)
+    launches, launch = [], int8_f16.int8_f16_matmul
+    monkeypatch.setattr(int8_f16, "int8_f16_matmul", lambda *a, **kw: launches.append(
+        (kw.get("norm") is not None, kw.get("act"))) or launch(*a, **kw))
     config = dataclasses.replace(CONFIG, intermediate_size=448)  # shapes of its own (the fold test's reason)
     params = jax.tree.map(lambda a: (a * 4).astype(jnp.bfloat16), init_params(config, jax.random.key(6)))
     params = pipeline.run_recipe(config, params, None, pipeline.read_recipe("rtn-w8"), None, 16, progress=False).params
@@ -148,10 +152,15 @@ def test_a_gpus_int8_decode_folds_its_norms_into_the_float16_operand_kernel(monk
         want, _, _ = _logits(params, tokens, config)
     with native.disabled(), kernel_config.compiling_for(FAKE_H100), kernel_config.interpret(True):
         folded, step, kinds = _logits(params, tokens, config)
+        folded_launches = set(launches)
         with settings.override("int8_f16", norm="apart"):
             apart, apart_step, _ = _logits(params, tokens, config)
+        assert gen.decode_params(params, 2)[stacked.BLOCKS]["mlp"]["gate_up_proj"]["kernel"].paired
     products = "name=weight_only_int8_f16_matmul"
     assert kinds == {"RowMajorKernel"}
+    # q/k/v folded, gate/up folded and gated, o and down neither (their residuals added by the kernel)
+    assert folded_launches == {(True, None), (True, "swiglu"), (False, None)}
+    assert (False, "swiglu") in set(launches) - folded_launches  # norms apart: gated all the same
     assert step.count("name=rms_norm") == 0 and apart_step.count("name=rms_norm") == 2
     assert step.count(products) == apart_step.count(products) >= 2  # q/k/v and gate/up at least
     # bf16 through two layers of x4 weights, as the fold test: seen 0.52 (folded) and 0.22 (apart) of 22 -- the norms

@@ -673,6 +673,40 @@ for _shape in SPLIT_FIXUP_SWIGLU:
         return label, *compare(y, r, 2e-2), int(jnp.count_nonzero(counters))
 
 
+SPLIT_FIXUP_INT8_SWIGLU = [  # (kernel, M, K, I, norm folded): rtn-w8's gate/up rows paired, gated by the kernel
+    ("int8_f16", 1, 4096, 11008, True), ("int8_f16", 16, 4096, 11008, False), ("weight_only", 1, 4096, 11008, False),
+]
+
+for _shape in SPLIT_FIXUP_INT8_SWIGLU:
+
+    @case
+    def _split_fixup_int8_swiglu(shape=_shape):
+        from llmeq_jax.decode_layout import RowMajorKernel, pair_swiglu, transpose_kernel
+        from pallas_kernels import split_fixup
+        from pallas_kernels.norm_fold import NormFold
+        from pallas_kernels.rms_norm import rms_norm_reference
+
+        kernel, m, k, i, folded = shape
+        q = quantize(jax.random.normal(jax.random.key(37), (k, 2 * i)), Spec(bits=8))
+        w = pair_swiglu({"gate_up_proj": {"kernel": RowMajorKernel(transpose_kernel(q))}})["gate_up_proj"]["kernel"].w
+        scales = jax.random.uniform(jax.random.key(38), (k,), minval=0.5, maxval=1.5).astype(BF16)
+        x = (jax.random.normal(jax.random.key(39), (m, k)) * 3).astype(BF16)
+        norm = NormFold(scales, 1e-5) if folded else None
+
+        def finished(x, wq, scale):
+            with split_fixup.scope(split_fixup.zeros()) as held:
+                y = weight_only_matmul(x, wq, scale, bits=8, w_layout="nk", norm=norm, act="swiglu",
+                                       dequant="f16" if kernel == "int8_f16" else None, interpret=INTERPRET)
+                return y, held.value
+
+        y, counters = jax.jit(finished)(x, w.qvalue, w.scale.T)
+        x_in = rms_norm_reference(x, scales, 1e-5) if folded else x
+        r = reference(weight_only_reference, x_in, q.qvalue, q.scale, bits=8)
+        r = jax.nn.silu(r[:, :i].astype(jnp.float32)) * r[:, i:].astype(jnp.float32)
+        label = f"split sums gated (SwiGLU pairs) by {kernel} M={m} K={k} I={i}{' norm folded' if folded else ''}"
+        return label, *compare(y, r, 2e-2), int(jnp.count_nonzero(counters))
+
+
 SPLIT_FIXUP_INT8 = [  # (kernel, M, K, N): the K-major int8 kernels of rtn-w8 / rtn-w8a8, the residual added
     ("int8_f16", 1, 4096, 4096), ("weight_only", 1, 11008, 4096), ("w8a8", 16, 11008, 4096),
 ]

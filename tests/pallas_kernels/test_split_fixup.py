@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import settings, split_fixup
+from pallas_kernels import config, settings, split_fixup
 from pallas_kernels.float_matmul import float_matmul
 from pallas_kernels.int4_words import int4_words_matmul, int4_words_reference, pack_words
 from pallas_kernels.norm_fold import NormFold
@@ -163,21 +163,48 @@ def test_word_kernel_gates_a_paired_gate_up_product(splits, folded, held):
     _close(got, want.astype(jnp.bfloat16), jnp.bfloat16)
 
 
-def test_a_paired_kernel_outside_the_word_kernel_is_gated_after_its_product():
-    """Every other path (XLA's, here) reads a paired kernel's product with its columns interleaved: ``ops.swiglu``
-    gates the pairs, and is what the joined kernel gives gated halves."""
+@pytest.mark.parametrize("layout", ["words", "rows"])
+def test_a_paired_kernel_outside_the_decode_kernels_is_gated_after_its_product(layout):
+    """Every other path (XLA's, here) reads a paired kernel's product with its outputs interleaved: ``ops.swiglu``
+    gates the pairs, and is what the joined kernel gives gated halves -- an int4 word kernel, an int8 row-major one."""
     from llmeq_jax import ops
     from llmeq_jax.core.quantize import Spec, quantize
-    from llmeq_jax.decode_layout import int4_word_kernel, pair_swiglu
+    from llmeq_jax.decode_layout import RowMajorKernel, int4_word_kernel, pair_swiglu, transpose_kernel
 
-    q = quantize(jax.random.normal(jax.random.key(11), (256, 128)), Spec(bits=4, granularity="group", group_size=128))
-    joined = int4_word_kernel(q)
+    if layout == "words":
+        q = quantize(jax.random.normal(jax.random.key(11), (256, 128)), Spec(bits=4, granularity="group",
+                                                                            group_size=128))
+        joined = int4_word_kernel(q)
+    else:
+        q = quantize(jax.random.normal(jax.random.key(11), (256, 128)), Spec(bits=8, symmetric=False))
+        joined = RowMajorKernel(transpose_kernel(q))
     paired = pair_swiglu({"gate_up_proj": {"kernel": joined}})["gate_up_proj"]["kernel"]
+    assert ops.paired_swiglu(paired) and not ops.paired_swiglu(joined)
     x = jax.random.normal(jax.random.key(12), (3, 256))
     got = ops.swiglu(x, paired, backend="xla")
     np.testing.assert_allclose(np.asarray(got), np.asarray(_gated(ops.linear(x, joined, backend="xla"))),
                                rtol=1e-5, atol=1e-5)
     assert pair_swiglu({"gate_up_proj": {"kernel": paired}})["gate_up_proj"]["kernel"] is paired  # once only
+    with_bias = {"gate_up_proj": {"kernel": joined, "bias": jnp.zeros(128)}}
+    assert pair_swiglu(with_bias)["gate_up_proj"]["kernel"] is joined  # a bias would need pairing too: left
+
+
+def test_kernel_dispatch_gates_only_where_a_kernel_does():
+    """``kernel_dispatch.linear(..., swiglu=True)``: never required nor with a residual; None where the product goes to
+    XLA (here: kernels unavailable), for the caller to gate the paired product."""
+    from llmeq_jax import kernel_dispatch
+    from llmeq_jax.core.quantize import Spec, quantize
+    from llmeq_jax.decode_layout import transpose_kernel
+
+    w = transpose_kernel(quantize(jax.random.normal(jax.random.key(13), (256, 128)), Spec(bits=8)))
+    x = jnp.ones((1, 256), jnp.bfloat16)
+    with config.interpret(True):
+        with pytest.raises(ValueError, match="SwiGLU gate is taken where a kernel gates"):
+            kernel_dispatch.linear(x, w, require=True, w_layout="nk", swiglu=True)
+        with pytest.raises(ValueError, match="without a residual"):
+            kernel_dispatch.linear(x, w, w_layout="nk", swiglu=True, residual=jnp.ones((1, 128), jnp.bfloat16))
+    with config.disabled():
+        assert kernel_dispatch.linear(x, w, w_layout="nk", swiglu=True) is None
 
 
 def test_a_gated_launch_takes_no_residual():
