@@ -111,7 +111,8 @@ def table_key(kind: str, rows: int, x_dtype, w: QArray, group: int | None) -> di
 # only from this many weights on. A small model's products (SmolLM2-135M's: 0.3-1.8 M weights) decoded at
 # 0.34-0.50x bf16 through the kernels on an H200 (2026-12-04: grids of 5-24 programs on 132 SMs), where XLA's
 # path had given 0.77-0.78x on an H100 (issue #15); the smallest product any table measured, 4096 x 4096 (16.8 M),
-# is about where the decode kernels start to win. In interpret mode (no GPU) every product goes to its kernel.
+# is about where the decode kernels start to win. In interpret mode (no GPU) every product goes to its kernel. (A
+# decode step's weight-only product under it runs on its dequantized weight instead: dequantized_decode_wins.)
 MIN_KERNEL_WEIGHTS = 1 << 23
 
 
@@ -121,6 +122,31 @@ MIN_KERNEL_WEIGHTS = 1 << 23
 # int4), and up to 16 rows it won. A GPU with no table of its own or of its architecture (an A100, an L40S, an H100
 # PCIe) took it for every prompt.
 WEIGHT_ONLY_PROMPT_ROWS = 17
+
+
+# How much faster a table must have measured the bf16 dot than every path over a product's codes for a decode step to
+# run it on the dequantized weight: that copy holds 2-4x the codes' bytes, and one product's timings spread by 10 %
+# and more between runs (H200: the words kernel's 4096x4096 product at 0.97x bf16 on 2026-11-28, 1.05x on 12-04).
+DEQUANTIZED_MARGIN = 1.15
+
+
+def dequantized_decode_wins(rows: int, w: QArray) -> bool:
+    """Whether a GPU decode step's weight-only product with the (in, out) QArray ``w`` is fastest on the weight
+    dequantized once into its float dtype -- the float model's own path (``pallas_kernels.float_matmul``, or XLA's dot)
+    -- rather than over its codes (``decode_layout.for_decode`` then stores it so). Where a dispatch table measured
+    the product (its decode kernel's entry: ``int4_words`` / ``weight_only_nk``), where the bf16 dot beat both the
+    kernel and XLA's path over the codes by :data:`DEQUANTIZED_MARGIN`; where none did, a product under
+    :data:`MIN_KERNEL_WEIGHTS`: no kernel takes
+    it, and XLA's reductions over a small product's codes (launch-bound, not bytes-bound) made SmolLM2-135M's
+    quantized decode 0.77-0.78x bf16 on an H100 (issue #15) where the float path is bf16's speed. W8A8 products keep
+    their codes (quantizing the activations is the recipe's arithmetic)."""
+    if not config.on_gpu() or w.act_spec is not None or len(w.shape) != 2:
+        return False
+    kind = "int4_words" if is_packed(w.bits) else "weight_only_nk"
+    times = dispatch_table.measured(table_key(kind, rows, w.dtype, w, scale_group(w)))
+    if times is not None:
+        return times["bf16_s"] * DEQUANTIZED_MARGIN < min(times["pallas_s"], times["xla_s"])
+    return math.prod(w.shape) < MIN_KERNEL_WEIGHTS
 
 
 def kernel_takes(kind: str, rows: int, x_dtype, w: QArray, group: int | None) -> bool:

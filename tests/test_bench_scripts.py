@@ -419,7 +419,7 @@ def test_sweep_decode_times_each_setting_in_turns_and_reports_the_ones_that_fail
 
     monkeypatch.setattr(sweep, "decode_rate", recording)
     out = tmp_path / "sweep.json"
-    sweep.main(["--shapes", "smollm2-135m", "--layers", "1", "--interpret", "--new-tokens", "4", "--repeats", "1",
+    sweep.main(["--shapes", "smollm2-135m", "--layers", "1", "--interpret", "--new-tokens", "8", "--repeats", "1",
                 "--prompt-len", "8", "--settings", "int4_words:bn=64,k_splits=2", "int4_words:bk=192", "--out", str(out)])
     report = json.loads(out.read_text())
     rows = report["rows"]

@@ -1,5 +1,6 @@
 """ops.linear through the Pallas path (interpret mode on CPU) against the XLA path."""
 
+import dataclasses
 import json
 import types
 
@@ -417,30 +418,58 @@ def test_float_stack_goes_to_the_kernel_on_a_gpu_unless_a_table_measured_xla_fas
             pass
 
 
-def test_a_small_product_no_table_measured_goes_to_xla_on_a_gpu():
-    """Traced for a GPU with no table: a product under MIN_KERNEL_WEIGHTS weights keeps XLA's path and its
-    layout (decode_layout.for_decode leaves it as stored), a larger one goes to the kernel and the decode
-    layout; in interpret mode on a CPU every product goes to its kernel."""
+def test_a_small_product_no_table_measured_decodes_on_its_dequantized_weight_on_a_gpu():
+    """Traced for a GPU with no table: a product under MIN_KERNEL_WEIGHTS weights keeps XLA's path, and a decode step
+    runs it on the weight dequantized once (decode_layout.for_decode: the float model's path, which XLA's reductions
+    over a small product's codes were slower than); a larger one goes to the kernel and the decode layout; a W8A8
+    product keeps its codes; in interpret mode on a CPU every product goes to its kernel."""
     from llmeq_jax import decode_layout
 
     w4 = Spec(bits=4, granularity="group", group_size=128)
-    small = jax.eval_shape(lambda: quantize(jnp.zeros((576, 960)), w4))
+    small = jax.eval_shape(lambda: quantize(jnp.zeros((576, 960), jnp.bfloat16), w4))
     large = jax.eval_shape(lambda: quantize(jnp.zeros((4096, 4096)), w4))
     w8 = jax.eval_shape(lambda: quantize(jnp.zeros((576, 960)), Spec(bits=8, granularity="channel")))
+    w8a8 = jax.eval_shape(lambda: quantize(jnp.zeros((576, 960)), Spec(bits=8, granularity="channel"),
+                                           act_spec=Spec(bits=8, granularity="token")))
     assert 576 * 960 < dispatch.MIN_KERNEL_WEIGHTS <= 4096 * 4096
     with config.compiling_for(FAKE_H100):
         assert not dispatch.kernel_takes("weight_only", 1, jnp.bfloat16, small, 128)
         assert dispatch.kernel_takes("weight_only", 1, jnp.bfloat16, large, 128)
+        assert dispatch.dequantized_decode_wins(1, small) and not dispatch.dequantized_decode_wins(1, large)
         laid = jax.eval_shape(lambda p: decode_layout.for_decode(p, rows=1),
-                              {"a": {"kernel": small}, "b": {"kernel": large}, "c": {"kernel": w8}})
-        # the small int4 product K-major, for XLA's one reduction over the codes in place; int8 as stored
-        assert type(laid["a"]["kernel"]).__name__ == "RowMajorKernel" and laid["a"]["kernel"].w.shape == (960, 576)
-        assert type(laid["c"]["kernel"]).__name__ == "QArray"
+                              {"a": {"kernel": small}, "b": {"kernel": large}, "c": {"kernel": w8},
+                               "d": {"kernel": w8a8}})
+        assert laid["a"]["kernel"].shape == (576, 960) and laid["a"]["kernel"].dtype == jnp.bfloat16  # its dtype
+        assert laid["c"]["kernel"].shape == (576, 960) and laid["c"]["kernel"].dtype == jnp.float32
         assert type(laid["b"]["kernel"]).__name__ == "Int4WordKernel"
+        assert type(laid["d"]["kernel"]).__name__ == "QArray"  # the activations' quantization is the recipe's
         x = jax.ShapeDtypeStruct((1, 576), jnp.bfloat16)
         assert "pallas_call" not in str(jax.make_jaxpr(lambda x, w: ops.linear(x, w))(x, small))
     with config.interpret(True):
         assert dispatch.kernel_takes("weight_only", 1, jnp.bfloat16, small, 128)
+        assert not dispatch.dequantized_decode_wins(1, small)  # no GPU: the codes
+
+
+def test_a_table_decides_where_a_dequantized_weight_decodes_faster():
+    """Where a table measured a decode product, its weight is dequantized for the decode only if the bf16 dot beat
+    both the kernel and XLA's path over the codes by DEQUANTIZED_MARGIN (the copy costs its float bytes); the same
+    values either way (the float product is XLA's dequantize-then-dot)."""
+    from llmeq_jax import decode_layout, dispatch_table
+
+    q = quantize(jax.random.normal(jax.random.key(3), (4096, 4096)).astype(jnp.bfloat16),
+                 Spec(bits=4, granularity="group", group_size=128))
+    key = dispatch.table_key("int4_words", 1, jnp.bfloat16, q, 128)
+    key = dataclasses.replace(key, device=FAKE_H100.device_kind)
+    table = lambda bf16: dispatch_table.Table(FAKE_H100.device_kind,  # noqa: E731
+                                              {key: {"pallas_s": 1.0, "xla_s": 3.0, "bf16_s": bf16}})
+    with config.compiling_for(FAKE_H100):
+        with dispatch_table.use(table(0.95)):  # faster, but within the margin: the words
+            assert not dispatch.dequantized_decode_wins(1, q)
+        with dispatch_table.use(table(0.8)):
+            assert dispatch.dequantized_decode_wins(1, q) and not dispatch.dequantized_decode_wins(32, q)
+            laid = decode_layout.for_decode({"o_proj": {"kernel": q}}, rows=1)["o_proj"]["kernel"]
+    assert isinstance(laid, jax.Array) and laid.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(laid, np.float32), np.asarray(q.dequantize(jnp.bfloat16), np.float32))
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -490,7 +519,8 @@ def test_a_gpus_small_k_major_product_is_one_reduction_over_the_codes(bits, grou
 def test_a_grouped_query_models_small_k_and_v_join_q_in_one_kernel_on_a_gpu():
     """Traced for a GPU with no table: k and v projections each under MIN_KERNEL_WEIGHTS (a grouped-query
     model's) would stay XLA's, apart from q; joined with q they are one product the word kernel takes. A group
-    too small even joined stays XLA's, and one whose parts are all taken is still fused after conversion."""
+    too small even joined is dequantized for the decode, and one whose parts are all taken is still fused after
+    conversion."""
     from llmeq_jax import decode_layout
 
     w4 = Spec(bits=4, granularity="group", group_size=128)
@@ -505,9 +535,10 @@ def test_a_grouped_query_models_small_k_and_v_join_q_in_one_kernel_on_a_gpu():
         laid = jax.eval_shape(lambda p: decode_layout.for_decode(p, rows=1), {"gqa": gqa, "tiny": tiny, "mha": mha})
     assert set(laid["gqa"]) == {"qkv_proj"} and type(laid["gqa"]["qkv_proj"]["kernel"]).__name__ == "Int4WordKernel"
     assert laid["gqa"]["qkv_proj"]["kernel"].w.shape == (4096, 6144)
-    # too small even joined: XLA's, K-major (one reduction over the codes), fused after conversion all the same
-    assert set(laid["tiny"]) == {"qkv_proj"} and type(laid["tiny"]["qkv_proj"]["kernel"]).__name__ == "RowMajorKernel"
-    assert laid["tiny"]["qkv_proj"]["kernel"].w.shape == (960, 576)
+    # too small even joined: each dequantized for the decode (the float model's path, three products as its)
+    assert set(laid["tiny"]) == {"q_proj", "k_proj", "v_proj"}
+    assert [laid["tiny"][n]["kernel"].shape for n in ("q_proj", "k_proj", "v_proj")] == [(576, 576), (576, 192),
+                                                                                        (576, 192)]
     assert set(laid["mha"]) == {"qkv_proj"} and laid["mha"]["qkv_proj"]["kernel"].w.shape == (4096, 12288)
 
 
