@@ -676,9 +676,10 @@ def for_decode(params, rows: int):
     ``ops.row_major_max_rows`` rows. Where the Pallas kernels run (a GPU), up to
     :data:`GPU_KMAJOR_MAX_ROWS` rows: int8-stored kernels, which the W8A8 and weight-only kernels then
     read K-major as stored, and int4 weight-only kernels as words (``pallas_kernels.int4_words``; a SwiGLU's
-    joined gate/up words paired where the kernel gates them: :func:`pair_swiglu`); a weight-only kernel whose product
+    joined gate/up kernel paired where the kernel gates it: :func:`pair_swiglu`); a weight-only kernel whose product
     is faster through the float model's path (``kernel_dispatch.dequantized_decode_wins``: a small one, or as a
-    table measured) dequantized into its float dtype once (its float bytes in this copy). Unchanged otherwise. Idempotent: params laid out already come back as they are (same leaves).
+    table measured) dequantized into its float dtype once (its float bytes in this copy). Unchanged otherwise.
+    Idempotent: params laid out already come back as they are (same leaves).
     ``generate.decode_params`` calls it once per params, jitted, outside the decode loop, and keeps the
     copy (one more copy of the quantized kernels) for the most recent params, batch size and kernel
     switches; the loop calls it again, a no-op on that copy, so a loop handed the checkpoint's layout

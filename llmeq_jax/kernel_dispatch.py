@@ -136,10 +136,9 @@ def dequantized_decode_wins(rows: int, w: QArray) -> bool:
     -- rather than over its codes (``decode_layout.for_decode`` then stores it so). Where a dispatch table measured
     the product (its decode kernel's entry: ``int4_words`` / ``weight_only_nk``), where the bf16 dot beat both the
     kernel and XLA's path over the codes by :data:`DEQUANTIZED_MARGIN`; where none did, a product under
-    :data:`MIN_KERNEL_WEIGHTS`: no kernel takes
-    it, and XLA's reductions over a small product's codes (launch-bound, not bytes-bound) made SmolLM2-135M's
-    quantized decode 0.77-0.78x bf16 on an H100 (issue #15) where the float path is bf16's speed. W8A8 products keep
-    their codes (quantizing the activations is the recipe's arithmetic)."""
+    :data:`MIN_KERNEL_WEIGHTS`: no kernel takes it, and XLA's reductions over a small product's codes (launch-bound,
+    not bytes-bound) made SmolLM2-135M's quantized decode 0.77-0.78x bf16 on an H100 (issue #15) where the float path
+    is bf16's speed. W8A8 products keep their codes (quantizing the activations is the recipe's arithmetic)."""
     if not config.on_gpu() or w.act_spec is not None or len(w.shape) != 2:
         return False
     kind = "int4_words" if is_packed(w.bits) else "weight_only_nk"
