@@ -39,7 +39,7 @@ from llmeq_jax.core.qarray import QArray, is_packed
 from llmeq_jax.decode_layout import GPU_KMAJOR_MAX_ROWS, scale_group
 from llmeq_jax.layer_slice import take_layer
 from pallas_kernels import config, decode_hopper, float_matmul, hardware_checked, int4_words, int4_words_prefill, \
-    int8_f16, rms_norm as norm_kernel, w8a8, w8a8_hopper, weight_only, weight_only_hopper
+    int8_f16, rms_norm as norm_kernel, settings, token_codes, w8a8, w8a8_hopper, weight_only, weight_only_hopper
 
 
 class KernelUnavailable(ValueError):
@@ -421,7 +421,8 @@ def linear(x, w: QArray, act=None, require: bool = False, layer=None, *, w_layou
     by the outputs), ``residual + x @ w``, added by the Triton kernels where they finish their products
     (``pallas_kernels.split_fixup``), else after the product. ``norm`` (``pallas_kernels.norm_fold.NormFold``):
     ``rms_norm(x) @ w`` where the product goes to the int8 float16-operand kernel and it folds the norm
-    (``int8_f16.folds``), else None (the caller evaluates the norm; not with ``require``). ``swiglu``: ``w``'s
+    (``int8_f16.folds``) or to the W8A8 kernel with its activation codes made by ``pallas_kernels.token_codes``
+    (:func:`codes_in_kernel`), the norm's too, else None (the caller evaluates the norm; not with ``require``). ``swiglu``: ``w``'s
     outputs pair a SwiGLU's gate and up (``decode_layout.pair_swiglu``) and ``silu(gate) * up`` comes back, gated by
     the weight-only kernels as they finish their tiles, or None where the product goes to another kernel or XLA
     (the caller gates the paired product; not with ``require`` or a residual).
@@ -455,7 +456,8 @@ def linear(x, w: QArray, act=None, require: bool = False, layer=None, *, w_layou
 
     group, scale, zp, _ = _layout(view)
     path = _linear_path(kind, x2, view, group, w_layout, zp is not None, require)
-    if norm is not None and not (path == "int8_f16" and int8_f16.folds(x2.shape[0], x.dtype)):
+    coded = path == "w8a8" and codes_in_kernel(x2.shape, x.dtype, kind, _act_scale(w, layer))
+    if norm is not None and not ((path == "int8_f16" and int8_f16.folds(x2.shape[0], x.dtype)) or coded):
         return None  # no kernel that folds the norm takes the product
     if swiglu and path not in ("int8_f16", "weight_only"):
         return None  # no kernel that gates takes the product
@@ -476,8 +478,9 @@ def linear(x, w: QArray, act=None, require: bool = False, layer=None, *, w_layou
     if path == "w8a8_hopper":
         return done(w8a8_hopper.w8a8_hopper(x2, w.qvalue, scale, act_scale=_act_scale(w, layer), layer=layer, fp8=fp8))
     if path == "w8a8":
+        codes = token_codes.token_codes(x2, norm=norm, layer=layer if norm is not None else None) if coded else None
         y = w8a8.w8a8_matmul(x2, w.qvalue, scale, w_zero_point=zp, act_scale=_act_scale(w, layer), group=group,
-                             layer=layer, fp8=fp8, w_layout=w_layout, residual=r2)
+                             layer=layer, fp8=fp8, w_layout=w_layout, residual=r2, codes=codes)
     else:
         bits = 4 if is_packed(w.bits) else 8
         dequant = "f16" if path == "int8_f16" else None
@@ -511,6 +514,22 @@ def _linear_path(kind: str, x2, view: QArray, group: int | None, w_layout: str, 
     if not weight_only_kind:
         return "w8a8"
     return "int8_f16" if _float16_operands(x2, view, group, w_layout) else "weight_only"
+
+
+def codes_in_kernel(x_shape, x_dtype, kind: str, act_scale) -> bool:
+    """Whether a W8A8 product's activations of ``x_shape`` are quantized per token by ``pallas_kernels.token_codes``
+    (one launch, a norm before them folded in) rather than XLA's three fusions: a decode step's int8 codes with
+    dynamic scales, on a GPU where the kernel may run (``hardware_checked``: ``token_codes``, not yet run on one)
+    unless the setting ``w8a8:codes=xla`` says otherwise. Interpret mode keeps XLA's quantization (the CPU tests'
+    models stay as they were) unless traced for a GPU."""
+    return (kind == "w8a8" and act_scale is None and token_codes.can_use(x_shape, x_dtype)[0]
+            and codes_kernel_on(x_shape[0]))
+
+
+def codes_kernel_on(rows: int) -> bool:
+    """Whether ``pallas_kernels.token_codes`` may make a W8A8 launch of ``rows`` rows' codes here (on a GPU, or
+    traced for one; :func:`codes_in_kernel` checks the product)."""
+    return config.on_gpu() and hardware_checked.allowed("token_codes") and settings.of("w8a8", rows).codes != "xla"
 
 
 def _float16_operands(x2, view: QArray, group: int | None, w_layout: str) -> bool:

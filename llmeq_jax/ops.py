@@ -182,15 +182,16 @@ def _linear_folded(x: NormedRows, w, backend):
 
 
 def _int8_folded(x: NormedRows, w, backend):
-    """``rms_norm(...) @ w`` for a stacked layer of K-major int8 weight-only codes (rtn-w8's decode) by
-    ``pallas_kernels.int8_f16``, folding the norm, where kernel_dispatch sends the product there; else None."""
+    """``rms_norm(...) @ w`` for a stacked layer of K-major int8 codes: weight-only (rtn-w8's decode) by
+    ``pallas_kernels.int8_f16``, folding the norm, or W8A8 by ``pallas_kernels.token_codes``, which makes the
+    activation codes of the norm's output, where kernel_dispatch sends the product there; else None."""
     if (backend == "xla" or not isinstance(w, LayerSlice) or not isinstance(w.stack, RowMajorKernel)
-            or w.stack.split or w.stack.w.act_spec is not None):
+            or w.stack.split):
         return None
-    norm = _norm_to_fold(x, w, "int8_f16")
+    norm = _norm_to_fold(x, w, "int8_f16" if w.stack.w.act_spec is None else "w8a8")
     # (no read-ahead, pallas_kernels.prefetch: whether the kernel takes the product is known only after the call)
-    return None if norm is None else kernel_dispatch.linear(x.x, w.stack.w, None, layer=w.layer, w_layout="nk",
-                                                            norm=norm)
+    return None if norm is None else kernel_dispatch.linear(x.x, w.stack.w, w.stack.w.act_spec, layer=w.layer,
+                                                            w_layout="nk", norm=norm)
 
 
 def _norm_to_fold(x, w, kernel: str | None):
@@ -214,9 +215,10 @@ def _linear_into(x, w, bias, residual, backend):
     if kernel is not None:
         return _run_decode_kernel(kernel, x, w, backend, residual=residual)
     if (backend != "xla" and isinstance(w, LayerSlice) and isinstance(w.stack, RowMajorKernel)
-            and not w.stack.split and w.stack.w.act_spec is None):  # the weight-only int8 kernels over K-major codes
-        # (not W8A8: the next product quantizes the residual stream, whose codes follow any change in where
-        # XLA rounds -- it keeps excess float32 precision across the add it fuses, a kernel's add cannot)
+            and not w.stack.split and (w.stack.w.act_spec is None or _codes_by_kernel(x, w.stack.w))):
+        # the int8 kernels over K-major codes (W8A8 only where pallas_kernels.token_codes makes the next product's
+        # codes from the residual stream as written: XLA's quantization, fused with the add, keeps excess float32
+        # precision across it, which the next product's codes would follow, and a kernel's add cannot)
         from pallas_kernels import prefetch
 
         y = kernel_dispatch.linear(prefetch.before(x, w), w.stack.w, w.stack.w.act_spec, layer=w.layer,
@@ -224,6 +226,13 @@ def _linear_into(x, w, bias, residual, backend):
         prefetch.after(y)
         return y
     return None
+
+
+def _codes_by_kernel(x, w: QArray) -> bool:
+    """Whether the W8A8 products of ``w``'s kind (int8 codes, dynamic per-token scales) get their activation codes
+    from ``pallas_kernels.token_codes`` at ``x``'s rows (``kernel_dispatch.codes_in_kernel``): a block's products
+    share their recipe, so this product's kind says how the next one quantizes the stream."""
+    return w.grid != "fp8" and w.act_scale is None and kernel_dispatch.codes_kernel_on(math.prod(x.shape[:-1]))
 
 
 def _decode_kernel(x, w, backend) -> str | None:

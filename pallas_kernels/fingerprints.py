@@ -223,6 +223,18 @@ def _split_fixup() -> list[Lowering]:
     ]
 
 
+def _token_codes() -> list[Lowering]:
+    from pallas_kernels.norm_fold import NormFold
+    from pallas_kernels.token_codes import token_codes
+
+    return [
+        Lowering("bf16, 1 row x 4096, a stack's norm folded", "token_codes",
+                 lambda x, s, i: token_codes(x, norm=NormFold(s, 1e-5), layer=i),
+                 (sds((1, 4096), BF16), sds((4, 4096), BF16), sds((), I32))),
+        Lowering("bf16, 16 rows x 11008", "token_codes", token_codes, (sds((16, 11008), BF16),)),
+    ]
+
+
 def _append_decode_attention() -> list[Lowering]:
     from pallas_kernels.decode_attention import append_decode_attention
 
@@ -276,7 +288,7 @@ _CASES = {"weight_only": _weight_only, "w8a8": _w8a8, "float_matmul": _float_mat
           "store_decode_attention": _store_decode_attention, "int8_f16": _int8_f16, "rms_norm": _rms_norm,
           "append_decode_attention": _append_decode_attention, "store_append": _store_append,
           "merge_splits": _merge_splits, "norm_fold": _norm_fold, "split_fixup": _split_fixup,
-          "cudnn_attention": lambda: []}  # cuDNN's own kernel: nothing of ours lowers to Triton, its record is the run
+          "token_codes": _token_codes, "cudnn_attention": lambda: []}  # cuDNN's own kernel: nothing of ours lowers to Triton, its record is the run
 
 # What the lowerings are traced for: a GPU, so that what a GPU decides by itself (hardware_checked's switches, the
 # int8 kernel's x conversion) is decided as there; kernels are called directly, no dispatch table is read.

@@ -44,6 +44,7 @@ GPU_CASES = {
     "cudnn_attention": ("prompt_attention",),  # llmeq_jax.kv.attention.attention_flash: a prompt's attention
     "norm_fold": ("norm_fold",),  # pallas_kernels.norm_fold: a decode step's norms folded into their products
     "split_fixup": ("split_fixup",),  # pallas_kernels.split_fixup: split products' partials added by the kernel
+    "token_codes": ("token_codes",),  # pallas_kernels.token_codes: a W8A8 decode step's activation codes, its norm
 }
 
 # kernel -> the GPU run its gpu cases passed on: the kernels of the record (pallas_kernels.fingerprints, which also

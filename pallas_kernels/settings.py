@@ -34,11 +34,13 @@ CONVERTS = ("kernel", "xla")
 NORMS = ("fold", "apart")
 REDUCES = ("kernel", "xla")
 ROPES = ("kernel", "xla")
+CODES = ("kernel", "xla")
 # The settings that are words, not counts: the kernels that take each and the words it takes.
 WORDS = {"epilogue": (("int4_words",), EPILOGUES), "convert": (("int8_f16",), CONVERTS),
-         "norm": (("int4_words", "float_matmul", "int8_f16"), NORMS), "reduce": (("int4_words", "float_matmul", "int8_f16", "weight_only", "w8a8", "append_decode_attention"),
+         "norm": (("int4_words", "float_matmul", "int8_f16", "w8a8"), NORMS),
+         "reduce": (("int4_words", "float_matmul", "int8_f16", "weight_only", "w8a8", "append_decode_attention"),
                     REDUCES),
-         "rope": (("append_decode_attention",), ROPES)}
+         "rope": (("append_decode_attention",), ROPES), "codes": (("w8a8",), CODES)}
 
 
 # Kernels that take only some fields (the others would be read by no one).
@@ -55,9 +57,11 @@ class Settings:
     ``epilogue``: the int4 word kernel's scale epilogue (``int4_words.EPILOGUES``); ``convert``: where the int8
     float16-operand kernel makes its float16 x from bfloat16 x, "kernel" (each K step's tile) or "xla" (before
     the launch: XLA fuses it into the op that makes x, but a decode step's norm then stays XLA's two kernels);
-    ``norm``: whether a decode step's RMSNorm before the word, float or int8 float16-operand kernel's product is folded into it where it
-    may be (``pallas_kernels.norm_fold``; "fold", the default there) or left to a
-    launch of its own ("apart"); ``reduce``: who adds a split product's partial sums (the float cache's attention
+    ``norm``: whether a decode step's RMSNorm before the word, float or int8 float16-operand kernel's product is
+    folded into it where it may be (``pallas_kernels.norm_fold``; "fold", the default there; W8A8: into the kernel
+    that makes its activation codes) or left to a launch of its own ("apart"); ``codes``: who quantizes a W8A8
+    decode step's activations per token: ``pallas_kernels.token_codes`` ("kernel", the default where it may run) or
+    XLA's fusions ("xla"); ``reduce``: who adds a split product's partial sums (the float cache's attention
     kernel: merges its splits) where a scan carries the counters (``pallas_kernels.split_fixup``): the kernel's last
     program of each tile ("kernel", the default there) or XLA after it ("xla"); ``rope``: who rotates a decode
     step's query and key by RoPE where the float cache's attention kernel takes the step: the kernel ("kernel", the
@@ -75,6 +79,7 @@ class Settings:
     norm: str | None = None
     reduce: str | None = None
     rope: str | None = None
+    codes: str | None = None
 
     def blocks(self, default: Blocks) -> Blocks:
         """``default`` with the fields this setting gives."""
@@ -183,5 +188,5 @@ def _int(value: str, text: str) -> int:
         raise ValueError(f"settings: {value!r} in {text!r} is not an integer") from None
 
 
-__all__ = ["CONVERTS", "DECODE_ROWS", "KERNELS", "NONE", "NORMS", "Settings", "check", "current", "is_prefetch", "of",
+__all__ = ["CODES", "CONVERTS", "DECODE_ROWS", "KERNELS", "NONE", "NORMS", "Settings", "check", "current", "is_prefetch", "of",
            "override", "parse", "scope"]

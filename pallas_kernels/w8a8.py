@@ -182,6 +182,7 @@ def w8a8_matmul(
     fp8: bool = False,
     w_layout: str = "kn",
     residual=None,
+    codes=None,
     interpret: bool | None = None,
 ):
     """Quantize activations + int8 GEMM with fused rescale (see module docstring for the contract); with
@@ -197,6 +198,9 @@ def w8a8_matmul(
     no per-call transpose; ``w_scale`` and the zero point stay ``(G, N)``.
     With ``layer`` (an int32 scalar), ``wq``, ``w_scale`` and the zero point are stacks [L, ...]
     and the kernel reads that layer in place (the per-call transpose slices it: it copies anyway).
+    ``codes``: x's per-token int8 codes and scales made already, ``(x_q (M, K), scale_x (M, 1))``
+    (``pallas_kernels.token_codes``: a decode step's, its norm too, in one launch); x then gives the shape and the
+    output's dtype. Dynamic per-token int8 only (no ``act_scale``, not ``fp8``).
     """
     logical = logical_weight("w8a8_matmul", wq, w_layout)
     given_kmajor = w_layout == "nk"
@@ -208,7 +212,11 @@ def w8a8_matmul(
     k_splits = k_splits or chosen.k_splits
     if group is not None and blocks.bk != group:
         raise ValueError(f"w8a8_matmul: with per-group scales the K block must equal the group ({group}), got {blocks.bk}")
-    xq, sx = quantize_rows(x, act_scale, fp8)
+    if codes is not None:
+        _check_codes(codes, x.shape, act_scale, fp8)
+        xq, sx = codes
+    else:
+        xq, sx = quantize_rows(x, act_scale, fp8)
     w_kmajor = given_kmajor or (m >= TRANSPOSE_MIN_M if transpose_w is None else bool(transpose_w))
     transposing = w_kmajor and not given_kmajor
     if transposing and layer is not None:
@@ -224,6 +232,15 @@ def w8a8_matmul(
                          interpret=config.resolve_interpret(interpret), name="w8a8_matmul", group=group,
                          has_zp=w_zero_point is not None, w_kmajor=w_kmajor, layer=layer, fp8=fp8,
                          programs=chosen.programs, residual=residual, fixup=chosen.reduce != "xla")
+
+
+def _check_codes(codes, x_shape, act_scale, fp8: bool) -> None:
+    xq, sx = codes
+    if fp8 or act_scale is not None:
+        raise ValueError("w8a8_matmul: codes= are dynamic per-token int8 codes (no act_scale, not fp8)")
+    if xq.shape != tuple(x_shape) or xq.dtype != jnp.int8 or sx.shape != (x_shape[0], 1):
+        raise ValueError(f"w8a8_matmul: codes= must be int8 {tuple(x_shape)} codes and float32 ({x_shape[0]}, 1) "
+                         f"scales, got {xq.dtype} {tuple(xq.shape)} and {tuple(sx.shape)}")
 
 
 def w8a8_reference(x, wq, w_scale, *, w_zero_point=None, bias=None, act_scale=None, group=None, fp8=False):

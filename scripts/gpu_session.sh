@@ -16,7 +16,8 @@
 # gpu_tests adds those of the checked kernels changed since their runs: 85 cases where TESTS alone selects 59; the
 # tables the call measures are merged over the shipped one before e2e runs):
 #     STEPS="gpu_tests decode_hopper e2e" TESTS_LIMIT=140 \
-#         TESTS="hopper or store or float_decode or rms_norm or norm_fold or split_fixup or prompt_attention or int8_f16" \
+#         TESTS="hopper or store or float_decode or rms_norm or norm_fold or split_fixup or prompt_attention or int8_f16
+#         or token_codes" \
 #         RECIPES="rtn-w4-g128 rtn-w8" TORCH=--no-torch E2E_LIMIT=200 bash scripts/gpu_session.sh   (timeout_s 600,
 #     carry ["runs/wheels"]: pytest-xdist's wheels, made here with
 #     pip download --no-deps pytest-xdist==3.8.0 execnet==2.1.2 -d runs/wheels)

@@ -184,6 +184,46 @@ def test_a_gpus_int8_decode_folds_its_norms_into_the_float16_operand_kernel(monk
     assert not np.array_equal(np.asarray(folded), np.asarray(apart))  # another rounding: the fold did run
 
 
+def test_a_gpus_w8a8_decode_makes_its_activation_codes_in_one_kernel(monkeypatch):
+    """rtn-w8a8's decode traced for an H100: each product's activations quantized per token by
+    ``pallas_kernels.token_codes`` (the norms before q/k/v and gate/up folded into it: no norm launch), the residual
+    adds in the W8A8 kernels -- and the logits within the codes' rounding of the CPU's XLA decode; with
+    ``w8a8:codes=xla``, XLA quantizes as before. (MIN_KERNEL_WEIGHTS lowered: small products are XLA's.)"""
+    from llmeq_jax import kernel_dispatch
+    from pallas_kernels import settings, w8a8
+
+    monkeypatch.setattr(kernel_dispatch, "MIN_KERNEL_WEIGHTS", 0)
+    launches, launch = [], w8a8.w8a8_matmul
+    monkeypatch.setattr(w8a8, "w8a8_matmul", lambda *a, **kw: launches.append(
+        (kw.get("codes") is not None, kw.get("residual") is not None)) or launch(*a, **kw))
+    config = dataclasses.replace(CONFIG, intermediate_size=416)  # shapes of its own (the fold test's reason)
+    params = jax.tree.map(lambda a: (a * 4).astype(jnp.bfloat16), init_params(config, jax.random.key(7)))
+    params = pipeline.run_recipe(config, params, None, pipeline.read_recipe("rtn-w8a8"), None, 16,
+                                 progress=False).params
+    params = stacked.stack_blocks(config, params)
+    tokens = jnp.asarray(np.random.default_rng(7).integers(0, config.vocab_size, (2, PROMPT + 2)))
+    with native.disabled(), kernel_config.disabled():
+        want, _, _ = _logits(params, tokens, config)
+    with native.disabled(), kernel_config.compiling_for(FAKE_H100), kernel_config.interpret(True):
+        got, step, kinds = _logits(params, tokens, config)
+        coded_launches = set(launches)
+        with settings.override("w8a8", codes="xla"):
+            xla_codes, xla_step, _ = _logits(params, tokens, config)
+    assert kinds == {"RowMajorKernel"}
+    # o and down add the residual themselves where the codes kernel quantizes the stream after them; with XLA's
+    # codes the adds stay XLA's (fused with its quantization of the stream)
+    assert coded_launches == {(True, False), (True, True)}
+    assert set(launches) - coded_launches == {(False, False)}
+    assert step.count("name=token_codes") == 4 and xla_step.count("name=token_codes") == 0  # q/k/v, o, gate/up, down
+    assert step.count("name=w8a8_matmul") == xla_step.count("name=w8a8_matmul") == 4
+    assert step.count("name=rms_norm") == 0
+    # the quantized model's logits follow its activation codes: a code one step off (the norm's sum in another
+    # order) moves them by what a code's step is worth, well inside what a wrong norm, scale or layer would
+    scale = float(jnp.max(jnp.abs(want)))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=0.1 * scale)
+    np.testing.assert_allclose(np.asarray(xla_codes), np.asarray(want), atol=0.1 * scale)
+
+
 def test_gpt2s_decode_takes_the_attention_kernel_too():
     """GPT-2 (LayerNorm, learned positions, multi-head) through the same float cache's attention kernel."""
     params = stacked.stack_blocks(GPT2, jax.tree.map(lambda a: (a * 4).astype(jnp.bfloat16),
@@ -246,7 +286,7 @@ def test_a_gpus_w8a8_prompt_reads_its_weights_k_major(monkeypatch):
     take a 7B's: no size floor.)"""
     from llmeq_jax import decode_layout, kernel_dispatch
     from llmeq_jax.models import forward
-    from pallas_kernels import w8a8
+    from pallas_kernels import settings, w8a8
 
     params = jax.tree.map(lambda a: (a * 4).astype(jnp.bfloat16), init_params(CONFIG, jax.random.key(4)))
     params = pipeline.run_recipe(CONFIG, params, None, pipeline.read_recipe("rtn-w8a8"), None, 16,
@@ -257,7 +297,10 @@ def test_a_gpus_w8a8_prompt_reads_its_weights_k_major(monkeypatch):
     monkeypatch.setattr(kernel_dispatch, "MIN_KERNEL_WEIGHTS", 0)
     with native.disabled(), kernel_config.disabled():
         want = jax.jit(run)(pipeline.run_layout(CONFIG, params, scan_layers=True), tokens)
-    with native.disabled(), kernel_config.compiling_for(FAKE_H100), kernel_config.interpret(True):
+    # (its 12 rows are a decode step's to the codes kernel, pallas_kernels.token_codes, whose own test is below:
+    # XLA's codes here, as the K-major layout's subject)
+    with native.disabled(), kernel_config.compiling_for(FAKE_H100), kernel_config.interpret(True), \
+            settings.override("w8a8", codes="xla"):
         assert decode_layout.prompt_target() == "pallas"
         laid = pipeline.run_layout(CONFIG, params, scan_layers=True)
         got = jax.jit(run)(laid, tokens)

@@ -146,19 +146,23 @@ def float_views(in_place: bool) -> bool:
 def norms_in_place(blocks, in_place: bool) -> bool:
     """Whether the scan hands the norms' scales to the norm kernel as :class:`LayerSlice` views: where Pallas
     kernels run (``in_place``) and the block's matmuls read x as it is -- float kernels, int4 words, the int4
-    dot kernel, the int8 ones (the float16-operand kernel converts x itself unless a setting has XLA do it).
-    Not with W8A8 / FP8 codes: their activations are quantized per token in XLA, which XLA fuses with its own
-    norm; a norm kernel there only moves that into a launch of its own (``scripts/gpu_aot.py``: 26 -> 27
-    launches a W8A8 layer)."""
+    dot kernel, the int8 ones (the float16-operand kernel converts x itself unless a setting has XLA do it), and
+    W8A8 where ``pallas_kernels.token_codes`` makes the activations' codes (and folds the norm in). Not with other
+    W8A8 / FP8 codes: their activations are quantized per token in XLA, which XLA fuses with its own norm; a norm
+    kernel there only moves that into a launch of its own (``scripts/gpu_aot.py``: 26 -> 27 launches a W8A8
+    layer)."""
+    from llmeq_jax import kernel_dispatch
     from pallas_kernels import int8_f16
 
     if not in_place:
         return False
     leaves = jax.tree.leaves(blocks, is_leaf=lambda a: isinstance(a, QArray))
     quantized = [a for a in leaves if isinstance(a, QArray)]
-    if any(a.act_spec is not None for a in quantized):
+    coded = [a for a in quantized if a.act_spec is not None]
+    if coded and not (kernel_dispatch.codes_kernel_on(1)
+                      and all(a.act_scale is None and a.grid != "fp8" for a in coded)):
         return False
-    return not (int8_f16.converts_in_xla(1) and any(a.bits == 8 for a in quantized))
+    return not (int8_f16.converts_in_xla(1) and any(a.bits == 8 and a.act_spec is None for a in quantized))
 
 
 def block_at(blocks, layer, in_place: bool, floats: bool, norms: bool = False):

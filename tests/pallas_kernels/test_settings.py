@@ -115,7 +115,8 @@ def test_overrides_nest_and_are_hashable_state():
     ("int4_words", {"epilogue": "cols"}, "one of ('rows', 'mma')"),
     ("int4_words", {"convert": "xla"}, "convert belongs to int8_f16,"),
     ("int8_f16", {"convert": "host"}, "one of ('kernel', 'xla')"),
-    ("w8a8", {"norm": "apart"}, "norm belongs to int4_words, float_matmul, int8_f16,"),
+    ("weight_only", {"norm": "apart"}, "norm belongs to int4_words, float_matmul, int8_f16, w8a8,"),
+    ("int8_f16", {"codes": "xla"}, "codes belongs to w8a8,"),
     ("float_matmul", {"norm": "after"}, "one of ('fold', 'apart')"),
 ])
 def test_bad_settings_are_refused(kernel, fields, message):

@@ -1,0 +1,90 @@
+"""A decode step's activations quantized per token for the W8A8 kernel in one launch, the RMSNorm before them too.
+
+Why: a W8A8 product quantizes its x per token (``w8a8.quantize_rows``: the row's absmax, a division, rounding to
+int8). XLA does that in its own fusions before the kernel, and at a decode step's few rows each product paid three
+launches for it -- the absmax's one-block reduction, the scale, the conversion -- and a product after an RMSNorm
+two more for the norm (``scripts/gpu_aot.py``, Llama-2-7B rtn-w8a8 decode on an H100: 21 launches a layer, 16 of
+them XLA's small fusions). Here one program a row holds the row in registers, applies the norm where one is given
+(its scale read in place from the stacked blocks, as ``pallas_kernels.rms_norm``), rounds it to x's dtype -- the
+norm's output as the model would have written it -- and writes the row's int8 codes and its scale.
+
+The math is ``w8a8.quantize_rows`` of ``rms_norm(x)`` (or of x): ``scale = max(absmax, tiny) / 127``,
+``codes = clip(round_half_even(v / scale), -127, 127)``. The norm's sum of squares is added in another order
+than XLA's, so a value within an ulp of a rounding boundary can take the neighbouring code (tests).
+Dynamic per-token int8 only: a static activation scale and FP8 codes keep XLA's quantization.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import config, norm_fold, rms_norm
+from pallas_kernels.common import TINY, compiler_params, load_tile, next_pow2, round_half_even, span, store_tile
+
+QMAX = 127  # w8a8.QMAX (not imported: w8a8 imports this module)
+
+
+def can_use(x_shape, x_dtype) -> tuple[bool, str]:
+    """(True, "") when the kernel takes ``x``: a decode step's rows, the whole row in registers (the norm kernel's
+    limits)."""
+    return rms_norm.can_use(x_shape, x_dtype)
+
+
+def _kernel(*refs, k, eps, stacked, normed):
+    layer = None
+    if stacked:
+        layer_ref, *refs = refs
+        layer = layer_ref[0]
+    x_ref, *scale_ref, q_ref, s_ref = refs
+    kp = next_pow2(k)
+    row = span(pl.program_id(0), 1, x_ref.shape[0], in_bounds=True)
+    cols = span(0, kp, k, in_bounds=kp == k)
+    x = load_tile(x_ref, row, cols, 0).astype(jnp.float32)
+    if normed:  # rms_norm's math, rounded to x's dtype as the norm's output is
+        scale = load_tile(scale_ref[0], span(0, 1, 1, in_bounds=True), cols, 0, layer).astype(jnp.float32)
+        inv = jax.lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) / k + eps)
+        x = (x * inv * scale).astype(x_ref.dtype).astype(jnp.float32)
+    sx = jnp.maximum(jnp.max(jnp.abs(x), axis=1, keepdims=True), TINY) / QMAX
+    codes = jnp.clip(round_half_even(x / sx), -QMAX, QMAX).astype(jnp.int8)
+    store_tile(q_ref, row, cols, codes)
+    store_tile(s_ref, row, span(0, 1, 1, in_bounds=True), sx)
+
+
+def token_codes(x, *, norm: norm_fold.NormFold | None = None, layer=None, interpret: bool | None = None):
+    """(codes int8 (M, K), scale float32 (M, 1)) of ``x`` (M, K) quantized per token -- of ``rms_norm(x)`` with
+    ``norm`` (its scale (K,), or with ``layer`` an int32 scalar a stack (L, K) read at that layer)."""
+    ok, why = can_use(x.shape, x.dtype)
+    if not ok:
+        raise ValueError(f"token_codes: {why}")
+    m, k = x.shape
+    args = [x]
+    if norm is not None:
+        norm_fold.check("token_codes", norm, k, layer)
+        args.append(norm_fold.operand(norm, layer))
+    elif layer is not None:
+        raise ValueError("token_codes: layer= reads a stacked norm's scale; without norm= there is none to read")
+    if layer is not None:
+        args = [jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), *args]
+    eps = float(norm.eps) if norm is not None else 0.0
+    return pl.pallas_call(
+        lambda *refs: _kernel(*refs, k=k, eps=eps, stacked=layer is not None, normed=norm is not None),
+        out_shape=(jax.ShapeDtypeStruct((m, k), jnp.int8), jax.ShapeDtypeStruct((m, 1), jnp.float32)),
+        grid=(m,),
+        compiler_params=compiler_params(4 if next_pow2(k) <= 4096 else 8, 1),
+        interpret=config.resolve_interpret(interpret),
+        name="token_codes",
+    )(*args)
+
+
+def token_codes_reference(x, norm: norm_fold.NormFold | None = None):
+    """XLA's way: the norm (``rms_norm_reference``), then ``w8a8.quantize_rows``."""
+    from pallas_kernels.w8a8 import quantize_rows
+
+    if norm is not None:
+        x = rms_norm.rms_norm_reference(x, norm.scale, norm.eps)
+    return quantize_rows(x)
+
+
+__all__ = ["can_use", "token_codes", "token_codes_reference"]
