@@ -422,8 +422,8 @@ def linear(x, w: QArray, act=None, require: bool = False, layer=None, *, w_layou
     (``pallas_kernels.split_fixup``), else after the product. ``norm`` (``pallas_kernels.norm_fold.NormFold``):
     ``rms_norm(x) @ w`` where the product goes to the int8 float16-operand kernel and it folds the norm
     (``int8_f16.folds``) or to the W8A8 kernel with its activation codes made by ``pallas_kernels.token_codes``
-    (:func:`codes_in_kernel`), the norm's too, else None (the caller evaluates the norm; not with ``require``). ``swiglu``: ``w``'s
-    outputs pair a SwiGLU's gate and up (``decode_layout.pair_swiglu``) and ``silu(gate) * up`` comes back, gated by
+    (:func:`codes_in_kernel`), the norm's too, else None (the caller evaluates the norm; not with ``require``).
+    ``swiglu``: ``w``'s outputs pair a SwiGLU's gate and up (``decode_layout.pair_swiglu``) and ``silu(gate) * up`` comes back, gated by
     the weight-only kernels as they finish their tiles, or None where the product goes to another kernel or XLA
     (the caller gates the paired product; not with ``require`` or a residual).
 
@@ -527,9 +527,10 @@ def codes_in_kernel(x_shape, x_dtype, kind: str, act_scale) -> bool:
 
 
 def codes_kernel_on(rows: int) -> bool:
-    """Whether ``pallas_kernels.token_codes`` may make a W8A8 launch of ``rows`` rows' codes here (on a GPU, or
-    traced for one; :func:`codes_in_kernel` checks the product)."""
-    return config.on_gpu() and hardware_checked.allowed("token_codes") and settings.of("w8a8", rows).codes != "xla"
+    """Whether ``pallas_kernels.token_codes`` may make a W8A8 launch of ``rows`` rows' codes here: a decode step's
+    rows, on a GPU (or traced for one); :func:`codes_in_kernel` checks the product."""
+    return (0 < rows <= token_codes.MAX_ROWS and config.on_gpu() and hardware_checked.allowed("token_codes")
+            and settings.of("w8a8", rows).codes != "xla")
 
 
 def _float16_operands(x2, view: QArray, group: int | None, w_layout: str) -> bool:

@@ -22,8 +22,9 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import config, norm_fold, rms_norm
 from pallas_kernels.common import TINY, compiler_params, load_tile, next_pow2, round_half_even, span, store_tile
+from pallas_kernels.w8a8 import QMAX, quantize_rows
 
-QMAX = 127  # w8a8.QMAX (not imported: w8a8 imports this module)
+MAX_ROWS = rms_norm.MAX_ROWS  # a decode step's rows (the row in registers, one program each)
 
 
 def can_use(x_shape, x_dtype) -> tuple[bool, str]:
@@ -80,11 +81,9 @@ def token_codes(x, *, norm: norm_fold.NormFold | None = None, layer=None, interp
 
 def token_codes_reference(x, norm: norm_fold.NormFold | None = None):
     """XLA's way: the norm (``rms_norm_reference``), then ``w8a8.quantize_rows``."""
-    from pallas_kernels.w8a8 import quantize_rows
-
     if norm is not None:
         x = rms_norm.rms_norm_reference(x, norm.scale, norm.eps)
     return quantize_rows(x)
 
 
-__all__ = ["can_use", "token_codes", "token_codes_reference"]
+__all__ = ["MAX_ROWS", "can_use", "token_codes", "token_codes_reference"]

@@ -76,3 +76,26 @@ def test_kernel_lowers_for_cuda(cuda_lowering):
     cuda_lowering(lambda x, s, i: tc.token_codes(x, norm=NormFold(s, 1e-5), layer=i), x, jnp.ones((4, 4096)),
                   jnp.int32(1))
     cuda_lowering(lambda x: tc.token_codes(x), jnp.ones((3, 11008), jnp.bfloat16))
+
+
+def test_dispatch_makes_codes_in_the_kernel_for_a_gpus_decode_rows_only(monkeypatch):
+    """``kernel_dispatch.codes_in_kernel``: dynamic per-token int8 codes of a decode step's rows, traced for a GPU
+    where the kernel may run (unchecked: named in LLMEQ_UNCHECKED_KERNELS), unless ``w8a8:codes=xla``; a prompt's
+    rows, FP8 codes, a static scale, a CPU keep XLA's quantization."""
+    import types
+
+    from llmeq_jax import kernel_dispatch as dispatch
+    from pallas_kernels import config, hardware_checked, settings
+
+    gpu = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3", compute_capability="9.0")
+    step = ((1, 4096), jnp.bfloat16)
+    assert not dispatch.codes_in_kernel(*step, "w8a8", None)  # no GPU
+    with config.compiling_for(gpu):
+        assert not dispatch.codes_in_kernel(*step, "w8a8", None)  # not yet run on a GPU: off unless named
+        monkeypatch.setenv(hardware_checked.ENV, "token_codes")
+        assert dispatch.codes_in_kernel(*step, "w8a8", None) and dispatch.codes_kernel_on(16)
+        assert not dispatch.codes_kernel_on(17) and not dispatch.codes_in_kernel((17, 4096), jnp.bfloat16, "w8a8", None)
+        assert not dispatch.codes_in_kernel(*step, "fp8_w8a8", None)
+        assert not dispatch.codes_in_kernel(*step, "w8a8", jnp.float32(0.1))
+        with settings.override("w8a8", codes="xla"):
+            assert not dispatch.codes_in_kernel(*step, "w8a8", None)
