@@ -143,6 +143,39 @@ def test_a_gpus_decode_folds_its_norms_into_the_products_after_them(recipe, monk
         assert rms(folded) <= 1.1 * rms(apart), (rms(folded), rms(apart))  # seen: 0.14 vs 0.19
 
 
+def _quantized_model(recipe: str, intermediate: int, seed: int):
+    """(config, stacked params, tokens) of a two-layer model of x4 weights quantized by ``recipe``, with an
+    intermediate size of its own: generate's jitted layout, traced for other shapes, is not reused."""
+    config = dataclasses.replace(CONFIG, intermediate_size=intermediate)
+    params = jax.tree.map(lambda a: (a * 4).astype(jnp.bfloat16), init_params(config, jax.random.key(seed)))
+    params = pipeline.run_recipe(config, params, None, pipeline.read_recipe(recipe), None, 16, progress=False).params
+    tokens = jnp.asarray(np.random.default_rng(seed).integers(0, config.vocab_size, (2, PROMPT + 2)))
+    return config, stacked.stack_blocks(config, params), tokens
+
+
+def _spied(monkeypatch, module, name: str, record):
+    """The list that ``record(kwargs)`` of every call of ``module.name`` is appended to (the call goes on)."""
+    calls, real = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **kw: calls.append(record(kw)) or real(*a, **kw))
+    return calls
+
+
+def _decodes(params, tokens, config, launches: list, kernel: str, **setting):
+    """XLA's decode on this CPU, then the decode traced for an H100 (the kernels in interpret mode) as it is and under
+    ``kernel``'s ``setting``: (XLA's logits, (logits, step jaxpr, layouts), the ``launches`` recorded by then,
+    (logits, step jaxpr) under the setting)."""
+    from pallas_kernels import settings
+
+    with native.disabled(), kernel_config.disabled():
+        want = _logits(params, tokens, config)[0]
+    with native.disabled(), kernel_config.compiling_for(FAKE_H100), kernel_config.interpret(True):
+        first = _logits(params, tokens, config)
+        first_launches = set(launches)
+        with settings.override(kernel, **setting):
+            other = _logits(params, tokens, config)[:2]
+    return want, first, first_launches, other
+
+
 def test_a_gpus_int8_decode_folds_its_norms_into_the_float16_operand_kernel(monkeypatch):
     """rtn-w8's decode (K-major int8 codes, ``pallas_kernels.int8_f16``) traced for an H100: both norms of a layer
     folded into its q/k/v and gate/up products -- no norm launch, the same products as with the norms apart
@@ -150,24 +183,14 @@ def test_a_gpus_int8_decode_folds_its_norms_into_the_float16_operand_kernel(monk
     (``decode_layout.pair_swiglu``), and the logits within bf16 rounding of the CPU's XLA decode.
     (MIN_KERNEL_WEIGHTS lowered: small products are XLA's.)"""
     from llmeq_jax import kernel_dispatch
-    from pallas_kernels import int8_f16, settings
+    from pallas_kernels import int8_f16
 
     monkeypatch.setattr(kernel_dispatch, "MIN_KERNEL_WEIGHTS", 0)
-    launches, launch = [], int8_f16.int8_f16_matmul
-    monkeypatch.setattr(int8_f16, "int8_f16_matmul", lambda *a, **kw: launches.append(
-        (kw.get("norm") is not None, kw.get("act"))) or launch(*a, **kw))
-    config = dataclasses.replace(CONFIG, intermediate_size=448)  # shapes of its own (the fold test's reason)
-    params = jax.tree.map(lambda a: (a * 4).astype(jnp.bfloat16), init_params(config, jax.random.key(6)))
-    params = pipeline.run_recipe(config, params, None, pipeline.read_recipe("rtn-w8"), None, 16, progress=False).params
-    params = stacked.stack_blocks(config, params)
-    tokens = jnp.asarray(np.random.default_rng(6).integers(0, config.vocab_size, (2, PROMPT + 2)))
-    with native.disabled(), kernel_config.disabled():
-        want, _, _ = _logits(params, tokens, config)
+    launches = _spied(monkeypatch, int8_f16, "int8_f16_matmul", lambda kw: (kw.get("norm") is not None, kw.get("act")))
+    config, params, tokens = _quantized_model("rtn-w8", 448, 6)
+    want, (folded, step, kinds), folded_launches, (apart, apart_step) = _decodes(
+        params, tokens, config, launches, "int8_f16", norm="apart")
     with native.disabled(), kernel_config.compiling_for(FAKE_H100), kernel_config.interpret(True):
-        folded, step, kinds = _logits(params, tokens, config)
-        folded_launches = set(launches)
-        with settings.override("int8_f16", norm="apart"):
-            apart, apart_step, _ = _logits(params, tokens, config)
         assert gen.decode_params(params, 2)[stacked.BLOCKS]["mlp"]["gate_up_proj"]["kernel"].paired
     products = "name=weight_only_int8_f16_matmul"
     assert kinds == {"RowMajorKernel"}
@@ -190,25 +213,14 @@ def test_a_gpus_w8a8_decode_makes_its_activation_codes_in_one_kernel(monkeypatch
     adds in the W8A8 kernels -- and the logits within the codes' rounding of the CPU's XLA decode; with
     ``w8a8:codes=xla``, XLA quantizes as before. (MIN_KERNEL_WEIGHTS lowered: small products are XLA's.)"""
     from llmeq_jax import kernel_dispatch
-    from pallas_kernels import settings, w8a8
+    from pallas_kernels import w8a8
 
     monkeypatch.setattr(kernel_dispatch, "MIN_KERNEL_WEIGHTS", 0)
-    launches, launch = [], w8a8.w8a8_matmul
-    monkeypatch.setattr(w8a8, "w8a8_matmul", lambda *a, **kw: launches.append(
-        (kw.get("codes") is not None, kw.get("residual") is not None)) or launch(*a, **kw))
-    config = dataclasses.replace(CONFIG, intermediate_size=416)  # shapes of its own (the fold test's reason)
-    params = jax.tree.map(lambda a: (a * 4).astype(jnp.bfloat16), init_params(config, jax.random.key(7)))
-    params = pipeline.run_recipe(config, params, None, pipeline.read_recipe("rtn-w8a8"), None, 16,
-                                 progress=False).params
-    params = stacked.stack_blocks(config, params)
-    tokens = jnp.asarray(np.random.default_rng(7).integers(0, config.vocab_size, (2, PROMPT + 2)))
-    with native.disabled(), kernel_config.disabled():
-        want, _, _ = _logits(params, tokens, config)
-    with native.disabled(), kernel_config.compiling_for(FAKE_H100), kernel_config.interpret(True):
-        got, step, kinds = _logits(params, tokens, config)
-        coded_launches = set(launches)
-        with settings.override("w8a8", codes="xla"):
-            xla_codes, xla_step, _ = _logits(params, tokens, config)
+    launches = _spied(monkeypatch, w8a8, "w8a8_matmul",
+                      lambda kw: (kw.get("codes") is not None, kw.get("residual") is not None))
+    config, params, tokens = _quantized_model("rtn-w8a8", 416, 7)
+    want, (got, step, kinds), coded_launches, (xla_codes, xla_step) = _decodes(
+        params, tokens, config, launches, "w8a8", codes="xla")
     assert kinds == {"RowMajorKernel"}
     # o and down add the residual themselves where the codes kernel quantizes the stream after them; with XLA's
     # codes the adds stay XLA's (fused with its quantization of the stream)
