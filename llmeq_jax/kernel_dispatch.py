@@ -422,7 +422,7 @@ def linear(x, w: QArray, act=None, require: bool = False, layer=None, *, w_layou
     (``pallas_kernels.split_fixup``), else after the product. ``norm`` (``pallas_kernels.norm_fold.NormFold``):
     ``rms_norm(x) @ w`` where the product goes to the int8 float16-operand kernel and it folds the norm
     (``int8_f16.folds``) or to the W8A8 kernel with its activation codes made by ``pallas_kernels.token_codes``
-    (:func:`codes_in_kernel`), the norm's too, else None (the caller evaluates the norm; not with ``require``).
+    (:func:`codes_made_by_kernel`), the norm's too, else None (the caller evaluates the norm; not with ``require``).
     ``swiglu``: ``w``'s outputs pair a SwiGLU's gate and up (``decode_layout.pair_swiglu``) and ``silu(gate) * up`` comes back, gated by
     the weight-only kernels as they finish their tiles, or None where the product goes to another kernel or XLA
     (the caller gates the paired product; not with ``require`` or a residual).
@@ -456,7 +456,7 @@ def linear(x, w: QArray, act=None, require: bool = False, layer=None, *, w_layou
 
     group, scale, zp, _ = _layout(view)
     path = _linear_path(kind, x2, view, group, w_layout, zp is not None, require)
-    coded = path == "w8a8" and codes_in_kernel(x2.shape, x.dtype, kind, _act_scale(w, layer))
+    coded = path == "w8a8" and token_codes.can_use(x2.shape, x.dtype)[0] and codes_made_by_kernel(w, x2.shape[0])
     if norm is not None and not ((path == "int8_f16" and int8_f16.folds(x2.shape[0], x.dtype)) or coded):
         return None  # no kernel that folds the norm takes the product
     if swiglu and path not in ("int8_f16", "weight_only"):
@@ -516,20 +516,15 @@ def _linear_path(kind: str, x2, view: QArray, group: int | None, w_layout: str, 
     return "int8_f16" if _float16_operands(x2, view, group, w_layout) else "weight_only"
 
 
-def codes_in_kernel(x_shape, x_dtype, kind: str, act_scale) -> bool:
-    """Whether a W8A8 product's activations of ``x_shape`` are quantized per token by ``pallas_kernels.token_codes``
-    (one launch, a norm before them folded in) rather than XLA's three fusions: a decode step's int8 codes with
-    dynamic scales, on a GPU where the kernel may run (``hardware_checked``: ``token_codes``, not yet run on one)
-    unless the setting ``w8a8:codes=xla`` says otherwise. Interpret mode keeps XLA's quantization (the CPU tests'
-    models stay as they were) unless traced for a GPU."""
-    return (kind == "w8a8" and act_scale is None and token_codes.can_use(x_shape, x_dtype)[0]
-            and codes_kernel_on(x_shape[0]))
-
-
-def codes_kernel_on(rows: int) -> bool:
-    """Whether ``pallas_kernels.token_codes`` may make a W8A8 launch of ``rows`` rows' codes here: a decode step's
-    rows, on a GPU (or traced for one); :func:`codes_in_kernel` checks the product."""
-    return (0 < rows <= token_codes.MAX_ROWS and config.on_gpu() and hardware_checked.allowed("token_codes")
+def codes_made_by_kernel(w: QArray, rows: int) -> bool:
+    """Whether the activation codes of a W8A8 product over ``w`` at ``rows`` rows come from
+    ``pallas_kernels.token_codes`` (one launch, a norm before them folded in) rather than XLA's three fusions: int8
+    codes with dynamic per-token scales (not FP8, not a static scale), a decode step's rows, on a GPU (or traced
+    for one) where the kernel may run (``hardware_checked``: ``token_codes``, not yet run on one), unless the
+    setting ``w8a8:codes=xla`` says otherwise. Interpret mode keeps XLA's quantization (the CPU tests' models stay
+    as they were) unless traced for a GPU. The kernel's own limits on x's shape are :func:`linear`'s to check."""
+    return (w.act_spec is not None and w.grid != "fp8" and w.act_scale is None
+            and 0 < rows <= token_codes.MAX_ROWS and config.on_gpu() and hardware_checked.allowed("token_codes")
             and settings.of("w8a8", rows).codes != "xla")
 
 

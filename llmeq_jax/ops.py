@@ -215,7 +215,8 @@ def _linear_into(x, w, bias, residual, backend):
     if kernel is not None:
         return _run_decode_kernel(kernel, x, w, backend, residual=residual)
     if (backend != "xla" and isinstance(w, LayerSlice) and isinstance(w.stack, RowMajorKernel)
-            and not w.stack.split and (w.stack.w.act_spec is None or _codes_by_kernel(x, w.stack.w))):
+            and not w.stack.split and (w.stack.w.act_spec is None
+                                       or kernel_dispatch.codes_made_by_kernel(w.stack.w, math.prod(x.shape[:-1])))):
         # the int8 kernels over K-major codes (W8A8 only where pallas_kernels.token_codes makes the next product's
         # codes from the residual stream as written: XLA's quantization, fused with the add, keeps excess float32
         # precision across it, which the next product's codes would follow, and a kernel's add cannot)
@@ -226,13 +227,6 @@ def _linear_into(x, w, bias, residual, backend):
         prefetch.after(y)
         return y
     return None
-
-
-def _codes_by_kernel(x, w: QArray) -> bool:
-    """Whether the W8A8 products of ``w``'s kind (int8 codes, dynamic per-token scales) get their activation codes
-    from ``pallas_kernels.token_codes`` at ``x``'s rows (``kernel_dispatch.codes_in_kernel``): a block's products
-    share their recipe, so this product's kind says how the next one quantizes the stream."""
-    return w.grid != "fp8" and w.act_scale is None and kernel_dispatch.codes_kernel_on(math.prod(x.shape[:-1]))
 
 
 def _decode_kernel(x, w, backend) -> str | None:

@@ -159,8 +159,7 @@ def norms_in_place(blocks, in_place: bool) -> bool:
     leaves = jax.tree.leaves(blocks, is_leaf=lambda a: isinstance(a, QArray))
     quantized = [a for a in leaves if isinstance(a, QArray)]
     coded = [a for a in quantized if a.act_spec is not None]
-    if coded and not (kernel_dispatch.codes_kernel_on(1)
-                      and all(a.act_scale is None and a.grid != "fp8" for a in coded)):
+    if not all(kernel_dispatch.codes_made_by_kernel(a, 1) for a in coded):
         return False
     return not (int8_f16.converts_in_xla(1) and any(a.bits == 8 and a.act_spec is None for a in quantized))
 

@@ -79,23 +79,28 @@ def test_kernel_lowers_for_cuda(cuda_lowering):
 
 
 def test_dispatch_makes_codes_in_the_kernel_for_a_gpus_decode_rows_only(monkeypatch):
-    """``kernel_dispatch.codes_in_kernel``: dynamic per-token int8 codes of a decode step's rows, traced for a GPU
-    where the kernel may run (unchecked: named in LLMEQ_UNCHECKED_KERNELS), unless ``w8a8:codes=xla``; a prompt's
-    rows, FP8 codes, a static scale, a CPU keep XLA's quantization."""
+    """``kernel_dispatch.codes_made_by_kernel``: dynamic per-token int8 codes of a decode step's rows, traced for a
+    GPU where the kernel may run (unchecked: named in LLMEQ_UNCHECKED_KERNELS), unless ``w8a8:codes=xla``; a
+    prompt's rows, FP8 codes, a static scale, a weight-only product, a CPU keep XLA's quantization."""
+    import dataclasses
     import types
 
     from llmeq_jax import kernel_dispatch as dispatch
+    from llmeq_jax.core.quantize import Spec, quantize
     from pallas_kernels import config, hardware_checked, settings
 
     gpu = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3", compute_capability="9.0")
-    step = ((1, 4096), jnp.bfloat16)
-    assert not dispatch.codes_in_kernel(*step, "w8a8", None)  # no GPU
+    w = jax.random.normal(jax.random.key(0), (256, 64)) * 0.1
+    int8 = quantize(w, Spec(8, "channel"), act_spec=Spec(8, "token"))
+    fp8 = quantize(w, Spec(8, "channel", grid="fp8"), act_spec=Spec(8, "token", grid="fp8"))
+    static = dataclasses.replace(int8, act_scale=jnp.float32(0.1))
+    weight_only = quantize(w, Spec(8, "channel"))
+    assert not dispatch.codes_made_by_kernel(int8, 1)  # no GPU
     with config.compiling_for(gpu):
-        assert not dispatch.codes_in_kernel(*step, "w8a8", None)  # not yet run on a GPU: off unless named
+        assert not dispatch.codes_made_by_kernel(int8, 1)  # not yet run on a GPU: off unless named
         monkeypatch.setenv(hardware_checked.ENV, "token_codes")
-        assert dispatch.codes_in_kernel(*step, "w8a8", None) and dispatch.codes_kernel_on(16)
-        assert not dispatch.codes_kernel_on(17) and not dispatch.codes_in_kernel((17, 4096), jnp.bfloat16, "w8a8", None)
-        assert not dispatch.codes_in_kernel(*step, "fp8_w8a8", None)
-        assert not dispatch.codes_in_kernel(*step, "w8a8", jnp.float32(0.1))
+        assert dispatch.codes_made_by_kernel(int8, 1) and dispatch.codes_made_by_kernel(int8, 16)
+        assert not dispatch.codes_made_by_kernel(int8, 17)  # a prompt's rows
+        assert not any(dispatch.codes_made_by_kernel(q, 1) for q in (fp8, static, weight_only))
         with settings.override("w8a8", codes="xla"):
-            assert not dispatch.codes_in_kernel(*step, "w8a8", None)
+            assert not dispatch.codes_made_by_kernel(int8, 1)
