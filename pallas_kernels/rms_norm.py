@@ -49,9 +49,15 @@ def _kernel(*refs, k, eps, stacked):
     row = span(pl.program_id(0), 1, x_ref.shape[0], in_bounds=True)
     cols = span(0, kp, k, in_bounds=kp == k)
     x = load_tile(x_ref, row, cols, 0).astype(jnp.float32)
-    scale = load_tile(s_ref, span(0, 1, 1, in_bounds=True), cols, 0, layer).astype(jnp.float32)
-    inv = jax.lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) / k + eps)
-    store_tile(o_ref, row, cols, (x * inv * scale).astype(o_ref.dtype))
+    store_tile(o_ref, row, cols, normalize(x, s_ref, cols, k, eps, layer).astype(o_ref.dtype))
+
+
+def normalize(x, scale_ref, cols, k: int, eps: float, layer=None):
+    """Inside a kernel: the whole rows ``x`` (float32; columns past ``k`` zero) times ``rsqrt(mean(x^2) + eps)``
+    times the norm's scale (``scale_ref`` (1, K), or a stack (L, 1, K) read at ``layer``), in float32 -- the norm's
+    arithmetic, for every kernel that makes it (this one, ``token_codes``), to round as its output needs."""
+    scale = load_tile(scale_ref, span(0, 1, 1, in_bounds=True), cols, 0, layer).astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) / k + eps) * scale
 
 
 def rms_norm(x, scale, eps: float, *, layer=None, interpret: bool | None = None):

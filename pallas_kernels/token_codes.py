@@ -43,10 +43,8 @@ def _kernel(*refs, k, eps, stacked, normed):
     row = span(pl.program_id(0), 1, x_ref.shape[0], in_bounds=True)
     cols = span(0, kp, k, in_bounds=kp == k)
     x = load_tile(x_ref, row, cols, 0).astype(jnp.float32)
-    if normed:  # rms_norm's math, rounded to x's dtype as the norm's output is
-        scale = load_tile(scale_ref[0], span(0, 1, 1, in_bounds=True), cols, 0, layer).astype(jnp.float32)
-        inv = jax.lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) / k + eps)
-        x = (x * inv * scale).astype(x_ref.dtype).astype(jnp.float32)
+    if normed:  # rounded to x's dtype as the norm's output is
+        x = rms_norm.normalize(x, scale_ref[0], cols, k, eps, layer).astype(x_ref.dtype).astype(jnp.float32)
     sx = jnp.maximum(jnp.max(jnp.abs(x), axis=1, keepdims=True), TINY) / QMAX
     codes = jnp.clip(round_half_even(x / sx), -QMAX, QMAX).astype(jnp.int8)
     store_tile(q_ref, row, cols, codes)
