@@ -75,7 +75,7 @@ def copies_for(nbytes: int) -> int:
     return max(4, min(32, -(-3 * L2_BYTES // max(nbytes, 1))))
 
 
-def timed(fn, inputs, *, reps, outputs: list | None = None):
+def timed(fn, inputs, *, reps, outputs: list | None = None, options: dict | None = None):
     """Device time of ``fn`` per call: ``fn`` applied once to each input set, in one jit.
 
     ``inputs`` is a list of argument tuples (distinct copies of the operands, so the
@@ -83,10 +83,11 @@ def timed(fn, inputs, *, reps, outputs: list | None = None):
     calls of one rep are one executable; ``reps`` executables are dispatched
     back to back and waited for once, so host dispatch overlaps the GPU work.
     Returns seconds per call (best of 3 such measurements); ``outputs``: a list the first input set's result is
-    appended to (from the warm-up call: no second compile), for :func:`agrees`.
+    appended to (from the warm-up call: no second compile), for :func:`agrees`. ``options``: XLA compiler options
+    the jit compiles with.
     """
     first = {} if outputs is not None else None
-    t = timed_round_robin({"": (fn, inputs)}, reps=reps, outputs=first)[""]
+    t = timed_round_robin({"": (fn, inputs, options)}, reps=reps, outputs=first)[""]
     if outputs is not None:
         outputs.append(first[""])
     return t
@@ -200,7 +201,8 @@ def write_table(path, measured):
 
 KINDS = ("bf16", "w8a8", "fp8", "w8", "w4g128", "w8a8_nk", "fp8_nk", "w8_nk", "w4_words", "bf16_stack", "w4_xla_rows",
          "w8_nk_f16", "w4_gemv", "w4_xla_words", "w4_xla_groups", "w4_words_prefill", "w8a8_hopper", "w8_hopper",
-         "w4_hopper", "w4_decode_hopper", "w8_decode_hopper", "fp8_hopper", "w8a8_decode_hopper", "fp8_decode_hopper")
+         "w4_hopper", "w4_decode_hopper", "w8_decode_hopper", "fp8_hopper", "w8a8_decode_hopper", "fp8_decode_hopper",
+         "w4_xla_subchannel")
 # The int8 kinds with their weights stored K-major, (N, K): the layout decode steps of up to
 # decode_layout.GPU_KMAJOR_MAX_ROWS rows read (for_decode); not in the table. W8A8 is timed at prefill rows
 # too: there the kinds w8a8/fp8 transpose the weight per call (int8 wgmma takes K-major operands only), and
@@ -230,6 +232,10 @@ KMAJOR_KINDS = ("w8a8_nk", "fp8_nk", "w8_nk")
 # Not in the table.
 # w4_xla_groups: int4 g128 weights (K, N) as jnp.int4, a batched dot per scale group then the scales
 # (:func:`xla_int4_groups`): at M = 16 one XLA GEMM fusion over the int4 weights (deviceless, H200). Not in the table.
+# w4_xla_subchannel: the same jnp.int4 weights through XLA's GEMM with the dequantization fused in
+# (:func:`xla_int4_subchannel`, compiled with :data:`SUBCHANNEL_FUSION`): a candidate for a symmetric int4 prompt's
+# XLA path, where today XLA writes the dequantized weight before its GEMM (0.88-0.96x bf16 at 2048-4096 rows,
+# H200, 2026-12-04; #15 wants 0.95x); prompt rows only. Not in the table (XLA's path of w4g128 is the one beside it).
 # w4_words_prefill: the same words at prompt rows (pallas_kernels.int4_words_prefill: the transposed product, the
 # dequantized weights as wgmma's A operand from registers, one dot a word block); prompt rows only, in the table as
 # kernel "int4_words_prefill" against XLA's path of the packed QArray (the path prompts take today).
@@ -253,16 +259,16 @@ KMAJOR_KINDS = ("w8a8_nk", "fp8_nk", "w8_nk")
 # replaces in a decode step, the faster of the word kernel (w4_words, timed in the same row) and XLA's path.
 # w8_decode_hopper: the same kernel over w8_nk's K-major int8 codes (rtn-w8's decode layout), against the faster of
 # the K-major Triton kernels timed in the same row (w8_nk, w8_nk_f16) and XLA's path.
-PREFILL_ONLY_KINDS = ("w4_words_prefill", "w8a8_hopper", "fp8_hopper", "w8_hopper", "w4_hopper")
+PREFILL_ONLY_KINDS = ("w4_words_prefill", "w8a8_hopper", "fp8_hopper", "w8_hopper", "w4_hopper", "w4_xla_subchannel")
 DECODE_ONLY_KINDS = ("w8_nk", "w4_words", "bf16_stack", "w4_xla_rows", "w8_nk_f16", "w4_gemv", "w4_xla_words",
                      "w4_xla_groups", "w4_decode_hopper", "w8_decode_hopper", "w8a8_decode_hopper", "fp8_decode_hopper")
 GEMV_ONLY_ROWS = ("w4_gemv",)  # kinds timed only at rows the GEMV takes (gemv.GEMV_MAX_ROWS)
-NOT_IN_TABLE = ("w4_xla_rows", "w4_gemv", "w4_xla_words", "w4_xla_groups",
+NOT_IN_TABLE = ("w4_xla_rows", "w4_gemv", "w4_xla_words", "w4_xla_groups", "w4_xla_subchannel",
                 "w4_decode_hopper", "w8_decode_hopper", "w8a8_decode_hopper",
                 "fp8_decode_hopper")  # their own entries, against what they replace (REPLACES)
 # the kind whose weights (bytes moved, XLA's path) a layout kind has
 LAYOUT_OF = {"w4_words": "w4g128", "w4_words_prefill": "w4g128", "w4_xla_rows": "w4g128", "w8_nk_f16": "w8_nk",
-             "w4_gemv": "w4g128", "w4_xla_words": "w4g128", "w4_xla_groups": "w4g128", "w8a8_hopper": "w8a8_nk",
+             "w4_gemv": "w4g128", "w4_xla_words": "w4g128", "w4_xla_groups": "w4g128", "w4_xla_subchannel": "w4g128", "w8a8_hopper": "w8a8_nk",
              "fp8_hopper": "fp8_nk", "w8a8_decode_hopper": "w8a8", "fp8_decode_hopper": "fp8",
              "w8_hopper": "w8", "w4_hopper": "w4g128", "w4_decode_hopper": "w4g128", "w8_decode_hopper": "w8"}
 # the Mosaic decode kinds: the kinds (timed in the same row) whose kernels they would replace in a decode step
@@ -291,6 +297,25 @@ def xla_int4_groups(x, q, scale):
     part = jnp.einsum("mgk,gkn->gmn", x.reshape(m, groups, GROUP), q.reshape(groups, GROUP, n).astype(x.dtype),
                       preferred_element_type=jnp.float32)
     return jnp.sum(part * scale.astype(jnp.float32)[:, None, :], axis=0).astype(x.dtype)
+
+
+# XLA's GPU compiler fuses a group-wise int4 dequantization into its Triton GEMM only when asked (the flag is
+# experimental in jax 0.11), and only in one form: jnp.int4 codes (K, N) converted to x's dtype and times the
+# group scales broadcast (also converted to x's dtype). Deviceless H100 compiles (2026-12-07): one GEMM fusion
+# reading the int4 codes and scales, a stacked layer's dynamic slice fused in too; a zero point (subtracted, or
+# added as an offset), float32 arithmetic, or codes unpacked from our nibble pairs along K each leave a dequantized
+# copy in front of the GEMM, as today; codes bitcast from nibble pairs along N abort the compile (a failed check in
+# XLA's triton_tiling_propagation.cc, jax 0.11.2) -- so a model path would need its codes stored as jnp.int4.
+SUBCHANNEL_FUSION = {"xla_gpu_experimental_enable_subchannel_dequantisation_fusion": True}
+
+
+def xla_int4_subchannel(x, q, scale):
+    """``x @ dequantize(w)`` for symmetric int4 weights ``(K, N)`` as ``jnp.int4`` with group scales
+    ``(K / GROUP, N)``, in the one form XLA fuses into its GEMM under :data:`SUBCHANNEL_FUSION` (the scales rounded
+    to x's dtype first, the dequantized weight to x's dtype as XLA's path does)."""
+    (k, n), groups = q.shape, q.shape[0] // GROUP
+    w = q.astype(x.dtype).reshape(groups, GROUP, n) * scale.astype(x.dtype)[:, None, :]
+    return x @ w.reshape(k, n)
 
 
 def torch_scaled_mm():
@@ -370,7 +395,8 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
         w4r = [c.T.astype(jnp.int4) for c in _copies(q4.values(), r)] if "w4_xla_rows" in kinds_wanted else []
         w4t = [transpose_codes(c) for c in _copies(q4.values(), r)] if "w4_decode_hopper" in kinds_wanted else []
         s4t = [s.T for s in s4] if w4r else []
-        w4k = [c.astype(jnp.int4) for c in _copies(q4.values(), r)] if "w4_xla_groups" in kinds_wanted else []
+        w4k = ([c.astype(jnp.int4) for c in _copies(q4.values(), r)]
+               if {"w4_xla_groups", "w4_xla_subchannel"} & set(kinds_wanted) else [])
         wbs = jnp.stack(wb) if "bf16_stack" in kinds_wanted else None  # r layers of bf16 weights
         layers = [jnp.int32(i) for i in range(r)] if wbs is not None else []
         del w
@@ -389,6 +415,7 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
             "bf16_stack": (lambda x, w, i: float_matmul(x, w, layer=i), [(wbs, i) for i in layers]),
             "w4_xla_rows": (xla_int4_rows, list(zip(w4r, s4t))),
             "w4_xla_groups": (xla_int4_groups, list(zip(w4k, s4))),
+            "w4_xla_subchannel": (xla_int4_subchannel, list(zip(w4k, s4)), SUBCHANNEL_FUSION),
             "w8_nk_f16": (lambda x, w, s: weight_only_matmul(x, w, s, bits=8, w_layout="nk", dequant="f16"),
                           list(zip(w8t, s8))),
             "w4_gemv": (lambda x, w, s: weight_only_matmul(x, w, s, bits=4, group=GROUP, gemv=True), list(zip(w4, s4))),
@@ -420,13 +447,14 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
             base = None
             row_times = {}  # the kinds timed in this row whose results were right
             refs = {}  # x @ each float32 weight version, made as a kind first needs it
-            for kind, (fn, ws) in kinds.items():
+            for kind, (fn, ws, *options) in kinds.items():
                 if (kind in DECODE_ONLY_KINDS and m > DECODE_M[-1] or kind in GEMV_ONLY_ROWS and m > GEMV_MAX_ROWS
                         or kind in PREFILL_ONLY_KINDS and m <= DECODE_M[-1]):
                     continue
                 got = []
                 try:
-                    t = timed(fn, [(x, *wargs) for x, wargs in zip(xs, ws)], reps=reps, outputs=got)
+                    t = timed(fn, [(x, *wargs) for x, wargs in zip(xs, ws)], reps=reps, outputs=got,
+                              options=options[0] if options else None)
                 except Exception as e:  # one kind failing to compile or run costs its row, not the step's others
                     if kind == "bf16":
                         raise

@@ -22,7 +22,7 @@
 #     carry ["runs/wheels"]: pytest-xdist's wheels, made here with
 #     pip download --no-deps pytest-xdist==3.8.0 execnet==2.1.2 -d runs/wheels)
 # (e2e's rows carry each variant's logits against XLA alone on the same weights: read them before the speeds), then
-# at once, on the machine still warm: STEPS="attention" (timeout_s 200). A later session: STEPS="decode_fold
+# at once, on the machine still warm: STEPS="attention prefill_subchannel" (timeout_s 360). A later session: STEPS="decode_fold
 # decode_fold_bf16" (timeout_s 360: the norms folded against apart, end to end), STEPS="decode_fixup
 # decode_fixup_bf16" (timeout_s 420: split sums and RoPE in the kernels against XLA's), STEPS="decode_hopper_w8a8 hopper
 # hopper_fp8 hopper_w8"; the read-ahead of pallas_kernels/prefetch.py in two calls, STEPS="prefetch
@@ -52,7 +52,7 @@ all_steps+=" decode_sweep decode_sweep_w8 decode_sweep_bf16 norms float_attentio
 all_steps+=" gemv prefill prefill_words hopper hopper_fp8 hopper_w8 decode_hopper decode_hopper_sweep layout"
 all_steps+=" layout_dsf decode_hopper_w8a8"
 all_steps+=" prompt_attention prefetch decode_prefetch decode_prefetch_bf16 decode_concurrent decode_fold"
-all_steps+=" decode_fold_bf16 decode_fixup decode_fixup_bf16"
+all_steps+=" decode_fold_bf16 decode_fixup decode_fixup_bf16 prefill_subchannel"
 steps="${STEPS:-$all_steps layout_float kernels}"  # STEPS: a subset
 step() {  # step NAME SECONDS CMD...: run CMD with a time limit, its output in $out/NAME.log
   local name=$1 limit=$2
@@ -186,6 +186,13 @@ step prefill 80 "$py" scripts/tune_weight_only.py --shapes 4096x11008 --rows 204
 step prefill_words 200 "$py" scripts/bench_kernels.py --reps 10 --sweep --rows 512,2048,4096 \
     --kinds bf16,w4_words_prefill --weights 4096x4096,4096x11008,11008x4096,4096x14336 --no-attention \
     --write-table "$out/dispatch_prefill_words.json"
+# XLA's own GEMM with a symmetric int4 g128 dequantization fused in (bench_kernels' w4_xla_subchannel: jnp.int4 codes
+# and bf16 group scales, compiled with xla_gpu_experimental_enable_subchannel_dequantisation_fusion) against bf16 and
+# XLA's path of the packed QArray (printed beside w4g128's rows; 0.88-0.96x bf16 on the H200; #15 wants 0.95x) on the
+# four int4 shapes at 512-4096 rows: whether a prompt's int4 products should be laid out for that fusion.
+step prefill_subchannel 150 "$py" scripts/bench_kernels.py --reps 10 --rows 512,2048,4096 \
+    --kinds bf16,w4g128,w4_xla_subchannel --weights 4096x4096,4096x11008,11008x4096,4096x14336 --no-attention \
+    --write-table "$out/dispatch_subchannel.json"
 # The Mosaic GPU W8A8 kernel (pallas_kernels/w8a8_hopper.py: int8 wgmma kept in flight, which Triton never does with
 # int32 accumulators) against bf16 and the Triton kernel over the same K-major weights (w8a8_nk: what a prompt's
 # W8A8 product takes today, 1.04-1.27x bf16 at 2048 rows on the H200; #15 wants 1.5x at M >= 1024) on the four

@@ -214,6 +214,27 @@ def test_bench_kernels_times_the_hopper_w8a8_kernel_against_the_triton_one(capsy
     assert out.count("failed: ValueError: w8a8_hopper:") == 1
 
 
+def test_bench_kernels_times_xlas_fused_int4_dequantization_at_prompt_rows_only(capsys, monkeypatch):
+    """w4_xla_subchannel (interpret mode, a tiny weight): the symmetric int4 product in the form XLA fuses into its
+    GEMM, compiled with the flag that asks for it (the CPU takes and ignores it), checked against the float product
+    and timed at prompt rows only; no table entry of its own."""
+    from pallas_kernels import config
+
+    bench = _bench_kernels(monkeypatch)
+    options = []
+    real = bench.timed_round_robin
+    monkeypatch.setattr(bench, "timed_round_robin", lambda variants, **kw: options.extend(
+        rest[0] if rest else None for _, _, *rest in variants.values()) or real(variants, **kw))
+    table = []
+    with config.interpret(True):
+        bench.gpu_bench(1, table=table, kinds_wanted=("bf16", "w4_xla_subchannel"), weights=((256, 128),),
+                        attention=False, rows=(1, 64))
+    out = capsys.readouterr().out
+    assert "256x128    64 w4_xla_subchannel" in out and "256x128     1 w4_xla_subchannel" not in out
+    assert "failed" not in out and "WRONG" not in out and table == []
+    assert options == [None, None, bench.SUBCHANNEL_FUSION]  # bf16 at 1 and 64 rows, then the fused kind
+
+
 def test_bench_kernels_times_the_hopper_weight_only_kernel_against_xlas_path(capsys, monkeypatch):
     """w8_hopper and w4_hopper (GPU interpret mode, a tiny weight): timed at prompt rows only, their table entries
     (kernel weight_only_hopper, 8 and 4 bits) against XLA's path of the same int8 codes (w8) / int4 QArray (w4g128)
