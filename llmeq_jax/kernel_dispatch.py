@@ -478,7 +478,8 @@ def linear(x, w: QArray, act=None, require: bool = False, layer=None, *, w_layou
     if path == "w8a8_hopper":
         return done(w8a8_hopper.w8a8_hopper(x2, w.qvalue, scale, act_scale=_act_scale(w, layer), layer=layer, fp8=fp8))
     if path == "w8a8":
-        codes = token_codes.token_codes(x2, norm=norm, layer=layer if norm is not None else None) if coded else None
+        codes = (token_codes.token_codes(x2, norm=norm, layer=layer if norm is not None else None, fp8=fp8)
+                 if coded else None)
         y = w8a8.w8a8_matmul(x2, w.qvalue, scale, w_zero_point=zp, act_scale=_act_scale(w, layer), group=group,
                              layer=layer, fp8=fp8, w_layout=w_layout, residual=r2, codes=codes)
     else:
@@ -519,11 +520,11 @@ def _linear_path(kind: str, x2, view: QArray, group: int | None, w_layout: str, 
 def codes_made_by_kernel(w: QArray, rows: int) -> bool:
     """Whether the activation codes of a W8A8 product over ``w`` at ``rows`` rows come from
     ``pallas_kernels.token_codes`` (one launch, a norm before them folded in) rather than XLA's three fusions: int8
-    codes with dynamic per-token scales (not FP8, not a static scale), a decode step's rows, on a GPU (or traced
+    or E4M3 codes with dynamic per-token scales (not a static scale), a decode step's rows, on a GPU (or traced
     for one) where the kernel may run (``hardware_checked``: ``token_codes``, not yet run on one), unless the
     setting ``w8a8:codes=xla`` says otherwise. Interpret mode keeps XLA's quantization (the CPU tests' models stay
     as they were) unless traced for a GPU. The kernel's own limits on x's shape are :func:`linear`'s to check."""
-    return (w.act_spec is not None and w.grid != "fp8" and w.act_scale is None
+    return (w.act_spec is not None and w.act_spec.granularity == "token" and w.act_scale is None
             and 0 < rows <= token_codes.MAX_ROWS and config.on_gpu() and hardware_checked.allowed("token_codes")
             and settings.of("w8a8", rows).codes != "xla")
 

@@ -232,6 +232,8 @@ def _token_codes() -> list[Lowering]:
                  lambda x, s, i: token_codes(x, norm=NormFold(s, 1e-5), layer=i),
                  (sds((1, 4096), BF16), sds((4, 4096), BF16), sds((), I32))),
         Lowering("bf16, 16 rows x 11008", "token_codes", token_codes, (sds((16, 11008), BF16),)),
+        Lowering("bf16, 2 rows x 4096, E4M3 codes", "token_codes", lambda x: token_codes(x, fp8=True),
+                 (sds((2, 4096), BF16),)),
     ]
 
 

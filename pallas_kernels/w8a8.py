@@ -199,8 +199,8 @@ def w8a8_matmul(
     With ``layer`` (an int32 scalar), ``wq``, ``w_scale`` and the zero point are stacks [L, ...]
     and the kernel reads that layer in place (the per-call transpose slices it: it copies anyway).
     ``codes``: x's per-token int8 codes and scales made already, ``(x_q (M, K), scale_x (M, 1))``
-    (``pallas_kernels.token_codes``: a decode step's, its norm too, in one launch); x then gives the shape and the
-    output's dtype. Dynamic per-token int8 only (no ``act_scale``, not ``fp8``).
+    (``pallas_kernels.token_codes``: a decode step's, its norm too, in one launch; with ``fp8`` E4M3 bit patterns);
+    x then gives the shape and the output's dtype. Dynamic per-token scales only (no ``act_scale``).
     """
     logical = logical_weight("w8a8_matmul", wq, w_layout)
     given_kmajor = w_layout == "nk"
@@ -213,7 +213,7 @@ def w8a8_matmul(
     if group is not None and blocks.bk != group:
         raise ValueError(f"w8a8_matmul: with per-group scales the K block must equal the group ({group}), got {blocks.bk}")
     if codes is not None:
-        _check_codes(codes, x.shape, act_scale, fp8)
+        _check_codes(codes, x.shape, act_scale)
         xq, sx = codes
     else:
         xq, sx = quantize_rows(x, act_scale, fp8)
@@ -234,10 +234,10 @@ def w8a8_matmul(
                          programs=chosen.programs, residual=residual, fixup=chosen.reduce != "xla")
 
 
-def _check_codes(codes, x_shape, act_scale, fp8: bool) -> None:
+def _check_codes(codes, x_shape, act_scale) -> None:
     xq, sx = codes
-    if fp8 or act_scale is not None:
-        raise ValueError("w8a8_matmul: codes= are dynamic per-token int8 codes (no act_scale, not fp8)")
+    if act_scale is not None:
+        raise ValueError("w8a8_matmul: codes= are dynamic per-token codes (no act_scale)")
     if xq.shape != tuple(x_shape) or xq.dtype != jnp.int8 or sx.shape != (x_shape[0], 1):
         raise ValueError(f"w8a8_matmul: codes= must be int8 {tuple(x_shape)} codes and float32 ({x_shape[0]}, 1) "
                          f"scales, got {xq.dtype} {tuple(xq.shape)} and {tuple(sx.shape)}")

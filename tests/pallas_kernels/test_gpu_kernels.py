@@ -707,8 +707,9 @@ for _shape in SPLIT_FIXUP_INT8_SWIGLU:
         return label, *compare(y, r, 2e-2), int(jnp.count_nonzero(counters))
 
 
-TOKEN_CODES = [  # (M, K, norm folded): rtn-w8a8's decode activations, Llama-2-7B's q/k/v (norm) and down inputs
-    (1, 4096, True), (16, 11008, False),
+TOKEN_CODES = [  # (M, K, norm folded, E4M3): rtn-w8a8's decode activations, Llama-2-7B's q/k/v (norm) and down
+    # inputs; fp8-w8a8's q/k/v
+    (1, 4096, True, False), (16, 11008, False, False), (2, 4096, True, True),
 ]
 
 for _shape in TOKEN_CODES:
@@ -718,22 +719,25 @@ for _shape in TOKEN_CODES:
         from pallas_kernels.norm_fold import NormFold
         from pallas_kernels.token_codes import token_codes, token_codes_reference
 
-        m, k, folded = shape
+        m, k, folded, fp8 = shape
         x = (jax.random.normal(jax.random.key(40), (m, k)) * 3).astype(BF16)
         scales = jax.random.uniform(jax.random.key(41), (3, k), minval=0.5, maxval=1.5).astype(BF16)
+        # XLA's way jitted, as a model runs it (its simplifier multiplies by 1 / 127 where eager ops divide)
+        reference = jax.jit(token_codes_reference, static_argnames="fp8")
         if folded:
-            codes, sx = jax.jit(lambda x, s: token_codes(x, norm=NormFold(s, 1e-5), layer=jnp.int32(1),
+            codes, sx = jax.jit(lambda x, s: token_codes(x, norm=NormFold(s, 1e-5), layer=jnp.int32(1), fp8=fp8,
                                                           interpret=INTERPRET))(x, scales)
-            want_codes, want_sx = token_codes_reference(x, NormFold(scales[1], 1e-5))
+            want_codes, want_sx = reference(x, NormFold(scales[1], 1e-5), fp8=fp8)
         else:
-            codes, sx = jax.jit(lambda x: token_codes(x, interpret=INTERPRET))(x)
-            want_codes, want_sx = token_codes_reference(x)
+            codes, sx = jax.jit(lambda x: token_codes(x, fp8=fp8, interpret=INTERPRET))(x)
+            want_codes, want_sx = reference(x, fp8=fp8)
         off = np.abs(np.asarray(codes, np.int32) - np.asarray(want_codes, np.int32))
         err, tol = compare(sx, want_sx, 1e-2 if folded else 1e-6)
         # without the norm the same arithmetic as XLA's: every code equal; with it, a code one step off where the
-        # norm's sum in another order crosses a rounding boundary, one in a thousand at most
+        # norm's sum in another order crosses a rounding boundary, one in a thousand at most (E4M3: bit patterns
+        # one apart)
         too_many = int(off.max() > (1 if folded else 0) or off.mean() > (1e-3 if folded else 0))
-        label = f"token_codes M={m} K={k}{' norm folded' if folded else ''}"
+        label = f"token_codes M={m} K={k}{' norm folded' if folded else ''}{' E4M3' if fp8 else ''}"
         return label, err, tol, too_many
 
 
