@@ -750,11 +750,12 @@ def narrow_norm_scales(params, dtype):
 
 def pair_swiglu(params):
     """``params`` with every SwiGLU's joined gate/up kernel (``gate_up_proj``, gate then up along its outputs) that a
-    decode kernel can gate -- an :class:`Int4WordKernel`, or an int8 weight-only :class:`RowMajorKernel` (the
-    float16-operand and K-major int8 kernels) -- stored ``paired``: outputs interleaved, gate ``i`` then up ``i``, so
-    that each of the kernel's column tiles holds both halves of its outputs and gates them where it finishes the
-    product (``pallas_kernels.common.swiglu_pairs``; ``ops.swiglu``) -- no launch for the activation. Codes, scales
-    and zero points move together (a stack [L, ...] too); other leaves come back as they are."""
+    decode kernel can gate -- an :class:`Int4WordKernel`, or an int8-stored :class:`RowMajorKernel`: weight-only (the
+    float16-operand and K-major int8 kernels) or W8A8 (int8 or E4M3 codes: the W8A8 kernel) -- stored ``paired``:
+    outputs interleaved, gate ``i`` then up ``i``, so that each of the kernel's column tiles holds both halves of its
+    outputs and gates them where it finishes the product (``pallas_kernels.common.swiglu_pairs``; ``ops.swiglu``) --
+    no launch for the activation. Codes, scales and zero points move together (a stack [L, ...] too); other leaves
+    come back as they are."""
     def walk(tree):
         if not isinstance(tree, dict):
             return tree
@@ -772,7 +773,7 @@ def _pairable(kernel) -> bool:
     if isinstance(kernel, Int4WordKernel):
         return not kernel.paired and kernel.shape[1] % 2 == 0
     return (isinstance(kernel, RowMajorKernel) and not kernel.paired and not kernel.split and kernel.codes is None
-            and kernel.w.bits == 8 and kernel.w.act_spec is None and kernel.shape[1] % 2 == 0)
+            and kernel.w.bits == 8 and kernel.shape[1] % 2 == 0)
 
 
 def _paired(kernel):

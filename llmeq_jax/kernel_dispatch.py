@@ -423,9 +423,9 @@ def linear(x, w: QArray, act=None, require: bool = False, layer=None, *, w_layou
     ``rms_norm(x) @ w`` where the product goes to the int8 float16-operand kernel and it folds the norm
     (``int8_f16.folds``) or to the W8A8 kernel with its activation codes made by ``pallas_kernels.token_codes``
     (:func:`codes_made_by_kernel`), the norm's too, else None (the caller evaluates the norm; not with ``require``).
-    ``swiglu``: ``w``'s outputs pair a SwiGLU's gate and up (``decode_layout.pair_swiglu``) and ``silu(gate) * up`` comes back, gated by
-    the weight-only kernels as they finish their tiles, or None where the product goes to another kernel or XLA
-    (the caller gates the paired product; not with ``require`` or a residual).
+    ``swiglu``: ``w``'s outputs pair a SwiGLU's gate and up (``decode_layout.pair_swiglu``) and ``silu(gate) * up``
+    comes back, gated by the weight-only or W8A8 Triton kernels as they finish their tiles, or None where the product
+    goes to another kernel or XLA (the caller gates the paired product; not with ``require`` or a residual).
 
     With ``layer``, ``w`` is a stack of kernels (``llmeq_jax.layer_slice.LayerSlice``) and the
     product is with its layer ``layer``, read in place. ``w_layout="nk"``: ``w`` is stored K-major,
@@ -459,7 +459,7 @@ def linear(x, w: QArray, act=None, require: bool = False, layer=None, *, w_layou
     coded = path == "w8a8" and token_codes.can_use(x2.shape, x.dtype)[0] and codes_made_by_kernel(w, x2.shape[0])
     if norm is not None and not ((path == "int8_f16" and int8_f16.folds(x2.shape[0], x.dtype)) or coded):
         return None  # no kernel that folds the norm takes the product
-    if swiglu and path not in ("int8_f16", "weight_only"):
+    if swiglu and path not in ("int8_f16", "weight_only", "w8a8"):
         return None  # no kernel that gates takes the product
     fp8 = kind == "fp8_w8a8"
     if path == "xla":
@@ -481,7 +481,8 @@ def linear(x, w: QArray, act=None, require: bool = False, layer=None, *, w_layou
         codes = (token_codes.token_codes(x2, norm=norm, layer=layer if norm is not None else None, fp8=fp8)
                  if coded else None)
         y = w8a8.w8a8_matmul(x2, w.qvalue, scale, w_zero_point=zp, act_scale=_act_scale(w, layer), group=group,
-                             layer=layer, fp8=fp8, w_layout=w_layout, residual=r2, codes=codes)
+                             layer=layer, fp8=fp8, w_layout=w_layout, residual=r2, codes=codes,
+                             act="swiglu" if swiglu else None)
     else:
         bits = 4 if is_packed(w.bits) else 8
         dequant = "f16" if path == "int8_f16" else None

@@ -441,18 +441,20 @@ def _swiglu_paired(x, w, backend):
 
 def _int8_gated(x, w, backend):
     """``silu(x @ gate) * (x @ up)`` of a paired int8 row-major kernel (or a stacked layer of one) by the K-major int8
-    weight-only kernels, which gate their tiles (the float16-operand one folding a norm before it where it may), or
-    None where kernel_dispatch sends the product elsewhere."""
+    kernels, which gate their tiles -- weight-only (the float16-operand one folding a norm before it where it may) or
+    W8A8 (a norm folded where ``pallas_kernels.token_codes`` makes the codes) -- or None where kernel_dispatch sends
+    the product elsewhere."""
     stack, layer = (w.stack, w.layer) if isinstance(w, LayerSlice) else (w, None)
     if backend == "xla" or not isinstance(stack, RowMajorKernel):
         return None
-    norm = _norm_to_fold(x, w, "int8_f16") if layer is not None else None
+    act = stack.w.act_spec
+    norm = _norm_to_fold(x, w, "int8_f16" if act is None else "w8a8") if layer is not None else None
     if norm is not None:
-        y = kernel_dispatch.linear(x.x, stack.w, None, layer=layer, w_layout="nk", norm=norm, swiglu=True)
+        y = kernel_dispatch.linear(x.x, stack.w, act, layer=layer, w_layout="nk", norm=norm, swiglu=True)
         if y is not None:
             return y
     raw = x.value() if isinstance(x, NormedRows) else x
-    return kernel_dispatch.linear(raw, stack.w, None, layer=layer, w_layout="nk", swiglu=True)
+    return kernel_dispatch.linear(raw, stack.w, act, layer=layer, w_layout="nk", swiglu=True)
 
 
 def gated(y: jax.Array) -> jax.Array:

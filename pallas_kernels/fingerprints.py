@@ -189,6 +189,7 @@ def _split_fixup() -> list[Lowering]:
     from pallas_kernels.int4_words import int4_words_matmul
     from pallas_kernels.int8_f16 import int8_f16_matmul
     from pallas_kernels.norm_fold import NormFold
+    from pallas_kernels.w8a8 import w8a8_matmul
 
     k = 4096
 
@@ -217,6 +218,9 @@ def _split_fixup() -> list[Lowering]:
                  held(lambda x, w, s, g, i: int8_f16_matmul(x, w, s, layer=i, norm=NormFold(g, 1e-5), act="swiglu")),
                  (sds((1, k), BF16), sds((4, 22016, k), I8), sds((4, 1, 22016), F32), sds((4, k), BF16),
                   sds((), I32))),
+        Lowering("W8A8 int8 K-major, bf16, M=1, a stack's layer, SwiGLU pairs gated", "w8a8_matmul",
+                 held(lambda x, w, s, i: w8a8_matmul(x, w, s, layer=i, w_layout="nk", act="swiglu")),
+                 (sds((1, k), BF16), sds((4, 22016, k), I8), sds((4, 1, 22016), F32), sds((), I32))),
         Lowering("float bf16, M=1, a stack's layer, the residual added", "float_matmul",
                  held(lambda x, w, r, i: float_matmul(x, w, layer=i, residual=r)),
                  (sds((1, k), BF16), sds((4, k, k), BF16), sds((1, k), BF16), sds((), I32))),

@@ -69,7 +69,8 @@ def _reciprocal(top: float) -> jax.Array:
 def token_codes(x, *, norm: norm_fold.NormFold | None = None, layer=None, fp8: bool = False,
                 interpret: bool | None = None):
     """(codes int8 (M, K), scale float32 (M, 1)) of ``x`` (M, K) quantized per token -- of ``rms_norm(x)`` with
-    ``norm`` (its scale (K,), or with ``layer`` an int32 scalar a stack (L, K) read at that layer)."""
+    ``norm`` (its scale (K,), or with ``layer`` an int32 scalar a stack (L, K) read at that layer); ``fp8``: the
+    codes are E4M3 bit patterns (FP8 W8A8)."""
     ok, why = can_use(x.shape, x.dtype)
     if not ok:
         raise ValueError(f"token_codes: {why}")

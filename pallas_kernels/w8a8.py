@@ -93,7 +93,8 @@ def fp8_supported(device=None) -> bool:
     return cc is not None and cc >= (8, 9)
 
 
-def _kernel(*refs, m, n, k, blocks, group, has_zp, has_bias, split_blocks, split, w_kmajor, stacked, fp8, fixup=None):
+def _kernel(*refs, m, n, k, blocks, group, has_zp, has_bias, split_blocks, split, w_kmajor, stacked, fp8, fixup=None,
+            act=None):
     layer, (xq_ref, sx_ref, w_ref, ws_ref), zp_ref, b_ref, o_ref = split_refs(
         refs, stacked=stacked, inputs=4, has_zp=has_zp, has_bias=has_bias, fixup=fixup)
     bm, bn, bk = blocks.bm, blocks.bn, blocks.bk
@@ -142,7 +143,7 @@ def _kernel(*refs, m, n, k, blocks, group, has_zp, has_bias, split_blocks, split
             accf = accf - xsum.astype(jnp.float32) * row_of(zp_ref, 0, layer)
         acc = accf * row_of(ws_ref, 0, layer)
     y = acc * load_tile(sx_ref, rows, span(0, 1, 1, in_bounds=True), 1.0)
-    store_matmul(o_ref, b_ref, y, prog, split=split, has_bias=has_bias)
+    store_matmul(o_ref, b_ref, y, prog, split=split, has_bias=has_bias, act=act)
 
 
 def _check(x, wq, w_scale, w_zero_point, group, layer=None, fp8=False):
@@ -183,6 +184,7 @@ def w8a8_matmul(
     w_layout: str = "kn",
     residual=None,
     codes=None,
+    act: str | None = None,
     interpret: bool | None = None,
 ):
     """Quantize activations + int8 GEMM with fused rescale (see module docstring for the contract); with
@@ -201,6 +203,8 @@ def w8a8_matmul(
     ``codes``: x's per-token int8 codes and scales made already, ``(x_q (M, K), scale_x (M, 1))``
     (``pallas_kernels.token_codes``: a decode step's, its norm too, in one launch; with ``fp8`` E4M3 bit patterns);
     x then gives the shape and the output's dtype. Dynamic per-token scales only (no ``act_scale``).
+    ``act`` "swiglu": ``wq``'s outputs pair a SwiGLU's gate and up (``llmeq_jax.decode_layout.pair_swiglu``), and the
+    product comes back gated, (M, N / 2): by the kernel where it finishes the product (``common.launch_matmul``).
     """
     logical = logical_weight("w8a8_matmul", wq, w_layout)
     given_kmajor = w_layout == "nk"
@@ -231,7 +235,7 @@ def w8a8_matmul(
     return launch_matmul(_kernel, args, m=m, n=n, k=k, blocks=blocks, bias=bias, k_splits=k_splits, out_dtype=x.dtype,
                          interpret=config.resolve_interpret(interpret), name="w8a8_matmul", group=group,
                          has_zp=w_zero_point is not None, w_kmajor=w_kmajor, layer=layer, fp8=fp8,
-                         programs=chosen.programs, residual=residual, fixup=chosen.reduce != "xla")
+                         programs=chosen.programs, residual=residual, fixup=chosen.reduce != "xla", act=act)
 
 
 def _check_codes(codes, x_shape, act_scale) -> None:

@@ -707,6 +707,35 @@ for _shape in SPLIT_FIXUP_INT8_SWIGLU:
         return label, *compare(y, r, 2e-2), int(jnp.count_nonzero(counters))
 
 
+SPLIT_FIXUP_W8A8_SWIGLU = [  # (M, K, I, E4M3): rtn-w8a8's / fp8-w8a8's gate/up rows paired, gated by the W8A8 kernel
+    (1, 4096, 11008, False), (16, 4096, 11008, True),
+]
+
+for _shape in SPLIT_FIXUP_W8A8_SWIGLU:
+
+    @case
+    def _split_fixup_w8a8_swiglu(shape=_shape):
+        from llmeq_jax.decode_layout import RowMajorKernel, pair_swiglu, transpose_kernel
+        from pallas_kernels import split_fixup
+
+        m, k, i, fp8 = shape
+        spec = Spec(bits=8, grid="fp8") if fp8 else Spec(bits=8)
+        q = quantize(jax.random.normal(jax.random.key(42), (k, 2 * i)), spec)
+        w = pair_swiglu({"gate_up_proj": {"kernel": RowMajorKernel(transpose_kernel(q))}})["gate_up_proj"]["kernel"].w
+        x = (jax.random.normal(jax.random.key(43), (m, k)) * 3).astype(BF16)
+
+        def finished(x, wq, scale):
+            with split_fixup.scope(split_fixup.zeros()) as held:
+                y = w8a8_matmul(x, wq, scale, w_layout="nk", fp8=fp8, act="swiglu", interpret=INTERPRET)
+                return y, held.value
+
+        y, counters = jax.jit(finished)(x, w.qvalue, w.scale.T)
+        r = reference(w8a8_reference, x, q.qvalue, q.scale, fp8=fp8)
+        r = jax.nn.silu(r[:, :i].astype(jnp.float32)) * r[:, i:].astype(jnp.float32)
+        label = f"split sums gated (SwiGLU pairs) by w8a8 M={m} K={k} I={i}{' E4M3' if fp8 else ''}"
+        return label, *compare(y, r, 2e-2), int(jnp.count_nonzero(counters))
+
+
 TOKEN_CODES = [  # (M, K, norm folded, E4M3): rtn-w8a8's decode activations, Llama-2-7B's q/k/v (norm) and down
     # inputs; fp8-w8a8's q/k/v
     (1, 4096, True, False), (16, 11008, False, False), (2, 4096, True, True),

@@ -163,6 +163,33 @@ def test_word_kernel_gates_a_paired_gate_up_product(splits, folded, held):
     _close(got, want.astype(jnp.bfloat16), jnp.bfloat16)
 
 
+@pytest.mark.parametrize("fp8, splits, held", [(False, 3, True), (True, 3, True), (False, 1, False)])
+def test_w8a8_kernel_gates_a_paired_gate_up_product(fp8, splits, held):
+    """``w8a8_matmul(act="swiglu")`` over K-major rows whose outputs pair gate and up (``decode_layout.pair_swiglu``
+    of a W8A8 kernel, int8 or E4M3): the kernel gates its finished tiles -- silu(gate) * up of the joined kernel's own
+    W8A8 product, from its float32 sums where XLA would gate the product rounded to bf16."""
+    from llmeq_jax.core.quantize import Spec, quantize
+    from llmeq_jax.decode_layout import RowMajorKernel, pair_swiglu, transpose_kernel
+    from pallas_kernels.w8a8 import w8a8_matmul
+
+    k, i = 512, 192
+    spec = Spec(bits=8, grid="fp8") if fp8 else Spec(bits=8)
+    act = Spec(bits=8, granularity="token", grid="fp8" if fp8 else "uniform")
+    joined = RowMajorKernel(transpose_kernel(quantize(jax.random.normal(jax.random.key(15), (k, 2 * i)), spec,
+                                                      act_spec=act)))
+    paired = pair_swiglu({"gate_up_proj": {"kernel": joined}})["gate_up_proj"]["kernel"]
+    assert paired.paired and paired.shape == joined.shape
+    x = (jax.random.normal(jax.random.key(16), (2, k)) * 2).astype(jnp.bfloat16)
+
+    def product(x, w, act=None):
+        return w8a8_matmul(x, w.qvalue, w.scale.T, w_layout="nk", fp8=fp8, k_splits=splits, act=act, interpret=True)
+
+    got = _held(lambda x: product(x, paired.w, "swiglu"))(x)[0] if held else product(x, paired.w, "swiglu")
+    want = _gated(product(x, joined.w).astype(jnp.float32))
+    assert got.shape == (2, i)
+    _close(got, want.astype(jnp.bfloat16), jnp.bfloat16)
+
+
 @pytest.mark.parametrize("layout", ["words", "rows"])
 def test_a_paired_kernel_outside_the_decode_kernels_is_gated_after_its_product(layout):
     """Every other path (XLA's, here) reads a paired kernel's product with its outputs interleaved: ``ops.swiglu``
