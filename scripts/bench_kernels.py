@@ -202,7 +202,7 @@ def write_table(path, measured):
 KINDS = ("bf16", "w8a8", "fp8", "w8", "w4g128", "w8a8_nk", "fp8_nk", "w8_nk", "w4_words", "bf16_stack", "w4_xla_rows",
          "w8_nk_f16", "w4_gemv", "w4_xla_words", "w4_xla_groups", "w4_words_prefill", "w8a8_hopper", "w8_hopper",
          "w4_hopper", "w4_decode_hopper", "w8_decode_hopper", "fp8_hopper", "w8a8_decode_hopper", "fp8_decode_hopper",
-         "w4_xla_subchannel")
+         "w4_xla_subchannel", "w4_xla_subchannel_packed")
 # The int8 kinds with their weights stored K-major, (N, K): the layout decode steps of up to
 # decode_layout.GPU_KMAJOR_MAX_ROWS rows read (for_decode); not in the table. W8A8 is timed at prefill rows
 # too: there the kinds w8a8/fp8 transpose the weight per call (int8 wgmma takes K-major operands only), and
@@ -236,6 +236,8 @@ KMAJOR_KINDS = ("w8a8_nk", "fp8_nk", "w8_nk")
 # (:func:`xla_int4_subchannel`, compiled with :data:`SUBCHANNEL_FUSION`): a candidate for a symmetric int4 prompt's
 # XLA path, where today XLA writes the dequantized weight before its GEMM (0.88-0.96x bf16 at 2048-4096 rows,
 # H200, 2026-12-04; #15 wants 0.95x); prompt rows only. Not in the table (XLA's path of w4g128 is the one beside it).
+# w4_xla_subchannel_packed: the same from w4g128's packed bytes, unpacked to jnp.int4 per call first
+# (:func:`xla_int4_subchannel_packed`): what it would cost without a prompt layout of jnp.int4 codes.
 # w4_words_prefill: the same words at prompt rows (pallas_kernels.int4_words_prefill: the transposed product, the
 # dequantized weights as wgmma's A operand from registers, one dot a word block); prompt rows only, in the table as
 # kernel "int4_words_prefill" against XLA's path of the packed QArray (the path prompts take today).
@@ -259,16 +261,19 @@ KMAJOR_KINDS = ("w8a8_nk", "fp8_nk", "w8_nk")
 # replaces in a decode step, the faster of the word kernel (w4_words, timed in the same row) and XLA's path.
 # w8_decode_hopper: the same kernel over w8_nk's K-major int8 codes (rtn-w8's decode layout), against the faster of
 # the K-major Triton kernels timed in the same row (w8_nk, w8_nk_f16) and XLA's path.
-PREFILL_ONLY_KINDS = ("w4_words_prefill", "w8a8_hopper", "fp8_hopper", "w8_hopper", "w4_hopper", "w4_xla_subchannel")
+PREFILL_ONLY_KINDS = ("w4_words_prefill", "w8a8_hopper", "fp8_hopper", "w8_hopper", "w4_hopper", "w4_xla_subchannel",
+                      "w4_xla_subchannel_packed")
 DECODE_ONLY_KINDS = ("w8_nk", "w4_words", "bf16_stack", "w4_xla_rows", "w8_nk_f16", "w4_gemv", "w4_xla_words",
                      "w4_xla_groups", "w4_decode_hopper", "w8_decode_hopper", "w8a8_decode_hopper", "fp8_decode_hopper")
 GEMV_ONLY_ROWS = ("w4_gemv",)  # kinds timed only at rows the GEMV takes (gemv.GEMV_MAX_ROWS)
 NOT_IN_TABLE = ("w4_xla_rows", "w4_gemv", "w4_xla_words", "w4_xla_groups", "w4_xla_subchannel",
+                "w4_xla_subchannel_packed",
                 "w4_decode_hopper", "w8_decode_hopper", "w8a8_decode_hopper",
                 "fp8_decode_hopper")  # their own entries, against what they replace (REPLACES)
 # the kind whose weights (bytes moved, XLA's path) a layout kind has
 LAYOUT_OF = {"w4_words": "w4g128", "w4_words_prefill": "w4g128", "w4_xla_rows": "w4g128", "w8_nk_f16": "w8_nk",
-             "w4_gemv": "w4g128", "w4_xla_words": "w4g128", "w4_xla_groups": "w4g128", "w4_xla_subchannel": "w4g128", "w8a8_hopper": "w8a8_nk",
+             "w4_gemv": "w4g128", "w4_xla_words": "w4g128", "w4_xla_groups": "w4g128", "w4_xla_subchannel": "w4g128",
+             "w4_xla_subchannel_packed": "w4g128", "w8a8_hopper": "w8a8_nk",
              "fp8_hopper": "fp8_nk", "w8a8_decode_hopper": "w8a8", "fp8_decode_hopper": "fp8",
              "w8_hopper": "w8", "w4_hopper": "w4g128", "w4_decode_hopper": "w4g128", "w8_decode_hopper": "w8"}
 # the Mosaic decode kinds: the kinds (timed in the same row) whose kernels they would replace in a decode step
@@ -316,6 +321,18 @@ def xla_int4_subchannel(x, q, scale):
     (k, n), groups = q.shape, q.shape[0] // GROUP
     w = q.astype(x.dtype).reshape(groups, GROUP, n) * scale.astype(x.dtype)[:, None, :]
     return x @ w.reshape(k, n)
+
+
+def xla_int4_subchannel_packed(x, packed, scale):
+    """:func:`xla_int4_subchannel` from a QArray's own codes -- signed nibble pairs along K, ``(K / 2, N)`` bytes, the
+    low nibble first -- unpacked to ``jnp.int4`` in one small fusion (0.5 byte a weight written and read again)
+    behind an optimization barrier, which keeps XLA from fusing the unpacking into the GEMM's operand (where the
+    sub-channel fusion no longer recognizes its form): deviceless H100, that fusion, then one GEMM fusion over the int4
+    codes and scales. What a prompt's product could do with no layout of its own."""
+    b = jax.lax.bitcast_convert_type(packed, jnp.int8)
+    low, high = jnp.left_shift(b, 4) >> 4, b >> 4  # arithmetic shifts: each nibble sign-extended
+    codes = jnp.stack([low, high], axis=1).reshape(2 * packed.shape[0], packed.shape[1]).astype(jnp.int4)
+    return xla_int4_subchannel(x, jax.lax.optimization_barrier(codes), scale)
 
 
 def torch_scaled_mm():
@@ -416,6 +433,7 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
             "w4_xla_rows": (xla_int4_rows, list(zip(w4r, s4t))),
             "w4_xla_groups": (xla_int4_groups, list(zip(w4k, s4))),
             "w4_xla_subchannel": (xla_int4_subchannel, list(zip(w4k, s4)), SUBCHANNEL_FUSION),
+            "w4_xla_subchannel_packed": (xla_int4_subchannel_packed, list(zip(w4, s4)), SUBCHANNEL_FUSION),
             "w8_nk_f16": (lambda x, w, s: weight_only_matmul(x, w, s, bits=8, w_layout="nk", dequant="f16"),
                           list(zip(w8t, s8))),
             "w4_gemv": (lambda x, w, s: weight_only_matmul(x, w, s, bits=4, group=GROUP, gemv=True), list(zip(w4, s4))),

@@ -22,7 +22,9 @@
 #     carry ["runs/wheels"]: pytest-xdist's wheels, made here with
 #     pip download --no-deps pytest-xdist==3.8.0 execnet==2.1.2 -d runs/wheels)
 # (e2e's rows carry each variant's logits against XLA alone on the same weights: read them before the speeds), then
-# at once, on the machine still warm: STEPS="attention prefill_subchannel" (timeout_s 360). A later session: STEPS="decode_fold
+# at once, on the machine still warm: STEPS="attention prefill_subchannel" (timeout_s 380). Next (W8A8's decode
+# layers are 10 launches with token_codes and the gate in the kernel, FP8's never run end to end): STEPS="e2e"
+# RECIPES="rtn-w8a8 fp8-w8a8" TORCH=--no-torch E2E_LIMIT=280 (timeout_s 330). A later session: STEPS="decode_fold
 # decode_fold_bf16" (timeout_s 360: the norms folded against apart, end to end), STEPS="decode_fixup
 # decode_fixup_bf16" (timeout_s 420: split sums and RoPE in the kernels against XLA's), STEPS="decode_hopper_w8a8 hopper
 # hopper_fp8 hopper_w8"; the read-ahead of pallas_kernels/prefetch.py in two calls, STEPS="prefetch
@@ -189,9 +191,11 @@ step prefill_words 200 "$py" scripts/bench_kernels.py --reps 10 --sweep --rows 5
 # XLA's own GEMM with a symmetric int4 g128 dequantization fused in (bench_kernels' w4_xla_subchannel: jnp.int4 codes
 # and bf16 group scales, compiled with xla_gpu_experimental_enable_subchannel_dequantisation_fusion) against bf16 and
 # XLA's path of the packed QArray (printed beside w4g128's rows; 0.88-0.96x bf16 on the H200; #15 wants 0.95x) on the
-# four int4 shapes at 512-4096 rows: whether a prompt's int4 products should be laid out for that fusion.
-step prefill_subchannel 150 "$py" scripts/bench_kernels.py --reps 10 --rows 512,2048,4096 \
-    --kinds bf16,w4g128,w4_xla_subchannel --weights 4096x4096,4096x11008,11008x4096,4096x14336 --no-attention \
+# four int4 shapes at 512-4096 rows, and w4_xla_subchannel_packed (the same from the QArray's packed bytes, unpacked to
+# jnp.int4 per call): whether a prompt's symmetric int4 products should take that form, with a layout of their own or not.
+step prefill_subchannel 180 "$py" scripts/bench_kernels.py --reps 10 --rows 512,2048,4096 \
+    --kinds bf16,w4g128,w4_xla_subchannel,w4_xla_subchannel_packed --no-attention \
+    --weights 4096x4096,4096x11008,11008x4096,4096x14336 \
     --write-table "$out/dispatch_subchannel.json"
 # The Mosaic GPU W8A8 kernel (pallas_kernels/w8a8_hopper.py: int8 wgmma kept in flight, which Triton never does with
 # int32 accumulators) against bf16 and the Triton kernel over the same K-major weights (w8a8_nk: what a prompt's

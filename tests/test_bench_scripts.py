@@ -227,12 +227,14 @@ def test_bench_kernels_times_xlas_fused_int4_dequantization_at_prompt_rows_only(
         rest[0] if rest else None for _, _, *rest in variants.values()) or real(variants, **kw))
     table = []
     with config.interpret(True):
-        bench.gpu_bench(1, table=table, kinds_wanted=("bf16", "w4_xla_subchannel"), weights=((256, 128),),
-                        attention=False, rows=(1, 64))
+        bench.gpu_bench(1, table=table, kinds_wanted=("bf16", "w4_xla_subchannel", "w4_xla_subchannel_packed"),
+                        weights=((256, 128),), attention=False, rows=(1, 64))
     out = capsys.readouterr().out
-    assert "256x128    64 w4_xla_subchannel" in out and "256x128     1 w4_xla_subchannel" not in out
+    for kind in ("w4_xla_subchannel", "w4_xla_subchannel_packed"):  # from jnp.int4 codes, from the packed bytes
+        assert f"256x128    64 {kind} " in out and f"256x128     1 {kind} " not in out
     assert "failed" not in out and "WRONG" not in out and table == []
-    assert options == [None, None, bench.SUBCHANNEL_FUSION]  # bf16 at 1 and 64 rows, then the fused kind
+    # bf16 at 1 and 64 rows, then the fused kinds at 64
+    assert options == [None, None, bench.SUBCHANNEL_FUSION, bench.SUBCHANNEL_FUSION]
 
 
 def test_bench_kernels_times_the_hopper_weight_only_kernel_against_xlas_path(capsys, monkeypatch):
