@@ -188,10 +188,15 @@ def _int8_folded(x: NormedRows, w, backend):
     if (backend == "xla" or not isinstance(w, LayerSlice) or not isinstance(w.stack, RowMajorKernel)
             or w.stack.split):
         return None
-    norm = _norm_to_fold(x, w, "int8_f16" if w.stack.w.act_spec is None else "w8a8")
+    norm = _norm_to_fold(x, w, _int8_kernel(w.stack))
     # (no read-ahead, pallas_kernels.prefetch: whether the kernel takes the product is known only after the call)
     return None if norm is None else kernel_dispatch.linear(x.x, w.stack.w, w.stack.w.act_spec, layer=w.layer,
                                                             w_layout="nk", norm=norm)
+
+
+def _int8_kernel(stack: RowMajorKernel) -> str:
+    """The kernel whose settings (``norm``) govern a K-major int8 product: "int8_f16" (weight-only) or "w8a8"."""
+    return "int8_f16" if stack.w.act_spec is None else "w8a8"
 
 
 def _norm_to_fold(x, w, kernel: str | None):
@@ -448,7 +453,7 @@ def _int8_gated(x, w, backend):
     if backend == "xla" or not isinstance(stack, RowMajorKernel):
         return None
     act = stack.w.act_spec
-    norm = _norm_to_fold(x, w, "int8_f16" if act is None else "w8a8") if layer is not None else None
+    norm = _norm_to_fold(x, w, _int8_kernel(stack)) if layer is not None else None
     if norm is not None:
         y = kernel_dispatch.linear(x.x, stack.w, act, layer=layer, w_layout="nk", norm=norm, swiglu=True)
         if y is not None:

@@ -188,5 +188,5 @@ def _int(value: str, text: str) -> int:
         raise ValueError(f"settings: {value!r} in {text!r} is not an integer") from None
 
 
-__all__ = ["CODES", "CONVERTS", "DECODE_ROWS", "KERNELS", "NONE", "NORMS", "Settings", "check", "current", "is_prefetch", "of",
-           "override", "parse", "scope"]
+__all__ = ["CODES", "CONVERTS", "DECODE_ROWS", "KERNELS", "NONE", "NORMS", "Settings", "check", "current",
+           "is_prefetch", "of", "override", "parse", "scope"]
