@@ -81,10 +81,13 @@ ENV = "LLMEQ_DISPATCH_TABLE"
 # Triton kernel, which rotates them too (XLA's dots cannot).
 # int4_words_prefill: the words of int4_words at prompt rows (pallas_kernels.int4_words_prefill, the weights as
 # wgmma's A operand) against XLA's path of the packed QArray, the path prompts take without it.
+# xla_subchannel / xla_subchannel_zp: a prompt's int4 group-wise product as XLA's GEMM with the dequantization fused in
+# (llmeq_jax.subchannel: symmetric codes / codes with integer zero points, which add two rows a group) against XLA's
+# path of the same QArray (the dequantized copy, then the GEMM); not a Pallas kernel, "pallas_s" is its time.
 KERNELS = ("weight_only", "w8a8", "fp8_w8a8", "int4_words", "float", "int8_f16", "kv_attention", "weight_only_nk",
            "w8a8_nk", "fp8_w8a8_nk", "rms_norm", "prompt_attention", "int4_words_prefill", "w8a8_hopper",
            "fp8_w8a8_hopper", "weight_only_hopper", "decode_hopper", "w8a8_decode_hopper", "fp8_w8a8_decode_hopper",
-           "kv_attention_hopper", "kv_attention_hopper_rope")
+           "kv_attention_hopper", "kv_attention_hopper_rope", "xla_subchannel", "xla_subchannel_zp")
 # Measured weight shapes that must agree on a path before an unmeasured product follows them (Table.inferred).
 MIN_AGREEING_SHAPES = 2
 PATHS = ("pallas", "xla")

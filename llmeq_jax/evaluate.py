@@ -119,12 +119,14 @@ def perplexity(
     """
     if (logits_fn is None) == (nll_fn is None):
         raise ValueError("perplexity: pass exactly one of logits_fn and nll_fn")
+    from llmeq_jax.subchannel import prompt_jit  # a GPU's int4 products in its fused form, where it may run
+
     if nll_fn is None:
         nll_fn = lambda *a: token_nll(logits_fn(*a), a[-1])  # noqa: E731
     if params is None:
-        step = jax.jit(lambda toks: jnp.sum(nll_fn(toks), axis=-1))
+        step = prompt_jit(lambda toks: jnp.sum(nll_fn(toks), axis=-1))
     else:
-        jitted = jax.jit(lambda p, toks: jnp.sum(nll_fn(p, toks), axis=-1))
+        jitted = prompt_jit(lambda p, toks: jnp.sum(nll_fn(p, toks), axis=-1))
         step = lambda toks: jitted(params, toks)  # noqa: E731
     total = 0.0
     for chunk, real in padded_batches(windows, batch_size, progress, "perplexity"):

@@ -16,7 +16,7 @@ import weakref
 import jax
 import jax.numpy as jnp
 
-from llmeq_jax import decode_layout
+from llmeq_jax import decode_layout, subchannel
 from llmeq_jax.models.config import ModelConfig
 from llmeq_jax.models.model import forward_step, init_cache  # noqa: F401 (init_cache re-exported)
 
@@ -110,7 +110,9 @@ def _check_prompt_bits(bits) -> None:
         raise ValueError(f"prompt_activation_bits must be one of {PROMPT_ACTIVATION_BITS}, got {bits!r}")
 
 
-@functools.partial(jax.jit, static_argnames=("config", "kernels", "activation_bits"), donate_argnames=("cache",))
+# (compiled with llmeq_jax.subchannel's XLA flag where that path may run: a prompt's int4 products)
+@functools.partial(subchannel.prompt_jit, static_argnames=("config", "kernels", "activation_bits"),
+                   donate_argnames=("cache",))
 def prefill(config: ModelConfig, params, tokens, attention_mask, cache, kernels=None, activation_bits: int = 16):
     """Fill the cache with the prompt; returns (logits of the last prompt position [B, V], cache).
 

@@ -101,7 +101,8 @@ def plan(x_shape, x_dtype, w: QArray, act) -> tuple[str | None, str]:
 def table_key(kind: str, rows: int, x_dtype, w: QArray, group: int | None) -> dispatch_table.Key:
     """The :mod:`dispatch_table` key of a product ``plan`` gave to kernel ``kind``, on the default device."""
     k, n = w.shape
-    packed_kinds = ("weight_only", "int4_words", "int4_words_prefill", "weight_only_hopper", "decode_hopper")
+    packed_kinds = ("weight_only", "int4_words", "int4_words_prefill", "weight_only_hopper", "decode_hopper",
+                    "xla_subchannel", "xla_subchannel_zp")
     bits = 4 if kind in packed_kinds and is_packed(w.bits) else 8
     return dispatch_table.Key(config.target_device().device_kind, kind, bits, group, k, n,
                               dispatch_table.row_bucket(rows), jnp.dtype(x_dtype).name)

@@ -34,7 +34,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from llmeq_jax import kernel_dispatch
+from llmeq_jax import kernel_dispatch, subchannel
 from llmeq_jax.core import fp8grid
 from llmeq_jax.core.qarray import QArray, is_packed, packed_length, packing, unpack
 from llmeq_jax.core.quantize import Spec, largest_value
@@ -711,6 +711,8 @@ def weight_only_xla(x: jax.Array, w: QArray) -> jax.Array:
         if kernel_config.target_backend() == "cpu" and _chunk_rows(w) is not None:
             return _weight_only_chunked(x, w)
         return _weight_only_reduce(x, w)
+    if subchannel.takes(rows, x.dtype, w):  # int4 groups on a GPU: one GEMM over the codes
+        return subchannel.matmul(x, w)
     if kernel_config.target_backend() != "cpu" and _codes_into_gemm(w):
         return _per_channel_gemm(x, w)
     return jnp.matmul(x, w.dequantize(x.dtype))

@@ -203,16 +203,16 @@ def measure_speed(config, params, prefill_len: int = 512, prompt_len: int = 32, 
                   scan_layers: bool = False) -> dict:
     """Warm prefill tokens/s (one sequence of prefill_len) and greedy decode tokens/s (median of runs);
     ``scan_layers``: with the blocks stacked (``models.stacked``)."""
-    import jax
     import jax.numpy as jnp
 
     from llmeq_jax import evaluate
     from llmeq_jax.generate import decode_seconds
     from llmeq_jax.models import forward, stacked
+    from llmeq_jax.subchannel import prompt_jit
 
     prefill_len = min(prefill_len, config.max_position_embeddings)
     toks = jnp.ones((1, prefill_len), jnp.int32)
-    fwd = jax.jit(lambda p, t: forward(config, p, t))
+    fwd = prompt_jit(lambda p, t: forward(config, p, t))
     prefill_params = run_layout(config, params, scan_layers)
     t_prefill = evaluate.median_time(lambda: fwd(prefill_params, toks), runs=3)
     decode_params = stacked.stack_blocks_or_warn(config, params) if scan_layers else params

@@ -5,7 +5,8 @@ kernel edited after that run is not the kernel that passed, and nothing said so:
 had changed since their runs, unnoticed, when this record began (2026-12-06). So each checked kernel has a few
 canonical lowerings (:func:`cases`: the shapes and dtypes a GPU's decode and prompts hand it, traced for a GPU)
 whose Triton IR -- as Pallas emits it for CUDA on this CPU (``pallas_kernels.ttir``, no debug locations), with the
-launch grid, warps and stages -- is digested into ``hardware_fingerprints.json``, the record:
+launch grid, warps and stages; for a path that is XLA's own fusion of our program, the jaxpr XLA gets -- is digested
+into ``hardware_fingerprints.json``, the record:
 
 * ``digests``: the lowerings whose gpu cases passed on ``run`` (a kernel in the record is checked);
 * ``unrun``: lowerings changed since, with what changed, not yet run on a GPU (``gpu_session.sh`` runs those
@@ -43,10 +44,11 @@ BF16, F16, F32, I8, U8, I32 = jnp.bfloat16, jnp.float16, jnp.float32, jnp.int8, 
 @dataclasses.dataclass(frozen=True)
 class Lowering:
     """One canonical call of a kernel: ``fn(*args)`` on ``jax.ShapeDtypeStruct``s; ``name`` is the Triton kernel's
-    name (a call may launch others, e.g. the KV kernel's split merge, which are not this kernel's)."""
+    name (a call may launch others, e.g. the KV kernel's split merge, which are not this kernel's), or None for a
+    path that is XLA's own fusion of our program (``llmeq_jax.subchannel``): its digest is of the jaxpr XLA gets."""
 
     label: str
-    name: str
+    name: str | None
     fn: Callable
     args: tuple
 
@@ -241,6 +243,22 @@ def _token_codes() -> list[Lowering]:
     ]
 
 
+def _xla_subchannel() -> list[Lowering]:
+    from llmeq_jax import subchannel
+    from llmeq_jax.core.quantize import Spec, quantize
+
+    def weight(k, n, symmetric):
+        spec = Spec(bits=4, granularity="group", group_size=128, symmetric=symmetric)
+        return jax.eval_shape(lambda: quantize(jnp.zeros((k, n), F32), spec))
+
+    return [
+        Lowering("bf16, 2048 rows, 4096 x 4096 int4 g128, symmetric", None, subchannel.matmul,
+                 (sds((2048, 4096), BF16), weight(4096, 4096, True))),
+        Lowering("bf16, 1 x 512 rows, 4096 x 11008 int4 g128, zero points", None, subchannel.matmul,
+                 (sds((1, 512, 4096), BF16), weight(4096, 11008, False))),
+    ]
+
+
 def _append_decode_attention() -> list[Lowering]:
     from pallas_kernels.decode_attention import append_decode_attention
 
@@ -294,7 +312,9 @@ _CASES = {"weight_only": _weight_only, "w8a8": _w8a8, "float_matmul": _float_mat
           "store_decode_attention": _store_decode_attention, "int8_f16": _int8_f16, "rms_norm": _rms_norm,
           "append_decode_attention": _append_decode_attention, "store_append": _store_append,
           "merge_splits": _merge_splits, "norm_fold": _norm_fold, "split_fixup": _split_fixup,
-          "token_codes": _token_codes, "cudnn_attention": lambda: []}  # cuDNN's own kernel: nothing of ours lowers to Triton, its record is the run
+          "token_codes": _token_codes,
+          # cuDNN's own kernel: nothing of ours lowers to Triton, its record is the run
+          "cudnn_attention": lambda: [], "xla_subchannel": _xla_subchannel}
 
 # What the lowerings are traced for: a GPU, so that what a GPU decides by itself (hardware_checked's switches, the
 # int8 kernel's x conversion) is decided as there; kernels are called directly, no dispatch table is read.
@@ -311,10 +331,14 @@ def cases(kernel: str) -> list[Lowering]:
 
 def digest(lowering: Lowering) -> str:
     """A digest of the Triton IR and launch parameters of ``lowering``'s kernel (its other launches left out),
-    traced for :data:`GPU`."""
+    traced for :data:`GPU` -- or, for an XLA path (``name`` None), of the jaxpr handed to XLA."""
     from pallas_kernels import config
     from pallas_kernels.ttir import triton_modules
 
+    if lowering.name is None:
+        with config.compiling_for(GPU):
+            text = str(jax.make_jaxpr(lowering.fn)(*lowering.args))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
     with config.compiling_for(GPU):
         modules = triton_modules(lowering.fn, *lowering.args)
     mine = [m for m in modules if m.name.startswith(lowering.name)]

@@ -45,6 +45,9 @@ GPU_CASES = {
     "norm_fold": ("norm_fold",),  # pallas_kernels.norm_fold: a decode step's norms folded into their products
     "split_fixup": ("split_fixup",),  # pallas_kernels.split_fixup: split products' partials added by the kernel
     "token_codes": ("token_codes",),  # pallas_kernels.token_codes: a W8A8 decode step's activation codes, its norm
+    # llmeq_jax.subchannel: a prompt's int4 product as XLA's GEMM with the dequantization fused in (not a Pallas
+    # kernel: an experimental XLA flag, which has crashed XLA's compile on another form of int4 codes)
+    "xla_subchannel": ("xla_subchannel",),
 }
 
 # kernel -> the GPU run its gpu cases passed on: the kernels of the record (pallas_kernels.fingerprints, which also

@@ -339,7 +339,7 @@ def compile_decode(args, recipe: str, topo, folder: Path):
     import jax
     import jax.numpy as jnp
 
-    from llmeq_jax import generate as gen, pipeline
+    from llmeq_jax import generate as gen, pipeline, subchannel
     from llmeq_jax.models import init_cache, stacked
     from pallas_kernels import config as kernel_config
     from jax.experimental import topologies
@@ -367,14 +367,16 @@ def compile_decode(args, recipe: str, topo, folder: Path):
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
             if args.prefill:
                 tokens = jax.ShapeDtypeStruct((args.batch, args.prefill), jnp.int32)
-                prefill = jax.jit(gen.prefill, static_argnames=("config", "kernels"))
+                prefill = jax.jit(gen.prefill.__wrapped__, static_argnames=("config", "kernels"))
                 lowered = prefill.trace(config, put(params), put(tokens), put(tokens), put(cache),
                                         kernels=gen.kernel_state()).lower()
+                options = subchannel.compiler_options() or {}  # as generate.prefill compiles for this GPU
             else:
+                options = {}
                 lowered = gen._decode_loop.trace(
                     config, put(params), put(logits), put(cache), put(key), put(steps), max_new_tokens=args.new_tokens,
                     greedy=True, temperature=1.0, top_k=0, top_p=1.0, kernels=gen.kernel_state()).lower()
-    dumps = {"xla_dump_to": str(folder)}
+    dumps = {"xla_dump_to": str(folder), **options}
     if args.sass:  # jax >= 0.11 writes the PTX only when asked for the LLVM IR of every emitter
         dumps.update(xla_gpu_dump_llvmir=True, xla_dump_emitter_re=".*")
     lowered.compile(compiler_options=dumps)
