@@ -37,6 +37,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from llmeq_jax import subchannel
+
 WEIGHTS = ((4096, 4096), (4096, 11008), (11008, 4096))
 DECODE_M = (1, 4, 16)
 PREFILL_M = (512, 2048, 4096)
@@ -49,7 +51,8 @@ def bytes_moved(m, k, n, kind):
     """Minimum HBM traffic: activations in (bf16), weight (+ scales), output (bf16)."""
     act, out = 2 * m * k, 2 * m * n
     weight = {"bf16": 2 * k * n, "bf16_stack": 2 * k * n, "w8a8": k * n + 4 * n, "fp8": k * n + 4 * n, "w8": k * n + 4 * n,
-              "w4g128": k * n // 2 + 4 * n * -(-k // GROUP)}[LAYOUT_OF.get(kind, kind).removesuffix("_nk")]
+              "w4g128": k * n // 2 + 4 * n * -(-k // GROUP),
+              "w4g128_zp": k * n // 2 + 5 * n * -(-k // GROUP)}[LAYOUT_OF.get(kind, kind).removesuffix("_nk")]
     return act + weight + out
 
 
@@ -164,6 +167,8 @@ def operands_of(kind: str) -> str:
     """Which of a weight's versions a matmul kind multiplies: "bf16", "fp8", "int4" or "int8"."""
     if kind in ("bf16", "bf16_stack"):
         return "bf16"
+    if kind.endswith("_zp"):
+        return "int4_zp"
     return "fp8" if kind.startswith("fp8") else "int4" if "w4" in kind else "int8"
 
 
@@ -181,7 +186,9 @@ def table_key(kind: str, k: int, n: int, m: int):
                            "w8_decode_hopper": ("decode_hopper", 8, None),
                            "w8a8_decode_hopper": ("w8a8_decode_hopper", 8, None),
                            "fp8_decode_hopper": ("fp8_w8a8_decode_hopper", 8, None),
-                           "bf16_stack": ("float", 16, None), "w8_nk_f16": ("int8_f16", 8, None)}[kind]
+                           "bf16_stack": ("float", 16, None), "w8_nk_f16": ("int8_f16", 8, None),
+                           "w4_xla_subchannel_packed": ("xla_subchannel", 4, GROUP),
+                           "w4_xla_subchannel_zp": ("xla_subchannel_zp", 4, GROUP)}[kind]
     return dispatch_table.Key(jax.devices()[0].device_kind, kernel, bits, group, k, n, dispatch_table.row_bucket(m),
                               "bfloat16")
 
@@ -202,7 +209,7 @@ def write_table(path, measured):
 KINDS = ("bf16", "w8a8", "fp8", "w8", "w4g128", "w8a8_nk", "fp8_nk", "w8_nk", "w4_words", "bf16_stack", "w4_xla_rows",
          "w8_nk_f16", "w4_gemv", "w4_xla_words", "w4_xla_groups", "w4_words_prefill", "w8a8_hopper", "w8_hopper",
          "w4_hopper", "w4_decode_hopper", "w8_decode_hopper", "fp8_hopper", "w8a8_decode_hopper", "fp8_decode_hopper",
-         "w4_xla_subchannel", "w4_xla_subchannel_packed")
+         "w4_xla_subchannel", "w4_xla_subchannel_packed", "w4_xla_subchannel_zp")
 # The int8 kinds with their weights stored K-major, (N, K): the layout decode steps of up to
 # decode_layout.GPU_KMAJOR_MAX_ROWS rows read (for_decode); not in the table. W8A8 is timed at prefill rows
 # too: there the kinds w8a8/fp8 transpose the weight per call (int8 wgmma takes K-major operands only), and
@@ -235,9 +242,15 @@ KMAJOR_KINDS = ("w8a8_nk", "fp8_nk", "w8_nk")
 # w4_xla_subchannel: the same jnp.int4 weights through XLA's GEMM with the dequantization fused in
 # (:func:`xla_int4_subchannel`, compiled with :data:`SUBCHANNEL_FUSION`): a candidate for a symmetric int4 prompt's
 # XLA path, where today XLA writes the dequantized weight before its GEMM (0.88-0.96x bf16 at 2048-4096 rows,
-# H200, 2026-12-04; #15 wants 0.95x); prompt rows only. Not in the table (XLA's path of w4g128 is the one beside it).
-# w4_xla_subchannel_packed: the same from w4g128's packed bytes, unpacked to jnp.int4 per call first
-# (:func:`xla_int4_subchannel_packed`): what it would cost without a prompt layout of jnp.int4 codes.
+# H200, 2026-12-04; #15 wants 0.95x); and at decode rows, codes stored as jnp.int4, a candidate beside the word
+# kernel (deviceless H100, 4096 x 11008: M = 1 one Triton GEMM fusion over the int4 codes, 688 programs; M = 16 a
+# 4-way split-K GEMM fusion and its sum). Not in the table (XLA's path of w4g128 is the one beside it).
+# w4_xla_subchannel_packed: the same from w4g128's packed bytes, unpacked to jnp.int4 per call first: the prompt path a
+# model takes (llmeq_jax.subchannel.matmul of the QArray), in the table as kernel "xla_subchannel" against XLA's path
+# of w4g128.
+# w4_xla_subchannel_zp: that path over asymmetric int4 g128 weights (rtn-w4-g128's: integer zero points, two more
+# rows a group in the GEMM, x's group sums beside x), in the table as kernel "xla_subchannel_zp" against XLA's path of
+# that QArray (kind w4g128_zp's weights; not a kind of its own).
 # w4_words_prefill: the same words at prompt rows (pallas_kernels.int4_words_prefill: the transposed product, the
 # dequantized weights as wgmma's A operand from registers, one dot a word block); prompt rows only, in the table as
 # kernel "int4_words_prefill" against XLA's path of the packed QArray (the path prompts take today).
@@ -261,19 +274,18 @@ KMAJOR_KINDS = ("w8a8_nk", "fp8_nk", "w8_nk")
 # replaces in a decode step, the faster of the word kernel (w4_words, timed in the same row) and XLA's path.
 # w8_decode_hopper: the same kernel over w8_nk's K-major int8 codes (rtn-w8's decode layout), against the faster of
 # the K-major Triton kernels timed in the same row (w8_nk, w8_nk_f16) and XLA's path.
-PREFILL_ONLY_KINDS = ("w4_words_prefill", "w8a8_hopper", "fp8_hopper", "w8_hopper", "w4_hopper", "w4_xla_subchannel",
-                      "w4_xla_subchannel_packed")
+PREFILL_ONLY_KINDS = ("w4_words_prefill", "w8a8_hopper", "fp8_hopper", "w8_hopper", "w4_hopper",
+                      "w4_xla_subchannel_packed", "w4_xla_subchannel_zp")
 DECODE_ONLY_KINDS = ("w8_nk", "w4_words", "bf16_stack", "w4_xla_rows", "w8_nk_f16", "w4_gemv", "w4_xla_words",
                      "w4_xla_groups", "w4_decode_hopper", "w8_decode_hopper", "w8a8_decode_hopper", "fp8_decode_hopper")
 GEMV_ONLY_ROWS = ("w4_gemv",)  # kinds timed only at rows the GEMV takes (gemv.GEMV_MAX_ROWS)
 NOT_IN_TABLE = ("w4_xla_rows", "w4_gemv", "w4_xla_words", "w4_xla_groups", "w4_xla_subchannel",
-                "w4_xla_subchannel_packed",
                 "w4_decode_hopper", "w8_decode_hopper", "w8a8_decode_hopper",
                 "fp8_decode_hopper")  # their own entries, against what they replace (REPLACES)
 # the kind whose weights (bytes moved, XLA's path) a layout kind has
 LAYOUT_OF = {"w4_words": "w4g128", "w4_words_prefill": "w4g128", "w4_xla_rows": "w4g128", "w8_nk_f16": "w8_nk",
              "w4_gemv": "w4g128", "w4_xla_words": "w4g128", "w4_xla_groups": "w4g128", "w4_xla_subchannel": "w4g128",
-             "w4_xla_subchannel_packed": "w4g128", "w8a8_hopper": "w8a8_nk",
+             "w4_xla_subchannel_packed": "w4g128", "w4_xla_subchannel_zp": "w4g128_zp", "w8a8_hopper": "w8a8_nk",
              "fp8_hopper": "fp8_nk", "w8a8_decode_hopper": "w8a8", "fp8_decode_hopper": "fp8",
              "w8_hopper": "w8", "w4_hopper": "w4g128", "w4_decode_hopper": "w4g128", "w8_decode_hopper": "w8"}
 # the Mosaic decode kinds: the kinds (timed in the same row) whose kernels they would replace in a decode step
@@ -311,7 +323,7 @@ def xla_int4_groups(x, q, scale):
 # added as an offset), float32 arithmetic, or codes unpacked from our nibble pairs along K each leave a dequantized
 # copy in front of the GEMM, as today; codes bitcast from nibble pairs along N abort the compile (a failed check in
 # XLA's triton_tiling_propagation.cc, jax 0.11.2) -- so a model path would need its codes stored as jnp.int4.
-SUBCHANNEL_FUSION = {"xla_gpu_experimental_enable_subchannel_dequantisation_fusion": True}
+SUBCHANNEL_FUSION = {subchannel.FLAG: True}
 
 
 def xla_int4_subchannel(x, q, scale):
@@ -323,16 +335,16 @@ def xla_int4_subchannel(x, q, scale):
     return x @ w.reshape(k, n)
 
 
-def xla_int4_subchannel_packed(x, packed, scale):
-    """:func:`xla_int4_subchannel` from a QArray's own codes -- signed nibble pairs along K, ``(K / 2, N)`` bytes, the
-    low nibble first -- unpacked to ``jnp.int4`` in one small fusion (0.5 byte a weight written and read again)
-    behind an optimization barrier, which keeps XLA from fusing the unpacking into the GEMM's operand (where the
-    sub-channel fusion no longer recognizes its form): deviceless H100, that fusion, then one GEMM fusion over the int4
-    codes and scales. What a prompt's product could do with no layout of its own."""
-    b = jax.lax.bitcast_convert_type(packed, jnp.int8)
-    low, high = jnp.left_shift(b, 4) >> 4, b >> 4  # arithmetic shifts: each nibble sign-extended
-    codes = jnp.stack([low, high], axis=1).reshape(2 * packed.shape[0], packed.shape[1]).astype(jnp.int4)
-    return xla_int4_subchannel(x, jax.lax.optimization_barrier(codes), scale)
+def usual_xla(fn):
+    """``fn`` traced with the kernels off (``pallas_kernels.config.disabled``), which turns off the sub-channel path
+    too (``llmeq_jax.subchannel.allowed``): XLA's usual path of a product, what the paths in the table replace."""
+    from pallas_kernels import config
+
+    def run(*args):
+        with config.disabled():
+            return fn(*args)
+
+    return run
 
 
 def torch_scaled_mm():
@@ -401,6 +413,7 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
         q8 = quantize(w, Spec(bits=8, granularity="channel"))
         qf = quantize(w, Spec(bits=8, granularity="channel", grid="fp8"))
         q4 = quantize(w, Spec(bits=4, granularity="group", group_size=GROUP))
+        q4z = quantize(w, Spec(bits=4, granularity="group", group_size=GROUP, symmetric=False))
         r = copies_for(q4.qvalue.nbytes)
         wb, w8, s8, wf, sf, w4, s4 = (_copies(a, r) for a in (w.astype(jnp.bfloat16), q8.qvalue, q8.scale, qf.qvalue,
                                                               qf.scale, q4.qvalue, q4.scale))
@@ -414,11 +427,13 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
         s4t = [s.T for s in s4] if w4r else []
         w4k = ([c.astype(jnp.int4) for c in _copies(q4.values(), r)]
                if {"w4_xla_groups", "w4_xla_subchannel"} & set(kinds_wanted) else [])
+        w4z = (list(zip(*(_copies(a, r) for a in (q4z.qvalue, q4z.scale, q4z.zero_point))))
+               if "w4_xla_subchannel_zp" in kinds_wanted else [])
         wbs = jnp.stack(wb) if "bf16_stack" in kinds_wanted else None  # r layers of bf16 weights
         layers = [jnp.int32(i) for i in range(r)] if wbs is not None else []
         del w
         # each version of the weight in float32, for the reference products the kernels are checked against
-        versions = {"bf16": wb[0], "int8": q8, "fp8": qf, "int4": q4}
+        versions = {"bf16": wb[0], "int8": q8, "fp8": qf, "int4": q4, "int4_zp": q4z}
         kinds = {
             "bf16": (lambda x, w: x @ w, list(zip(wb))),
             "w8a8": (lambda x, w, s: w8a8_matmul(x, w, s), list(zip(w8, s8))),
@@ -433,7 +448,12 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
             "w4_xla_rows": (xla_int4_rows, list(zip(w4r, s4t))),
             "w4_xla_groups": (xla_int4_groups, list(zip(w4k, s4))),
             "w4_xla_subchannel": (xla_int4_subchannel, list(zip(w4k, s4)), SUBCHANNEL_FUSION),
-            "w4_xla_subchannel_packed": (xla_int4_subchannel_packed, list(zip(w4, s4)), SUBCHANNEL_FUSION),
+            "w4_xla_subchannel_packed": (lambda x, w, s: subchannel.matmul(x, dataclasses.replace(q4, qvalue=w, scale=s)),
+                                         list(zip(w4, s4)), SUBCHANNEL_FUSION),
+            "w4_xla_subchannel_zp": (lambda x, w, s, z: subchannel.matmul(x, dataclasses.replace(q4z, qvalue=w, scale=s,
+                                                                                                  zero_point=z)),
+                                     w4z, SUBCHANNEL_FUSION),
+            "w4g128_zp": (None, w4z),  # not timed: XLA's path of the zero-point weights (xla_of) takes them
             "w8_nk_f16": (lambda x, w, s: weight_only_matmul(x, w, s, bits=8, w_layout="nk", dequant="f16"),
                           list(zip(w8t, s8))),
             "w4_gemv": (lambda x, w, s: weight_only_matmul(x, w, s, bits=4, group=GROUP, gemv=True), list(zip(w4, s4))),
@@ -450,7 +470,8 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
         }
         kinds_all = kinds
         kinds = {kind: v for kind, v in kinds.items() if kind in kinds_wanted or kind == "bf16"}
-        # XLA's path for the same QArrays (what ops.linear runs without a kernel), for the dispatch table
+        # XLA's path for the same QArrays (what ops.linear runs without a kernel -- nor the sub-channel fusion, one of
+        # the paths measured against it: usual_xla), for the dispatch table
         qa8 = dataclasses.replace(q8, act_spec=Spec(bits=8, granularity="token"))
         qaf = dataclasses.replace(qf, act_spec=Spec(bits=8, granularity="token", grid="fp8"))
         xla_of = {
@@ -458,8 +479,11 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
             "fp8": lambda x, w, s: ops.linear(x, dataclasses.replace(qaf, qvalue=w, scale=s), backend="xla"),
             "w8": lambda x, w, s: ops.linear(x, dataclasses.replace(q8, qvalue=w, scale=s), backend="xla"),
             "w4g128": lambda x, w, s: ops.linear(x, dataclasses.replace(q4, qvalue=w, scale=s), backend="xla"),
+            "w4g128_zp": lambda x, w, s, z: ops.linear(x, dataclasses.replace(q4z, qvalue=w, scale=s, zero_point=z),
+                                                       backend="xla"),
             "bf16_stack": lambda x, w, i: x @ take_layer(w, i),
         }
+        xla_of = {kind: usual_xla(fn) for kind, fn in xla_of.items()}
         for m in rows:
             xs = _copies(jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16), r)
             base = None

@@ -13,16 +13,17 @@
 # decode and prefill programs).
 #
 # The next GPU session, first call (every kernel written since the last hardware run has its gpu cases here, and
-# gpu_tests adds those of the checked kernels changed since their runs: 85 cases where TESTS alone selects 59; the
-# tables the call measures are merged over the shipped one before e2e runs):
+# gpu_tests adds those of the checked kernels changed since their runs: 90 cases where TESTS alone selects 64; the
+# tables the call measures are merged over the shipped one before e2e runs; xla_subchannel's 5 cases passing turn a
+# prompt's int4 products to XLA's sub-channel fusion, llmeq_jax/subchannel.py, for e2e's prefill column):
 #     STEPS="gpu_tests decode_hopper e2e" TESTS_LIMIT=140 \
 #         TESTS="hopper or store or float_decode or rms_norm or norm_fold or split_fixup or prompt_attention or int8_f16
-#         or token_codes" \
+#         or token_codes or xla_subchannel" \
 #         RECIPES="rtn-w4-g128 rtn-w8" TORCH=--no-torch E2E_LIMIT=200 bash scripts/gpu_session.sh   (timeout_s 600,
 #     carry ["runs/wheels"]: pytest-xdist's wheels, made here with
 #     pip download --no-deps pytest-xdist==3.8.0 execnet==2.1.2 -d runs/wheels)
 # (e2e's rows carry each variant's logits against XLA alone on the same weights: read them before the speeds), then
-# at once, on the machine still warm: STEPS="attention prefill_subchannel" (timeout_s 380). Next (W8A8's decode
+# at once, on the machine still warm: STEPS="attention prefill_subchannel" (timeout_s 440). Next (W8A8's decode
 # layers are 10 launches with token_codes and the gate in the kernel, FP8's never run end to end): STEPS="e2e"
 # RECIPES="rtn-w8a8 fp8-w8a8" TORCH=--no-torch E2E_LIMIT=280 (timeout_s 330). A later session: STEPS="decode_fold
 # decode_fold_bf16" (timeout_s 360: the norms folded against apart, end to end), STEPS="decode_fixup
@@ -188,13 +189,15 @@ step prefill 80 "$py" scripts/tune_weight_only.py --shapes 4096x11008 --rows 204
 step prefill_words 200 "$py" scripts/bench_kernels.py --reps 10 --sweep --rows 512,2048,4096 \
     --kinds bf16,w4_words_prefill --weights 4096x4096,4096x11008,11008x4096,4096x14336 --no-attention \
     --write-table "$out/dispatch_prefill_words.json"
-# XLA's own GEMM with a symmetric int4 g128 dequantization fused in (bench_kernels' w4_xla_subchannel: jnp.int4 codes
-# and bf16 group scales, compiled with xla_gpu_experimental_enable_subchannel_dequantisation_fusion) against bf16 and
-# XLA's path of the packed QArray (printed beside w4g128's rows; 0.88-0.96x bf16 on the H200; #15 wants 0.95x) on the
-# four int4 shapes at 512-4096 rows, and w4_xla_subchannel_packed (the same from the QArray's packed bytes, unpacked to
-# jnp.int4 per call): whether a prompt's symmetric int4 products should take that form, with a layout of their own or not.
-step prefill_subchannel 180 "$py" scripts/bench_kernels.py --reps 10 --rows 512,2048,4096 \
-    --kinds bf16,w4g128,w4_xla_subchannel,w4_xla_subchannel_packed --no-attention \
+# XLA's own GEMM with an int4 g128 dequantization fused in (compiled with
+# xla_gpu_experimental_enable_subchannel_dequantisation_fusion) against bf16 and XLA's usual path of the packed QArray
+# (printed beside w4g128's rows; 0.88-0.96x bf16 on the H200; #15 wants 0.95x) on the four int4 shapes at 512-4096
+# rows: w4_xla_subchannel (jnp.int4 codes stored so), w4_xla_subchannel_packed (a prompt's path,
+# llmeq_jax.subchannel, from the QArray's packed bytes) and w4_xla_subchannel_zp (the same with rtn-w4-g128's zero
+# points: two more rows a group) -> dispatch_subchannel.json (xla_subchannel, xla_subchannel_zp); and at 1 and 16
+# rows w4_xla_subchannel beside the word kernel (w4_words): whether codes stored as jnp.int4 would serve decode too.
+step prefill_subchannel 240 "$py" scripts/bench_kernels.py --reps 10 --rows 1,16,512,2048,4096 \
+    --kinds bf16,w4g128,w4_words,w4_xla_subchannel,w4_xla_subchannel_packed,w4_xla_subchannel_zp --no-attention \
     --weights 4096x4096,4096x11008,11008x4096,4096x14336 \
     --write-table "$out/dispatch_subchannel.json"
 # The Mosaic GPU W8A8 kernel (pallas_kernels/w8a8_hopper.py: int8 wgmma kept in flight, which Triton never does with

@@ -215,9 +215,12 @@ def test_bench_kernels_times_the_hopper_w8a8_kernel_against_the_triton_one(capsy
 
 
 def test_bench_kernels_times_xlas_fused_int4_dequantization_at_prompt_rows_only(capsys, monkeypatch):
-    """w4_xla_subchannel (interpret mode, a tiny weight): the symmetric int4 product in the form XLA fuses into its
-    GEMM, compiled with the flag that asks for it (the CPU takes and ignores it), checked against the float product
-    and timed at prompt rows only; no table entry of its own."""
+    """w4_xla_subchannel, w4_xla_subchannel_packed and w4_xla_subchannel_zp (interpret mode, a tiny weight): the int4
+    product in the form XLA fuses into its GEMM -- from jnp.int4 codes, and the model's path (llmeq_jax.subchannel) of
+    a symmetric and of a zero-point QArray -- compiled with the flag that asks for it (the CPU takes and ignores it),
+    checked against the float product and timed at prompt rows only (from jnp.int4 codes at decode rows too); the
+    model's two in the table (kernels
+    xla_subchannel, xla_subchannel_zp) against XLA's usual path of the same QArray, traced with the path off."""
     from pallas_kernels import config
 
     bench = _bench_kernels(monkeypatch)
@@ -225,16 +228,26 @@ def test_bench_kernels_times_xlas_fused_int4_dequantization_at_prompt_rows_only(
     real = bench.timed_round_robin
     monkeypatch.setattr(bench, "timed_round_robin", lambda variants, **kw: options.extend(
         rest[0] if rest else None for _, _, *rest in variants.values()) or real(variants, **kw))
+    usual = []  # whether the sub-channel path was off while XLA's path was traced
+    real_usual = bench.usual_xla
+    monkeypatch.setattr(bench, "usual_xla", lambda fn: real_usual(lambda *a: usual.append(config.is_disabled())
+                                                                   or fn(*a)))
     table = []
+    kinds = ("w4_xla_subchannel", "w4_xla_subchannel_packed", "w4_xla_subchannel_zp")
     with config.interpret(True):
-        bench.gpu_bench(1, table=table, kinds_wanted=("bf16", "w4_xla_subchannel", "w4_xla_subchannel_packed"),
-                        weights=((256, 128),), attention=False, rows=(1, 64))
+        bench.gpu_bench(1, table=table, kinds_wanted=("bf16", *kinds), weights=((256, 128),), attention=False,
+                        rows=(1, 64))
     out = capsys.readouterr().out
-    for kind in ("w4_xla_subchannel", "w4_xla_subchannel_packed"):  # from jnp.int4 codes, from the packed bytes
-        assert f"256x128    64 {kind} " in out and f"256x128     1 {kind} " not in out
-    assert "failed" not in out and "WRONG" not in out and table == []
-    # bf16 at 1 and 64 rows, then the fused kinds at 64
-    assert options == [None, None, bench.SUBCHANNEL_FUSION, bench.SUBCHANNEL_FUSION]
+    for kind in kinds:  # the forms over packed codes at prompt rows only (each call unpacks them)
+        assert f"256x128    64 {kind} " in out and (f"256x128     1 {kind} " in out) == (kind == "w4_xla_subchannel")
+    assert "failed" not in out and "WRONG" not in out
+    assert [(k.kernel, k.bits, k.group, k.rows) for k, _ in table] == [("xla_subchannel", 4, 128, 64),
+                                                                      ("xla_subchannel_zp", 4, 128, 64)]
+    assert all(times["xla_s"] > 0 and "wrong" not in times for _, times in table) and usual and all(usual)
+    # at 1 row bf16 and the int4 codes' kind, at 64 bf16 and the fused kinds, each table kind followed by XLA's path of
+    # its QArray
+    fused = bench.SUBCHANNEL_FUSION
+    assert options == [None, fused, None, fused, fused, None, fused, None]
 
 
 def test_bench_kernels_times_the_hopper_weight_only_kernel_against_xlas_path(capsys, monkeypatch):

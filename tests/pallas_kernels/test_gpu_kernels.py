@@ -14,6 +14,7 @@ plus realistic LLM shapes. Each case passes when its max abs error is within
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -1175,6 +1176,43 @@ for _name in MLP_RECIPES:
             return f"ops.linear MLP {name} {d}->{f}->{d} x(2,37) {jnp.dtype(dtype).name} pallas vs xla", *compare(
                 y, r, rel
             ), None
+
+
+# --------------------------------------------------------------------------- llmeq_jax.subchannel
+
+# (M, K, N, group, symmetric, dtype, layer of a stack of 3 or None): a prompt's int4 products in XLA's sub-channel
+# fusion, compiled with its flag as a model's prompt is
+XLA_SUBCHANNEL_SHAPES = [
+    (512, 4096, 4096, 128, True, BF16, None),
+    (2048, 4096, 11008, 128, False, BF16, None),  # rtn-w4-g128's gate/up: zero points as two more rows a group
+    (300, 11008, 4096, 128, False, F16, None),  # ragged M, the down projection
+    (100, 1024, 640, 64, False, BF16, 1),  # a stacked layer's slice, fused into the codes' fusion
+    (65, 768, 96, 32, True, BF16, None),
+]
+
+for _shape in XLA_SUBCHANNEL_SHAPES:
+
+    @case
+    def _xla_subchannel(shape=_shape):
+        from llmeq_jax import subchannel
+        from llmeq_jax.layer_slice import LayerSlice
+
+        m, k, n, group, symmetric, dtype, layer = shape
+        spec = Spec(bits=4, granularity="group", group_size=group, symmetric=symmetric)
+        q = quantize(jax.random.normal(jax.random.key(1), (k, n)) * 0.02 + (0 if symmetric else 0.01), spec)
+        x = (jax.random.normal(jax.random.key(2), (m, k)) + 0.3).astype(dtype)
+        fused = jax.jit(subchannel.matmul, compiler_options={subchannel.FLAG: True})
+        if layer is None:
+            y = fused(x, q)
+        else:
+            stack = jax.tree.map(lambda a: jnp.stack([a * 0, a, a * 0]), q)  # only the layer asked for is right
+            y = jax.jit(lambda x, s, i: subchannel.matmul(x, LayerSlice(s, i).value()),
+                        compiler_options={subchannel.FLAG: True})(x, stack, jnp.int32(layer))
+        # the scales rounded to x's dtype, as the fused GEMM multiplies them (one rounding a group)
+        weight = dataclasses.replace(q, scale=q.scale.astype(dtype)).dequantize(F32)
+        r = reference(lambda: x.astype(F32) @ weight)
+        return (f"xla_subchannel M={m} {k}x{n} g{group} {'sym' if symmetric else 'zp'} {jnp.dtype(dtype).name}"
+                f"{'' if layer is None else ' stacked'}", *compare(y, r, REL[dtype]), None)
 
 
 def _label(fn):
