@@ -12,9 +12,10 @@ This module writes a QArray's product in that form:
 * the codes, stored as signed nibble pairs along K (``core.qarray.pack``), unpacked to ``jnp.int4`` by two shifts in
   a small fusion of their own (0.5 byte a weight written and read again) behind ``lax.optimization_barrier`` --
   fused into the GEMM's operand the unpacking hides the form and XLA keeps the dequantized copy;
-* an integer zero point ``z`` (asymmetric recipes: rtn-w4-g128, GPTQ, AWQ), which no fused form takes, moved out of
-  the GEMM: ``x @ ((q - z) s) = x @ (q s) - xg @ (z s)``, ``xg`` the sums of x over each group's K positions, a
-  second product K / group times smaller, in float32 like the main one's accumulator.
+* an integer zero point ``z`` (asymmetric recipes: rtn-w4-g128, GPTQ, AWQ), which no fused form takes, joins the
+  same GEMM: ``x @ ((q - z) s) = x @ (q s) + (-xg) @ (z s)``, ``xg`` the sums of x over each group's K positions, as
+  two more rows a group (codes ``z`` under the group's scales) met by two more columns of x (``-xg`` in two
+  half-precision parts). Apart, that share cost a second GEMM and a float32 pass over both outputs (deviceless H100).
 
 The scales are rounded to x's dtype, then each code times its scale (a weight, as the dequantized copy rounds it);
 the GEMM accumulates in float32 and rounds its output once.
@@ -104,7 +105,7 @@ def _int4(codes: jax.Array) -> jax.Array:
 def _with_zero_point_rows(codes: jax.Array, zero_point: jax.Array) -> jax.Array:
     """``codes`` ``(G, group, N)`` with :data:`ZERO_POINT_ROWS` rows of each group's zero points after each group's
     codes: ``(G, group + 2, N)``, in one fusion with the unpacking (a select, where a concatenation split it)."""
-    g, group, n = codes.shape
+    group = codes.shape[1]
     row = jnp.arange(group + ZERO_POINT_ROWS)[None, :, None]
     padded = jnp.pad(codes, ((0, 0), (0, ZERO_POINT_ROWS), (0, 0)))
     return jnp.where(row < group, padded, zero_point.astype(jnp.int8)[:, None, :])
@@ -123,9 +124,8 @@ def _with_group_sums(x: jax.Array, groups: int) -> jax.Array:
 def matmul(x: jax.Array, w: QArray) -> jax.Array:
     """``x @ dequantize(w)`` for a ``w`` of this form (:func:`why_not`) as one GEMM over int4 codes and x's-dtype
     scales. An integer zero point ``z`` joins the GEMM as two more rows a group, codes ``z`` under the group's scales,
-    met by minus the group's sum of x: ``sum_k x_k (q_k - z) s = sum_k x_k q_k s + (-sum_k x_k) z s``. (Computed
-    apart, that share cost a second GEMM and a float32 pass over the output.) The zero points must be int4 values,
-    as every quantizer here clips them (``core.quantize.scale_from_range``)."""
+    met by minus the group's sum of x: ``sum_k x_k (q_k - z) s = sum_k x_k q_k s + (-sum_k x_k) z s``. The zero
+    points must be int4 values, as every quantizer here clips them (``core.quantize.scale_from_range``)."""
     (k, n), group = w.shape, w.tile[0]
     groups = k // group
     codes = _codes(w.qvalue, groups)
@@ -156,4 +156,3 @@ def prompt_jit(fun, **jit_kwargs):
     call.lower = lambda *args, **kwargs: jitted().lower(*args, **kwargs)
     call.trace = lambda *args, **kwargs: jitted().trace(*args, **kwargs)
     return call
-
