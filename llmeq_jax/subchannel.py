@@ -18,7 +18,8 @@ This module writes a QArray's product in that form:
   half-precision parts). Apart, that share cost a second GEMM and a float32 pass over both outputs (deviceless H100).
 
 The scales are rounded to x's dtype, then each code times its scale (a weight, as the dequantized copy rounds it);
-the GEMM accumulates in float32 and rounds its output once.
+the GEMM accumulates in float32 and writes its output in x's dtype (a float32 output rounded after was not fused where
+XLA merged two products of one x into one GEMM: a float32 output and a conversion pass, deviceless).
 
 When: a product of more rows than a decode step's (``ops.weight_only_xla`` keeps its few-row forms), on a GPU,
 where the switch allows it (``pallas_kernels.hardware_checked``, as for a kernel: kernel name :data:`KERNEL`; off on
@@ -90,10 +91,14 @@ def compiler_options() -> dict | None:
 
 def _codes(packed: jax.Array, groups: int) -> jax.Array:
     """The codes of nibble pairs packed along K, ``(K / 2, N)`` bytes, the low nibble first, as int8
-    ``(groups, K / groups, N)``."""
+    ``(groups, K / groups, N)``: each byte broadcast to its two rows, shifted by the row's amount -- one elementwise
+    fusion, which XLA writes in the layout the GEMM reads (K minor). (Unpacked by stacking the two nibbles, the
+    codes were written twice in a model's scan: the stack, then a transpose; deviceless H100.)"""
     b = jax.lax.bitcast_convert_type(packed, jnp.int8)
-    low, high = jnp.left_shift(b, 4) >> 4, b >> 4  # arithmetic shifts: each nibble sign-extended
-    return jnp.stack([low, high], axis=1).reshape(groups, -1, packed.shape[1])
+    pairs = jnp.broadcast_to(b[:, None, :], (b.shape[0], 2, b.shape[1]))  # each byte for both of its codes
+    up = jnp.asarray([4, 0], jnp.int8)[None, :, None]  # the low nibble shifted up first
+    codes = jnp.left_shift(pairs, up) >> 4  # arithmetic shift: each nibble sign-extended
+    return codes.reshape(groups, -1, packed.shape[1])
 
 
 def _int4(codes: jax.Array) -> jax.Array:
@@ -132,8 +137,7 @@ def matmul(x: jax.Array, w: QArray) -> jax.Array:
     if w.zero_point is not None:
         codes, x = _with_zero_point_rows(codes, w.zero_point), _with_group_sums(x, groups)
     weight = _int4(codes).astype(x.dtype) * w.scale.astype(x.dtype)[:, None, :]
-    y = jnp.matmul(x, weight.reshape(-1, n), preferred_element_type=jnp.float32)
-    return y.astype(x.dtype)
+    return jnp.matmul(x, weight.reshape(-1, n))
 
 
 def prompt_jit(fun, **jit_kwargs):

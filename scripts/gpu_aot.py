@@ -75,8 +75,8 @@ TARGETS = {
 }
 COPY_MIN_BYTES = 1 << 20
 COPY_OPS = "copy|copy-start|dynamic-slice|fusion|fusion-start|async-start"  # HLO ops that may copy (big_copies)
-BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
-         "s64": 8, "u64": 8, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
+BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+         "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1}  # s4: XLA packs two a byte
 
 
 def target_config(device: str) -> str:
@@ -91,7 +91,8 @@ def target_config(device: str) -> str:
 
 def shape_bytes(text: str) -> int:
     """Bytes of every array shape in an HLO type string (a tuple's elements summed)."""
-    return sum(BYTES.get(dtype, 0) * _prod(dims) for dtype, dims in re.findall(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]", text))
+    return int(sum(BYTES.get(dtype, 0) * _prod(dims)
+                   for dtype, dims in re.findall(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]", text)))
 
 
 def _prod(dims: str) -> int:
@@ -190,6 +191,23 @@ def big_copies(hlo: str) -> list[tuple[str, int]]:
         if nbytes >= COPY_MIN_BYTES:
             out.append((name, nbytes))
     return out
+
+
+def fusion_writes(hlo: str) -> tuple[int, int]:
+    """(bytes the GEMM fusions write, bytes every other fusion writes) in the innermost loop's body: at a prompt's rows,
+    where the layer is compute-bound and launches matter little, the second is the traffic a path adds around its
+    GEMMs (a dequantized weight copy, unpacked codes, an activation's conversion)."""
+    comps = computations(hlo)
+    gemm = other = 0
+    for line in comps[innermost_body(comps)]:
+        m = re.match(r"\s+(?:ROOT )?%([\w.\-]+) = (.+?) fusion\(", line)
+        if m:
+            nbytes = shape_bytes(m.group(2))
+            if m.group(1).startswith("gemm_fusion"):
+                gemm += nbytes
+            else:
+                other += nbytes
+    return gemm, other
 
 
 def _slices(line: str, comps: dict[str, list[str]]) -> bool:
@@ -402,8 +420,9 @@ def report(name: str, hlo: str, thunks: str) -> str:
     pallas = ", ".join(f"{k}" + (f" x{c}" if c > 1 else "") for k, c in kernels.items()) or "none"
     copied = sum(b for _, b in copies)
     listed = ", ".join(f"{n} {b / 2**20:.0f} MiB" for n, b in copies[:4]) + (" ..." if len(copies) > 4 else "")
+    written = fusion_writes(hlo)[1]
     return (f"| {name} | {len(body)} | {len(seen['pallas'])} | {seen['gemm']} | {seen['fusion']} | {seen['copy']} | "
-            f"{copied / 2**20:.0f} MiB{' (' + listed + ')' if copies else ''} | {pallas} |")
+            f"{copied / 2**20:.0f} MiB{' (' + listed + ')' if copies else ''} | {written / 2**20:.0f} MiB | {pallas} |")
 
 
 def main(argv=None):
@@ -459,8 +478,8 @@ def main(argv=None):
           + (", the kernels not yet run on a GPU on" if os.environ.get("LLMEQ_UNCHECKED_KERNELS") else "")
           + "; per decoder layer and token:")
     print("| recipe | thunks | Pallas / cuDNN kernels | XLA GEMMs | other fusions | copies | copied (>= 1 MiB) "
-          "| kernels |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |")
+          "| written by fusions other than GEMMs | kernels |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | --- |")
     sass, read = {}, set()
     for recipe in args.recipes:
         folder = (args.keep / recipe) if args.keep else Path(tempfile.mkdtemp(prefix=f"gpu_aot_{recipe}_"))

@@ -110,6 +110,17 @@ condition:
     assert body[0].startswith("007: kAsyncStart") and len(gpu_aot.launches(body)["pallas"]) == 2
 
 
+def test_fusion_writes_of_the_innermost_loop_split_gemms_from_the_rest():
+    """What the layer loop's GEMM fusions write, and what its other fusions write (a multi-output fusion's every
+    result; int4 at half a byte, as XLA packs it), the outer loop's and the entry's not counted."""
+    body = ('  %gemm_fusion_dot.3 = bf16[64,32]{1,0} fusion(%a, %b), kind=kCustom, calls=%gemm_fusion_dot.3_computation\n'
+            '  %loop_convert_fusion.2 = (s4[64,32]{1,0:E(4)}, f32[8]{0}) fusion(%q), kind=kLoop, calls=%fused_convert\n'
+            '  ROOT %input_concatenate_fusion = bf16[4,130]{1,0} fusion(%x), kind=kInput, calls=%fused_concatenate\n')
+    hlo = HLO.replace("  %small = ", body + "  %small = ")
+    assert gpu_aot.fusion_writes(hlo) == (64 * 32 * 2, 2 * (512 * 1024 * 2) + 64 * 32 // 2 + 8 * 4 + 4 * 130 * 2)
+    assert gpu_aot.shape_bytes("s4[4096,32,130]{2,1,0:E(4)}") == 4096 * 32 * 130 // 2
+
+
 def test_big_copies_of_the_innermost_loop_only():
     """The layer loop's dynamic-slice fusion and its large copy are listed, with bytes; the small slice, the
     outer loop's copy and the entry's copy are not."""
