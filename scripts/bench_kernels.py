@@ -320,9 +320,10 @@ def xla_int4_groups(x, q, scale):
 # experimental in jax 0.11), and only in one form: jnp.int4 codes (K, N) converted to x's dtype and times the
 # group scales broadcast (also converted to x's dtype). Deviceless H100 compiles (2026-12-07): one GEMM fusion
 # reading the int4 codes and scales, a stacked layer's dynamic slice fused in too; a zero point (subtracted, or
-# added as an offset), float32 arithmetic, or codes unpacked from our nibble pairs along K each leave a dequantized
-# copy in front of the GEMM, as today; codes bitcast from nibble pairs along N abort the compile (a failed check in
-# XLA's triton_tiling_propagation.cc, jax 0.11.2) -- so a model path would need its codes stored as jnp.int4.
+# added as an offset), float32 arithmetic, or codes unpacked from our nibble pairs along K inside the GEMM's operand
+# each leave a dequantized copy in front of the GEMM; codes bitcast from nibble pairs along N abort the compile (a
+# failed check in XLA's triton_tiling_propagation.cc, jax 0.11.2). llmeq_jax.subchannel writes a model's product in the
+# form that fuses (the codes unpacked behind a barrier, zero points as rows of the GEMM).
 SUBCHANNEL_FUSION = {subchannel.FLAG: True}
 
 
@@ -413,7 +414,8 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
         q8 = quantize(w, Spec(bits=8, granularity="channel"))
         qf = quantize(w, Spec(bits=8, granularity="channel", grid="fp8"))
         q4 = quantize(w, Spec(bits=4, granularity="group", group_size=GROUP))
-        q4z = quantize(w, Spec(bits=4, granularity="group", group_size=GROUP, symmetric=False))
+        q4z = (quantize(w, Spec(bits=4, granularity="group", group_size=GROUP, symmetric=False))
+               if "w4_xla_subchannel_zp" in kinds_wanted else None)
         r = copies_for(q4.qvalue.nbytes)
         wb, w8, s8, wf, sf, w4, s4 = (_copies(a, r) for a in (w.astype(jnp.bfloat16), q8.qvalue, q8.scale, qf.qvalue,
                                                               qf.scale, q4.qvalue, q4.scale))
@@ -428,7 +430,7 @@ def gpu_bench(reps, sweep=False, table=None, table_path=None, kinds_wanted=KINDS
         w4k = ([c.astype(jnp.int4) for c in _copies(q4.values(), r)]
                if {"w4_xla_groups", "w4_xla_subchannel"} & set(kinds_wanted) else [])
         w4z = (list(zip(*(_copies(a, r) for a in (q4z.qvalue, q4z.scale, q4z.zero_point))))
-               if "w4_xla_subchannel_zp" in kinds_wanted else [])
+               if q4z is not None else [])
         wbs = jnp.stack(wb) if "bf16_stack" in kinds_wanted else None  # r layers of bf16 weights
         layers = [jnp.int32(i) for i in range(r)] if wbs is not None else []
         del w

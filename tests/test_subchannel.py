@@ -121,7 +121,7 @@ def test_a_gpu_takes_it_once_the_switch_allows_it_unless_a_table_measured_it_slo
     LLMEQ_UNCHECKED_KERNELS names it, off again with the kernels off or where a table measured XLA's usual path
     faster (the zero-point form by its own entries); the compile options follow the switch."""
     w = _int4(256, 64)
-    assert xla_subchannel_unchecked()
+    assert "xla_subchannel" in hardware_checked.UNCHECKED
     assert not subchannel.takes(128, jnp.bfloat16, w) and subchannel.compiler_options() is None
     monkeypatch.delenv(hardware_checked.ENV, raising=False)
     with kernel_config.compiling_for(FAKE_H100):
@@ -137,10 +137,6 @@ def test_a_gpu_takes_it_once_the_switch_allows_it_unless_a_table_measured_it_slo
             assert subchannel.takes(128, jnp.bfloat16, _int4(256, 64, symmetric=True))  # another entry
         with dispatch_table.use(_measured("path")):
             assert subchannel.takes(128, jnp.bfloat16, w)
-
-
-def xla_subchannel_unchecked() -> bool:
-    return "xla_subchannel" in hardware_checked.UNCHECKED
 
 
 def test_a_gpus_prompt_product_takes_it_and_a_decode_step_does_not(monkeypatch):
