@@ -386,18 +386,20 @@ def test_model_with_an_int8_table_equals_the_model_with_its_dequantized_table():
                                rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("symmetric", [True, False])
-def test_a_gpus_prompt_product_over_per_channel_int8_codes_is_one_gemm_over_them(symmetric):
+@pytest.mark.parametrize("symmetric,dtype", [(True, jnp.bfloat16), (False, jnp.bfloat16), (True, jnp.float16)])
+def test_a_gpus_prompt_product_over_per_channel_int8_codes_is_one_gemm_over_them(symmetric, dtype):
     """Traced for a GPU, a prompt's (> SMALL_M rows) product with per-channel int8 weights multiplies x by the codes
     themselves and scales the output (XLA converts the codes in its GEMM's operand loads): no dequantized [K, N]
-    weight is made, as it is on a CPU; the result is the dequantized product's within bf16 rounding."""
+    weight is made, as it is on a CPU; the result is the dequantized product's within the output dtype's rounding.
+    The GEMM writes bfloat16 for symmetric codes and bfloat16 x (the scaling then fuses into what follows), float32
+    where a zero point's correction or float16's range needs it."""
     import types
 
     from pallas_kernels import config as kernel_config
 
     gpu = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3", compute_capability="9.0")
     k, n = 96, 80
-    x = jax.random.normal(jax.random.key(0), (3, 100, k)).astype(jnp.bfloat16) + (0.0 if symmetric else 0.5)
+    x = jax.random.normal(jax.random.key(0), (3, 100, k)).astype(dtype) + (0.0 if symmetric else 0.5)
     w = quantize(jax.random.normal(jax.random.key(1), (k, n)) + (0.0 if symmetric else 0.3),
                  Spec(bits=8, granularity="channel", symmetric=symmetric))
     assert (w.zero_point is None) == symmetric
@@ -409,8 +411,12 @@ def test_a_gpus_prompt_product_over_per_channel_int8_codes_is_one_gemm_over_them
     want = np.asarray(x, np.float32) @ np.asarray(w.dequantize(jnp.float32))
     # (fresh lambdas: JAX's trace caches do not see the target the trace is for)
     with kernel_config.compiling_for(gpu):
-        assert not weight_sized(jax.make_jaxpr(lambda a, b: ops.weight_only_xla(a, b))(x, w).jaxpr)
+        jaxpr = jax.make_jaxpr(lambda a, b: ops.weight_only_xla(a, b))(x, w).jaxpr
         got = jax.jit(lambda a, b: ops.weight_only_xla(a, b))(x, w)
+    assert not weight_sized(jaxpr)
+    gemms = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert [e.outvars[0].aval.dtype for e in gemms] == [jnp.bfloat16 if symmetric and dtype == jnp.bfloat16
+                                                        else jnp.float32]
     assert weight_sized(jax.make_jaxpr(lambda a, b: ops.weight_only_xla(a, b))(x, w).jaxpr)  # a CPU's: unchanged
-    assert got.dtype == jnp.bfloat16
+    assert got.dtype == dtype
     np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=1e-2 * float(np.max(np.abs(want))))
