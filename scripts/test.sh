@@ -2,7 +2,7 @@
 # The README's test command: builds .venv (if needed), installs the project with
 # its [dev] extra at pinned versions, then runs the whole test suite.
 # pytest runs one worker process per core (pytest-xdist, at most 4; a test file stays
-# in one worker, so its module fixtures are built once): 24-28 minutes on 2 CPU
+# in one worker, so its module fixtures are built once): 21-26 minutes on 2 CPU
 # cores (tests compile at LLVM -O0, fusions through the LLVM emitters: tests/xla_flags.py). LLMEQ_TEST_WORKERS=N overrides the count (0: no workers,
 # everything in this process). Each phase prints its own time. Tests marked `gpu`
 # are dropped by tests/conftest.py where JAX has no GPU (not counted as skipped).
