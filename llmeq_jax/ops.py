@@ -737,10 +737,8 @@ def _per_channel_gemm(x: jax.Array, w: QArray) -> jax.Array:
     332 -> 166 MiB of GEMM outputs). One more rounding than a float32 output (the code product, then the scaled
     value), within the bfloat16 output's own. Float16's range cannot hold a product of codes (up to 127 times
     x's sum), nor may a zero point's correction cancel rounded terms: those accumulate and subtract in float32."""
-    if w.zero_point is None and x.dtype == jnp.bfloat16:
-        y = jnp.matmul(x, w.qvalue.astype(x.dtype), preferred_element_type=x.dtype)
-        return (y.astype(jnp.float32) * w.scale.astype(jnp.float32)).astype(x.dtype)
-    y = jnp.matmul(x, w.qvalue.astype(x.dtype), preferred_element_type=jnp.float32)
+    written = x.dtype if w.zero_point is None and x.dtype == jnp.bfloat16 else jnp.float32  # the GEMM's output
+    y = jnp.matmul(x, w.qvalue.astype(x.dtype), preferred_element_type=written).astype(jnp.float32)
     if w.zero_point is not None:
         y = y - jnp.sum(x.astype(jnp.float32), axis=-1, keepdims=True) * w.zero_point.astype(jnp.float32)
     return (y * w.scale.astype(jnp.float32)).astype(x.dtype)
